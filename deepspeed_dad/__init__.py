@@ -1,0 +1,1 @@
+"""DeepSpeed adapter for dAD (DeepSpeedAggregator, engine hook): coming in a later release."""

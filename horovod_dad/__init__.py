@@ -1,0 +1,1 @@
+"""Horovod adapter for dAD (HorovodAggregator, DADOptimizer): coming in a later release."""
