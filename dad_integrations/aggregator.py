@@ -1,0 +1,139 @@
+"""`FactorAggregator`: the only way dAD algorithms talk to a communication engine.
+
+A backend (torch.distributed, Horovod, DeepSpeed) is a small adapter over one engine's collectives.
+The algorithms need four things: all-gather of rows whose first dimension differs per rank,
+all-reduce, rank / world size, and the bytes each call put on the wire (for the step report).
+Backends count bytes themselves because only they know what they really handed to the engine
+(padding, size exchanges).
+"""
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+REDUCE_OPS = ("sum", "mean")
+
+
+class CommHandle:
+    """An in-flight collective. `wait()` blocks until it is done and returns its result."""
+
+    def __init__(self, finish: Callable[[], Any]):
+        self._finish = finish
+        self._done = False
+        self._value: Any = None
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._value = self._finish()
+            self._done = True
+            self._finish = None  # drop references to buffers
+        return self._value
+
+    @classmethod
+    def completed(cls, value: Any) -> "CommHandle":
+        return cls(lambda: value)
+
+
+@dataclass
+class Traffic:
+    """Cumulative bytes of one aggregator.
+
+    handed: bytes of the tensors handed to the engine's collectives (padding included).
+    sent / received: bytes this rank puts on / takes off the wire, for ring algorithms:
+    an all-gather of b bytes per rank sends and receives ``(S-1) * b``; an all-reduce of b bytes
+    sends and receives ``2 (S-1)/S * b``.
+    calls: number of collectives issued.
+    """
+
+    handed: float = 0.0
+    sent: float = 0.0
+    received: float = 0.0
+    calls: int = 0
+
+    def __sub__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.handed - other.handed, self.sent - other.sent,
+                       self.received - other.received, self.calls - other.calls)
+
+    def copy(self) -> "Traffic":
+        return Traffic(self.handed, self.sent, self.received, self.calls)
+
+
+class FactorAggregator(ABC):
+    """Collectives over the ranks of one data-parallel group.
+
+    Every rank must issue the same collectives in the same order. Subclasses implement
+    `rank`, `world_size`, `_all_gather` and `_all_reduce`, and call `_count` for each collective.
+    """
+
+    def __init__(self) -> None:
+        self._traffic = Traffic()
+        self._lock = threading.Lock()
+
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """This process' rank in the group."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+
+    def all_gather(self, tensor: torch.Tensor, *, name: str,
+                   first_dims: Optional[Sequence[int]] = None) -> CommHandle:
+        """Gather ``tensor`` from every rank; ``wait()`` returns the list of tensors, by rank.
+
+        The first dimension may differ per rank; the other dimensions and the dtype must agree.
+        Pass ``first_dims`` (every rank's first dimension) when the caller already knows them, so
+        that backends needing equal sizes can skip their size exchange.
+        """
+        if first_dims is not None and len(first_dims) != self.world_size:
+            raise ValueError(f"first_dims has {len(first_dims)} entries for {self.world_size} ranks")
+        return self._all_gather(tensor, name, None if first_dims is None else list(first_dims))
+
+    def all_reduce(self, tensor: torch.Tensor, *, name: str, op: str = "sum") -> CommHandle:
+        """Reduce ``tensor`` over ranks (``"sum"`` or ``"mean"``); ``wait()`` returns the result."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"all_reduce op must be one of {REDUCE_OPS}, got {op!r}")
+        return self._all_reduce(tensor, name, op)
+
+    def traffic(self) -> Traffic:
+        """A snapshot of the bytes counted so far (difference two snapshots to attribute a span)."""
+        with self._lock:
+            return self._traffic.copy()
+
+    # -- for subclasses -------------------------------------------------------------------------
+    @abstractmethod
+    def _all_gather(self, tensor: torch.Tensor, name: str,
+                    first_dims: Optional[List[int]]) -> CommHandle: ...
+
+    @abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle: ...
+
+    def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> None:
+        """Count a ring all-gather in which rank s contributes ``nbytes_per_rank[s]`` bytes."""
+        own = nbytes_per_rank[self.rank]
+        others = sum(nbytes_per_rank) - own
+        self._count(handed=own, sent=own * (self.world_size - 1), received=others)
+
+    def _count_all_reduce(self, nbytes: float) -> None:
+        """Count a ring all-reduce of ``nbytes``."""
+        s = self.world_size
+        wire = 2.0 * (s - 1) / s * nbytes
+        self._count(handed=nbytes, sent=wire, received=wire)
+
+    def _count(self, *, handed: float, sent: float, received: float) -> None:
+        with self._lock:
+            self._traffic.handed += handed
+            self._traffic.sent += sent
+            self._traffic.received += received
+            self._traffic.calls += 1
+
+
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``."""
+    return 2.0 * (world_size - 1) / world_size * nbytes

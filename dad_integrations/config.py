@@ -1,0 +1,110 @@
+"""`DADConfig`: the one set of options shared by every engine adapter.
+
+The DeepSpeed ``"dad"`` JSON block, the Horovod ``dad=`` keyword and the Accelerate helper all
+accept the same keys, so the config round-trips through plain dicts (`from_dict` / `to_dict`) and
+rejects anything it does not know, naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Tuple
+
+MODES = ("exact", "rank", "auto")
+WIRE_DTYPES = (None, "float16", "bfloat16")
+LAYER_KINDS = ("linear", "conv1d", "embedding")
+
+
+@dataclass
+class DADConfig:
+    """Options of distributed auto-differentiation.
+
+    Attributes:
+        mode: ``"exact"`` sends dAD factors for every supported layer (lossless, the paper's dAD);
+            ``"rank"`` sends rank-``rank`` factors for every ``Linear``/``Conv1D`` weight (the
+            paper's rank-dAD); ``"auto"`` picks per parameter and step the fewest bytes among dense
+            all-reduce, exact factors and, only when ``rank`` is set, rank factors.
+        rank: rank of rank-dAD (required for ``mode="rank"``; enables rank-dAD in ``"auto"``).
+        power_iterations: subspace iterations per step of the power method.
+        warm_start: start each step's power iteration from the previous step's right factor.
+        error_feedback: keep the local rank-reduction residual and add it to the next step
+            (memory: one dense gradient per rank-reduced weight).
+        adaptive_tolerance: in (0, 1]; send the fewest components (at most ``rank``) whose
+            captured share of the local gradient's energy reaches it.
+        wire_dtype: dtype of factors and dense buckets on the wire; None keeps the gradients' dtype.
+        layer_kinds: which layer kinds are captured as factors.
+        exclude: ``fnmatch`` patterns of module names whose parameters always go dense.
+        bucket_cap_mb: size of the dense all-reduce buckets.
+        verify_first_step: on the first synchronised step, check on every rank that the captured
+            factors rebuild the local gradient autograd computed; parameters that fail (used outside
+            a captured module, custom gradient hooks, ...) fall back to dense all-reduce for good.
+    """
+
+    mode: str = "auto"
+    rank: Optional[int] = None
+    power_iterations: int = 1
+    warm_start: bool = True
+    error_feedback: bool = False
+    adaptive_tolerance: Optional[float] = None
+    wire_dtype: Optional[str] = None
+    layer_kinds: Tuple[str, ...] = LAYER_KINDS
+    exclude: Tuple[str, ...] = ()
+    bucket_cap_mb: float = 25.0
+    verify_first_step: bool = True
+
+    def __post_init__(self) -> None:
+        self.layer_kinds = tuple(self.layer_kinds)
+        self.exclude = tuple(self.exclude)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the first bad key."""
+        if self.mode not in MODES:
+            raise ValueError(f"dad config key 'mode': {self.mode!r} is not one of {MODES}")
+        if self.rank is not None and (_not_int(self.rank) or self.rank < 1):
+            raise ValueError(f"dad config key 'rank': must be a positive integer or None, got {self.rank!r}")
+        if self.mode == "rank" and self.rank is None:
+            raise ValueError("dad config key 'rank': mode 'rank' needs a rank (a positive integer)")
+        if _not_int(self.power_iterations) or self.power_iterations < 1:
+            raise ValueError(
+                f"dad config key 'power_iterations': must be an integer >= 1, got {self.power_iterations!r}")
+        for key in ("warm_start", "error_feedback", "verify_first_step"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"dad config key {key!r}: must be true or false, got {getattr(self, key)!r}")
+        tol = self.adaptive_tolerance
+        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol <= 1):
+            raise ValueError(f"dad config key 'adaptive_tolerance': must be in (0, 1] or None, got {tol!r}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
+        bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
+        if bad:
+            raise ValueError(f"dad config key 'layer_kinds': unknown kind(s) {bad}; known: {LAYER_KINDS}")
+        if not all(isinstance(p, str) for p in self.exclude):
+            raise ValueError(f"dad config key 'exclude': must be a list of strings, got {self.exclude!r}")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
+                or self.bucket_cap_mb <= 0:
+            raise ValueError(f"dad config key 'bucket_cap_mb': must be a positive number, got {self.bucket_cap_mb!r}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "DADConfig":
+        """Build from a dict of config keys (the DeepSpeed block, Horovod's ``dad=``)."""
+        if isinstance(values, DADConfig):
+            return dataclasses.replace(values)
+        if not isinstance(values, Mapping):
+            raise ValueError(f"dad config must be a dict of keys, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown dad config key(s) {unknown}; known keys: {sorted(known)}")
+        return cls(**dict(values))
+
+    def to_dict(self) -> dict:
+        """The config as plain JSON-able values; ``from_dict(to_dict())`` gives an equal config."""
+        out = dataclasses.asdict(self)
+        out["layer_kinds"] = list(self.layer_kinds)
+        out["exclude"] = list(self.exclude)
+        return out
+
+
+def _not_int(value: Any) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
