@@ -1,0 +1,79 @@
+"""Bucketed dense all-reduce: the path for everything factors do not cover.
+
+Gradients are flattened into buckets of at most ``bucket_cap_mb``, reduced with one collective
+each, and averaged. A parameter whose gradient is None on a rank contributes zeros; a flag per
+parameter, summed in the first bucket, tells whether any rank had a gradient at all, so that
+parameters no rank used keep ``grad = None`` (as with DDP).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .aggregator import FactorAggregator, Traffic
+
+DenseItem = Tuple[str, nn.Parameter]
+
+
+def _buckets(items: Sequence[DenseItem], cap_bytes: float, itemsize: int) -> List[List[DenseItem]]:
+    out: List[List[DenseItem]] = [[]]
+    size = 0
+    for item in items:
+        nbytes = item[1].numel() * itemsize
+        if out[-1] and size + nbytes > cap_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += nbytes
+    return out
+
+
+def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
+                    bucket_cap_mb: float, wire_dtype: Optional[torch.dtype],
+                    account: Callable[[str, nn.Parameter, Traffic], None]) -> None:
+    """Average the gradients of ``items`` over ranks, in place; ``account`` gets each one's share."""
+    if not items:
+        return
+    s = aggregator.world_size
+    device = items[0][1].device
+    dtype = wire_dtype or items[0][1].dtype
+    if any((wire_dtype or p.dtype) != dtype for _, p in items):
+        dtype = torch.float32  # mixed gradient dtypes share fp32 buckets
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buckets = _buckets(items, bucket_cap_mb * 2 ** 20, itemsize)
+
+    pending = []
+    for b, bucket in enumerate(buckets):
+        parts = [(p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=device))
+                 .to(dtype) for _, p in bucket]
+        if b == 0:  # how many ranks hold a gradient, per parameter
+            parts.append(torch.tensor([p.grad is not None for _, p in items], dtype=dtype, device=device))
+        flat = torch.cat(parts)
+        before = aggregator.traffic()
+        handle = aggregator.all_reduce(flat, name=f"dad.dense.{b}", op="sum")
+        pending.append((bucket, handle, aggregator.traffic() - before, flat.numel()))
+
+    flags = None
+    position = {id(p): i for i, (_, p) in enumerate(items)}
+    for b, (bucket, handle, traffic, numel) in enumerate(pending):
+        flat = handle.wait()
+        if b == 0:
+            flags = flat[-len(items):].tolist()
+        offset = 0
+        for name, p in bucket:
+            share = p.numel() / numel
+            account(name, p, Traffic(traffic.handed * share, traffic.sent * share,
+                                     traffic.received * share, 0))
+            avg = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).div_(s)
+            offset += p.numel()
+            if p.grad is not None:
+                p.grad.copy_(avg)
+            elif flags[position[id(p)]] > 0:
+                p.grad = avg.clone()
+        if b == 0:
+            rest = len(items) / numel
+            account("[dense flags]", None, Traffic(traffic.handed * rest, traffic.sent * rest,
+                                                   traffic.received * rest, 0))
+

@@ -1,0 +1,87 @@
+"""Layer kinds whose weight gradient is a sum of outer products, and how to rebuild it.
+
+Every captured call yields a pair ``(left, right)`` of row blocks, oriented to the parameter:
+
+| kind        | weight shape | left                        | right              | grad           |
+|-------------|--------------|-----------------------------|--------------------|----------------|
+| `linear`    | (out, in)    | output-grad rows D (N, out) | input rows X (N,in)| ``left^T right`` |
+| `conv1d`    | (in, out)    | input rows X (N, in)        | D (N, out)         | ``left^T right`` |
+| `embedding` | (V, d)       | token ids (N,) int64        | D (N, d)           | ``index_add``  |
+
+Any leading dimensions (batch, time, tokens) are flattened into rows.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+Rows = Tuple[torch.Tensor, torch.Tensor]
+
+try:  # Hugging Face's transposed linear layer (GPT-2); transformers is optional.
+    from transformers.pytorch_utils import Conv1D as _HFConv1D
+except Exception:  # pragma: no cover - exercised only without transformers
+    _HFConv1D = None
+
+
+def _runs_stock_forward(module: nn.Module, base: type) -> bool:
+    # A subclass with its own forward may use the weight differently: leave it to dense all-reduce.
+    return isinstance(module, base) and type(module).forward is base.forward
+
+
+def layer_kind(module: nn.Module) -> Optional[str]:
+    """The kind name of a module whose weight gradient dAD can rebuild, else None."""
+    if _runs_stock_forward(module, nn.Linear):
+        return "linear"
+    if _runs_stock_forward(module, nn.Embedding):
+        return "embedding"
+    if _HFConv1D is not None and _runs_stock_forward(module, _HFConv1D):
+        return "conv1d"
+    return None
+
+
+def rows_of_call(kind: str, module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor) -> Rows:
+    """The (left, right) row blocks of one forward call and its output gradient."""
+    if kind == "linear":
+        return grad_out.reshape(-1, grad_out.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
+    if kind == "conv1d":
+        return inputs.reshape(-1, inputs.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
+    if kind == "embedding":
+        ids = inputs.reshape(-1)
+        d = grad_out.reshape(-1, grad_out.shape[-1])
+        if module.padding_idx is not None:
+            # autograd gives the padding row no gradient: drop its rows before they cost bytes
+            keep = ids != module.padding_idx
+            ids, d = ids[keep], d[keep]
+        if module.scale_grad_by_freq:
+            # autograd divides each row by its id's count within this call
+            counts = torch.bincount(ids, minlength=1)[ids].to(d.dtype)
+            d = d / counts.unsqueeze(1)
+        return ids, d
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def output_grad_rows(kind: str, rows: Rows) -> torch.Tensor:
+    """The output-gradient rows D of a (left, right) pair (the bias gradient is their sum)."""
+    left, right = rows
+    return left if kind == "linear" else right
+
+
+def add_rebuilt_grad(kind: str, grad: torch.Tensor, rows: Rows) -> None:
+    """Accumulate the weight gradient of ``rows`` into ``grad`` (weight-shaped, in place)."""
+    left, right = rows
+    if left.shape[0] == 0:
+        return
+    if kind == "embedding":
+        grad.index_add_(0, left, right.to(grad.dtype))
+    else:
+        grad.addmm_(left.t().to(grad.dtype), right.to(grad.dtype))
+
+
+def row_widths(kind: str, weight_shape: torch.Size) -> Tuple[int, int]:
+    """Numbers of floats per row in (left, right); 0 marks the integer id column of embeddings."""
+    m, n = weight_shape
+    if kind == "embedding":
+        return 0, n
+    return m, n

@@ -1,0 +1,154 @@
+"""Rank-r reduction of one site's local gradient, for rank-dAD.
+
+The local gradient ``M`` (m x n) of a weight is known two ways: as factors ``M = L^T R`` with
+``L`` (N x m) and ``R`` (N x n) captured rows, or densely, as autograd has already computed it.
+Three ways to get ``M ~= P Q^T`` with r components, chosen per call by flop count:
+
+- ``"factors"``: subspace (power) iteration on the factors, ``M q = L^T (R q)`` and
+  ``M^T p = R^T (L p)``: ``4 N r (m+n)`` flops per iteration, never forming M. Best when N is small.
+- ``"dense"``: the same iteration on the dense gradient: ``4 m n r`` flops per iteration. Best when
+  N is large (transformers: rows = batch x sequence), and the only choice for embeddings.
+- ``"svd"``: exact truncated SVD through thin QRs of ``L^T`` and ``R^T``; the SVD of the small
+  core gives the best rank-r approximation. ``~2 N^2 (m+n)`` flops: best when N is tiny.
+
+As in PowerSGD, the iteration warm-starts from the previous step's Q, so one iteration suffices
+once training settles; unlike the paper authors' code it returns exactly r components (fewer only
+where the gradient's rank is lower).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+class LocalGradient:
+    """A weight's local gradient ``M`` (m x n), held densely or as factors ``left^T right``."""
+
+    def __init__(self, *, dense: Optional[torch.Tensor] = None, left: Optional[torch.Tensor] = None,
+                 right: Optional[torch.Tensor] = None):
+        if (dense is None) == (left is None or right is None):
+            raise ValueError("give either dense or both left and right")
+        self.dense, self.left, self.right = dense, left, right
+
+    @property
+    def shape(self) -> torch.Size:
+        if self.dense is not None:
+            return self.dense.shape
+        return torch.Size((self.left.shape[1], self.right.shape[1]))
+
+    def mm(self, q: torch.Tensor) -> torch.Tensor:
+        """``M @ q``."""
+        if self.dense is not None:
+            return self.dense @ q
+        return self.left.t() @ (self.right @ q)
+
+    def rmm(self, p: torch.Tensor) -> torch.Tensor:
+        """``M^T @ p``."""
+        if self.dense is not None:
+            return self.dense.t() @ p
+        return self.right.t() @ (self.left @ p)
+
+    def energy(self) -> torch.Tensor:
+        """``||M||_F^2``; on factors, ``sum((L L^T) * (R R^T))`` costs ``N^2 (m+n)``."""
+        if self.dense is not None:
+            return self.dense.pow(2).sum()
+        return ((self.left @ self.left.t()) * (self.right @ self.right.t())).sum()
+
+    def to_dense(self) -> torch.Tensor:
+        return self.dense if self.dense is not None else self.left.t() @ self.right
+
+
+@dataclass
+class LowRank:
+    """``M ~= p @ q.T``; ``components`` counts the nonzero columns; ``method`` says how;
+    ``warm`` (n x r) seeds the next step's power iteration."""
+
+    p: torch.Tensor
+    q: torch.Tensor
+    components: int
+    method: str
+    warm: Optional[torch.Tensor]
+
+
+def orthonormalize(p: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning ``p`` (thin QR; rank-deficient inputs stay finite)."""
+    return torch.linalg.qr(p, mode="reduced")[0]
+
+
+def power_iteration(m: LocalGradient, q: torch.Tensor, iterations: int) -> tuple:
+    """Subspace iteration from ``q`` (n x r): returns orthonormal ``p`` (m x r) and ``q = M^T p``."""
+    p = None
+    for _ in range(iterations):
+        p = orthonormalize(m.mm(q))
+        q = m.rmm(p)
+    return p, q
+
+
+def truncated_svd(left: torch.Tensor, right: torch.Tensor, rank: int) -> tuple:
+    """Best rank-``rank`` approximation of ``left^T right`` as ``(p, q)``, via thin QRs.
+
+    ``left^T = A_L B_L`` and ``right^T = A_R B_R`` give ``M = A_L (B_L B_R^T) A_R^T``; the SVD of
+    the small core ``B_L B_R^T`` is the SVD of M, rotated.
+    """
+    a_l, b_l = torch.linalg.qr(left.t(), mode="reduced")
+    a_r, b_r = torch.linalg.qr(right.t(), mode="reduced")
+    u, s, vh = torch.linalg.svd(b_l @ b_r.t(), full_matrices=False)
+    r = min(rank, s.shape[0])
+    return a_l @ (u[:, :r] * s[:r]), a_r @ vh[:r].t()
+
+
+def method_costs(rows: int, m: int, n: int, rank: int, iterations: int, *,
+                 factors_available: bool) -> dict:
+    """Estimated flops of each available method (the dense gradient is always available)."""
+    ortho = 2 * m * rank * rank
+    costs = {"dense": iterations * (4 * m * n * rank + ortho)}
+    if factors_available:
+        k = min(rows, m, n)
+        costs["factors"] = iterations * (4 * rows * rank * (m + n) + ortho)
+        costs["svd"] = 2 * rows * rows * (m + n) + 2 * k * k * rows + 10 * k ** 3 + 2 * k * rank * (m + n)
+    return costs
+
+
+def choose_method(rows: int, m: int, n: int, rank: int, iterations: int, *,
+                  factors_available: bool) -> str:
+    """The cheapest method by flops; ties prefer the exact SVD."""
+    costs = method_costs(rows, m, n, rank, iterations, factors_available=factors_available)
+    order = {"svd": 0, "factors": 1, "dense": 2}
+    return min(costs, key=lambda k: (costs[k], order[k]))
+
+
+def reduce_rank(m: LocalGradient, rank: int, *, method: str, q_init: Optional[torch.Tensor],
+                iterations: int, tolerance: Optional[float] = None) -> LowRank:
+    """Rank-``rank`` factors of ``m`` by ``method`` (see `choose_method`).
+
+    ``q_init`` (n x rank) seeds the power iteration (warm start). With ``tolerance``, keep the
+    fewest components whose share of ``||M||_F^2`` reaches it. Components with no energy (the
+    gradient's rank is lower than ``rank``) are dropped.
+    """
+    rows, cols = m.shape
+    rank = min(rank, rows, cols)
+    if method == "svd":
+        p, q = truncated_svd(m.left, m.right, rank)
+    elif method in ("factors", "dense"):
+        if method == "dense" and m.dense is None:
+            m = LocalGradient(dense=m.to_dense())
+        p, q = power_iteration(m, q_init[:, :rank], iterations)
+    else:
+        raise ValueError(f"unknown rank-reduction method {method!r}")
+
+    # one of p, q has orthonormal columns, so a component's energy is |p_i|^2 |q_i|^2
+    energy = p.pow(2).sum(0) * q.pow(2).sum(0)
+    order = torch.argsort(energy, descending=True)
+    energy = energy[order]
+    top = float(energy[0]) if energy.numel() else 0.0
+    keep = int((energy > top * 1e-12).sum()) if top > 0 else 0
+    if tolerance is not None and keep > 0:
+        total = float(m.energy())
+        if total > 0:
+            share = torch.cumsum(energy[:keep], 0) / total
+            keep = min(keep, int((share < tolerance).sum()) + 1)
+    idx = order[:keep]
+    warm = q if q.shape[1] == rank else q_init
+    return LowRank(p[:, idx].contiguous(), q[:, idx].contiguous(), keep, method, warm)

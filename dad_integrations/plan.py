@@ -1,0 +1,138 @@
+"""Which parameters go through factors and which through dense all-reduce.
+
+A trainable parameter is a *factor unit* when every module that registers it is a captured layer
+(`layers.layer_kind`) holding it as ``weight``: then the gradient is the sum of what its uses'
+factors rebuild. GPT-2's tied ``wte``/``lm_head`` weight is one unit with an embedding use and a
+linear use. A bias rides with its layer when that layer is its only owner. Everything else —
+norms, parameters of other modules, layers excluded by name — is synchronised densely.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import threading
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .capture import ModuleCapture
+from .config import DADConfig
+from .layers import layer_kind
+
+
+@dataclass
+class BiasUse:
+    """A bias whose gradient is the sum of one captured layer's output-gradient rows."""
+
+    name: str
+    param: nn.Parameter
+    capture: ModuleCapture
+
+
+@dataclass
+class FactorUnit:
+    """One weight synchronised through factors, with its uses and rank-dAD state."""
+
+    index: int
+    name: str
+    param: nn.Parameter
+    uses: List[ModuleCapture]
+    biases: List[BiasUse]
+    ready: threading.Event = field(default_factory=threading.Event)
+    dense_only: bool = False          # failed the first-step check: dense from then on
+    warm_q: Optional[torch.Tensor] = None
+    residual: Optional[torch.Tensor] = None
+
+    @property
+    def factors_only(self) -> bool:
+        """All uses are linear-like, so rank reduction may run on the factors."""
+        return all(c.kind != "embedding" for c in self.uses)
+
+    @property
+    def kinds(self) -> List[str]:
+        return [c.kind for c in self.uses]
+
+
+@dataclass
+class SyncPlan:
+    units: List[FactorUnit]
+    dense: List[Tuple[str, nn.Parameter]]   # synchronised by bucketed all-reduce every step
+    captures: List[ModuleCapture]
+
+    def signature(self) -> List[list]:
+        """What every rank must agree on, in order: names, shapes, dtypes and routes."""
+        sig = [["factor", u.name, list(u.param.shape), str(u.param.dtype), u.kinds,
+                [b.name for b in u.biases]] for u in self.units]
+        sig += [["dense", n, list(p.shape), str(p.dtype)] for n, p in self.dense]
+        return sig
+
+    def signature_bytes(self) -> bytes:
+        return json.dumps(self.signature(), separators=(",", ":")).encode()
+
+
+def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan:
+    """Assign every trainable parameter of ``model`` to a factor unit or to the dense path."""
+    names: Dict[int, str] = {}
+    trainable: List[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in names:
+            names[id(p)] = name
+            trainable.append(p)
+
+    # Every (module, attribute) that registers each parameter: a parameter shared with a module
+    # dAD does not capture must go dense, since its factors would miss that use.
+    owners: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and p.requires_grad:
+                entry = (mod_name, module, attr)
+                if entry not in owners.setdefault(id(p), []):
+                    owners[id(p)].append(entry)
+
+    def capturable(mod_name: str, module: nn.Module) -> Optional[str]:
+        kind = layer_kind(module)
+        if kind is None or kind not in config.layer_kinds:
+            return None
+        if any(fnmatch.fnmatchcase(mod_name, pat) for pat in config.exclude):
+            return None
+        if kind == "embedding" and module.sparse:
+            raise ValueError(f"module {mod_name!r}: sparse embedding gradients are not supported by dAD; "
+                             f"use sparse=False or exclude the module with the 'exclude' config key")
+        return kind
+
+    captures: Dict[int, ModuleCapture] = {}
+    units: List[FactorUnit] = []
+    unit_params = set()
+    for p in trainable:
+        regs = owners.get(id(p), [])
+        if regs and all(attr == "weight" and capturable(n, m) for n, m, attr in regs) and p.dim() == 2:
+            uses = []
+            for mod_name, module, _ in regs:
+                if id(module) not in captures:
+                    captures[id(module)] = ModuleCapture(mod_name, module, layer_kind(module), on_forward)
+                uses.append(captures[id(module)])
+            units.append(FactorUnit(0, names[id(p)], p, uses, []))
+            unit_params.add(id(p))
+
+    dense: List[Tuple[str, nn.Parameter]] = []
+    by_module = {id(c.module): c for c in captures.values()}
+    unit_of_module = {id(c.module): u for u in units for c in u.uses}
+    for p in trainable:
+        if id(p) in unit_params:
+            continue
+        regs = owners.get(id(p), [])
+        if (len(regs) == 1 and regs[0][2] == "bias" and id(regs[0][1]) in by_module
+                and by_module[id(regs[0][1])].kind != "embedding"):
+            unit_of_module[id(regs[0][1])].biases.append(
+                BiasUse(names[id(p)], p, by_module[id(regs[0][1])]))
+        else:
+            dense.append((names[id(p)], p))
+
+    # Backward visits layers roughly in reverse registration order; so does the exchange, so that
+    # each layer's collective can start as soon as its gradient rows exist.
+    units.reverse()
+    for i, u in enumerate(units):
+        u.index = i
+    return SyncPlan(units, dense, list(captures.values()))

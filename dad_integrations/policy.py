@@ -1,0 +1,66 @@
+"""Per-unit, per-step choice of representation, and the byte estimates behind it.
+
+Every input here is agreed by all ranks (shapes, the config, every rank's row counts from the
+step's size exchange), so every rank takes the same decision and issues the same collectives.
+
+Bytes received by one rank, S ranks, weight m x n:
+  dense all-reduce   2 (S-1)/S * m n * b
+  exact factors      (S-1) * max_s rows_s * (m + n) * w      (gathers pad to the longest rank)
+  rank-r factors     (S-1) * r (m + n) * w  + the bias, densely
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from .aggregator import ring_allreduce_bytes
+from .wire import BlockSpec, packed_size
+
+ID_DTYPE = torch.int32
+
+
+def exact_block_specs(kinds: Sequence[str], shape: Tuple[int, int], rows: Sequence[int],
+                      wire_dtype: torch.dtype) -> List[BlockSpec]:
+    """Block layout of a unit's exact factors for one rank with ``rows[u]`` rows in use u."""
+    m, n = shape
+    specs: List[BlockSpec] = []
+    for kind, r in zip(kinds, rows):
+        if kind == "embedding":
+            specs += [(ID_DTYPE, (r,)), (wire_dtype, (r, n))]
+        else:
+            specs += [(wire_dtype, (r, m)), (wire_dtype, (r, n))]
+    return specs
+
+
+def rank_block_specs(shape: Tuple[int, int], components: int, wire_dtype: torch.dtype) -> List[BlockSpec]:
+    m, n = shape
+    return [(wire_dtype, (components, m + n))]
+
+
+def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
+                   bias_numel: int, rank: int, grad_dtype: torch.dtype, wire_dtype: torch.dtype,
+                   world_size: int) -> Dict[str, float]:
+    """Estimated bytes this rank receives for each representation of one unit."""
+    m, n = shape
+    s = world_size
+    gb = torch.empty((), dtype=wire_dtype if wire_dtype is not None else grad_dtype).element_size()
+    dense = ring_allreduce_bytes((m * n + bias_numel) * gb, s)
+    longest = max(packed_size(exact_block_specs(kinds, shape, r, wire_dtype)) for r in rows_by_rank)
+    out = {"dense": dense, "exact": (s - 1) * longest}
+    if rank:
+        r = min(rank, m, n)
+        out["rank"] = (s - 1) * packed_size(rank_block_specs(shape, r, wire_dtype)) \
+            + ring_allreduce_bytes(bias_numel * gb, s)
+    return out
+
+
+def choose_representation(mode: str, estimates: Dict[str, float], *, rank_allowed: bool) -> str:
+    """``"exact"``, ``"rank"`` or ``"dense"`` for one unit, given agreed estimates."""
+    if mode == "exact":
+        return "exact"
+    if mode == "rank" and rank_allowed:
+        return "rank"
+    allowed = ["dense", "exact"] + (["rank"] if rank_allowed and "rank" in estimates and mode == "auto" else [])
+    # ties go to the lossless, simplest choice
+    return min(allowed, key=lambda k: (estimates[k], ["dense", "exact", "rank"].index(k)))

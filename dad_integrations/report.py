@@ -1,0 +1,83 @@
+"""The per-step report: what each parameter sent, how, beside what all-reduce would have sent."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class ParamReport:
+    """One parameter (or one dense bucket's share) in one step.
+
+    representation: ``"exact"``, ``"rank"``, ``"dense"``, or ``"overhead"`` (bucket flags);
+    rows: local rows captured (exact/rank); components: rank-dAD components sent;
+    handed_bytes: bytes of the tensors this rank handed to collectives (padding included);
+    sent_bytes / received_bytes: this rank's wire bytes (ring algorithms);
+    allreduce_bytes: what a ring all-reduce of this parameter's gradient sends per rank.
+    """
+
+    name: str
+    representation: str
+    shape: tuple
+    rows: int = 0
+    max_rows: int = 0
+    components: int = 0
+    method: str = ""
+    handed_bytes: float = 0.0
+    sent_bytes: float = 0.0
+    received_bytes: float = 0.0
+    allreduce_bytes: float = 0.0
+
+
+@dataclass
+class StepReport:
+    """All parameters of one synchronised step."""
+
+    step: int
+    world_size: int
+    params: List[ParamReport] = field(default_factory=list)
+
+    @property
+    def totals(self) -> Dict[str, float]:
+        """Sums over parameters, and ``ratio``: bytes sent over all-reduce's."""
+        keys = ("handed_bytes", "sent_bytes", "received_bytes", "allreduce_bytes")
+        out = {k: float(sum(getattr(p, k) for p in self.params)) for k in keys}
+        out["ratio"] = out["sent_bytes"] / out["allreduce_bytes"] if out["allreduce_bytes"] else 0.0
+        for rep in ("exact", "rank", "dense"):
+            out[f"params_{rep}"] = sum(1 for p in self.params if p.representation == rep)
+        return out
+
+    def by_representation(self) -> Dict[str, Dict[str, float]]:
+        """Bytes sent and all-reduce bytes grouped by representation."""
+        out: Dict[str, Dict[str, float]] = {}
+        for p in self.params:
+            agg = out.setdefault(p.representation, {"params": 0, "sent_bytes": 0.0, "allreduce_bytes": 0.0})
+            agg["params"] += 1
+            agg["sent_bytes"] += p.sent_bytes
+            agg["allreduce_bytes"] += p.allreduce_bytes
+        return out
+
+    def to_dict(self) -> dict:
+        return {"step": self.step, "world_size": self.world_size, "totals": self.totals,
+                "params": [asdict(p) for p in self.params]}
+
+    def table(self, limit: Optional[int] = None) -> str:
+        """A fixed-width table, one line per parameter, then the totals."""
+        head = f"{'parameter':<44} {'repr':<8} {'rows':>6} {'r':>3} {'sent':>11} {'all-reduce':>11}"
+        lines = [head, "-" * len(head)]
+        for p in self.params[:limit]:
+            lines.append(f"{p.name[-44:]:<44} {p.representation:<8} {p.rows:>6} {p.components:>3} "
+                         f"{_fmt(p.sent_bytes):>11} {_fmt(p.allreduce_bytes):>11}")
+        t = self.totals
+        lines.append("-" * len(head))
+        lines.append(f"{'total':<44} {'':<8} {'':>6} {'':>3} {_fmt(t['sent_bytes']):>11} "
+                     f"{_fmt(t['allreduce_bytes']):>11}   ratio {t['ratio']:.3f}")
+        return "\n".join(lines)
+
+
+def _fmt(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(nbytes) < 1024 or unit == "GB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes:.0f} B"
+        nbytes /= 1024
+    return f"{nbytes:.1f} GB"

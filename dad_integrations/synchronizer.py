@@ -1,0 +1,445 @@
+"""`DADSynchronizer`: synchronise a model's gradients with dAD instead of all-reduce.
+
+Usage, in an ordinary training loop::
+
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(mode="auto"))
+    loss.backward()
+    sync.synchronize()        # every param.grad now holds the average over ranks, as DDP gives
+    optimizer.step()
+
+How a step runs. Forward hooks keep each captured layer's input rows; a hook on the layer's output
+keeps its output-gradient rows (`capture`). When autograd has finished a weight's local gradient
+(a post-accumulate-grad hook), its unit is ready, and a single background thread exchanges the
+units in a fixed order that every rank shares (reverse registration order, which backward
+follows): a size exchange, then one all-gather of the unit's exact or rank-r factors, or a place
+in the dense buckets. The rebuild of one unit overlaps the next unit's collective, and all of it
+overlaps the rest of backward. `synchronize()` releases units that never got a gradient,
+all-reduces the dense buckets and waits.
+
+Costs per weight (m x n), S ranks, N local rows: exact factors gather ``N (m+n)`` numbers per
+rank and rebuild with one ``S N m n`` matmul; rank-r factors gather ``r (m+n)`` per rank and
+rebuild with one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like all-reduce.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from .aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
+from .config import DADConfig
+from .dense import allreduce_dense
+from .layers import Rows, add_rebuilt_grad, output_grad_rows
+from .low_rank import LocalGradient, choose_method, reduce_rank
+from .plan import FactorUnit, build_plan
+from .policy import (ID_DTYPE, choose_representation, estimate_bytes, exact_block_specs,
+                     rank_block_specs)
+from .report import ParamReport, StepReport
+from .wire import pack, packed_size, unpack
+
+log = logging.getLogger(__name__)
+
+WIRE_DTYPES = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# relative error allowed between the factors' local rebuild and autograd's local gradient
+VERIFY_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+VERIFY_TOLERANCE_LOW_PRECISION = 5e-2
+
+
+class DADSynchronizer:
+    """Synchronises every trainable parameter's gradient of ``model`` across ranks.
+
+    Args:
+        model: the model, identical in structure on every rank (checked here).
+        aggregator: the collectives backend; None uses `TorchDistributedAggregator`.
+        config: a `DADConfig` or a dict of its keys.
+    """
+
+    def __init__(self, model: nn.Module, aggregator: Optional[FactorAggregator] = None,
+                 config: Union[DADConfig, Mapping, None] = None):
+        self.config = DADConfig() if config is None else DADConfig.from_dict(config)
+        if aggregator is None:
+            from .torch_distributed import TorchDistributedAggregator
+            aggregator = TorchDistributedAggregator()
+        if not isinstance(aggregator, FactorAggregator):
+            raise TypeError(f"aggregator must be a FactorAggregator, got {type(aggregator).__name__}")
+        self.model = model
+        self.aggregator = aggregator
+        self._wire = WIRE_DTYPES[self.config.wire_dtype]
+        try:
+            self._device = next(model.parameters()).device
+        except StopIteration:
+            raise ValueError("the model has no parameters") from None
+
+        self._lock = threading.Lock()
+        self._future: Optional[Future] = None
+        self._flush = threading.Event()
+        self._window_open = False
+        self._priors: Dict[int, torch.Tensor] = {}
+        self._accumulating = False
+        self._steps = 0
+        self._verified = not self.config.verify_first_step
+        self._report: Optional[StepReport] = None
+
+        self._plan = build_plan(model, self.config, on_forward=self._open_window)
+        try:
+            self._check_same_model()
+        except BaseException:
+            for c in self._plan.captures:
+                c.remove()
+            raise
+        self._hooks = [u.param.register_post_accumulate_grad_hook(functools.partial(self._on_weight_ready, u))
+                       for u in self._plan.units]
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dad-sync")
+        if aggregator.rank == 0:
+            log.info("dAD attached: %d weights through factors, %d parameters dense, mode %s, %d ranks",
+                     len(self._plan.units), len(self._plan.dense), self.config.mode, aggregator.world_size)
+
+    # -- public API -----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait until every parameter's gradient holds its average over ranks."""
+        if self._accumulating:
+            raise RuntimeError("synchronize() was called inside no_sync(); call it after the block")
+        self._dispatch()
+        self._flush.set()
+        for unit in self._plan.units:
+            unit.ready.set()
+        try:
+            report = self._future.result()
+        finally:
+            late = [c.name for c in self._plan.captures if c.pairs]
+            self._future = None
+            self._flush.clear()
+            for unit in self._plan.units:
+                unit.ready.clear()
+            for c in self._plan.captures:
+                c.clear()
+            self._priors.clear()
+            self._window_open = False
+        if late:
+            raise RuntimeError(f"gradient rows of {late} arrived after their exchange had started; a "
+                               f"weight used in several reentrant-checkpointed segments is not supported: "
+                               f"exclude those modules with the 'exclude' config key")
+        self._report = report
+        self._steps += 1
+        self._verified = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate micro-steps: factors are kept, and the next `synchronize()` sends them once."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
+    def last_step_report(self) -> Optional[StepReport]:
+        """Per parameter: representation, rows, bytes handed/sent/received, and totals."""
+        return self._report
+
+    @property
+    def units(self) -> List[FactorUnit]:
+        """The weights synchronised through factors, in exchange order."""
+        return list(self._plan.units)
+
+    @property
+    def dense_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """Parameters always synchronised by dense all-reduce."""
+        return list(self._plan.dense)
+
+    def state_dict(self) -> dict:
+        """rank-dAD state (warm-start factors, error-feedback residuals), by parameter name."""
+        return {u.name: {"warm_q": u.warm_q, "residual": u.residual, "dense_only": u.dense_only}
+                for u in self._plan.units}
+
+    def load_state_dict(self, state: Mapping[str, Mapping]) -> None:
+        by_name = {u.name: u for u in self._plan.units}
+        unknown = sorted(set(state) - set(by_name))
+        if unknown:
+            raise ValueError(f"state for unknown parameters {unknown}")
+        for name, s in state.items():
+            u = by_name[name]
+            u.warm_q, u.residual, u.dense_only = s.get("warm_q"), s.get("residual"), bool(s.get("dense_only"))
+
+    def close(self) -> None:
+        """Remove every hook; the model trains as if dAD had never been attached."""
+        for h in self._hooks:
+            h.remove()
+        for c in self._plan.captures:
+            c.remove()
+        self._hooks = []
+        self._executor.shutdown(wait=False)
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _open_window(self) -> None:
+        """First captured forward after a synchronize: remember gradients that were not cleared."""
+        if self._window_open:
+            return
+        if self._future is not None:
+            raise RuntimeError("a forward pass started before synchronize() was called for the previous "
+                               "backward: call sync.synchronize() after every backward, or accumulate "
+                               "micro-steps inside sync.no_sync()")
+        params = [p for u in self._plan.units for p in [u.param] + [b.param for b in u.biases]
+                  if p.grad is not None]
+        if params:
+            nonzero = torch.stack([p.grad.ne(0).any() for p in params]).tolist()
+            self._priors = {id(p): p.grad.detach().clone() for p, nz in zip(params, nonzero) if nz}
+        self._window_open = True
+
+    def _on_weight_ready(self, unit: FactorUnit, param: torch.Tensor) -> None:
+        if self._accumulating:
+            return
+        unit.ready.set()
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        with self._lock:
+            if self._future is None:
+                self._future = self._executor.submit(self._exchange)
+
+    # -- the step, on the background thread -----------------------------------------------------
+    def _exchange(self) -> StepReport:
+        report: Dict[str, ParamReport] = {}
+        dense_units: List[Tuple[str, nn.Parameter]] = []
+        verify = not self._verified
+        previous: Optional[Callable[[], None]] = None
+        for unit in self._plan.units:
+            unit.ready.wait()
+            finish = self._exchange_unit(unit, verify, report, dense_units)
+            if previous is not None:
+                previous()  # rebuild the last unit while this one's collective runs
+            previous = finish
+        if previous is not None:
+            previous()
+        self._flush.wait()  # backward is over: every dense gradient is final
+
+        s = self.aggregator.world_size
+
+        def account(name: str, p: Optional[nn.Parameter], traffic: Traffic) -> None:
+            if name not in report:
+                shape = tuple(p.shape) if p is not None else ()
+                ar = ring_allreduce_bytes(p.numel() * p.element_size(), s) if p is not None else 0.0
+                report[name] = ParamReport(name, "dense" if p is not None else "overhead", shape,
+                                           allreduce_bytes=ar)
+            _add_traffic(report[name], traffic)
+
+        allreduce_dense(self._plan.dense + dense_units, self.aggregator,
+                        bucket_cap_mb=self.config.bucket_cap_mb, wire_dtype=self._wire, account=account)
+        return StepReport(self._steps, s, list(report.values()))
+
+    def _exchange_unit(self, unit: FactorUnit, verify: bool, report: Dict[str, ParamReport],
+                       dense_units: List[Tuple[str, nn.Parameter]]) -> Optional[Callable[[], None]]:
+        agg, cfg = self.aggregator, self.config
+        s = agg.world_size
+        p = unit.param
+        m, n = p.shape
+        rows = [_concat_rows(c.take(), c.kind, (m, n), p) for c in unit.uses]
+        counts = [int(r[0].shape[0]) for r in rows]
+
+        ok = True
+        if verify and not unit.dense_only:
+            ok = self._verify(unit, rows)
+        before = agg.traffic()
+        meta = torch.tensor([unit.index, int(ok)] + counts, dtype=torch.int64, device=self._device)
+        metas = agg.all_gather(meta, name=f"dad.meta.{unit.name}", first_dims=[meta.numel()] * s).wait()
+        if any(int(t[0]) != unit.index for t in metas):
+            raise RuntimeError(f"ranks disagree on the exchange order at {unit.name!r}: "
+                               f"{[int(t[0]) for t in metas]}")
+        if not all(int(t[1]) for t in metas):
+            unit.dense_only = True
+            if agg.rank == 0:
+                log.warning("dAD: the factors of %r do not rebuild its local gradient (is the weight used "
+                            "outside its layers, or changed by a gradient hook?); it goes dense from now on",
+                            unit.name)
+        rows_by_rank = [[int(v) for v in t[2:]] for t in metas]
+        bias_numel = sum(b.param.numel() for b in unit.biases)
+        wire = self._wire or _compute_dtype(p)
+        rank_allowed = cfg.rank is not None and not all(k == "embedding" for k in unit.kinds)
+        if unit.dense_only:
+            rep = "dense"
+        else:
+            estimates = estimate_bytes(kinds=unit.kinds, shape=(m, n), rows_by_rank=rows_by_rank,
+                                       bias_numel=bias_numel, rank=cfg.rank or 0, grad_dtype=p.dtype,
+                                       wire_dtype=wire, world_size=s)
+            rep = choose_representation(cfg.mode, estimates, rank_allowed=rank_allowed)
+
+        entry = ParamReport(unit.name, rep, (m, n), rows=sum(counts),
+                            max_rows=max(sum(r) for r in rows_by_rank),
+                            allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s))
+        report[unit.name] = entry
+        for b in unit.biases:
+            report[b.name] = ParamReport(b.name, rep if rep == "exact" else "dense", tuple(b.param.shape),
+                                         allreduce_bytes=ring_allreduce_bytes(
+                                             b.param.numel() * b.param.element_size(), s))
+        if rep == "dense":
+            dense_units.append((unit.name, p))
+            dense_units.extend((b.name, b.param) for b in unit.biases)
+            finish = None
+        elif rep == "exact":
+            finish = self._send_exact(unit, rows, rows_by_rank, wire)
+        else:
+            dense_units.extend((b.name, b.param) for b in unit.biases)
+            finish = self._send_rank(unit, rows, wire, entry)
+        _add_traffic(entry, agg.traffic() - before)
+        return finish
+
+    def _send_exact(self, unit: FactorUnit, rows: List[Rows], rows_by_rank: List[List[int]],
+                    wire: torch.dtype) -> Callable[[], None]:
+        p, s = unit.param, self.aggregator.world_size
+        shape = tuple(p.shape)
+        blocks = []
+        for kind, (left, right) in zip(unit.kinds, rows):
+            blocks += [left.to(ID_DTYPE) if kind == "embedding" else left.to(wire), right.to(wire)]
+        sizes = [packed_size(exact_block_specs(unit.kinds, shape, r, wire)) for r in rows_by_rank]
+        handle = self.aggregator.all_gather(pack(blocks, self._device), name=f"dad.exact.{unit.name}",
+                                            first_dims=sizes)
+
+        def finish() -> None:
+            buffers = handle.wait()
+            cdt = _compute_dtype(p)
+            per_rank = [unpack(buf, exact_block_specs(unit.kinds, shape, r, wire))
+                        for buf, r in zip(buffers, rows_by_rank)]
+            grad = torch.zeros(shape, dtype=cdt, device=self._device)
+            gathered = []
+            for u, kind in enumerate(unit.kinds):
+                left = torch.cat([blk[2 * u] for blk in per_rank])
+                right = torch.cat([blk[2 * u + 1] for blk in per_rank])
+                left = left.long() if kind == "embedding" else left.to(cdt)
+                gathered.append((left, right.to(cdt)))
+                add_rebuilt_grad(kind, grad, gathered[-1])
+            self._set_grad(p, grad.div_(s))
+            for b in unit.biases:
+                u = unit.uses.index(b.capture)
+                self._set_grad(b.param, output_grad_rows(b.capture.kind, gathered[u]).sum(0).div_(s))
+
+        return finish
+
+    def _send_rank(self, unit: FactorUnit, rows: List[Rows], wire: torch.dtype,
+                   entry: ParamReport) -> Callable[[], None]:
+        cfg, p, s = self.config, unit.param, self.aggregator.world_size
+        m, n = p.shape
+        r = min(cfg.rank, m, n)
+        cdt = _compute_dtype(p)
+        n_rows = sum(int(left.shape[0]) for left, _ in rows)
+        method = "dense" if cfg.error_feedback else choose_method(
+            n_rows, m, n, r, cfg.power_iterations, factors_available=unit.factors_only)
+        if method == "dense":
+            local = self._local_grad(p, cdt)
+            if cfg.error_feedback and unit.residual is not None:
+                local = local + unit.residual
+            grad = LocalGradient(dense=local)
+        else:
+            grad = LocalGradient(left=torch.cat([left.to(cdt) for left, _ in rows]),
+                                 right=torch.cat([right.to(cdt) for _, right in rows]))
+        q_init = unit.warm_q if cfg.warm_start and unit.warm_q is not None else None
+        if q_init is None or q_init.shape != (n, r):
+            gen = torch.Generator(device=self._device).manual_seed(1_000_003 * unit.index + self._steps)
+            q_init = torch.randn(n, r, generator=gen, device=self._device, dtype=cdt)
+        low = reduce_rank(grad, r, method=method, q_init=q_init, iterations=cfg.power_iterations,
+                          tolerance=cfg.adaptive_tolerance)
+        if cfg.warm_start:
+            unit.warm_q = low.warm
+        if cfg.error_feedback:
+            unit.residual = grad.to_dense() - low.p @ low.q.t()
+        pq, qq = low.p, low.q
+        if cfg.adaptive_tolerance is None and low.components < r:  # fixed sizes: no size exchange
+            pq = torch.nn.functional.pad(pq, (0, r - low.components))
+            qq = torch.nn.functional.pad(qq, (0, r - low.components))
+        payload = torch.cat([pq.t(), qq.t()], dim=1).to(wire)
+        entry.components, entry.method = low.components, method
+        first_dims = None if cfg.adaptive_tolerance is not None else [r] * s
+        handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}", first_dims=first_dims)
+
+        def finish() -> None:
+            factors = torch.cat(handle.wait()).to(cdt)
+            self._set_grad(p, (factors[:, :m].t() @ factors[:, m:]).div_(s))
+
+        return finish
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's gradient of the current window (without any gradient left from before)."""
+        if p.grad is None:
+            return torch.zeros(p.shape, dtype=dtype, device=self._device)
+        g = p.grad.detach().to(dtype)
+        prior = self._priors.get(id(p))
+        return g - prior.to(dtype) if prior is not None else g
+
+    def _set_grad(self, p: nn.Parameter, average: torch.Tensor) -> None:
+        """``p.grad = prior + average``, in place where a gradient tensor exists."""
+        prior = self._priors.get(id(p))
+        value = average if prior is None else average + prior.to(average.dtype)
+        if p.grad is not None:
+            p.grad.copy_(value)
+        else:
+            p.grad = value.to(p.dtype)
+
+    def _verify(self, unit: FactorUnit, rows: List[Rows]) -> bool:
+        """Do this rank's factors rebuild the gradient autograd computed locally?"""
+        cdt = torch.float64 if unit.param.dtype == torch.float64 else torch.float32
+        rebuilt = torch.zeros(unit.param.shape, dtype=cdt, device=self._device)
+        low_precision = False
+        for kind, (left, right) in zip(unit.kinds, rows):
+            low_precision |= right.dtype not in VERIFY_TOLERANCE
+            add_rebuilt_grad(kind, rebuilt, (left if kind == "embedding" else left.to(cdt), right.to(cdt)))
+        checks = [(rebuilt, self._local_grad(unit.param, cdt))]
+        for b in unit.biases:
+            d = output_grad_rows(b.capture.kind, rows[unit.uses.index(b.capture)])
+            checks.append((d.to(cdt).sum(0), self._local_grad(b.param, cdt)))
+        tol = VERIFY_TOLERANCE_LOW_PRECISION if low_precision else VERIFY_TOLERANCE.get(
+            unit.param.dtype, VERIFY_TOLERANCE_LOW_PRECISION)
+        for mine, autograd in checks:
+            err = float((mine - autograd).norm())
+            if err > tol * max(float(autograd.norm()), 1e-30) and err > 1e-12:
+                return False
+        return True
+
+    def _check_same_model(self) -> None:
+        """All ranks must hold the same parameters in the same routes, or collectives would hang."""
+        mine = self._plan.signature_bytes()
+        buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(self._device)
+        theirs = [bytes(t.cpu().tolist()) for t in
+                  self.aggregator.all_gather(buf, name="dad.signature").wait()]
+        if all(t == mine for t in theirs):
+            return
+        own = json.loads(mine)
+        for rank, t in enumerate(theirs):
+            if t == mine:
+                continue
+            other = json.loads(t)
+            for i in range(max(len(own), len(other))):
+                a = own[i] if i < len(own) else None
+                b = other[i] if i < len(other) else None
+                if a != b:
+                    raise ValueError(
+                        f"the model differs across ranks: parameter #{i} is {a} on rank "
+                        f"{self.aggregator.rank} but {b} on rank {rank}; every rank must build the same "
+                        f"model (names, shapes, dtypes, trainable parameters) before attaching dAD")
+        raise ValueError("the model differs across ranks")
+
+
+def _concat_rows(pairs: List[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter) -> Rows:
+    """One (left, right) block per use: all calls' rows, in call order of arrival."""
+    if pairs:
+        return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
+    m, n = shape
+    if kind == "embedding":
+        return (torch.zeros(0, dtype=torch.int64, device=p.device),
+                torch.zeros(0, n, dtype=p.dtype, device=p.device))
+    return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)
+
+
+def _compute_dtype(p: torch.Tensor) -> torch.dtype:
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
+def _add_traffic(entry: ParamReport, traffic: Traffic) -> None:
+    entry.handed_bytes += traffic.handed
+    entry.sent_bytes += traffic.sent
+    entry.received_bytes += traffic.received
