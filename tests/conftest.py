@@ -1,0 +1,44 @@
+"""Launches the multi-process checks: real `torchrun` jobs over gloo, one per world size."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def run_torchrun(script: Path, nproc: int, args: list, timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run ``script`` under ``torchrun --standalone`` with ``nproc`` CPU processes."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                             f"{proc.stderr[-8000:]}")
+    return proc
+
+
+def run_cases(tmp_path_factory, nproc: int, cases: Dict[str, dict]) -> Dict[str, list]:
+    """Run the check worker over ``cases``; returns, per case, the list of every rank's result."""
+    work = tmp_path_factory.mktemp(f"ranks{nproc}")
+    (work / "cases.json").write_text(json.dumps(cases))
+    run_torchrun(WORKERS / "check_worker.py", nproc, [work / "out.json", work / "cases.json"])
+    return json.loads((work / "out.json").read_text())
+
+
+def result(results: Dict[str, list], case_id: str) -> list:
+    """Every rank's result for a case, failing with the worker's traceback where one raised."""
+    per_rank = results[case_id]
+    for rank, r in enumerate(per_rank):
+        if "exception" in r:
+            pytest.fail(f"{case_id} raised on rank {rank}:\n{r['exception']}")
+    return per_rank

@@ -1,0 +1,167 @@
+"""Multi-process checks under torchrun (gloo): dAD against DDP's all-reduce on the same data.
+
+Two torchrun jobs (2 and 4 ranks) run every case once; the tests below read their results.
+"""
+from __future__ import annotations
+
+import pytest
+
+from conftest import result, run_cases
+
+MODELS = ["mlp", "gpt2", "bert", "llama"]
+TOL = 1e-5  # fp32 round-off
+
+
+def _two_rank_cases() -> dict:
+    cases = {}
+    for model in MODELS:
+        for mode in ("exact", "auto"):
+            for uneven in (False, True):
+                cases[f"grad-{model}-{mode}-{'uneven' if uneven else 'equal'}"] = {
+                    "kind": "grad", "model": model, "config": {"mode": mode}, "uneven": uneven}
+            cases[f"nosync-{model}-{mode}"] = {"kind": "grad", "model": model, "config": {"mode": mode},
+                                              "accumulate": 2, "uneven": True}
+        for mode, cfg in (("exact", {"mode": "exact"}), ("rank", {"mode": "rank", "rank": 4}),
+                          ("auto", {"mode": "auto"}), ("auto-rank", {"mode": "auto", "rank": 4})):
+            if model in ("gpt2", "llama") or mode == "exact":
+                cases[f"train-{model}-{mode}"] = {"kind": "train", "model": model, "config": cfg, "steps": 20}
+    cases.update({
+        "grad-gpt2-checkpointing": {"kind": "grad", "model": "gpt2_ckpt", "config": {"mode": "exact"}},
+        "grad-mlp-functional-use": {"kind": "grad", "model": "mlp_functional", "config": {"mode": "exact"}},
+        "grad-mlp-zero-tensors": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"}, "zero": "zeros",
+                                  "steps": 3},
+        "grad-mlp-no-zeroing": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"}, "zero": "keep",
+                                "steps": 3},
+        "grad-rank-above-true-rank": {"kind": "grad", "model": "mlp_narrow",
+                                      "config": {"mode": "rank", "rank": 3}, "uneven": True},
+        "grad-rank-gpt2": {"kind": "grad", "model": "gpt2", "config": {"mode": "rank", "rank": 4}, "steps": 3},
+        "grad-rank-adaptive": {"kind": "grad", "model": "gpt2",
+                               "config": {"mode": "rank", "rank": 8, "adaptive_tolerance": 0.5}},
+        "grad-wire-fp16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact", "wire_dtype": "float16"}},
+        "train-gpt2-error-feedback": {"kind": "train", "model": "gpt2", "steps": 20,
+                                      "config": {"mode": "rank", "rank": 2, "error_feedback": True}},
+        "train-gpt2-adaptive-bf16": {"kind": "train", "model": "gpt2", "steps": 20,
+                                     "config": {"mode": "auto", "rank": 4, "adaptive_tolerance": 0.9,
+                                                "wire_dtype": "bfloat16"}},
+        "bytes-gpt2-exact": {"kind": "bytes", "model": "gpt2", "config": {"mode": "exact"}, "uneven": True},
+        "bytes-gpt2-rank": {"kind": "bytes", "model": "gpt2", "config": {"mode": "rank", "rank": 4}},
+        "bytes-gpt2-auto": {"kind": "bytes", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
+        "bytes-gpt2-adaptive": {"kind": "bytes", "model": "gpt2",
+                                "config": {"mode": "rank", "rank": 8, "adaptive_tolerance": 0.5}},
+        "mismatch": {"kind": "mismatch", "model": "mlp", "other": "mlp_narrow"},
+    })
+    return cases
+
+
+def _four_rank_cases() -> dict:
+    cases = {}
+    for model in MODELS:
+        for mode in ("exact", "auto"):
+            cases[f"grad-{model}-{mode}-uneven"] = {"kind": "grad", "model": model, "config": {"mode": mode},
+                                                    "uneven": True}
+    cases["nosync-gpt2-exact"] = {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
+                                  "accumulate": 2, "uneven": True}
+    for mode, cfg in (("exact", {"mode": "exact"}), ("rank", {"mode": "rank", "rank": 4}),
+                      ("auto-rank", {"mode": "auto", "rank": 4})):
+        cases[f"train-gpt2-{mode}"] = {"kind": "train", "model": "gpt2", "config": cfg, "steps": 20}
+    cases["bytes-gpt2-exact"] = {"kind": "bytes", "model": "gpt2", "config": {"mode": "exact"}, "uneven": True}
+    return cases
+
+
+TWO, FOUR = _two_rank_cases(), _four_rank_cases()
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return run_cases(tmp_path_factory, 2, TWO)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return run_cases(tmp_path_factory, 4, FOUR)
+
+
+def _runs(fixture_name: str, cases: dict, kind: str, exclude: tuple = ()):
+    return [pytest.param(fixture_name, cid, id=f"{fixture_name}-{cid}") for cid, c in cases.items()
+            if c["kind"] == kind and cid.split("-")[0] in ("grad", "nosync") and not cid.startswith(exclude)] \
+        if kind == "grad" else \
+        [pytest.param(fixture_name, cid, id=f"{fixture_name}-{cid}") for cid, c in cases.items() if c["kind"] == kind]
+
+
+LOSSLESS = [p for p in _runs("two", TWO, "grad") + _runs("four", FOUR, "grad")
+            if "rank-gpt2" not in p.values[1] and "adaptive" not in p.values[1] and "fp16" not in p.values[1]]
+
+
+@pytest.mark.parametrize("world,case_id", LOSSLESS)
+def test_gradients_equal_ddp(world, case_id, request):
+    """Every parameter's synchronised gradient equals DDP's average to fp32 round-off, on every rank."""
+    for rank, r in enumerate(result(request.getfixturevalue(world), case_id)):
+        bad = {k: v for k, v in r["per_param"].items() if v > TOL}
+        assert not bad, f"rank {rank}: relative error above {TOL}: {bad}"
+
+
+def test_functional_use_falls_back_to_dense(two):
+    """A weight also used outside its module fails the first-step check and goes dense, still exact."""
+    for r in result(two, "grad-mlp-functional-use"):
+        assert r["dense_only"] == ["hidden.weight"]
+        assert r["worst"] <= TOL
+
+
+def test_exact_mode_uses_factors(two):
+    for r in result(two, "grad-gpt2-exact-equal"):
+        assert "exact" in r["representations"]
+
+
+def test_rank_returns_exactly_r_components(two):
+    """rank-dAD sends exactly r components per weight (not r-1 or r-2), on every step and rank."""
+    for r in result(two, "grad-rank-gpt2"):
+        assert r["components"], "no weight went through rank-dAD"
+        for name, comps, shape in r["components"]:
+            assert comps == min(4, *shape), (name, comps, shape)
+
+
+def test_rank_at_or_above_true_rank_is_exact(two):
+    for r in result(two, "grad-rank-above-true-rank"):
+        assert r["components"] and all(c <= 3 for _, c, _ in r["components"])
+        assert r["worst"] <= TOL
+
+
+def test_rank_adaptive_sends_at_most_rank(two):
+    for r in result(two, "grad-rank-adaptive"):
+        comps = [c for _, c, _ in r["components"]]
+        assert comps and all(1 <= c <= 8 for c in comps) and min(comps) < 8
+
+
+def test_rank_is_lossy_but_close(two):
+    """rank-dAD's error is bounded; fp16 on the wire costs about fp16 precision."""
+    for r in result(two, "grad-rank-gpt2"):
+        assert 0 < r["worst"] < 1.5
+    for r in result(two, "grad-wire-fp16"):
+        assert 0 < r["worst"] < 1e-2
+
+
+@pytest.mark.parametrize("world,case_id", _runs("two", TWO, "train") + _runs("four", FOUR, "train"))
+def test_ranks_end_bit_identical(world, case_id, request):
+    """After 20 optimizer steps every rank holds bit-identical parameters, in every mode."""
+    per_rank = result(request.getfixturevalue(world), case_id)
+    assert all(r["identical"] for r in per_rank)
+    losses = per_rank[0]["losses"]
+    assert all(l == l for l in losses), "loss became NaN"
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, "loss did not fall"
+
+
+@pytest.mark.parametrize("world,case_id", _runs("two", TWO, "bytes") + _runs("four", FOUR, "bytes"))
+def test_byte_accounting_matches_collectives(world, case_id, request):
+    """The report's bytes equal the sizes of the tensors actually handed to torch.distributed."""
+    for r in result(request.getfixturevalue(world), case_id):
+        s = r["world_size"]
+        for step in r["steps"]:
+            assert step["handed"] == pytest.approx(step["recorded"], rel=1e-9)
+            assert step["sent"] > 0 and step["allreduce"] > 0
+            if "rank" in case_id or "auto" in case_id or "adaptive" in case_id:
+                assert step["sent"] < step["allreduce"]
+
+
+def test_mismatched_models_raise_on_every_rank(two):
+    for r in result(two, "mismatch"):
+        assert r["error"] and "differs across ranks" in r["error"]

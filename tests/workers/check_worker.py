@@ -1,0 +1,190 @@
+"""Runs inside `torchrun` (gloo): compares dAD with DDP on the same data and writes JSON results.
+
+Usage: torchrun --standalone --nproc_per_node N check_worker.py OUT.json CASES.json
+Each case is a dict with a "kind": "grad" (every synchronised gradient against DDP's),
+"train" (parameters on every rank after several optimizer steps), "bytes" (report against the
+tensors handed to torch.distributed) or "mismatch" (different models per rank).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator  # noqa: E402
+
+
+class RecordingAggregator(TorchDistributedAggregator):
+    """The real backend, also recording the bytes of every tensor handed to torch.distributed."""
+
+    def __init__(self):
+        super().__init__()
+        self.recorded = 0
+
+    def _dist_all_gather(self, out, tensor, async_op=False):
+        self.recorded += tensor.numel() * tensor.element_size()
+        return super()._dist_all_gather(out, tensor, async_op)
+
+    def _dist_all_reduce(self, tensor, async_op=False):
+        self.recorded += tensor.numel() * tensor.element_size()
+        return super()._dist_all_reduce(tensor, async_op)
+
+
+def local_batch(case: dict, step: int, micro: int) -> dict:
+    rank = dist.get_rank()
+    size = case.get("batch", 3)
+    if case.get("uneven"):
+        size += 2 * rank
+    return models.batch(case["model"], size, seed=10_000 * step + 100 * micro + rank)
+
+
+def config_of(case: dict) -> DADConfig:
+    return DADConfig.from_dict(case.get("config", {}))
+
+
+def rel_err(mine, ref, floor: float) -> float:
+    """||mine - ref|| / ||ref||, the denominator floored at ``floor``: some gradients (BERT's key
+    biases, which softmax cancels) are zero up to round-off, where a plain ratio means nothing."""
+    if mine is None or ref is None:
+        return 0.0 if mine is None and ref is None else float("inf")
+    return float((mine - ref).norm()) / max(float(ref.norm()), floor)
+
+
+def run_grad(case: dict) -> dict:
+    """Every parameter's synchronised gradient against DDP's, for several steps."""
+    name = case["model"]
+    ref = models.build(name)
+    mine = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    sync = DADSynchronizer(mine, TorchDistributedAggregator(), config_of(case))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)
+    worst, per_param, components = 0.0, {}, []
+    for step in range(case.get("steps", 2)):
+        micro_steps = case.get("accumulate", 1)
+        for micro in range(micro_steps):
+            data = local_batch(case, step, micro)
+            last = micro == micro_steps - 1
+            with (ddp.no_sync() if not last else _null()):
+                models.loss_of(name, ddp, data).backward()
+            with (sync.no_sync() if not last else _null()):
+                models.loss_of(name, mine, data).backward()
+        sync.synchronize()
+        total = sum(float(p.grad.norm()) ** 2 for p in ref.parameters() if p.grad is not None) ** 0.5
+        for (pname, a), b in zip(ref.named_parameters(), mine.parameters()):
+            e = rel_err(b.grad, a.grad, floor=1e-6 * total)
+            per_param[pname] = max(per_param.get(pname, 0.0), e)
+            worst = max(worst, e)
+        report = sync.last_step_report()
+        components += [[p.name, p.components, list(p.shape)] for p in report.params if p.representation == "rank"]
+        opt_ref.step()
+        opt_mine.step()
+        zero = case.get("zero", "none")  # "none": set_to_none, "zeros": zero tensors, "keep": accumulate
+        if zero != "keep":
+            opt_ref.zero_grad(set_to_none=zero == "none")
+            opt_mine.zero_grad(set_to_none=zero == "none")
+    reps = sorted({p.representation for p in report.params})
+    sync.close()
+    return {"worst": worst, "per_param": per_param, "components": components, "representations": reps,
+            "dense_only": [u.name for u in sync.units if u.dense_only]}
+
+
+def run_train(case: dict) -> dict:
+    """Train several steps; gather every rank's parameters to compare them bit for bit."""
+    name = case["model"]
+    model = models.build(name)
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), config_of(case))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step in range(case.get("steps", 20)):
+        # two batches in turn, so that a falling loss shows that training works
+        loss = models.loss_of(name, model, local_batch(case, step % 2, 0))
+        loss.backward()
+        sync.synchronize()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    identical = all(torch.equal(gathered[0], g) for g in gathered)
+    totals = sync.last_step_report().totals
+    sync.close()
+    return {"identical": identical, "losses": losses, "totals": totals}
+
+
+def run_bytes(case: dict) -> dict:
+    """The report's handed bytes against what reached torch.distributed, per step."""
+    name = case["model"]
+    model = models.build(name)
+    agg = RecordingAggregator()
+    sync = DADSynchronizer(model, agg, config_of(case))
+    steps = []
+    for step in range(case.get("steps", 2)):
+        agg.recorded = 0
+        models.loss_of(name, model, local_batch(case, step, 0)).backward()
+        sync.synchronize()
+        t = sync.last_step_report().totals
+        steps.append({"recorded": agg.recorded, "handed": t["handed_bytes"], "sent": t["sent_bytes"],
+                      "received": t["received_bytes"], "allreduce": t["allreduce_bytes"]})
+        model.zero_grad(set_to_none=True)
+    sync.close()
+    return {"steps": steps, "world_size": dist.get_world_size()}
+
+
+def run_mismatch(case: dict) -> dict:
+    """Rank 1 builds a different model: attaching must raise on every rank, not hang."""
+    name = case["model"] if dist.get_rank() == 0 else case["other"]
+    try:
+        DADSynchronizer(models.build(name), TorchDistributedAggregator(), config_of(case))
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+RUNNERS = {"grad": run_grad, "train": run_train, "bytes": run_bytes, "mismatch": run_mismatch}
+
+
+def main() -> None:
+    out_path, cases_path = sys.argv[1], sys.argv[2]
+    # a rank stuck in a collective fails after this long instead of hanging the test run
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("DAD_TEST_TIMEOUT", 120))))
+    torch.set_num_threads(1)
+    with open(cases_path) as f:
+        cases = json.load(f)
+    results = {}
+    for case_id, case in cases.items():
+        try:
+            mine = RUNNERS[case["kind"]](case)
+        except Exception:
+            mine = {"exception": traceback.format_exc()}
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        results[case_id] = per_rank
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Small models and data for the multi-process tests (built from configs: nothing downloaded)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """Linear layers with leading dimensions, a reused layer (two calls per step) and a norm."""
+
+    def __init__(self, functional_reuse: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(12, 24)
+        self.hidden = nn.Linear(24, 24)
+        self.norm = nn.LayerNorm(24)
+        self.out = nn.Linear(24, 6, bias=False)
+        self.functional_reuse = functional_reuse
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.tanh(self.hidden(h))
+        h = torch.tanh(self.hidden(h))          # the same weight, a second call
+        if self.functional_reuse:               # a use of a weight outside its module
+            h = h + 0.1 * nn.functional.linear(h, self.hidden.weight)
+        return self.out(self.norm(h))
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if name in ("mlp", "mlp_functional"):
+        return MLP(functional_reuse=name == "mlp_functional")
+    if name == "mlp_narrow":  # every gradient has rank <= 3
+        return nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 3))
+    from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM)
+    if name in ("gpt2", "gpt2_ckpt"):
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                           bos_token_id=0, eos_token_id=0))
+        if name == "gpt2_ckpt":
+            model.gradient_checkpointing_enable()
+            model.train()
+        return model
+    if name == "bert":
+        return BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, intermediate_size=48,
+                                          max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0, pad_token_id=0))
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
+                                            num_hidden_layers=2, num_attention_heads=2,
+                                            num_key_value_heads=1, max_position_embeddings=32,
+                                            bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    raise ValueError(name)
+
+
+def batch(name: str, size: int, seed: int) -> dict:
+    """A batch of ``size`` examples for model ``name``, deterministic in ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    if name.startswith("mlp"):
+        width = 3 if name == "mlp_narrow" else 12
+        return {"x": torch.randn(size, 5, width, generator=g), "y": torch.randn(size, 5, width if name == "mlp_narrow" else 6, generator=g)}
+    ids = torch.randint(3, 64, (size, 16), generator=g)
+    if name == "bert":
+        mask = torch.ones_like(ids)
+        mask[:, 12:] = 0  # padded tail
+        ids = ids.masked_fill(mask == 0, 0)
+        labels = torch.full_like(ids, -100)
+        labels[:, 2:6] = ids[:, 2:6]
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return {"input_ids": ids, "labels": ids}
+
+
+def loss_of(name: str, model: nn.Module, data: dict) -> torch.Tensor:
+    if name.startswith("mlp"):
+        return nn.functional.mse_loss(model(data["x"]), data["y"])
+    return model(**data).loss
