@@ -13,7 +13,8 @@ class ParamReport:
     rows: local rows captured (exact/rank); components: rank-dAD components sent;
     handed_bytes: bytes of the tensors this rank handed to collectives (padding included);
     sent_bytes / received_bytes: this rank's wire bytes (ring algorithms);
-    allreduce_bytes: what a ring all-reduce of this parameter's gradient sends per rank.
+    allreduce_bytes: what a ring all-reduce of this parameter's gradient sends per rank;
+    overlapped: its exchange began while backward was still running (before `synchronize()`).
     """
 
     name: str
@@ -27,6 +28,7 @@ class ParamReport:
     sent_bytes: float = 0.0
     received_bytes: float = 0.0
     allreduce_bytes: float = 0.0
+    overlapped: bool = False
 
 
 @dataclass

@@ -86,6 +86,7 @@ class DADSynchronizer:
         self._steps = 0
         self._verified = not self.config.verify_first_step
         self._report: Optional[StepReport] = None
+        self._twice: List[str] = []   # weights whose gradient was accumulated twice in one step
 
         self._plan = build_plan(model, self.config, on_forward=self._open_window)
         try:
@@ -113,7 +114,8 @@ class DADSynchronizer:
         try:
             report = self._future.result()
         finally:
-            late = [c.name for c in self._plan.captures if c.pairs]
+            late = [c.name for c in self._plan.captures if c.pairs] + self._twice
+            self._twice = []
             self._future = None
             self._flush.clear()
             for unit in self._plan.units:
@@ -123,9 +125,10 @@ class DADSynchronizer:
             self._priors.clear()
             self._window_open = False
         if late:
-            raise RuntimeError(f"gradient rows of {late} arrived after their exchange had started; a "
-                               f"weight used in several reentrant-checkpointed segments is not supported: "
-                               f"exclude those modules with the 'exclude' config key")
+            raise RuntimeError(f"the gradients of {sorted(set(late))} came in twice in one step, after their "
+                               f"exchange had started: a weight used in several reentrant-checkpointed "
+                               f"segments (exclude it with the 'exclude' config key, or use "
+                               f"use_reentrant=False), or backward run twice without no_sync()")
         self._report = report
         self._steps += 1
         self._verified = True
@@ -179,12 +182,12 @@ class DADSynchronizer:
     # -- hooks ----------------------------------------------------------------------------------
     def _open_window(self) -> None:
         """First captured forward after a synchronize: remember gradients that were not cleared."""
-        if self._window_open:
-            return
-        if self._future is not None:
+        if self._future is not None and not _in_backward():
             raise RuntimeError("a forward pass started before synchronize() was called for the previous "
                                "backward: call sync.synchronize() after every backward, or accumulate "
                                "micro-steps inside sync.no_sync()")
+        if self._window_open:
+            return
         params = [p for u in self._plan.units for p in [u.param] + [b.param for b in u.biases]
                   if p.grad is not None]
         if params:
@@ -195,6 +198,8 @@ class DADSynchronizer:
     def _on_weight_ready(self, unit: FactorUnit, param: torch.Tensor) -> None:
         if self._accumulating:
             return
+        if unit.ready.is_set():  # its rows may already be on the wire: fail the step at synchronize()
+            self._twice.append(unit.name)
         unit.ready.set()
         self._dispatch()
 
@@ -239,6 +244,7 @@ class DADSynchronizer:
         s = agg.world_size
         p = unit.param
         m, n = p.shape
+        overlapped = not self._flush.is_set()
         rows = [_concat_rows(c.take(), c.kind, (m, n), p) for c in unit.uses]
         counts = [int(r[0].shape[0]) for r in rows]
 
@@ -271,7 +277,8 @@ class DADSynchronizer:
 
         entry = ParamReport(unit.name, rep, (m, n), rows=sum(counts),
                             max_rows=max(sum(r) for r in rows_by_rank),
-                            allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s))
+                            allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s),
+                            overlapped=overlapped)
         report[unit.name] = entry
         for b in unit.biases:
             report[b.name] = ParamReport(b.name, rep if rep == "exact" else "dense", tuple(b.param.shape),
@@ -433,6 +440,12 @@ def _concat_rows(pairs: List[Rows], kind: str, shape: Tuple[int, int], p: nn.Par
         return (torch.zeros(0, dtype=torch.int64, device=p.device),
                 torch.zeros(0, n, dtype=p.dtype, device=p.device))
     return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (checkpointing recomputes forwards there)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 def _compute_dtype(p: torch.Tensor) -> torch.dtype:

@@ -27,6 +27,9 @@ def _two_rank_cases() -> dict:
                 cases[f"train-{model}-{mode}"] = {"kind": "train", "model": model, "config": cfg, "steps": 20}
     cases.update({
         "grad-gpt2-checkpointing": {"kind": "grad", "model": "gpt2_ckpt", "config": {"mode": "exact"}},
+        "grad-gpt2-overlap": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
+                              "sleep_before_sync": 0.5},
+        "grad-mlp-reentrant-checkpoint": {"kind": "grad", "model": "mlp_ckpt", "config": {"mode": "exact"}},
         "grad-mlp-functional-use": {"kind": "grad", "model": "mlp_functional", "config": {"mode": "exact"}},
         "grad-mlp-zero-tensors": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"}, "zero": "zeros",
                                   "steps": 3},
@@ -48,7 +51,8 @@ def _two_rank_cases() -> dict:
         "bytes-gpt2-auto": {"kind": "bytes", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
         "bytes-gpt2-adaptive": {"kind": "bytes", "model": "gpt2",
                                 "config": {"mode": "rank", "rank": 8, "adaptive_tolerance": 0.5}},
-        "mismatch": {"kind": "mismatch", "model": "mlp", "other": "mlp_narrow"},
+        "error-mismatch": {"kind": "error", "model": "mlp", "other": "mlp_narrow"},
+        "error-reentrant-shared": {"kind": "error", "model": "mlp_ckpt_shared", "config": {"mode": "exact"}},
     })
     return cases
 
@@ -112,6 +116,13 @@ def test_exact_mode_uses_factors(two):
         assert "exact" in r["representations"]
 
 
+def test_exchange_overlaps_backward(two):
+    """Units start their exchange from backward hooks, not from synchronize(): with synchronize()
+    called half a second after backward, every unit's exchange has begun before it."""
+    for r in result(two, "grad-gpt2-overlap"):
+        assert sorted(r["overlapped"]) == sorted(r["units"])
+
+
 def test_rank_returns_exactly_r_components(two):
     """rank-dAD sends exactly r components per weight (not r-1 or r-2), on every step and rank."""
     for r in result(two, "grad-rank-gpt2"):
@@ -163,5 +174,11 @@ def test_byte_accounting_matches_collectives(world, case_id, request):
 
 
 def test_mismatched_models_raise_on_every_rank(two):
-    for r in result(two, "mismatch"):
+    for r in result(two, "error-mismatch"):
         assert r["error"] and "differs across ranks" in r["error"]
+
+
+def test_weight_shared_across_reentrant_segments_raises(two):
+    """DDP refuses it too; dAD must say so rather than send half the rows."""
+    for r in result(two, "error-reentrant-shared"):
+        assert r["error"] and "reentrant" in r["error"]

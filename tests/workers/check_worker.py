@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -79,6 +80,7 @@ def run_grad(case: dict) -> dict:
                 models.loss_of(name, ddp, data).backward()
             with (sync.no_sync() if not last else _null()):
                 models.loss_of(name, mine, data).backward()
+        time.sleep(case.get("sleep_before_sync", 0))  # lets the test see what began during backward
         sync.synchronize()
         total = sum(float(p.grad.norm()) ** 2 for p in ref.parameters() if p.grad is not None) ** 0.5
         for (pname, a), b in zip(ref.named_parameters(), mine.parameters()):
@@ -94,9 +96,11 @@ def run_grad(case: dict) -> dict:
             opt_ref.zero_grad(set_to_none=zero == "none")
             opt_mine.zero_grad(set_to_none=zero == "none")
     reps = sorted({p.representation for p in report.params})
+    overlapped = [p.name for p in report.params if p.overlapped]
     sync.close()
     return {"worst": worst, "per_param": per_param, "components": components, "representations": reps,
-            "dense_only": [u.name for u in sync.units if u.dense_only]}
+            "dense_only": [u.name for u in sync.units if u.dense_only],
+            "overlapped": overlapped, "units": [u.name for u in sync.units]}
 
 
 def run_train(case: dict) -> dict:
@@ -142,12 +146,15 @@ def run_bytes(case: dict) -> dict:
     return {"steps": steps, "world_size": dist.get_world_size()}
 
 
-def run_mismatch(case: dict) -> dict:
-    """Rank 1 builds a different model: attaching must raise on every rank, not hang."""
-    name = case["model"] if dist.get_rank() == 0 else case["other"]
+def run_error(case: dict) -> dict:
+    """Misuse must raise a clear error on every rank, never hang. Rank 1 builds ``other``."""
+    name = case["model"] if dist.get_rank() == 0 else case.get("other", case["model"])
     try:
-        DADSynchronizer(models.build(name), TorchDistributedAggregator(), config_of(case))
-    except ValueError as e:
+        model = models.build(name)
+        sync = DADSynchronizer(model, TorchDistributedAggregator(), config_of(case))
+        models.loss_of(name, model, local_batch(case, 0, 0)).backward()
+        sync.synchronize()
+    except (ValueError, RuntimeError) as e:
         return {"error": str(e)}
     return {"error": None}
 
@@ -160,7 +167,7 @@ class _null:
         return False
 
 
-RUNNERS = {"grad": run_grad, "train": run_train, "bytes": run_bytes, "mismatch": run_mismatch}
+RUNNERS = {"grad": run_grad, "train": run_train, "bytes": run_bytes, "error": run_error}
 
 
 def main() -> None:

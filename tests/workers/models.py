@@ -8,27 +8,40 @@ from torch import nn
 class MLP(nn.Module):
     """Linear layers with leading dimensions, a reused layer (two calls per step) and a norm."""
 
-    def __init__(self, functional_reuse: bool = False):
+    def __init__(self, functional_reuse: bool = False, checkpoint: str = ""):
         super().__init__()
         self.inp = nn.Linear(12, 24)
         self.hidden = nn.Linear(24, 24)
         self.norm = nn.LayerNorm(24)
         self.out = nn.Linear(24, 6, bias=False)
         self.functional_reuse = functional_reuse
+        self.checkpoint = checkpoint
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.inp(x))
         h = torch.tanh(self.hidden(h))
-        h = torch.tanh(self.hidden(h))          # the same weight, a second call
+        if self.checkpoint == "shared":         # a weight used inside and outside a reentrant segment
+            h = torch.utils.checkpoint.checkpoint(self._second, h, use_reentrant=True)
+        else:
+            h = self._second(h)
         if self.functional_reuse:               # a use of a weight outside its module
             h = h + 0.1 * nn.functional.linear(h, self.hidden.weight)
+        if self.checkpoint == "head":           # reentrant: the first forward runs without grad
+            return torch.utils.checkpoint.checkpoint(self._head, h, use_reentrant=True)
+        return self._head(h)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(h))
+
+    def _second(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.hidden(h))       # the same weight, a second call
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    if name in ("mlp", "mlp_functional"):
-        return MLP(functional_reuse=name == "mlp_functional")
+    if name in ("mlp", "mlp_functional", "mlp_ckpt", "mlp_ckpt_shared"):
+        return MLP(functional_reuse=name == "mlp_functional",
+                   checkpoint={"mlp_ckpt": "head", "mlp_ckpt_shared": "shared"}.get(name, ""))
     if name == "mlp_narrow":  # every gradient has rank <= 3
         return nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 3))
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,

@@ -1,0 +1,86 @@
+"""One-rank gloo group in this process: API misuse gives clear errors; the layout of the code."""
+import ast
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dad_integrations"
+
+
+@pytest.fixture(scope="module")
+def group():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_one_rank_keeps_local_gradient(group):
+    model = _model()
+    ref = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(mode="exact"))
+    x = torch.randn(5, 4)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    sync.synchronize()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    assert sync.last_step_report().totals["params_exact"] == 4
+    sync.close()
+
+
+def test_forgetting_synchronize_is_an_error(group):
+    model = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator())
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="synchronize"):
+        model(torch.randn(2, 4))
+    sync.synchronize()
+    sync.close()
+
+
+def test_synchronize_inside_no_sync_is_an_error(group):
+    model = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator())
+    with sync.no_sync():
+        model(torch.randn(2, 4)).sum().backward()
+        with pytest.raises(RuntimeError, match="no_sync"):
+            sync.synchronize()
+    sync.synchronize()
+    sync.close()
+
+
+def test_sparse_embeddings_are_refused(group):
+    with pytest.raises(ValueError, match="sparse"):
+        DADSynchronizer(nn.Embedding(10, 3, sparse=True), TorchDistributedAggregator())
+
+
+def test_bad_config_dict_is_refused(group):
+    with pytest.raises(ValueError, match="rnak"):
+        DADSynchronizer(_model(), TorchDistributedAggregator(), {"rnak": 3})
+
+
+def test_algorithms_never_import_an_engine():
+    """Only the torch.distributed backend may import torch.distributed (or any engine)."""
+    engines = ("torch.distributed", "horovod", "deepspeed", "accelerate")
+    for path in PACKAGE.glob("*.py"):
+        if path.name in ("torch_distributed.py",):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            assert not any(n.startswith(engines) for n in names), f"{path.name} imports {names}"
