@@ -74,14 +74,29 @@ def add_rebuilt_grad(kind: str, grad: torch.Tensor, rows: Rows) -> None:
     if left.shape[0] == 0:
         return
     if kind == "embedding":
-        grad.index_add_(0, left, right.to(grad.dtype))
+        deterministic_index_add(grad, left, right.to(grad.dtype))
     else:
         grad.addmm_(left.t().to(grad.dtype), right.to(grad.dtype))
 
 
-def row_widths(kind: str, weight_shape: torch.Size) -> Tuple[int, int]:
-    """Numbers of floats per row in (left, right); 0 marks the integer id column of embeddings."""
-    m, n = weight_shape
-    if kind == "embedding":
-        return 0, n
-    return m, n
+def deterministic_index_add(grad: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """``grad[ids[i]] += rows[i]`` with the same bits on every rank.
+
+    Every rank rebuilds from the same gathered rows and must end with bit-identical parameters.
+    CPU ``index_add_`` adds in row order; CUDA's uses atomics, whose order varies, so there the
+    rows are sorted by id (stable) and summed per id with a segmented reduction instead.
+    """
+    if grad.is_cuda:
+        sorted_segment_add(grad, ids, rows)
+    else:
+        grad.index_add_(0, ids, rows)
+
+
+def sorted_segment_add(grad: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """``grad[ids[i]] += rows[i]`` through a stable sort and a per-id segmented sum (no atomics)."""
+    if ids.numel() == 0:
+        return
+    order = torch.sort(ids, stable=True).indices
+    unique, counts = torch.unique_consecutive(ids[order], return_counts=True)
+    sums = torch.segment_reduce(rows[order], "sum", lengths=counts)
+    grad[unique] += sums

@@ -10,6 +10,7 @@ from conftest import result, run_cases
 
 MODELS = ["mlp", "gpt2", "bert", "llama"]
 TOL = 1e-5  # fp32 round-off
+AUTO_BATCH = 1  # few rows, so that "auto" sends factors for the wider layers and all-reduces the rest
 
 
 def _two_rank_cases() -> dict:
@@ -18,9 +19,10 @@ def _two_rank_cases() -> dict:
         for mode in ("exact", "auto"):
             for uneven in (False, True):
                 cases[f"grad-{model}-{mode}-{'uneven' if uneven else 'equal'}"] = {
-                    "kind": "grad", "model": model, "config": {"mode": mode}, "uneven": uneven}
+                    "kind": "grad", "model": model, "config": {"mode": mode}, "uneven": uneven,
+                    "batch": AUTO_BATCH if mode == "auto" else 3}
             cases[f"nosync-{model}-{mode}"] = {"kind": "grad", "model": model, "config": {"mode": mode},
-                                              "accumulate": 2, "uneven": True}
+                                              "accumulate": 2, "uneven": True, "batch": 1}
         for mode, cfg in (("exact", {"mode": "exact"}), ("rank", {"mode": "rank", "rank": 4}),
                           ("auto", {"mode": "auto"}), ("auto-rank", {"mode": "auto", "rank": 4})):
             if model in ("gpt2", "llama") or mode == "exact":
@@ -62,7 +64,7 @@ def _four_rank_cases() -> dict:
     for model in MODELS:
         for mode in ("exact", "auto"):
             cases[f"grad-{model}-{mode}-uneven"] = {"kind": "grad", "model": model, "config": {"mode": mode},
-                                                    "uneven": True}
+                                                    "uneven": True, "batch": 1}
     cases["nosync-gpt2-exact"] = {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
                                   "accumulate": 2, "uneven": True}
     for mode, cfg in (("exact", {"mode": "exact"}), ("rank", {"mode": "rank", "rank": 4}),
@@ -114,6 +116,13 @@ def test_functional_use_falls_back_to_dense(two):
 def test_exact_mode_uses_factors(two):
     for r in result(two, "grad-gpt2-exact-equal"):
         assert "exact" in r["representations"]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "bert", "llama"])
+def test_auto_mixes_factors_and_all_reduce(two, model):
+    """With few rows "auto" sends factors for some layers and all-reduces others, still exactly."""
+    for r in result(two, f"grad-{model}-auto-equal"):
+        assert {"exact", "dense"} <= set(r["representations"]), r["representations"]
 
 
 def test_exchange_overlaps_backward(two):
