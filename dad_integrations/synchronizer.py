@@ -252,23 +252,16 @@ class DADSynchronizer:
         if verify and not unit.dense_only:
             ok = self._verify(unit, rows)
         before = agg.traffic()
-        meta = torch.tensor([unit.index, int(ok)] + counts, dtype=torch.int64, device=self._device)
-        metas = agg.all_gather(meta, name=f"dad.meta.{unit.name}", first_dims=[meta.numel()] * s).wait()
-        if any(int(t[0]) != unit.index for t in metas):
-            raise RuntimeError(f"ranks disagree on the exchange order at {unit.name!r}: "
-                               f"{[int(t[0]) for t in metas]}")
-        if not all(int(t[1]) for t in metas):
-            unit.dense_only = True
-            if agg.rank == 0:
-                log.warning("dAD: the factors of %r do not rebuild its local gradient (is the weight used "
-                            "outside its layers, or changed by a gradient hook?); it goes dense from now on",
-                            unit.name)
-        rows_by_rank = [[int(v) for v in t[2:]] for t in metas]
-        bias_numel = sum(b.param.numel() for b in unit.biases)
         wire = self._wire or _compute_dtype(p)
         rank_allowed = cfg.rank is not None and not all(k == "embedding" for k in unit.kinds)
+        # Routes that need no agreed row counts skip the size exchange (after the checked first step).
+        fixed_route = unit.dense_only or (cfg.mode == "rank" and rank_allowed)
+        rows_by_rank = self._agree(unit, ok, counts) if verify or not fixed_route else None
+        bias_numel = sum(b.param.numel() for b in unit.biases)
         if unit.dense_only:
             rep = "dense"
+        elif rows_by_rank is None:
+            rep = "rank"
         else:
             estimates = estimate_bytes(kinds=unit.kinds, shape=(m, n), rows_by_rank=rows_by_rank,
                                        bias_numel=bias_numel, rank=cfg.rank or 0, grad_dtype=p.dtype,
@@ -276,7 +269,7 @@ class DADSynchronizer:
             rep = choose_representation(cfg.mode, estimates, rank_allowed=rank_allowed)
 
         entry = ParamReport(unit.name, rep, (m, n), rows=sum(counts),
-                            max_rows=max(sum(r) for r in rows_by_rank),
+                            max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0,
                             allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s),
                             overlapped=overlapped)
         report[unit.name] = entry
@@ -295,6 +288,25 @@ class DADSynchronizer:
             finish = self._send_rank(unit, rows, wire, entry)
         _add_traffic(entry, agg.traffic() - before)
         return finish
+
+    def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> List[List[int]]:
+        """Exchange every rank's row counts (and first-step check); returns the counts by rank."""
+        agg = self.aggregator
+        meta = torch.tensor([unit.index, int(ok)] + counts, dtype=torch.int64, device=self._device)
+        metas = agg.all_gather(meta, name=f"dad.meta.{unit.name}",
+                               first_dims=[meta.numel()] * agg.world_size).wait()
+        if any(int(t[0]) != unit.index for t in metas):
+            raise RuntimeError(f"ranks disagree on the exchange order at {unit.name!r}: "
+                               f"{[int(t[0]) for t in metas]}")
+        if not all(int(t[1]) for t in metas):
+            unit.dense_only = True
+            for capture in unit.uses:  # its rows are of no use from now on
+                capture.enabled = False
+            if agg.rank == 0:
+                log.warning("dAD: the factors of %r do not rebuild its local gradient (is the weight used "
+                            "outside its layers, or changed by a gradient hook?); it goes dense from now on",
+                            unit.name)
+        return [[int(v) for v in t[2:]] for t in metas]
 
     def _send_exact(self, unit: FactorUnit, rows: List[Rows], rows_by_rank: List[List[int]],
                     wire: torch.dtype) -> Callable[[], None]:
