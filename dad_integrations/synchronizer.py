@@ -27,7 +27,8 @@ import functools
 import json
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+from concurrent.futures import Future
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -69,6 +70,10 @@ class DADSynchronizer:
             aggregator = TorchDistributedAggregator()
         if not isinstance(aggregator, FactorAggregator):
             raise TypeError(f"aggregator must be a FactorAggregator, got {type(aggregator).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            raise ValueError("the model is wrapped in DistributedDataParallel, whose all-reduce would run "
+                             "besides dAD's: attach dAD to the bare model (or use the Accelerate "
+                             "integration, which replaces DDP's all-reduce with a communication hook)")
         self.model = model
         self.aggregator = aggregator
         self._wire = WIRE_DTYPES[self.config.wire_dtype]
@@ -97,7 +102,7 @@ class DADSynchronizer:
             raise
         self._hooks = [u.param.register_post_accumulate_grad_hook(functools.partial(self._on_weight_ready, u))
                        for u in self._plan.units]
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dad-sync")
+        self._worker = _Worker("dad-sync")
         if aggregator.rank == 0:
             log.info("dAD attached: %d weights through factors, %d parameters dense, mode %s, %d ranks",
                      len(self._plan.units), len(self._plan.dense), self.config.mode, aggregator.world_size)
@@ -177,7 +182,7 @@ class DADSynchronizer:
         for c in self._plan.captures:
             c.remove()
         self._hooks = []
-        self._executor.shutdown(wait=False)
+        self._worker.stop()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _open_window(self) -> None:
@@ -206,7 +211,7 @@ class DADSynchronizer:
     def _dispatch(self) -> None:
         with self._lock:
             if self._future is None:
-                self._future = self._executor.submit(self._exchange)
+                self._future = self._worker.submit(self._exchange)
 
     # -- the step, on the background thread -----------------------------------------------------
     def _exchange(self) -> StepReport:
@@ -324,6 +329,8 @@ class DADSynchronizer:
             cdt = _compute_dtype(p)
             per_rank = [unpack(buf, exact_block_specs(unit.kinds, shape, r, wire))
                         for buf, r in zip(buffers, rows_by_rank)]
+            if not any(any(r) for r in rows_by_rank):
+                return  # no rank used this weight: its gradient stays as it is (None), as with DDP
             grad = torch.zeros(shape, dtype=cdt, device=self._device)
             gathered = []
             for u, kind in enumerate(unit.kinds):
@@ -377,6 +384,8 @@ class DADSynchronizer:
 
         def finish() -> None:
             factors = torch.cat(handle.wait()).to(cdt)
+            if p.grad is None and not factors.any():
+                return  # likely unused on every rank: keep grad None rather than zeros
             self._set_grad(p, (factors[:, :m].t() @ factors[:, m:]).div_(s))
 
         return finish
@@ -405,7 +414,8 @@ class DADSynchronizer:
         rebuilt = torch.zeros(unit.param.shape, dtype=cdt, device=self._device)
         low_precision = False
         for kind, (left, right) in zip(unit.kinds, rows):
-            low_precision |= right.dtype not in VERIFY_TOLERANCE
+            # under autocast the output-gradient rows are bf16/fp16 while the inputs may be fp32
+            low_precision |= any(t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE for t in (left, right))
             add_rebuilt_grad(kind, rebuilt, (left if kind == "embedding" else left.to(cdt), right.to(cdt)))
         checks = [(rebuilt, self._local_grad(unit.param, cdt))]
         for b in unit.biases:
@@ -441,6 +451,35 @@ class DADSynchronizer:
                         f"{self.aggregator.rank} but {b} on rank {rank}; every rank must build the same "
                         f"model (names, shapes, dtypes, trainable parameters) before attaching dAD")
         raise ValueError("the model differs across ranks")
+
+
+class _Worker:
+    """One daemon thread running submitted jobs in order.
+
+    A daemon, unlike a ``ThreadPoolExecutor`` thread, so that a step abandoned after an error
+    (its thread waiting for a backward that never comes) cannot keep the process from exiting.
+    """
+
+    def __init__(self, name: str):
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], object]) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # handed to synchronize(), which raises it
+                    future.set_exception(e)
 
 
 def _concat_rows(pairs: List[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter) -> Rows:

@@ -42,6 +42,8 @@ def _two_rank_cases() -> dict:
         "grad-rank-gpt2": {"kind": "grad", "model": "gpt2", "config": {"mode": "rank", "rank": 4}, "steps": 3},
         "grad-rank-adaptive": {"kind": "grad", "model": "gpt2",
                                "config": {"mode": "rank", "rank": 8, "adaptive_tolerance": 0.5}},
+        "grad-autocast-bf16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
+                               "autocast": "bfloat16"},
         "grad-wire-fp16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact", "wire_dtype": "float16"}},
         "train-gpt2-error-feedback": {"kind": "train", "model": "gpt2", "steps": 20,
                                       "config": {"mode": "rank", "rank": 2, "error_feedback": True}},
@@ -95,7 +97,7 @@ def _runs(fixture_name: str, cases: dict, kind: str, exclude: tuple = ()):
 
 
 LOSSLESS = [p for p in _runs("two", TWO, "grad") + _runs("four", FOUR, "grad")
-            if "rank-gpt2" not in p.values[1] and "adaptive" not in p.values[1] and "fp16" not in p.values[1]]
+            if not any(k in p.values[1] for k in ("rank-gpt2", "adaptive", "fp16", "autocast"))]
 
 
 @pytest.mark.parametrize("world,case_id", LOSSLESS)
@@ -111,6 +113,14 @@ def test_functional_use_falls_back_to_dense(two):
     for r in result(two, "grad-mlp-functional-use"):
         assert r["dense_only"] == ["hidden.weight"]
         assert r["worst"] <= TOL
+
+
+def test_autocast_bf16_keeps_factors(two):
+    """Under bf16 autocast the factors still pass the first-step check (bf16 rows, fp32 inputs) and
+    the result is as close to DDP's as bf16 allows (both sides round differently)."""
+    for r in result(two, "grad-autocast-bf16"):
+        assert r["dense_only"] == [] and "exact" in r["representations"]
+        assert r["worst"] < 5e-2
 
 
 def test_exact_mode_uses_factors(two):

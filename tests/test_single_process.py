@@ -84,3 +84,23 @@ def test_algorithms_never_import_an_engine():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
             assert not any(n.startswith(engines) for n in names), f"{path.name} imports {names}"
+
+
+def test_abandoned_step_does_not_block_exit(tmp_path):
+    """A step left in flight (an error before synchronize()) must not keep the process alive."""
+    import subprocess
+    import sys
+    script = tmp_path / "abandon.py"
+    script.write_text(
+        "import socket, torch, torch.distributed as dist\n"
+        "from torch import nn\n"
+        "from dad_integrations import DADSynchronizer, TorchDistributedAggregator\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)\n"
+        "model = nn.Linear(3, 3)\n"
+        "sync = DADSynchronizer(model, TorchDistributedAggregator())\n"
+        "model(torch.randn(2, 3)).sum().backward()\n"
+        "print('exiting without synchronize()')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent)))
+    assert proc.returncode == 0, proc.stderr

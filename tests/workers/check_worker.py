@@ -77,9 +77,13 @@ def run_grad(case: dict) -> dict:
             data = local_batch(case, step, micro)
             last = micro == micro_steps - 1
             with (ddp.no_sync() if not last else _null()):
-                models.loss_of(name, ddp, data).backward()
+                with _autocast(case):
+                    loss_ref = models.loss_of(name, ddp, data)
+                loss_ref.backward()
             with (sync.no_sync() if not last else _null()):
-                models.loss_of(name, mine, data).backward()
+                with _autocast(case):
+                    loss_mine = models.loss_of(name, mine, data)
+                loss_mine.backward()
         time.sleep(case.get("sleep_before_sync", 0))  # lets the test see what began during backward
         sync.synchronize()
         total = sum(float(p.grad.norm()) ** 2 for p in ref.parameters() if p.grad is not None) ** 0.5
@@ -157,6 +161,12 @@ def run_error(case: dict) -> dict:
     except (ValueError, RuntimeError) as e:
         return {"error": str(e)}
     return {"error": None}
+
+
+def _autocast(case: dict):
+    if case.get("autocast"):
+        return torch.autocast("cpu", dtype=getattr(torch, case["autocast"]))
+    return _null()
 
 
 class _null:
