@@ -22,11 +22,13 @@ rebuild with one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like a
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import logging
 import threading
+import weakref
 import queue
 from concurrent.futures import Future
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
@@ -103,6 +105,11 @@ class DADSynchronizer:
         self._hooks = [u.param.register_post_accumulate_grad_hook(functools.partial(self._on_weight_ready, u))
                        for u in self._plan.units]
         self._worker = _Worker("dad-sync")
+        self._abandoned = False
+        # at exit, release a step left in flight (an error before synchronize()), so that its
+        # thread ends cleanly instead of being torn down while it waits
+        self._atexit = functools.partial(_abandon, weakref.ref(self))
+        atexit.register(self._atexit)
         if aggregator.rank == 0:
             log.info("dAD attached: %d weights through factors, %d parameters dense, mode %s, %d ranks",
                      len(self._plan.units), len(self._plan.dense), self.config.mode, aggregator.world_size)
@@ -112,6 +119,8 @@ class DADSynchronizer:
         """Wait until every parameter's gradient holds its average over ranks."""
         if self._accumulating:
             raise RuntimeError("synchronize() was called inside no_sync(); call it after the block")
+        if self._abandoned:
+            raise RuntimeError("synchronize() was called after close()")
         self._dispatch()
         self._flush.set()
         for unit in self._plan.units:
@@ -182,6 +191,15 @@ class DADSynchronizer:
         for c in self._plan.captures:
             c.remove()
         self._hooks = []
+        self._release()
+        atexit.unregister(self._atexit)
+
+    def _release(self) -> None:
+        """Stop the worker thread, abandoning a step in flight (its waits return at once)."""
+        self._abandoned = True
+        self._flush.set()
+        for unit in self._plan.units:
+            unit.ready.set()
         self._worker.stop()
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -221,6 +239,8 @@ class DADSynchronizer:
         previous: Optional[Callable[[], None]] = None
         for unit in self._plan.units:
             unit.ready.wait()
+            if self._abandoned:
+                raise RuntimeError("dAD synchroniser closed with a step in flight")
             finish = self._exchange_unit(unit, verify, report, dense_units)
             if previous is not None:
                 previous()  # rebuild the last unit while this one's collective runs
@@ -228,6 +248,8 @@ class DADSynchronizer:
         if previous is not None:
             previous()
         self._flush.wait()  # backward is over: every dense gradient is final
+        if self._abandoned:
+            raise RuntimeError("dAD synchroniser closed with a step in flight")
 
         s = self.aggregator.world_size
 
@@ -453,6 +475,13 @@ class DADSynchronizer:
         raise ValueError("the model differs across ranks")
 
 
+def _abandon(ref: "weakref.ref[DADSynchronizer]") -> None:
+    sync = ref()
+    if sync is not None:
+        sync._release()
+        sync._worker.join(timeout=5.0)
+
+
 class _Worker:
     """One daemon thread running submitted jobs in order.
 
@@ -462,7 +491,8 @@ class _Worker:
 
     def __init__(self, name: str):
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
 
     def submit(self, fn: Callable[[], object]) -> Future:
         future: Future = Future()
@@ -471,6 +501,9 @@ class _Worker:
 
     def stop(self) -> None:
         self._jobs.put(None)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -51,6 +51,8 @@ def test_forgetting_synchronize_is_an_error(group):
         model(torch.randn(2, 4))
     sync.synchronize()
     sync.close()
+    with pytest.raises(RuntimeError, match="close"):
+        sync.synchronize()
 
 
 def test_synchronize_inside_no_sync_is_an_error(group):
@@ -104,3 +106,4 @@ def test_abandoned_step_does_not_block_exit(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent)))
     assert proc.returncode == 0, proc.stderr
+    assert "terminate called" not in proc.stderr
