@@ -44,6 +44,10 @@ def _two_rank_cases() -> dict:
                                "config": {"mode": "rank", "rank": 8, "adaptive_tolerance": 0.5}},
         "grad-autocast-bf16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
                                "autocast": "bfloat16"},
+        "rankq-gpt2": {"kind": "rank_quality", "model": "gpt2", "uneven": True,
+                       "config": {"mode": "rank", "rank": 2, "power_iterations": 10}},
+        "rankq-mlp": {"kind": "rank_quality", "model": "mlp", "batch": 8,
+                      "config": {"mode": "rank", "rank": 2, "power_iterations": 10}},
         "grad-wire-fp16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact", "wire_dtype": "float16"}},
         "train-gpt2-error-feedback": {"kind": "train", "model": "gpt2", "steps": 20,
                                       "config": {"mode": "rank", "rank": 2, "error_feedback": True}},
@@ -154,6 +158,16 @@ def test_rank_at_or_above_true_rank_is_exact(two):
     for r in result(two, "grad-rank-above-true-rank"):
         assert r["components"] and all(c <= 3 for _, c, _ in r["components"])
         assert r["worst"] <= TOL
+
+
+@pytest.mark.parametrize("model", ["gpt2", "mlp"])
+def test_rank_average_within_best_rank_r_bound(two, model):
+    """The rebuilt gradient is the mean of the sites' rank-r approximations: its distance to DDP's
+    mean is at most the mean of the sites' best rank-r (SVD) errors, within 5%."""
+    for r in result(two, f"rankq-{model}"):
+        assert r["errors"]
+        for name, (actual, bound) in r["errors"].items():
+            assert actual <= 1.05 * bound + 1e-7, (name, actual, bound)
 
 
 def test_rank_adaptive_sends_at_most_rank(two):

@@ -107,6 +107,33 @@ def run_grad(case: dict) -> dict:
             "overlapped": overlapped, "units": [u.name for u in sync.units]}
 
 
+def run_rank_quality(case: dict) -> dict:
+    """rank-dAD's rebuilt average against DDP's, per weight, beside the bound the best local rank-r
+    approximations give: ||mean_s A_s - mean_s M_s|| <= mean_s ||A_s - M_s||, with A_s = best_r(M_s)."""
+    name = case["model"]
+    ref = models.build(name)
+    local, mine = copy.deepcopy(ref), copy.deepcopy(ref)
+    ddp = DDP(ref)
+    cfg = config_of(case)
+    sync = DADSynchronizer(mine, TorchDistributedAggregator(), cfg)
+    data = local_batch(case, 0, 0)
+    for model in (ddp, local, mine):
+        models.loss_of(name, model, data).backward()
+    sync.synchronize()
+    out = {}
+    params = dict(ref.named_parameters())
+    local_params = dict(local.named_parameters())
+    for unit in sync.units:
+        g = local_params[unit.name].grad.double()
+        best = torch.linalg.svdvals(g)[cfg.rank:].pow(2).sum().sqrt().reshape(1)
+        dist.all_reduce(best)
+        bound = float(best) / dist.get_world_size()
+        actual = float((unit.param.grad.double() - params[unit.name].grad.double()).norm())
+        out[unit.name] = [actual, bound]
+    sync.close()
+    return {"errors": out}
+
+
 def run_train(case: dict) -> dict:
     """Train several steps; gather every rank's parameters to compare them bit for bit."""
     name = case["model"]
@@ -177,7 +204,7 @@ class _null:
         return False
 
 
-RUNNERS = {"grad": run_grad, "train": run_train, "bytes": run_bytes, "error": run_error}
+RUNNERS = {"grad": run_grad, "rank_quality": run_rank_quality, "train": run_train, "bytes": run_bytes, "error": run_error}
 
 
 def main() -> None:
