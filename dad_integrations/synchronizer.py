@@ -353,7 +353,7 @@ class DADSynchronizer:
                         for buf, r in zip(buffers, rows_by_rank)]
             if not any(any(r) for r in rows_by_rank):
                 return  # no rank used this weight: its gradient stays as it is (None), as with DDP
-            grad = torch.zeros(shape, dtype=cdt, device=self._device)
+            grad = torch.zeros(shape, dtype=cdt, device=p.device)
             gathered = []
             for u, kind in enumerate(unit.kinds):
                 left = torch.cat([blk[2 * u] for blk in per_rank])
@@ -387,8 +387,8 @@ class DADSynchronizer:
                                  right=torch.cat([right.to(cdt) for _, right in rows]))
         q_init = unit.warm_q if cfg.warm_start and unit.warm_q is not None else None
         if q_init is None or q_init.shape != (n, r):
-            gen = torch.Generator(device=self._device).manual_seed(1_000_003 * unit.index + self._steps)
-            q_init = torch.randn(n, r, generator=gen, device=self._device, dtype=cdt)
+            gen = torch.Generator(device=p.device).manual_seed(1_000_003 * unit.index + self._steps)
+            q_init = torch.randn(n, r, generator=gen, device=p.device, dtype=cdt)
         low = reduce_rank(grad, r, method=method, q_init=q_init, iterations=cfg.power_iterations,
                           tolerance=cfg.adaptive_tolerance)
         if cfg.warm_start:
@@ -416,7 +416,7 @@ class DADSynchronizer:
     def _local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """This rank's gradient of the current window (without any gradient left from before)."""
         if p.grad is None:
-            return torch.zeros(p.shape, dtype=dtype, device=self._device)
+            return torch.zeros(p.shape, dtype=dtype, device=p.device)
         g = p.grad.detach().to(dtype)
         prior = self._priors.get(id(p))
         return g - prior.to(dtype) if prior is not None else g
@@ -433,7 +433,7 @@ class DADSynchronizer:
     def _verify(self, unit: FactorUnit, rows: List[Rows]) -> bool:
         """Do this rank's factors rebuild the gradient autograd computed locally?"""
         cdt = torch.float64 if unit.param.dtype == torch.float64 else torch.float32
-        rebuilt = torch.zeros(unit.param.shape, dtype=cdt, device=self._device)
+        rebuilt = torch.zeros(unit.param.shape, dtype=cdt, device=unit.param.device)
         low_precision = False
         for kind, (left, right) in zip(unit.kinds, rows):
             # under autocast the output-gradient rows are bf16/fp16 while the inputs may be fp32

@@ -32,6 +32,8 @@ def _two_rank_cases() -> dict:
         "grad-gpt2-overlap": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
                               "sleep_before_sync": 0.5},
         "grad-mlp-reentrant-checkpoint": {"kind": "grad", "model": "mlp_ckpt", "config": {"mode": "exact"}},
+        "grad-mlp-dynamic-graph": {"kind": "grad", "model": "mlp_dynamic", "config": {"mode": "exact"},
+                                   "uneven": True, "unused": True},
         "grad-mlp-functional-use": {"kind": "grad", "model": "mlp_functional", "config": {"mode": "exact"}},
         "grad-mlp-zero-tensors": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"}, "zero": "zeros",
                                   "steps": 3},

@@ -66,7 +66,7 @@ def run_grad(case: dict) -> dict:
     name = case["model"]
     ref = models.build(name)
     mine = copy.deepcopy(ref)
-    ddp = DDP(ref)
+    ddp = DDP(ref, find_unused_parameters=case.get("unused", False))
     sync = DADSynchronizer(mine, TorchDistributedAggregator(), config_of(case))
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)

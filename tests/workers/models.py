@@ -37,11 +37,30 @@ class MLP(nn.Module):
         return torch.tanh(self.hidden(h))       # the same weight, a second call
 
 
+class DynamicMLP(nn.Module):
+    """Uses ``extra`` only for batches of more than 3 examples: with uneven batches some ranks
+    skip it, so its exchange must still happen, in the same order, on every rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.extra = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if x.shape[0] > 3:
+            h = h + torch.tanh(self.extra(h))
+        return self.out(h)
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if name in ("mlp", "mlp_functional", "mlp_ckpt", "mlp_ckpt_shared"):
         return MLP(functional_reuse=name == "mlp_functional",
                    checkpoint={"mlp_ckpt": "head", "mlp_ckpt_shared": "shared"}.get(name, ""))
+    if name == "mlp_dynamic":  # a layer only some ranks use, depending on their batch
+        return DynamicMLP()
     if name == "mlp_narrow":  # every gradient has rank <= 3
         return nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 3))
     from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
