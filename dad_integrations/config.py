@@ -7,7 +7,7 @@ rejects anything it does not know, naming the key.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
 MODES = ("exact", "rank", "auto")

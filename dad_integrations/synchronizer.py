@@ -27,9 +27,9 @@ import contextlib
 import functools
 import json
 import logging
+import queue
 import threading
 import weakref
-import queue
 from concurrent.futures import Future
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -42,8 +42,7 @@ from .dense import allreduce_dense
 from .layers import Rows, add_rebuilt_grad, output_grad_rows
 from .low_rank import LocalGradient, choose_method, reduce_rank
 from .plan import FactorUnit, build_plan
-from .policy import (ID_DTYPE, choose_representation, estimate_bytes, exact_block_specs,
-                     rank_block_specs)
+from .policy import ID_DTYPE, choose_representation, estimate_bytes, exact_block_specs
 from .report import ParamReport, StepReport
 from .wire import pack, packed_size, unpack
 

@@ -174,7 +174,8 @@ def run_bytes(case: dict) -> dict:
                       "received": t["received_bytes"], "allreduce": t["allreduce_bytes"]})
         model.zero_grad(set_to_none=True)
     sync.close()
-    return {"steps": steps, "world_size": dist.get_world_size()}
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {"steps": steps, "world_size": dist.get_world_size(), "param_bytes": param_bytes}
 
 
 def run_error(case: dict) -> dict:
