@@ -33,10 +33,6 @@ class CommHandle:
             self._finish = None  # drop references to buffers
         return self._value
 
-    @classmethod
-    def completed(cls, value: Any) -> "CommHandle":
-        return cls(lambda: value)
-
 
 @dataclass
 class Traffic:

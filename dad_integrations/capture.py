@@ -53,10 +53,6 @@ class ModuleCapture:
         if inputs is not None:
             self.pairs.append(rows_of_call(self.kind, self.module, inputs, grad.detach()))
 
-    def rows(self) -> int:
-        """Rows captured so far in this window."""
-        return sum(int(left.shape[0]) for left, _ in self.pairs)
-
     def take(self) -> List[Rows]:
         """The window's pairs; clears them and drops inputs that never got a gradient."""
         pairs, self.pairs = self.pairs, []

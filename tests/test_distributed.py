@@ -206,6 +206,9 @@ def test_byte_accounting_matches_collectives(world, case_id, request):
             assert step["sent"] > 0
             # the all-reduce reference: a ring all-reduce of every trainable parameter's gradient
             assert step["allreduce"] == pytest.approx(2 * (s - 1) / s * r["param_bytes"], rel=1e-9)
+            by_rep = step["by_representation"]
+            assert sum(v["sent_bytes"] for v in by_rep.values()) == pytest.approx(step["sent"], rel=1e-9)
+            assert step["json"]["sent_bytes"] == pytest.approx(step["sent"], rel=1e-12)
             if "rank" in case_id or "auto" in case_id or "adaptive" in case_id:
                 assert step["sent"] < step["allreduce"]
 

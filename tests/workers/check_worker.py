@@ -169,9 +169,12 @@ def run_bytes(case: dict) -> dict:
         agg.recorded = 0
         models.loss_of(name, model, local_batch(case, step, 0)).backward()
         sync.synchronize()
-        t = sync.last_step_report().totals
+        report = sync.last_step_report()
+        t = report.totals
         steps.append({"recorded": agg.recorded, "handed": t["handed_bytes"], "sent": t["sent_bytes"],
-                      "received": t["received_bytes"], "allreduce": t["allreduce_bytes"]})
+                      "received": t["received_bytes"], "allreduce": t["allreduce_bytes"],
+                      "by_representation": report.by_representation(),
+                      "json": json.loads(json.dumps(report.to_dict()))["totals"]})
         model.zero_grad(set_to_none=True)
     sync.close()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
