@@ -34,6 +34,8 @@ def _two_rank_cases() -> dict:
         "grad-mlp-reentrant-checkpoint": {"kind": "grad", "model": "mlp_ckpt", "config": {"mode": "exact"}},
         "grad-mlp-dynamic-graph": {"kind": "grad", "model": "mlp_dynamic", "config": {"mode": "exact"},
                                    "uneven": True, "unused": True},
+        "grad-embedding-padding-freq": {"kind": "grad", "model": "embedding", "config": {"mode": "exact"},
+                                        "uneven": True},
         "grad-mlp-functional-use": {"kind": "grad", "model": "mlp_functional", "config": {"mode": "exact"}},
         "grad-mlp-zero-tensors": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"}, "zero": "zeros",
                                   "steps": 3},
@@ -127,6 +129,11 @@ def test_autocast_bf16_keeps_factors(two):
     for r in result(two, "grad-autocast-bf16"):
         assert r["dense_only"] == [] and "exact" in r["representations"]
         assert r["worst"] < 5e-2
+
+
+def test_embedding_padding_and_frequency_scaling_stay_on_factors(two):
+    for r in result(two, "grad-embedding-padding-freq"):
+        assert r["dense_only"] == [] and r["worst"] <= TOL
 
 
 def test_exact_mode_uses_factors(two):

@@ -59,6 +59,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name in ("mlp", "mlp_functional", "mlp_ckpt", "mlp_ckpt_shared"):
         return MLP(functional_reuse=name == "mlp_functional",
                    checkpoint={"mlp_ckpt": "head", "mlp_ckpt_shared": "shared"}.get(name, ""))
+    if name == "embedding":  # padding_idx and scale_grad_by_freq, which change the gradient rows
+        return nn.Sequential(nn.Embedding(20, 8, padding_idx=0, scale_grad_by_freq=True), nn.Linear(8, 12))
     if name == "mlp_dynamic":  # a layer only some ranks use, depending on their batch
         return DynamicMLP()
     if name == "mlp_narrow":  # every gradient has rank <= 3
@@ -89,6 +91,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
 def batch(name: str, size: int, seed: int) -> dict:
     """A batch of ``size`` examples for model ``name``, deterministic in ``seed``."""
     g = torch.Generator().manual_seed(seed)
+    if name == "embedding":  # few ids, so that they repeat; 0 is the padding id
+        ids = torch.randint(0, 6, (size, 5), generator=g)
+        return {"x": ids, "y": torch.randn(size, 5, 12, generator=g)}
     if name.startswith("mlp"):
         width = 3 if name == "mlp_narrow" else 12
         return {"x": torch.randn(size, 5, width, generator=g), "y": torch.randn(size, 5, width if name == "mlp_narrow" else 6, generator=g)}
@@ -104,6 +109,6 @@ def batch(name: str, size: int, seed: int) -> dict:
 
 
 def loss_of(name: str, model: nn.Module, data: dict) -> torch.Tensor:
-    if name.startswith("mlp"):
+    if name.startswith("mlp") or name == "embedding":
         return nn.functional.mse_loss(model(data["x"]), data["y"])
     return model(**data).loss
