@@ -97,10 +97,13 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
             return None
         if any(fnmatch.fnmatchcase(mod_name, pat) for pat in config.exclude):
             return None
-        if kind == "embedding" and module.sparse:
+        return kind
+
+    # refuse before any hook is installed, so that a refused model is left untouched
+    for mod_name, module in model.named_modules():
+        if capturable(mod_name, module) == "embedding" and module.sparse and module.weight.requires_grad:
             raise ValueError(f"module {mod_name!r}: sparse embedding gradients are not supported by dAD; "
                              f"use sparse=False or exclude the module with the 'exclude' config key")
-        return kind
 
     captures: Dict[int, ModuleCapture] = {}
     units: List[FactorUnit] = []

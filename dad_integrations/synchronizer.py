@@ -181,7 +181,8 @@ class DADSynchronizer:
             raise ValueError(f"state for unknown parameters {unknown}")
         for name, s in state.items():
             u = by_name[name]
-            u.warm_q, u.residual, u.dense_only = s.get("warm_q"), s.get("residual"), bool(s.get("dense_only"))
+            u.warm_q, u.residual = s.get("warm_q"), s.get("residual")
+            _set_dense_only(u, bool(s.get("dense_only")))
 
     def close(self) -> None:
         """Remove every hook; the model trains as if dAD had never been attached."""
@@ -278,7 +279,7 @@ class DADSynchronizer:
         if verify and not unit.dense_only:
             ok = self._verify(unit, rows)
         before = agg.traffic()
-        wire = self._wire or _compute_dtype(p)
+        wire = self._wire or p.dtype  # None: factors travel in the gradients' dtype
         rank_allowed = cfg.rank is not None and not all(k == "embedding" for k in unit.kinds)
         # Routes that need no agreed row counts skip the size exchange (after the checked first step).
         fixed_route = unit.dense_only or (cfg.mode == "rank" and rank_allowed)
@@ -325,9 +326,7 @@ class DADSynchronizer:
             raise RuntimeError(f"ranks disagree on the exchange order at {unit.name!r}: "
                                f"{[int(t[0]) for t in metas]}")
         if not all(int(t[1]) for t in metas):
-            unit.dense_only = True
-            for capture in unit.uses:  # its rows are of no use from now on
-                capture.enabled = False
+            _set_dense_only(unit, True)
             if agg.rank == 0:
                 log.warning("dAD: the factors of %r do not rebuild its local gradient (is the weight used "
                             "outside its layers, or changed by a gradient hook?); it goes dense from now on",
@@ -347,11 +346,11 @@ class DADSynchronizer:
 
         def finish() -> None:
             buffers = handle.wait()
+            if not any(any(r) for r in rows_by_rank):
+                return  # no rank used this weight: its gradient stays as it is (None), as with DDP
             cdt = _compute_dtype(p)
             per_rank = [unpack(buf, exact_block_specs(unit.kinds, shape, r, wire))
                         for buf, r in zip(buffers, rows_by_rank)]
-            if not any(any(r) for r in rows_by_rank):
-                return  # no rank used this weight: its gradient stays as it is (None), as with DDP
             grad = torch.zeros(shape, dtype=cdt, device=p.device)
             gathered = []
             for u, kind in enumerate(unit.kinds):
@@ -405,8 +404,6 @@ class DADSynchronizer:
 
         def finish() -> None:
             factors = torch.cat(handle.wait()).to(cdt)
-            if p.grad is None and not factors.any():
-                return  # likely unused on every rank: keep grad None rather than zeros
             self._set_grad(p, (factors[:, :m].t() @ factors[:, m:]).div_(s))
 
         return finish
@@ -523,6 +520,13 @@ def _concat_rows(pairs: List[Rows], kind: str, shape: Tuple[int, int], p: nn.Par
         return (torch.zeros(0, dtype=torch.int64, device=p.device),
                 torch.zeros(0, n, dtype=p.dtype, device=p.device))
     return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)
+
+
+def _set_dense_only(unit: FactorUnit, dense_only: bool) -> None:
+    """Route a unit through dense all-reduce for good; its rows are then of no use."""
+    unit.dense_only = dense_only
+    for capture in unit.uses:
+        capture.enabled = not dense_only
 
 
 def _in_backward() -> bool:

@@ -67,8 +67,24 @@ def test_synchronize_inside_no_sync_is_an_error(group):
 
 
 def test_sparse_embeddings_are_refused(group):
+    model = nn.Sequential(nn.Linear(3, 3), nn.Embedding(10, 3, sparse=True))
     with pytest.raises(ValueError, match="sparse"):
-        DADSynchronizer(nn.Embedding(10, 3, sparse=True), TorchDistributedAggregator())
+        DADSynchronizer(model, TorchDistributedAggregator())
+    assert not model[0]._forward_hooks, "a refused model must be left without hooks"
+
+
+def test_dense_only_state_round_trip_stops_capture(group):
+    model = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(mode="exact"))
+    state = sync.state_dict()
+    state["0.weight"]["dense_only"] = True
+    sync.load_state_dict(state)
+    model(torch.randn(2, 4)).sum().backward()
+    sync.synchronize()
+    reps = {p.name: p.representation for p in sync.last_step_report().params}
+    assert reps["0.weight"] == "dense" and reps["2.weight"] == "exact"
+    assert not sync.units[-1].uses[0].enabled  # the units run in reverse order: 0.weight is last
+    sync.close()
 
 
 def test_bad_config_dict_is_refused(group):
