@@ -32,11 +32,18 @@ def _buckets(items: Sequence[DenseItem], cap_bytes: float, itemsize: int) -> Lis
 
 def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
                     bucket_cap_mb: float, wire_dtype: Optional[torch.dtype],
-                    account: Callable[[str, nn.Parameter, Traffic], None]) -> None:
-    """Average the gradients of ``items`` over ranks, in place; ``account`` gets each one's share."""
+                    account: Callable[[str, nn.Parameter, Traffic], None],
+                    prescale: float = 1.0, postscale: Optional[float] = None) -> None:
+    """Reduce the gradients of ``items`` over ranks in place: ``postscale * sum(prescale * g)``.
+
+    ``postscale`` None averages (``1 / world_size``). ``prescale`` is applied before the wire cast,
+    as Horovod's and DeepSpeed's gradient pre-division is, to keep fp16 sums in range.
+    ``account`` gets each parameter's share of the traffic.
+    """
     if not items:
         return
     s = aggregator.world_size
+    postscale = 1.0 / s if postscale is None else postscale
     device = items[0][1].device
     dtype = wire_dtype or items[0][1].dtype
     if any((wire_dtype or p.dtype) != dtype for _, p in items):
@@ -46,8 +53,8 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
 
     pending = []
     for b, bucket in enumerate(buckets):
-        parts = [(p.grad.detach().reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=device))
-                 .to(dtype) for _, p in bucket]
+        parts = [_prescaled(p.grad, prescale).reshape(-1).to(dtype) if p.grad is not None
+                 else torch.zeros(p.numel(), dtype=dtype, device=device) for _, p in bucket]
         if b == 0:  # how many ranks hold a gradient, per parameter
             parts.append(torch.tensor([p.grad is not None for _, p in items], dtype=dtype, device=device))
         flat = torch.cat(parts)
@@ -66,7 +73,7 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
             share = p.numel() / numel
             account(name, p, Traffic(traffic.handed * share, traffic.sent * share,
                                      traffic.received * share, 0))
-            avg = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).div_(s)
+            avg = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).mul_(postscale)
             offset += p.numel()
             if p.grad is not None:
                 p.grad.copy_(avg)
@@ -77,3 +84,7 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
             account("[dense flags]", None, Traffic(traffic.handed * rest, traffic.sent * rest,
                                                    traffic.received * rest, 0))
 
+
+
+def _prescaled(grad: torch.Tensor, prescale: float) -> torch.Tensor:
+    return grad.detach() if prescale == 1.0 else grad.detach() * prescale

@@ -41,6 +41,7 @@ class FactorUnit:
     uses: List[ModuleCapture]
     biases: List[BiasUse]
     ready: threading.Event = field(default_factory=threading.Event)
+    passes: int = 0                   # backward passes seen since the last exchange
     dense_only: bool = False          # failed the first-step check: dense from then on
     warm_q: Optional[torch.Tensor] = None
     residual: Optional[torch.Tensor] = None

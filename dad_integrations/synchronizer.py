@@ -61,10 +61,18 @@ class DADSynchronizer:
         model: the model, identical in structure on every rank (checked here).
         aggregator: the collectives backend; None uses `TorchDistributedAggregator`.
         config: a `DADConfig` or a dict of its keys.
+        prescale_factor: each rank's contribution is multiplied by it before the reduction.
+        postscale_factor: the reduced sum is multiplied by it; None averages (``1 / world_size``).
+            Together they express the engines' reductions: Horovod's ``op=Sum`` is
+            ``postscale_factor=1``, its ``gradient_predivide_factor=f`` is ``prescale 1/f,
+            postscale f/size``, as is DeepSpeed's.
+        backward_passes_per_step: a weight's exchange starts at its k-th backward pass (Horovod's
+            ``backward_passes_per_step``); factors of the earlier passes are kept and sent with it.
     """
 
     def __init__(self, model: nn.Module, aggregator: Optional[FactorAggregator] = None,
-                 config: Union[DADConfig, Mapping, None] = None):
+                 config: Union[DADConfig, Mapping, None] = None, *, prescale_factor: float = 1.0,
+                 postscale_factor: Optional[float] = None, backward_passes_per_step: int = 1):
         self.config = DADConfig() if config is None else DADConfig.from_dict(config)
         if aggregator is None:
             from .torch_distributed import TorchDistributedAggregator
@@ -77,6 +85,9 @@ class DADSynchronizer:
                              "integration, which replaces DDP's all-reduce with a communication hook)")
         self.model = model
         self.aggregator = aggregator
+        self.prescale_factor = float(prescale_factor)
+        self.postscale_factor = None if postscale_factor is None else float(postscale_factor)
+        self.set_backward_passes_per_step(backward_passes_per_step)
         self._wire = WIRE_DTYPES[self.config.wire_dtype]
         try:
             self._device = next(model.parameters()).device
@@ -133,6 +144,7 @@ class DADSynchronizer:
             self._flush.clear()
             for unit in self._plan.units:
                 unit.ready.clear()
+                unit.passes = 0
             for c in self._plan.captures:
                 c.clear()
             self._priors.clear()
@@ -154,6 +166,18 @@ class DADSynchronizer:
             yield
         finally:
             self._accumulating = previous
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Start each weight's exchange at its ``passes``-th backward pass (1: every backward)."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        self.backward_passes_per_step = passes
+
+    @property
+    def scale(self) -> float:
+        """The factor applied to the sum over ranks of the local gradients."""
+        post = 1.0 / self.aggregator.world_size if self.postscale_factor is None else self.postscale_factor
+        return self.prescale_factor * post
 
     def last_step_report(self) -> Optional[StepReport]:
         """Per parameter: representation, rows, bytes handed/sent/received, and totals."""
@@ -221,6 +245,9 @@ class DADSynchronizer:
     def _on_weight_ready(self, unit: FactorUnit, param: torch.Tensor) -> None:
         if self._accumulating:
             return
+        unit.passes += 1
+        if unit.passes < self.backward_passes_per_step:
+            return  # an earlier micro-step: its rows stay captured and go with the last one
         if unit.ready.is_set():  # its rows may already be on the wire: fail the step at synchronize()
             self._twice.append(unit.name)
         unit.ready.set()
@@ -262,7 +289,8 @@ class DADSynchronizer:
             _add_traffic(report[name], traffic)
 
         allreduce_dense(self._plan.dense + dense_units, self.aggregator,
-                        bucket_cap_mb=self.config.bucket_cap_mb, wire_dtype=self._wire, account=account)
+                        bucket_cap_mb=self.config.bucket_cap_mb, wire_dtype=self._wire, account=account,
+                        prescale=self.prescale_factor, postscale=self.postscale_factor)
         return StepReport(self._steps, s, list(report.values()))
 
     def _exchange_unit(self, unit: FactorUnit, verify: bool, report: Dict[str, ParamReport],
@@ -335,7 +363,7 @@ class DADSynchronizer:
 
     def _send_exact(self, unit: FactorUnit, rows: List[Rows], rows_by_rank: List[List[int]],
                     wire: torch.dtype) -> Callable[[], None]:
-        p, s = unit.param, self.aggregator.world_size
+        p = unit.param
         shape = tuple(p.shape)
         blocks = []
         for kind, (left, right) in zip(unit.kinds, rows):
@@ -359,10 +387,10 @@ class DADSynchronizer:
                 left = left.long() if kind == "embedding" else left.to(cdt)
                 gathered.append((left, right.to(cdt)))
                 add_rebuilt_grad(kind, grad, gathered[-1])
-            self._set_grad(p, grad.div_(s))
+            self._set_grad(p, grad.mul_(self.scale))
             for b in unit.biases:
                 u = unit.uses.index(b.capture)
-                self._set_grad(b.param, output_grad_rows(b.capture.kind, gathered[u]).sum(0).div_(s))
+                self._set_grad(b.param, output_grad_rows(b.capture.kind, gathered[u]).sum(0).mul_(self.scale))
 
         return finish
 
@@ -404,7 +432,7 @@ class DADSynchronizer:
 
         def finish() -> None:
             factors = torch.cat(handle.wait()).to(cdt)
-            self._set_grad(p, (factors[:, :m].t() @ factors[:, m:]).div_(s))
+            self._set_grad(p, (factors[:, :m].t() @ factors[:, m:]).mul_(self.scale))
 
         return finish
 

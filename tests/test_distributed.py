@@ -63,6 +63,13 @@ def _two_rank_cases() -> dict:
         "bytes-gpt2-auto": {"kind": "bytes", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
         "bytes-gpt2-adaptive": {"kind": "bytes", "model": "gpt2",
                                 "config": {"mode": "rank", "rank": 8, "adaptive_tolerance": 0.5}},
+        # engine reductions: sums, pre-division, and exchanges started at the k-th backward pass
+        "grad-gpt2-sum": {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"}, "uneven": True,
+                          "sync": {"postscale_factor": 1.0}},
+        "grad-mlp-predivide": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"},
+                               "sync": {"prescale_factor": 0.25, "postscale_factor": 2.0}},
+        "grad-gpt2-passes-2": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"}, "uneven": True,
+                               "accumulate": 2, "sync": {"backward_passes_per_step": 2}},
         "error-mismatch": {"kind": "error", "model": "mlp", "other": "mlp_narrow"},
         "error-reentrant-shared": {"kind": "error", "model": "mlp_ckpt_shared", "config": {"mode": "exact"}},
     })

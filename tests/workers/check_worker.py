@@ -67,7 +67,11 @@ def run_grad(case: dict) -> dict:
     ref = models.build(name)
     mine = copy.deepcopy(ref)
     ddp = DDP(ref, find_unused_parameters=case.get("unused", False))
-    sync = DADSynchronizer(mine, TorchDistributedAggregator(), config_of(case))
+    kwargs = case.get("sync", {})  # prescale_factor, postscale_factor, backward_passes_per_step
+    sync = DADSynchronizer(mine, TorchDistributedAggregator(), config_of(case), **kwargs)
+    # DDP averages; the expected result is scale * sum = scale * S * DDP's
+    ref_scale = sync.scale * dist.get_world_size()
+    counted = kwargs.get("backward_passes_per_step", 1) > 1  # micro-steps counted, not in no_sync()
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt_mine = torch.optim.SGD(mine.parameters(), lr=0.1)
     worst, per_param, components = 0.0, {}, []
@@ -80,12 +84,15 @@ def run_grad(case: dict) -> dict:
                 with _autocast(case):
                     loss_ref = models.loss_of(name, ddp, data)
                 loss_ref.backward()
-            with (sync.no_sync() if not last else _null()):
+            with (sync.no_sync() if not last and not counted else _null()):
                 with _autocast(case):
                     loss_mine = models.loss_of(name, mine, data)
                 loss_mine.backward()
         time.sleep(case.get("sleep_before_sync", 0))  # lets the test see what began during backward
         sync.synchronize()
+        for p in ref.parameters():
+            if p.grad is not None and ref_scale != 1.0:
+                p.grad.mul_(ref_scale)
         total = sum(float(p.grad.norm()) ** 2 for p in ref.parameters() if p.grad is not None) ** 0.5
         for (pname, a), b in zip(ref.named_parameters(), mine.parameters()):
             e = rel_err(b.grad, a.grad, floor=1e-6 * total)
