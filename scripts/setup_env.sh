@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in <repo>/.venv and install the package
-# with its test and example extras. Safe to run again: existing pieces are kept.
+# with its test, example and engine extras (Accelerate, DeepSpeed; Horovod built from source by
+# scripts/build_horovod.sh). Safe to run again: existing pieces are kept.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -19,7 +20,14 @@ fi
 echo "setup_env: installing torch==2.13.0"
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 
-echo "setup_env: installing dad-integrations (editable) with extras [test,examples]"
-"$VENV/bin/python" -m pip install -q -e ".[test,examples]"
+EXTRAS=${DAD_EXTRAS:-test,examples,accelerate,deepspeed}
+echo "setup_env: installing dad-integrations (editable) with extras [$EXTRAS]"
+"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
+
+# Horovod has no wheel on PyPI for this torch: build it once (minutes), then reuse the cached wheel.
+# DAD_SKIP_HOROVOD=1 skips it (its tests then fail with a message saying how to build it).
+if [ "${DAD_SKIP_HOROVOD:-0}" != "1" ]; then
+    VENV="$VENV" bash scripts/build_horovod.sh
+fi
 
 echo "setup_env: done; torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
