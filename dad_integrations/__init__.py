@@ -5,10 +5,11 @@ rank (Baker et al., arXiv 2102.09631). See `DADSynchronizer` for the training-lo
 """
 from .aggregator import CommHandle, FactorAggregator, Traffic
 from .config import DADConfig
+from .ddp_hook import register_dad_comm_hook
 from .report import ParamReport, StepReport
 from .synchronizer import DADSynchronizer
 from .torch_distributed import TorchDistributedAggregator
 
 __all__ = ["CommHandle", "DADConfig", "DADSynchronizer", "FactorAggregator", "ParamReport",
-           "StepReport", "TorchDistributedAggregator", "Traffic"]
+           "StepReport", "TorchDistributedAggregator", "Traffic", "register_dad_comm_hook"]
 __version__ = "0.1.0"

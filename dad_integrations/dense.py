@@ -33,12 +33,14 @@ def _buckets(items: Sequence[DenseItem], cap_bytes: float, itemsize: int) -> Lis
 def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
                     bucket_cap_mb: float, wire_dtype: Optional[torch.dtype],
                     account: Callable[[str, nn.Parameter, Traffic], None],
-                    prescale: float = 1.0, postscale: Optional[float] = None) -> None:
+                    prescale: float = 1.0, postscale: Optional[float] = None,
+                    write: Optional[Callable[[nn.Parameter, torch.Tensor], None]] = None) -> None:
     """Reduce the gradients of ``items`` over ranks in place: ``postscale * sum(prescale * g)``.
 
     ``postscale`` None averages (``1 / world_size``). ``prescale`` is applied before the wire cast,
     as Horovod's and DeepSpeed's gradient pre-division is, to keep fp16 sums in range.
-    ``account`` gets each parameter's share of the traffic.
+    ``account`` gets each parameter's share of the traffic; ``write``, when given, receives each
+    result instead of ``.grad`` (DDP's bucket views).
     """
     if not items:
         return
@@ -75,7 +77,9 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
                                      traffic.received * share, 0))
             avg = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).mul_(postscale)
             offset += p.numel()
-            if p.grad is not None:
+            if write is not None:
+                write(p, avg)
+            elif p.grad is not None:
                 p.grad.copy_(avg)
             elif flags[position[id(p)]] > 0:
                 p.grad = avg.clone()

@@ -72,7 +72,8 @@ class DADSynchronizer:
 
     def __init__(self, model: nn.Module, aggregator: Optional[FactorAggregator] = None,
                  config: Union[DADConfig, Mapping, None] = None, *, prescale_factor: float = 1.0,
-                 postscale_factor: Optional[float] = None, backward_passes_per_step: int = 1):
+                 postscale_factor: Optional[float] = None, backward_passes_per_step: int = 1,
+                 _driven_by_ddp: bool = False):
         self.config = DADConfig() if config is None else DADConfig.from_dict(config)
         if aggregator is None:
             from .torch_distributed import TorchDistributedAggregator
@@ -104,16 +105,23 @@ class DADSynchronizer:
         self._verified = not self.config.verify_first_step
         self._report: Optional[StepReport] = None
         self._twice: List[str] = []   # weights whose gradient was accumulated twice in one step
+        self._done: List[Callable[[Optional[BaseException]], None]] = []  # DDP futures to complete
 
         self._plan = build_plan(model, self.config, on_forward=self._open_window)
+        self._unit_of = {id(u.param): u for u in self._plan.units}
         try:
             self._check_same_model()
         except BaseException:
             for c in self._plan.captures:
                 c.remove()
             raise
-        self._hooks = [u.param.register_post_accumulate_grad_hook(functools.partial(self._on_weight_ready, u))
-                       for u in self._plan.units]
+        # DDP mode: DDP's comm hook hands over buckets of finished gradients, and the results go
+        # back into those buckets (DDP copies them into .grad), so the weight hooks are not used.
+        self._ddp_mode = _driven_by_ddp
+        self._targets: Dict[int, torch.Tensor] = {}
+        self._hooks = [] if _driven_by_ddp else [
+            u.param.register_post_accumulate_grad_hook(functools.partial(self._on_weight_ready, u))
+            for u in self._plan.units]
         self._worker = _Worker("dad-sync")
         self._abandoned = False
         # at exit, release a step left in flight (an error before synchronize()), so that its
@@ -127,28 +135,44 @@ class DADSynchronizer:
     # -- public API -----------------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until every parameter's gradient holds its average over ranks."""
+        if self._ddp_mode:
+            raise RuntimeError("this synchroniser is driven by DDP's communication hook: gradients are "
+                               "synchronised when backward ends, do not call synchronize()")
         if self._accumulating:
             raise RuntimeError("synchronize() was called inside no_sync(); call it after the block")
         if self._abandoned:
             raise RuntimeError("synchronize() was called after close()")
         self._dispatch()
-        self._flush.set()
-        for unit in self._plan.units:
-            unit.ready.set()
+        self._release_all()
         try:
             report = self._future.result()
         finally:
-            late = [c.name for c in self._plan.captures if c.pairs] + self._twice
-            self._twice = []
-            self._future = None
-            self._flush.clear()
-            for unit in self._plan.units:
-                unit.ready.clear()
-                unit.passes = 0
-            for c in self._plan.captures:
-                c.clear()
-            self._priors.clear()
-            self._window_open = False
+            late = self._end_step()
+        self._finish(report, late)
+
+    def _release_all(self) -> None:
+        """Backward is over: every unit and the dense buckets may go."""
+        self._flush.set()
+        for unit in self._plan.units:
+            unit.ready.set()
+
+    def _end_step(self) -> List[str]:
+        """Reset the per-step state; returns the weights whose rows arrived after their exchange."""
+        late = [c.name for c in self._plan.captures if c.pairs] + self._twice
+        self._twice = []
+        self._future = None
+        self._flush.clear()
+        for unit in self._plan.units:
+            unit.ready.clear()
+            unit.passes = 0
+        for c in self._plan.captures:
+            c.clear()
+        self._priors.clear()
+        self._targets.clear()
+        self._window_open = False
+        return late
+
+    def _finish(self, report: StepReport, late: List[str]) -> None:
         if late:
             raise RuntimeError(f"the gradients of {sorted(set(late))} came in twice in one step, after their "
                                f"exchange had started: a weight used in several reentrant-checkpointed "
@@ -157,6 +181,51 @@ class DADSynchronizer:
         self._report = report
         self._steps += 1
         self._verified = True
+
+    # -- DDP communication hook path (see `ddp_hook`) --------------------------------------------
+    def _ddp_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
+                    on_done: Callable[[Optional[BaseException]], None]) -> None:
+        """DDP handed over a bucket of finished local gradients; results are written into ``views``.
+
+        Buckets come in the same order on every rank; the step runs on the worker thread, and
+        ``on_done`` (which completes DDP's futures) is called once the whole step is over.
+        """
+        if self._abandoned:
+            raise RuntimeError("the dAD communication hook was used after close()")
+        with self._lock:
+            for p, v in zip(params, views):
+                self._targets[id(p)] = v
+            self._done.append(on_done)
+        for p in params:
+            unit = self._unit_of.get(id(p))
+            if unit is not None:
+                unit.ready.set()
+        with self._lock:
+            if self._future is None:
+                self._future = self._worker.submit(self._ddp_step)
+        if last:
+            self._release_all()
+
+    def _ddp_step(self) -> StepReport:
+        error: Optional[BaseException] = None
+        report = None
+        try:
+            report = self._exchange()
+        except BaseException as e:
+            error = e
+        with self._lock:
+            done, self._done = self._done, []
+            late = self._end_step()
+        if error is None:
+            try:
+                self._finish(report, late)
+            except BaseException as e:
+                error = e
+        for callback in done:
+            callback(error)
+        if error is not None:
+            raise error
+        return report
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -290,7 +359,8 @@ class DADSynchronizer:
 
         allreduce_dense(self._plan.dense + dense_units, self.aggregator,
                         bucket_cap_mb=self.config.bucket_cap_mb, wire_dtype=self._wire, account=account,
-                        prescale=self.prescale_factor, postscale=self.postscale_factor)
+                        prescale=self.prescale_factor, postscale=self.postscale_factor,
+                        write=self._write_dense if self._ddp_mode else None)
         return StepReport(self._steps, s, list(report.values()))
 
     def _exchange_unit(self, unit: FactorUnit, verify: bool, report: Dict[str, ParamReport],
@@ -375,6 +445,8 @@ class DADSynchronizer:
         def finish() -> None:
             buffers = handle.wait()
             if not any(any(r) for r in rows_by_rank):
+                if self._ddp_mode:  # DDP keeps what its bucket holds: the average, zeros here
+                    self._set_grad(p, torch.zeros(shape, dtype=_compute_dtype(p), device=p.device))
                 return  # no rank used this weight: its gradient stays as it is (None), as with DDP
             cdt = _compute_dtype(p)
             per_rank = [unpack(buf, exact_block_specs(unit.kinds, shape, r, wire))
@@ -437,6 +509,9 @@ class DADSynchronizer:
         return finish
 
     # -- helpers --------------------------------------------------------------------------------
+    def _write_dense(self, p: nn.Parameter, average: torch.Tensor) -> None:
+        self._targets[id(p)].copy_(average.view_as(self._targets[id(p)]))
+
     def _local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """This rank's gradient of the current window (without any gradient left from before)."""
         if p.grad is None:
@@ -449,7 +524,10 @@ class DADSynchronizer:
         """``p.grad = prior + average``, in place where a gradient tensor exists."""
         prior = self._priors.get(id(p))
         value = average if prior is None else average + prior.to(average.dtype)
-        if p.grad is not None:
+        target = self._targets.get(id(p))
+        if target is not None:  # DDP mode: DDP copies its bucket into .grad
+            target.copy_(value.view_as(target))
+        elif p.grad is not None:
             p.grad.copy_(value)
         else:
             p.grad = value.to(p.dtype)

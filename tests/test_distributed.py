@@ -70,6 +70,13 @@ def _two_rank_cases() -> dict:
                                "sync": {"prescale_factor": 0.25, "postscale_factor": 2.0}},
         "grad-gpt2-passes-2": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"}, "uneven": True,
                                "accumulate": 2, "sync": {"backward_passes_per_step": 2}},
+        # dAD as DDP's communication hook (the Accelerate path): DDP's no_sync accumulation too
+        "grad-ddphook-gpt2-exact": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
+                                    "ddp_hook": True, "uneven": True, "steps": 3},
+        "grad-ddphook-gpt2-accumulate": {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"},
+                                         "ddp_hook": True, "accumulate": 2},
+        "grad-ddphook-bert-exact": {"kind": "grad", "model": "bert", "config": {"mode": "exact"},
+                                    "ddp_hook": True},
         "error-mismatch": {"kind": "error", "model": "mlp", "other": "mlp_narrow"},
         "error-reentrant-shared": {"kind": "error", "model": "mlp_ckpt_shared", "config": {"mode": "exact"}},
     })

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
+from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator, register_dad_comm_hook
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dad_integrations"
 
@@ -92,11 +92,34 @@ def test_bad_config_dict_is_refused(group):
         DADSynchronizer(_model(), TorchDistributedAggregator(), {"rnak": 3})
 
 
+def test_ddp_comm_hook_replaces_allreduce(group):
+    """As DDP's hook, dAD hands back the gradients, and synchronize() is refused (DDP drives it)."""
+    model, ref = _model(), _model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    sync = register_dad_comm_hook(ddp, {"mode": "exact"})
+    assert [state for _, state in ddp._comm_hooks] == [sync]
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        ddp(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+        assert sync.last_step_report().totals["params_exact"] == 4
+        model.zero_grad()
+        ref.zero_grad()
+    with pytest.raises(RuntimeError, match="communication hook"):
+        sync.synchronize()
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        register_dad_comm_hook(model)
+    sync.close()
+
+
 def test_algorithms_never_import_an_engine():
-    """Only the torch.distributed backend may import torch.distributed (or any engine)."""
+    """Only the engine adapters may import torch.distributed (or any engine); the algorithms not."""
     engines = ("torch.distributed", "horovod", "deepspeed", "accelerate")
+    adapters = ("torch_distributed.py", "ddp_hook.py", "accelerate.py", "transformers.py")
     for path in PACKAGE.glob("*.py"):
-        if path.name in ("torch_distributed.py",):
+        if path.name in adapters:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \

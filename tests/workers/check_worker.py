@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 
-from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator  # noqa: E402
+from dad_integrations import (DADConfig, DADSynchronizer, TorchDistributedAggregator,  # noqa: E402
+                              register_dad_comm_hook)
 
 
 class RecordingAggregator(TorchDistributedAggregator):
@@ -68,7 +69,14 @@ def run_grad(case: dict) -> dict:
     mine = copy.deepcopy(ref)
     ddp = DDP(ref, find_unused_parameters=case.get("unused", False))
     kwargs = case.get("sync", {})  # prescale_factor, postscale_factor, backward_passes_per_step
-    sync = DADSynchronizer(mine, TorchDistributedAggregator(), config_of(case), **kwargs)
+    if case.get("ddp_hook"):  # dAD inside DDP, as DDP's communication hook
+        mine_fwd = DDP(mine, find_unused_parameters=case.get("unused", False))
+        sync = register_dad_comm_hook(mine_fwd, config_of(case))
+        mine_no_sync = mine_fwd.no_sync
+    else:
+        mine_fwd = mine
+        sync = DADSynchronizer(mine, TorchDistributedAggregator(), config_of(case), **kwargs)
+        mine_no_sync = sync.no_sync
     # DDP averages; the expected result is scale * sum = scale * S * DDP's
     ref_scale = sync.scale * dist.get_world_size()
     counted = kwargs.get("backward_passes_per_step", 1) > 1  # micro-steps counted, not in no_sync()
@@ -84,12 +92,13 @@ def run_grad(case: dict) -> dict:
                 with _autocast(case):
                     loss_ref = models.loss_of(name, ddp, data)
                 loss_ref.backward()
-            with (sync.no_sync() if not last and not counted else _null()):
+            with (mine_no_sync() if not last and not counted else _null()):
                 with _autocast(case):
-                    loss_mine = models.loss_of(name, mine, data)
+                    loss_mine = models.loss_of(name, mine_fwd, data)
                 loss_mine.backward()
         time.sleep(case.get("sleep_before_sync", 0))  # lets the test see what began during backward
-        sync.synchronize()
+        if not case.get("ddp_hook"):
+            sync.synchronize()
         for p in ref.parameters():
             if p.grad is not None and ref_scale != 1.0:
                 p.grad.mul_(ref_scale)

@@ -1,0 +1,71 @@
+"""dAD as a DDP communication hook: DDP's own all-reduce is replaced, not run besides dAD.
+
+DDP hands each gradient bucket to a communication hook and copies whatever the hook's future
+returns into the parameters' ``.grad``. `register_dad_comm_hook` installs a hook that passes the
+bucket's finished local gradients to a `DADSynchronizer` running on ``ddp.module``: captured
+weights travel as factors, the rest of the bucket through dAD's dense buckets, and the averaged
+results are written back into the bucket. Buckets arrive in the same order on every rank; the step
+runs on the synchroniser's worker thread, overlapping the rest of backward, and every bucket's
+future completes when the step is over (DDP waits for them at the end of backward).
+
+What DDP users keep: ``ddp.no_sync()`` accumulation (the hook is not called, factors keep
+accumulating and go with the next synchronised backward), gradient clipping and optimizers after
+backward, mixed precision. Costs are those of `DADSynchronizer`.
+"""
+# No `from __future__ import annotations` here: DDP inspects the hook's annotations and
+# accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
+from typing import List, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .aggregator import FactorAggregator
+from .config import DADConfig
+from .synchronizer import DADSynchronizer
+
+
+def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
+                           config: Union[DADConfig, Mapping, None] = None,
+                           aggregator: Optional[FactorAggregator] = None) -> DADSynchronizer:
+    """Replace ``ddp``'s gradient all-reduce with dAD; returns the synchroniser (for its reports).
+
+    Call once, after wrapping the model and before the first backward. ``aggregator`` defaults to
+    a `TorchDistributedAggregator` over DDP's process group's ranks.
+    """
+    if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+        raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
+    if aggregator is None:
+        from .torch_distributed import TorchDistributedAggregator
+        aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group))
+    sync = DADSynchronizer(ddp.module, aggregator, config, _driven_by_ddp=True)
+    ddp.register_comm_hook(sync, _dad_comm_hook)
+    return sync
+
+
+def _dad_comm_hook(sync: DADSynchronizer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: hand the bucket to dAD; the future yields the averaged bucket."""
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    views: List[torch.Tensor] = []
+    offset = 0
+    for p in params:  # the bucket holds its parameters' gradients flattened, in this order
+        views.append(buffer[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    future: torch.futures.Future = torch.futures.Future()
+
+    def done(error: Optional[BaseException]) -> None:
+        if error is None:
+            future.set_result(buffer)
+        else:
+            future.set_exception(error)
+
+    sync._ddp_bucket(params, views, bucket.is_last(), done)
+    return future
+
+
+def _ranks_group(process_group):
+    """A new group over the ranks of DDP's group: dAD's collectives run on a background thread,
+    and must not interleave with the user's (or DDP's) own on a shared group."""
+    ranks = dist.get_process_group_ranks(process_group)
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
