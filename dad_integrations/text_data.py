@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import random
 import sysconfig
-from typing import Iterator, List
+from typing import Iterator, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -112,3 +112,29 @@ def byte_lm_batches(
         starts = torch.tensor(pending[:batch_size])
         del pending[:batch_size]
         yield tokens[starts[:, None] + positions]
+
+
+def stdlib_package_snippets(
+    packages: Sequence[str], seq_len: int, per_class: int, seed: int = 0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A classification set with no downloads: byte windows of standard-library packages' source.
+
+    Returns ``(tokens, labels)``: ``tokens`` is ``(len(packages) * per_class, seq_len)`` bytes as
+    ``torch.long``, ``labels[i]`` the index in ``packages`` (e.g. ``("json", "email", "asyncio")``)
+    of the package whose source window ``i`` was cut from. Rows are shuffled with ``seed``.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    rng = np.random.default_rng(seed)
+    rows: List[torch.Tensor] = []
+    labels: List[int] = []
+    for label, package in enumerate(packages):
+        prefix = os.path.join(root, package) + os.sep
+        source = b"".join(open(f, "rb").read() for f in _stdlib_py_files() if f.startswith(prefix))
+        if len(source) < 2 * seq_len:
+            raise ValueError(f"standard-library package {package!r} has too little source for {seq_len}-byte windows")
+        tokens = torch.frombuffer(bytearray(source), dtype=torch.uint8).long()
+        starts = rng.integers(0, len(tokens) - seq_len, size=per_class)
+        rows.append(tokens[torch.as_tensor(starts)[:, None] + torch.arange(seq_len)])
+        labels += [label] * per_class
+    order = torch.as_tensor(rng.permutation(len(labels)))
+    return torch.cat(rows)[order], torch.tensor(labels)[order]

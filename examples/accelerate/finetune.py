@@ -1,0 +1,263 @@
+"""Fine-tune a Hugging Face model with Accelerate, synchronising gradients with dAD.
+
+    accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/accelerate/finetune.py
+
+The script trains twice from the same weights on the same batches: first with Accelerate's
+ordinary DDP all-reduce, then with dAD (``--dad-mode``) installed by one added line,
+``enable_dad(accelerator, model, config)``. It prints a summary table, writes ``metrics.json``
+and a plot of loss and bytes per step (``loss_bytes.png``) to ``--output-dir``.
+
+Tasks: causal language modelling (``--family gpt2`` or ``llama``) and sequence classification
+(``--family bert``). By default a small model is built from a config and trained on text that
+ships with Python (the standard library's source: byte tokens; for classification, which package
+a window of source comes from), so nothing is downloaded. ``--model_name_or_path`` loads a hub
+model and its tokenizer instead, where the network allows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm.auto import tqdm
+
+from dad_integrations.accelerate import enable_dad
+from dad_integrations.text_data import VOCAB_SIZE, stdlib_package_snippets, stdlib_source_bytes
+
+log = logging.getLogger("finetune")
+
+FAMILIES = ("gpt2", "llama", "bert")
+CLASSIFICATION_PACKAGES = ("json", "email", "asyncio", "xml")
+
+
+@dataclass
+class RunResult:
+    """One training run, as every rank agrees on it."""
+
+    name: str
+    losses: List[float] = field(default_factory=list)
+    sent_bytes: List[float] = field(default_factory=list)       # per optimizer step and rank
+    allreduce_bytes: float = 0.0                                 # a ring all-reduce of the gradients
+    step_seconds: List[float] = field(default_factory=list)
+    ranks_identical: Optional[bool] = None
+
+    def summary(self, window: int = 5) -> Dict[str, float]:
+        tail = self.losses[-window:]
+        timed = self.step_seconds[1:] or self.step_seconds  # the first step pays one-off costs
+        sent = sum(self.sent_bytes) / max(len(self.sent_bytes), 1)
+        return {"final_loss": sum(tail) / len(tail), "sent_bytes_per_step": sent,
+                "ratio_to_allreduce": sent / self.allreduce_bytes if self.allreduce_bytes else 0.0,
+                "seconds_per_step": sorted(timed)[len(timed) // 2]}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", choices=FAMILIES, default="gpt2",
+                   help="model family (gpt2, llama: causal LM; bert: sequence classification)")
+    p.add_argument("--model_name_or_path", default=None,
+                   help="load this hub model and tokenizer instead of building a small one (needs network)")
+    p.add_argument("--dad-mode", choices=("exact", "rank", "auto"), default="auto")
+    p.add_argument("--rank", type=int, default=4, help="rank of rank-dAD (modes rank and auto)")
+    p.add_argument("--max-steps", type=int, default=60, help="optimizer steps per run")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-step")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-baseline", action="store_true", help="skip the all-reduce run")
+    p.add_argument("--cpu", action="store_true", help="train on CPU even where GPUs exist")
+    p.add_argument("--output-dir", default="runs/accelerate")
+    args = p.parse_args()
+    if args.max_steps < 1 or args.grad_accum < 1:
+        p.error("--max-steps and --grad-accum must be >= 1")
+    return args
+
+
+def build_model(args: argparse.Namespace):
+    """A hub model, or a small one from a config (no dropout, so runs compare step for step)."""
+    import transformers as tf
+
+    if args.model_name_or_path:
+        auto = tf.AutoModelForSequenceClassification if args.family == "bert" else tf.AutoModelForCausalLM
+        kwargs = {"num_labels": len(CLASSIFICATION_PACKAGES)} if args.family == "bert" else {}
+        return auto.from_pretrained(args.model_name_or_path, **kwargs)
+    common = dict(vocab_size=VOCAB_SIZE)
+    if args.family == "gpt2":
+        config = tf.GPT2Config(n_positions=args.seq_len, n_embd=128, n_layer=2, n_head=4, resid_pdrop=0.0,
+                               embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None, **common)
+        model = tf.GPT2LMHeadModel(config)
+        model.loss_type = "ForCausalLM"  # the loss it would pick anyway, minus a warning
+        return model
+    if args.family == "llama":
+        config = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=args.seq_len, bos_token_id=None, eos_token_id=None,
+                                pad_token_id=None, **common)
+        model = tf.LlamaForCausalLM(config)
+        model.loss_type = "ForCausalLM"
+        return model
+    config = tf.BertConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                           max_position_embeddings=args.seq_len, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0, num_labels=len(CLASSIFICATION_PACKAGES),
+                           pad_token_id=0, **common)
+    return tf.BertForSequenceClassification(config)
+
+
+def build_dataset(args: argparse.Namespace) -> TensorDataset:
+    """Token windows of the standard library's source (and package labels for classification)."""
+    n = args.max_steps * args.grad_accum * args.batch_size * 8  # enough for 8 processes
+    if args.family == "bert":
+        per_class = -(-n // len(CLASSIFICATION_PACKAGES))
+        tokens, labels = stdlib_package_snippets(CLASSIFICATION_PACKAGES, args.seq_len, per_class, seed=args.seed)
+        if args.model_name_or_path:
+            tokens = _retokenize(args, [bytes(t.tolist()) for t in tokens])
+        return TensorDataset(tokens, labels)
+    data = stdlib_source_bytes(max_bytes=max(n * args.seq_len, 200_000), seed=args.seed)
+    if args.model_name_or_path:
+        tokens = _retokenize(args, [data[i:i + 4 * args.seq_len] for i in range(0, len(data), 4 * args.seq_len)])
+    else:
+        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        tokens = tokens[: len(tokens) // args.seq_len * args.seq_len].view(-1, args.seq_len)
+    return TensorDataset(tokens, tokens)
+
+
+def _retokenize(args: argparse.Namespace, texts: List[bytes]) -> torch.Tensor:
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok([t.decode("utf-8", "replace") for t in texts], truncation=True, padding="max_length",
+              max_length=args.seq_len, return_tensors="pt")
+    return enc["input_ids"]
+
+
+def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_state: dict,
+          dataset: TensorDataset, dad_config: Optional[dict]) -> RunResult:
+    """One run: Accelerate's usual loop; with ``dad_config`` one added line switches to dAD."""
+    set_seed(args.seed)  # the same shuffling in both runs
+    model = build_model(args)
+    model.load_state_dict(init_state)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    sync = enable_dad(accelerator, model, dad_config) if dad_config is not None else None  # <- dAD
+
+    world = accelerator.num_processes
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    result = RunResult(name, allreduce_bytes=2.0 * (world - 1) / world * grad_bytes)
+    model.train()
+    bar = tqdm(total=args.max_steps, desc=f"{name:>9}", disable=not accelerator.is_local_main_process)
+    batches = _endless(loader)
+    start = time.perf_counter()
+    micro_losses: List[torch.Tensor] = []
+    while len(result.losses) < args.max_steps:
+        input_ids, labels = next(batches)
+        with accelerator.accumulate(model):
+            loss = model(input_ids=input_ids, labels=labels).loss
+            accelerator.backward(loss)
+            micro_losses.append(loss.detach())
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if not accelerator.sync_gradients:
+            continue
+        result.step_seconds.append(time.perf_counter() - start)
+        step_loss = accelerator.reduce(torch.stack(micro_losses).mean(), reduction="mean")
+        micro_losses = []
+        result.losses.append(float(step_loss))
+        if sync is not None:
+            result.sent_bytes.append(float(sync.last_step_report().totals["sent_bytes"]))
+        else:
+            result.sent_bytes.append(result.allreduce_bytes if world > 1 else 0.0)
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
+        start = time.perf_counter()
+    bar.close()
+    result.ranks_identical = _ranks_identical(accelerator, model)
+    accelerator.free_memory()
+    return result
+
+
+def _endless(loader):
+    while True:
+        yield from loader
+
+
+def _ranks_identical(accelerator: Accelerator, model) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in accelerator.unwrap_model(model).parameters()])
+    gathered = accelerator.gather(flat.unsqueeze(0))
+    return bool(all(torch.equal(gathered[0], g) for g in gathered[1:]))
+
+
+def report(args: argparse.Namespace, runs: List[RunResult], world: int) -> None:
+    """Summary table, metrics.json and loss/bytes plot (rank 0)."""
+    os.makedirs(args.output_dir, exist_ok=True)
+    rows = [(r.name, r.summary(), r.ranks_identical) for r in runs]
+    header = (f"{'run':<10}| final loss | bytes sent/step/rank | vs all-reduce | s/step | ranks identical")
+    lines = [header, "-" * len(header)]
+    for name, s, same in rows:
+        lines.append(f"{name:<10}| {s['final_loss']:10.4f} | {s['sent_bytes_per_step']:19,.0f} | "
+                     f"{s['ratio_to_allreduce']:13.3f} | {s['seconds_per_step']:6.3f} | {'yes' if same else 'NO'}")
+    print("\n".join(lines), flush=True)
+    metrics = {"args": vars(args), "world_size": world,
+               "runs": {r.name: {**asdict(r), **r.summary()} for r in runs}}
+    with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=1)
+    _plot(runs, os.path.join(args.output_dir, "loss_bytes.png"))
+    log.info("wrote %s and %s", os.path.join(args.output_dir, "metrics.json"),
+             os.path.join(args.output_dir, "loss_bytes.png"))
+
+
+def _plot(runs: List[RunResult], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in runs:
+        steps = range(1, len(r.losses) + 1)
+        ax_loss.plot(steps, r.losses, label=r.name)
+        ax_bytes.plot(steps, r.sent_bytes, label=r.name)
+    ax_loss.set(xlabel="optimizer step", ylabel="training loss", title="Loss")
+    ax_bytes.set(xlabel="optimizer step", ylabel="bytes sent per step and rank", title="Communication",
+                 yscale="log")
+    for ax in (ax_loss, ax_bytes):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    args = parse_args()
+    accelerator = Accelerator(cpu=args.cpu or not torch.cuda.is_available(),
+                              gradient_accumulation_steps=args.grad_accum)
+    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s")
+    torch.manual_seed(args.seed)
+    init_state = build_model(args).state_dict()
+    dataset = build_dataset(args)
+    dad_config = {"mode": args.dad_mode, "rank": None if args.dad_mode == "exact" else args.rank}
+    runs = []
+    if not args.no_baseline:
+        runs.append(train("allreduce", args, accelerator, init_state, dataset, None))
+    runs.append(train(f"dad-{args.dad_mode}", args, accelerator, init_state, dataset, dad_config))
+    if accelerator.is_main_process:
+        report(args, runs, accelerator.num_processes)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

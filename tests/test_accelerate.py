@@ -1,0 +1,110 @@
+"""Accelerate and Transformers: real `accelerate launch` jobs with 2 CPU processes (gloo).
+
+`enable_dad` against plain Accelerate DDP on the same data (also accumulating micro-steps with
+``accelerator.accumulate``, and under bf16 mixed precision), DDP's own all-reduce gone from a
+profiled step, `DADCallback` in `transformers.Trainer` against a plain Trainer run, and the
+example script end to end.
+"""
+import json
+
+import pytest
+
+from conftest import ROOT, WORKERS, run_accelerate
+
+TOL = 1e-5
+
+FP32_CASES = {
+    "grad-gpt2-exact": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"}},
+    "grad-gpt2-exact-accumulate": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"}, "accumulate": 2},
+    "grad-bert-exact-accumulate": {"kind": "grad", "model": "bert", "config": {"mode": "exact"}, "accumulate": 2},
+    "grad-llama-auto": {"kind": "grad", "model": "llama", "config": {"mode": "auto"}},
+    "train-gpt2-rank": {"kind": "grad", "model": "gpt2", "config": {"mode": "rank", "rank": 2}, "steps": 5},
+    "replaced-gpt2": {"kind": "replaced", "model": "gpt2", "config": {"mode": "exact"}},
+}
+BF16_CASES = {
+    "grad-gpt2-exact-bf16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"}, "accumulate": 2},
+}
+
+
+def _launch(tmp_path_factory, cases: dict, launch_args: tuple = ()) -> dict:
+    work = tmp_path_factory.mktemp("accelerate")
+    (work / "cases.json").write_text(json.dumps(cases))
+    run_accelerate(WORKERS / "accelerate_worker.py", [work / "out.json", work / "cases.json"], launch_args)
+    results = json.loads((work / "out.json").read_text())
+    for case_id, per_rank in results.items():
+        for rank, r in enumerate(per_rank):
+            if "exception" in r:
+                pytest.fail(f"{case_id} raised on rank {rank}:\n{r['exception']}")
+    return results
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    return _launch(tmp_path_factory, FP32_CASES)
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory):
+    return _launch(tmp_path_factory, BF16_CASES, ("--mixed_precision", "bf16"))
+
+
+@pytest.mark.parametrize("case_id", [c for c in FP32_CASES if c.startswith("grad-")])
+def test_enable_dad_gradients_equal_accelerate_ddp(fp32, case_id):
+    """Every gradient at every optimizer step equals plain Accelerate DDP's; ranks end identical."""
+    for rank, r in enumerate(fp32[case_id]):
+        assert r["worst"] <= TOL, f"rank {rank}: relative error {r['worst']:.2e}"
+        assert r["identical"], f"rank {rank}: parameters differ across ranks"
+
+
+def test_accumulation_sends_both_micro_steps_once(fp32):
+    """Over 2 micro-steps the exact factors of both go out in the one synchronised backward."""
+    one = fp32["grad-gpt2-exact"][0]["sent"]
+    two = fp32["grad-gpt2-exact-accumulate"][0]["sent"]
+    assert 1.8 * one < two < 2.2 * one
+
+
+def test_rank_dad_trains_with_fewer_bytes(fp32):
+    for r in fp32["train-gpt2-rank"]:
+        assert r["identical"]
+        assert r["sent"] < 0.2 * r["allreduce"]
+
+
+def test_ddp_allreduce_is_replaced_not_run_twice(fp32):
+    """A profiled step of plain DDP all-reduces every gradient; with dAD, DDP all-reduces nothing."""
+    for r in fp32["replaced-gpt2"]:
+        assert r["ddp"] >= r["numel"]
+        assert r["dad"] == 0
+
+
+def test_bf16_mixed_precision(bf16):
+    """Under bf16 autocast the factors are bf16: close to DDP's gradients, not bit-equal."""
+    for r in bf16["grad-gpt2-exact-bf16"]:
+        assert r["worst"] < 5e-2
+        assert r["identical"]
+
+
+def test_trainer_with_dad_callback(tmp_path):
+    """Trainer + DADCallback (exact) ends where a plain Trainer ends; bytes are in its logs."""
+    out = tmp_path / "trainer.json"
+    run_accelerate(WORKERS / "trainer_worker.py", [out])
+    for rank, r in enumerate(json.loads(out.read_text())):
+        assert r["identical"], f"rank {rank}: parameters differ across ranks"
+        assert r["moved"] > 0
+        assert r["rel_diff"] < TOL, f"rank {rank}: {r['rel_diff']:.2e} from the plain Trainer"
+        logged = [h for h in r["log_history"] if "loss" in h]
+        assert logged and all(h["dad_sent_bytes_per_step"] > 0 and h["dad_allreduce_bytes_per_step"] > 0
+                              for h in logged)
+
+
+@pytest.mark.parametrize("family,mode", [("gpt2", "auto"), ("bert", "exact")])
+def test_example_runs_end_to_end(tmp_path, family, mode):
+    """examples/accelerate/finetune.py: summary table, metrics.json and the PNG plot."""
+    proc = run_accelerate(ROOT / "examples" / "accelerate" / "finetune.py",
+                          ["--family", family, "--dad-mode", mode, "--max-steps", "4", "--batch-size", "4",
+                           "--seq-len", "32", "--output-dir", tmp_path])
+    assert "ranks identical" in proc.stdout
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert set(metrics["runs"]) == {"allreduce", f"dad-{mode}"}
+    for run in metrics["runs"].values():
+        assert len(run["losses"]) == 4 and run["ranks_identical"]
+    assert (tmp_path / "loss_bytes.png").stat().st_size > 10_000

@@ -1,0 +1,122 @@
+"""Runs inside `accelerate launch` (2 CPU processes): dAD through `enable_dad` against plain Accelerate.
+
+Usage: accelerate launch --config_file examples/accelerate/cpu_2proc.yaml accelerate_worker.py OUT CASES
+Each case is a dict with a "kind":
+  "grad": every gradient after each optimizer step's backward (accumulating over
+          ``accumulate`` micro-steps with ``accelerator.accumulate``), against a plain Accelerate DDP
+          model trained alongside on the same data; then ranks compared bit for bit;
+  "replaced": a profiled step: DDP's own gradient all-reduce must not run once dAD is enabled.
+The Accelerator is made once per process (mixed precision from the launch).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+from dad_integrations.accelerate import enable_dad  # noqa: E402
+
+
+def rel_err(mine, ref, floor: float) -> float:
+    if mine is None or ref is None:
+        return 0.0 if mine is None and ref is None else float("inf")
+    return float((mine - ref).float().norm()) / max(float(ref.float().norm()), floor)
+
+
+def run_grad(accelerator: Accelerator, case: dict) -> dict:
+    name = case["model"]
+    torch.manual_seed(0)
+    ref_model = models.build(name)
+    mine_model = copy.deepcopy(ref_model)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05)
+    mine_opt = torch.optim.SGD(mine_model.parameters(), lr=0.05)
+    ref, ref_opt, mine, mine_opt = accelerator.prepare(ref_model, ref_opt, mine_model, mine_opt)
+    sync = enable_dad(accelerator, mine, case["config"])
+    worst, steps, micro = 0.0, 0, 0
+    rank = accelerator.process_index
+    while steps < case.get("steps", 3):
+        data = models.batch(name, 3 + rank, seed=1000 * steps + 10 * micro + rank)
+        with accelerator.accumulate(ref, mine):
+            for model in (ref, mine):
+                accelerator.backward(models.loss_of(name, model, data))
+            if accelerator.sync_gradients:
+                total = sum(float(p.grad.float().norm()) ** 2 for p in ref_model.parameters()) ** 0.5
+                for a, b in zip(ref_model.parameters(), mine_model.parameters()):
+                    worst = max(worst, rel_err(b.grad, a.grad, 1e-6 * total))
+                for model in (ref, mine):
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            ref_opt.step()
+            mine_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            mine_opt.zero_grad(set_to_none=True)
+        micro += 1
+        if accelerator.sync_gradients:
+            steps += 1
+    flat = torch.cat([p.detach().reshape(-1) for p in mine_model.parameters()])
+    gathered = accelerator.gather(flat.unsqueeze(0))
+    totals = sync.last_step_report().totals
+    accelerator.free_memory()
+    return {"worst": worst, "identical": all(torch.equal(gathered[0], g) for g in gathered[1:]),
+            "sent": totals["sent_bytes"], "allreduce": totals["allreduce_bytes"]}
+
+
+def run_replaced(accelerator: Accelerator, case: dict) -> dict:
+    """Profile one step with plain DDP and one with dAD: which gradient all-reduces ran?"""
+    name = case["model"]
+    out = {}
+    for label in ("ddp", "dad"):
+        torch.manual_seed(0)
+        model = accelerator.prepare(models.build(name))
+        if label == "dad":
+            enable_dad(accelerator, model, case["config"])
+        data = models.batch(name, 3, seed=accelerator.process_index)
+        accelerator.backward(models.loss_of(name, model, data))  # first step: DDP and dAD set up
+        model.zero_grad(set_to_none=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            accelerator.backward(models.loss_of(name, model, data))
+        # DDP's reducer all-reduces its buckets on the main thread: gloo:all_reduce events
+        out[label] = sum(int(torch.tensor(s[0]).prod()) for e in prof.events()
+                         if e.name == "gloo:all_reduce" for s in e.input_shapes[:1] if s)
+        out["numel"] = sum(p.numel() for p in model.parameters())
+        accelerator.free_memory()
+    return out
+
+
+RUNNERS = {"grad": run_grad, "replaced": run_replaced}
+
+
+def main() -> None:
+    out_path, cases_path = sys.argv[1], sys.argv[2]
+    with open(cases_path) as f:
+        cases = json.load(f)
+    accelerator = Accelerator(cpu=True)
+    torch.set_num_threads(1)
+    results = {}
+    for case_id, case in cases.items():
+        accelerator.gradient_accumulation_steps = case.get("accumulate", 1)
+        accelerator.step = 0  # the accumulation counter starts afresh for each case
+        try:
+            mine = RUNNERS[case["kind"]](accelerator, case)
+        except Exception:
+            mine = {"exception": traceback.format_exc()}
+        per_rank = [None] * accelerator.num_processes
+        dist.all_gather_object(per_rank, mine)
+        results[case_id] = per_rank
+    if accelerator.is_main_process:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

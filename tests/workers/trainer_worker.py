@@ -1,0 +1,74 @@
+"""Runs inside `accelerate launch` (2 CPU processes): `transformers.Trainer` with `DADCallback`.
+
+Usage: accelerate launch --config_file examples/accelerate/cpu_2proc.yaml trainer_worker.py OUT
+Trains the small GPT-2 twice from the same weights on the same data: plain Trainer (DDP all-reduce),
+then with ``DADCallback({"mode": "exact"})``; writes the final parameters' difference, whether
+ranks agree, and the log history (where the callback's byte metrics must appear).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+from dad_integrations.transformers import DADCallback  # noqa: E402
+
+
+class ByteWindows(Dataset):
+    """The same 64 windows of random bytes on every rank; the Trainer's sampler shards them."""
+
+    def __init__(self):
+        self.data = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def train(init: torch.nn.Module, callbacks: list, out_dir: str) -> tuple:
+    model = copy.deepcopy(init)
+    args = TrainingArguments(output_dir=out_dir, max_steps=6, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=2,
+                             report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
+                             disable_tqdm=True, max_grad_norm=1.0)
+    trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(), callbacks=callbacks)
+    trainer.train()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, trainer.state.log_history
+
+
+def main() -> None:
+    out_path = sys.argv[1]
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    init = models.build("gpt2")
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, _ = train(init, [], tmp)
+        mine, history = train(init, [DADCallback({"mode": "exact"})], tmp)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    result = {"rel_diff": float((mine - ref).norm() / ref.norm()),
+              "moved": float((mine - torch.cat([p.detach().reshape(-1) for p in init.parameters()])).norm()),
+              "identical": all(torch.equal(gathered[0], g) for g in gathered),
+              "log_history": history}
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, result)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(per_rank, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
