@@ -80,21 +80,18 @@ def _find_ddp(accelerator, model: nn.Module) -> DistributedDataParallel:
 
 def _enable_on_deepspeed(accelerator, model: nn.Module,
                          config: Union[DADConfig, Mapping, None]) -> Optional[DADSynchronizer]:
-    try:
-        import deepspeed_dad
-    except ImportError as e:  # pragma: no cover - the package ships deepspeed_dad
-        raise ImportError("the DeepSpeed path of dAD needs the deepspeed_dad package") from e
-    engine = model if hasattr(model, "optimizer") and hasattr(model, "module") else None
-    if engine is None:
-        for candidate in getattr(accelerator, "_models", []):
-            if getattr(candidate, "module", None) is model:
-                engine = candidate
+    import deepspeed_dad
+
+    engine = model if hasattr(model, "zero_optimization_stage") else None
+    for candidate in getattr(accelerator, "_models", []):
+        if engine is None and getattr(candidate, "module", None) is model:
+            engine = candidate
     if engine is None:
         raise ValueError("enable_dad() needs the DeepSpeed engine returned by accelerator.prepare(...)")
-    sync = deepspeed_dad.synchronizer_of(engine)
-    if sync is None:
+    attachment = deepspeed_dad.get_attachment(engine)
+    if attachment is None:
         if config is None:
             raise ValueError("dAD is not enabled on this DeepSpeed engine: add a \"dad\" block to the "
                              "DeepSpeed config (see deepspeed_dad), or pass config= to enable_dad()")
-        sync = deepspeed_dad.attach(engine, config)
-    return sync
+        attachment = deepspeed_dad.attach(engine, config)
+    return attachment.synchronizer if attachment is not None else None

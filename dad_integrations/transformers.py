@@ -56,7 +56,8 @@ class DADCallback(TrainerCallback):
             self.sync = register_dad_comm_hook(wrapper, self.config)
         else:
             import deepspeed_dad
-            self.sync = deepspeed_dad.synchronizer_of(wrapper) or deepspeed_dad.attach(wrapper, self.config)
+            attachment = deepspeed_dad.get_attachment(wrapper) or deepspeed_dad.attach(wrapper, self.config)
+            self.sync = attachment.synchronizer if attachment is not None else None
         log.info("dAD enabled for Trainer (%s)", type(wrapper).__name__)
 
     def on_step_end(self, args, state, control, **kwargs):
