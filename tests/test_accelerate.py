@@ -108,3 +108,21 @@ def test_example_runs_end_to_end(tmp_path, family, mode):
     for run in metrics["runs"].values():
         assert len(run["losses"]) == 4 and run["ranks_identical"]
     assert (tmp_path / "loss_bytes.png").stat().st_size > 10_000
+
+
+def test_single_process_is_a_noop_said_once(tmp_path):
+    """Without several processes there is nothing to synchronise: None, and one log line."""
+    import subprocess
+    import sys
+    script = (
+        "import logging, torch\n"
+        "from accelerate import Accelerator\n"
+        "from dad_integrations.accelerate import enable_dad\n"
+        "logging.basicConfig(level=logging.INFO, format='%(name)s: %(message)s')\n"
+        "acc = Accelerator(cpu=True)\n"
+        "model = acc.prepare(torch.nn.Linear(2, 2))\n"
+        "assert enable_dad(acc, model, {'mode': 'exact'}) is None\n"
+        "assert enable_dad(acc, model) is None\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("a single process has nothing to synchronise") == 1
