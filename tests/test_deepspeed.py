@@ -217,3 +217,18 @@ def test_parse_block_names_bad_keys():
     with pytest.raises(ValueError, match="JSON object"):
         parse_block(["mode", "exact"])
     assert parse_block({"enabled": False}).enabled is False
+
+
+@pytest.mark.slow
+def test_accelerate_deepspeed_plugin_picks_up_dad_block(tmp_path):
+    """Accelerate builds the engine itself; ``import deepspeed_dad.auto`` is the one added line."""
+    pytest.importorskip("accelerate")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    out = tmp_path / "acc.json"
+    run_torchrun(WORKERS / "accelerate_ds_worker.py", 2, [out], timeout=300)
+    per_rank = json.loads(out.read_text())
+    for r in per_rank:
+        assert r["distributed_type"] == "DistributedType.DEEPSPEED" and r["engine"] == "DeepSpeedEngine"
+        assert r["attached"] and r["identical"]
+        assert all(s > 0 for s in r["sent"]) and len(r["sent"]) == len(r["losses"])
+        assert sum(r["losses"][-2:]) < sum(r["losses"][:2])
