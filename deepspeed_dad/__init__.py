@@ -1,1 +1,16 @@
-"""DeepSpeed adapter for dAD (DeepSpeedAggregator, engine hook): coming in a later release."""
+"""DeepSpeed adapter for dAD: switch it on with a ``"dad"`` block in the DeepSpeed JSON config.
+
+* `initialize`: ``deepspeed.initialize`` that reads the block and attaches dAD;
+* `attach`: attach dAD to an engine built elsewhere;
+* `patch_deepspeed_initialize` (or ``import deepspeed_dad.auto``): make ``deepspeed.initialize``
+  itself honour the block, for Accelerate and the Hugging Face ``Trainer``;
+* `DeepSpeedAggregator`: the `FactorAggregator` over ``deepspeed.comm``.
+"""
+from .aggregator import DeepSpeedAggregator
+from .config import DADBlock, parse_block, split_config
+from .engine import DeepSpeedDAD, attach, get_attachment, reduction_scales
+from .initialize import initialize, patch_deepspeed_initialize, unpatch_deepspeed_initialize
+
+__all__ = ["DADBlock", "DeepSpeedAggregator", "DeepSpeedDAD", "attach", "get_attachment", "initialize",
+           "parse_block", "patch_deepspeed_initialize", "reduction_scales", "split_config",
+           "unpatch_deepspeed_initialize"]

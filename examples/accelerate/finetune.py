@@ -25,11 +25,16 @@ from typing import Dict, List, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from dad_integrations.accelerate import enable_dad
+
+if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+    # DeepSpeed builds its engine inside accelerator.prepare(); this one line makes that engine
+    # use dAD when the DeepSpeed config has an enabled "dad" block (see deepspeed_dad).
+    import deepspeed_dad.auto  # noqa: F401
 from dad_integrations.text_data import VOCAB_SIZE, stdlib_package_snippets, stdlib_source_bytes
 
 log = logging.getLogger("finetune")
@@ -149,7 +154,14 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    sync = enable_dad(accelerator, model, dad_config) if dad_config is not None else None  # <- dAD
+    if _deepspeed(accelerator):  # the config's "dad" block rules; the baseline takes dAD off again
+        import deepspeed_dad
+        attachment = deepspeed_dad.get_attachment(model)
+        if dad_config is None and attachment is not None:
+            attachment.detach()
+        sync = attachment.synchronizer if dad_config is not None and attachment is not None else None
+    else:
+        sync = enable_dad(accelerator, model, dad_config) if dad_config is not None else None  # <- dAD
 
     world = accelerator.num_processes
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -186,6 +198,10 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
     result.ranks_identical = _ranks_identical(accelerator, model)
     accelerator.free_memory()
     return result
+
+
+def _deepspeed(accelerator: Accelerator) -> bool:
+    return getattr(accelerator.distributed_type, "value", "") == "DEEPSPEED"
 
 
 def _endless(loader):
@@ -241,8 +257,14 @@ def _plot(runs: List[RunResult], path: str) -> None:
 
 def main() -> None:
     args = parse_args()
-    accelerator = Accelerator(cpu=args.cpu or not torch.cuda.is_available(),
-                              gradient_accumulation_steps=args.grad_accum)
+    # DeepSpeed brings its own accelerator (DS_ACCELERATOR=cpu on a CPU machine)
+    on_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    handlers = []
+    if on_deepspeed and not torch.cuda.is_available():
+        # without a GPU Accelerate finds no backend for DeepSpeed and counts one process; name it
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    accelerator = Accelerator(cpu=args.cpu or not (torch.cuda.is_available() or on_deepspeed),
+                              gradient_accumulation_steps=args.grad_accum, kwargs_handlers=handlers)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s")
     torch.manual_seed(args.seed)

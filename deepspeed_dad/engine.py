@@ -1,0 +1,296 @@
+"""Attach dAD to a DeepSpeed engine, in place of the engine's own gradient all-reduce.
+
+How it replaces the all-reduce. A DeepSpeed engine reduces gradients in
+``engine.allreduce_gradients()``, which ``engine.backward()`` calls (through
+``_backward_epilogue``) after autograd has finished, only at gradient-accumulation boundaries for
+ZeRO stages 0 and 1. `attach` swaps that method, on this engine only, for one that:
+
+* at a boundary, waits for dAD (`DADSynchronizer.synchronize`, whose exchanges started during
+  backward), so that every ``param.grad`` holds the reduced gradient on every rank; then, for
+  ZeRO stage 1, lets the ZeRO optimizer copy each rank's partition out of those gradients with its
+  reduction turned into the identity (no collective runs: the gradients are already reduced);
+* off a boundary, does nothing, as DeepSpeed does: the backward of such a micro-step runs inside
+  the synchroniser's ``no_sync()``, so the factors of every micro-step are kept and sent once.
+
+Everything after the reduction is DeepSpeed's own: fp16 overflow checks and skipped steps, loss-scale
+updates, gradient clipping, the optimizer step, ``zero_grad``. The reduction's scaling follows the
+engine's (``gradient_predivide_factor``, ``prescale_gradients``, the ``"sum"`` all-reduce op) and its
+``communication_data_type`` becomes dAD's wire dtype. Configurations whose gradients DeepSpeed
+reduces elsewhere (ZeRO 2/3 reduce-scatter inside backward hooks, the fp32-accumulating BF16
+optimizer, overlapped ZeRO 1 communication, pipeline/model/sequence parallelism, MoE) are rejected
+with an error that says why, never ignored.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+
+import torch
+
+from dad_integrations import DADConfig, DADSynchronizer, StepReport
+
+from .aggregator import DeepSpeedAggregator
+from .config import DADBlock, parse_block
+
+log = logging.getLogger(__name__)
+
+ATTR = "_dad_attachment"  # where the attachment lives on the engine
+_WIRE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class DeepSpeedDAD:
+    """dAD attached to one DeepSpeed engine; made by `attach`.
+
+    Attributes:
+        engine: the engine.
+        synchronizer: the `DADSynchronizer` on ``engine.module``.
+        aggregator: its `DeepSpeedAggregator`.
+    """
+
+    def __init__(self, engine: Any, config: DADConfig):
+        self.engine = engine
+        stage = int(engine.zero_optimization_stage())
+        self.zero_stage = stage
+        world = _check_engine(engine)
+        wire = _wire_dtype(engine, config)
+        if wire != config.wire_dtype:
+            config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
+        prescale, postscale = reduction_scales(engine, world)
+        self.aggregator = DeepSpeedAggregator()
+        self.synchronizer = DADSynchronizer(engine.module, self.aggregator, config,
+                                            prescale_factor=prescale, postscale_factor=postscale)
+        self.config = self.synchronizer.config
+        self._accumulating: Optional[contextlib.AbstractContextManager] = None
+        self._originals: Dict[str, Callable] = {}
+        self._patch("allreduce_gradients", self._allreduce_gradients)
+        self._patch("backward", self._wrap_backward(engine.backward))
+        self._patch("_backward_prologue", self._wrap_prologue(engine._backward_prologue))
+        self._patch("_backward_epilogue", self._wrap_epilogue(engine._backward_epilogue))
+        setattr(engine, ATTR, self)
+        if self.aggregator.rank == 0:
+            log.info("dAD replaces DeepSpeed's gradient all-reduce: ZeRO stage %d, mode %s, prescale %g, "
+                     "postscale %g, wire dtype %s", stage, self.config.mode, prescale,
+                     self.synchronizer.scale / prescale, wire or "gradients' dtype")
+
+    # -- public ---------------------------------------------------------------------------------
+    def last_step_report(self) -> Optional[StepReport]:
+        """Bytes and representations of the last synchronised step (see `DADSynchronizer`)."""
+        return self.synchronizer.last_step_report()
+
+    def detach(self) -> None:
+        """Give the engine its own all-reduce back and remove dAD's hooks."""
+        self._end_backward()
+        for name in self._originals:
+            self.engine.__dict__.pop(name, None)
+        self._originals.clear()
+        self.synchronizer.close()
+        if getattr(self.engine, ATTR, None) is self:
+            delattr(self.engine, ATTR)
+
+    # -- the engine's methods, replaced ---------------------------------------------------------
+    def _patch(self, name: str, replacement: Callable) -> None:
+        # an instance attribute shadows the class method for this engine only; detach() deletes it
+        self._originals[name] = getattr(self.engine, name)
+        setattr(self.engine, name, replacement)
+
+    def _allreduce_gradients(self, *args: Any, **kwargs: Any) -> None:
+        engine = self.engine
+        boundary = engine.is_gradient_accumulation_boundary()
+        if hasattr(engine.optimizer, "set_gradient_accumulation_boundary"):
+            engine.optimizer.set_gradient_accumulation_boundary(boundary)
+        if not boundary:  # ZeRO 0/1 reduce only at boundaries; the factors wait in no_sync()
+            return
+        self._end_backward()
+        self.synchronizer.synchronize()
+        if self.zero_stage == 1:
+            with _reduction_without_communication(engine.optimizer):
+                engine.optimizer.reduce_gradients(pipeline_parallel=engine.pipeline_parallelism)
+
+    def _wrap_backward(self, original: Callable) -> Callable:
+        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self._begin_backward()
+            try:
+                return original(loss, *args, **kwargs)
+            finally:
+                self._end_backward()
+        backward.__doc__ = original.__doc__
+        return backward
+
+    def _wrap_prologue(self, original: Callable) -> Callable:
+        # ZeRO engines also run a plain ``loss.backward()`` through hooks that call the prologue
+        def prologue(*args: Any, **kwargs: Any) -> Any:
+            self._begin_backward()
+            return original(*args, **kwargs)
+        return prologue
+
+    def _wrap_epilogue(self, original: Callable) -> Callable:
+        def epilogue(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._end_backward()
+        return epilogue
+
+    def _begin_backward(self) -> None:
+        """Enter the synchroniser's no_sync() for a backward that DeepSpeed would not reduce."""
+        engine = self.engine
+        if self._accumulating is None and (engine.inside_no_sync_ctxt
+                                           or not engine.is_gradient_accumulation_boundary()):
+            self._accumulating = self.synchronizer.no_sync()
+            self._accumulating.__enter__()
+
+    def _end_backward(self) -> None:
+        if self._accumulating is not None:
+            cm, self._accumulating = self._accumulating, None
+            cm.__exit__(None, None, None)
+
+
+def attach(engine: Any, config: Union[DADConfig, DADBlock, Mapping[str, Any], None] = None) -> Optional[DeepSpeedDAD]:
+    """Attach dAD to a DeepSpeed engine made elsewhere; returns the attachment (None if disabled).
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine`` (ZeRO stage 0 or 1) whose optimizer was configured.
+        config: the ``"dad"`` block (a dict with ``enabled`` and `DADConfig` keys), a `DADConfig`,
+            or None for the defaults. A block with ``"enabled": false`` attaches nothing.
+
+    Every rank must call it at the same point (it creates a process group and checks that the
+    models agree). Raises `ValueError` for bad keys and for engine settings dAD cannot honour.
+    """
+    block = parse_block({} if config is None else config)
+    if getattr(engine, ATTR, None) is not None:
+        raise ValueError("dAD is already attached to this engine")
+    if not block.enabled:
+        log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
+        return None
+    return DeepSpeedDAD(engine, block.config)
+
+
+def get_attachment(engine: Any) -> Optional[DeepSpeedDAD]:
+    """The dAD attachment of an engine (made by `attach`, `initialize` or the patched
+    ``deepspeed.initialize``), or None. Accepts Accelerate's wrapped model too."""
+    engine = getattr(engine, "engine", engine)  # accelerate's DeepSpeedEngineWrapper
+    return getattr(engine, ATTR, None)
+
+
+def reduction_scales(engine: Any, world_size: int) -> Tuple[float, float]:
+    """(prescale, postscale) with which DeepSpeed reduces this engine's gradients.
+
+    Mirrors ``DeepSpeedEngine.allreduce_bucket`` and ZeRO's ``average_tensor``: a ``"sum"``
+    all-reduce op does not scale; ``prescale_gradients`` divides by the world size first;
+    otherwise ``gradient_predivide_factor`` f divides by f first and multiplies by f / world after;
+    ZeRO 1's reduce-scatter path divides by the world size first.
+    """
+    if not engine.gradient_average:
+        return 1.0, 1.0
+    if engine.zero_optimization_stage() == 1 and getattr(engine.optimizer, "reduce_scatter", False):
+        return 1.0 / world_size, 1.0
+    if engine.postscale_gradients():
+        f = float(engine.gradient_predivide_factor())
+        return 1.0 / f, f / world_size
+    return 1.0 / world_size, 1.0
+
+
+def _wire_dtype(engine: Any, config: DADConfig) -> Optional[str]:
+    """dAD's wire dtype: DeepSpeed's ``communication_data_type`` when it is set, else the block's."""
+    explicit = engine._config.communication_data_type
+    if explicit is None:
+        return config.wire_dtype
+    model_dtype = engine.get_data_types()[0]
+    if explicit == torch.float32:
+        if model_dtype != torch.float32:
+            raise ValueError(
+                "communication_data_type fp32 with fp16/bf16 parameters is not supported with dAD: factors "
+                "travel in the gradients' dtype or in dad.wire_dtype ('float16'/'bfloat16'); remove "
+                "communication_data_type or set it to the parameters' dtype")
+        name = None
+    elif explicit in _WIRE_NAMES:
+        name = _WIRE_NAMES[explicit]
+    else:
+        raise ValueError(f"communication_data_type {explicit} is not supported with dAD")
+    if config.wire_dtype is not None and config.wire_dtype != name:
+        raise ValueError(f"contradictory settings: DeepSpeed's communication_data_type is {explicit} but "
+                         f"dad config key 'wire_dtype' is {config.wire_dtype!r}; set only one of them")
+    return name
+
+
+def _check_engine(engine: Any) -> int:
+    """Reject what dAD cannot honour; returns the data-parallel world size."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
+    problems: List[str] = []
+    stage = int(engine.zero_optimization_stage())
+    if stage not in (0, 1):
+        problems.append(f"ZeRO stage {stage} is not supported: it reduce-scatters gradients inside its own "
+                        f"backward hooks, so dAD cannot replace its reduction; use ZeRO stage 0 or 1")
+    if engine.optimizer is None:
+        problems.append("the engine has no optimizer (dAD synchronises training gradients)")
+    if isinstance(engine.optimizer, BF16_Optimizer):
+        problems.append("the BF16 optimizer (bf16 with data_types.grad_accum_dtype fp32) accumulates gradients "
+                        "in its own fp32 buffers before reducing them; use bf16 gradient accumulation "
+                        "(the default) or fp32")
+    if stage == 1 and engine.optimizer is not None:
+        opt = engine.optimizer
+        if getattr(opt, "overlap_comm", False):
+            problems.append("zero_optimization.overlap_comm=true reduces ZeRO 1 gradients inside backward hooks; "
+                            "set it to false")
+        if getattr(opt, "use_grad_accum_attribute", False):
+            problems.append("a gradient accumulation dtype different from the parameters' dtype moves ZeRO 1 "
+                            "gradients out of param.grad during backward; remove data_types.grad_accum_dtype")
+        if getattr(opt, "cpu_offload", False):
+            problems.append("ZeRO optimizer offload is not supported with dAD")
+    if getattr(engine, "pipeline_parallelism", False):
+        problems.append("pipeline parallelism is not supported with dAD")
+    if engine.mpu is not None or getattr(engine, "sequence_parallel_size", 1) > 1:
+        problems.append("model/sequence parallelism is not supported with dAD (data parallelism only)")
+    if getattr(engine, "has_moe_layers", False):
+        problems.append("MoE layers (expert-parallel gradient groups) are not supported with dAD")
+    if getattr(engine, "zenflow", False):
+        problems.append("ZenFlow is not supported with dAD")
+    if engine.is_deepcompile_enabled():
+        problems.append("DeepCompile reduces gradients in its compiled graph; it is not supported with dAD")
+    if not engine.managed_gradient_accumulation():
+        problems.append("managed_gradient_accumulation=false is not supported with dAD")
+    if not engine.enable_backward_allreduce:
+        problems.append("the engine's backward all-reduce is disabled (enable_backward_allreduce=False), so "
+                        "there is nothing for dAD to replace")
+    if problems:
+        raise ValueError("dAD cannot be attached to this DeepSpeed engine: " + "; ".join(problems))
+    world = dist.get_world_size()
+    dp_world = dist.get_world_size(group=engine.seq_data_parallel_group)
+    if dp_world != world:
+        raise ValueError(f"dAD needs plain data parallelism over every rank; the data-parallel group has "
+                         f"{dp_world} of {world} ranks")
+    return world
+
+
+@contextlib.contextmanager
+def _reduction_without_communication(optimizer: Any) -> Iterator[None]:
+    """ZeRO 1's gradient reduction with every collective replaced by the identity.
+
+    dAD has already put the reduced gradient in every ``param.grad`` on every rank, so what is left
+    of ZeRO 1's reduction is to copy this rank's partition out of it. Its all-reduce path
+    (``gradient_reduction_w_predivide``, ``allreduce_bucket``) then does exactly that when the
+    collective and its scaling are skipped; the reduce-scatter path is routed to the all-reduce
+    path, whose partition copy is the same.
+    """
+    def reduced(tensor: torch.Tensor, communication_data_type: Any = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return tensor
+
+    def bucket_reduced(bucket: List[torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+        return optimizer.flatten(bucket)
+
+    saved_reduce_scatter = getattr(optimizer, "reduce_scatter", False)
+    optimizer.gradient_reduction_w_predivide = reduced
+    optimizer.allreduce_bucket = bucket_reduced
+    optimizer.reduce_scatter = False
+    try:
+        yield
+    finally:
+        del optimizer.gradient_reduction_w_predivide
+        del optimizer.allreduce_bucket
+        optimizer.reduce_scatter = saved_reduce_scatter
