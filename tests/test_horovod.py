@@ -48,6 +48,9 @@ def _two_rank_cases() -> dict:
         cases[f"train-gpt2-{mode}"] = {"kind": "train", "model": "gpt2", "config": cfg, "batch": 4}
     cases["train-gpt2-exact-fp16"] = {"kind": "train", "model": "gpt2", "config": {"mode": "exact"}, "batch": 4,
                                       "hvd": {"compression": "fp16"}}
+    cases["train-gpt2-auto-bf16-wire"] = {"kind": "train", "model": "gpt2", "batch": 4,
+                                          "config": {"mode": "auto", "rank": 4, "wire_dtype": "bfloat16"}}
+    cases["two-optimizers"] = {"kind": "two_optimizers", "config": {"mode": "exact"}}
     cases["errors"] = {"kind": "errors"}
     cases["broadcast-mlp-functional"] = {"kind": "broadcast", "model": "mlp_functional", "config": {"mode": "exact"}}
     cases["broadcast-gpt2-auto"] = {"kind": "broadcast", "model": "gpt2", "config": {"mode": "auto", "rank": 4}}
@@ -199,6 +202,13 @@ def test_horovod_startup_recipe(two, case_id):
             # no factors), so the weight used outside its layer is caught and all-reduced
             assert r["dense_only"] == ["hidden.weight"]
             assert r["grad_worst"] <= TOL and r["params_err"] <= TOL
+
+
+def test_two_optimizers_coexist(two):
+    """Two DADOptimizers (and two Horovod ones) in one step: distinct collective names, exact."""
+    for r in result(two, "two-optimizers"):
+        assert len(set(r["prefixes"])) == 2
+        assert r["worst"] <= TOL
 
 
 def test_process_set(three):

@@ -318,7 +318,38 @@ def run_process_set(case: dict) -> dict:
     return out
 
 
-RUNNERS = {"grad": run_grad, "train": run_train, "errors": run_errors, "broadcast": run_broadcast,
+def run_two_optimizers(case: dict) -> dict:
+    """Two models, each with its own DADOptimizer (a GAN's pattern), beside two Horovod ones: the
+    collectives of the four optimizers, in flight together, must not be confused."""
+    refs = [models.build("mlp", seed=s) for s in (0, 1)]
+    mines = [copy.deepcopy(m) for m in refs]
+    opts_ref = [hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                         named_parameters=[(f"m{i}.{n}", p) for n, p in m.named_parameters()])
+                for i, m in enumerate(refs)]
+    opts_mine = [DADOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                              model=m, dad=case["config"]) for m in mines]
+    worst = 0.0
+    for step in range(2):
+        data = local_batch({"model": "mlp", "uneven": True}, step, 0, hvd.rank())
+        for pair, opts in ((refs, opts_ref), (mines, opts_mine)):
+            torch.nn.functional.mse_loss(pair[1](pair[0](data["x"])[..., :6].repeat(1, 1, 2)), data["y"]).backward()
+            for opt in opts:
+                opt.synchronize()
+        for a, b in zip(refs, mines):
+            total = sum(float(p.grad.norm()) ** 2 for p in a.parameters()) ** 0.5
+            worst = max(worst, max(rel_err(q.grad, p.grad, 1e-6 * total)
+                                   for p, q in zip(a.parameters(), b.parameters())))
+        for opt in opts_ref + opts_mine:
+            with opt.skip_synchronize():
+                opt.step()
+            opt.zero_grad()
+    prefixes = [o.dad_synchronizer.aggregator.prefix for o in opts_mine]
+    for o in opts_mine:
+        o.close()
+    return {"worst": worst, "prefixes": prefixes}
+
+
+RUNNERS = {"two_optimizers": run_two_optimizers, "grad": run_grad, "train": run_train, "errors": run_errors, "broadcast": run_broadcast,
            "process_set": run_process_set}
 PROCESS_SETS = []
 
