@@ -56,6 +56,7 @@ class HorovodAggregator(FactorAggregator):
         self._prefix = prefix
         self._rank = int(self._process_set.rank())
         self._world = int(self._process_set.size())
+        log.debug("HorovodAggregator %r: rank %d of %d", self._prefix, self._rank, self._world)
 
     @property
     def rank(self) -> int:
