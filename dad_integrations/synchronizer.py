@@ -180,7 +180,11 @@ class DADSynchronizer:
                                f"use_reentrant=False), or backward run twice without no_sync()")
         self._report = report
         self._steps += 1
-        self._verified = True
+        # a step in which no rank had factor rows (synchronize() before any backward, as
+        # hvd.broadcast_optimizer_state does) checked nothing: keep the check for the first real one;
+        # max_rows is agreed by all ranks, so they keep or drop the check together
+        if any(p.max_rows for p in report.params):
+            self._verified = True
 
     # -- DDP communication hook path (see `ddp_hook`) --------------------------------------------
     def _ddp_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,

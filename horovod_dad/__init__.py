@@ -1,1 +1,11 @@
-"""Horovod adapter for dAD (HorovodAggregator, DADOptimizer): coming in a later release."""
+"""Horovod adapter for dAD: `DADOptimizer`, a drop-in for ``hvd.DistributedOptimizer``, and
+`HorovodAggregator`, dAD's collectives over Horovod's.
+
+Importing this package imports Horovod (built by ``scripts/build_horovod.sh``); the core package
+``dad_integrations`` never does.
+"""
+from ._horovod import BUILD_HINT
+from .aggregator import HorovodAggregator
+from .optimizer import DADOptimizer
+
+__all__ = ["BUILD_HINT", "DADOptimizer", "HorovodAggregator"]
