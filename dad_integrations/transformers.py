@@ -17,6 +17,7 @@ import gc
 import logging
 from typing import Mapping, Optional, Union
 
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
@@ -43,8 +44,10 @@ class DADCallback(TrainerCallback):
         self._steps = 0
 
     def on_train_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs):
-        if self.sync is not None or args.world_size <= 1:
-            if args.world_size <= 1:
+        # the process count from torch.distributed: Accelerate under DeepSpeed on CPUs counts one
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if self.sync is not None or world <= 1:
+            if world <= 1:
                 log.info("dAD: a single process has nothing to synchronise; training runs unchanged")
             return
         wrapper = _wrapper_of(model)

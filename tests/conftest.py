@@ -27,12 +27,13 @@ def run_torchrun(script: Path, nproc: int, args: list, timeout: float = 900) -> 
     return proc
 
 
-def run_accelerate(script: Path, args: list, launch_args: tuple = (), timeout: float = 900) -> subprocess.CompletedProcess:
-    """Run ``script`` under ``accelerate launch`` with the 2-CPU-process config of the examples."""
+def run_accelerate(script: Path, args: list, launch_args: tuple = (), timeout: float = 900,
+                   config: Path = ROOT / "examples" / "accelerate" / "cpu_2proc.yaml") -> subprocess.CompletedProcess:
+    """Run ``script`` under ``accelerate launch`` with ``config`` (default: the 2-CPU-process one)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "examples" / "accelerate" / "cpu_2proc.yaml"), *launch_args, str(script), *map(str, args)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *launch_args,
+           str(script), *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"

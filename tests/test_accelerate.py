@@ -6,10 +6,11 @@ profiled step, `DADCallback` in `transformers.Trainer` against a plain Trainer r
 example script end to end.
 """
 import json
+import os
 
 import pytest
 
-from conftest import ROOT, WORKERS, run_accelerate
+from conftest import ROOT, WORKERS, run_accelerate, run_torchrun
 
 TOL = 1e-5
 
@@ -94,6 +95,31 @@ def test_trainer_with_dad_callback(tmp_path):
         logged = [h for h in r["log_history"] if "loss" in h]
         assert logged and all(h["dad_sent_bytes_per_step"] > 0 and h["dad_allreduce_bytes_per_step"] > 0
                               for h in logged)
+
+
+def test_trainer_on_deepspeed_takes_dad_from_the_config_block(tmp_path, monkeypatch):
+    """Trainer + DeepSpeed ZeRO 1 with a "dad" block (exact) ends where DeepSpeed's own run ends,
+    and DADCallback finds the engine's dAD and logs its bytes."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    out = tmp_path / "trainer_ds.json"
+    run_torchrun(WORKERS / "trainer_worker.py", 2, [out, "deepspeed"])
+    for rank, r in enumerate(json.loads(out.read_text())):
+        assert r["identical"] and r["moved"] > 0
+        assert r["rel_diff"] < TOL, f"rank {rank}: {r['rel_diff']:.2e} from DeepSpeed's own run"
+        assert all(h["dad_sent_bytes_per_step"] > 0 for h in r["log_history"] if "loss" in h)
+
+
+def test_example_on_deepspeed_through_accelerate(tmp_path, monkeypatch):
+    """accelerate launch with the DeepSpeed config: dAD from ds_config.json's "dad" block."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    proc = run_accelerate(ROOT / "examples" / "accelerate" / "finetune.py",
+                          ["--max-steps", "3", "--batch-size", "4", "--seq-len", "32", "--output-dir", tmp_path],
+                          config=ROOT / "examples" / "accelerate" / "deepspeed.yaml")
+    assert "dAD replaces DeepSpeed's gradient all-reduce" in proc.stdout + proc.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    dad = metrics["runs"]["dad-auto"]
+    assert metrics["world_size"] == 2 and dad["ranks_identical"]
+    assert dad["sent_bytes_per_step"] < 0.2 * dad["allreduce_bytes"]
 
 
 @pytest.mark.parametrize("family,mode", [("gpt2", "auto"), ("bert", "exact")])

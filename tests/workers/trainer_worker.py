@@ -1,8 +1,10 @@
 """Runs inside `accelerate launch` (2 CPU processes): `transformers.Trainer` with `DADCallback`.
 
 Usage: accelerate launch --config_file examples/accelerate/cpu_2proc.yaml trainer_worker.py OUT
-Trains the small GPT-2 twice from the same weights on the same data: plain Trainer (DDP all-reduce),
-then with ``DADCallback({"mode": "exact"})``; writes the final parameters' difference, whether
+       DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 trainer_worker.py OUT deepspeed
+Trains the small GPT-2 twice from the same weights on the same data: plain Trainer (DDP all-reduce,
+or DeepSpeed ZeRO 1's), then with ``DADCallback`` in mode exact (under DeepSpeed, from the config's
+"dad" block); writes the final parameters' difference, whether
 ranks agree, and the log history (where the callback's byte metrics must appear).
 """
 from __future__ import annotations
@@ -37,12 +39,19 @@ class ByteWindows(Dataset):
         return {"input_ids": self.data[i], "labels": self.data[i]}
 
 
-def train(init: torch.nn.Module, callbacks: list, out_dir: str) -> tuple:
+DEEPSPEED = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+             "gradient_clipping": "auto", "zero_optimization": {"stage": 1},
+             "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
+
+
+def train(init: torch.nn.Module, callbacks: list, out_dir: str, deepspeed: dict = None) -> tuple:
     model = copy.deepcopy(init)
+    # DeepSpeed: DS_ACCELERATOR=cpu, and gloo named (Accelerate finds no backend without a GPU)
+    device_args = {"deepspeed": deepspeed, "ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}
     args = TrainingArguments(output_dir=out_dir, max_steps=6, per_device_train_batch_size=4,
                              gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=2,
-                             report_to=[], save_strategy="no", use_cpu=True, seed=0, data_seed=0,
-                             disable_tqdm=True, max_grad_norm=1.0)
+                             report_to=[], save_strategy="no", seed=0, data_seed=0,
+                             disable_tqdm=True, max_grad_norm=1.0, **device_args)
     trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(), callbacks=callbacks)
     trainer.train()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -54,9 +63,16 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     init = models.build("gpt2")
+    on_deepspeed = len(sys.argv) > 2 and sys.argv[2] == "deepspeed"
     with tempfile.TemporaryDirectory() as tmp:
-        ref, _ = train(init, [], tmp)
-        mine, history = train(init, [DADCallback({"mode": "exact"})], tmp)
+        if on_deepspeed:  # the "dad" block rules there; the callback finds the engine's dAD
+            import deepspeed_dad.auto  # noqa: F401  the one added line
+            ref, _ = train(init, [], tmp, DEEPSPEED)
+            mine, history = train(init, [DADCallback()], tmp,
+                                  {**DEEPSPEED, "dad": {"enabled": True, "mode": "exact"}})
+        else:
+            ref, _ = train(init, [], tmp)
+            mine, history = train(init, [DADCallback({"mode": "exact"})], tmp)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     result = {"rel_diff": float((mine - ref).norm() / ref.norm()),
