@@ -26,6 +26,7 @@ DDP_METHODS = ("allreduce", "fp16", "powersgd", "atomo")
 DAD_METHODS = ("dad-exact", "dad-rank", "dad-auto")
 METHODS = DDP_METHODS + DAD_METHODS
 EVAL_BATCHES = 4
+DDP_BUCKET_MB = 25
 
 
 def dad_config(method: str, rank: int, error_feedback: bool) -> dict:
@@ -53,7 +54,11 @@ class Runner:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
             group = None if variant == "real" else solo_group
-            ddp = DistributedDataParallel(model, process_group=group)
+            # bucket_cap_mb given explicitly, so that the first bucket is 25 MB too (not 1 MB): the
+            # benchmark's models fit one bucket. PowerSGD's hook issues collectives from future
+            # callbacks; with several buckets on gloo those can reach the ranks' queues in different
+            # orders and abort the job (seen here), so every DDP method gets the same single bucket.
+            ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=DDP_BUCKET_MB)
             pg = group if group is not None else dist.group.WORLD
             if method == "allreduce":
                 ddp.register_comm_hook(pg, default_hooks.allreduce_hook)
@@ -95,7 +100,7 @@ class Runner:
         self.opt.zero_grad(set_to_none=True)
         self.times.append(time.perf_counter() - start)
         self.counter.active = False
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         self.counted.append(self.counter.sent)
         if self.sync is not None:
             report = self.sync.last_step_report()
@@ -189,11 +194,12 @@ def _run_phase(spec: dict) -> None:
         if spec.get("nocomm_steps"):
             runners.append(Runner(method, "nocomm", opts, w, init_state, data, counter, solo))
             targets.append(spec["nocomm_steps"])
+    # round i takes each runner to round(i * total / rounds) steps: the runners' steps are spread
+    # evenly over the run, so a burst of load from elsewhere falls on all of them alike
     rounds = spec["rounds"]
-    for rnd in range(rounds):
+    for rnd in range(1, rounds + 1):
         for r, total in zip(runners, targets):
-            chunk = -(-total // rounds)
-            for _ in range(min(chunk, total - len(r.times))):
+            while len(r.times) < (rnd * total) // rounds:
                 r.step()
     warm = spec["warmup"]
     for r in runners:
