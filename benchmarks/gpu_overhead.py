@@ -69,10 +69,13 @@ def measure(precision: str, args, device: torch.device) -> Dict[str, float]:
     torch.manual_seed(0)
     model, cfg = build(args.tiny, args.seq, device)
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)
-    amp = (torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext)
+    def amp():
+        if precision == "bf16":
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def fwd():
-        with amp() if precision == "bf16" else amp():
+        with amp():
             return model(input_ids=x, labels=x).loss
 
     state = {}
@@ -145,7 +148,7 @@ def measure(precision: str, args, device: torch.device) -> Dict[str, float]:
 
     def dad_step():
         model2.zero_grad(set_to_none=True)
-        with amp() if precision == "bf16" else amp():
+        with amp():
             loss = model2(input_ids=x, labels=x).loss
         loss.backward()
         sync.synchronize()
