@@ -16,6 +16,14 @@ in the dense buckets. The rebuild of one unit overlaps the next unit's collectiv
 overlaps the rest of backward. `synchronize()` releases units that never got a gradient,
 all-reduces the dense buckets and waits.
 
+Size exchanges. Exact factors have a row count per rank, which the ranks agree (one small
+all-gather per unit) before the factors' all-gather. The first step (verification) exchanges sizes
+for every unit. After it, mode "rank" never exchanges sizes, and mode "auto" predicts each unit's
+route from the counts of its last size exchange: a unit predicted to go dense or rank-r sends no
+size exchange at all (so a dense unit moves exactly what all-reduce moves); one predicted to go
+exact exchanges sizes, which refreshes its counts, and then decides on the current counts. Counts
+of a unit that goes dense are not refreshed: if rows later shrink, it stays dense.
+
 Costs per weight (m x n), S ranks, N local rows: exact factors gather ``N (m+n)`` numbers per
 rank and rebuild with one ``S N m n`` matmul; rank-r factors gather ``r (m+n)`` per rank and
 rebuild with one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like all-reduce.
@@ -105,6 +113,7 @@ class DADSynchronizer:
         self._verified = not self.config.verify_first_step
         self._report: Optional[StepReport] = None
         self._twice: List[str] = []   # weights whose gradient was accumulated twice in one step
+        self._agreed: Dict[int, List[List[int]]] = {}  # unit index -> row counts of its last size exchange
         self._done: List[Callable[[Optional[BaseException]], None]] = []  # DDP futures to complete
 
         self._plan = build_plan(model, self.config, on_forward=self._open_window)
@@ -383,19 +392,32 @@ class DADSynchronizer:
         before = agg.traffic()
         wire = self._wire or p.dtype  # None: factors travel in the gradients' dtype
         rank_allowed = cfg.rank is not None and not all(k == "embedding" for k in unit.kinds)
+        bias_numel = sum(b.param.numel() for b in unit.biases)
+
+        def estimates_for(rows_by_rank: List[List[int]]) -> Dict[str, float]:
+            return estimate_bytes(kinds=unit.kinds, shape=(m, n), rows_by_rank=rows_by_rank,
+                                  bias_numel=bias_numel, rank=cfg.rank or 0, grad_dtype=p.dtype,
+                                  wire_dtype=wire, world_size=s)
+
         # Routes that need no agreed row counts skip the size exchange (after the checked first step).
         fixed_route = unit.dense_only or (cfg.mode == "rank" and rank_allowed)
-        rows_by_rank = self._agree(unit, ok, counts) if verify or not fixed_route else None
-        bias_numel = sum(b.param.numel() for b in unit.biases)
+        predicted = None
+        if not verify and not fixed_route and cfg.mode != "exact" and unit.index in self._agreed:
+            # auto (and rank mode's embedding-only units): predict from the counts of the unit's last
+            # size exchange (agreed by all ranks); dense and rank-r need no counts, so they go
+            # without an exchange
+            estimates = estimates_for(self._agreed[unit.index])
+            estimates["exact"] += self._size_exchange_bytes(unit)
+            predicted = choose_representation(cfg.mode, estimates, rank_allowed=rank_allowed)
+        need_counts = verify or not (fixed_route or predicted in ("dense", "rank"))
+        rows_by_rank = self._agree(unit, ok, counts) if need_counts else None
         if unit.dense_only:
             rep = "dense"
         elif rows_by_rank is None:
-            rep = "rank"
+            rep = predicted or "rank"
         else:
-            estimates = estimate_bytes(kinds=unit.kinds, shape=(m, n), rows_by_rank=rows_by_rank,
-                                       bias_numel=bias_numel, rank=cfg.rank or 0, grad_dtype=p.dtype,
-                                       wire_dtype=wire, world_size=s)
-            rep = choose_representation(cfg.mode, estimates, rank_allowed=rank_allowed)
+            self._agreed[unit.index] = rows_by_rank
+            rep = choose_representation(cfg.mode, estimates_for(rows_by_rank), rank_allowed=rank_allowed)
 
         entry = ParamReport(unit.name, rep, (m, n), rows=sum(counts),
                             max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0,
@@ -417,6 +439,10 @@ class DADSynchronizer:
             finish = self._send_rank(unit, rows, wire, entry)
         _add_traffic(entry, agg.traffic() - before)
         return finish
+
+    def _size_exchange_bytes(self, unit: FactorUnit) -> float:
+        """Bytes this rank sends in `_agree` for ``unit`` (an all-gather of 2 + uses int64)."""
+        return (self.aggregator.world_size - 1) * 8.0 * (2 + len(unit.uses))
 
     def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> List[List[int]]:
         """Exchange every rank's row counts (and first-step check); returns the counts by rank."""

@@ -61,6 +61,12 @@ def _two_rank_cases() -> dict:
         "bytes-gpt2-exact": {"kind": "bytes", "model": "gpt2", "config": {"mode": "exact"}, "uneven": True},
         "bytes-gpt2-rank": {"kind": "bytes", "model": "gpt2", "config": {"mode": "rank", "rank": 4}},
         "bytes-gpt2-auto": {"kind": "bytes", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
+        "bytes-gpt2-auto-lossless": {"kind": "bytes", "model": "gpt2", "config": {"mode": "auto"},
+                                     "batch": 1, "steps": 3},
+        "bytes-gpt2-auto-growing": {"kind": "bytes", "model": "gpt2", "config": {"mode": "auto"},
+                                    "batch_by_step": [1, 1, 6, 1], "steps": 4},
+        "grad-gpt2-auto-growing": {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"},
+                                   "batch_by_step": [1, 1, 6, 1], "steps": 4},
         "bytes-gpt2-adaptive": {"kind": "bytes", "model": "gpt2",
                                 "config": {"mode": "rank", "rank": 8, "adaptive_tolerance": 0.5}},
         # engine reductions: sums, pre-division, and exchanges started at the k-th backward pass
@@ -232,6 +238,31 @@ def test_byte_accounting_matches_collectives(world, case_id, request):
             assert step["json"]["sent_bytes"] == pytest.approx(step["sent"], rel=1e-12)
             if "rank" in case_id or "auto" in case_id or "adaptive" in case_id:
                 assert step["sent"] < step["allreduce"]
+
+
+@pytest.mark.parametrize("case_id", ["bytes-gpt2-auto", "bytes-gpt2-auto-lossless", "bytes-gpt2-auto-growing"])
+def test_auto_never_sends_more_than_allreduce_per_layer(two, case_id):
+    """After the first (verification) step, no layer in auto mode moves more than all-reduce:
+    units that go dense or rank-r skip the size exchange. Only a step whose row counts grew past
+    the prediction may pay one size exchange on a unit that then goes dense."""
+    for r in result(two, case_id):
+        s = r["world_size"]
+        growing = "growing" in case_id
+        for i, step in enumerate(r["steps"][1:], start=1):
+            reps = {rep for _, rep, _, _ in step["params"]}
+            layers = {}  # a layer: its weight and bias (an exact unit's bias rides free in its factors)
+            for name, rep, sent, ar in step["params"]:
+                if rep != "overhead":
+                    acc = layers.setdefault(name.rsplit(".", 1)[0], [0.0, 0.0])
+                    acc[0] += sent
+                    acc[1] += ar
+            excess = {name: sent - ar for name, (sent, ar) in layers.items() if sent > ar * (1 + 1e-9) + 1e-9}
+            if growing and i == 2:
+                assert all(e <= (s - 1) * 8 * 4 for e in excess.values()), excess
+            else:
+                assert not excess, (i, excess, reps)
+        if "lossless" in case_id:  # both routes in use, so the test covers the exact path too
+            assert {"exact", "dense"} <= {rep for _, rep, _, _ in r["steps"][-1]["params"]}
 
 
 def test_mismatched_models_raise_on_every_rank(two):

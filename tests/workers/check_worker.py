@@ -44,7 +44,7 @@ class RecordingAggregator(TorchDistributedAggregator):
 
 def local_batch(case: dict, step: int, micro: int) -> dict:
     rank = dist.get_rank()
-    size = case.get("batch", 3)
+    size = case["batch_by_step"][step] if "batch_by_step" in case else case.get("batch", 3)
     if case.get("uneven"):
         size += 2 * rank
     return models.batch(case["model"], size, seed=10_000 * step + 100 * micro + rank)
@@ -190,6 +190,8 @@ def run_bytes(case: dict) -> dict:
         steps.append({"recorded": agg.recorded, "handed": t["handed_bytes"], "sent": t["sent_bytes"],
                       "received": t["received_bytes"], "allreduce": t["allreduce_bytes"],
                       "by_representation": report.by_representation(),
+                      "params": [[q.name, q.representation, q.sent_bytes, q.allreduce_bytes]
+                                 for q in report.params],
                       "json": json.loads(json.dumps(report.to_dict()))["totals"]})
         model.zero_grad(set_to_none=True)
     sync.close()

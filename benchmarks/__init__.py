@@ -1,0 +1,1 @@
+"""Benchmarks of dAD against other gradient-compression schemes (see benchmarks/README.md)."""

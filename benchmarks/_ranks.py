@@ -1,0 +1,230 @@
+"""The per-rank side of `benchmarks.compare`: one phase (one network condition) of every method.
+
+Each rank builds one model per method from the same initial weights and trains it on the same
+batches; methods take turns in rounds of a few steps, so that the load of a shared machine falls
+on all of them alike. Results go to rank 0, which writes them as JSON.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import time
+from dataclasses import asdict
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks.atomo import AtomoState, atomo_hook
+from benchmarks.workload import (ByteCounter, NullAggregator, Workload, build_model, current_rss_mb,
+                                 median, peak_memory_mb, reset_peak_memory)
+
+DDP_METHODS = ("allreduce", "fp16", "powersgd", "atomo")
+DAD_METHODS = ("dad-exact", "dad-rank", "dad-auto")
+METHODS = DDP_METHODS + DAD_METHODS
+EVAL_BATCHES = 4
+DDP_BUCKET_MB = 25
+
+
+def dad_config(method: str, rank: int, error_feedback: bool) -> dict:
+    if method == "dad-exact":
+        return {"mode": "exact"}
+    if method == "dad-rank":
+        return {"mode": "rank", "rank": rank, "error_feedback": error_feedback}
+    return {"mode": "auto", "rank": rank}
+
+
+class Runner:
+    """One method's model, optimizer and batches; `step()` trains one step and times it."""
+
+    def __init__(self, method: str, variant: str, opts: dict, w: Workload, init_state, data: bytes,
+                 counter: ByteCounter, solo_group):
+        from dad_integrations.text_data import byte_lm_batches
+
+        self.method, self.variant, self.counter = method, variant, counter
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = build_model(w)
+        model.load_state_dict(init_state)
+        model.train()
+        self.model, self.fwd, self.sync = model, model, None
+        if method in DDP_METHODS and variant != "local":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+            group = None if variant == "real" else solo_group
+            # bucket_cap_mb given explicitly, so that the first bucket is 25 MB too (not 1 MB): the
+            # benchmark's models fit one bucket. PowerSGD's hook issues collectives from future
+            # callbacks; with several buckets on gloo those can reach the ranks' queues in different
+            # orders and abort the job (seen here), so every DDP method gets the same single bucket.
+            ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=DDP_BUCKET_MB)
+            pg = group if group is not None else dist.group.WORLD
+            if method == "allreduce":
+                ddp.register_comm_hook(pg, default_hooks.allreduce_hook)
+            elif method == "fp16":
+                ddp.register_comm_hook(pg, default_hooks.fp16_compress_hook)
+            elif method == "powersgd":
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=pg, matrix_approximation_rank=opts["rank"], start_powerSGD_iter=2,
+                    use_error_feedback=True, warm_start=True, random_seed=w.seed)
+                ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            else:
+                ddp.register_comm_hook(AtomoState(pg, budget=opts["rank"], seed=w.seed), atomo_hook)
+            self.fwd = ddp
+        elif method in DAD_METHODS and variant != "local":
+            from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
+
+            agg = TorchDistributedAggregator() if variant == "real" else NullAggregator(rank, world)
+            self.sync = DADSynchronizer(model, agg, DADConfig.from_dict(
+                dad_config(method, opts["rank"], opts["dad_error_feedback"])))
+        self.opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
+        self.batches = byte_lm_batches(data, w.batch, w.seq, rank=rank, world_size=world, seed=w.seed)
+        self.times: List[float] = []
+        self.losses: List[float] = []
+        self.sent: List[float] = []
+        self.received: List[float] = []
+        self.counted: List[float] = []
+        self.last_report = None
+
+    def step(self) -> None:
+        x = next(self.batches)
+        self.counter.reset()
+        self.counter.active = self.variant == "real"
+        start = time.perf_counter()
+        loss = self.fwd(input_ids=x, labels=x).loss
+        loss.backward()
+        if self.sync is not None:
+            self.sync.synchronize()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.times.append(time.perf_counter() - start)
+        self.counter.active = False
+        self.losses.append(float(loss.detach()))
+        self.counted.append(self.counter.sent)
+        if self.sync is not None:
+            report = self.sync.last_step_report()
+            self.sent.append(report.totals["sent_bytes"])
+            self.received.append(report.totals["received_bytes"])
+            self.last_report = report
+        else:
+            self.sent.append(self.counter.sent)
+            self.received.append(self.counter.received)
+
+    @torch.no_grad()
+    def eval_loss(self, batches: List[torch.Tensor]) -> float:
+        self.model.eval()
+        loss = sum(float(self.model(input_ids=x, labels=x).loss) for x in batches) / len(batches)
+        self.model.train()
+        return loss
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+        self.sync = self.fwd = self.model = self.opt = None
+
+
+def link_check(nbytes: int = 1 << 20, reps: int = 2) -> float:
+    """Measured all-gather rate, bytes per second per rank (both ranks send at once)."""
+    t = torch.zeros(nbytes // 4)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dist.all_gather(out, t)
+    return nbytes * reps / (time.perf_counter() - start)
+
+
+def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec.get("timeout_s", 600)))
+    try:
+        _run_phase(spec)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_phase(spec: dict) -> None:
+    from dad_integrations.text_data import byte_lm_batches, stdlib_source_bytes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w = Workload(**spec["workload"])
+    opts = spec["opts"]
+    device = torch.device("cpu")
+    counter = ByteCounter().install()
+    solo_groups = [dist.new_group([i]) for i in range(world)]
+    solo = solo_groups[rank]
+    data = stdlib_source_bytes(max_bytes=spec.get("data_bytes", 2_000_000), seed=w.seed)
+    torch.manual_seed(w.seed)
+    init_state = build_model(w).state_dict()
+    eval_iter = byte_lm_batches(data, w.batch, w.seq, seed=w.seed, split="eval")
+    eval_batches = [next(eval_iter) for _ in range(EVAL_BATCHES)]
+    methods: List[str] = spec["methods"]
+    out: Dict[str, dict] = {"net": spec["net"], "rank_results": {}}
+    mine: Dict[str, dict] = {}
+
+    out["link_bytes_per_s"] = link_check()
+
+    # 1. peak memory, one method at a time (everything of the previous one freed first)
+    if spec.get("mem_steps"):
+        for method in ["local"] + methods:
+            gc.collect()
+            base = current_rss_mb()
+            reset_peak_memory(device)
+            r = Runner(method, "local" if method == "local" else "real", opts, w, init_state, data, counter,
+                       solo)
+            for _ in range(spec["mem_steps"]):
+                r.step()
+            mine.setdefault(method, {})["peak_mem_mb"] = peak_memory_mb(device)
+            mine[method]["rss_before_mb"] = base
+            r.close()
+            del r
+            gc.collect()
+            dist.barrier()
+
+    # 2. timing: methods take turns in rounds; "local" (no communication) and, where asked,
+    #    each method's communication-free variant (compute overhead) run alongside
+    runners: List[Runner] = [Runner("local", "local", opts, w, init_state, data, counter, solo)]
+    targets = [spec["local_steps"]]
+    for method in methods:
+        runners.append(Runner(method, "real", opts, w, init_state, data, counter, solo))
+        targets.append(spec["steps"])
+        if spec.get("nocomm_steps"):
+            runners.append(Runner(method, "nocomm", opts, w, init_state, data, counter, solo))
+            targets.append(spec["nocomm_steps"])
+    # round i takes each runner to round(i * total / rounds) steps: the runners' steps are spread
+    # evenly over the run, so a burst of load from elsewhere falls on all of them alike
+    rounds = spec["rounds"]
+    for rnd in range(1, rounds + 1):
+        for r, total in zip(runners, targets):
+            while len(r.times) < (rnd * total) // rounds:
+                r.step()
+    warm = spec["warmup"]
+    for r in runners:
+        key = r.method if r.variant != "nocomm" else f"{r.method}:nocomm"
+        rec = mine.setdefault(key, {})
+        timed = r.times[warm:] or r.times
+        rec.update(step_s=median(timed), times=r.times, losses=r.losses)
+        if r.variant == "real":
+            counted = r.sent[warm:] or r.sent
+            rec.update(sent_per_step=sum(counted) / len(counted),
+                       received_per_step=sum(r.received[warm:] or r.received) / len(counted),
+                       counted_per_step=sum(r.counted[warm:] or r.counted) / len(counted),
+                       sent_by_step=r.sent, eval_loss=r.eval_loss(eval_batches))
+            if r.last_report is not None:
+                rec["report"] = [{"name": p.name, "representation": p.representation, "sent": p.sent_bytes,
+                                  "allreduce": p.allreduce_bytes, "rows": p.rows, "method": p.method}
+                                 for p in r.last_report.params]
+        if r.method == "local":
+            rec["eval_loss"] = r.eval_loss(eval_batches)
+        r.close()
+    counter.uninstall()
+    gathered: List[Optional[dict]] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        out["rank_results"] = {str(i): g for i, g in enumerate(gathered)}
+        with open(spec["out"], "w") as fh:
+            json.dump(out, fh)
+    dist.barrier()

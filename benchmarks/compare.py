@@ -1,0 +1,374 @@
+"""dAD side by side with all-reduce, fp16 compression, PowerSGD and spectral ATOMO.
+
+    python -m benchmarks.compare --quick --json benchmarks/results/compare.json
+
+Launches its own 2 CPU ranks (gloo) for each network condition: plain loopback, and loopback in a
+private network namespace shaped to 1 Gbit/s and 100 Mbit/s (`benchmarks.net_shaping`; skipped,
+with a message and null columns, where namespaces or tc are not permitted). Every method trains
+the same byte-level GPT-2 (from a config) from the same weights on the same stdlib-source batches.
+
+Per method (one JSON record each):
+  bytes_per_step      bytes one rank sends per step (dAD: `last_step_report()`; DDP hooks: the
+                      tensors they hand to torch.distributed, ring model)
+  step_s_<net>        median step time (forward, backward, synchronisation, optimizer), slowest rank
+  step_s_local        the same step with no communication at all (plain model, same per-rank batch,
+                      both ranks running at once as in the distributed runs)
+  compute_overhead_s  step time of the method with its communication removed (dAD over an
+                      aggregator that moves nothing; DDP hooks over a 1-rank group) minus step_s_local:
+                      capture, rank reduction / compression and rebuild, timed apart from the wire
+  peak_mem_mb         peak RSS of a rank process while the method trains (torch runtime included)
+  final_loss          held-out loss after the run's steps (loopback run)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from benchmarks import net_shaping
+from benchmarks._ranks import METHODS
+from benchmarks.workload import Workload
+
+NETS = ("loopback", "1gbit", "100mbit")
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("method", "bytes_per_step", "step_s_loopback", "step_s_1gbit", "step_s_100mbit", "step_s_local",
+        "compute_overhead_s", "peak_mem_mb", "final_loss")
+
+PRESETS = {
+    # ~3-4 minutes on 2 shared CPU cores
+    "quick": dict(n_embd=256, n_layer=2, n_head=4, seq=64, batch=4, steps=30, shaped_steps=10,
+                  local_steps=30, nocomm_steps=20, mem_steps=3, warmup=2, rounds=30, rank=4),
+    "default": dict(n_embd=256, n_layer=4, n_head=4, seq=128, batch=4, steps=80, shaped_steps=16,
+                    local_steps=80, nocomm_steps=80, mem_steps=3, warmup=3, rounds=80, rank=4),
+    # seconds: for tests
+    "smoke": dict(n_embd=32, n_layer=1, n_head=2, seq=16, batch=2, steps=4, shaped_steps=3,
+                  local_steps=4, nocomm_steps=4, mem_steps=2, warmup=1, rounds=4, rank=2),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_const", dest="preset", const="quick",
+                   help="small model and few steps (a few minutes on 2 CPU cores)")
+    g.add_argument("--smoke", action="store_const", dest="preset", const="smoke",
+                   help="tiny model, a handful of steps (seconds; for tests)")
+    p.set_defaults(preset="default")
+    p.add_argument("--json", metavar="PATH", help="write one record per method here")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                   help="folder for the markdown table, plots and run details")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
+    p.add_argument("--nets", default=",".join(NETS), help=f"comma-separated subset of {NETS}")
+    for key in ("n_embd", "n_layer", "n_head", "seq", "batch", "steps", "shaped_steps", "local_steps",
+                "nocomm_steps", "mem_steps", "warmup", "rounds", "rank"):
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"override the preset's {key}")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dad-error-feedback", action="store_true", help="dad-rank with error feedback")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--phase-timeout", type=float, default=900, help="seconds per network condition")
+    # internal: run one phase (inside the namespace for shaped links)
+    p.add_argument("--_phase", help=argparse.SUPPRESS)
+    p.add_argument("--_spec", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    settings = dict(PRESETS[args.preset])
+    for key in list(settings):
+        v = getattr(args, key)
+        if v is not None:
+            settings[key] = v
+    args.settings = settings
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.nets = [n.strip() for n in args.nets.split(",") if n.strip()]
+    bad = [m for m in args.methods if m not in METHODS] + [n for n in args.nets if n not in NETS]
+    if bad:
+        p.error(f"unknown methods or nets: {bad}")
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_phase_inside(spec_path: str) -> None:
+    """Entry point of one phase: shape the link (in a namespace), spawn 2 ranks."""
+    import torch.multiprocessing as mp
+
+    from benchmarks._ranks import rank_main
+
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    if spec["net"] != "loopback":
+        net_shaping.setup_inside(spec["net"])
+    mp.spawn(rank_main, args=(2, _free_port(), spec), nprocs=2, join=True)
+
+
+def _phase_spec(args, net: str, out_file: str) -> dict:
+    s = args.settings
+    shaped = net != "loopback"
+    w = Workload(n_embd=s["n_embd"], n_layer=s["n_layer"], n_head=s["n_head"], seq=s["seq"], batch=s["batch"],
+                 lr=args.lr, seed=args.seed)
+    return {"net": net, "out": out_file, "methods": args.methods, "workload": asdict(w),
+            "opts": {"rank": s["rank"], "dad_error_feedback": args.dad_error_feedback},
+            "steps": s["shaped_steps"] if shaped else s["steps"],
+            "local_steps": min(s["local_steps"], s["shaped_steps"]) if shaped else s["local_steps"],
+            "nocomm_steps": 0 if shaped else s["nocomm_steps"],
+            "mem_steps": 0 if shaped else s["mem_steps"],
+            "warmup": s["warmup"], "rounds": min(s["rounds"], s["shaped_steps"]) if shaped else s["rounds"],
+            "timeout_s": args.phase_timeout}
+
+
+def run_phase(args, net: str, workdir: str) -> dict:
+    out_file = os.path.join(workdir, f"phase-{net}.json")
+    spec_file = os.path.join(workdir, f"spec-{net}.json")
+    with open(spec_file, "w") as fh:
+        json.dump(_phase_spec(args, net, out_file), fh)
+    cmd = [sys.executable, "-m", "benchmarks.compare", "--_phase", net, "--_spec", spec_file]
+    if net != "loopback":
+        cmd = net_shaping.namespace_prefix() + cmd
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.phase_timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"phase {net} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with open(out_file) as fh:
+        result = json.load(fh)
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def _per_rank(phase: dict, key: str) -> List[dict]:
+    return [phase["rank_results"][r].get(key, {}) for r in sorted(phase["rank_results"])]
+
+
+def assemble(args, phases: Dict[str, Optional[dict]], skipped: Dict[str, str]) -> List[dict]:
+    loop = phases["loopback"]
+    records = []
+
+    def slowest(phase, key):
+        vals = [r.get("step_s") for r in _per_rank(phase, key)]
+        return max(vals) if vals and None not in vals else None
+
+    local = slowest(loop, "local")
+    for m in args.methods:
+        ranks = _per_rank(loop, m)
+        nocomm = slowest(loop, f"{m}:nocomm") if args.settings["nocomm_steps"] else None
+        mems = [r.get("peak_mem_mb") for r in ranks if r.get("peak_mem_mb") is not None]
+        rec = {
+            "method": m,
+            "bytes_per_step": sum(r["sent_per_step"] for r in ranks) / len(ranks),
+            "bytes_received_per_step": sum(r["received_per_step"] for r in ranks) / len(ranks),
+            "step_s_loopback": slowest(loop, m),
+            "step_s_1gbit": slowest(phases["1gbit"], m) if phases.get("1gbit") else None,
+            "step_s_100mbit": slowest(phases["100mbit"], m) if phases.get("100mbit") else None,
+            "step_s_local": local,
+            "compute_overhead_s": None if nocomm is None else nocomm - local,
+            "peak_mem_mb": max(mems) if mems else None,
+            "final_loss": ranks[0]["eval_loss"],
+            "train_loss_last5": sum(sum(r["losses"][-5:]) / len(r["losses"][-5:]) for r in ranks) / len(ranks),
+            "bytes_counted_per_step": sum(r["counted_per_step"] for r in ranks) / len(ranks),
+        }
+        for net in ("1gbit", "100mbit"):
+            if phases.get(net):
+                rec[f"step_s_local_{net}"] = slowest(phases[net], "local")
+        records.append(rec)
+    return records
+
+
+def check_targets(records: List[dict], phases: Dict[str, Optional[dict]]) -> List[dict]:
+    by = {r["method"]: r for r in records}
+    out = []
+    if "dad-rank" not in by:
+        return out
+    dr = by["dad-rank"]
+    ar = by.get("allreduce")
+    ps = by.get("powersgd")
+    t1 = dr.get("step_s_1gbit")
+    local_1g = dr.get("step_s_local_1gbit")
+    if t1 is not None and local_1g:
+        out.append({"target": "dad-rank step at 1 Gbit/s <= 1.15 x no-communication step",
+                    "value": t1 / local_1g, "limit": 1.15, "met": t1 / local_1g <= 1.15,
+                    "detail": f"{t1:.4f} s vs {local_1g:.4f} s (local, same phase)"})
+    if t1 is not None and ps and ps.get("step_s_1gbit") is not None:
+        out.append({"target": "dad-rank step at 1 Gbit/s < PowerSGD's", "value": t1 / ps["step_s_1gbit"],
+                    "limit": 1.0, "met": t1 < ps["step_s_1gbit"],
+                    "detail": f"{t1:.4f} s vs {ps['step_s_1gbit']:.4f} s"})
+    if ar:
+        ratio = dr["bytes_per_step"] / ar["bytes_per_step"]
+        out.append({"target": "dad-rank bytes <= 1/20 of fp32 all-reduce", "value": ratio, "limit": 0.05,
+                    "met": ratio <= 0.05, "detail": f"{dr['bytes_per_step']:,.0f} vs {ar['bytes_per_step']:,.0f} B"})
+        rel = abs(dr["final_loss"] - ar["final_loss"]) / ar["final_loss"]
+        out.append({"target": "dad-rank final loss within 2% of all-reduce's", "value": rel, "limit": 0.02,
+                    "met": rel <= 0.02, "detail": f"{dr['final_loss']:.4f} vs {ar['final_loss']:.4f}"})
+    loop = phases["loopback"]
+    if "dad-auto" in by:
+        worst, where = 0.0, None
+        for r in _per_rank(loop, "dad-auto"):
+            layers: Dict[str, List[float]] = {}  # weight + bias (an exact unit's bias rides free)
+            for p in r.get("report", []):
+                if p["representation"] != "overhead":
+                    acc = layers.setdefault(p["name"].rsplit(".", 1)[0], [0.0, 0.0])
+                    acc[0] += p["sent"]
+                    acc[1] += p["allreduce"]
+            for name, (sent, ar) in layers.items():
+                if sent - ar > worst + 1e-6:
+                    worst, where = sent - ar, name
+        out.append({"target": "dad-auto never sends more than all-reduce on any layer", "value": worst,
+                    "limit": 0.0, "met": worst <= 1e-6 * 1,
+                    "detail": "largest excess 0 B" if where is None else f"{worst:.0f} B on {where}"})
+    return out
+
+
+def _fmt_bytes(b: Optional[float]) -> str:
+    if b is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if b < 1024 or unit == "GB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return f"{b:.1f} GB"
+
+
+def _fmt_s(v: Optional[float]) -> str:
+    return "null" if v is None else f"{v * 1000:.1f} ms"
+
+
+def markdown_table(records: List[dict]) -> str:
+    ar = next((r["bytes_per_step"] for r in records if r["method"] == "allreduce"), None)
+    head = ("| method | bytes/step/rank | x all-reduce | step loopback | step 1 Gbit/s | step 100 Mbit/s "
+            "| step local | compute overhead | peak mem | final loss |")
+    lines = [head, "|" + "---|" * 10]
+    for r in records:
+        ratio = f"{r['bytes_per_step'] / ar:.4f}" if ar else "-"
+        mem = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f} MB"
+        over = "-" if r["compute_overhead_s"] is None else f"{r['compute_overhead_s'] * 1000:+.1f} ms"
+        lines.append(f"| {r['method']} | {_fmt_bytes(r['bytes_per_step'])} | {ratio} | {_fmt_s(r['step_s_loopback'])} "
+                     f"| {_fmt_s(r['step_s_1gbit'])} | {_fmt_s(r['step_s_100mbit'])} | {_fmt_s(r['step_s_local'])} "
+                     f"| {over} | {mem} | {r['final_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def plots(records: List[dict], phases: Dict[str, Optional[dict]], out: Path) -> List[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["method"] for r in records]
+    files = []
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, [r["bytes_per_step"] for r in records], color="tab:blue")
+    ax.set_yscale("log")
+    ax.set_ylabel("bytes sent per rank per step")
+    ax.set_title("Bytes on the wire (2 ranks)")
+    ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(out / "compare_bytes.png", dpi=110)
+    plt.close(fig)
+    files.append("compare_bytes.png")
+
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    nets = [n for n in NETS if any(r.get(f"step_s_{n}") is not None for r in records)]
+    width = 0.8 / max(len(nets), 1)
+    for i, net in enumerate(nets):
+        ax.bar([x + i * width for x in range(len(names))],
+               [(r.get(f"step_s_{net}") or 0) * 1000 for r in records], width, label=net)
+    if records[0]["step_s_local"]:
+        ax.axhline(records[0]["step_s_local"] * 1000, color="k", ls="--", lw=1, label="no communication")
+    ax.set_xticks([x + width * (len(nets) - 1) / 2 for x in range(len(names))], names, rotation=30)
+    ax.set_yscale("log")
+    ax.set_ylabel("median step time (ms)")
+    ax.legend(fontsize=8)
+    ax.set_title("Step time by link")
+    fig.tight_layout()
+    fig.savefig(out / "compare_step_time.png", dpi=110)
+    plt.close(fig)
+    files.append("compare_step_time.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    loop = phases["loopback"]
+    for m in names:
+        losses = _per_rank(loop, m)[0]["losses"]
+        ax.plot(range(1, len(losses) + 1), losses, label=m, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (rank 0)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "compare_loss.png", dpi=110)
+    plt.close(fig)
+    files.append("compare_loss.png")
+    return files
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args._phase:
+        run_phase_inside(args._spec)
+        return 0
+    if "loopback" not in args.nets:
+        args.nets.insert(0, "loopback")  # losses, bytes and the local step come from it
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    phases: Dict[str, Optional[dict]] = {n: None for n in NETS}
+    skipped: Dict[str, str] = {}
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="dad-compare-") as work:
+        for net in NETS:
+            if net not in args.nets:
+                skipped[net] = "not requested (--nets)"
+                continue
+            if net != "loopback":
+                ok, why = net_shaping.probe(net)
+                if not ok:
+                    skipped[net] = why
+                    print(f"[compare] skipping the {net} column: cannot shape a private loopback here: {why}",
+                          flush=True)
+                    continue
+            print(f"[compare] {net}: running {len(args.methods)} methods on 2 ranks ...", flush=True)
+            phases[net] = run_phase(args, net, work)
+            print(f"[compare] {net}: done in {phases[net]['wall_s']:.0f} s "
+                  f"(measured link: {phases[net]['link_bytes_per_s'] * 8 / 1e6:.0f} Mbit/s per rank in an "
+                  f"all-gather)", flush=True)
+    records = assemble(args, phases, skipped)
+    targets = check_targets(records, phases)
+    table = markdown_table(records)
+    meta = {"settings": args.settings, "preset": args.preset, "lr": args.lr, "seed": args.seed,
+            "dad_error_feedback": args.dad_error_feedback, "skipped": skipped,
+            "link_bytes_per_s": {n: p["link_bytes_per_s"] for n, p in phases.items() if p},
+            "phase_wall_s": {n: p["wall_s"] for n, p in phases.items() if p},
+            "total_wall_s": time.perf_counter() - started, "targets": targets,
+            "phases": phases}
+    with open(out / "compare_details.json", "w") as fh:
+        json.dump({"records": records, "meta": meta}, fh, indent=1)
+    lines = [table, ""]
+    for net, why in skipped.items():
+        lines.append(f"- column {net}: skipped ({why})")
+    for t in targets:
+        lines.append(f"- {'MET ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.4g} (limit {t['limit']}); "
+                     f"{t['detail']}")
+    text = "\n".join(lines)
+    (out / "compare.md").write_text(text + "\n")
+    if not args.no_plots:
+        plots(records, phases, out)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(records, fh, indent=1)
+    print(text, flush=True)
+    print(f"[compare] total {time.perf_counter() - started:.0f} s; details in {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

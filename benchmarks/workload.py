@@ -1,0 +1,180 @@
+"""The benchmark's workload and measuring tools: a small byte-level GPT-2 on stdlib source,
+a byte counter for collectives that do not report their own, a communication-free aggregator,
+and peak-memory readings."""
+from __future__ import annotations
+
+import gc
+import threading
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from dad_integrations.aggregator import CommHandle, FactorAggregator
+
+
+@dataclass
+class Workload:
+    n_embd: int = 256
+    n_layer: int = 2
+    n_head: int = 4
+    seq: int = 64
+    batch: int = 4          # sequences per rank and step
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def build_model(w: Workload):
+    """A byte-level GPT-2 (vocabulary 256, tied embeddings), no dropout, from a config."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dad_integrations.text_data import VOCAB_SIZE
+
+    config = GPT2Config(vocab_size=VOCAB_SIZE, n_positions=w.seq, n_embd=w.n_embd, n_layer=w.n_layer,
+                        n_head=w.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=None, eos_token_id=None)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+class ByteCounter:
+    """Counts the bytes of every tensor handed to ``torch.distributed`` collectives while active.
+
+    Wire bytes follow the ring model of `dad_integrations.aggregator`: an all-reduce of b bytes
+    sends and receives ``2 (S-1)/S b`` per rank; an all-gather of b bytes per rank sends
+    ``(S-1) b`` and receives the others' bytes. Installed by wrapping the module functions, so it
+    sees what DDP's Python communication hooks (PowerSGD, fp16, ATOMO) and dAD's backend hand over.
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.sent = 0.0
+        self.received = 0.0
+        self.calls = 0
+        self._lock = threading.Lock()
+        self._orig = {}
+
+    def install(self) -> "ByteCounter":
+        for name in ("all_reduce", "all_gather", "all_gather_into_tensor"):
+            orig = getattr(dist, name)
+            self._orig[name] = orig
+            setattr(dist, name, self._wrap(name, orig))
+        return self
+
+    def uninstall(self) -> None:
+        for name, orig in self._orig.items():
+            setattr(dist, name, orig)
+        self._orig = {}
+
+    def reset(self) -> None:
+        with self._lock:
+            self.sent = self.received = 0.0
+            self.calls = 0
+
+    def _wrap(self, name, orig):
+        def counted(*args, **kwargs):
+            if self.active:
+                group = kwargs.get("group")
+                s = dist.get_world_size(group) if group is not None else dist.get_world_size()
+                if name == "all_reduce":
+                    t = args[0] if args else kwargs["tensor"]
+                    b = t.numel() * t.element_size()
+                    sent = recv = 2.0 * (s - 1) / s * b
+                elif name == "all_gather":
+                    t = args[1] if len(args) > 1 else kwargs["tensor"]
+                    b = t.numel() * t.element_size()
+                    sent = recv = (s - 1) * b
+                else:
+                    t = args[1] if len(args) > 1 else kwargs["input_tensor"]
+                    b = t.numel() * t.element_size()
+                    sent = recv = (s - 1) * b
+                with self._lock:
+                    self.sent += sent
+                    self.received += recv
+                    self.calls += 1
+            return orig(*args, **kwargs)
+
+        return counted
+
+
+class NullAggregator(FactorAggregator):
+    """A `FactorAggregator` that communicates nothing but behaves as ``world_size`` identical ranks.
+
+    Running dAD over it performs every computation of a real step (capture, rank reduction,
+    packing, rebuild of ``world_size`` contributions) without a single byte on a wire: the
+    difference to a plain step is dAD's compute overhead.
+    """
+
+    def __init__(self, rank: int, world_size: int):
+        super().__init__()
+        self._rank, self._world = rank, world_size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world
+
+    def _all_gather(self, tensor, name, first_dims):
+        dims = first_dims or [tensor.shape[0]] * self._world
+        out = []
+        for n in dims:
+            if n <= tensor.shape[0]:
+                out.append(tensor[:n])
+            else:
+                pad = tensor.new_zeros((n - tensor.shape[0],) + tuple(tensor.shape[1:]))
+                out.append(torch.cat([tensor, pad]))
+        return CommHandle(lambda: out)
+
+    def _all_reduce(self, tensor, name, op):
+        if op == "sum":
+            tensor.mul_(self._world)
+        return CommHandle(lambda: tensor)
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak: CUDA's allocator counter, or the process' RSS high-water mark."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def peak_memory_mb(device: torch.device) -> Optional[float]:
+    """Peak since `reset_peak_memory`: CUDA allocated bytes, or the process' peak RSS (VmHWM)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    try:
+        return _status_kb("VmHWM") / 1024
+    except OSError:
+        return None
+
+
+def current_rss_mb() -> Optional[float]:
+    try:
+        return _status_kb("VmRSS") / 1024
+    except OSError:
+        return None
+
+
+def median(xs: List[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])

@@ -1,0 +1,89 @@
+"""Quick checks of the benchmarks: ATOMO's estimator, the scale table's bytes against the
+synchroniser's own accounting on 2 real ranks, and the smallest compare.py run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.atomo import atomo_probabilities, atomo_sample
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_atomo_probabilities_minimise_variance_under_budget():
+    sigma = torch.tensor([10.0, 1.0, 0.5, 0.25, 0.0])
+    p = atomo_probabilities(sigma, 2)
+    assert float(p.sum()) == pytest.approx(2.0)
+    assert float(p[0]) == 1.0 and float(p[4]) == 0.0          # the dominant atom is capped at 1
+    rest = p[1:4] / sigma[1:4]
+    assert torch.allclose(rest, rest[0].expand(3))            # the others in proportion to sigma
+    assert torch.equal(atomo_probabilities(sigma, 4), torch.tensor([1.0, 1, 1, 1, 0]))
+    flat = atomo_probabilities(torch.ones(6), 3)
+    assert torch.allclose(flat, torch.full((6,), 0.5))
+
+
+def test_atomo_estimate_is_unbiased():
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(12, 6, generator=g, dtype=torch.float64) @ torch.randn(6, 9, generator=g, dtype=torch.float64)
+    total = torch.zeros_like(m)
+    draws = 4000
+    kept = 0
+    for _ in range(draws):
+        left, right = atomo_sample(m, 2, g)
+        kept += left.shape[0]
+        total += left.t() @ right
+    mean = total / draws
+    assert kept / draws == pytest.approx(2.0, abs=0.1)          # the budget is met on average
+    assert float((mean - m).norm() / m.norm()) < 0.05           # and the estimate is unbiased
+
+
+def test_scale_table_bytes_match_last_step_report():
+    """The analytic bytes equal what `last_step_report()` accounts on 2 real ranks (tiny GPT-2 and
+    BERT; exact, rank, auto with and without rank), and the full-size table is consistent."""
+    from benchmarks import scale_table
+
+    checks = scale_table.check()
+    bad = [c for c in checks if not c["match"]]
+    assert not bad, bad
+    rows = scale_table.table(4, geometries=("gpt2-small",), shapes=((1, 128), (8, 512)), sites=(2, 256))
+    by = {(r["batch"], r["seq"], r["sites"]): r for r in rows}
+    small, big = by[(1, 128, 2)], by[(8, 512, 2)]
+    assert small["dad-exact"] < small["allreduce"] < big["dad-exact"]   # dAD wins with few rows only
+    assert big["dad-rank"] < big["allreduce"] / 20
+    assert by[(8, 512, 256)]["dad-rank"] > 100 * big["dad-rank"]        # the all-gather grows with sites
+    for r in rows:  # up to the dense buckets' flags (one number per dense parameter)
+        assert r["auto-lossless"] <= min(r["allreduce"], r["dad-exact"]) * (1 + 1e-5)
+        assert r["dad-auto"] <= r["allreduce"] * (1 + 1e-5)
+
+
+def test_compare_smallest_run_writes_every_key(tmp_path):
+    out = tmp_path / "c.json"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.compare", "--smoke", "--nets", "loopback",
+                           "--json", str(out), "--out", str(tmp_path), "--no-plots"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = json.loads(out.read_text())
+    from benchmarks.compare import KEYS
+    from benchmarks._ranks import METHODS
+
+    assert [r["method"] for r in records] == list(METHODS)
+    by = {r["method"]: r for r in records}
+    for r in records:
+        assert set(KEYS) <= set(r), r
+        assert r["step_s_1gbit"] is None and r["step_s_100mbit"] is None  # not requested
+        assert r["step_s_loopback"] > 0 and r["step_s_local"] > 0 and r["final_loss"] > 0
+        assert r["bytes_per_step"] > 0
+    assert by["fp16"]["bytes_per_step"] == pytest.approx(by["allreduce"]["bytes_per_step"] / 2)
+    assert by["dad-rank"]["bytes_per_step"] < by["allreduce"]["bytes_per_step"]
+    # dAD's own report agrees with what reached torch.distributed
+    for m in ("dad-exact", "dad-rank", "dad-auto"):
+        assert by[m]["bytes_per_step"] == pytest.approx(by[m]["bytes_counted_per_step"], rel=1e-9)
+    assert by["dad-exact"]["final_loss"] == pytest.approx(by["allreduce"]["final_loss"], rel=1e-4)
+    assert "skipped" in (tmp_path / "compare.md").read_text()
