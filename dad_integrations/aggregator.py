@@ -57,6 +57,10 @@ class Traffic:
     def copy(self) -> "Traffic":
         return Traffic(self.handed, self.sent, self.received, self.calls)
 
+    def share(self, fraction: float) -> "Traffic":
+        """This traffic's bytes times ``fraction``, no calls: one tensor's part of a bucket."""
+        return Traffic(self.handed * fraction, self.sent * fraction, self.received * fraction, 0)
+
 
 class FactorAggregator(ABC):
     """Collectives over the ranks of one data-parallel group.

@@ -72,9 +72,7 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
             flags = flat[-len(items):].tolist()
         offset = 0
         for name, p in bucket:
-            share = p.numel() / numel
-            account(name, p, Traffic(traffic.handed * share, traffic.sent * share,
-                                     traffic.received * share, 0))
+            account(name, p, traffic.share(p.numel() / numel))
             avg = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).mul_(postscale)
             offset += p.numel()
             if write is not None:
@@ -84,9 +82,7 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, *,
             elif flags[position[id(p)]] > 0:
                 p.grad = avg.clone()
         if b == 0:
-            rest = len(items) / numel
-            account("[dense flags]", None, Traffic(traffic.handed * rest, traffic.sent * rest,
-                                                   traffic.received * rest, 0))
+            account("[dense flags]", None, traffic.share(len(items) / numel))
 
 
 

@@ -140,6 +140,8 @@ def reduce_rank(m: LocalGradient, rank: int, *, method: str, q_init: Optional[to
 
     # one of p, q has orthonormal columns, so a component's energy is |p_i|^2 |q_i|^2
     energy = p.pow(2).sum(0) * q.pow(2).sum(0)
+    if tolerance is None and p.shape[1] == rank and bool((energy > energy.max() * 1e-12).all()):
+        return LowRank(p, q, rank, method, q)  # every component counts: no sorting, no copies
     order = torch.argsort(energy, descending=True)
     energy = energy[order]
     top = float(energy[0]) if energy.numel() else 0.0

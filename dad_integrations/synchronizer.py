@@ -345,17 +345,22 @@ class DADSynchronizer:
         report: Dict[str, ParamReport] = {}
         dense_units: List[Tuple[str, nn.Parameter]] = []
         verify = not self._verified
-        previous: Optional[Callable[[], None]] = None
+        bucket = _RankBucket(self.config.bucket_cap_mb * 2 ** 20)
+        previous: List[Callable[[], None]] = []
         for unit in self._plan.units:
             unit.ready.wait()
             if self._abandoned:
                 raise RuntimeError("dAD synchroniser closed with a step in flight")
-            finish = self._exchange_unit(unit, verify, report, dense_units)
-            if previous is not None:
-                previous()  # rebuild the last unit while this one's collective runs
-            previous = finish
-        if previous is not None:
-            previous()
+            current = [f for f in [self._exchange_unit(unit, verify, report, dense_units, bucket)] if f]
+            if bucket.full():
+                current.append(self._send_rank_bucket(bucket))
+            for finish in previous:
+                finish()  # rebuild the last units while this one's collective runs
+            previous = current
+        if bucket.items:
+            previous.append(self._send_rank_bucket(bucket))
+        for finish in previous:
+            finish()
         self._flush.wait()  # backward is over: every dense gradient is final
         if self._abandoned:
             raise RuntimeError("dAD synchroniser closed with a step in flight")
@@ -377,7 +382,8 @@ class DADSynchronizer:
         return StepReport(self._steps, s, list(report.values()))
 
     def _exchange_unit(self, unit: FactorUnit, verify: bool, report: Dict[str, ParamReport],
-                       dense_units: List[Tuple[str, nn.Parameter]]) -> Optional[Callable[[], None]]:
+                       dense_units: List[Tuple[str, nn.Parameter]],
+                       bucket: "_RankBucket") -> Optional[Callable[[], None]]:
         agg, cfg = self.aggregator, self.config
         s = agg.world_size
         p = unit.param
@@ -436,7 +442,7 @@ class DADSynchronizer:
             finish = self._send_exact(unit, rows, rows_by_rank, wire)
         else:
             dense_units.extend((b.name, b.param) for b in unit.biases)
-            finish = self._send_rank(unit, rows, wire, entry)
+            finish = self._send_rank(unit, rows, wire, entry, bucket)
         _add_traffic(entry, agg.traffic() - before)
         return finish
 
@@ -496,9 +502,9 @@ class DADSynchronizer:
 
         return finish
 
-    def _send_rank(self, unit: FactorUnit, rows: List[Rows], wire: torch.dtype,
-                   entry: ParamReport) -> Callable[[], None]:
-        cfg, p, s = self.config, unit.param, self.aggregator.world_size
+    def _send_rank(self, unit: FactorUnit, rows: List[Rows], wire: torch.dtype, entry: ParamReport,
+                   bucket: "_RankBucket") -> Optional[Callable[[], None]]:
+        cfg, p = self.config, unit.param
         m, n = p.shape
         r = min(cfg.rank, m, n)
         cdt = _compute_dtype(p)
@@ -511,8 +517,8 @@ class DADSynchronizer:
                 local = local + unit.residual
             grad = LocalGradient(dense=local)
         else:
-            grad = LocalGradient(left=torch.cat([left.to(cdt) for left, _ in rows]),
-                                 right=torch.cat([right.to(cdt) for _, right in rows]))
+            grad = LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
+                                 right=_cat([right.to(cdt) for _, right in rows]))
         q_init = unit.warm_q if cfg.warm_start and unit.warm_q is not None else None
         if q_init is None or q_init.shape != (n, r):
             gen = torch.Generator(device=p.device).manual_seed(1_000_003 * unit.index + self._steps)
@@ -529,14 +535,46 @@ class DADSynchronizer:
             qq = torch.nn.functional.pad(qq, (0, r - low.components))
         payload = torch.cat([pq.t(), qq.t()], dim=1).to(wire)
         entry.components, entry.method = low.components, method
-        first_dims = None if cfg.adaptive_tolerance is not None else [r] * s
-        handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}", first_dims=first_dims)
+        if cfg.adaptive_tolerance is None:  # r rows on every rank: it can share a bucket's all-gather
+            # a payload of another dtype (parameters of mixed dtypes) starts a new bucket
+            earlier = self._send_rank_bucket(bucket) if bucket.items and bucket.dtype != payload.dtype else None
+            bucket.add(unit, payload, entry)
+            return earlier
+        handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}")
 
         def finish() -> None:
-            factors = torch.cat(handle.wait()).to(cdt)
-            self._set_grad(p, (factors[:, :m].t() @ factors[:, m:]).mul_(self.scale))
+            self._set_rank_grad(unit, torch.cat(handle.wait()))
 
         return finish
+
+    def _send_rank_bucket(self, bucket: "_RankBucket") -> Callable[[], None]:
+        """One all-gather for the rank-r payloads of several units (fewer, larger collectives)."""
+        items = bucket.take()
+        flat = torch.cat([payload.reshape(-1) for _, payload, _ in items])
+        agg = self.aggregator
+        before = agg.traffic()
+        handle = agg.all_gather(flat, name=f"dad.rank.{items[0][0].name}", first_dims=[flat.numel()] * agg.world_size)
+        traffic = agg.traffic() - before
+        for _, payload, entry in items:
+            _add_traffic(entry, traffic.share(payload.numel() / flat.numel()))
+
+        def finish() -> None:
+            gathered = handle.wait()
+            offset = 0
+            for unit, payload, _ in items:
+                k = payload.numel()
+                self._set_rank_grad(unit, torch.cat([g[offset:offset + k].view(payload.shape) for g in gathered]))
+                offset += k
+
+        return finish
+
+    def _set_rank_grad(self, unit: FactorUnit, factors: torch.Tensor) -> None:
+        """Rebuild ``scale * sum_s P_s Q_s^T`` from every rank's ``[P^T | Q^T]`` rows, stacked."""
+        p = unit.param
+        m = p.shape[0]
+        factors = factors.to(_compute_dtype(p))
+        # the scale goes on the (S r x m) block, not on the m x n result: one pass fewer
+        self._set_grad(p, (factors[:, :m] * self.scale).t() @ factors[:, m:])
 
     # -- helpers --------------------------------------------------------------------------------
     def _write_dense(self, p: nn.Parameter, average: torch.Tensor) -> None:
@@ -614,6 +652,37 @@ def _abandon(ref: "weakref.ref[DADSynchronizer]") -> None:
         sync._worker.join(timeout=5.0)
 
 
+class _RankBucket:
+    """Rank-r payloads of consecutive units, waiting to share one all-gather.
+
+    Every rank sends exactly r rows per unit (without adaptive tolerance), so the ranks agree on
+    the bucket's size and contents without any exchange; a bucket goes when it reaches
+    ``cap_bytes`` (the config's ``bucket_cap_mb``), when a payload of another dtype comes, or
+    when the step's last unit is done. Fewer collectives matter: each costs a round trip and, on
+    CPUs, a wake-up of the exchange thread on every rank.
+    """
+
+    def __init__(self, cap_bytes: float):
+        self.cap_bytes = cap_bytes
+        self.items: List[Tuple[FactorUnit, torch.Tensor, ParamReport]] = []
+        self.nbytes = 0
+
+    @property
+    def dtype(self) -> Optional[torch.dtype]:
+        return self.items[0][1].dtype if self.items else None
+
+    def full(self) -> bool:
+        return self.nbytes >= self.cap_bytes
+
+    def add(self, unit: FactorUnit, payload: torch.Tensor, entry: ParamReport) -> None:
+        self.items.append((unit, payload, entry))
+        self.nbytes += payload.numel() * payload.element_size()
+
+    def take(self) -> List[Tuple[FactorUnit, torch.Tensor, ParamReport]]:
+        items, self.items, self.nbytes = self.items, [], 0
+        return items
+
+
 class _Worker:
     """One daemon thread running submitted jobs in order.
 
@@ -656,6 +725,11 @@ def _concat_rows(pairs: List[Rows], kind: str, shape: Tuple[int, int], p: nn.Par
         return (torch.zeros(0, dtype=torch.int64, device=p.device),
                 torch.zeros(0, n, dtype=p.dtype, device=p.device))
     return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)
+
+
+def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` without the copy when there is one tensor (a weight with one use)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _set_dense_only(unit: FactorUnit, dense_only: bool) -> None:
