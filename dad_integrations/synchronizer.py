@@ -574,7 +574,13 @@ class DADSynchronizer:
         m = p.shape[0]
         factors = factors.to(_compute_dtype(p))
         # the scale goes on the (S r x m) block, not on the m x n result: one pass fewer
-        self._set_grad(p, (factors[:, :m] * self.scale).t() @ factors[:, m:])
+        left, right = (factors[:, :m] * self.scale).t(), factors[:, m:]
+        grad = p.grad
+        if (grad is not None and id(p) not in self._priors and id(p) not in self._targets
+                and grad.dtype == left.dtype and grad.is_contiguous()):
+            torch.mm(left, right, out=grad)  # straight into .grad: no m x n temporary and copy
+        else:
+            self._set_grad(p, left @ right)
 
     # -- helpers --------------------------------------------------------------------------------
     def _write_dense(self, p: nn.Parameter, average: torch.Tensor) -> None:
