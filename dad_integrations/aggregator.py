@@ -137,3 +137,65 @@ class FactorAggregator(ABC):
 def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``."""
     return 2.0 * (world_size - 1) / world_size * nbytes
+
+
+class EqualSizeAggregator(FactorAggregator):
+    """A backend whose collectives need equal sizes on every rank (gloo's and NCCL's all-gather).
+
+    Rows of different lengths are padded to the longest after an exchange of sizes (skipped when
+    the caller passes ``first_dims``). Subclasses give the engine's two calls,
+    `_engine_all_gather` and `_engine_all_reduce`; every byte the backend moves passes through
+    them, and they are counted here.
+    """
+
+    @abstractmethod
+    def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
+        """The engine's all-gather of equal-size tensors; returns a work handle (or None)."""
+
+    @abstractmethod
+    def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        """The engine's in-place sum all-reduce; returns a work handle (or None)."""
+
+    def _gather_equal(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
+        self._count_all_gather([tensor.numel() * tensor.element_size()] * self.world_size)
+        return self._engine_all_gather(out, tensor, async_op)
+
+    def _exchange_first_dims(self, tensor: torch.Tensor) -> List[int]:
+        mine = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._gather_equal(out, mine)
+        return [int(t.item()) for t in out]
+
+    def _all_gather(self, tensor: torch.Tensor, name: str, first_dims: Optional[List[int]]) -> CommHandle:
+        tensor = tensor.contiguous()
+        if first_dims is None:
+            first_dims = self._exchange_first_dims(tensor)
+        elif first_dims[self.rank] != tensor.shape[0]:
+            raise ValueError(f"{name}: first_dims says {first_dims[self.rank]} rows for this rank, "
+                             f"the tensor has {tensor.shape[0]}")
+        longest = max(first_dims)
+        if tensor.shape[0] < longest:
+            pad = tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))
+            tensor = torch.cat([tensor, pad])
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work = self._gather_equal(out, tensor, async_op=True)
+
+        def finish() -> List[torch.Tensor]:
+            if work is not None:
+                work.wait()
+            return [t[:n] for t, n in zip(out, first_dims)]
+
+        return CommHandle(finish)
+
+    def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle:
+        self._count_all_reduce(tensor.numel() * tensor.element_size())
+        work = self._engine_all_reduce(tensor, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            if op == "mean":
+                tensor.div_(self.world_size)
+            return tensor
+
+        return CommHandle(finish)

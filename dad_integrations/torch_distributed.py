@@ -1,7 +1,7 @@
 """`TorchDistributedAggregator`: the embedded default backend, over ``torch.distributed``.
 
-gloo's and NCCL's all-gather need equal sizes on every rank, so rows of different lengths are
-padded to the longest after an exchange of sizes (skipped when the caller passes ``first_dims``).
+gloo's and NCCL's all-gather need equal sizes on every rank: `EqualSizeAggregator` pads rows of
+different lengths to the longest after an exchange of sizes.
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .aggregator import CommHandle, FactorAggregator
+from .aggregator import EqualSizeAggregator
 
 
-class TorchDistributedAggregator(FactorAggregator):
+class TorchDistributedAggregator(EqualSizeAggregator):
     """Collectives over a ``torch.distributed`` process group.
 
     Args:
@@ -47,50 +47,9 @@ class TorchDistributedAggregator(FactorAggregator):
     def group(self) -> dist.ProcessGroup:
         return self._group
 
-    def _exchange_first_dims(self, tensor: torch.Tensor) -> List[int]:
-        mine = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
-        out = [torch.empty_like(mine) for _ in range(self._world)]
-        self._dist_all_gather(out, mine)
-        return [int(t.item()) for t in out]
-
-    def _all_gather(self, tensor: torch.Tensor, name: str,
-                    first_dims: Optional[List[int]]) -> CommHandle:
-        tensor = tensor.contiguous()
-        if first_dims is None:
-            first_dims = self._exchange_first_dims(tensor)
-        elif first_dims[self._rank] != tensor.shape[0]:
-            raise ValueError(f"{name}: first_dims says {first_dims[self._rank]} rows for this rank, "
-                             f"the tensor has {tensor.shape[0]}")
-        longest = max(first_dims)
-        if tensor.shape[0] < longest:
-            pad = tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))
-            tensor = torch.cat([tensor, pad])
-        out = [torch.empty_like(tensor) for _ in range(self._world)]
-        work = self._dist_all_gather(out, tensor, async_op=True)
-
-        def finish() -> List[torch.Tensor]:
-            work.wait()
-            return [t[:n] for t, n in zip(out, first_dims)]
-
-        return CommHandle(finish)
-
-    def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle:
-        work = self._dist_all_reduce(tensor, async_op=True)
-
-        def finish() -> torch.Tensor:
-            work.wait()
-            if op == "mean":
-                tensor.div_(self._world)
-            return tensor
-
-        return CommHandle(finish)
-
     # The two calls into torch.distributed; every byte this backend moves passes through them.
-    def _dist_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
-        nbytes = tensor.numel() * tensor.element_size()
-        self._count_all_gather([nbytes] * self._world)
+    def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
         return dist.all_gather(out, tensor, group=self._group, async_op=async_op)
 
-    def _dist_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        self._count_all_reduce(tensor.numel() * tensor.element_size())
+    def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         return dist.all_reduce(tensor, group=self._group, async_op=async_op)

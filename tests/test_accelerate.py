@@ -6,7 +6,6 @@ profiled step, `DADCallback` in `transformers.Trainer` against a plain Trainer r
 example script end to end.
 """
 import json
-import os
 
 import pytest
 

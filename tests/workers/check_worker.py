@@ -33,13 +33,13 @@ class RecordingAggregator(TorchDistributedAggregator):
         super().__init__()
         self.recorded = 0
 
-    def _dist_all_gather(self, out, tensor, async_op=False):
+    def _engine_all_gather(self, out, tensor, async_op=False):
         self.recorded += tensor.numel() * tensor.element_size()
-        return super()._dist_all_gather(out, tensor, async_op)
+        return super()._engine_all_gather(out, tensor, async_op)
 
-    def _dist_all_reduce(self, tensor, async_op=False):
+    def _engine_all_reduce(self, tensor, async_op=False):
         self.recorded += tensor.numel() * tensor.element_size()
-        return super()._dist_all_reduce(tensor, async_op)
+        return super()._engine_all_reduce(tensor, async_op)
 
 
 def local_batch(case: dict, step: int, micro: int) -> dict:

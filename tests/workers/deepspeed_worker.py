@@ -8,7 +8,6 @@ every deepspeed.comm collective per step), "train" (a short run on real text: lo
 """
 from __future__ import annotations
 
-import copy
 import datetime
 import json
 import os
