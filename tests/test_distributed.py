@@ -83,6 +83,10 @@ def _two_rank_cases() -> dict:
                                          "ddp_hook": True, "accumulate": 2},
         "grad-ddphook-bert-exact": {"kind": "grad", "model": "bert", "config": {"mode": "exact"},
                                     "ddp_hook": True},
+        "grad-ddphook-mlp-dynamic": {"kind": "grad", "model": "mlp_dynamic", "config": {"mode": "exact"},
+                                     "ddp_hook": True, "unused": True, "steps": 3},
+        "grad-ddphook-gpt2-no-zeroing": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
+                                         "ddp_hook": True, "zero": "keep", "steps": 3},
         "error-mismatch": {"kind": "error", "model": "mlp", "other": "mlp_narrow"},
         "error-reentrant-shared": {"kind": "error", "model": "mlp_ckpt_shared", "config": {"mode": "exact"}},
     })
