@@ -23,7 +23,7 @@ class ModuleCapture:
     """Collects ``(left, right)`` row pairs of one module's calls (see `layers`).
 
     ``on_forward`` is called at every captured forward (the synchroniser opens a step's window
-    there); ``enabled`` switches capture off without removing the hooks.
+    there, enabled or not); ``enabled`` switches the capture of rows off without removing the hooks.
     """
 
     def __init__(self, name: str, module: nn.Module, kind: str,
@@ -37,12 +37,13 @@ class ModuleCapture:
         self._handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
 
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        if not (self.enabled and torch.is_grad_enabled() and isinstance(output, torch.Tensor)
-                and output.requires_grad):
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        if self._on_forward is not None:  # also when disabled: the step's window opens here
+            self._on_forward()
+        if not self.enabled:
             return
         inputs = args[0] if args else next(iter(kwargs.values()))
-        if self._on_forward is not None:
-            self._on_forward()
         key = self._calls
         self._calls += 1
         self._pending[key] = inputs.detach()

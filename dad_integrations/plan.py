@@ -43,6 +43,7 @@ class FactorUnit:
     ready: threading.Event = field(default_factory=threading.Event)
     passes: int = 0                   # backward passes seen since the last exchange
     dense_only: bool = False          # failed the first-step check: dense from then on
+    rows_unused: bool = False         # rank-reduced from its dense gradient: rows not captured
     warm_q: Optional[torch.Tensor] = None
     residual: Optional[torch.Tensor] = None
 

@@ -443,6 +443,12 @@ class DADSynchronizer:
         else:
             dense_units.extend((b.name, b.param) for b in unit.biases)
             finish = self._send_rank(unit, rows, wire, entry, bucket)
+            if cfg.mode == "rank" and entry.method == "dense" and not verify and not unit.rows_unused:
+                # mode rank reduces this weight from its dense gradient: its rows are of no use, so
+                # stop capturing them (saves the hooks' time; the row count is kept from now on)
+                unit.rows_unused = True
+                for capture in unit.uses:
+                    capture.enabled = False
         _add_traffic(entry, agg.traffic() - before)
         return finish
 
@@ -509,7 +515,7 @@ class DADSynchronizer:
         r = min(cfg.rank, m, n)
         cdt = _compute_dtype(p)
         n_rows = sum(int(left.shape[0]) for left, _ in rows)
-        method = "dense" if cfg.error_feedback else choose_method(
+        method = "dense" if cfg.error_feedback or unit.rows_unused else choose_method(
             n_rows, m, n, r, cfg.power_iterations, factors_available=unit.factors_only)
         if method == "dense":
             local = self._local_grad(p, cdt)

@@ -92,6 +92,24 @@ def test_bad_config_dict_is_refused(group):
         DADSynchronizer(_model(), TorchDistributedAggregator(), {"rnak": 3})
 
 
+def test_rank_mode_stops_capturing_rows_it_does_not_use(group):
+    """Rank-reduced from the dense gradient, a weight's rows are dropped after the checked first
+    step; the step's window (forward-before-synchronize check) still opens."""
+    model = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), {"mode": "rank", "rank": 1})
+    x = torch.randn(64, 4)  # many rows: power iteration on the dense gradient is the cheaper
+    for _ in range(2):
+        model(x).pow(2).sum().backward()
+        sync.synchronize()
+    assert all(u.rows_unused and not any(c.enabled for c in u.uses) for u in sync.units)
+    assert {p.method for p in sync.last_step_report().params if p.representation == "rank"} == {"dense"}
+    model(x).pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match="synchronize"):
+        model(x)
+    sync.synchronize()
+    sync.close()
+
+
 def test_ddp_comm_hook_replaces_allreduce(group):
     """As DDP's hook, dAD hands back the gradients, and synchronize() is refused (DDP drives it)."""
     model, ref = _model(), _model()
