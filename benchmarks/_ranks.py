@@ -11,7 +11,6 @@ import gc
 import json
 import os
 import time
-from dataclasses import asdict
 from typing import Dict, List, Optional
 
 import torch
