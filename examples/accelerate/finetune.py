@@ -71,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                    help="load this hub model and tokenizer instead of building a small one (needs network)")
     p.add_argument("--dad-mode", choices=("exact", "rank", "auto"), default="auto")
     p.add_argument("--rank", type=int, default=4, help="rank of rank-dAD (modes rank and auto)")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="rank-dAD keeps each weight's rank-reduction residual for the next step "
+                        "(memory: one gradient per weight)")
     p.add_argument("--max-steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-step")
     p.add_argument("--seq-len", type=int, default=128)
@@ -271,6 +274,8 @@ def main() -> None:
     init_state = build_model(args).state_dict()
     dataset = build_dataset(args)
     dad_config = {"mode": args.dad_mode, "rank": None if args.dad_mode == "exact" else args.rank}
+    if args.error_feedback:
+        dad_config["error_feedback"] = True
     runs = []
     if not args.no_baseline:
         runs.append(train("allreduce", args, accelerator, init_state, dataset, None))
