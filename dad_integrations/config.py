@@ -22,8 +22,9 @@ class DADConfig:
     Attributes:
         mode: ``"exact"`` sends dAD factors for every supported layer (lossless, the paper's dAD);
             ``"rank"`` sends rank-``rank`` factors for every ``Linear``/``Conv1D`` weight (the
-            paper's rank-dAD); ``"auto"`` picks per parameter and step the fewest bytes among dense
-            all-reduce, exact factors and, only when ``rank`` is set, rank factors.
+            paper's rank-dAD); ``"auto"`` picks per parameter the fewest bytes among dense
+            all-reduce, exact factors and, only when ``rank`` is set, rank factors (a parameter
+            that went dense or rank-r stays on that route).
         rank: rank of rank-dAD (required for ``mode="rank"``; enables rank-dAD in ``"auto"``).
         power_iterations: subspace iterations per step of the power method.
         warm_start: start each step's power iteration from the previous step's right factor.

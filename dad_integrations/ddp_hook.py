@@ -68,4 +68,9 @@ def _ranks_group(process_group):
     """A new group over the ranks of DDP's group: dAD's collectives run on a background thread,
     and must not interleave with the user's (or DDP's) own on a shared group."""
     ranks = dist.get_process_group_ranks(process_group)
+    if len(ranks) != dist.get_world_size():
+        # dist.new_group must be called by every rank of the default group, which a DDP over a
+        # subgroup cannot promise here
+        raise ValueError("DDP runs on a subgroup: pass aggregator=TorchDistributedAggregator(group) with a "
+                         "group made for dAD on every rank (dist.new_group(ranks))")
     return dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))

@@ -11,10 +11,12 @@ How a step runs. Forward hooks keep each captured layer's input rows; a hook on 
 keeps its output-gradient rows (`capture`). When autograd has finished a weight's local gradient
 (a post-accumulate-grad hook), its unit is ready, and a single background thread exchanges the
 units in a fixed order that every rank shares (reverse registration order, which backward
-follows): a size exchange, then one all-gather of the unit's exact or rank-r factors, or a place
-in the dense buckets. The rebuild of one unit overlaps the next unit's collective, and all of it
-overlaps the rest of backward. `synchronize()` releases units that never got a gradient,
-all-reduces the dense buckets and waits.
+follows): a size exchange, then one all-gather of the unit's exact factors, or its rank-r
+factors into a bucket shared with the next units (one all-gather per ``bucket_cap_mb``; small
+payloads usually fill one bucket, sent when backward ends), or a place in the dense buckets. The
+rebuild of one unit overlaps the next unit's collective, and exact exchanges overlap the rest of
+backward. `synchronize()` releases units that never got a gradient, all-reduces the dense
+buckets and waits.
 
 Size exchanges. Exact factors have a row count per rank, which the ranks agree (one small
 all-gather per unit) before the factors' all-gather. The first step (verification) exchanges sizes
@@ -22,7 +24,8 @@ for every unit. After it, mode "rank" never exchanges sizes, and mode "auto" pre
 route from the counts of its last size exchange: a unit predicted to go dense or rank-r sends no
 size exchange at all (so a dense unit moves exactly what all-reduce moves); one predicted to go
 exact exchanges sizes, which refreshes its counts, and then decides on the current counts. Counts
-of a unit that goes dense are not refreshed: if rows later shrink, it stays dense.
+of a unit that goes dense or rank-r are not refreshed: if rows later shrink, it stays on that
+route (the choice is sticky after the first steps; it never costs more bytes than its route).
 
 Costs per weight (m x n), S ranks, N local rows: exact factors gather ``N (m+n)`` numbers per
 rank and rebuild with one ``S N m n`` matmul; rank-r factors gather ``r (m+n)`` per rank and
@@ -117,7 +120,7 @@ class DADSynchronizer:
         self._done: List[Callable[[Optional[BaseException]], None]] = []  # DDP futures to complete
 
         self._plan = build_plan(model, self.config, on_forward=self._open_window)
-        self._unit_of = {id(u.param): u for u in self._plan.units}
+        self._unit_of = {id(q): u for u in self._plan.units for q in _params_of(u)}
         try:
             self._check_same_model()
         except BaseException:
@@ -160,10 +163,14 @@ class DADSynchronizer:
         self._finish(report, late)
 
     def _release_all(self) -> None:
-        """Backward is over: every unit and the dense buckets may go."""
-        self._flush.set()
+        """Backward is over: every unit and the dense buckets may go.
+
+        The flush goes last: once it is set the worker may finish the step and reset every flag
+        (in DDP mode on its own thread), so nothing may be set after it.
+        """
         for unit in self._plan.units:
             unit.ready.set()
+        self._flush.set()
 
     def _end_step(self) -> List[str]:
         """Reset the per-step state; returns the weights whose rows arrived after their exchange."""
@@ -182,11 +189,12 @@ class DADSynchronizer:
         return late
 
     def _finish(self, report: StepReport, late: List[str]) -> None:
-        if late:
-            raise RuntimeError(f"the gradients of {sorted(set(late))} came in twice in one step, after their "
-                               f"exchange had started: a weight used in several reentrant-checkpointed "
-                               f"segments (exclude it with the 'exclude' config key, or use "
-                               f"use_reentrant=False), or backward run twice without no_sync()")
+        """Count the finished step, then raise if this rank saw rows arrive after their exchange.
+
+        The step is counted first: the error is this rank's alone, and a caller that goes on must
+        find every rank in the same state (same step count, same first-step check), or the next
+        step's collectives would not match.
+        """
         self._report = report
         self._steps += 1
         # a step in which no rank had factor rows (synchronize() before any backward, as
@@ -194,6 +202,11 @@ class DADSynchronizer:
         # max_rows is agreed by all ranks, so they keep or drop the check together
         if any(p.max_rows for p in report.params):
             self._verified = True
+        if late:
+            raise RuntimeError(f"the gradients of {sorted(set(late))} came in twice in one step, after their "
+                               f"exchange had started: a weight used in several reentrant-checkpointed "
+                               f"segments (exclude it with the 'exclude' config key, or use "
+                               f"use_reentrant=False), or backward run twice without no_sync()")
 
     # -- DDP communication hook path (see `ddp_hook`) --------------------------------------------
     def _ddp_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
@@ -211,7 +224,8 @@ class DADSynchronizer:
             self._done.append(on_done)
         for p in params:
             unit = self._unit_of.get(id(p))
-            if unit is not None:
+            # its results go into DDP's buckets: the weight's and every bias's must be here
+            if unit is not None and all(id(q) in self._targets for q in _params_of(unit)):
                 unit.ready.set()
         with self._lock:
             if self._future is None:
@@ -291,7 +305,11 @@ class DADSynchronizer:
             _set_dense_only(u, bool(s.get("dense_only")))
 
     def close(self) -> None:
-        """Remove every hook; the model trains as if dAD had never been attached."""
+        """Remove every hook; the model trains as if dAD had never been attached.
+
+        In DDP mode the communication hook stays (DDP cannot unregister one) and raises when used:
+        wrap the model in a new DDP to train on without dAD.
+        """
         for h in self._hooks:
             h.remove()
         for c in self._plan.captures:
@@ -311,7 +329,7 @@ class DADSynchronizer:
     # -- hooks ----------------------------------------------------------------------------------
     def _open_window(self) -> None:
         """First captured forward after a synchronize: remember gradients that were not cleared."""
-        if self._future is not None and not _in_backward():
+        if self._future is not None and not in_backward():
             raise RuntimeError("a forward pass started before synchronize() was called for the previous "
                                "backward: call sync.synchronize() after every backward, or accumulate "
                                "micro-steps inside sync.no_sync()")
@@ -351,13 +369,16 @@ class DADSynchronizer:
             unit.ready.wait()
             if self._abandoned:
                 raise RuntimeError("dAD synchroniser closed with a step in flight")
-            current = [f for f in [self._exchange_unit(unit, verify, report, dense_units, bucket)] if f]
-            if bucket.full():
+            current: List[Callable[[], None]] = []
+            finish = self._exchange_unit(unit, verify, report, dense_units, bucket)
+            if finish is not None:
+                current.append(finish)
+            while bucket.ready_to_send():
                 current.append(self._send_rank_bucket(bucket))
             for finish in previous:
                 finish()  # rebuild the last units while this one's collective runs
             previous = current
-        if bucket.items:
+        while bucket.items:
             previous.append(self._send_rank_bucket(bucket))
         for finish in previous:
             finish()
@@ -445,10 +466,10 @@ class DADSynchronizer:
             finish = self._send_rank(unit, rows, wire, entry, bucket)
             if cfg.mode == "rank" and entry.method == "dense" and not verify and not unit.rows_unused:
                 # mode rank reduces this weight from its dense gradient: its rows are of no use, so
-                # stop capturing them (saves the hooks' time; the row count is kept from now on)
+                # stop capturing them (saves the hooks' work; reports show 0 rows from then on, and
+                # the power iteration stays on the dense gradient for good)
                 unit.rows_unused = True
-                for capture in unit.uses:
-                    capture.enabled = False
+                _update_capture(unit)
         _add_traffic(entry, agg.traffic() - before)
         return finish
 
@@ -542,10 +563,8 @@ class DADSynchronizer:
         payload = torch.cat([pq.t(), qq.t()], dim=1).to(wire)
         entry.components, entry.method = low.components, method
         if cfg.adaptive_tolerance is None:  # r rows on every rank: it can share a bucket's all-gather
-            # a payload of another dtype (parameters of mixed dtypes) starts a new bucket
-            earlier = self._send_rank_bucket(bucket) if bucket.items and bucket.dtype != payload.dtype else None
             bucket.add(unit, payload, entry)
-            return earlier
+            return None
         handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}")
 
         def finish() -> None:
@@ -561,8 +580,10 @@ class DADSynchronizer:
         before = agg.traffic()
         handle = agg.all_gather(flat, name=f"dad.rank.{items[0][0].name}", first_dims=[flat.numel()] * agg.world_size)
         traffic = agg.traffic() - before
+        overlapped = not self._flush.is_set()  # sent while backward still runs?
         for _, payload, entry in items:
             _add_traffic(entry, traffic.share(payload.numel() / flat.numel()))
+            entry.overlapped = overlapped
 
         def finish() -> None:
             gathered = handle.wait()
@@ -590,7 +611,10 @@ class DADSynchronizer:
 
     # -- helpers --------------------------------------------------------------------------------
     def _write_dense(self, p: nn.Parameter, average: torch.Tensor) -> None:
-        self._targets[id(p)].copy_(average.view_as(self._targets[id(p)]))
+        """DDP mode: results go into DDP's bucket views (DDP copies them into ``.grad``)."""
+        target = self._targets.get(id(p))
+        if target is not None:  # a parameter DDP ignores is not ours to change either
+            target.copy_(average.view_as(target))
 
     def _local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """This rank's gradient of the current window (without any gradient left from before)."""
@@ -604,9 +628,8 @@ class DADSynchronizer:
         """``p.grad = prior + average``, in place where a gradient tensor exists."""
         prior = self._priors.get(id(p))
         value = average if prior is None else average + prior.to(average.dtype)
-        target = self._targets.get(id(p))
-        if target is not None:  # DDP mode: DDP copies its bucket into .grad
-            target.copy_(value.view_as(target))
+        if self._ddp_mode:
+            self._write_dense(p, value)
         elif p.grad is not None:
             p.grad.copy_(value)
         else:
@@ -668,31 +691,34 @@ class _RankBucket:
     """Rank-r payloads of consecutive units, waiting to share one all-gather.
 
     Every rank sends exactly r rows per unit (without adaptive tolerance), so the ranks agree on
-    the bucket's size and contents without any exchange; a bucket goes when it reaches
-    ``cap_bytes`` (the config's ``bucket_cap_mb``), when a payload of another dtype comes, or
-    when the step's last unit is done. Fewer collectives matter: each costs a round trip and, on
-    CPUs, a wake-up of the exchange thread on every rank.
+    the bucket's size and contents without any exchange. A bucket goes when it reaches
+    ``cap_bytes`` (the config's ``bucket_cap_mb``), when a payload of another dtype follows it,
+    or when the step's last unit is done. Fewer collectives matter: each costs a round trip and,
+    on CPUs, a wake-up of the exchange thread on every rank. With the default cap the payloads of
+    a model usually fit one bucket, which then goes when backward is over.
     """
 
     def __init__(self, cap_bytes: float):
         self.cap_bytes = cap_bytes
         self.items: List[Tuple[FactorUnit, torch.Tensor, ParamReport]] = []
-        self.nbytes = 0
-
-    @property
-    def dtype(self) -> Optional[torch.dtype]:
-        return self.items[0][1].dtype if self.items else None
-
-    def full(self) -> bool:
-        return self.nbytes >= self.cap_bytes
 
     def add(self, unit: FactorUnit, payload: torch.Tensor, entry: ParamReport) -> None:
         self.items.append((unit, payload, entry))
-        self.nbytes += payload.numel() * payload.element_size()
+
+    def ready_to_send(self) -> bool:
+        """A full run of same-dtype payloads waits at the front (more may follow it)."""
+        run = self._front_run()
+        return run < len(self.items) or sum(p.numel() * p.element_size() for _, p, _ in self.items) >= self.cap_bytes
 
     def take(self) -> List[Tuple[FactorUnit, torch.Tensor, ParamReport]]:
-        items, self.items, self.nbytes = self.items, [], 0
+        """The front run of payloads that share a dtype."""
+        run = self._front_run()
+        items, self.items = self.items[:run], self.items[run:]
         return items
+
+    def _front_run(self) -> int:
+        dtype = self.items[0][1].dtype if self.items else None
+        return next((i for i, (_, p, _) in enumerate(self.items) if p.dtype != dtype), len(self.items))
 
 
 class _Worker:
@@ -739,6 +765,11 @@ def _concat_rows(pairs: List[Rows], kind: str, shape: Tuple[int, int], p: nn.Par
     return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)
 
 
+def _params_of(unit: FactorUnit) -> List[nn.Parameter]:
+    """The weight and the biases that ride with it."""
+    return [unit.param] + [b.param for b in unit.biases]
+
+
 def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
     """``torch.cat`` without the copy when there is one tensor (a weight with one use)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
@@ -747,11 +778,16 @@ def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
 def _set_dense_only(unit: FactorUnit, dense_only: bool) -> None:
     """Route a unit through dense all-reduce for good; its rows are then of no use."""
     unit.dense_only = dense_only
+    _update_capture(unit)
+
+
+def _update_capture(unit: FactorUnit) -> None:
+    """Capture a unit's rows only while some route can use them."""
     for capture in unit.uses:
-        capture.enabled = not dense_only
+        capture.enabled = not (unit.dense_only or unit.rows_unused)
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while autograd runs a backward pass (checkpointing recomputes forwards there)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1

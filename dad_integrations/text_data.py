@@ -124,12 +124,13 @@ def stdlib_package_snippets(
     of the package whose source window ``i`` was cut from. Rows are shuffled with ``seed``.
     """
     root = sysconfig.get_paths()["stdlib"]
+    files = _stdlib_py_files()
     rng = np.random.default_rng(seed)
     rows: List[torch.Tensor] = []
     labels: List[int] = []
     for label, package in enumerate(packages):
         prefix = os.path.join(root, package) + os.sep
-        source = b"".join(open(f, "rb").read() for f in _stdlib_py_files() if f.startswith(prefix))
+        source = b"".join(_read(f) for f in files if f.startswith(prefix))
         if len(source) < 2 * seq_len:
             raise ValueError(f"standard-library package {package!r} has too little source for {seq_len}-byte windows")
         tokens = torch.frombuffer(bytearray(source), dtype=torch.uint8).long()
@@ -138,3 +139,8 @@ def stdlib_package_snippets(
         labels += [label] * per_class
     order = torch.as_tensor(rng.permutation(len(labels)))
     return torch.cat(rows)[order], torch.tensor(labels)[order]
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()

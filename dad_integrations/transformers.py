@@ -43,7 +43,8 @@ class DADCallback(TrainerCallback):
         self._sent = self._allreduce = 0.0
         self._steps = 0
 
-    def on_train_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs):
+    def on_train_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs) -> None:
+        """Install dAD on the DDP wrapper (or find the DeepSpeed engine's) around ``model``."""
         # the process count from torch.distributed: Accelerate under DeepSpeed on CPUs counts one
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.sync is not None or world <= 1:
@@ -63,7 +64,8 @@ class DADCallback(TrainerCallback):
             self.sync = attachment.synchronizer if attachment is not None else None
         log.info("dAD enabled for Trainer (%s)", type(wrapper).__name__)
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        """Add the optimizer step's bytes to the running totals."""
         report = self.sync.last_step_report() if self.sync is not None else None
         if report is not None:
             totals = report.totals
@@ -71,7 +73,8 @@ class DADCallback(TrainerCallback):
             self._allreduce += totals["allreduce_bytes"]
             self._steps += 1
 
-    def on_log(self, args, state, control, logs: Optional[dict] = None, **kwargs):
+    def on_log(self, args, state, control, logs: Optional[dict] = None, **kwargs) -> None:
+        """Put the mean bytes per step since the last log into the Trainer's metrics."""
         if logs is None or not self._steps or "loss" not in logs:
             return
         metrics = {"dad_sent_bytes_per_step": self._sent / self._steps,

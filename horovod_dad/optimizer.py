@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from dad_integrations import DADConfig, DADSynchronizer, StepReport
+from dad_integrations.synchronizer import in_backward as _in_backward
 
 from ._horovod import Compression, hvd
 from .aggregator import HorovodAggregator
@@ -375,12 +376,6 @@ def _check_named_parameters(named_parameters: Any, param_groups: List[dict]) -> 
         raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
                          "Python object ids: %s" % ", ".join(str(i) for i in unnamed))
     return {v: k for k, v in named_parameters}
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass (activation checkpointing re-runs forwards there)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
 
 
 def _unique(params: Iterable[nn.Parameter]) -> List[nn.Parameter]:

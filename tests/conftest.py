@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -32,13 +33,20 @@ def run_accelerate(script: Path, args: list, launch_args: tuple = (), timeout: f
     """Run ``script`` under ``accelerate launch`` with ``config`` (default: the 2-CPU-process one)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), *launch_args,
-           str(script), *map(str, args)]
+    # a free port each time: the configs' fixed default (29500) may still be held by the last launch
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+           "--main_process_port", str(_free_port()), *launch_args, str(script), *map(str, args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
                              f"{proc.stderr[-8000:]}")
     return proc
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def run_cases(tmp_path_factory, nproc: int, cases: Dict[str, dict]) -> Dict[str, list]:

@@ -110,6 +110,50 @@ def test_rank_mode_stops_capturing_rows_it_does_not_use(group):
     sync.close()
 
 
+def test_rows_stay_off_after_a_state_round_trip(group):
+    model = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), {"mode": "rank", "rank": 1})
+    x = torch.randn(64, 4)
+    for _ in range(2):
+        model(x).pow(2).sum().backward()
+        sync.synchronize()
+    sync.load_state_dict(sync.state_dict())
+    assert not any(c.enabled for u in sync.units for c in u.uses)
+    sync.close()
+
+
+def test_mixed_dtypes_are_counted_once(group):
+    """Rank payloads of another dtype go in their own all-gather; each byte is reported once."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8).double(), nn.Linear(8, 2).double())
+    model[0].register_forward_hook(lambda m, i, o: o.double())
+    agg = TorchDistributedAggregator()
+    sync = DADSynchronizer(model, agg, {"mode": "rank", "rank": 2})
+    for _ in range(2):
+        before = agg.traffic()
+        model(torch.randn(16, 4)).pow(2).sum().backward()
+        sync.synchronize()
+        handed = (agg.traffic() - before).handed
+        assert sync.last_step_report().totals["handed_bytes"] == pytest.approx(handed)
+    sync.close()
+
+
+def test_ddp_comm_hook_with_many_buckets(group):
+    """DDP buckets of one parameter each: every unit waits for its weight's and bias's buckets."""
+    model, ref = _model(), _model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-6)
+    sync = register_dad_comm_hook(ddp, {"mode": "exact"})
+    for step in range(3):
+        x = torch.randn(5, 4)
+        ddp(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+        assert not any(u.ready.is_set() for u in sync.units)
+        model.zero_grad()
+        ref.zero_grad()
+    sync.close()
+
+
 def test_ddp_comm_hook_replaces_allreduce(group):
     """As DDP's hook, dAD hands back the gradients, and synchronize() is refused (DDP drives it)."""
     model, ref = _model(), _model()

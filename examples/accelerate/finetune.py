@@ -163,6 +163,11 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
         if dad_config is None and attachment is not None:
             attachment.detach()
         sync = attachment.synchronizer if dad_config is not None and attachment is not None else None
+        if dad_config is not None:
+            if sync is None:
+                raise SystemExit("the DeepSpeed config has no enabled \"dad\" block: under DeepSpeed the "
+                                 "block, not --dad-mode/--rank, switches dAD on")
+            name = f"dad-{sync.config.mode}"  # the block's mode, which rules here
     else:
         sync = enable_dad(accelerator, model, dad_config) if dad_config is not None else None  # <- dAD
 
