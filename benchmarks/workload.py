@@ -111,14 +111,6 @@ class NullAggregator(FactorAggregator):
         super().__init__()
         self._rank, self._world = rank, world_size
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
     def _all_gather(self, tensor, name, first_dims):
         dims = first_dims or [tensor.shape[0]] * self._world
         out = []

@@ -65,23 +65,28 @@ class Traffic:
 class FactorAggregator(ABC):
     """Collectives over the ranks of one data-parallel group.
 
-    Every rank must issue the same collectives in the same order. Subclasses implement
-    `rank`, `world_size`, `_all_gather` and `_all_reduce`, and call `_count` for each collective.
+    Every rank must issue the same collectives in the same order. Subclasses set ``_rank`` and
+    ``_world``, implement `_all_gather` and `_all_reduce`, and count each collective
+    (`_count_all_gather`, `_count_all_reduce`).
     """
 
     def __init__(self) -> None:
         self._traffic = Traffic()
         self._lock = threading.Lock()
 
-    @property
-    @abstractmethod
-    def rank(self) -> int:
-        """This process' rank in the group."""
+    # subclasses set these two in their constructor
+    _rank: int
+    _world: int
 
     @property
-    @abstractmethod
+    def rank(self) -> int:
+        """This process' rank in the group."""
+        return self._rank
+
+    @property
     def world_size(self) -> int:
         """Number of ranks in the group."""
+        return self._world
 
     def all_gather(self, tensor: torch.Tensor, *, name: str,
                    first_dims: Optional[Sequence[int]] = None) -> CommHandle:

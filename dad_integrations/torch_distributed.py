@@ -36,14 +36,6 @@ class TorchDistributedAggregator(EqualSizeAggregator):
             raise RuntimeError("this process is not a member of the given process group")
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
     def group(self) -> dist.ProcessGroup:
         return self._group
 

@@ -41,14 +41,6 @@ class DeepSpeedAggregator(EqualSizeAggregator):
         self._world = len(ranks)
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
     def group(self) -> Any:
         """The dedicated process group dAD's collectives run on."""
         return self._group

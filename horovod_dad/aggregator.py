@@ -59,14 +59,6 @@ class HorovodAggregator(FactorAggregator):
         log.debug("HorovodAggregator %r: rank %d of %d", self._prefix, self._rank, self._world)
 
     @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world
-
-    @property
     def process_set(self) -> Any:
         return self._process_set
 

@@ -14,7 +14,6 @@ import copy
 import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -26,10 +25,6 @@ import models  # noqa: E402
 from dad_integrations.accelerate import enable_dad  # noqa: E402
 
 
-def rel_err(mine, ref, floor: float) -> float:
-    if mine is None or ref is None:
-        return 0.0 if mine is None and ref is None else float("inf")
-    return float((mine - ref).float().norm()) / max(float(ref.float().norm()), floor)
 
 
 def run_grad(accelerator: Accelerator, case: dict) -> dict:
@@ -49,9 +44,7 @@ def run_grad(accelerator: Accelerator, case: dict) -> dict:
             for model in (ref, mine):
                 accelerator.backward(models.loss_of(name, model, data))
             if accelerator.sync_gradients:
-                total = sum(float(p.grad.float().norm()) ** 2 for p in ref_model.parameters()) ** 0.5
-                for a, b in zip(ref_model.parameters(), mine_model.parameters()):
-                    worst = max(worst, rel_err(b.grad, a.grad, 1e-6 * total))
+                worst = max(worst, max(models.grad_errors(ref_model, mine_model).values()))
                 for model in (ref, mine):
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
             ref_opt.step()
@@ -100,17 +93,17 @@ def main() -> None:
         cases = json.load(f)
     accelerator = Accelerator(cpu=True)
     torch.set_num_threads(1)
-    results = {}
-    for case_id, case in cases.items():
+    def run(case: dict) -> dict:
         accelerator.gradient_accumulation_steps = case.get("accumulate", 1)
         accelerator.step = 0  # the accumulation counter starts afresh for each case
-        try:
-            mine = RUNNERS[case["kind"]](accelerator, case)
-        except Exception:
-            mine = {"exception": traceback.format_exc()}
+        return RUNNERS[case["kind"]](accelerator, case)
+
+    def gather(case_id: str, mine: dict) -> list:
         per_rank = [None] * accelerator.num_processes
         dist.all_gather_object(per_rank, mine)
-        results[case_id] = per_rank
+        return per_rank
+
+    results = models.run_all(cases, run, gather)
     if accelerator.is_main_process:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

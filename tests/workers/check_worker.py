@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -54,12 +53,6 @@ def config_of(case: dict) -> DADConfig:
     return DADConfig.from_dict(case.get("config", {}))
 
 
-def rel_err(mine, ref, floor: float) -> float:
-    """||mine - ref|| / ||ref||, the denominator floored at ``floor``: some gradients (BERT's key
-    biases, which softmax cancels) are zero up to round-off, where a plain ratio means nothing."""
-    if mine is None or ref is None:
-        return 0.0 if mine is None and ref is None else float("inf")
-    return float((mine - ref).norm()) / max(float(ref.norm()), floor)
 
 
 def run_grad(case: dict) -> dict:
@@ -102,9 +95,7 @@ def run_grad(case: dict) -> dict:
         for p in ref.parameters():
             if p.grad is not None and ref_scale != 1.0:
                 p.grad.mul_(ref_scale)
-        total = sum(float(p.grad.norm()) ** 2 for p in ref.parameters() if p.grad is not None) ** 0.5
-        for (pname, a), b in zip(ref.named_parameters(), mine.parameters()):
-            e = rel_err(b.grad, a.grad, floor=1e-6 * total)
+        for pname, e in models.grad_errors(ref, mine).items():
             per_param[pname] = max(per_param.get(pname, 0.0), e)
             worst = max(worst, e)
         report = sync.last_step_report()
@@ -229,6 +220,12 @@ class _null:
 RUNNERS = {"grad": run_grad, "rank_quality": run_rank_quality, "train": run_train, "bytes": run_bytes, "error": run_error}
 
 
+def _gather(case_id: str, mine: dict) -> list:
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    return per_rank
+
+
 def main() -> None:
     out_path, cases_path = sys.argv[1], sys.argv[2]
     # a rank stuck in a collective fails after this long instead of hanging the test run
@@ -236,15 +233,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with open(cases_path) as f:
         cases = json.load(f)
-    results = {}
-    for case_id, case in cases.items():
-        try:
-            mine = RUNNERS[case["kind"]](case)
-        except Exception:
-            mine = {"exception": traceback.format_exc()}
-        per_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, mine)
-        results[case_id] = per_rank
+    results = models.run_all(cases, lambda case: RUNNERS[case["kind"]](case), _gather)
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import sys
-import traceback
 import warnings
 
 import torch
@@ -73,14 +72,6 @@ def hvd_kwargs(case: dict) -> dict:
     return kw
 
 
-def rel_err(mine, ref, floor: float) -> float:
-    if mine is not None and mine.is_sparse:
-        mine = mine.to_dense()
-    if ref is not None and ref.is_sparse:
-        ref = ref.to_dense()
-    if mine is None or ref is None:
-        return 0.0 if mine is None and ref is None else float("inf")
-    return float((mine - ref).norm()) / max(float(ref.norm()), floor)
 
 
 def ranks_identical(model) -> bool:
@@ -131,9 +122,7 @@ def run_grad(case: dict) -> dict:
             loss_of(name, mine, data).backward()
         opt_ref.synchronize()
         opt_mine.synchronize()
-        total = sum(float(p.grad.norm()) ** 2 for p in ref.parameters() if p.grad is not None) ** 0.5
-        for (pname, a), b in zip(ref.named_parameters(), mine.parameters()):
-            e = rel_err(b.grad, a.grad, floor=1e-6 * total)
+        for pname, e in models.grad_errors(ref, mine).items():
             per_param[pname] = max(per_param.get(pname, 0.0), e)
             worst = max(worst, e)
         report = opt_mine.last_step_report()
@@ -148,7 +137,7 @@ def run_grad(case: dict) -> dict:
             opt_mine.step()
         opt_ref.zero_grad()
         opt_mine.zero_grad(set_to_none=case.get("set_to_none", True))
-    params_err = max(rel_err(b.detach(), a.detach(), 1e-12) for a, b in zip(ref.parameters(), mine.parameters()))
+    params_err = max(models.rel_err(b.detach(), a.detach(), 1e-12) for a, b in zip(ref.parameters(), mine.parameters()))
     identical = ranks_identical(mine)
     opt_mine.close()
     return {"worst": worst, "per_param": per_param, "params_err": params_err, "identical": identical,
@@ -267,15 +256,13 @@ def run_broadcast(case: dict) -> dict:
             opt.zero_grad()
             loss_of(name, model, data).backward()
             opt.synchronize()
-        total = sum(float(p.grad.norm()) ** 2 for p in ref.parameters()) ** 0.5
-        worst = max(worst, max(rel_err(b.grad, a.grad, 1e-6 * total)
-                               for a, b in zip(ref.parameters(), mine.parameters())))
+        worst = max(worst, max(models.grad_errors(ref, mine).values()))
         for opt, sched in ((opt_ref, sched_ref), (opt_mine, sched_mine)):
             with opt.skip_synchronize():
                 opt.step()
             sched.step()
     out["grad_worst"] = worst
-    out["params_err"] = max(rel_err(b.detach(), a.detach(), 1e-12) for a, b in zip(ref.parameters(), mine.parameters()))
+    out["params_err"] = max(models.rel_err(b.detach(), a.detach(), 1e-12) for a, b in zip(ref.parameters(), mine.parameters()))
     out["lr"] = opt_mine.param_groups[0]["lr"]
     state = opt_mine.state_dict()
     out["state_has_dad"] = "dad" in state
@@ -309,8 +296,7 @@ def run_process_set(case: dict) -> dict:
         loss_of(name, model, data).backward()
     opt_ref.synchronize()
     opt_mine.synchronize()
-    total = sum(float(p.grad.norm()) ** 2 for p in ref.parameters()) ** 0.5
-    worst = max(rel_err(b.grad, a.grad, 1e-6 * total) for a, b in zip(ref.parameters(), mine.parameters()))
+    worst = max(models.grad_errors(ref, mine).values())
     report = opt_mine.last_step_report()
     out = {"worst": worst, "included": ps.included(),
            "world_size": None if report is None else report.world_size}
@@ -336,9 +322,7 @@ def run_two_optimizers(case: dict) -> dict:
             for opt in opts:
                 opt.synchronize()
         for a, b in zip(refs, mines):
-            total = sum(float(p.grad.norm()) ** 2 for p in a.parameters()) ** 0.5
-            worst = max(worst, max(rel_err(q.grad, p.grad, 1e-6 * total)
-                                   for p, q in zip(a.parameters(), b.parameters())))
+            worst = max(worst, max(models.grad_errors(a, b).values()))
         for opt in opts_ref + opts_mine:
             with opt.skip_synchronize():
                 opt.step()
@@ -362,13 +346,8 @@ def main() -> None:
         PROCESS_SETS.append(hvd.ProcessSet([0, 1]))
     hvd.init(process_sets=PROCESS_SETS or None)
     torch.set_num_threads(1)
-    results = {}
-    for case_id, case in cases.items():
-        try:
-            mine = RUNNERS[case["kind"]](case)
-        except Exception:
-            mine = {"exception": traceback.format_exc()}
-        results[case_id] = hvd.allgather_object(mine, name=f"results.{case_id}")
+    results = models.run_all(cases, lambda case: RUNNERS[case["kind"]](case),
+                             lambda case_id, mine: hvd.allgather_object(mine, name=f"results.{case_id}"))
     if hvd.rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

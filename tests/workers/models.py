@@ -1,6 +1,9 @@
 """Small models and data for the multi-process tests (built from configs: nothing downloaded)."""
 from __future__ import annotations
 
+import traceback
+from typing import Any, Callable, Dict
+
 import torch
 from torch import nn
 
@@ -112,3 +115,35 @@ def loss_of(name: str, model: nn.Module, data: dict) -> torch.Tensor:
     if name.startswith("mlp") or name == "embedding":
         return nn.functional.mse_loss(model(data["x"]), data["y"])
     return model(**data).loss
+
+
+def rel_err(mine, ref, floor: float) -> float:
+    """||mine - ref|| / ||ref||, the denominator floored at ``floor``: some gradients (BERT's key
+    biases, which softmax cancels) are zero up to round-off, where a plain ratio means nothing."""
+    if mine is None or ref is None:
+        return 0.0 if mine is None and ref is None else float("inf")
+    mine = mine.to_dense() if mine.is_sparse else mine
+    ref = ref.to_dense() if ref.is_sparse else ref
+    return float((mine - ref).float().norm()) / max(float(ref.float().norm()), floor)
+
+
+def grad_errors(ref: nn.Module, mine: nn.Module) -> Dict[str, float]:
+    """Every parameter's gradient error against the reference model's, floored at 1e-6 of the
+    whole reference gradient's norm."""
+    total = sum(float(p.grad.float().norm()) ** 2 for p in ref.parameters() if p.grad is not None) ** 0.5
+    return {name: rel_err(b.grad, a.grad, 1e-6 * total)
+            for (name, a), b in zip(ref.named_parameters(), mine.parameters())}
+
+
+def run_all(cases: Dict[str, dict], run: Callable[[dict], dict],
+            gather: Callable[[str, dict], Any]) -> Dict[str, Any]:
+    """Run every case (one that raises gives its traceback) and gather every rank's result with
+    the engine's own collective, case by case, so that one failing case cannot hang the others."""
+    results = {}
+    for case_id, case in cases.items():
+        try:
+            mine = run(case)
+        except Exception:
+            mine = {"exception": traceback.format_exc()}
+        results[case_id] = gather(case_id, mine)
+    return results
