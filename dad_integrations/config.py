@@ -7,17 +7,41 @@ rejects anything it does not know, naming the key.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Iterable, Mapping, Optional, Tuple
 
 MODES = ("exact", "rank", "auto")
 WIRE_DTYPES = (None, "float16", "bfloat16")
 LAYER_KINDS = ("linear", "conv1d", "embedding")
 
 
-@dataclass
+def _reject_unknown_keys(cls: type) -> type:
+    """Wrap the dataclass ``__init__`` so that an unknown keyword is a `ValueError` naming it and
+    listing the known keys (as `DADConfig.from_dict` does), not the bare `TypeError` of ``__init__``."""
+    generated = cls.__init__
+
+    @functools.wraps(generated)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _check_keys(cls, kwargs)
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_reject_unknown_keys
+@dataclass(frozen=True)
 class DADConfig:
     """Options of distributed auto-differentiation.
+
+    A config is frozen (every rank must take the same decisions from it, and engines share it):
+    assigning an attribute raises `dataclasses.FrozenInstanceError` (an `AttributeError`). Derive a
+    changed config with ``dataclasses.replace(cfg, key=value)`` or
+    ``DADConfig.from_dict({**cfg.to_dict(), "key": value})``; both validate it again. An unknown
+    keyword raises `ValueError` naming it; ``layer_kinds`` and ``exclude`` take lists or tuples of
+    strings (stored as tuples), never a bare string.
 
     Attributes:
         mode: ``"exact"`` sends dAD factors for every supported layer (lossless, the paper's dAD);
@@ -54,8 +78,9 @@ class DADConfig:
     verify_first_step: bool = True
 
     def __post_init__(self) -> None:
-        self.layer_kinds = tuple(self.layer_kinds)
-        self.exclude = tuple(self.exclude)
+        # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
+        for key in ("layer_kinds", "exclude"):
+            object.__setattr__(self, key, _string_tuple(key, getattr(self, key)))
         self.validate()
 
     def validate(self) -> None:
@@ -73,18 +98,18 @@ class DADConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"dad config key {key!r}: must be true or false, got {getattr(self, key)!r}")
         tol = self.adaptive_tolerance
-        if tol is not None and (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol <= 1):
+        if tol is not None and (not _finite_number(tol) or not 0 < tol <= 1):
             raise ValueError(f"dad config key 'adaptive_tolerance': must be in (0, 1] or None, got {tol!r}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
+        for key in ("layer_kinds", "exclude"):
+            _string_tuple(key, getattr(self, key))
         bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"dad config key 'layer_kinds': unknown kind(s) {bad}; known: {LAYER_KINDS}")
-        if not all(isinstance(p, str) for p in self.exclude):
-            raise ValueError(f"dad config key 'exclude': must be a list of strings, got {self.exclude!r}")
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
-                or self.bucket_cap_mb <= 0:
-            raise ValueError(f"dad config key 'bucket_cap_mb': must be a positive number, got {self.bucket_cap_mb!r}")
+        if not _finite_number(self.bucket_cap_mb) or self.bucket_cap_mb <= 0:
+            raise ValueError(
+                f"dad config key 'bucket_cap_mb': must be a finite positive number, got {self.bucket_cap_mb!r}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "DADConfig":
@@ -93,10 +118,7 @@ class DADConfig:
             return dataclasses.replace(values)
         if not isinstance(values, Mapping):
             raise ValueError(f"dad config must be a dict of keys, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown dad config key(s) {unknown}; known keys: {sorted(known)}")
+        _check_keys(cls, values)  # before cls(**...): a non-string key would be a bare TypeError there
         return cls(**dict(values))
 
     def to_dict(self) -> dict:
@@ -107,5 +129,30 @@ class DADConfig:
         return out
 
 
+def _check_keys(cls: type, keys: Iterable[str]) -> None:
+    """Raise `ValueError` naming every key that is not a field of ``cls``, and listing the known keys."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(keys) - known, key=str)  # key=str: a dict may hold non-string keys
+    if unknown:
+        raise ValueError(f"unknown dad config key(s) {unknown}; known keys: {sorted(known)}")
+
+
+def _string_tuple(key: str, value: Any) -> Tuple[str, ...]:
+    """``value`` (a list or tuple of strings) as a tuple; anything else is a `ValueError` naming ``key``."""
+    if isinstance(value, str):  # tuple("out") would be ('o', 'u', 't'): silently wrong
+        raise ValueError(f"dad config key {key!r}: must be a list of strings, got the string {value!r} "
+                         f"(write [{value!r}])")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"dad config key {key!r}: must be a list of strings, got {value!r}")
+    return tuple(value)
+
+
 def _not_int(value: Any) -> bool:
     return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _finite_number(value: Any) -> bool:
+    """An int or a finite float; not a bool (True is an int to Python, never a size to a user)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)  # math.isfinite overflows on huge ints

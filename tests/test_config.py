@@ -1,4 +1,6 @@
 """DADConfig: round trip through dicts, and clear errors that name the bad key."""
+import dataclasses
+
 import pytest
 
 from dad_integrations import DADConfig
@@ -47,3 +49,94 @@ def test_unknown_keys_are_named():
 def test_not_a_dict():
     with pytest.raises(ValueError, match="dict"):
         DADConfig.from_dict(["mode", "auto"])
+
+
+# -- sequences: a bare string is an error, never split into characters ----------------------------
+@pytest.mark.parametrize("key,value", [("exclude", "out"), ("layer_kinds", "linear")])
+def test_string_for_a_list_names_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"'{key}'.*list of strings.*the string '{value}'"):
+        DADConfig(**{key: value})
+    with pytest.raises(ValueError, match=key):
+        DADConfig.from_dict({key: value})
+
+
+@pytest.mark.parametrize("key,value", [("exclude", None), ("exclude", 5), ("layer_kinds", None), ("layer_kinds", 1)])
+def test_non_sequence_for_a_list_names_the_key(key, value):
+    with pytest.raises(ValueError, match=rf"'{key}'.*list of strings"):
+        DADConfig(**{key: value})
+
+
+def test_lists_and_tuples_of_strings_are_stored_as_tuples():
+    cfg = DADConfig(exclude=["lm_head", "wte*"], layer_kinds=("linear",))
+    assert cfg.exclude == ("lm_head", "wte*") and cfg.layer_kinds == ("linear",)
+    assert DADConfig(exclude=["a"]) == DADConfig(exclude=("a",))
+
+
+# -- numbers: finite and in range ------------------------------------------------------------------
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 0, 0.0, -1, True, "25"])
+def test_bad_bucket_cap_names_the_key(value):
+    with pytest.raises(ValueError, match="'bucket_cap_mb'"):
+        DADConfig(bucket_cap_mb=value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -0.5, True])
+def test_bad_adaptive_tolerance_names_the_key(value):
+    with pytest.raises(ValueError, match="'adaptive_tolerance'"):
+        DADConfig(mode="rank", rank=4, adaptive_tolerance=value)
+
+
+@pytest.mark.parametrize("key", ["rank", "power_iterations"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 2.0])
+def test_integer_keys_reject_floats(key, value):
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        DADConfig(**{key: value})
+
+
+def test_good_numbers_are_kept():
+    cfg = DADConfig(mode="rank", rank=2, adaptive_tolerance=1, bucket_cap_mb=0.5)
+    assert cfg.bucket_cap_mb == 0.5 and cfg.adaptive_tolerance == 1
+
+
+# -- frozen: derive, never mutate -------------------------------------------------------------------
+def test_frozen_assignment_raises():
+    cfg = DADConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.mode = "rank"
+    with pytest.raises(AttributeError):  # FrozenInstanceError is an AttributeError
+        cfg.exclude = ("x",)
+    assert cfg.mode == "auto" and cfg.exclude == ()
+
+
+def test_frozen_config_is_hashable_and_equal_by_value():
+    a, b = DADConfig(exclude=["x"]), DADConfig(exclude=("x",))
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+
+
+def test_replace_validates_again():
+    cfg = DADConfig(mode="rank", rank=4)
+    assert dataclasses.replace(cfg, rank=8).rank == 8
+    assert dataclasses.replace(cfg, exclude=["head"]).exclude == ("head",)
+    with pytest.raises(ValueError, match="'rank'"):
+        dataclasses.replace(cfg, rank=0)
+    with pytest.raises(ValueError, match="'exclude'"):
+        dataclasses.replace(cfg, exclude="head")
+    with pytest.raises(ValueError, match="'bucket_cap_mb'"):
+        dataclasses.replace(cfg, bucket_cap_mb=float("nan"))
+
+
+def test_from_dict_of_to_dict_derives_a_changed_config():
+    cfg = DADConfig(mode="rank", rank=4, exclude=["head"])
+    derived = DADConfig.from_dict({**cfg.to_dict(), "wire_dtype": "bfloat16"})
+    assert derived.wire_dtype == "bfloat16" and derived.exclude == ("head",) and cfg.wire_dtype is None
+
+
+# -- unknown keywords: ValueError naming them, as from_dict ----------------------------------------
+def test_unknown_keyword_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"\['bogus'\].*known keys.*'bucket_cap_mb'"):
+        DADConfig(bogus=1)
+    with pytest.raises(ValueError, match="rnak"):
+        DADConfig(mode="rank", rnak=4)
+
+
+def test_positional_arguments_still_work():
+    assert DADConfig("rank", 4) == DADConfig(mode="rank", rank=4)

@@ -1,0 +1,1 @@
+"""Example and benchmark data for dad-integrations (not part of the algorithm)."""
