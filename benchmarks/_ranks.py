@@ -6,6 +6,7 @@ on all of them alike. Results go to rank 0, which writes them as JSON.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -18,8 +19,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.atomo import AtomoState, atomo_hook
-from benchmarks.workload import (ByteCounter, NullAggregator, Workload, build_model, current_rss_mb,
-                                 median, peak_memory_mb, reset_peak_memory)
+from benchmarks.workload import (NullAggregator, Workload, build_model, current_rss_mb, median, peak_memory_mb,
+                                 reset_peak_memory)
+from dad_integrations.comm_counter import CollectiveCounter
 
 DDP_METHODS = ("allreduce", "fp16", "powersgd", "atomo")
 DAD_METHODS = ("dad-exact", "dad-rank", "dad-auto")
@@ -40,8 +42,8 @@ class Runner:
     """One method's model, optimizer and batches; `step()` trains one step and times it."""
 
     def __init__(self, method: str, variant: str, opts: dict, w: Workload, init_state, data: bytes,
-                 counter: ByteCounter, solo_group):
-        from dad_integrations.text_data import byte_lm_batches
+                 counter: CollectiveCounter, solo_group):
+        from dad_examples.text_data import byte_lm_batches
 
         self.method, self.variant, self.counter = method, variant, counter
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,26 +91,27 @@ class Runner:
     def step(self) -> None:
         x = next(self.batches)
         self.counter.reset()
-        self.counter.active = self.variant == "real"
-        start = time.perf_counter()
-        loss = self.fwd(input_ids=x, labels=x).loss
-        loss.backward()
-        if self.sync is not None:
-            self.sync.synchronize()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.times.append(time.perf_counter() - start)
-        self.counter.active = False
+        # only real steps are counted: the others' collectives (on a one-rank group) move nothing
+        with self.counter if self.variant == "real" else contextlib.nullcontext():
+            start = time.perf_counter()
+            loss = self.fwd(input_ids=x, labels=x).loss
+            loss.backward()
+            if self.sync is not None:
+                self.sync.synchronize()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.times.append(time.perf_counter() - start)
+        counted = self.counter.traffic()
         self.losses.append(float(loss.detach()))
-        self.counted.append(self.counter.sent)
+        self.counted.append(counted.sent)
         if self.sync is not None:
             report = self.sync.last_step_report()
             self.sent.append(report.totals["sent_bytes"])
             self.received.append(report.totals["received_bytes"])
             self.last_report = report
         else:
-            self.sent.append(self.counter.sent)
-            self.received.append(self.counter.received)
+            self.sent.append(counted.sent)
+            self.received.append(counted.received)
 
     @torch.no_grad()
     def eval_loss(self, batches: List[torch.Tensor]) -> float:
@@ -146,13 +149,13 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
 
 
 def _run_phase(spec: dict) -> None:
-    from dad_integrations.text_data import byte_lm_batches, stdlib_source_bytes
+    from dad_examples.text_data import byte_lm_batches, stdlib_source_bytes
 
     rank, world = dist.get_rank(), dist.get_world_size()
     w = Workload(**spec["workload"])
     opts = spec["opts"]
     device = torch.device("cpu")
-    counter = ByteCounter().install()
+    counter = CollectiveCounter(dist)  # installed for each counted step
     solo_groups = [dist.new_group([i]) for i in range(world)]
     solo = solo_groups[rank]
     data = stdlib_source_bytes(max_bytes=spec.get("data_bytes", 2_000_000), seed=w.seed)
@@ -219,7 +222,6 @@ def _run_phase(spec: dict) -> None:
         if r.method == "local":
             rec["eval_loss"] = r.eval_loss(eval_batches)
         r.close()
-    counter.uninstall()
     gathered: List[Optional[dict]] = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:

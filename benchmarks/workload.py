@@ -1,15 +1,13 @@
 """The benchmark's workload and measuring tools: a small byte-level GPT-2 on stdlib source,
-a byte counter for collectives that do not report their own, a communication-free aggregator,
-and peak-memory readings."""
+a communication-free aggregator, and peak-memory readings. (Bytes of collectives that do not
+report their own are counted by `dad_integrations.comm_counter.CollectiveCounter`.)"""
 from __future__ import annotations
 
 import gc
-import threading
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from dad_integrations.aggregator import CommHandle, FactorAggregator
 
@@ -29,7 +27,7 @@ def build_model(w: Workload):
     """A byte-level GPT-2 (vocabulary 256, tied embeddings), no dropout, from a config."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dad_integrations.text_data import VOCAB_SIZE
+    from dad_examples.text_data import VOCAB_SIZE
 
     config = GPT2Config(vocab_size=VOCAB_SIZE, n_positions=w.seq, n_embd=w.n_embd, n_layer=w.n_layer,
                         n_head=w.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -37,66 +35,6 @@ def build_model(w: Workload):
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
     return model
-
-
-class ByteCounter:
-    """Counts the bytes of every tensor handed to ``torch.distributed`` collectives while active.
-
-    Wire bytes follow the ring model of `dad_integrations.aggregator`: an all-reduce of b bytes
-    sends and receives ``2 (S-1)/S b`` per rank; an all-gather of b bytes per rank sends
-    ``(S-1) b`` and receives the others' bytes. Installed by wrapping the module functions, so it
-    sees what DDP's Python communication hooks (PowerSGD, fp16, ATOMO) and dAD's backend hand over.
-    """
-
-    def __init__(self) -> None:
-        self.active = False
-        self.sent = 0.0
-        self.received = 0.0
-        self.calls = 0
-        self._lock = threading.Lock()
-        self._orig = {}
-
-    def install(self) -> "ByteCounter":
-        for name in ("all_reduce", "all_gather", "all_gather_into_tensor"):
-            orig = getattr(dist, name)
-            self._orig[name] = orig
-            setattr(dist, name, self._wrap(name, orig))
-        return self
-
-    def uninstall(self) -> None:
-        for name, orig in self._orig.items():
-            setattr(dist, name, orig)
-        self._orig = {}
-
-    def reset(self) -> None:
-        with self._lock:
-            self.sent = self.received = 0.0
-            self.calls = 0
-
-    def _wrap(self, name, orig):
-        def counted(*args, **kwargs):
-            if self.active:
-                group = kwargs.get("group")
-                s = dist.get_world_size(group) if group is not None else dist.get_world_size()
-                if name == "all_reduce":
-                    t = args[0] if args else kwargs["tensor"]
-                    b = t.numel() * t.element_size()
-                    sent = recv = 2.0 * (s - 1) / s * b
-                elif name == "all_gather":
-                    t = args[1] if len(args) > 1 else kwargs["tensor"]
-                    b = t.numel() * t.element_size()
-                    sent = recv = (s - 1) * b
-                else:
-                    t = args[1] if len(args) > 1 else kwargs["input_tensor"]
-                    b = t.numel() * t.element_size()
-                    sent = recv = (s - 1) * b
-                with self._lock:
-                    self.sent += sent
-                    self.received += recv
-                    self.calls += 1
-            return orig(*args, **kwargs)
-
-        return counted
 
 
 class NullAggregator(FactorAggregator):

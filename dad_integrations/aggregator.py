@@ -4,39 +4,23 @@ A backend (torch.distributed, Horovod, DeepSpeed) is a small adapter over one en
 The algorithms need four things: all-gather of rows whose first dimension differs per rank,
 all-reduce, rank / world size, and the bytes each call put on the wire (for the step report).
 Backends count bytes themselves because only they know what they really handed to the engine
-(padding, size exchanges).
+(padding, size exchanges); each handle carries its own collective's bytes (`CommHandle.traffic`).
 """
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 REDUCE_OPS = ("sum", "mean")
 
 
-class CommHandle:
-    """An in-flight collective. `wait()` blocks until it is done and returns its result."""
-
-    def __init__(self, finish: Callable[[], Any]):
-        self._finish = finish
-        self._done = False
-        self._value: Any = None
-
-    def wait(self) -> Any:
-        if not self._done:
-            self._value = self._finish()
-            self._done = True
-            self._finish = None  # drop references to buffers
-        return self._value
-
-
 @dataclass
 class Traffic:
-    """Cumulative bytes of one aggregator.
+    """Bytes of one collective (a handle's ``traffic``) or the running sum of an aggregator's.
 
     handed: bytes of the tensors handed to the engine's collectives (padding included).
     sent / received: bytes this rank puts on / takes off the wire, for ring algorithms:
@@ -50,6 +34,10 @@ class Traffic:
     received: float = 0.0
     calls: int = 0
 
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.handed + other.handed, self.sent + other.sent,
+                       self.received + other.received, self.calls + other.calls)
+
     def __sub__(self, other: "Traffic") -> "Traffic":
         return Traffic(self.handed - other.handed, self.sent - other.sent,
                        self.received - other.received, self.calls - other.calls)
@@ -62,12 +50,37 @@ class Traffic:
         return Traffic(self.handed * fraction, self.sent * fraction, self.received * fraction, 0)
 
 
+class CommHandle:
+    """An in-flight collective. `wait()` blocks until it is done and returns its result.
+
+    ``traffic`` holds the bytes of exactly this collective, including any size exchange the
+    backend issued for it. Attribute bytes to a span of work by adding up its handles' ``traffic``:
+    unlike the difference of two `FactorAggregator.traffic` snapshots, that cannot pick up
+    collectives another thread issued in between.
+    """
+
+    def __init__(self, finish: Callable[[], Any], traffic: Optional[Traffic] = None):
+        self._finish = finish
+        self._done = False
+        self._value: Any = None
+        self.traffic: Traffic = traffic if traffic is not None else Traffic()
+
+    def wait(self) -> Any:
+        """Block until the collective is done; return its result (the same on every call)."""
+        if not self._done:
+            self._value = self._finish()
+            self._done = True
+            self._finish = None  # drop references to buffers
+        return self._value
+
+
 class FactorAggregator(ABC):
     """Collectives over the ranks of one data-parallel group.
 
     Every rank must issue the same collectives in the same order. Subclasses set ``_rank`` and
-    ``_world``, implement `_all_gather` and `_all_reduce`, and count each collective
-    (`_count_all_gather`, `_count_all_reduce`).
+    ``_world``, implement `_all_gather` and `_all_reduce`, count each engine call
+    (`_count_all_gather`, `_count_all_reduce`) and return ``CommHandle(finish, traffic)`` with the
+    sum of what they counted for that collective.
     """
 
     def __init__(self) -> None:
@@ -107,7 +120,11 @@ class FactorAggregator(ABC):
         return self._all_reduce(tensor, name, op)
 
     def traffic(self) -> Traffic:
-        """A snapshot of the bytes counted so far (difference two snapshots to attribute a span)."""
+        """A snapshot of the bytes counted so far, over all collectives of every thread.
+
+        To attribute bytes to particular collectives read their handles' ``traffic``: the
+        difference of two snapshots also holds whatever other threads issued in between.
+        """
         with self._lock:
             return self._traffic.copy()
 
@@ -119,24 +136,23 @@ class FactorAggregator(ABC):
     @abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle: ...
 
-    def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> None:
-        """Count a ring all-gather in which rank s contributes ``nbytes_per_rank[s]`` bytes."""
+    def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> Traffic:
+        """Count a ring all-gather in which rank s contributes ``nbytes_per_rank[s]`` bytes;
+        returns that call's traffic (also added to the running sum)."""
         own = nbytes_per_rank[self.rank]
         others = sum(nbytes_per_rank) - own
-        self._count(handed=own, sent=own * (self.world_size - 1), received=others)
+        return self._count(Traffic(handed=own, sent=own * (self.world_size - 1), received=others, calls=1))
 
-    def _count_all_reduce(self, nbytes: float) -> None:
-        """Count a ring all-reduce of ``nbytes``."""
-        s = self.world_size
-        wire = 2.0 * (s - 1) / s * nbytes
-        self._count(handed=nbytes, sent=wire, received=wire)
+    def _count_all_reduce(self, nbytes: float) -> Traffic:
+        """Count a ring all-reduce of ``nbytes``; returns that call's traffic (also added to the
+        running sum)."""
+        wire = ring_allreduce_bytes(nbytes, self.world_size)
+        return self._count(Traffic(handed=nbytes, sent=wire, received=wire, calls=1))
 
-    def _count(self, *, handed: float, sent: float, received: float) -> None:
+    def _count(self, call: Traffic) -> Traffic:
         with self._lock:
-            self._traffic.handed += handed
-            self._traffic.sent += sent
-            self._traffic.received += received
-            self._traffic.calls += 1
+            self._traffic = self._traffic + call
+        return call
 
 
 def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
@@ -161,20 +177,24 @@ class EqualSizeAggregator(FactorAggregator):
     def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         """The engine's in-place sum all-reduce; returns a work handle (or None)."""
 
-    def _gather_equal(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
-        self._count_all_gather([tensor.numel() * tensor.element_size()] * self.world_size)
-        return self._engine_all_gather(out, tensor, async_op)
+    def _gather_equal(self, out: List[torch.Tensor], tensor: torch.Tensor,
+                      async_op: bool = False) -> Tuple[Any, Traffic]:
+        """The engine's all-gather, counted: (work handle or None, this call's traffic)."""
+        traffic = self._count_all_gather([tensor.numel() * tensor.element_size()] * self.world_size)
+        return self._engine_all_gather(out, tensor, async_op), traffic
 
-    def _exchange_first_dims(self, tensor: torch.Tensor) -> List[int]:
+    def _exchange_first_dims(self, tensor: torch.Tensor) -> Tuple[List[int], Traffic]:
+        """Every rank's first dimension of ``tensor``, and the traffic of the exchange."""
         mine = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._gather_equal(out, mine)
-        return [int(t.item()) for t in out]
+        _, traffic = self._gather_equal(out, mine)
+        return [int(t.item()) for t in out], traffic
 
     def _all_gather(self, tensor: torch.Tensor, name: str, first_dims: Optional[List[int]]) -> CommHandle:
         tensor = tensor.contiguous()
+        traffic = Traffic()
         if first_dims is None:
-            first_dims = self._exchange_first_dims(tensor)
+            first_dims, traffic = self._exchange_first_dims(tensor)
         elif first_dims[self.rank] != tensor.shape[0]:
             raise ValueError(f"{name}: first_dims says {first_dims[self.rank]} rows for this rank, "
                              f"the tensor has {tensor.shape[0]}")
@@ -183,17 +203,17 @@ class EqualSizeAggregator(FactorAggregator):
             pad = tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))
             tensor = torch.cat([tensor, pad])
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        work = self._gather_equal(out, tensor, async_op=True)
+        work, gathered = self._gather_equal(out, tensor, async_op=True)
 
         def finish() -> List[torch.Tensor]:
             if work is not None:
                 work.wait()
             return [t[:n] for t, n in zip(out, first_dims)]
 
-        return CommHandle(finish)
+        return CommHandle(finish, traffic + gathered)
 
     def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle:
-        self._count_all_reduce(tensor.numel() * tensor.element_size())
+        traffic = self._count_all_reduce(tensor.numel() * tensor.element_size())
         work = self._engine_all_reduce(tensor, async_op=True)
 
         def finish() -> torch.Tensor:
@@ -203,4 +223,4 @@ class EqualSizeAggregator(FactorAggregator):
                 tensor.div_(self.world_size)
             return tensor
 
-        return CommHandle(finish)
+        return CommHandle(finish, traffic)

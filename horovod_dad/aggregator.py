@@ -17,11 +17,11 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-from dad_integrations.aggregator import CommHandle, FactorAggregator
+from dad_integrations.aggregator import CommHandle, FactorAggregator, Traffic
 
 from ._horovod import hvd
 
@@ -71,13 +71,14 @@ class HorovodAggregator(FactorAggregator):
     def _all_gather(self, tensor: torch.Tensor, name: str,
                     first_dims: Optional[List[int]]) -> CommHandle:
         tensor = tensor.contiguous()
+        traffic = Traffic()
         if first_dims is None:
-            first_dims = self._exchange_first_dims(tensor, name)
+            first_dims, traffic = self._exchange_first_dims(tensor, name)
         elif first_dims[self._rank] != tensor.shape[0]:
             raise ValueError(f"{name}: first_dims says {first_dims[self._rank]} rows for this rank, "
                              f"the tensor has {tensor.shape[0]}")
         row_bytes = _prod(tensor.shape[1:]) * tensor.element_size()
-        self._count_all_gather([n * row_bytes for n in first_dims])
+        traffic = traffic + self._count_all_gather([n * row_bytes for n in first_dims])
         dtype = tensor.dtype
         wire = tensor.view(torch.int16) if dtype == torch.bfloat16 else tensor  # same bits
         handle = hvd.allgather_async(wire, name=self._prefix + name, process_set=self._process_set)
@@ -88,13 +89,13 @@ class HorovodAggregator(FactorAggregator):
                 out = out.view(torch.bfloat16)
             return list(torch.split(out, first_dims))
 
-        return CommHandle(finish)
+        return CommHandle(finish, traffic)
 
     def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle:
         target = tensor
         if tensor.dtype == torch.bfloat16:
             tensor = tensor.float()
-        self._count_all_reduce(tensor.numel() * tensor.element_size())
+        traffic = self._count_all_reduce(tensor.numel() * tensor.element_size())
         # op=Sum and a division of our own: Horovod's Average divides by the process set's size,
         # which is ours too, but keeping one code path makes "mean" match the torch backend bit for bit
         handle = hvd.allreduce_async_(tensor, name=self._prefix + name, op=hvd.Sum,
@@ -108,14 +109,15 @@ class HorovodAggregator(FactorAggregator):
                 target.copy_(out)
             return target
 
-        return CommHandle(finish)
+        return CommHandle(finish, traffic)
 
-    def _exchange_first_dims(self, tensor: torch.Tensor, name: str) -> List[int]:
+    def _exchange_first_dims(self, tensor: torch.Tensor, name: str) -> Tuple[List[int], Traffic]:
+        """Every rank's first dimension of ``tensor``, and the traffic of the exchange."""
         mine = torch.tensor([tensor.shape[0]], dtype=torch.int64)
-        self._count_all_gather([mine.element_size()] * self._world)
+        traffic = self._count_all_gather([mine.element_size()] * self._world)
         out = hvd.synchronize(hvd.allgather_async(mine, name=self._prefix + name + ".rows",
                                                   process_set=self._process_set))
-        return [int(v) for v in out.tolist()]
+        return [int(v) for v in out.tolist()], traffic
 
 
 def _prod(shape) -> int:

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator, register_dad_comm_hook
+from dad_integrations import (CommHandle, DADConfig, DADSynchronizer, EqualSizeAggregator, TorchDistributedAggregator,
+                              Traffic, register_dad_comm_hook)
+from dad_integrations.comm_counter import CollectiveCounter
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dad_integrations"
 
@@ -135,6 +137,69 @@ def test_mixed_dtypes_are_counted_once(group):
         handed = (agg.traffic() - before).handed
         assert sync.last_step_report().totals["handed_bytes"] == pytest.approx(handed)
     sync.close()
+
+
+def test_each_handle_carries_its_own_bytes(group):
+    """A collective's handle holds its own bytes, its size exchange included; the running sum is
+    the sum of the handles'."""
+    agg = TorchDistributedAggregator()
+    before = agg.traffic()
+    gathered = agg.all_gather(torch.zeros(3, 4), name="g")  # first dims exchanged: one int64 more
+    known = agg.all_gather(torch.zeros(2, 5, dtype=torch.float64), name="k", first_dims=[2])
+    reduced = agg.all_reduce(torch.ones(7), name="r")
+    assert (gathered.traffic.handed, gathered.traffic.calls) == (3 * 4 * 4 + 8, 2)
+    assert (known.traffic.handed, known.traffic.calls) == (2 * 5 * 8, 1)
+    assert (reduced.traffic.handed, reduced.traffic.calls) == (7 * 4, 1)
+    assert gathered.traffic.sent == gathered.traffic.received == 0  # one rank: nothing on a wire
+    for h in (gathered, known, reduced):
+        h.wait()
+    assert agg.traffic() - before == gathered.traffic + known.traffic + reduced.traffic
+    assert CommHandle(lambda: None).traffic == Traffic()
+
+
+def test_collective_counter_splits_by_group_and_restores(group):
+    """The counter sees what the backend hands torch.distributed, per group, and unwraps on exit."""
+    agg = TorchDistributedAggregator()
+    original = dist.all_reduce
+    with CollectiveCounter(dist) as counter:
+        handle = agg.all_gather(torch.zeros(3, 4), name="g")
+        handle.wait()
+        dist.all_reduce(torch.ones(5))  # on the default group
+    assert dist.all_reduce is original and not counter.installed
+    assert counter.traffic(group=agg.group) == handle.traffic
+    assert counter.traffic(group=None) == Traffic(handed=20, calls=1)
+    assert counter.by_function(exclude_group=agg.group) == {"all_reduce": Traffic(handed=20, calls=1)}
+    dist.all_reduce(torch.ones(5))  # uninstalled: not counted
+    assert counter.traffic().calls == handle.traffic.calls + 1
+    counter.reset()
+    assert counter.traffic() == Traffic()
+
+
+class _Loopback(EqualSizeAggregator):
+    """Three ranks holding the same tensor, without a wire: the ring model's arithmetic alone."""
+
+    def __init__(self):
+        super().__init__()
+        self._rank, self._world = 1, 3
+
+    def _engine_all_gather(self, out, tensor, async_op=False):
+        for o in out:
+            o.copy_(tensor)
+
+    def _engine_all_reduce(self, tensor, async_op=False):
+        tensor.mul_(self._world)
+
+
+def test_handle_traffic_follows_the_ring_model():
+    agg = _Loopback()
+    gathered = agg.all_gather(torch.zeros(2, 4), name="g")
+    reduced = agg.all_reduce(torch.ones(6), name="r", op="mean")
+    exchange, rows = 8, 2 * 4 * 4
+    assert gathered.traffic.handed == exchange + rows
+    assert gathered.traffic.sent == gathered.traffic.received == 2 * (exchange + rows)
+    assert reduced.traffic.sent == reduced.traffic.received == pytest.approx(2 * 2 / 3 * 6 * 4)
+    assert torch.equal(reduced.wait(), torch.ones(6))
+    assert [t.shape[0] for t in gathered.wait()] == [2, 2, 2]
 
 
 def test_ddp_comm_hook_with_many_buckets(group):

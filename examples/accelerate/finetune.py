@@ -35,7 +35,7 @@ if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
     # DeepSpeed builds its engine inside accelerator.prepare(); this one line makes that engine
     # use dAD when the DeepSpeed config has an enabled "dad" block (see deepspeed_dad).
     import deepspeed_dad.auto  # noqa: F401  (imported for its effect)
-from dad_integrations.text_data import VOCAB_SIZE, stdlib_package_snippets, stdlib_source_bytes
+from dad_examples.text_data import VOCAB_SIZE, stdlib_package_snippets, stdlib_source_bytes
 
 log = logging.getLogger("finetune")
 

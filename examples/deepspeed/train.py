@@ -22,7 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import deepspeed
 import deepspeed_dad
-from dad_integrations.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes
+from dad_examples.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes
 
 log = logging.getLogger("deepspeed_train")
 

@@ -7,7 +7,7 @@
 An ordinary Horovod training script; the only dAD-specific line is the optimizer wrapper
 (``horovod_dad.DADOptimizer`` instead of ``hvd.DistributedOptimizer``, with ``model=`` and ``dad=``).
 The model is built from a ``GPT2Config`` and the data is the Python standard library's own source
-read as bytes (`dad_integrations.text_data`): nothing is downloaded. It shows the usual Horovod
+read as bytes (`dad_examples.text_data`): nothing is downloaded. It shows the usual Horovod
 pieces: broadcast of parameters and optimizer state, gradient accumulation through
 ``backward_passes_per_step``, clipping between ``synchronize()`` and ``step()`` inside
 ``skip_synchronize()``, an LR schedule; and at the end the bytes each rank sent per step against
@@ -25,7 +25,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import horovod_dad
-from dad_integrations.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes
+from dad_examples.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes
 
 log = logging.getLogger("horovod_example")
 

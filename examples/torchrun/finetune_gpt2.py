@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from dad_integrations.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes
+from dad_examples.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes
 
 MODES = ("allreduce", "exact", "rank", "auto")
 LOSS_WINDOW = 5  # final loss = mean of this many last steps

@@ -23,22 +23,7 @@ import models  # noqa: E402
 
 from dad_integrations import (DADConfig, DADSynchronizer, TorchDistributedAggregator,  # noqa: E402
                               register_dad_comm_hook)
-
-
-class RecordingAggregator(TorchDistributedAggregator):
-    """The real backend, also recording the bytes of every tensor handed to torch.distributed."""
-
-    def __init__(self):
-        super().__init__()
-        self.recorded = 0
-
-    def _engine_all_gather(self, out, tensor, async_op=False):
-        self.recorded += tensor.numel() * tensor.element_size()
-        return super()._engine_all_gather(out, tensor, async_op)
-
-    def _engine_all_reduce(self, tensor, async_op=False):
-        self.recorded += tensor.numel() * tensor.element_size()
-        return super()._engine_all_reduce(tensor, async_op)
+from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402
 
 
 def local_batch(case: dict, step: int, micro: int) -> dict:
@@ -169,16 +154,16 @@ def run_bytes(case: dict) -> dict:
     """The report's handed bytes against what reached torch.distributed, per step."""
     name = case["model"]
     model = models.build(name)
-    agg = RecordingAggregator()
+    agg = TorchDistributedAggregator()
     sync = DADSynchronizer(model, agg, config_of(case))
     steps = []
     for step in range(case.get("steps", 2)):
-        agg.recorded = 0
-        models.loss_of(name, model, local_batch(case, step, 0)).backward()
-        sync.synchronize()
+        with CollectiveCounter(dist) as counter:  # what reached torch.distributed on dAD's group
+            models.loss_of(name, model, local_batch(case, step, 0)).backward()
+            sync.synchronize()
         report = sync.last_step_report()
         t = report.totals
-        steps.append({"recorded": agg.recorded, "handed": t["handed_bytes"], "sent": t["sent_bytes"],
+        steps.append({"recorded": counter.traffic(group=agg.group).handed, "handed": t["handed_bytes"], "sent": t["sent_bytes"],
                       "received": t["received_bytes"], "allreduce": t["allreduce_bytes"],
                       "by_representation": report.by_representation(),
                       "params": [[q.name, q.representation, q.sent_bytes, q.allreduce_bytes]

@@ -27,53 +27,23 @@ import deepspeed  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 import deepspeed_dad  # noqa: E402
-from dad_integrations.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes  # noqa: E402
+from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402
+from dad_examples.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes  # noqa: E402
 
-# each collective's input (position, keyword): the bytes one rank hands to it
-INPUTS = {"all_reduce": (0, "tensor"), "reduce": (0, "tensor"), "broadcast": (0, "tensor"),
-          "all_reduce_coalesced": (0, "tensors"), "all_gather": (1, "tensor"),
-          "all_gather_into_tensor": (1, "tensor"), "reduce_scatter_tensor": (1, "tensor"),
-          "reduce_scatter_fn": (1, "tensor"), "reduce_scatter": (1, "input_list")}
-
-
-class CommCounter:
-    """Bytes of every tensor handed to a deepspeed.comm collective, split into dAD's group and
-    every other (DeepSpeed's own) collective. DeepSpeed calls ``dist.<op>`` on the
-    ``deepspeed.comm`` module at call time, so wrapping the module's functions sees them all."""
-
-    def __init__(self) -> None:
-        self.dad_group: Any = None
-        self.reset()
-        self._saved = {}
-        for name in INPUTS:
-            fn = getattr(dist, name, None)
-            if fn is not None:
-                self._saved[name] = fn
-                setattr(dist, name, self._wrap(name, fn))
-
-    def reset(self) -> None:
-        self.dad = 0
-        self.engine = 0
-        self.engine_ops: Dict[str, int] = {}
-
-    def _wrap(self, name: str, fn):
-        index, keyword = INPUTS[name]
-
-        def counted(*args, **kwargs):
-            given = args[index] if len(args) > index else kwargs.get(keyword)
-            tensors = given if isinstance(given, (list, tuple)) else [given]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-            group = kwargs.get("group")
-            if self.dad_group is not None and group is self.dad_group:
-                self.dad += nbytes
-            else:
-                self.engine += nbytes
-                self.engine_ops[name] = self.engine_ops.get(name, 0) + nbytes
-            return fn(*args, **kwargs)
-        return counted
+# bytes handed to deepspeed.comm's collectives; dAD's own group told apart from DeepSpeed's
+COUNTER: Optional[CollectiveCounter] = None
+DAD_GROUP: Any = None
 
 
-COUNTER: Optional[CommCounter] = None
+def step_bytes() -> dict:
+    """Bytes counted since the last reset: dAD's group, every other (DeepSpeed's own) collective,
+    and those per function."""
+    if DAD_GROUP is None:
+        dad, engine_ops = 0, COUNTER.by_function()
+    else:
+        dad, engine_ops = COUNTER.traffic(group=DAD_GROUP).handed, COUNTER.by_function(exclude_group=DAD_GROUP)
+    ops = {name: int(t.handed) for name, t in engine_ops.items()}
+    return {"engine": sum(ops.values()), "dad": int(dad), "engine_ops": ops}
 
 
 def ds_config(case: dict, micro: int) -> dict:
@@ -117,8 +87,9 @@ def build_engine(name: str, case: dict, micro: int, dad: Optional[dict], how: st
             deepspeed_dad.unpatch_deepspeed_initialize()
     else:
         raise ValueError(how)
+    global DAD_GROUP
     att = deepspeed_dad.get_attachment(engine)
-    COUNTER.dad_group = att.aggregator.group if att is not None else None
+    DAD_GROUP = att.aggregator.group if att is not None else None
     return engine
 
 
@@ -135,7 +106,7 @@ def run_steps(engine, name: str, case: dict, micro: int, steps: int):
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-        per_step.append({"engine": COUNTER.engine, "dad": COUNTER.dad, "engine_ops": dict(COUNTER.engine_ops)})
+        per_step.append(step_bytes())
     return per_step, losses
 
 
@@ -206,7 +177,8 @@ def run_train(case: dict) -> dict:
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
-            per_step.append({"engine": COUNTER.engine, "dad": COUNTER.dad})
+            counted = step_bytes()
+            per_step.append({"engine": counted["engine"], "dad": counted["dad"]})
         att = deepspeed_dad.get_attachment(engine)
         out[label] = {"losses": losses, "bytes": per_step, "identical": ranks_agree(flat_params(engine))}
         if att is not None:
@@ -241,7 +213,7 @@ def main() -> None:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(
         seconds=float(os.environ.get("DAD_TEST_TIMEOUT", 120))))
-    COUNTER = CommCounter()
+    COUNTER = CollectiveCounter(dist).install()
     with open(cases_path) as f:
         cases = json.load(f)
     only = os.environ.get("DAD_CASES")
