@@ -11,22 +11,28 @@ What it does, by Accelerate's distributed type:
 * DDP (multi-GPU, multi-node, multi-CPU): a DDP communication hook (`register_dad_comm_hook`),
   so DDP's own all-reduce is replaced, not run twice. ``accelerator.accumulate(model)`` /
   ``no_sync`` accumulation, ``accelerator.clip_grad_norm_`` and mixed precision keep working.
+  ``accelerator.save_state(dir)`` / ``load_state(dir)`` save and restore dAD's per-rank state
+  (``dir/dad_state_rank{r}.pt``, written and read by every process).
 * DeepSpeed: DeepSpeed owns gradient reduction there; dAD is switched on by the ``"dad"`` block of
-  the DeepSpeed config (see `deepspeed_dad`), and this returns the synchroniser attached to the
-  engine (or attaches one when ``config`` is given and the block is absent).
+  the DeepSpeed config (see `deepspeed_dad`, found through `dad_integrations.engines`), and this
+  returns the synchroniser attached to the engine (or attaches one when ``config`` is given and the
+  block is absent). Its state goes with the engine's ``save_checkpoint``, which ``save_state`` calls.
 * A single process: nothing to synchronise; returns None and says so once in the log.
 * FSDP, Megatron-LM, XLA: rejected with an error (they shard gradients; dAD replaces an all-reduce).
 """
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional, Union
+import weakref
+from typing import List, Mapping, Optional, Union
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .checkpoint import load_rank_state, save_rank_state
 from .config import DADConfig
 from .ddp_hook import register_dad_comm_hook
+from .engines import get_engine
 from .synchronizer import DADSynchronizer
 
 log = logging.getLogger(__name__)
@@ -62,6 +68,7 @@ def enable_dad(accelerator, model: nn.Module,
                          f"DDP's or DeepSpeed's gradient all-reduce, and {kind} shards gradients instead")
     ddp = _find_ddp(accelerator, model)
     sync = register_dad_comm_hook(ddp, config)
+    _checkpoint_with_accelerator(accelerator, ddp, sync)
     log.info("dAD enabled on Accelerate (%s, %d processes) as DDP's communication hook",
              kind, accelerator.num_processes)
     return sync
@@ -78,20 +85,59 @@ def _find_ddp(accelerator, model: nn.Module) -> DistributedDataParallel:
                      "DistributedDataParallel); call it after prepare()")
 
 
+def _checkpoint_with_accelerator(accelerator, ddp: DistributedDataParallel, sync: DADSynchronizer) -> None:
+    """Save and load ``sync``'s per-rank state with ``accelerator.save_state`` / ``load_state``.
+
+    Their pre-hooks run on every process (``register_for_checkpointing`` objects are written by
+    the main process only, which would keep rank 0's state alone). The hooks hold the model and the
+    synchroniser weakly and are removed with the synchroniser.
+    """
+    sync_ref, ddp_ref = weakref.ref(sync), weakref.ref(ddp)
+
+    def index_in(models: List[nn.Module]) -> Optional[int]:
+        s, d = sync_ref(), ddp_ref()
+        if s is None or d is None:
+            return None
+        for i, m in enumerate(models):  # Accelerate lists the bare model, not the DDP wrapper
+            if m is d or m is d.module:
+                return i
+        return None  # freed (accelerator.free_memory): not part of this checkpoint
+
+    def save_hook(models: List[nn.Module], weights: list, output_dir: str) -> None:
+        index = index_in(models)
+        if index is not None:
+            save_rank_state(sync_ref(), output_dir, accelerator.process_index, accelerator.num_processes,
+                            index=index)
+
+    def load_hook(models: List[nn.Module], input_dir: str) -> None:
+        index = index_in(models)
+        if index is not None:
+            load_rank_state(sync_ref(), input_dir, accelerator.process_index, accelerator.num_processes,
+                            index=index, device=accelerator.device)
+
+    handles = [accelerator.register_save_state_pre_hook(save_hook),
+               accelerator.register_load_state_pre_hook(load_hook)]
+    weakref.finalize(sync, _remove_all, handles)
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
 def _enable_on_deepspeed(accelerator, model: nn.Module,
                          config: Union[DADConfig, Mapping, None]) -> Optional[DADSynchronizer]:
-    import deepspeed_dad
-
-    engine = model if hasattr(model, "zero_optimization_stage") else None
+    adapter = get_engine("deepspeed")
+    engine = model if adapter.is_engine(model) else None
     for candidate in getattr(accelerator, "_models", []):
         if engine is None and getattr(candidate, "module", None) is model:
             engine = candidate
     if engine is None:
         raise ValueError("enable_dad() needs the DeepSpeed engine returned by accelerator.prepare(...)")
-    attachment = deepspeed_dad.get_attachment(engine)
-    if attachment is None:
+    sync = adapter.find(engine)
+    if sync is None:
         if config is None:
             raise ValueError("dAD is not enabled on this DeepSpeed engine: add a \"dad\" block to the "
-                             "DeepSpeed config (see deepspeed_dad), or pass config= to enable_dad()")
-        attachment = deepspeed_dad.attach(engine, config)
-    return attachment.synchronizer if attachment is not None else None
+                             "DeepSpeed config (README, DeepSpeed section), or pass config= to enable_dad()")
+        sync = adapter.attach(engine, config)
+    return sync

@@ -10,20 +10,29 @@ DeepSpeed it picks up the synchroniser attached from the config's ``"dad"`` bloc
 it adds the bytes dAD sent per optimizer step, what all-reduce would have sent, and their ratio
 to the Trainer's own metrics (``dad_sent_bytes_per_step``, ``dad_allreduce_bytes_per_step``,
 ``dad_bytes_ratio``), so they reach the console, ``log_history`` and any reporting integration.
+
+Checkpoints: dAD's per-rank state goes into each ``checkpoint-{step}`` folder
+(``dad_state_rank{r}.pt``, every rank its own; under DeepSpeed the engine's ``save_checkpoint``
+writes it into the folder's ``global_step{step}`` tag) and is loaded again by
+``trainer.train(resume_from_checkpoint=...)`` before the first synchronised step.
 """
 from __future__ import annotations
 
 import gc
 import logging
-from typing import Mapping, Optional, Union
+import os
+import sys
+from typing import Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
+from .checkpoint import load_rank_state, save_rank_state
 from .config import DADConfig
 from .ddp_hook import register_dad_comm_hook
+from .engines import EngineAdapter, registered_engines
 from .synchronizer import DADSynchronizer
 
 log = logging.getLogger(__name__)
@@ -40,29 +49,53 @@ class DADCallback(TrainerCallback):
     def __init__(self, config: Union[DADConfig, Mapping, None] = None):
         self.config = DADConfig() if config is None else DADConfig.from_dict(config)
         self.sync: Optional[DADSynchronizer] = None
+        self._engine: Any = None  # the DeepSpeed engine, whose own checkpoints carry dAD's state
         self._sent = self._allreduce = 0.0
         self._steps = 0
 
     def on_train_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs) -> None:
-        """Install dAD on the DDP wrapper (or find the DeepSpeed engine's) around ``model``."""
+        """Install dAD on the DDP wrapper (or find the DeepSpeed engine's) around ``model``; when
+        resuming from a checkpoint, load this rank's dAD state from it."""
         # the process count from torch.distributed: Accelerate under DeepSpeed on CPUs counts one
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.sync is not None or world <= 1:
             if world <= 1:
                 log.info("dAD: a single process has nothing to synchronise; training runs unchanged")
             return
-        wrapper = _wrapper_of(model)
+        wrapper, adapter = _wrapper_of(model)
         if wrapper is None:
             raise RuntimeError("DADCallback found neither a DistributedDataParallel wrapper nor a DeepSpeed "
                                "engine around the model: launch with accelerate launch or torchrun on "
                                "several processes (FSDP and other sharded setups are not supported)")
-        if isinstance(wrapper, DistributedDataParallel):
+        resume = _resume_checkpoint(args, state)
+        if adapter is None:
             self.sync = register_dad_comm_hook(wrapper, self.config)
+            if resume is not None:
+                payload = load_rank_state(self.sync, resume, dist.get_rank(), world, device=args.device)
+                if payload is not None and payload.get("global_step", state.global_step) != state.global_step:
+                    raise ValueError(f"{resume}: its dAD state was saved at step {payload['global_step']}, "
+                                     f"but training resumes at step {state.global_step}")
         else:
-            import deepspeed_dad
-            attachment = deepspeed_dad.get_attachment(wrapper) or deepspeed_dad.attach(wrapper, self.config)
-            self.sync = attachment.synchronizer if attachment is not None else None
+            self._engine = wrapper
+            self.sync = adapter.find(wrapper)
+            if self.sync is None:
+                # attached only now: the engine's load_checkpoint, which restores dAD's state,
+                # has already run without it
+                self.sync = adapter.attach(wrapper, self.config)
+                if self.sync is not None and resume is not None and adapter.load_checkpoint_state is not None:
+                    adapter.load_checkpoint_state(wrapper, resume)
         log.info("dAD enabled for Trainer (%s)", type(wrapper).__name__)
+
+    def on_save(self, args, state, control, **kwargs) -> None:
+        """Write this rank's dAD state into the checkpoint folder the Trainer has just written.
+
+        Under DeepSpeed the engine's ``save_checkpoint`` has already written it (into the folder's
+        tag), and a ``save_only_model`` checkpoint cannot be resumed, so neither gets a file here.
+        """
+        if self.sync is None or self._engine is not None or args.save_only_model:
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        save_rank_state(self.sync, folder, dist.get_rank(), dist.get_world_size(), global_step=state.global_step)
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         """Add the optimizer step's bytes to the running totals."""
@@ -88,12 +121,39 @@ class DADCallback(TrainerCallback):
         self._steps = 0
 
 
-def _wrapper_of(model: Optional[nn.Module]):
-    """The DDP wrapper or DeepSpeed engine around ``model`` (callbacks only see the bare model)."""
+def _wrapper_of(model: Optional[nn.Module]) -> tuple[Any, Optional[EngineAdapter]]:
+    """The DDP wrapper (adapter None) or the engine and its adapter (DeepSpeed) around ``model``
+    (callbacks only see the bare model)."""
     if model is None:
-        return None
+        return None, None
+    others = []
     for obj in gc.get_objects():
         if isinstance(obj, nn.Module) and obj is not model and getattr(obj, "module", None) is model:
-            if isinstance(obj, DistributedDataParallel) or type(obj).__name__ == "DeepSpeedEngine":
-                return obj
+            if isinstance(obj, DistributedDataParallel):
+                return obj, None
+            others.append(obj)
+    if others:
+        for adapter in registered_engines().values():
+            for obj in others:
+                if adapter.is_engine(obj):
+                    return obj, adapter
+    return None, None
+
+
+def _resume_checkpoint(args, state) -> Optional[str]:
+    """The checkpoint folder ``trainer.train(resume_from_checkpoint=...)`` resumes from, or None.
+
+    Callbacks are not told it. ``_inner_training_loop``, which calls ``on_train_begin``, holds it
+    as its argument, so it is read from that frame; should a Trainer version not have that frame,
+    a resumed state (``global_step > 0`` at train begin: a fresh ``train()`` starts at 0) points
+    to the Trainer's own naming, ``output_dir/checkpoint-{global_step}``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_inner_training_loop" and "resume_from_checkpoint" in frame.f_locals:
+            path = frame.f_locals["resume_from_checkpoint"]
+            return None if path is None else os.fspath(path)
+        frame = frame.f_back
+    if state.global_step > 0:
+        return os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
     return None

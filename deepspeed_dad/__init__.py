@@ -5,11 +5,17 @@
 * `patch_deepspeed_initialize` (or ``import deepspeed_dad.auto``): make ``deepspeed.initialize``
   itself honour the block, for Accelerate and the Hugging Face ``Trainer``;
 * `DeepSpeedAggregator`: the `FactorAggregator` over ``deepspeed.comm``.
+
+Importing it registers the adapter with the core (`dad_integrations.engines`); the core also finds
+it through the ``dad_integrations.engines`` entry point without that import.
 """
 from .aggregator import DeepSpeedAggregator
 from .config import DADBlock, parse_block, split_config
 from .engine import DeepSpeedDAD, attach, get_attachment, reduction_scales
+from .glue import register as _register
 from .initialize import initialize, patch_deepspeed_initialize, unpatch_deepspeed_initialize
+
+_register()
 
 __all__ = ["DADBlock", "DeepSpeedAggregator", "DeepSpeedDAD", "attach", "get_attachment", "initialize",
            "parse_block", "patch_deepspeed_initialize", "reduction_scales", "split_config",

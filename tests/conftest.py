@@ -64,3 +64,23 @@ def result(results: Dict[str, list], case_id: str) -> list:
         if "exception" in r:
             pytest.fail(f"{case_id} raised on rank {rank}:\n{r['exception']}")
     return per_rank
+
+
+RESUME_TOL = 1e-6  # fp32 round-off, relative; the resumed runs are bitwise equal here so far
+
+
+def check_resume(per_rank: list, files: list) -> None:
+    """A resumed run (checkpoint after k steps, everything built anew, the rest trained) ends where
+    the straight run ends, parameters and dAD state, on every rank; the same resume without dAD's
+    state does not (so the test would catch a lost state); the state is per rank (it differs
+    across ranks, so one rank's file for all would not do), one file per rank."""
+    assert len(per_rank) == 2
+    for rank, r in enumerate(per_rank):
+        assert r["state_numel"] > 0 and r["state_norm"] > 0, "no dAD state to carry: the test would be vacuous"
+        resumed, bare = r["resumed"], r["no-dad-state"]
+        assert resumed["params_rel"] <= RESUME_TOL, f"rank {rank}: parameters {resumed['params_rel']:.2e} off"
+        assert resumed["state_rel"] <= RESUME_TOL, f"rank {rank}: dAD state {resumed['state_rel']:.2e} off"
+        assert bare["params_rel"] > 1e3 * RESUME_TOL, f"rank {rank}: resuming without dAD's state changed nothing"
+        assert bare["state_rel"] > 1e3 * RESUME_TOL
+        assert r["files"] == files, r["files"]
+    assert per_rank[0]["state_fingerprint"] != per_rank[1]["state_fingerprint"], "dAD state equal on both ranks"

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import WORKERS, result, run_torchrun
+from conftest import WORKERS, check_resume, result, run_torchrun
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -232,3 +232,28 @@ def test_accelerate_deepspeed_plugin_picks_up_dad_block(tmp_path):
         assert r["attached"] and r["identical"]
         assert all(s > 0 for s in r["sent"]) and len(r["sent"]) == len(r["losses"])
         assert sum(r["losses"][-2:]) < sum(r["losses"][:2])
+
+
+@pytest.mark.slow
+def test_checkpoint_carries_dad_state(tmp_path):
+    """engine.save_checkpoint / load_checkpoint (default tag, 'latest'), ZeRO 0 and 1: a resumed
+    rank-dAD run with error feedback ends where the straight one ends; each rank's state is in the
+    tag folder next to DeepSpeed's files."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    run_torchrun(WORKERS / "resume_worker.py", 2, ["deepspeed", tmp_path / "out.json", tmp_path], timeout=600)
+    per_rank = json.loads((tmp_path / "out.json").read_text())
+    for stage in ("z0", "z1"):
+        check_resume([r[stage] for r in per_rank],
+                     ["global_step3/dad_state_rank0.pt", "global_step3/dad_state_rank1.pt"])
+
+
+@pytest.mark.slow
+def test_accelerate_save_state_on_deepspeed_carries_dad_state(tmp_path):
+    """Accelerate with a DeepSpeed plugin: save_state calls the engine's save_checkpoint, so dAD's
+    state lands in its tag folder (pytorch_model/) and load_state restores it."""
+    pytest.importorskip("accelerate")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    run_torchrun(WORKERS / "resume_worker.py", 2, ["accelerate-deepspeed", tmp_path / "out.json", tmp_path],
+                 timeout=600)
+    check_resume(json.loads((tmp_path / "out.json").read_text()),
+                 ["pytorch_model/dad_state_rank0.pt", "pytorch_model/dad_state_rank1.pt"])

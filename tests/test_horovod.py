@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, WORKERS, result
+from conftest import ROOT, WORKERS, check_resume, result
 
 try:
     import horovod.torch  # noqa: F401
@@ -78,18 +78,26 @@ def run_horovod(tmp_path_factory, nproc: int, cases: dict, timeout: float = 600)
     """Run the Horovod worker over ``cases`` with ``horovodrun -np nproc --gloo``."""
     work = tmp_path_factory.mktemp(f"hvd{nproc}")
     (work / "cases.json").write_text(json.dumps(cases))
+    _horovodrun(nproc, [WORKERS / "horovod_worker.py", work / "out.json", work / "cases.json"], work / "out.json",
+                timeout)
+    return json.loads((work / "out.json").read_text())
+
+
+def _horovodrun(nproc: int, script_and_args: list, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``horovodrun -np nproc --gloo python SCRIPT ARGS...``; fails with its output when it fails or
+    leaves no ``out`` file."""
     horovodrun = Path(sys.executable).with_name("horovodrun")
     if not horovodrun.exists():
         horovodrun = Path(shutil.which("horovodrun") or "horovodrun")
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [str(horovodrun), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
-           sys.executable, str(WORKERS / "horovod_worker.py"), str(work / "out.json"), str(work / "cases.json")]
+           sys.executable, *map(str, script_and_args)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if proc.returncode != 0 or not (work / "out.json").exists():
+    if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
                              f"{proc.stderr[-6000:]}")
-    return json.loads((work / "out.json").read_text())
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +210,17 @@ def test_horovod_startup_recipe(two, case_id):
             # no factors), so the weight used outside its layer is caught and all-reduced
             assert r["dense_only"] == ["hidden.weight"]
             assert r["grad_worst"] <= TOL and r["params_err"] <= TOL
+
+
+def test_state_dict_resume_carries_dad_state(tmp_path):
+    """optimizer.state_dict() carries this rank's dAD state under "dad": a rank-dAD run with error
+    feedback saved per rank after 3 steps and resumed into a new model and DADOptimizer ends where
+    the straight run ends (and does not without "dad")."""
+    out = tmp_path / "out.json"
+    _horovodrun(2, [WORKERS / "resume_worker.py", "horovod", out, tmp_path], out, timeout=300)
+    per_rank = json.loads((tmp_path / "out.json").read_text())
+    assert all(r["state_dict_has_dad"] for r in per_rank)
+    check_resume(per_rank, [])  # the user's own files: rank0.pt, rank1.pt
 
 
 def test_two_optimizers_coexist(two):

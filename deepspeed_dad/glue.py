@@ -1,0 +1,47 @@
+"""Registers the DeepSpeed adapter with the core (`dad_integrations.engines`).
+
+`register` runs when ``deepspeed_dad`` is imported, and the core finds it without that import
+through the ``dad_integrations.engines`` entry point (``deepspeed = "deepspeed_dad.glue:register"``
+in pyproject.toml), so `dad_integrations.accelerate.enable_dad` and ``DADCallback`` work under
+DeepSpeed although the core never imports this package.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping, Optional, Union
+
+from dad_integrations import DADConfig, DADSynchronizer
+from dad_integrations.engines import register_engine
+
+from .engine import attach, get_attachment
+
+
+def register() -> None:
+    """Register the ``"deepspeed"`` engine adapter (idempotent)."""
+    register_engine("deepspeed", is_engine=_is_engine, find=_find, attach=_attach,
+                    load_checkpoint_state=_load_checkpoint_state)
+
+
+def _is_engine(obj: Any) -> bool:
+    # without deepspeed imported there is no engine to recognise: do not import it for the check
+    module = sys.modules.get("deepspeed.runtime.engine")
+    return module is not None and isinstance(obj, module.DeepSpeedEngine)
+
+
+def _find(engine: Any) -> Optional[DADSynchronizer]:
+    attachment = get_attachment(engine)
+    return None if attachment is None else attachment.synchronizer
+
+
+def _attach(engine: Any, config: Union[DADConfig, Mapping, None]) -> Optional[DADSynchronizer]:
+    attachment = attach(engine, config)
+    return None if attachment is None else attachment.synchronizer
+
+
+def _load_checkpoint_state(engine: Any, checkpoint_dir: str) -> bool:
+    """Load dAD's state from the tag named by ``checkpoint_dir/latest`` (a Trainer checkpoint)."""
+    attachment = get_attachment(engine)
+    if attachment is None:
+        return False
+    tag_dir = attachment.checkpoint_tag_dir(checkpoint_dir)
+    return tag_dir is not None and attachment.load_state(tag_dir)
