@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,12 +19,18 @@ REDUCE_OPS = ("sum", "mean")
 
 
 class CommHandle:
-    """An in-flight collective. `wait()` blocks until it is done and returns its result."""
+    """An in-flight collective. `wait()` blocks until it is done and returns its result.
 
-    def __init__(self, finish: Callable[[], Any]):
+    ``traffic`` holds the bytes of exactly this collective (with any size exchange the backend
+    ran for it): callers attribute bytes by reading it, not by diffing a shared counter that
+    other threads may move meanwhile.
+    """
+
+    def __init__(self, finish: Callable[[], Any], traffic: Optional["Traffic"] = None):
         self._finish = finish
         self._done = False
         self._value: Any = None
+        self.traffic = traffic if traffic is not None else Traffic()
 
     def wait(self) -> Any:
         if not self._done:
@@ -49,6 +55,10 @@ class Traffic:
     sent: float = 0.0
     received: float = 0.0
     calls: int = 0
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.handed + other.handed, self.sent + other.sent,
+                       self.received + other.received, self.calls + other.calls)
 
     def __sub__(self, other: "Traffic") -> "Traffic":
         return Traffic(self.handed - other.handed, self.sent - other.sent,
@@ -119,24 +129,22 @@ class FactorAggregator(ABC):
     @abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle: ...
 
-    def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> None:
+    def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> Traffic:
         """Count a ring all-gather in which rank s contributes ``nbytes_per_rank[s]`` bytes."""
         own = nbytes_per_rank[self.rank]
         others = sum(nbytes_per_rank) - own
-        self._count(handed=own, sent=own * (self.world_size - 1), received=others)
+        return self._count(Traffic(own, own * (self.world_size - 1), others, 1))
 
-    def _count_all_reduce(self, nbytes: float) -> None:
+    def _count_all_reduce(self, nbytes: float) -> Traffic:
         """Count a ring all-reduce of ``nbytes``."""
         s = self.world_size
         wire = 2.0 * (s - 1) / s * nbytes
-        self._count(handed=nbytes, sent=wire, received=wire)
+        return self._count(Traffic(nbytes, wire, wire, 1))
 
-    def _count(self, *, handed: float, sent: float, received: float) -> None:
+    def _count(self, traffic: Traffic) -> Traffic:
         with self._lock:
-            self._traffic.handed += handed
-            self._traffic.sent += sent
-            self._traffic.received += received
-            self._traffic.calls += 1
+            self._traffic = self._traffic + traffic
+        return traffic
 
 
 def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
@@ -162,19 +170,20 @@ class EqualSizeAggregator(FactorAggregator):
         """The engine's in-place sum all-reduce; returns a work handle (or None)."""
 
     def _gather_equal(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
-        self._count_all_gather([tensor.numel() * tensor.element_size()] * self.world_size)
-        return self._engine_all_gather(out, tensor, async_op)
+        traffic = self._count_all_gather([tensor.numel() * tensor.element_size()] * self.world_size)
+        return self._engine_all_gather(out, tensor, async_op), traffic
 
-    def _exchange_first_dims(self, tensor: torch.Tensor) -> List[int]:
+    def _exchange_first_dims(self, tensor: torch.Tensor) -> Tuple[List[int], Traffic]:
         mine = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._gather_equal(out, mine)
-        return [int(t.item()) for t in out]
+        _, traffic = self._gather_equal(out, mine)
+        return [int(t.item()) for t in out], traffic
 
     def _all_gather(self, tensor: torch.Tensor, name: str, first_dims: Optional[List[int]]) -> CommHandle:
         tensor = tensor.contiguous()
+        traffic = Traffic()
         if first_dims is None:
-            first_dims = self._exchange_first_dims(tensor)
+            first_dims, traffic = self._exchange_first_dims(tensor)
         elif first_dims[self.rank] != tensor.shape[0]:
             raise ValueError(f"{name}: first_dims says {first_dims[self.rank]} rows for this rank, "
                              f"the tensor has {tensor.shape[0]}")
@@ -183,17 +192,17 @@ class EqualSizeAggregator(FactorAggregator):
             pad = tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))
             tensor = torch.cat([tensor, pad])
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        work = self._gather_equal(out, tensor, async_op=True)
+        work, gathered = self._gather_equal(out, tensor, async_op=True)
 
         def finish() -> List[torch.Tensor]:
             if work is not None:
                 work.wait()
             return [t[:n] for t, n in zip(out, first_dims)]
 
-        return CommHandle(finish)
+        return CommHandle(finish, traffic + gathered)
 
     def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle:
-        self._count_all_reduce(tensor.numel() * tensor.element_size())
+        traffic = self._count_all_reduce(tensor.numel() * tensor.element_size())
         work = self._engine_all_reduce(tensor, async_op=True)
 
         def finish() -> torch.Tensor:
@@ -203,4 +212,4 @@ class EqualSizeAggregator(FactorAggregator):
                 tensor.div_(self.world_size)
             return tensor
 
-        return CommHandle(finish)
+        return CommHandle(finish, traffic)
