@@ -60,7 +60,8 @@ class StepWindow:
         self.passes: Dict[int, int] = {}            # per parameter id: backward passes counted
         self._touched: set = set()                  # parameter ids backward reached in this window
         self._marks: Dict[int, Optional[GradMark]] = {}
-        self._pair_marks: Dict[int, List[int]] = {}  # per unit index: pairs per use after its last pass
+        # per unit index: (backward pass, pairs per use after it, pairs per use after the pass before)
+        self._pair_marks: Dict[int, tuple] = {}
         self.future = None
         self.done: List[Callable[[Optional[BaseException]], None]] = []  # DDP futures to complete
         self.lock = threading.Lock()
@@ -85,12 +86,23 @@ class StepWindow:
             if prior is not None:
                 self.priors[key] = prior
         elif grad_mark(p.grad) != self._marks.get(key):
-            self.restarts[unit.index] = list(self._pair_marks.get(unit.index, [0] * len(unit.uses)))
+            self.restarts[unit.index] = self._rows_before_this_backward(unit)
 
     def after_accumulate(self, p: torch.Tensor, unit: FactorUnit) -> None:
         """Backward has added to ``p.grad``: mark it, and the unit's rows so far."""
         self._marks[id(p)] = grad_mark(p.grad)
-        self._pair_marks[unit.index] = [len(c.pairs) for c in unit.uses]
+        task, counts, before = self._pair_marks.get(unit.index, (None, None, None))
+        now = _graph_task()
+        if task != now:  # the first of the unit's parameters in this backward
+            before = counts
+        self._pair_marks[unit.index] = (now, [len(c.pairs) for c in unit.uses], before)
+
+    def _rows_before_this_backward(self, unit: FactorUnit) -> List[int]:
+        """Per use, how many pairs earlier backward passes captured (this one's come after them)."""
+        task, counts, before = self._pair_marks.get(unit.index, (None, None, None))
+        if task == _graph_task():  # another of the unit's parameters already finished this pass
+            counts = before
+        return list(counts) if counts is not None else [0] * len(unit.uses)
 
     def count_pass(self, p: torch.Tensor) -> int:
         """Count one backward pass of ``p``; returns the count."""
@@ -114,6 +126,11 @@ class StepWindow:
         if drop is not None:
             pairs = [p[k:] for p, k in zip(pairs, drop)]
         return pairs
+
+
+def _graph_task() -> int:
+    """Which backward call is running (autograd's graph task id)."""
+    return torch._C._current_graph_task_id()
 
 
 def _nonzero_copy(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
