@@ -60,6 +60,7 @@ class Exchanger:
         self.rank = RankCodec(config, wire_dtype, self.memory, self.warm) if config.rank is not None else None
         self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
         self.closed = False
+        self._finite = True  # every synchronised result of the step so far is finite
 
     def run(self, window: StepWindow, sink: GradSink, *, step: int, verify: bool, prescale: float,
             postscale: Optional[float]) -> StepReport:
@@ -68,6 +69,7 @@ class Exchanger:
         scale = prescale * (1.0 / s if postscale is None else postscale)
         report: Dict[str, ParamReport] = {}
         dense: List[Tuple[str, nn.Parameter]] = []
+        self._finite = True
         bucket = RankBucket(self.config.bucket_cap_mb * 2 ** 20)
         previous: List[Finish] = []
         for unit in self.plan.units:
@@ -97,9 +99,18 @@ class Exchanger:
                                            allreduce_bytes=ar)
             report[name].add_traffic(traffic)
 
-        allreduce_dense(self.plan.dense + dense, self.aggregator, sink, bucket_cap_mb=self.config.bucket_cap_mb,
-                        wire_dtype=self.wire_dtype, account=account, prescale=prescale, postscale=postscale)
+        finite = allreduce_dense(self.plan.dense + dense, self.aggregator, sink,
+                                 bucket_cap_mb=self.config.bucket_cap_mb, wire_dtype=self.wire_dtype,
+                                 account=account, prescale=prescale, postscale=postscale)
+        if self.rank is not None:
+            self.rank.commit(keep=finite and self._finite)
         return StepReport(step, s, list(report.values()))
+
+    def _note(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Remember whether a synchronised result is finite (the same on every rank: all see it)."""
+        if self._finite and self.rank is not None:
+            self._finite = bool(torch.isfinite(tensor).all())
+        return tensor
 
     def _check_open(self) -> None:
         if self.closed:
@@ -155,7 +166,7 @@ class Exchanger:
                     sink.write_unused(p)
                     return
                 for q, g in grads.items():
-                    sink.write(q, g)
+                    sink.write(q, self._note(g))
         else:
             dense.extend((b.name, b.param) for b in unit.biases)
             payload = self.rank.encode(unit, rows, sink.local_grad, entry, step)
@@ -166,7 +177,7 @@ class Exchanger:
                 traffic = traffic + handle.traffic
 
                 def finish() -> None:
-                    sink.write_product(p, *self.rank.decode(unit, torch.cat(handle.wait()), scale))
+                    sink.write_product(p, *self.rank.decode(unit, self._note(torch.cat(handle.wait())), scale))
             if cfg.mode == "rank" and entry.method == "dense" and not verify and not unit.rows_unused:
                 # mode rank reduces this weight from its dense gradient: its rows are of no use, so
                 # stop capturing them (saves the hooks' work; reports show 0 rows from then on)
@@ -203,7 +214,7 @@ class Exchanger:
             entry.overlapped = overlapped
 
         def finish() -> None:
-            gathered = handle.wait()
+            gathered = [self._note(g) for g in handle.wait()]
             offset = 0
             for unit, payload, _ in items:
                 k = payload.numel()

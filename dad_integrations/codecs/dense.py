@@ -36,16 +36,16 @@ def _buckets(items: Sequence[DenseItem], cap_bytes: float, itemsize: int) -> Lis
 def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, sink: GradSink, *,
                     bucket_cap_mb: float, wire_dtype: Optional[torch.dtype],
                     account: Callable[[str, Optional[nn.Parameter], Traffic], None],
-                    prescale: float = 1.0, postscale: Optional[float] = None) -> None:
+                    prescale: float = 1.0, postscale: Optional[float] = None) -> bool:
     """Reduce the gradients of ``items`` over ranks: ``postscale * sum(prescale * g)``, into ``sink``.
 
     ``postscale`` None averages (``1 / world_size``). ``prescale`` is applied before the wire cast,
     as Horovod's and DeepSpeed's gradient pre-division is, to keep fp16 sums in range.
     ``account`` gets each parameter's share of its bucket's traffic (and the flags' share, under
-    the name `FLAGS` with no parameter).
+    the name `FLAGS` with no parameter). Returns whether every reduced gradient is finite.
     """
     if not items:
-        return
+        return True
     s = aggregator.world_size
     postscale = 1.0 / s if postscale is None else postscale
     device = items[0][1].device
@@ -65,9 +65,11 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
         pending.append((bucket, aggregator.all_reduce(flat, name=f"dad.dense.{b}", op="sum"), flat.numel()))
 
     flags = None
+    finite = True
     position = {id(p): i for i, (_, p) in enumerate(items)}
     for b, (bucket, handle, numel) in enumerate(pending):
         flat = handle.wait()
+        finite = finite and bool(torch.isfinite(flat).all())
         if b == 0:
             flags = flat[-len(items):].tolist()
             account(FLAGS, None, handle.traffic.share(len(items) / numel))
@@ -77,6 +79,7 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
             avg = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).mul_(postscale)
             offset += p.numel()
             sink.write_dense(p, avg, flags[position[id(p)]] > 0)
+    return finite
 
 
 def _prescaled(grad: torch.Tensor, prescale: float) -> torch.Tensor:

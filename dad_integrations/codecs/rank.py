@@ -13,7 +13,9 @@ reduction then runs on the dense compensated gradient.
 
 Non-finite gradients: a rank whose local gradient holds NaN or Inf sends r rows of NaN (it skips
 the reduction, which could raise on that rank alone), so every rank rebuilds a non-finite
-gradient, as all-reduce gives; warm start and residual keep their values from before.
+gradient, as all-reduce gives. New warm starts and residuals are held back until the step is
+over (`commit`): a step with any non-finite gradient (one a loss scaler will skip) keeps those of
+the step before, on every rank alike, so the next finite step trains as if it had not happened.
 """
 from __future__ import annotations
 
@@ -65,6 +67,17 @@ class RankCodec:
         self.wire_dtype = wire_dtype
         self.memory = memory
         self.warm = warm
+        self._pending: list = []  # (unit, low-rank factors, compensated gradient) of this step
+
+    def commit(self, keep: bool) -> None:
+        """End of step: keep this step's warm starts and residuals, or (a non-finite step) drop them."""
+        pending, self._pending = self._pending, []
+        if not keep:
+            return
+        for unit, low, compensated in pending:
+            self.warm.update(unit, low.warm)
+            if compensated is not None:
+                self.memory.update(unit.name, compensated, low.p @ low.q.t())
 
     def encode(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor],
                entry: ParamReport, step: int) -> torch.Tensor:
@@ -92,9 +105,7 @@ class RankCodec:
             return torch.full((r, m + n), float("nan"), dtype=wire, device=p.device)
         low = reduce_rank(grad, r, method=method, q_init=self.warm.initial(unit, n, r, cdt, step),
                           iterations=cfg.power_iterations, tolerance=cfg.adaptive_tolerance)
-        self.warm.update(unit, low.warm)
-        if self.memory.enabled:
-            self.memory.update(unit.name, grad.dense, low.p @ low.q.t())
+        self._pending.append((unit, low, grad.dense if self.memory.enabled else None))
         pq, qq = low.p, low.q
         if cfg.adaptive_tolerance is None and low.components < r:  # fixed sizes: no size exchange
             pq = torch.nn.functional.pad(pq, (0, r - low.components))
