@@ -14,6 +14,7 @@ backward, mixed precision. Costs are those of `DADSynchronizer`.
 """
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations and
 # accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
+from datetime import timedelta
 from typing import Callable, List, Mapping, Optional, Union
 
 import torch
@@ -22,23 +23,27 @@ from torch import nn
 
 from .aggregator import FactorAggregator
 from .config import DADConfig
+from .groups import new_group_like
 from .report import StepReport
 from .synchronizer import DADSynchronizer
 
 
 def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
                            config: Union[DADConfig, Mapping, None] = None,
-                           aggregator: Optional[FactorAggregator] = None) -> DADSynchronizer:
+                           aggregator: Optional[FactorAggregator] = None, *,
+                           timeout: Optional[timedelta] = None) -> DADSynchronizer:
     """Replace ``ddp``'s gradient all-reduce with dAD; returns the synchroniser (for its reports).
 
     Call once, after wrapping the model and before the first backward. ``aggregator`` defaults to
-    a `TorchDistributedAggregator` over DDP's process group's ranks.
+    a `TorchDistributedAggregator` over a new group of DDP's process group's ranks, whose timeout
+    is ``timeout``, or where None that of DDP's process group (a stalled rank fails backward
+    within it, as with DDP's own all-reduce); unused with ``aggregator``.
     """
     if not isinstance(ddp, nn.parallel.DistributedDataParallel):
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
     if aggregator is None:
         from .torch_distributed import TorchDistributedAggregator
-        aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group))
+        aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group, timeout))
     # DDP broadcast rank 0's parameters and buffers when it wrapped the model
     sync = DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, _driven_by_ddp=True)
     ddp.register_comm_hook(DDPDriver(sync), _dad_comm_hook)
@@ -120,13 +125,14 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
     return future
 
 
-def _ranks_group(process_group):
+def _ranks_group(process_group, timeout: Optional[timedelta] = None):
     """A new group over the ranks of DDP's group: dAD's collectives run on a background thread,
-    and must not interleave with the user's (or DDP's) own on a shared group."""
+    and must not interleave with the user's (or DDP's) own on a shared group. It takes ``timeout``,
+    else DDP's group's timeout, so that a stalled rank fails as soon as it would with DDP."""
     ranks = dist.get_process_group_ranks(process_group)
     if len(ranks) != dist.get_world_size():
         # dist.new_group must be called by every rank of the default group, which a DDP over a
         # subgroup cannot promise here
         raise ValueError("DDP runs on a subgroup: pass aggregator=TorchDistributedAggregator(group) with a "
                          "group made for dAD on every rank (dist.new_group(ranks))")
-    return dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
+    return new_group_like(ranks, base=process_group, timeout=timeout)

@@ -5,12 +5,14 @@ different lengths to the longest after an exchange of sizes.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .aggregator import EqualSizeAggregator
+from .groups import new_group_like
 
 
 class TorchDistributedAggregator(EqualSizeAggregator):
@@ -21,15 +23,21 @@ class TorchDistributedAggregator(EqualSizeAggregator):
             collectives (issued from a background thread while backward runs) can never interleave
             with the user's own collectives on the default group. Every rank must construct the
             aggregator at the same point when ``group`` is None, as for ``dist.new_group``.
+        timeout: the timeout of the group created here (not with ``group``, which keeps its own).
+            None takes the default group's, i.e. ``init_process_group(timeout=...)``, so
+            that a stalled rank makes dAD fail within the user's timeout, as DDP does.
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, timeout: Optional[timedelta] = None):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchDistributedAggregator needs an initialised default process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment)")
-        self._group = group if group is not None else dist.new_group(ranks=list(range(dist.get_world_size())))
+        if group is not None and timeout is not None:
+            raise ValueError("timeout applies to the group created here: give the group passed in its "
+                             "timeout where it is made (dist.new_group(ranks, timeout=...))")
+        self._group = group if group is not None else new_group_like(range(dist.get_world_size()), timeout=timeout)
         self._rank = dist.get_rank(self._group)
         self._world = dist.get_world_size(self._group)
         if self._rank < 0:

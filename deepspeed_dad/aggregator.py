@@ -5,6 +5,7 @@ all-gather need equal sizes on every rank, so rows of different lengths are padd
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -17,6 +18,10 @@ class DeepSpeedAggregator(EqualSizeAggregator):
 
     Args:
         ranks: global ranks of the data-parallel group; None means every rank.
+        timeout: the timeout of dAD's group; None takes DeepSpeed's (``init_distributed(timeout=)``,
+            ``DEEPSPEED_TIMEOUT``), read from the default group, so that a stalled rank fails dAD's
+            collectives as soon as DeepSpeed's own (``deepspeed.comm.new_group`` takes no timeout
+            and would give torch's 30-minute default).
 
     A new group is always created here, even over every rank: dAD issues its collectives from a
     background thread while backward runs, and on a shared group they could interleave with
@@ -25,7 +30,7 @@ class DeepSpeedAggregator(EqualSizeAggregator):
     aggregator at the same point, as for ``deepspeed.comm.new_group``.
     """
 
-    def __init__(self, ranks: Optional[Sequence[int]] = None):
+    def __init__(self, ranks: Optional[Sequence[int]] = None, *, timeout: Optional[timedelta] = None):
         super().__init__()
         from deepspeed import comm as dist
         if not dist.is_initialized():
@@ -34,7 +39,7 @@ class DeepSpeedAggregator(EqualSizeAggregator):
         self._dist = dist
         ranks = list(range(dist.get_world_size())) if ranks is None else [int(r) for r in ranks]
         self._ranks = ranks
-        self._group = dist.new_group(ranks=ranks)
+        self._group = _new_group(dist, ranks, timeout)
         if dist.get_rank() not in ranks:
             raise RuntimeError(f"this process (rank {dist.get_rank()}) is not in the group {ranks}")
         self._rank = ranks.index(dist.get_rank())
@@ -56,3 +61,22 @@ class DeepSpeedAggregator(EqualSizeAggregator):
 
     def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         return self._dist.all_reduce(tensor, group=self._group, async_op=async_op)
+
+
+def _new_group(ds_dist: Any, ranks: List[int], timeout: Optional[timedelta]) -> Any:
+    """``deepspeed.comm.new_group(ranks)``, with the timeout of DeepSpeed's default group.
+
+    DeepSpeed's torch backends (``TorchBackend`` and its subclasses) make groups with
+    ``torch.distributed.new_group``, so the group is made there directly, where a timeout can be
+    given. Another backend keeps its own ``new_group`` (and its timeout), as before.
+    """
+    import torch.distributed
+    from deepspeed.comm import comm as ds_comm  # the live backend: ``deepspeed.comm.cdb`` is a stale copy
+    from deepspeed.comm.torch import TorchBackend
+    cdb = getattr(ds_comm, "cdb", None)
+    if isinstance(cdb, TorchBackend) and torch.distributed.is_initialized():
+        from dad_integrations.groups import new_group_like
+        return new_group_like(ranks, timeout=timeout)
+    if timeout is not None:
+        raise ValueError(f"timeout= needs DeepSpeed's torch.distributed backend, not {type(cdb).__name__}")
+    return ds_dist.new_group(ranks=ranks)

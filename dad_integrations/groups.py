@@ -1,0 +1,74 @@
+"""Process groups for dAD that keep the user's timeout.
+
+dAD's collectives run on a background thread while backward runs, so they get a process group of
+their own (on a shared group they could interleave with the user's or the engine's collectives in
+a different order on different ranks). ``torch.distributed.new_group`` without ``timeout=`` gives
+that group torch's default (30 minutes for gloo, 10 for NCCL), not the timeout the user passed to
+``init_process_group``: with one rank stalled, DDP fails after the user's timeout, dAD would block
+for half an hour. `new_group_like` creates the group with the timeout of the group it stands in for.
+"""
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+__all__ = ["new_group_like"]
+
+
+def new_group_like(ranks: Sequence[int], *, base: Optional[dist.ProcessGroup] = None,
+                   timeout: Optional[timedelta] = None, backend: Optional[str] = None) -> dist.ProcessGroup:
+    """A new process group over the global ``ranks``, with the timeout of ``base``.
+
+    Args:
+        ranks: global ranks of the new group.
+        base: the group the new one stands in for (its timeout and backend are taken); None means
+            the default group.
+        timeout: the new group's timeout; None takes ``base``'s (where it cannot be read, torch's
+            default for the backend, as ``dist.new_group`` would).
+        backend: the new group's backend; None takes ``base``'s (for the default group, its whole
+            backend configuration, e.g. ``"cpu:gloo,cuda:nccl"``).
+
+    As ``dist.new_group``, this must be called by every rank of the default group, in the same
+    order, whether or not it is in ``ranks``.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    if base is None or base == dist.GroupMember.WORLD:
+        base = default
+    if timeout is None:
+        timeout = _group_timeout(base)
+        if timeout is None:
+            log.warning("could not read the timeout of process group %s; dAD's group gets torch's default", base)
+    if backend is None and base is not default:
+        backend = dist.get_backend(base)
+    return dist.new_group(ranks=[int(r) for r in ranks], timeout=timeout, backend=backend)
+
+
+def _group_timeout(group: dist.ProcessGroup) -> Optional[timedelta]:
+    """The timeout of ``group``'s collectives, or None where torch does not let it be read.
+
+    torch keeps no public getter: the timeout lives in each device backend's options (gloo's,
+    NCCL's), set from ``init_process_group(timeout=...)`` / ``new_group(timeout=...)``.
+    """
+    devices = list(getattr(group, "_device_types", ()))
+    devices.sort(key=lambda d: d.type != "cpu")  # any would do (one timeout for all); cpu is in every job
+    for device in devices:
+        try:
+            found = group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(found, timedelta):
+            return found
+    # fallback for the default group: init_process_group gives its rendezvous store the same timeout
+    if group == dist.distributed_c10d._get_default_group():
+        try:
+            found = dist.distributed_c10d._get_default_store().timeout
+        except (AttributeError, RuntimeError, ValueError):
+            return None
+        return found if isinstance(found, timedelta) else None
+    return None
+
