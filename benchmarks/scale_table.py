@@ -4,9 +4,9 @@
 
 For GPT-2 small/medium/large and BERT-base (masked LM) geometries, batch x sequence from 1x128 to
 32x1024 and 2 to 256 sites, the bytes one rank sends per step in steady state (after the first,
-verifying step), from the synchroniser's own plan (`dad_integrations.plan.build_plan`, on a
+verifying step), from the synchroniser's own plan (`dad_integrations.units.build_plan`, on a
 model built on the meta device: no memory, no weights) and its own cost model
-(`dad_integrations.policy.estimate_bytes`, `choose_representation`), plus the size exchanges and
+(`dad_integrations.router.route`, the decision each unit takes), plus the size exchanges and
 dense-bucket flags the synchroniser sends besides. ``--check`` runs small real configs on 2 ranks
 and compares these figures with `last_step_report()`'s accounting, byte for byte.
 
@@ -27,8 +27,9 @@ import torch
 
 from dad_integrations.aggregator import ring_allreduce_bytes
 from dad_integrations.config import DADConfig
-from dad_integrations.plan import build_plan
-from dad_integrations.policy import choose_representation, estimate_bytes
+from dad_integrations.units import build_plan
+from dad_integrations.costs import size_exchange_bytes
+from dad_integrations.router import UnitShape, route, unit_estimates
 
 ROOT = Path(__file__).resolve().parents[1]
 GEOMETRIES = ("gpt2-small", "gpt2-medium", "gpt2-large", "bert-base")
@@ -90,31 +91,28 @@ def step_bytes(plan, batch: int, seq: int, world: int, mode: str, rank: Optional
                dtype: torch.dtype = torch.float32) -> Dict[str, object]:
     """Bytes one rank sends in a steady-state step of ``mode`` with ``batch x seq`` tokens per rank.
 
-    Follows `DADSynchronizer._exchange_unit`: per unit the representation from the policy; a size
-    exchange (all-gather of ``2 + uses`` int64) where the route needs agreed row counts; biases
+    Per unit, the router's steady-state decision (`dad_integrations.router.route`, from the counts of
+    the unit's last size exchange); a size exchange where the route needs agreed row counts; biases
     of rank-r and dense units in the dense buckets, with one flag per dense item.
     """
     s = world
+    config = DADConfig(mode=mode, rank=rank)
     total, reps, dense_numel, dense_items = 0.0, {"exact": 0, "rank": 0, "dense": 0}, 0, 0
     for name, p in plan.dense:
         dense_numel += p.numel()
         dense_items += 1
     for u in plan.units:
         m, n = u.param.shape
-        bias_numel = sum(b.param.numel() for b in u.biases)
-        rank_allowed = rank is not None and not all(k == "embedding" for k in u.kinds)
+        bias_numel = u.bias_numel
+        shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype)
         rows_by_rank = [[use_rows(c, batch, seq) for c in u.uses]] * s
-        est = estimate_bytes(kinds=u.kinds, shape=(m, n), rows_by_rank=rows_by_rank, bias_numel=bias_numel,
-                             rank=rank or 0, grad_dtype=dtype, wire_dtype=dtype, world_size=s)
-        size_exchange = (s - 1) * 8.0 * (2 + len(u.uses))
-        if mode == "rank" and rank_allowed:
-            rep, exchange = "rank", False
-        elif mode == "exact":
-            rep, exchange = "exact", True
-        else:  # auto, and rank mode's embedding-only units: predicted from steady counts
-            with_exchange = dict(est, exact=est["exact"] + size_exchange)
-            rep = choose_representation(mode, with_exchange, rank_allowed=rank_allowed)
-            exchange = rep == "exact"
+        decision = route(config, shape, world_size=s, wire_dtype=dtype, last_rows=rows_by_rank)
+        exchange = decision.exchange_sizes
+        if decision.representation is None:  # decided on this step's counts, the same in steady state
+            decision = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank)
+        rep = decision.representation
+        est = unit_estimates(config, shape, rows_by_rank, s, dtype)
+        size_exchange = size_exchange_bytes(len(u.uses), s)
         reps[rep] += 1
         if exchange:
             total += size_exchange

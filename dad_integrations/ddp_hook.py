@@ -15,7 +15,7 @@ backward, mixed precision. Costs are those of `DADSynchronizer`.
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations and
 # accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 from datetime import timedelta
-from typing import List, Mapping, Optional, Union
+from typing import Callable, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from torch import nn
 
 from .aggregator import FactorAggregator
 from .config import DADConfig
+from .groups import new_group_like
+from .report import StepReport
 from .synchronizer import DADSynchronizer
 
 
@@ -42,12 +44,67 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
     if aggregator is None:
         from .torch_distributed import TorchDistributedAggregator
         aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group, timeout))
-    sync = DADSynchronizer(ddp.module, aggregator, config, _driven_by_ddp=True)
-    ddp.register_comm_hook(sync, _dad_comm_hook)
+    # DDP broadcast rank 0's parameters and buffers when it wrapped the model
+    sync = DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, _driven_by_ddp=True)
+    ddp.register_comm_hook(DDPDriver(sync), _dad_comm_hook)
     return sync
 
 
-def _dad_comm_hook(sync: DADSynchronizer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+class DDPDriver:
+    """Drives a `DADSynchronizer`'s steps from DDP's buckets instead of its own weight hooks.
+
+    Buckets come in the same order on every rank. A unit is ready when the buckets of its weight
+    and of all its biases have arrived (results go into those buckets, see `sink.BucketViewSink`);
+    the step runs on the synchroniser's worker thread, and the step's futures complete when it is
+    over.
+    """
+
+    def __init__(self, sync: DADSynchronizer):
+        self.sync = sync
+
+    def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
+                  on_done: Callable[[Optional[BaseException]], None]) -> None:
+        """DDP handed over a bucket of finished local gradients; results are written into ``views``."""
+        sync = self.sync
+        if sync._closed:
+            raise RuntimeError("the dAD communication hook was used after close()")
+        window = sync._current_window()
+        with window.lock:
+            for p, v in zip(params, views):
+                window.sink.views[id(p)] = v
+            window.done.append(on_done)
+        for p in params:
+            unit = sync._unit_of.get(id(p))
+            if unit is not None and all(id(q) in window.sink.views for q in unit.params):
+                window.ready[unit.index].set()
+        sync._dispatch(window, self._step)
+        if last:
+            window.release_all()  # after on_done is in: the step may end from here on
+
+    def _step(self, window) -> StepReport:
+        sync = self.sync
+        error: Optional[BaseException] = None
+        report = None
+        try:
+            report = sync._exchange(window)
+        except BaseException as e:
+            error = e
+        with window.lock:
+            done, window.done = window.done, []
+        late = sync._end_step(window)
+        if error is None:
+            try:
+                sync._finish(report, late)
+            except BaseException as e:
+                error = e
+        for callback in done:
+            callback(error)
+        if error is not None:
+            raise error
+        return report
+
+
+def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: hand the bucket to dAD; the future yields the averaged bucket."""
     buffer = bucket.buffer()
     params = bucket.parameters()
@@ -64,7 +121,7 @@ def _dad_comm_hook(sync: DADSynchronizer, bucket: dist.GradBucket) -> torch.futu
         else:
             future.set_exception(error)
 
-    sync._ddp_bucket(params, views, bucket.is_last(), done)
+    driver.on_bucket(params, views, bucket.is_last(), done)
     return future
 
 
@@ -78,5 +135,4 @@ def _ranks_group(process_group, timeout: Optional[timedelta] = None):
         # subgroup cannot promise here
         raise ValueError("DDP runs on a subgroup: pass aggregator=TorchDistributedAggregator(group) with a "
                          "group made for dAD on every rank (dist.new_group(ranks))")
-    from .groups import new_group_like
     return new_group_like(ranks, base=process_group, timeout=timeout)

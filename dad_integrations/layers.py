@@ -30,6 +30,11 @@ def _runs_stock_forward(module: nn.Module, base: type) -> bool:
     return isinstance(module, base) and type(module).forward is base.forward
 
 
+def compute_dtype(p: torch.Tensor) -> torch.dtype:
+    """Rebuilds and reductions run in fp32 for fp16/bf16 parameters, in the parameter's dtype otherwise."""
+    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+
+
 def layer_kind(module: nn.Module) -> Optional[str]:
     """The kind name of a module whose weight gradient dAD can rebuild, else None."""
     if _runs_stock_forward(module, nn.Linear):

@@ -30,6 +30,12 @@ class ParamReport:
     allreduce_bytes: float = 0.0
     overlapped: bool = False
 
+    def add_traffic(self, traffic) -> None:
+        """Add the bytes of a collective (an `aggregator.Traffic`) or of its share."""
+        self.handed_bytes += traffic.handed
+        self.sent_bytes += traffic.sent
+        self.received_bytes += traffic.received
+
 
 @dataclass
 class StepReport:

@@ -67,8 +67,10 @@ class DeepSpeedDAD:
             config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
         prescale, postscale = reduction_scales(engine, world)
         self.aggregator = DeepSpeedAggregator()
+        # DeepSpeed broadcast rank 0's parameters when it built the engine
         self.synchronizer = DADSynchronizer(engine.module, self.aggregator, config,
-                                            prescale_factor=prescale, postscale_factor=postscale)
+                                            prescale_factor=prescale, postscale_factor=postscale,
+                                            broadcast_parameters=False)
         self.config = self.synchronizer.config
         self._accumulating: Optional[contextlib.AbstractContextManager] = None
         self._originals: Dict[str, Callable] = {}

@@ -49,7 +49,6 @@ import torch
 from torch import nn
 
 from dad_integrations import DADConfig, DADSynchronizer, StepReport
-from dad_integrations.synchronizer import in_backward as _in_backward
 
 from ._horovod import Compression, hvd
 from .aggregator import HorovodAggregator
@@ -63,8 +62,6 @@ for _name in ("Min", "Max", "Product"):
 
 _ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
-_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally.")
 
 
 def DADOptimizer(optimizer: torch.optim.Optimizer,
@@ -145,7 +142,6 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         self._groups = groups
         self._synchronized = False
         self._should_synchronize = True
-        self._passes: Dict[nn.Parameter, int] = {}  # backward passes per parameter since the last exchange
         self._requires_update: List[nn.Parameter] = _unique(
             p for g in self.param_groups for p in g["params"] if p.requires_grad)
         self._dad_hooks: List[Any] = []
@@ -182,21 +178,21 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         if groups is not None and process_set.rank() == 0:
             log.info("dAD: groups=%r only groups Horovod's all-reduces for fusion; dAD buckets dense "
                      "gradients by bucket_cap_mb=%s instead", groups, config.bucket_cap_mb)
-        # These hooks are registered before the synchroniser's, so they run first: the pass count
-        # (and its error) comes before a weight's exchange starts.
-        for p in self._requires_update:
-            self._dad_hooks.append(p.register_post_accumulate_grad_hook(self._count_pass))
-        # Horovod fails the (k+1)-th backward; with dAD the exchange has begun by then and the
-        # next forward would already meet it, so say it there, in Horovod's terms.
-        self._dad_hooks.append(model.register_forward_pre_hook(self._check_forward))
+        # Horovod's sparse_as_dense: sparse gradients become dense before dAD reads them. Registered
+        # before the synchroniser's hooks, so they run first. (Passes are counted, and a forward
+        # before the exchange of the last k passes is refused, by the synchroniser itself.)
+        for p in self._sparse_params:
+            self._dad_hooks.append(p.register_post_accumulate_grad_hook(_sparse_to_dense))
         if op == hvd.Average:
             prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor / process_set.size()
         else:
             prescale, postscale = 1.0, 1.0
         try:
+            # Horovod users broadcast explicitly (hvd.broadcast_parameters), as with Horovod's optimizer
             self._dad_sync = DADSynchronizer(model, HorovodAggregator(process_set), config,
                                              prescale_factor=prescale, postscale_factor=postscale,
-                                             backward_passes_per_step=backward_passes_per_step)
+                                             backward_passes_per_step=backward_passes_per_step,
+                                             broadcast_parameters=False)
         except BaseException:
             self._remove_hooks()
             raise
@@ -207,10 +203,7 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         if self._dad_sync is None:
             self._synchronized = True
             return
-        try:
-            self._dad_sync.synchronize()
-        finally:
-            self._passes.clear()
+        self._dad_sync.synchronize()
         # Horovod all-reduces a zero tensor for a parameter no rank used, so its gradient ends up
         # zero, not None; keep that, so that optimizers see what they see under Horovod.
         for p in self._requires_update:
@@ -238,11 +231,11 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
                               "optimizer.synchronize(). This can cause training slowdown. You may want to "
                               "consider using optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
-                if self._passes:  # a backward since synchronize(): exchange it too
+                if self._backward_pending():  # a backward since synchronize(): exchange it too
                     self.synchronize()
             else:
                 self.synchronize()
-        elif self._passes and self._dad_sync is not None:
+        elif self._backward_pending():
             raise AssertionError("optimizer.step() was called inside optimizer.skip_synchronize() after "
                                  "loss.backward() without optimizer.synchronize(): dAD is still rebuilding "
                                  "the gradients; call optimizer.synchronize() before the block")
@@ -251,14 +244,13 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the wrapped optimizer's; refused between ``backward()`` and the exchange, as in Horovod."""
-        if self._passes:
+        if self._backward_pending():
             raise AssertionError(_ZERO_GRAD_RACE)
         return super().zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Start each exchange at the ``passes``-th backward pass (Horovod's argument)."""
         self.backward_passes_per_step = passes
-        self._passes.clear()
         if self._dad_sync is not None:
             self._dad_sync.set_backward_passes_per_step(passes)
 
@@ -272,7 +264,7 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load the wrapped optimizer's state (and dAD's, when the dict carries it)."""
-        if self._passes:
+        if self._backward_pending():
             raise AssertionError("optimizer.load_state_dict() was called after loss.backward() but before "
                                  "optimizer.step() or optimizer.synchronize()")
         state_dict = dict(state_dict)
@@ -301,26 +293,18 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
             self._dad_sync = None
 
     # -- internals ------------------------------------------------------------------------------
-    def _count_pass(self, p: nn.Parameter) -> None:
-        n = self._passes.get(p, 0)
-        if n >= self.backward_passes_per_step:
-            raise AssertionError(_TOO_MANY_PASSES)
-        self._passes[p] = n + 1
-        if self.sparse_as_dense and p.grad is not None and p.grad.is_sparse:
-            p.grad = p.grad.to_dense()
-
-    def _check_forward(self, module: nn.Module, args: Any) -> None:
-        if (self._passes and torch.is_grad_enabled() and not _in_backward()
-                and max(self._passes.values()) >= self.backward_passes_per_step):
-            raise AssertionError(f"a forward pass started after backward_passes_per_step="
-                                 f"{self.backward_passes_per_step} backward passes without optimizer.step() or "
-                                 f"optimizer.synchronize(). Increase backward_passes_per_step to accumulate "
-                                 f"gradients locally.")
+    def _backward_pending(self) -> bool:
+        return self._dad_sync is not None and self._dad_sync.backward_pending
 
     def _remove_hooks(self) -> None:
         for h in self._dad_hooks:
             h.remove()
         self._dad_hooks = []
+
+
+def _sparse_to_dense(p: nn.Parameter) -> None:
+    if p.grad is not None and p.grad.is_sparse:
+        p.grad = p.grad.to_dense()
 
 
 def _apply_compression(config: DADConfig, compression: Any) -> DADConfig:

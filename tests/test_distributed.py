@@ -87,6 +87,29 @@ def _two_rank_cases() -> dict:
                                      "ddp_hook": True, "unused": True, "steps": 3},
         "grad-ddphook-gpt2-no-zeroing": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
                                          "ddp_hook": True, "zero": "keep", "steps": 3},
+        # forward -> zero_grad() -> backward (PyTorch's ImageNet loop), and zero_grad between micro-steps
+        "grad-mlp-zero-after-forward-exact": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"},
+                                              "zero_after_forward": "none", "steps": 3, "uneven": True},
+        "grad-gpt2-zero-after-forward-auto": {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"},
+                                              "zero_after_forward": "zeros", "steps": 3, "batch": 1},
+        "grad-ddphook-mlp-zero-after-forward": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"},
+                                                "ddp_hook": True, "zero_after_forward": "zeros", "steps": 3},
+        "grad-mlp-zero-between-micro-steps": {"kind": "grad", "model": "mlp", "config": {"mode": "exact"},
+                                              "zero_after_forward": "zeros", "accumulate": 3, "uneven": True},
+        "grad-gpt2-zero-between-micro-steps-auto": {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"},
+                                                    "zero_after_forward": "none", "accumulate": 2, "batch": 1},
+        "grad-ddphook-gpt2-zero-between-micro-steps": {"kind": "grad", "model": "gpt2",
+                                                       "config": {"mode": "exact"}, "ddp_hook": True,
+                                                       "zero_after_forward": "none", "accumulate": 2},
+        # a non-finite loss on one rank: non-finite everywhere, as all-reduce gives
+        "nonfinite-mlp-rank-svd": {"kind": "nonfinite", "model": "mlp", "config": {"mode": "rank", "rank": 2}},
+        "nonfinite-mlp-rank-inf": {"kind": "nonfinite", "model": "mlp", "bad": "inf",
+                                   "config": {"mode": "rank", "rank": 2}},
+        "nonfinite-gpt2-rank-error-feedback": {"kind": "nonfinite", "model": "gpt2",
+                                               "config": {"mode": "rank", "rank": 2, "error_feedback": True}},
+        "nonfinite-gpt2-auto-rank": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
+        "nonfinite-gpt2-exact": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "exact"}},
+        "broadcast-seeded-differently": {"kind": "broadcast", "config": {"mode": "exact"}},
         "error-mismatch": {"kind": "error", "model": "mlp", "other": "mlp_narrow"},
         "error-reentrant-shared": {"kind": "error", "model": "mlp_ckpt_shared", "config": {"mode": "exact"}},
     })
@@ -278,3 +301,19 @@ def test_weight_shared_across_reentrant_segments_raises(two):
     """DDP refuses it too; dAD must say so rather than send half the rows."""
     for r in result(two, "error-reentrant-shared"):
         assert r["error"] and "reentrant" in r["error"]
+
+
+@pytest.mark.parametrize("case_id", [cid for cid, c in TWO.items() if c["kind"] == "nonfinite"])
+def test_nonfinite_gradients_spread_as_allreduce_gives(two, case_id):
+    """A NaN/Inf loss on one rank: every rank ends with a non-finite gradient wherever DDP's is, no
+    rank raises alone, the bad step leaves warm starts and residuals as they were, and the next
+    step is finite again."""
+    for rank, r in enumerate(result(two, case_id)):
+        assert r["mismatched"] == [], f"rank {rank}: finite where all-reduce is not: {r['mismatched']}"
+        assert r["state_kept"], f"rank {rank}: the non-finite step changed dAD's state"
+        assert r["finite_after"], f"rank {rank}: the step after the non-finite one is not finite"
+
+
+def test_attach_broadcasts_rank0_parameters_and_buffers(two):
+    """Ranks seeded differently hold rank 0's parameters and buffers after attaching, as under DDP."""
+    assert all(r["identical"] for r in result(two, "broadcast-seeded-differently"))

@@ -183,7 +183,7 @@ ERRORS = {
     "sparse": "ValueError: modules ['0'] produce sparse gradients",
     "zero_grad_race": "AssertionError: optimizer.zero_grad() was called after loss.backward()",
     "step_skip_without_sync": "AssertionError: optimizer.step() was called inside optimizer.skip_synchronize()",
-    "too_many_passes": "AssertionError: a forward pass started after backward_passes_per_step=1",
+    "too_many_passes": "RuntimeError: a forward pass started after backward_passes_per_step=1",
 }
 
 

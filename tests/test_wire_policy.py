@@ -1,7 +1,8 @@
 """Packing rows into bytes, and the per-unit choice of representation."""
 import torch
 
-from dad_integrations.policy import choose_representation, estimate_bytes, exact_block_specs
+from dad_integrations.costs import estimate_bytes, exact_block_specs
+from dad_integrations.router import choose as choose_representation
 from dad_integrations.wire import pack, packed_size, unpack
 
 

@@ -63,16 +63,23 @@ def run_grad(case: dict) -> dict:
     worst, per_param, components = 0.0, {}, []
     for step in range(case.get("steps", 2)):
         micro_steps = case.get("accumulate", 1)
+        # "zero_after_forward": the loop of PyTorch's ImageNet example, forward -> zero_grad ->
+        # backward (so with micro-steps, gradients are zeroed between them too)
+        after_forward = case.get("zero_after_forward")
         for micro in range(micro_steps):
             data = local_batch(case, step, micro)
             last = micro == micro_steps - 1
             with (ddp.no_sync() if not last else _null()):
                 with _autocast(case):
                     loss_ref = models.loss_of(name, ddp, data)
+                if after_forward:
+                    opt_ref.zero_grad(set_to_none=after_forward == "none")
                 loss_ref.backward()
             with (mine_no_sync() if not last and not counted else _null()):
                 with _autocast(case):
                     loss_mine = models.loss_of(name, mine_fwd, data)
+                if after_forward:
+                    opt_mine.zero_grad(set_to_none=after_forward == "none")
                 loss_mine.backward()
         time.sleep(case.get("sleep_before_sync", 0))  # lets the test see what began during backward
         if not case.get("ddp_hook"):
@@ -88,7 +95,7 @@ def run_grad(case: dict) -> dict:
         opt_ref.step()
         opt_mine.step()
         zero = case.get("zero", "none")  # "none": set_to_none, "zeros": zero tensors, "keep": accumulate
-        if zero != "keep":
+        if zero != "keep" and not after_forward:
             opt_ref.zero_grad(set_to_none=zero == "none")
             opt_mine.zero_grad(set_to_none=zero == "none")
     reps = sorted({p.representation for p in report.params})
@@ -175,6 +182,56 @@ def run_bytes(case: dict) -> dict:
     return {"steps": steps, "world_size": dist.get_world_size(), "param_bytes": param_bytes}
 
 
+def run_nonfinite(case: dict) -> dict:
+    """Rank 1's loss turns non-finite at step 1: every rank must end with a non-finite gradient for
+    every parameter whose DDP gradient is non-finite, no rank may raise alone, and the next finite
+    step must train on (error-feedback residuals and warm starts unchanged by the bad step)."""
+    name = case["model"]
+    ref = models.build(name)
+    mine = copy.deepcopy(ref)
+    ddp = DDP(ref)
+    sync = DADSynchronizer(mine, TorchDistributedAggregator(), config_of(case))
+    bad_value = float(case.get("bad", "nan"))
+    mismatched, state_kept, finite_after = [], None, None
+    for step in range(3):
+        data = local_batch(case, step, 0)
+        bad = step == 1 and dist.get_rank() == 1
+        for model in (ddp, mine):
+            loss = models.loss_of(name, model, data)
+            (loss * bad_value if bad else loss).backward()
+        before = _tensors(sync.state_dict())
+        sync.synchronize()
+        if step == 1:
+            for (pname, a), b in zip(ref.named_parameters(), mine.parameters()):
+                if a.grad is not None and bool(torch.isfinite(a.grad).all()) != bool(torch.isfinite(b.grad).all()):
+                    mismatched.append(pname)
+            after = _tensors(sync.state_dict())
+            state_kept = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+        if step == 2:
+            finite_after = all(bool(torch.isfinite(p.grad).all()) for p in mine.parameters() if p.grad is not None)
+        ref.zero_grad(set_to_none=True)
+        mine.zero_grad(set_to_none=True)
+    sync.close()
+    return {"mismatched": mismatched, "state_kept": state_kept, "finite_after": finite_after}
+
+
+def _tensors(state: dict) -> dict:
+    return {(u, k): v for u, s in state["units"].items() for k, v in s.items() if isinstance(v, torch.Tensor)}
+
+
+def run_broadcast(case: dict) -> dict:
+    """Ranks seeded differently: attaching dAD must give every rank rank 0's parameters and buffers."""
+    torch.manual_seed(1000 + dist.get_rank())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model(torch.randn(16, 4))  # running statistics differ across ranks too
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), config_of(case))
+    flat = torch.cat([t.detach().double().reshape(-1) for t in list(model.parameters()) + list(model.buffers())])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    sync.close()
+    return {"identical": all(torch.equal(gathered[0], g) for g in gathered)}
+
+
 def run_error(case: dict) -> dict:
     """Misuse must raise a clear error on every rank, never hang. Rank 1 builds ``other``."""
     name = case["model"] if dist.get_rank() == 0 else case.get("other", case["model"])
@@ -202,7 +259,8 @@ class _null:
         return False
 
 
-RUNNERS = {"grad": run_grad, "rank_quality": run_rank_quality, "train": run_train, "bytes": run_bytes, "error": run_error}
+RUNNERS = {"grad": run_grad, "rank_quality": run_rank_quality, "train": run_train, "bytes": run_bytes,
+           "error": run_error, "nonfinite": run_nonfinite, "broadcast": run_broadcast}
 
 
 def _gather(case_id: str, mine: dict) -> list:

@@ -150,7 +150,7 @@ def run_train(case: dict) -> dict:
 def _raises(fn) -> str:
     try:
         fn()
-    except (ValueError, AssertionError, TypeError) as e:
+    except (ValueError, AssertionError, TypeError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 

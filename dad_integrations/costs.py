@@ -1,7 +1,8 @@
-"""Per-unit, per-step choice of representation, and the byte estimates behind it.
+"""The cost model: bytes each representation of one unit puts on the wire, and its block layouts.
 
-Every input here is agreed by all ranks (shapes, the config, every rank's row counts from the
-step's size exchange), so every rank takes the same decision and issues the same collectives.
+Every input here is agreed by all ranks (shapes, the config, every rank's row counts from a
+size exchange), so every rank estimates the same numbers; `router.route` decides from them, and
+the benchmarks' scale table calls the same functions.
 
 Bytes received by one rank, S ranks, weight m x n:
   dense all-reduce   2 (S-1)/S * m n * b
@@ -55,12 +56,6 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
     return out
 
 
-def choose_representation(mode: str, estimates: Dict[str, float], *, rank_allowed: bool) -> str:
-    """``"exact"``, ``"rank"`` or ``"dense"`` for one unit, given agreed estimates."""
-    if mode == "exact":
-        return "exact"
-    if mode == "rank" and rank_allowed:
-        return "rank"
-    allowed = ["dense", "exact"] + (["rank"] if rank_allowed and "rank" in estimates and mode == "auto" else [])
-    # ties go to the lossless, simplest choice
-    return min(allowed, key=lambda k: (estimates[k], ["dense", "exact", "rank"].index(k)))
+def size_exchange_bytes(uses: int, world_size: int) -> float:
+    """Bytes one rank sends in a unit's size exchange (an all-gather of ``2 + uses`` int64)."""
+    return (world_size - 1) * 8.0 * (2 + uses)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-import torch
 from torch import nn
 
 from .capture import ModuleCapture
@@ -33,19 +31,19 @@ class BiasUse:
 
 @dataclass
 class FactorUnit:
-    """One weight synchronised through factors, with its uses and rank-dAD state."""
+    """One weight synchronised through factors, with its uses and the biases that ride with it.
+
+    Per-step state (readiness, passes, priors) lives in the step's `StepWindow`; rank-dAD state
+    (warm starts, residuals) in the rank codec. What stays here is the unit's route history.
+    """
 
     index: int
     name: str
     param: nn.Parameter
     uses: List[ModuleCapture]
     biases: List[BiasUse]
-    ready: threading.Event = field(default_factory=threading.Event)
-    passes: int = 0                   # backward passes seen since the last exchange
     dense_only: bool = False          # failed the first-step check: dense from then on
     rows_unused: bool = False         # rank-reduced from its dense gradient: rows not captured
-    warm_q: Optional[torch.Tensor] = None
-    residual: Optional[torch.Tensor] = None
 
     @property
     def factors_only(self) -> bool:
@@ -55,6 +53,30 @@ class FactorUnit:
     @property
     def kinds(self) -> List[str]:
         return [c.kind for c in self.uses]
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        """The weight, then the biases that ride with it."""
+        return [self.param] + [b.param for b in self.biases]
+
+    @property
+    def bias_numel(self) -> int:
+        return sum(b.param.numel() for b in self.biases)
+
+    def set_dense_only(self, dense_only: bool) -> None:
+        """Route the unit through dense all-reduce for good; its rows are then of no use."""
+        self.dense_only = dense_only
+        self.update_capture()
+
+    def stop_using_rows(self) -> None:
+        """The unit is reduced from its dense gradient from now on: stop capturing rows."""
+        self.rows_unused = True
+        self.update_capture()
+
+    def update_capture(self) -> None:
+        """Capture the unit's rows only while some route can use them."""
+        for capture in self.uses:
+            capture.enabled = not (self.dense_only or self.rows_unused)
 
 
 @dataclass

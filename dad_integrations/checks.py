@@ -1,0 +1,93 @@
+"""Checks at attach and on the first step: same model on every rank, same start, factors that rebuild.
+
+* `check_same_model`: every rank holds the same parameters in the same routes (names, shapes,
+  dtypes), or the collectives would not match and the job would hang; raises naming the first
+  difference.
+* `broadcast_model`: rank 0's parameters and buffers, copied to every rank at attach, as DDP
+  does when it wraps a model (ranks seeded differently would otherwise never train one model).
+* `factors_rebuild_local_grad`: on the first synchronised step, do this rank's captured factors
+  rebuild the gradient autograd computed? A weight used outside its layers, or changed by a
+  gradient hook, fails and goes dense for good.
+"""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .aggregator import FactorAggregator
+from .codecs.exact import local_rebuild
+from .layers import Rows
+from .sink import GradSink
+from .units import FactorUnit, SyncPlan
+
+# relative error allowed between the factors' local rebuild and autograd's local gradient
+VERIFY_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+VERIFY_TOLERANCE_LOW_PRECISION = 5e-2
+
+
+def check_same_model(plan: SyncPlan, aggregator: FactorAggregator, device: torch.device) -> None:
+    """Raise `ValueError` unless every rank built the same model (names, shapes, dtypes, routes)."""
+    mine = plan.signature_bytes()
+    buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    theirs = [bytes(t.cpu().tolist()) for t in aggregator.all_gather(buf, name="dad.signature").wait()]
+    if all(t == mine for t in theirs):
+        return
+    own = json.loads(mine)
+    for rank, t in enumerate(theirs):
+        if t == mine:
+            continue
+        other = json.loads(t)
+        for i in range(max(len(own), len(other))):
+            a = own[i] if i < len(own) else None
+            b = other[i] if i < len(other) else None
+            if a != b:
+                raise ValueError(
+                    f"the model differs across ranks: parameter #{i} is {a} on rank {aggregator.rank} but "
+                    f"{b} on rank {rank}; every rank must build the same model (names, shapes, dtypes, "
+                    f"trainable parameters) before attaching dAD")
+    raise ValueError("the model differs across ranks")
+
+
+def broadcast_model(model: nn.Module, aggregator: FactorAggregator) -> None:
+    """Copy rank 0's parameters and buffers to every rank (DDP's start-up broadcast).
+
+    The tensors travel as bytes in one sum all-reduce per device to which only rank 0
+    contributes: ``x + 0 + ... + 0`` is ``x`` bit for bit, for every dtype, so no backend needs a
+    broadcast call of its own.
+    """
+    by_device: dict = {}
+    seen = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) not in seen and t.numel():
+            seen.add(id(t))
+            by_device.setdefault(t.device, []).append(t)
+    for device, tensors in by_device.items():
+        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+        if aggregator.rank != 0:
+            flat.zero_()
+        flat = aggregator.all_reduce(flat, name=f"dad.broadcast.{device}", op="sum").wait()
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                t.copy_(flat[offset:offset + nbytes].view(t.dtype).view_as(t))
+                offset += nbytes
+
+
+def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: GradSink) -> bool:
+    """Do this rank's factors rebuild the gradients autograd computed locally (weight and biases)?"""
+    cdt = torch.float64 if unit.param.dtype == torch.float64 else torch.float32
+    # under autocast the output-gradient rows are bf16/fp16 while the inputs may be fp32
+    low_precision = any(t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE
+                        for pair in rows for t in pair)
+    tol = VERIFY_TOLERANCE_LOW_PRECISION if low_precision else VERIFY_TOLERANCE.get(
+        unit.param.dtype, VERIFY_TOLERANCE_LOW_PRECISION)
+    for p, mine in local_rebuild(unit, rows, cdt).items():
+        autograd = sink.local_grad(p, cdt)
+        err = float((mine - autograd).norm())
+        if err > tol * max(float(autograd.norm()), 1e-30) and err > 1e-12:
+            return False
+    return True

@@ -1,0 +1,82 @@
+"""Exact factors (lossless dAD): each rank's rows, all-gathered, rebuilt as a sum of outer products.
+
+For a weight with uses u (m x n), rank s holds rows ``(left_su, right_su)`` with
+``G_s = sum_u left_su^T right_su``; the ranks all-gather every block, and each rebuilds
+``G = scale * sum_s G_s`` with one matmul per use over all ranks' rows stacked, and each bias as
+the sum of its use's output-gradient rows. Cost per rank: ``N (m+n)`` numbers sent, one
+``S N m n`` matmul. One packed buffer per unit and rank (float rows in the wire dtype, int32 ids
+for embeddings), so a unit costs one collective.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..costs import ID_DTYPE, exact_block_specs
+from ..layers import Rows, add_rebuilt_grad, compute_dtype, output_grad_rows
+from ..units import FactorUnit
+from ..wire import pack, packed_size, unpack
+
+
+class ExactCodec:
+    """Encode a unit's rows as one byte buffer; decode every rank's buffers into its gradients."""
+
+    def __init__(self, wire_dtype: Optional[torch.dtype], device: torch.device):
+        self.wire_dtype = wire_dtype
+        self.device = device
+
+    def wire(self, unit: FactorUnit) -> torch.dtype:
+        """None: factors travel in the gradients' dtype."""
+        return self.wire_dtype or unit.param.dtype
+
+    def encode(self, unit: FactorUnit, rows: Sequence[Rows]) -> torch.Tensor:
+        wire = self.wire(unit)
+        blocks = []
+        for kind, (left, right) in zip(unit.kinds, rows):
+            blocks += [left.to(ID_DTYPE) if kind == "embedding" else left.to(wire), right.to(wire)]
+        return pack(blocks, self.device)
+
+    def sizes(self, unit: FactorUnit, rows_by_rank: Sequence[Sequence[int]]) -> List[int]:
+        """Every rank's buffer length, from the agreed row counts (no size exchange needed)."""
+        shape = tuple(unit.param.shape)
+        return [packed_size(exact_block_specs(unit.kinds, shape, r, self.wire(unit))) for r in rows_by_rank]
+
+    def decode(self, unit: FactorUnit, buffers: Sequence[torch.Tensor], rows_by_rank: Sequence[Sequence[int]],
+               scale: float) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
+        """``scale * sum over ranks`` of the weight's and its biases' gradients; None if no rank
+        used the weight (its gradient then stays as it is, as with DDP)."""
+        if not any(any(r) for r in rows_by_rank):
+            return None
+        p = unit.param
+        shape = tuple(p.shape)
+        cdt = compute_dtype(p)
+        per_rank = [unpack(buf, exact_block_specs(unit.kinds, shape, r, self.wire(unit)))
+                    for buf, r in zip(buffers, rows_by_rank)]
+        grad = torch.zeros(shape, dtype=cdt, device=p.device)
+        gathered = []
+        for u, kind in enumerate(unit.kinds):
+            left = torch.cat([blk[2 * u] for blk in per_rank])
+            right = torch.cat([blk[2 * u + 1] for blk in per_rank])
+            left = left.long() if kind == "embedding" else left.to(cdt)
+            gathered.append((left, right.to(cdt)))
+            add_rebuilt_grad(kind, grad, gathered[-1])
+        out = {p: grad.mul_(scale)}
+        for b in unit.biases:
+            u = unit.uses.index(b.capture)
+            out[b.param] = output_grad_rows(b.capture.kind, gathered[u]).sum(0).mul_(scale)
+        return out
+
+
+def local_rebuild(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype) -> Dict[nn.Parameter, torch.Tensor]:
+    """This rank's gradients of the weight and its biases, rebuilt from its own rows."""
+    p = unit.param
+    grad = torch.zeros(p.shape, dtype=dtype, device=p.device)
+    for kind, (left, right) in zip(unit.kinds, rows):
+        add_rebuilt_grad(kind, grad, (left if kind == "embedding" else left.to(dtype), right.to(dtype)))
+    out = {p: grad}
+    for b in unit.biases:
+        d = output_grad_rows(b.capture.kind, rows[unit.uses.index(b.capture)])
+        out[b.param] = d.to(dtype).sum(0)
+    return out

@@ -1,0 +1,163 @@
+"""Rank-r factors, all-gathered (rank-dAD): each rank sends ``P_s, Q_s`` with ``G_s ~= P_s Q_s^T``.
+
+Every rank reduces its own local gradient to rank r (`low_rank.reduce_rank`: power iteration on
+the factors or on the dense gradient, or an exact truncated SVD when rows are few), sends
+``[P_s^T | Q_s^T]`` (r x (m+n)), and rebuilds ``G ~= scale * [P_1 .. P_S][Q_1 .. Q_S]^T``, a
+rank ``S r`` matrix, with one ``S r m n`` matmul. Bytes per rank: ``(S-1) r (m+n)``; the biases
+go through the dense buckets.
+
+Warm start (`WarmStart`, as PowerSGD): each step's power iteration starts from the previous
+step's Q, so one iteration suffices once training settles. Error feedback
+(`error_feedback.ErrorFeedback`): the local residual is added to the next step's gradient; the
+reduction then runs on the dense compensated gradient.
+
+Non-finite gradients: a rank whose local gradient holds NaN or Inf sends r rows of NaN (it skips
+the reduction, which could raise on that rank alone), so every rank rebuilds a non-finite
+gradient, as all-reduce gives. New warm starts and residuals are held back until the step is
+over (`commit`): a step with any non-finite gradient (one a loss scaler will skip) keeps those of
+the step before, on every rank alike, so the next finite step trains as if it had not happened.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..config import DADConfig
+from ..error_feedback import ErrorFeedback
+from ..layers import Rows, compute_dtype
+from ..low_rank import LocalGradient, choose_method, reduce_rank
+from ..report import ParamReport
+from ..units import FactorUnit
+
+
+class WarmStart:
+    """The previous step's right factor Q per unit, seeding the next power iteration."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.q: dict = {}
+
+    def initial(self, unit: FactorUnit, n: int, r: int, dtype: torch.dtype, step: int) -> torch.Tensor:
+        q = self.q.get(unit.name) if self.enabled else None
+        if q is None or q.shape != (n, r):
+            # the same seed on every rank: ranks start from one subspace
+            gen = torch.Generator(device=unit.param.device).manual_seed(1_000_003 * unit.index + step)
+            q = torch.randn(n, r, generator=gen, device=unit.param.device, dtype=dtype)
+        return q
+
+    def update(self, unit: FactorUnit, q: Optional[torch.Tensor]) -> None:
+        if self.enabled:
+            self.q[unit.name] = q
+
+    def load(self, name: str, q: Optional[torch.Tensor], like: torch.Tensor) -> None:
+        if q is None:
+            self.q.pop(name, None)
+        else:
+            self.q[name] = q.to(device=like.device, dtype=compute_dtype(like))
+
+
+class RankCodec:
+    """Encode a unit's local gradient as ``[P^T | Q^T]``; decode every rank's into a rank-S·r product."""
+
+    def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype], memory: ErrorFeedback,
+                 warm: WarmStart):
+        self.config = config
+        self.wire_dtype = wire_dtype
+        self.memory = memory
+        self.warm = warm
+        self._pending: list = []  # (unit, low-rank factors, compensated gradient) of this step
+
+    def commit(self, keep: bool) -> None:
+        """End of step: keep this step's warm starts and residuals, or (a non-finite step) drop them."""
+        pending, self._pending = self._pending, []
+        if not keep:
+            return
+        for unit, low, compensated in pending:
+            self.warm.update(unit, low.warm)
+            if compensated is not None:
+                self.memory.update(unit.name, compensated, low.p @ low.q.t())
+
+    def encode(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor],
+               entry: ParamReport, step: int) -> torch.Tensor:
+        """This rank's payload (``r`` rows of ``m + n``; fewer with adaptive tolerance)."""
+        cfg, p = self.config, unit.param
+        m, n = p.shape
+        r = min(cfg.rank, m, n)
+        cdt = compute_dtype(p)
+        n_rows = sum(int(left.shape[0]) for left, _ in rows)
+        method = "dense" if self.memory.enabled or unit.rows_unused else choose_method(
+            n_rows, m, n, r, cfg.power_iterations, factors_available=unit.factors_only)
+        if method == "dense":
+            compensated = self.memory.compensate(unit.name, local_grad(p, cdt))
+            grad = LocalGradient(dense=compensated)
+            finite = bool(torch.isfinite(compensated).all())
+        else:
+            left = _cat([left.to(cdt) for left, _ in rows])
+            right = _cat([right.to(cdt) for _, right in rows])
+            grad = LocalGradient(left=left, right=right)
+            finite = bool(torch.isfinite(left).all()) and bool(torch.isfinite(right).all())
+        entry.method = method
+        wire = self.wire_dtype or p.dtype
+        if not finite:
+            entry.components = r
+            return torch.full((r, m + n), float("nan"), dtype=wire, device=p.device)
+        low = reduce_rank(grad, r, method=method, q_init=self.warm.initial(unit, n, r, cdt, step),
+                          iterations=cfg.power_iterations, tolerance=cfg.adaptive_tolerance)
+        self._pending.append((unit, low, grad.dense if self.memory.enabled else None))
+        pq, qq = low.p, low.q
+        if cfg.adaptive_tolerance is None and low.components < r:  # fixed sizes: no size exchange
+            pq = torch.nn.functional.pad(pq, (0, r - low.components))
+            qq = torch.nn.functional.pad(qq, (0, r - low.components))
+        entry.components = low.components
+        return torch.cat([pq.t(), qq.t()], dim=1).to(wire)
+
+    @staticmethod
+    def decode(unit: FactorUnit, factors: torch.Tensor, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(left, right)`` with ``left @ right = scale * sum_s P_s Q_s^T``, from every rank's
+        ``[P^T | Q^T]`` rows, stacked."""
+        p = unit.param
+        m = p.shape[0]
+        factors = factors.to(compute_dtype(p))
+        # the scale goes on the (S r x m) block, not on the m x n result: one pass fewer
+        return (factors[:, :m] * scale).t(), factors[:, m:]
+
+
+class RankBucket:
+    """Rank-r payloads of consecutive units, waiting to share one all-gather.
+
+    Every rank sends exactly r rows per unit (without adaptive tolerance), so the ranks agree on
+    the bucket's size and contents without any exchange. A bucket goes when it reaches
+    ``cap_bytes`` (the config's ``bucket_cap_mb``), when a payload of another dtype follows it,
+    or when the step's last unit is done. Fewer collectives matter: each costs a round trip and,
+    on CPUs, a wake-up of the exchange thread on every rank. With the default cap the payloads of
+    a model usually fit one bucket, which then goes when backward is over.
+    """
+
+    def __init__(self, cap_bytes: float):
+        self.cap_bytes = cap_bytes
+        self.items: List[Tuple[FactorUnit, torch.Tensor, ParamReport]] = []
+
+    def add(self, unit: FactorUnit, payload: torch.Tensor, entry: ParamReport) -> None:
+        self.items.append((unit, payload, entry))
+
+    def ready_to_send(self) -> bool:
+        """A full run of same-dtype payloads waits at the front (more may follow it)."""
+        run = self._front_run()
+        return run < len(self.items) or sum(p.numel() * p.element_size() for _, p, _ in self.items) >= self.cap_bytes
+
+    def take(self) -> List[Tuple[FactorUnit, torch.Tensor, ParamReport]]:
+        """The front run of payloads that share a dtype."""
+        run = self._front_run()
+        items, self.items = self.items[:run], self.items[run:]
+        return items
+
+    def _front_run(self) -> int:
+        dtype = self.items[0][1].dtype if self.items else None
+        return next((i for i, (_, p, _) in enumerate(self.items) if p.dtype != dtype), len(self.items))
+
+
+def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat`` without the copy when there is one tensor (a weight with one use)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

@@ -1,0 +1,247 @@
+"""The exchanger: one step's collectives, unit by unit, in an order every rank shares.
+
+Units go in reverse registration order (the order backward finishes them). For each unit, when
+its weight and biases are final (`StepWindow.ready`): the router's decision, a size exchange if
+the route needs agreed row counts (with the first-step check riding along), then its codec's
+collective: one all-gather of exact factors, or a place in the rank-r bucket (one all-gather per
+``bucket_cap_mb``), or a place in the dense buckets. The rebuild of one unit overlaps the next
+unit's collective, and collectives started before backward ends overlap the rest of backward.
+When backward is over (`StepWindow.flush`), the dense buckets are all-reduced.
+
+Costs per weight (m x n), S ranks, N local rows: exact factors gather ``N (m+n)`` numbers per rank
+and rebuild with one ``S N m n`` matmul; rank-r factors gather ``r (m+n)`` per rank and rebuild with
+one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like all-reduce.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
+from .checks import factors_rebuild_local_grad
+from .codecs.dense import allreduce_dense
+from .codecs.exact import ExactCodec, local_rebuild
+from .codecs.rank import RankBucket, RankCodec, WarmStart
+from .config import DADConfig
+from .error_feedback import ErrorFeedback
+from .layers import Rows, compute_dtype
+from .report import ParamReport, StepReport
+from .router import RowCounts, UnitShape, route
+from .sink import GradSink
+from .units import FactorUnit, SyncPlan
+from .window import StepWindow
+
+log = logging.getLogger(__name__)
+
+Finish = Callable[[], None]
+
+
+class StepClosed(RuntimeError):
+    """The synchroniser was closed while a step was in flight."""
+
+
+class Exchanger:
+    """Runs the collectives of each step; holds what carries over between steps (agreed row counts,
+    warm starts and error-feedback residuals of the rank codec)."""
+
+    def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig,
+                 wire_dtype: Optional[torch.dtype], device: torch.device):
+        self.plan = plan
+        self.aggregator = aggregator
+        self.config = config
+        self.wire_dtype = wire_dtype
+        self.device = device
+        self.exact = ExactCodec(wire_dtype, device)
+        self.memory = ErrorFeedback(config.error_feedback)
+        self.warm = WarmStart(config.warm_start)
+        self.rank = RankCodec(config, wire_dtype, self.memory, self.warm) if config.rank is not None else None
+        self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
+        self.closed = False
+        self._finite = True  # every synchronised result of the step so far is finite
+
+    def run(self, window: StepWindow, sink: GradSink, *, step: int, verify: bool, prescale: float,
+            postscale: Optional[float]) -> StepReport:
+        """Exchange every unit and the dense buckets of one step; returns its report."""
+        s = self.aggregator.world_size
+        scale = prescale * (1.0 / s if postscale is None else postscale)
+        report: Dict[str, ParamReport] = {}
+        dense: List[Tuple[str, nn.Parameter]] = []
+        self._finite = True
+        bucket = RankBucket(self.config.bucket_cap_mb * 2 ** 20)
+        previous: List[Finish] = []
+        for unit in self.plan.units:
+            window.ready[unit.index].wait()
+            self._check_open()
+            current: List[Finish] = []
+            finish = self._unit(unit, window, sink, scale, step, verify, report, dense, bucket)
+            if finish is not None:
+                current.append(finish)
+            while bucket.ready_to_send():
+                current.append(self._send_rank_bucket(bucket, window, sink, scale))
+            for f in previous:
+                f()  # rebuild the last units while this one's collective runs
+            previous = current
+        while bucket.items:
+            previous.append(self._send_rank_bucket(bucket, window, sink, scale))
+        for f in previous:
+            f()
+        window.flush.wait()  # backward is over: every dense gradient is final
+        self._check_open()
+
+        def account(name: str, p: Optional[nn.Parameter], traffic: Traffic) -> None:
+            if name not in report:
+                shape = tuple(p.shape) if p is not None else ()
+                ar = ring_allreduce_bytes(p.numel() * p.element_size(), s) if p is not None else 0.0
+                report[name] = ParamReport(name, "dense" if p is not None else "overhead", shape,
+                                           allreduce_bytes=ar)
+            report[name].add_traffic(traffic)
+
+        finite = allreduce_dense(self.plan.dense + dense, self.aggregator, sink,
+                                 bucket_cap_mb=self.config.bucket_cap_mb, wire_dtype=self.wire_dtype,
+                                 account=account, prescale=prescale, postscale=postscale)
+        if self.rank is not None:
+            self.rank.commit(keep=finite and self._finite)
+        return StepReport(step, s, list(report.values()))
+
+    def _note(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Remember whether a synchronised result is finite (the same on every rank: all see it)."""
+        if self._finite and self.rank is not None:
+            self._finite = bool(torch.isfinite(tensor).all())
+        return tensor
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StepClosed("dAD synchroniser closed with a step in flight")
+
+    def _unit(self, unit: FactorUnit, window: StepWindow, sink: GradSink, scale: float, step: int,
+              verify: bool, report: Dict[str, ParamReport], dense: List[Tuple[str, nn.Parameter]],
+              bucket: RankBucket) -> Optional[Finish]:
+        """Route one unit and start its collective; returns what finishes it (or None)."""
+        agg, cfg, p = self.aggregator, self.config, unit.param
+        s = agg.world_size
+        m, n = p.shape
+        overlapped = not window.flush.is_set()
+        rows = [_concat_rows(pairs, kind, (m, n), p) for pairs, kind in zip(window.take_rows(unit), unit.kinds)]
+        if unit.index in window.restarts:
+            _rederive_priors(unit, rows, window)
+        counts = [int(r[0].shape[0]) for r in rows]
+        wire = self.wire_dtype or p.dtype
+        shape = UnitShape(tuple(unit.kinds), (m, n), unit.bias_numel, p.dtype)
+        decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify, dense_only=unit.dense_only,
+                         last_rows=self.last_rows.get(unit.index))
+        traffic = Traffic()
+        rows_by_rank = None
+        if decision.exchange_sizes:
+            ok = unit.dense_only or not verify or factors_rebuild_local_grad(unit, rows, sink)
+            rows_by_rank, traffic = self._agree(unit, ok, counts)
+            self.last_rows[unit.index] = rows_by_rank
+            decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify,
+                             dense_only=unit.dense_only, rows_by_rank=rows_by_rank)
+        rep = decision.representation
+
+        entry = ParamReport(unit.name, rep, (m, n), rows=sum(counts),
+                            max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0,
+                            allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s),
+                            overlapped=overlapped)
+        report[unit.name] = entry
+        for b in unit.biases:
+            report[b.name] = ParamReport(b.name, rep if rep == "exact" else "dense", tuple(b.param.shape),
+                                         allreduce_bytes=ring_allreduce_bytes(
+                                             b.param.numel() * b.param.element_size(), s))
+        finish = None
+        if rep == "dense":
+            dense.append((unit.name, p))
+            dense.extend((b.name, b.param) for b in unit.biases)
+        elif rep == "exact":
+            handle = agg.all_gather(self.exact.encode(unit, rows), name=f"dad.exact.{unit.name}",
+                                    first_dims=self.exact.sizes(unit, rows_by_rank))
+            traffic = traffic + handle.traffic
+
+            def finish() -> None:
+                grads = self.exact.decode(unit, handle.wait(), rows_by_rank, scale)
+                if grads is None:
+                    sink.write_unused(p)
+                    return
+                for q, g in grads.items():
+                    sink.write(q, self._note(g))
+        else:
+            dense.extend((b.name, b.param) for b in unit.biases)
+            payload = self.rank.encode(unit, rows, sink.local_grad, entry, step)
+            if cfg.adaptive_tolerance is None:  # r rows on every rank: it can share a bucket's all-gather
+                bucket.add(unit, payload, entry)
+            else:
+                handle = agg.all_gather(payload, name=f"dad.rank.{unit.name}")
+                traffic = traffic + handle.traffic
+
+                def finish() -> None:
+                    sink.write_product(p, *self.rank.decode(unit, self._note(torch.cat(handle.wait())), scale))
+            if cfg.mode == "rank" and entry.method == "dense" and not verify and not unit.rows_unused:
+                # mode rank reduces this weight from its dense gradient: its rows are of no use, so
+                # stop capturing them (saves the hooks' work; reports show 0 rows from then on)
+                unit.stop_using_rows()
+        entry.add_traffic(traffic)
+        return finish
+
+    def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> Tuple[List[List[int]], Traffic]:
+        """Exchange every rank's row counts and first-step check; returns the counts by rank."""
+        agg = self.aggregator
+        meta = torch.tensor([unit.index, int(ok)] + counts, dtype=torch.int64, device=self.device)
+        handle = agg.all_gather(meta, name=f"dad.meta.{unit.name}", first_dims=[meta.numel()] * agg.world_size)
+        metas = handle.wait()
+        if any(int(t[0]) != unit.index for t in metas):
+            raise RuntimeError(f"ranks disagree on the exchange order at {unit.name!r}: "
+                               f"{[int(t[0]) for t in metas]}")
+        if not all(int(t[1]) for t in metas):
+            unit.set_dense_only(True)
+            if agg.rank == 0:
+                log.warning("dAD: the factors of %r do not rebuild its local gradient (is the weight used "
+                            "outside its layers, or changed by a gradient hook?); it goes dense from now on",
+                            unit.name)
+        return [[int(v) for v in t[2:]] for t in metas], handle.traffic
+
+    def _send_rank_bucket(self, bucket: RankBucket, window: StepWindow, sink: GradSink, scale: float) -> Finish:
+        """One all-gather for the rank-r payloads of several units (fewer, larger collectives)."""
+        items = bucket.take()
+        flat = torch.cat([payload.reshape(-1) for _, payload, _ in items])
+        agg = self.aggregator
+        handle = agg.all_gather(flat, name=f"dad.rank.{items[0][0].name}", first_dims=[flat.numel()] * agg.world_size)
+        overlapped = not window.flush.is_set()  # sent while backward still runs?
+        for _, payload, entry in items:
+            entry.add_traffic(handle.traffic.share(payload.numel() / flat.numel()))
+            entry.overlapped = overlapped
+
+        def finish() -> None:
+            gathered = [self._note(g) for g in handle.wait()]
+            offset = 0
+            for unit, payload, _ in items:
+                k = payload.numel()
+                stacked = torch.cat([g[offset:offset + k].view(payload.shape) for g in gathered])
+                sink.write_product(unit.param, *self.rank.decode(unit, stacked, scale))
+                offset += k
+
+        return finish
+
+
+def _rederive_priors(unit: FactorUnit, rows: List[Rows], window: StepWindow) -> None:
+    """After a restart (``.grad`` changed between micro-steps), the prior of each of the unit's
+    parameters is what ``.grad`` holds beyond the rows kept."""
+    cdt = compute_dtype(unit.param)
+    for q, local in local_rebuild(unit, rows, cdt).items():
+        if q.grad is None:
+            window.priors.pop(id(q), None)
+        else:
+            window.priors[id(q)] = q.grad.detach().to(cdt) - local
+
+
+def _concat_rows(pairs: List[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter) -> Rows:
+    """One (left, right) block per use: all calls' rows, in call order of arrival."""
+    if pairs:
+        return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
+    m, n = shape
+    if kind == "embedding":
+        return (torch.zeros(0, dtype=torch.int64, device=p.device),
+                torch.zeros(0, n, dtype=p.dtype, device=p.device))
+    return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)

@@ -1,0 +1,112 @@
+"""The router: which representation each factor unit takes this step, and whether sizes are exchanged.
+
+A pure function of things every rank agrees on (the config, the unit's shape, the world size, the
+row counts of the unit's size exchanges, whether this is the checked first step), so that every
+rank takes the same decision and issues the same collectives in the same order.
+
+Representations (one codec each, see `codecs`):
+
+- ``"exact"``: the unit's factors, all-gathered (lossless dAD); needs every rank's row count;
+- ``"rank"``: rank-r factors of each rank's gradient, all-gathered (rank-dAD);
+- ``"dense"``: the gradient in the dense all-reduce buckets, as DDP sends it.
+
+Size exchanges. Exact factors have a row count per rank, which the ranks agree on (one small
+all-gather per unit) before the factors' all-gather. The first step (verification) exchanges
+sizes for every unit. After it, mode ``"rank"`` never exchanges sizes, and mode ``"auto"``
+predicts each unit's route from the counts of its last size exchange: a unit predicted to go
+dense or rank-r sends no size exchange at all (so a dense unit moves exactly what all-reduce
+moves); one predicted to go exact exchanges sizes, which refreshes its counts, and then decides
+on the current counts. Counts of a unit that goes dense or rank-r are not refreshed: if rows
+later shrink, it stays on that route (sticky after the first steps; it never costs more bytes
+than its route).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .config import DADConfig
+from .costs import estimate_bytes, size_exchange_bytes
+
+REPRESENTATIONS = ("dense", "exact", "rank")  # ties go to the earlier: lossless and simplest first
+RowCounts = Sequence[Sequence[int]]           # by rank, by use
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """What routing needs to know of a unit: its uses' layer kinds, weight shape, bias size, dtype."""
+
+    kinds: Tuple[str, ...]
+    shape: Tuple[int, int]
+    bias_numel: int
+    dtype: torch.dtype
+
+    @property
+    def rank_allowed(self) -> bool:
+        """Embedding-only weights have no factor form worth reducing: they never take rank-r."""
+        return not all(k == "embedding" for k in self.kinds)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A unit's route this step.
+
+    ``representation`` is None when it is decided on this step's row counts (after the size
+    exchange); ``exchange_sizes`` says whether the unit's size exchange runs.
+    """
+
+    representation: Optional[str]
+    exchange_sizes: bool
+
+
+def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
+          first_step: bool = False, dense_only: bool = False, rows_by_rank: Optional[RowCounts] = None,
+          last_rows: Optional[RowCounts] = None) -> Route:
+    """The route of one unit.
+
+    Args:
+        config: the synchroniser's config (mode, rank).
+        unit: the unit's shape.
+        world_size: number of ranks.
+        wire_dtype: the dtype factors travel in.
+        first_step: the checked first step, in which every unit exchanges sizes (and its check).
+        dense_only: the unit failed the first-step check: dense for good.
+        rows_by_rank: this step's agreed counts; given, the decision is final.
+        last_rows: the counts of the unit's last size exchange (auto's prediction).
+    """
+    rank_allowed = config.rank is not None and unit.rank_allowed
+    if dense_only:
+        return Route("dense", first_step)
+    if config.mode == "rank" and rank_allowed:
+        return Route("rank", first_step)
+    if rows_by_rank is not None:
+        return Route(choose(config.mode, unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype),
+                            rank_allowed=rank_allowed), True)
+    if first_step or config.mode == "exact" or last_rows is None:
+        return Route("exact" if config.mode == "exact" else None, True)
+    estimates = unit_estimates(config, unit, last_rows, world_size, wire_dtype)
+    estimates["exact"] += size_exchange_bytes(len(unit.kinds), world_size)
+    predicted = choose(config.mode, estimates, rank_allowed=rank_allowed)
+    if predicted in ("dense", "rank"):
+        return Route(predicted, False)  # no counts needed
+    return Route(None, True)            # exact predicted: refresh the counts, decide on them
+
+
+def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, world_size: int,
+                   wire_dtype: torch.dtype) -> Dict[str, float]:
+    """`costs.estimate_bytes` for one unit under ``config``."""
+    return estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
+                          bias_numel=unit.bias_numel, rank=config.rank or 0, grad_dtype=unit.dtype,
+                          wire_dtype=wire_dtype, world_size=world_size)
+
+
+def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool) -> str:
+    """``"exact"``, ``"rank"`` or ``"dense"`` for one unit, given agreed byte estimates."""
+    if mode == "exact":
+        return "exact"
+    if mode == "rank" and rank_allowed:
+        return "rank"
+    allowed = ["dense", "exact"] + (["rank"] if rank_allowed and "rank" in estimates and mode == "auto" else [])
+    return min(allowed, key=lambda k: (estimates[k], REPRESENTATIONS.index(k)))

@@ -1,0 +1,68 @@
+"""The router's decisions: a pure function of the config, the unit's shape, the agreed row counts and
+the step, so these are plain unit tests (every rank calls it with the same arguments)."""
+import pytest
+import torch
+
+from dad_integrations.config import DADConfig
+from dad_integrations.router import Route, UnitShape, route
+
+WIDE = UnitShape(("linear",), (768, 768), 768, torch.float32)
+EMBEDDING = UnitShape(("embedding",), (1024, 768), 0, torch.float32)
+F32 = dict(world_size=8, wire_dtype=torch.float32)
+
+
+def _rows(n):
+    return [[n]] * 8
+
+
+def test_first_step_exchanges_sizes_for_every_route():
+    for cfg in (DADConfig(mode="exact"), DADConfig(mode="auto"), DADConfig(mode="rank", rank=4)):
+        for unit in (WIDE, EMBEDDING):
+            assert route(cfg, unit, first_step=True, **F32).exchange_sizes
+    assert route(DADConfig(), WIDE, first_step=True, dense_only=True, **F32) == Route("dense", True)
+
+
+def test_exact_mode_always_sends_exact_factors_after_a_size_exchange():
+    cfg = DADConfig(mode="exact")
+    assert route(cfg, WIDE, last_rows=_rows(10 ** 6), **F32) == Route("exact", True)
+    assert route(cfg, WIDE, rows_by_rank=_rows(10 ** 6), **F32) == Route("exact", True)
+
+
+def test_rank_mode_needs_no_counts_but_embeddings_choose_by_bytes():
+    cfg = DADConfig(mode="rank", rank=4)
+    assert route(cfg, WIDE, **F32) == Route("rank", False)
+    # embedding-only weights never take rank-r: dense or exact, by bytes, on agreed counts
+    assert route(cfg, EMBEDDING, last_rows=_rows(16), **F32) == Route(None, True)
+    assert route(cfg, EMBEDDING, rows_by_rank=_rows(16), **F32) == Route("exact", True)
+    assert route(cfg, EMBEDDING, last_rows=_rows(4096), **F32) == Route("dense", False)
+
+
+def test_auto_predicts_from_the_last_counts():
+    cfg = DADConfig(mode="auto")
+    assert route(cfg, WIDE, **F32) == Route(None, True)                     # no history: exchange
+    assert route(cfg, WIDE, last_rows=_rows(4096), **F32) == Route("dense", False)
+    assert route(cfg, WIDE, last_rows=_rows(16), **F32) == Route(None, True)  # exact predicted: refresh
+    assert route(cfg, WIDE, rows_by_rank=_rows(16), **F32) == Route("exact", True)
+    assert route(cfg, WIDE, rows_by_rank=_rows(4096), **F32) == Route("dense", True)
+    with_rank = DADConfig(mode="auto", rank=4)
+    assert route(with_rank, WIDE, last_rows=_rows(4096), **F32) == Route("rank", False)
+
+
+def test_dense_only_is_dense_for_good():
+    for cfg in (DADConfig(mode="exact"), DADConfig(mode="rank", rank=2)):
+        assert route(cfg, WIDE, dense_only=True, first_step=True, rows_by_rank=_rows(1), **F32) == Route("dense", True)
+        assert route(cfg, WIDE, dense_only=True, **F32) == Route("dense", False)
+
+
+@pytest.mark.parametrize("rows", [1, 100, 383, 384, 385, 10 ** 4])
+def test_predicted_route_never_costs_more_than_all_reduce(rows):
+    """Auto's choice, size exchange included, is never above dense all-reduce's bytes."""
+    from dad_integrations.costs import size_exchange_bytes
+    from dad_integrations.router import unit_estimates
+    cfg = DADConfig(mode="auto")
+    decision = route(cfg, WIDE, last_rows=_rows(rows), **F32)
+    est = unit_estimates(cfg, WIDE, _rows(rows), 8, torch.float32)
+    if decision.representation is None:
+        decision = route(cfg, WIDE, rows_by_rank=_rows(rows), **F32)
+    cost = est[decision.representation] + (size_exchange_bytes(1, 8) if decision.exchange_sizes else 0)
+    assert cost <= est["dense"]
