@@ -22,6 +22,7 @@ from .codecs.exact import local_rebuild
 from .layers import Rows
 from .sink import GradSink
 from .units import FactorUnit, SyncPlan
+from .wire import pack, unpack
 
 # relative error allowed between the factors' local rebuild and autograd's local gradient
 VERIFY_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
@@ -51,30 +52,36 @@ def check_same_model(plan: SyncPlan, aggregator: FactorAggregator, device: torch
     raise ValueError("the model differs across ranks")
 
 
-def broadcast_model(model: nn.Module, aggregator: FactorAggregator) -> None:
+def broadcast_model(model: nn.Module, aggregator: FactorAggregator, chunk_bytes: int = 256 * 2 ** 20) -> None:
     """Copy rank 0's parameters and buffers to every rank (DDP's start-up broadcast).
 
-    The tensors travel as bytes in one sum all-reduce per device to which only rank 0
-    contributes: ``x + 0 + ... + 0`` is ``x`` bit for bit, for every dtype, so no backend needs a
-    broadcast call of its own.
+    The tensors travel as bytes, in chunks of about ``chunk_bytes`` per device (memory: one chunk
+    beside the model), each a sum all-reduce to which only rank 0 contributes: ``x + 0 + ... + 0``
+    is ``x`` bit for bit, for every dtype, so no backend needs a broadcast call of its own (it
+    moves twice a broadcast's bytes, once per attach).
     """
-    by_device: dict = {}
+    chunks: dict = {}   # device -> list of tensor lists
+    filled: dict = {}   # device -> bytes in its last chunk
     seen = set()
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) not in seen and t.numel():
-            seen.add(id(t))
-            by_device.setdefault(t.device, []).append(t)
-    for device, tensors in by_device.items():
-        flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-        if aggregator.rank != 0:
-            flat.zero_()
-        flat = aggregator.all_reduce(flat, name=f"dad.broadcast.{device}", op="sum").wait()
-        offset = 0
-        with torch.no_grad():
-            for t in tensors:
-                nbytes = t.numel() * t.element_size()
-                t.copy_(flat[offset:offset + nbytes].view(t.dtype).view_as(t))
-                offset += nbytes
+        if id(t) in seen or not t.numel():
+            continue
+        seen.add(id(t))
+        device_chunks = chunks.setdefault(t.device, [[]])
+        if filled.get(t.device, 0) >= chunk_bytes:
+            device_chunks.append([])
+            filled[t.device] = 0
+        device_chunks[-1].append(t)
+        filled[t.device] = filled.get(t.device, 0) + t.numel() * t.element_size()
+    for device, device_chunks in chunks.items():
+        for k, tensors in enumerate(device_chunks):
+            flat = pack([t.detach() for t in tensors], device)
+            if aggregator.rank != 0:
+                flat.zero_()
+            flat = aggregator.all_reduce(flat, name=f"dad.broadcast.{device}.{k}", op="sum").wait()
+            with torch.no_grad():
+                for t, value in zip(tensors, unpack(flat, [(t.dtype, tuple(t.shape)) for t in tensors])):
+                    t.copy_(value)
 
 
 def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: GradSink) -> bool:

@@ -386,3 +386,15 @@ def test_state_loads_onto_the_parameters_dtype(group):
     model(torch.randn(9, 4, dtype=torch.float64)).pow(2).sum().backward()
     sync.synchronize()
     sync.close()
+
+
+def test_broadcast_in_chunks_keeps_every_dtype(group):
+    """The attach broadcast copies parameters and buffers of every dtype bit for bit, in chunks."""
+    from dad_integrations.checks import broadcast_model
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(torch.float64)
+    model.register_buffer("flag", torch.tensor([True, False]))
+    model.register_buffer("low", torch.randn(5).to(torch.bfloat16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    broadcast_model(model, TorchDistributedAggregator(), chunk_bytes=16)
+    for k, v in model.state_dict().items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
