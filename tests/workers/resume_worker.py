@@ -41,7 +41,9 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
 def flat_state(sync: Any) -> torch.Tensor:
     """Every tensor of dAD's state (and the dense-for-good flags), in parameter-name order."""
     parts: List[torch.Tensor] = []
-    for name, entry in sorted(sync.state_dict().items()):
+    state = sync.state_dict()
+    parts.append(torch.tensor([float(state["steps"])]))
+    for name, entry in sorted(state["units"].items()):
         for key, value in sorted(entry.items()):
             if isinstance(value, torch.Tensor):
                 parts.append(value.detach().float().reshape(-1).cpu())
