@@ -121,7 +121,7 @@ def test_engine_allreduce_is_replaced(ds, case_id):
     """No gradient bytes reach DeepSpeed's own collectives; dAD's group carries them instead."""
     for r in result(ds, case_id):
         for ref_step, step in zip(r["ref_bytes"], r["dad_bytes"]):
-            assert ref_step["engine_ops"].get("all_reduce", 0) > 10_000  # DeepSpeed's gradient all-reduce
+            assert ref_step["engine_ops"].get("all_reduce", 0) > 1_000  # DeepSpeed's gradient all-reduce (the MLP: 4 kB)
             assert step["engine_ops"].get("all_reduce", 0) <= SCALAR_BYTES, step
             assert "reduce_scatter_tensor" not in step["engine_ops"] and "reduce" not in step["engine_ops"]
             assert step["dad"] > 0
