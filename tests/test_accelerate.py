@@ -33,6 +33,9 @@ FP32_CASES = {
     "grad-gpt2-auto-zero-after-forward-accumulate": {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"},
                                                      "zero_after_forward": "none", "steps": 3, "accumulate": 2,
                                                      "batch": 1, "even": True},
+    "grad-gpt2-exact-zero-after-forward-accumulate-unverified": {  # no first-step check (dense fallback)
+        "kind": "grad", "model": "gpt2", "config": {"mode": "exact", "verify_first_step": False},
+        "zero_after_forward": "zeros", "steps": 3, "accumulate": 2},
 }
 BF16_CASES = {
     "grad-gpt2-exact-bf16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"}, "accumulate": 2},
