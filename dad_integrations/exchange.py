@@ -227,9 +227,21 @@ class Exchanger:
 
 def _rederive_priors(unit: FactorUnit, rows: List[Rows], window: StepWindow) -> None:
     """After a restart (``.grad`` changed between micro-steps), the prior of each of the unit's
-    parameters is what ``.grad`` holds beyond the rows kept."""
+    parameters: read at the restart where it was (exact), else what ``.grad`` holds beyond the
+    rows kept (a local rebuild, so round-off of this rank's own)."""
+    known = window.restart_priors(unit)
+    for q in unit.params:
+        if id(q) in known:
+            if known[id(q)] is None:
+                window.priors.pop(id(q), None)
+            else:
+                window.priors[id(q)] = known[id(q)]
+    if all(id(q) in known for q in unit.params):
+        return
     cdt = compute_dtype(unit.param)
     for q, local in local_rebuild(unit, rows, cdt).items():
+        if id(q) in known:
+            continue
         if q.grad is None:
             window.priors.pop(id(q), None)
         else:

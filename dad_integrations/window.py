@@ -18,8 +18,11 @@ rows. If the user changes ``.grad`` between micro-steps (``zero_grad()`` between
 allows: DDP then averages only what ``.grad`` holds), rows of the earlier micro-steps no longer
 describe the gradient. Each parameter's ``.grad`` is marked (storage and version counter) after
 every accumulation; a parameter whose mark changed before its next accumulation *restarts* its
-unit: the rows captured before are dropped, and the unit's priors are re-derived at the exchange
-as ``.grad`` minus the local rebuild of the rows kept (a local matmul, on this rare path only).
+unit: the rows captured before are dropped, and the unit's priors are re-derived at the exchange.
+A parameter whose ``.grad`` the user changed has its prior read at the restart (what ``.grad``
+holds then: exact, so ``zero_grad()`` leaves no prior and ranks stay bit-identical); any other
+parameter of the unit gets ``.grad`` minus the local rebuild of the rows kept (a local matmul, on
+this rare path only).
 """
 from __future__ import annotations
 
@@ -59,6 +62,9 @@ class StepWindow:
         self.twice: List[str] = []
         self.passes: Dict[int, int] = {}            # per parameter id: backward passes counted
         self._touched: set = set()                  # parameter ids backward reached in this window
+        self._restart_task: Dict[int, int] = {}     # per unit index: the backward pass of its restart
+        # per unit index, per parameter id: (backward pass, what .grad held just before it added)
+        self._bases: Dict[int, Dict[int, Tuple[int, Optional[torch.Tensor]]]] = {}
         self._marks: Dict[int, Optional[GradMark]] = {}
         # per unit index: (backward pass, pairs per use after it, pairs per use after the pass before)
         self._pair_marks: Dict[int, tuple] = {}
@@ -85,8 +91,17 @@ class StepWindow:
             prior = _nonzero_copy(p.grad)
             if prior is not None:
                 self.priors[key] = prior
+            self._bases.setdefault(unit.index, {})[key] = (_graph_task(), prior)
         elif grad_mark(p.grad) != self._marks.get(key):
             self.restarts[unit.index] = self._rows_before_this_backward(unit)
+            self._restart_task[unit.index] = _graph_task()
+            self._bases.setdefault(unit.index, {})[key] = (_graph_task(), _nonzero_copy(p.grad))
+
+    def restart_priors(self, unit: FactorUnit) -> Dict[int, Optional[torch.Tensor]]:
+        """Per parameter id, the exact prior of those of ``unit``'s parameters whose ``.grad`` was
+        read just before the backward pass its kept rows start with (None: nothing left there)."""
+        task = self._restart_task.get(unit.index)
+        return {key: prior for key, (t, prior) in self._bases.get(unit.index, {}).items() if t == task}
 
     def after_accumulate(self, p: torch.Tensor, unit: FactorUnit) -> None:
         """Backward has added to ``p.grad``: mark it, and the unit's rows so far."""

@@ -39,6 +39,13 @@ def _two_rank_cases() -> dict:
     cases["grad-mlp-zero-tensors"] = {"kind": "grad", "model": "mlp", "config": {"mode": "exact"},
                                       "set_to_none": False}
     cases["grad-gpt2-auto-few-rows"] = {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"}, "batch": 1}
+    # forward -> zero_grad() -> backward -> step (PyTorch's ImageNet loop)
+    cases["grad-gpt2-exact-zero-after-forward"] = {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
+                                                   "uneven": True, "zero_after_forward": "none"}
+    cases["grad-mlp-exact-zero-after-forward-zeros"] = {"kind": "grad", "model": "mlp", "config": {"mode": "exact"},
+                                                        "zero_after_forward": "zeros"}
+    cases["grad-gpt2-auto-zero-after-forward"] = {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"},
+                                                  "batch": 1, "zero_after_forward": "zeros"}
     cases["grad-gpt2-fp16"] = {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
                                "hvd": {"compression": "fp16"}}
     cases["grad-sparse-as-dense"] = {"kind": "grad", "model": "embedding_sparse", "config": {"mode": "exact"},
@@ -130,7 +137,9 @@ def test_exact_gradients_equal_horovods(world, case_id, request):
 
 def test_exact_uses_factors(two):
     """The comparison is not vacuous: weights went through dAD factors, not only all-reduce."""
-    for case_id in ("grad-gpt2-p1-average", "grad-mlp-p2-sum", "grad-gpt2-auto-few-rows"):
+    for case_id in ("grad-gpt2-p1-average", "grad-mlp-p2-sum", "grad-gpt2-auto-few-rows",
+                    "grad-gpt2-exact-zero-after-forward", "grad-mlp-exact-zero-after-forward-zeros",
+                    "grad-gpt2-auto-zero-after-forward"):
         for r in result(two, case_id):
             assert "exact" in r["representations"], (case_id, r["representations"])
 
@@ -184,6 +193,8 @@ ERRORS = {
     "zero_grad_race": "AssertionError: optimizer.zero_grad() was called after loss.backward()",
     "step_skip_without_sync": "AssertionError: optimizer.step() was called inside optimizer.skip_synchronize()",
     "too_many_passes": "RuntimeError: a forward pass started after backward_passes_per_step=1",
+    "zero_grad_between_passes": "AssertionError: optimizer.zero_grad() was called after loss.backward()",
+    "zero_grad_between_passes_horovod": "AssertionError: optimizer.zero_grad() was called after loss.backward()",
 }
 
 

@@ -3,7 +3,8 @@ own all-reduce, on the same data; writes JSON results.
 
 Usage: DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 deepspeed_worker.py OUT.json CASES.json
 Case kinds: "match" (parameters after several steps against a plain DeepSpeed engine, bytes at
-every deepspeed.comm collective per step), "train" (a short run on real text: loss and bytes),
+every deepspeed.comm collective per step; ``zero_after_forward``: the user zeroes gradients between
+every forward and backward, see `zero_grad_after_forward`), "train" (a short run on real text: loss and bytes),
 "error" (a config that must be refused: the message, on every rank).
 """
 from __future__ import annotations
@@ -93,6 +94,17 @@ def build_engine(name: str, case: dict, micro: int, dad: Optional[dict], how: st
     return engine
 
 
+def zero_grad_after_forward(engine, how: Optional[str]) -> None:
+    """The user's zero_grad between forward and backward: ``"engine"`` (``engine.zero_grad()``, sets
+    None) or ``"optimizer-zeros"`` (``engine.optimizer.zero_grad(set_to_none=False)``); None: nothing."""
+    if how == "engine":
+        engine.zero_grad()
+    elif how == "optimizer-zeros":
+        engine.optimizer.zero_grad(set_to_none=False)
+    elif how is not None:
+        raise ValueError(how)
+
+
 def run_steps(engine, name: str, case: dict, micro: int, steps: int):
     """``steps`` optimizer steps of ``gas`` micro-batches; per step the counted bytes."""
     rank = dist.get_rank()
@@ -103,6 +115,7 @@ def run_steps(engine, name: str, case: dict, micro: int, steps: int):
         for m in range(case.get("gas", 1)):
             data = models.batch(name, micro, seed=10_000 * step + 100 * m + rank)
             loss = models.loss_of(name, engine, data)
+            zero_grad_after_forward(engine, case.get("zero_after_forward"))
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
@@ -147,6 +160,7 @@ def run_match(case: dict) -> dict:
            "ref_losses": ref_losses, "losses": my_losses, "skipped": [ref.skipped_steps, mine.skipped_steps],
            "loss_scale": [getattr(e.optimizer, "loss_scale", None) for e in (ref, mine)],
            "totals": report.totals, "scale": att.synchronizer.scale,
+           "dense_only": [u.name for u in att.synchronizer.units if u.dense_only],
            "prescale": att.synchronizer.prescale_factor, "wire": att.config.wire_dtype}
     att.detach()
     return out

@@ -85,8 +85,13 @@ def loss_of(name: str, model: torch.nn.Module, data: dict) -> torch.Tensor:
 
 def run_grad(case: dict) -> dict:
     """After synchronize(), every gradient against hvd.DistributedOptimizer's on the same data;
-    then a clipped step inside skip_synchronize(), and parameters against Horovod's."""
+    then a clipped step inside skip_synchronize(), and parameters against Horovod's.
+
+    ``zero_after_forward`` ("none" / "zeros": dAD's ``set_to_none``; Horovod's zero_grad takes no
+    argument and sets None): forward -> ``zero_grad()`` -> backward, instead of zeroing after the step.
+    """
     name, kw = case["model"], hvd_kwargs(case)
+    after_forward = case.get("zero_after_forward")
     ref = build(name)
     mine = copy.deepcopy(ref)
     opt_ref = hvd.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
@@ -98,8 +103,13 @@ def run_grad(case: dict) -> dict:
     for step in range(case.get("steps", 3)):
         for micro in range(passes):
             data = local_batch(case, step, micro, hvd.rank())
-            loss_of(name, ref, data).backward()
-            loss_of(name, mine, data).backward()
+            for model, opt in ((ref, opt_ref), (mine, opt_mine)):
+                loss = loss_of(name, model, data)
+                if after_forward and opt is opt_ref:
+                    opt.zero_grad()
+                elif after_forward:
+                    opt.zero_grad(set_to_none=after_forward == "none")
+                loss.backward()
         opt_ref.synchronize()
         opt_mine.synchronize()
         for pname, e in models.grad_errors(ref, mine).items():
@@ -115,8 +125,9 @@ def run_grad(case: dict) -> dict:
             opt_ref.step()
         with opt_mine.skip_synchronize():
             opt_mine.step()
-        opt_ref.zero_grad()
-        opt_mine.zero_grad(set_to_none=case.get("set_to_none", True))
+        if not after_forward:
+            opt_ref.zero_grad()
+            opt_mine.zero_grad(set_to_none=case.get("set_to_none", True))
     params_err = max(models.rel_err(b.detach(), a.detach(), 1e-12) for a, b in zip(ref.parameters(), mine.parameters()))
     identical = ranks_identical(mine)
     opt_mine.close()
@@ -198,6 +209,17 @@ def run_errors(case: dict) -> dict:
     opt.zero_grad()
     loss_of("mlp", model, data).backward()
     out["too_many_passes"] = _raises(lambda: loss_of("mlp", model, data).backward())
+    opt.close()
+
+    # zero_grad() between two of backward_passes_per_step=2 passes: Horovod refuses it, and so does dAD
+    ref = models.build("mlp")
+    opt_ref = hvd.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
+                                       named_parameters=ref.named_parameters(), backward_passes_per_step=2)
+    loss_of("mlp", ref, data).backward()
+    out["zero_grad_between_passes_horovod"] = _raises(opt_ref.zero_grad)
+    model, opt = build(backward_passes_per_step=2)
+    loss_of("mlp", model, data).backward()
+    out["zero_grad_between_passes"] = _raises(opt.zero_grad)
     opt.close()
     return out
 
