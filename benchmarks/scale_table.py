@@ -97,7 +97,7 @@ def step_bytes(plan, batch: int, seq: int, world: int, mode: str, rank: Optional
     """
     s = world
     config = DADConfig(mode=mode, rank=rank)
-    total, reps, dense_numel, dense_items = 0.0, {"exact": 0, "rank": 0, "dense": 0}, 0, 0
+    total, reps, dense_numel, dense_items = 0.0, {"exact": 0, "rank": 0, "rank_allreduce": 0, "dense": 0}, 0, 0
     for name, p in plan.dense:
         dense_numel += p.numel()
         dense_items += 1
@@ -118,8 +118,8 @@ def step_bytes(plan, batch: int, seq: int, world: int, mode: str, rank: Optional
             total += size_exchange
         if rep == "exact":
             total += est["exact"]
-        elif rep == "rank":
-            total += est["rank"] - ring_allreduce_bytes(bias_numel * dtype.itemsize, s)
+        elif rep in ("rank", "rank_allreduce"):
+            total += est[rep] - ring_allreduce_bytes(bias_numel * dtype.itemsize, s)
             dense_numel += bias_numel
             dense_items += len(u.biases)
         else:

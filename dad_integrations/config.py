@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Tuple
 
 MODES = ("exact", "rank", "auto")
+RANK_ROUTES = ("auto", "allgather", "allreduce")
 WIRE_DTYPES = (None, "float16", "bfloat16")
 LAYER_KINDS = ("linear", "conv1d", "embedding")
 
@@ -63,6 +64,11 @@ class DADConfig:
         verify_first_step: on the first synchronised step, check on every rank that the captured
             factors rebuild the local gradient autograd computed; parameters that fail (used outside
             a captured module, custom gradient hooks, ...) fall back to dense all-reduce for good.
+        rank_route: how rank-r information is shared: ``"allgather"`` (rank-dAD: every rank's own
+            rank-r factors, ``(S-1) r (m+n)`` per rank, a rank ``S r`` rebuild), ``"allreduce"``
+            (PowerSGD's shared power iteration: ``2 (S-1)/S r (m+n)``, flat in S, rank r of the
+            average), or ``"auto"``: per weight the fewer bytes (all-gather on ties). Default
+            ``"allgather"``.
     """
 
     mode: str = "auto"
@@ -76,6 +82,7 @@ class DADConfig:
     exclude: Tuple[str, ...] = ()
     bucket_cap_mb: float = 25.0
     verify_first_step: bool = True
+    rank_route: str = "allgather"
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
@@ -100,6 +107,8 @@ class DADConfig:
         tol = self.adaptive_tolerance
         if tol is not None and (not _finite_number(tol) or not 0 < tol <= 1):
             raise ValueError(f"dad config key 'adaptive_tolerance': must be in (0, 1] or None, got {tol!r}")
+        if self.rank_route not in RANK_ROUTES:
+            raise ValueError(f"dad config key 'rank_route': {self.rank_route!r} is not one of {RANK_ROUTES}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
         for key in ("layer_kinds", "exclude"):

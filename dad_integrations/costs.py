@@ -7,7 +7,8 @@ the benchmarks' scale table calls the same functions.
 Bytes received by one rank, S ranks, weight m x n:
   dense all-reduce   2 (S-1)/S * m n * b
   exact factors      (S-1) * max_s rows_s * (m + n) * w      (gathers pad to the longest rank)
-  rank-r factors     (S-1) * r (m + n) * w  + the bias, densely
+  rank-r factors     (S-1) * r (m + n) * w  + the bias, densely          (all-gather, rank-dAD)
+  rank-r all-reduce  2 (S-1)/S * r (m + n) * w  + the bias, densely      (PowerSGD's P and Q)
 """
 from __future__ import annotations
 
@@ -51,9 +52,27 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
     out = {"dense": dense, "exact": (s - 1) * longest}
     if rank:
         r = min(rank, m, n)
-        out["rank"] = (s - 1) * packed_size(rank_block_specs(shape, r, wire_dtype)) \
-            + ring_allreduce_bytes(bias_numel * gb, s)
+        bias = ring_allreduce_bytes(bias_numel * gb, s)
+        out["rank"] = (s - 1) * packed_size(rank_block_specs(shape, r, wire_dtype)) + bias
+        out["rank_allreduce"] = ring_allreduce_bytes(r * (m + n) * gb, s) + bias
     return out
+
+
+def powersgd_bytes(shape: Sequence[int], rank: int, world_size: int, itemsize: int,
+                   min_compression_rate: float = 2.0) -> Tuple[float, bool]:
+    """Bytes one rank sends for one parameter under PyTorch's PowerSGD DDP hook, in steady state,
+    and whether the hook compresses it: tensors of 2 or more dimensions, viewed as
+    ``(shape[0], rest)``, are compressed when ``min_compression_rate * r (m+n) < m n`` (the hook's
+    ``_should_compress``); the others are all-reduced as they are."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if len(shape) >= 2:
+        m, n = shape[0], numel // shape[0]
+        r = min(rank, m, n)
+        if min_compression_rate * r * (m + n) < m * n:
+            return ring_allreduce_bytes(r * (m + n) * itemsize, world_size), True
+    return ring_allreduce_bytes(numel * itemsize, world_size), False
 
 
 def size_exchange_bytes(uses: int, world_size: int) -> float:

@@ -25,6 +25,7 @@ from .checks import factors_rebuild_local_grad
 from .codecs.dense import allreduce_dense
 from .codecs.exact import ExactCodec, local_rebuild
 from .codecs.rank import RankBucket, RankCodec, WarmStart
+from .codecs.rank_allreduce import AllReduceBucket, RankAllReduceCodec
 from .config import DADConfig
 from .error_feedback import ErrorFeedback
 from .layers import Rows, compute_dtype
@@ -57,7 +58,9 @@ class Exchanger:
         self.exact = ExactCodec(wire_dtype, device)
         self.memory = ErrorFeedback(config.error_feedback)
         self.warm = WarmStart(config.warm_start)
-        self.rank = RankCodec(config, wire_dtype, self.memory, self.warm) if config.rank is not None else None
+        lossy = config.rank is not None
+        self.rank = RankCodec(config, wire_dtype, self.memory, self.warm) if lossy else None
+        self.rank_allreduce = RankAllReduceCodec(config, wire_dtype, self.memory) if lossy else None
         self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
         self.closed = False
         self._finite = True  # every synchronised result of the step so far is finite
@@ -71,21 +74,26 @@ class Exchanger:
         dense: List[Tuple[str, nn.Parameter]] = []
         self._finite = True
         bucket = RankBucket(self.config.bucket_cap_mb * 2 ** 20)
+        shared = AllReduceBucket(self.config.bucket_cap_mb * 2 ** 20)
         previous: List[Finish] = []
         for unit in self.plan.units:
             window.ready[unit.index].wait()
             self._check_open()
             current: List[Finish] = []
-            finish = self._unit(unit, window, sink, scale, step, verify, report, dense, bucket)
+            finish = self._unit(unit, window, sink, scale, step, verify, report, dense, bucket, shared)
             if finish is not None:
                 current.append(finish)
             while bucket.ready_to_send():
                 current.append(self._send_rank_bucket(bucket, window, sink, scale))
+            if shared.full():
+                current.append(self.rank_allreduce.start(shared.take(), self.aggregator, sink, scale, self._note))
             for f in previous:
                 f()  # rebuild the last units while this one's collective runs
             previous = current
         while bucket.items:
             previous.append(self._send_rank_bucket(bucket, window, sink, scale))
+        if shared.items:
+            previous.append(self.rank_allreduce.start(shared.take(), self.aggregator, sink, scale, self._note))
         for f in previous:
             f()
         window.flush.wait()  # backward is over: every dense gradient is final
@@ -104,11 +112,12 @@ class Exchanger:
                                  account=account, prescale=prescale, postscale=postscale)
         if self.rank is not None:
             self.rank.commit(keep=finite and self._finite)
+            self.rank_allreduce.commit(keep=finite and self._finite)
         return StepReport(step, s, list(report.values()))
 
     def _note(self, tensor: torch.Tensor) -> torch.Tensor:
         """Remember whether a synchronised result is finite (the same on every rank: all see it)."""
-        if self._finite and self.rank is not None:
+        if self._finite and self.config.rank is not None:
             self._finite = bool(torch.isfinite(tensor).all())
         return tensor
 
@@ -118,7 +127,7 @@ class Exchanger:
 
     def _unit(self, unit: FactorUnit, window: StepWindow, sink: GradSink, scale: float, step: int,
               verify: bool, report: Dict[str, ParamReport], dense: List[Tuple[str, nn.Parameter]],
-              bucket: RankBucket) -> Optional[Finish]:
+              bucket: RankBucket, shared: AllReduceBucket) -> Optional[Finish]:
         """Route one unit and start its collective; returns what finishes it (or None)."""
         agg, cfg, p = self.aggregator, self.config, unit.param
         s = agg.world_size
@@ -167,6 +176,10 @@ class Exchanger:
                     return
                 for q, g in grads.items():
                     sink.write(q, self._note(g))
+        elif rep == "rank_allreduce":
+            dense.extend((b.name, b.param) for b in unit.biases)
+            m_s = self.rank_allreduce.local(unit, rows, sink.local_grad, entry)
+            shared.add((unit, m_s, self.rank_allreduce.initial_q(unit, step), entry))
         else:
             dense.extend((b.name, b.param) for b in unit.biases)
             payload = self.rank.encode(unit, rows, sink.local_grad, entry, step)
@@ -178,10 +191,11 @@ class Exchanger:
 
                 def finish() -> None:
                     sink.write_product(p, *self.rank.decode(unit, self._note(torch.cat(handle.wait())), scale))
-            if cfg.mode == "rank" and entry.method == "dense" and not verify and not unit.rows_unused:
-                # mode rank reduces this weight from its dense gradient: its rows are of no use, so
-                # stop capturing them (saves the hooks' work; reports show 0 rows from then on)
-                unit.stop_using_rows()
+        if (cfg.mode == "rank" and rep in ("rank", "rank_allreduce") and entry.method == "dense" and not verify
+                and not unit.rows_unused):
+            # mode rank reduces this weight from its dense gradient: its rows are of no use, so
+            # stop capturing them (saves the hooks' work; reports show 0 rows from then on)
+            unit.stop_using_rows()
         entry.add_traffic(traffic)
         return finish
 

@@ -9,7 +9,8 @@ from typing import Dict, List, Optional
 class ParamReport:
     """One parameter (or one dense bucket's share) in one step.
 
-    representation: ``"exact"``, ``"rank"``, ``"dense"``, or ``"overhead"`` (bucket flags);
+    representation: ``"exact"``, ``"rank"``, ``"rank_allreduce"``, ``"dense"``, or ``"overhead"``
+        (bucket flags);
     rows: local rows captured (exact/rank); components: rank-dAD components sent;
     handed_bytes: bytes of the tensors this rank handed to collectives (padding included);
     sent_bytes / received_bytes: this rank's wire bytes (ring algorithms);
@@ -51,7 +52,7 @@ class StepReport:
         keys = ("handed_bytes", "sent_bytes", "received_bytes", "allreduce_bytes")
         out = {k: float(sum(getattr(p, k) for p in self.params)) for k in keys}
         out["ratio"] = out["sent_bytes"] / out["allreduce_bytes"] if out["allreduce_bytes"] else 0.0
-        for rep in ("exact", "rank", "dense"):
+        for rep in ("exact", "rank", "rank_allreduce", "dense"):
             out[f"params_{rep}"] = sum(1 for p in self.params if p.representation == rep)
         return out
 

@@ -8,7 +8,12 @@ Representations (one codec each, see `codecs`):
 
 - ``"exact"``: the unit's factors, all-gathered (lossless dAD); needs every rank's row count;
 - ``"rank"``: rank-r factors of each rank's gradient, all-gathered (rank-dAD);
+- ``"rank_allreduce"``: a rank-r approximation of the average, PowerSGD's all-reduced P and Q;
 - ``"dense"``: the gradient in the dense all-reduce buckets, as DDP sends it.
+
+The two rank routes need no row counts; which one a weight takes is ``rank_route``'s choice, by
+bytes where it is ``"auto"`` (at two sites they tie, and the all-gather's rank ``S r`` rebuild wins).
+Embedding-only weights never take a rank route.
 
 Size exchanges. Exact factors have a row count per rank, which the ranks agree on (one small
 all-gather per unit) before the factors' all-gather. The first step (verification) exchanges
@@ -30,7 +35,9 @@ import torch
 from .config import DADConfig
 from .costs import estimate_bytes, size_exchange_bytes
 
-REPRESENTATIONS = ("dense", "exact", "rank")  # ties go to the earlier: lossless and simplest first
+# ties go to the earlier: lossless and simplest first, then the higher-rank rebuild
+REPRESENTATIONS = ("dense", "exact", "rank", "rank_allreduce")
+RANK_ROUTES = {"allgather": ("rank",), "allreduce": ("rank_allreduce",), "auto": ("rank", "rank_allreduce")}
 RowCounts = Sequence[Sequence[int]]           # by rank, by use
 
 
@@ -79,17 +86,19 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
     rank_allowed = config.rank is not None and unit.rank_allowed
     if dense_only:
         return Route("dense", first_step)
-    if config.mode == "rank" and rank_allowed:
-        return Route("rank", first_step)
+    if config.mode == "rank" and rank_allowed:  # rank routes need no counts
+        no_rows = [[0] * len(unit.kinds)] * world_size
+        return Route(choose("rank", unit_estimates(config, unit, no_rows, world_size, wire_dtype),
+                            rank_allowed=True, rank_route=config.rank_route), first_step)
     if rows_by_rank is not None:
         return Route(choose(config.mode, unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype),
-                            rank_allowed=rank_allowed), True)
+                            rank_allowed=rank_allowed, rank_route=config.rank_route), True)
     if first_step or config.mode == "exact" or last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)
     estimates = unit_estimates(config, unit, last_rows, world_size, wire_dtype)
     estimates["exact"] += size_exchange_bytes(len(unit.kinds), world_size)
-    predicted = choose(config.mode, estimates, rank_allowed=rank_allowed)
-    if predicted in ("dense", "rank"):
+    predicted = choose(config.mode, estimates, rank_allowed=rank_allowed, rank_route=config.rank_route)
+    if predicted != "exact":
         return Route(predicted, False)  # no counts needed
     return Route(None, True)            # exact predicted: refresh the counts, decide on them
 
@@ -102,11 +111,13 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
                           wire_dtype=wire_dtype, world_size=world_size)
 
 
-def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool) -> str:
-    """``"exact"``, ``"rank"`` or ``"dense"`` for one unit, given agreed byte estimates."""
+def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool, rank_route: str = "auto") -> str:
+    """The representation of one unit (see `REPRESENTATIONS`), given agreed byte estimates."""
     if mode == "exact":
         return "exact"
-    if mode == "rank" and rank_allowed:
-        return "rank"
-    allowed = ["dense", "exact"] + (["rank"] if rank_allowed and "rank" in estimates and mode == "auto" else [])
+    rank_routes = [k for k in RANK_ROUTES[rank_route] if k in estimates] if rank_allowed else []
+    if mode == "rank" and rank_routes:
+        allowed = rank_routes
+    else:
+        allowed = ["dense", "exact"] + (rank_routes if mode == "auto" else [])
     return min(allowed, key=lambda k: (estimates[k], REPRESENTATIONS.index(k)))

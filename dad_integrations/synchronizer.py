@@ -194,6 +194,7 @@ class DADSynchronizer:
         ex = self._exchanger
         return {"version": STATE_VERSION, "steps": self._steps, "verified": self._verified,
                 "units": {u.name: {"warm_q": ex.warm.q.get(u.name), "residual": ex.memory.state(u.name),
+                                   "shared_q": ex.rank_allreduce.warm.q.get(u.name) if ex.rank_allreduce else None,
                                    "dense_only": u.dense_only, "rows_unused": u.rows_unused,
                                    "last_rows": ex.last_rows.get(u.index)}
                           for u in self._plan.units}}
@@ -212,6 +213,8 @@ class DADSynchronizer:
             u = by_name[name]
             ex.warm.load(name, s.get("warm_q"), u.param)
             ex.memory.load(name, s.get("residual"), u.param)
+            if ex.rank_allreduce is not None:
+                ex.rank_allreduce.warm.load(name, s.get("shared_q"), u.param)
             u.rows_unused = bool(s.get("rows_unused", False))
             u.set_dense_only(bool(s.get("dense_only")))
             if s.get("last_rows") is not None:

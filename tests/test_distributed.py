@@ -110,6 +110,17 @@ def _two_rank_cases() -> dict:
         "nonfinite-gpt2-auto-rank": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
         "nonfinite-gpt2-exact": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "exact"}},
         "broadcast-seeded-differently": {"kind": "broadcast", "config": {"mode": "exact"}},
+        # rank-r all-reduce (PowerSGD's shared power iteration)
+        "grad-rank-allreduce-above-true-rank": {"kind": "grad", "model": "mlp_narrow", "uneven": True,
+                                                "config": {"mode": "rank", "rank": 3, "rank_route": "allreduce"}},
+        "train-gpt2-rank-allreduce": {"kind": "train", "model": "gpt2", "steps": 20,
+                                      "config": {"mode": "rank", "rank": 2, "rank_route": "allreduce",
+                                                 "error_feedback": True}},
+        "bytes-gpt2-rank-allreduce": {"kind": "bytes", "model": "gpt2",
+                                      "config": {"mode": "rank", "rank": 4, "rank_route": "allreduce"}},
+        "nonfinite-gpt2-rank-allreduce": {"kind": "nonfinite", "model": "gpt2",
+                                          "config": {"mode": "rank", "rank": 2, "rank_route": "allreduce",
+                                                     "error_feedback": True}},
         "error-mismatch": {"kind": "error", "model": "mlp", "other": "mlp_narrow"},
         "error-reentrant-shared": {"kind": "error", "model": "mlp_ckpt_shared", "config": {"mode": "exact"}},
     })
@@ -210,8 +221,9 @@ def test_rank_returns_exactly_r_components(two):
             assert comps == min(4, *shape), (name, comps, shape)
 
 
-def test_rank_at_or_above_true_rank_is_exact(two):
-    for r in result(two, "grad-rank-above-true-rank"):
+@pytest.mark.parametrize("case_id", ["grad-rank-above-true-rank", "grad-rank-allreduce-above-true-rank"])
+def test_rank_at_or_above_true_rank_is_exact(two, case_id):
+    for r in result(two, case_id):
         assert r["components"] and all(c <= 3 for _, c, _ in r["components"])
         assert r["worst"] <= TOL
 

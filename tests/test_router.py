@@ -66,3 +66,16 @@ def test_predicted_route_never_costs_more_than_all_reduce(rows):
         decision = route(cfg, WIDE, rows_by_rank=_rows(rows), **F32)
     cost = est[decision.representation] + (size_exchange_bytes(1, 8) if decision.exchange_sizes else 0)
     assert cost <= est["dense"]
+
+
+def test_rank_route_by_bytes():
+    """The all-reduce route's bytes are flat in the sites; the all-gather's grow: auto takes the
+    all-gather at two sites (a tie, and a rank S r rebuild) and the all-reduce beyond."""
+    cfg = DADConfig(mode="rank", rank=4, rank_route="auto")
+    assert route(cfg, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank", False)
+    assert route(cfg, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank_allreduce", False)
+    forced = DADConfig(mode="rank", rank=4, rank_route="allreduce")
+    assert route(forced, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank_allreduce", False)
+    assert route(DADConfig(mode="rank", rank=4), WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank", False)
+    auto = DADConfig(mode="auto", rank=4, rank_route="auto")
+    assert route(auto, WIDE, last_rows=_rows(4096), **F32) == Route("rank_allreduce", False)

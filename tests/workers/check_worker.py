@@ -91,7 +91,8 @@ def run_grad(case: dict) -> dict:
             per_param[pname] = max(per_param.get(pname, 0.0), e)
             worst = max(worst, e)
         report = sync.last_step_report()
-        components += [[p.name, p.components, list(p.shape)] for p in report.params if p.representation == "rank"]
+        components += [[p.name, p.components, list(p.shape)] for p in report.params
+                       if p.representation in ("rank", "rank_allreduce")]
         opt_ref.step()
         opt_mine.step()
         zero = case.get("zero", "none")  # "none": set_to_none, "zeros": zero tensors, "keep": accumulate
