@@ -226,7 +226,7 @@ def _mb(b: Optional[float]) -> str:
 
 def render(step: StepPlan, header: str) -> str:
     """The plan as a text table, one line per factor unit, then the dense parameters and totals."""
-    name_w = max([len(r.name) for r in step.units] + [len("dense parameters"), 10])
+    name_w = max([len(r.name) for r in step.units] + [len(f"dense parameters ({step.dense_params})")])
     lines = [header, "",
              f"{'layer':<{name_w}}  {'shape':>12}  {'rows':>11}  {'route':<14}  {'dAD MB':>10}  "
              f"{'all-reduce MB':>13}  {'PowerSGD MB':>11}"]
@@ -235,7 +235,7 @@ def render(step: StepPlan, header: str) -> str:
     for r in step.units:
         lines.append(f"{r.name:<{name_w}}  {'x'.join(map(str, r.shape)):>12}  {'+'.join(map(str, r.rows)):>11}  "
                      f"{r.route:<14}  {_mb(r.dad):>10}  {_mb(r.allreduce):>13}  {_mb(r.powersgd):>11}")
-    lines.append(f"{'dense parameters':<{name_w}}  {f'{step.dense_param_numel:,}':>12}  {step.dense_params:>11}  "
+    lines.append(f"{f'dense parameters ({step.dense_params})':<{name_w}}  {f'{step.dense_param_numel:,} el':>12}  {'':>11}  "
                  f"{'dense':<14}  {_mb(step.dense_dad):>10}  {_mb(step.dense_allreduce):>13}  "
                  f"{_mb(step.dense_powersgd):>11}")
     lines.append(rule)
