@@ -27,9 +27,8 @@ import torch
 
 from dad_integrations.aggregator import ring_allreduce_bytes
 from dad_integrations.config import DADConfig
+from dad_integrations.plan import steady_state
 from dad_integrations.units import build_plan
-from dad_integrations.costs import size_exchange_bytes
-from dad_integrations.router import UnitShape, route, unit_estimates
 
 ROOT = Path(__file__).resolve().parents[1]
 GEOMETRIES = ("gpt2-small", "gpt2-medium", "gpt2-large", "bert-base")
@@ -79,55 +78,14 @@ def plan_of(model, mode: str, rank: Optional[int]):
     return plan
 
 
-POSITION_EMBEDDINGS = ("wpe", "position_embeddings")
-
-
-def use_rows(capture, batch: int, seq: int) -> int:
-    """Rows one step gives a captured layer (see the module docstring)."""
-    return seq if capture.name.endswith(POSITION_EMBEDDINGS) else batch * seq
-
-
 def step_bytes(plan, batch: int, seq: int, world: int, mode: str, rank: Optional[int],
                dtype: torch.dtype = torch.float32) -> Dict[str, object]:
-    """Bytes one rank sends in a steady-state step of ``mode`` with ``batch x seq`` tokens per rank.
-
-    Per unit, the router's steady-state decision (`dad_integrations.router.route`, from the counts of
-    the unit's last size exchange); a size exchange where the route needs agreed row counts; biases
-    of rank-r and dense units in the dense buckets, with one flag per dense item.
-    """
-    s = world
-    config = DADConfig(mode=mode, rank=rank)
-    total, reps, dense_numel, dense_items = 0.0, {"exact": 0, "rank": 0, "rank_allreduce": 0, "dense": 0}, 0, 0
-    for name, p in plan.dense:
-        dense_numel += p.numel()
-        dense_items += 1
-    for u in plan.units:
-        m, n = u.param.shape
-        bias_numel = u.bias_numel
-        shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype)
-        rows_by_rank = [[use_rows(c, batch, seq) for c in u.uses]] * s
-        decision = route(config, shape, world_size=s, wire_dtype=dtype, last_rows=rows_by_rank)
-        exchange = decision.exchange_sizes
-        if decision.representation is None:  # decided on this step's counts, the same in steady state
-            decision = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank)
-        rep = decision.representation
-        est = unit_estimates(config, shape, rows_by_rank, s, dtype)
-        size_exchange = size_exchange_bytes(len(u.uses), s)
-        reps[rep] += 1
-        if exchange:
-            total += size_exchange
-        if rep == "exact":
-            total += est["exact"]
-        elif rep in ("rank", "rank_allreduce"):
-            total += est[rep] - ring_allreduce_bytes(bias_numel * dtype.itemsize, s)
-            dense_numel += bias_numel
-            dense_items += len(u.biases)
-        else:
-            dense_numel += m * n + bias_numel
-            dense_items += 1 + len(u.biases)
-    if dense_items:
-        total += ring_allreduce_bytes((dense_numel + dense_items) * dtype.itemsize, s)
-    return {"sent": total, "units": reps}
+    """Bytes one rank sends in a steady-state step of ``mode`` with ``batch x seq`` tokens per rank
+    (`dad_integrations.plan.steady_state`: the router's decision per unit, size exchanges, dense
+    buckets with their flags)."""
+    step = steady_state(plan, tokens=batch * seq, positions=seq, world_size=world, mode=mode, rank=rank,
+                        dtype=dtype)
+    return {"sent": step.total, "units": step.counts}
 
 
 def allreduce_bytes(model, world: int) -> float:

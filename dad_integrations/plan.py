@@ -1,0 +1,287 @@
+"""Plan before launching: per layer, the route dAD takes in steady state and the bytes it sends.
+
+    python -m dad_integrations.plan --model gpt2-medium --sites 64 --tokens-per-rank 4096 --rank 4
+
+``--model`` is a preset (see `PRESETS`) or a local Hugging Face ``config.json`` (or its folder).
+The model is built on the meta device (no weights, no downloads); the units, routes and bytes come
+from the synchroniser's own plan (`units.build_plan`), router (`router.route`) and cost model
+(`costs`), beside dense all-reduce and PyTorch's PowerSGD hook at the same rank.
+
+Rows per step and rank: every captured call sees ``tokens_per_rank`` rows, except position
+embeddings, which Hugging Face looks up once for ``(1, seq)`` ids (``seq`` = the tokens, at most
+the model's positions). Figures are bytes one rank sends per step, after the first (checked) step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .aggregator import ring_allreduce_bytes
+from .config import DADConfig
+from .costs import powersgd_bytes, size_exchange_bytes
+from .router import UnitShape, route, unit_estimates
+from .units import build_plan
+
+POSITION_EMBEDDINGS = ("wpe", "position_embeddings")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class UnitRow:
+    """One factor unit in steady state. Bytes are what one rank sends per step; ``dad`` includes
+    the unit's share of the dense buckets (its dense numel plus one flag per dense item)."""
+
+    name: str
+    shape: Tuple[int, int]
+    rows: List[int]               # rows per use
+    route: str
+    exchange_sizes: bool
+    dad: float
+    allreduce: float
+    powersgd: Optional[float]
+    dense_numel: int = 0
+    dense_items: int = 0
+
+
+@dataclass
+class StepPlan:
+    """A steady-state step: the units' rows, the dense parameters' share, and the totals."""
+
+    units: List[UnitRow]
+    dense_params: int             # parameters outside the units (plan.dense)
+    dense_param_numel: int
+    dense_dad: float              # plan.dense's share of the dense buckets (numel + flags)
+    dense_allreduce: float
+    dense_powersgd: Optional[float]
+    dense_numel: int              # all of the dense buckets: plan.dense, dense units, rank/dense biases
+    dense_items: int
+    total: float                  # dAD, as `last_step_report()` accounts it
+    allreduce: float
+    powersgd: Optional[float]
+    counts: Dict[str, int] = field(default_factory=dict)   # units per route
+
+
+def use_rows(capture, tokens: int, positions: int) -> int:
+    """Rows one step gives a captured layer: ``positions`` for position embeddings, else ``tokens``."""
+    return positions if capture.name.endswith(POSITION_EMBEDDINGS) else tokens
+
+
+def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str, rank: Optional[int],
+                 rank_route: str = "allgather", dtype: torch.dtype = torch.float32,
+                 powersgd_rank: Optional[int] = None) -> StepPlan:
+    """Bytes one rank sends per unit in a steady-state step of ``mode`` (the router's decision from
+    the counts of the unit's last size exchange), with ``tokens`` rows per captured call.
+
+    Size exchanges count where the route needs agreed rows; biases of rank-r and dense units go to
+    the dense buckets with one flag per dense item, as the synchroniser sends them. ``powersgd_rank``
+    (default ``rank``) adds PyTorch's PowerSGD hook per parameter; None when neither is set.
+    """
+    s, item = world_size, dtype.itemsize
+    config = DADConfig(mode=mode, rank=rank, rank_route=rank_route)
+    psgd_rank = powersgd_rank if powersgd_rank is not None else rank
+
+    def psgd(params) -> Optional[float]:
+        if not psgd_rank:
+            return None
+        return sum(powersgd_bytes(tuple(p.shape), psgd_rank, s, item)[0] for p in params)
+
+    counts = {"exact": 0, "rank": 0, "rank_allreduce": 0, "dense": 0}
+    rows: List[UnitRow] = []
+    sent = 0.0  # everything but the dense buckets
+    dense_param_numel = sum(p.numel() for _, p in plan.dense)
+    dense_numel, dense_items = dense_param_numel, len(plan.dense)
+    for u in plan.units:
+        m, n = u.param.shape
+        bias_numel = u.bias_numel
+        shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype)
+        use = [use_rows(c, tokens, positions) for c in u.uses]
+        rows_by_rank = [use] * s
+        decision = route(config, shape, world_size=s, wire_dtype=dtype, last_rows=rows_by_rank)
+        exchange = decision.exchange_sizes
+        if decision.representation is None:  # decided on this step's counts, the same in steady state
+            decision = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank)
+        rep = decision.representation
+        est = unit_estimates(config, shape, rows_by_rank, s, dtype)
+        counts[rep] += 1
+        own = size_exchange_bytes(len(u.uses), s) if exchange else 0.0
+        d_numel = d_items = 0
+        if rep == "exact":
+            own += est["exact"]
+        elif rep in ("rank", "rank_allreduce"):
+            own += est[rep] - ring_allreduce_bytes(bias_numel * item, s)
+            d_numel, d_items = bias_numel, len(u.biases)
+        else:
+            d_numel, d_items = m * n + bias_numel, 1 + len(u.biases)
+        sent += own
+        dense_numel += d_numel
+        dense_items += d_items
+        params = [u.param] + [b.param for b in u.biases]
+        rows.append(UnitRow(u.name, (m, n), use, rep, exchange,
+                            own + ring_allreduce_bytes((d_numel + d_items) * item, s),
+                            ring_allreduce_bytes((m * n + bias_numel) * item, s), psgd(params),
+                            d_numel, d_items))
+    total = sent
+    if dense_items:
+        total += ring_allreduce_bytes((dense_numel + dense_items) * item, s)
+    dense_params = [p for _, p in plan.dense]
+    dense_psgd = psgd(dense_params)
+    unit_psgd = [r.powersgd for r in rows]
+    return StepPlan(
+        units=rows, dense_params=len(plan.dense), dense_param_numel=dense_param_numel,
+        dense_dad=ring_allreduce_bytes((dense_param_numel + len(plan.dense)) * item, s),
+        dense_allreduce=ring_allreduce_bytes(dense_param_numel * item, s), dense_powersgd=dense_psgd,
+        dense_numel=dense_numel, dense_items=dense_items, total=total,
+        allreduce=ring_allreduce_bytes((dense_param_numel + sum(m * n for m, n in (r.shape for r in rows))
+                                        + sum(u.bias_numel for u in plan.units)) * item, s),
+        powersgd=None if dense_psgd is None else dense_psgd + sum(unit_psgd), counts=counts)
+
+
+# -- Hugging Face models on the meta device ----------------------------------------------------------
+PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "bert-base", "llama-7b-geometry", "llama-small")
+
+
+def preset_config(name: str):
+    """The Hugging Face config of a named preset (geometry only: nothing is downloaded)."""
+    import transformers as tf
+
+    if name in ("gpt2", "gpt2-medium", "gpt2-large"):
+        d, layers, heads = {"gpt2": (768, 12, 12), "gpt2-medium": (1024, 24, 16), "gpt2-large": (1280, 36, 20)}[name]
+        return tf.GPT2Config(vocab_size=50257, n_positions=1024, n_embd=d, n_layer=layers, n_head=heads)
+    if name == "bert-base":
+        return tf.BertConfig()  # bert-base-uncased
+    if name == "llama-7b-geometry":
+        return tf.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                              num_attention_heads=32, vocab_size=32000)
+    if name == "llama-small":
+        return tf.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                              num_attention_heads=8, vocab_size=32000)
+    raise ValueError(f"unknown model preset {name!r}; presets: {PRESETS}, or a path to a config.json")
+
+
+def load_config(model: str):
+    """A preset's config, or a local ``config.json`` (a file or its folder), read offline."""
+    if model in PRESETS:
+        return preset_config(model)
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(f"--model {model!r}: not a preset {PRESETS} and no such file")
+    from transformers import AutoConfig
+
+    if path.is_dir():
+        path = path / "config.json"
+    if "model_type" not in json.loads(path.read_text()):
+        raise ValueError(f"{path}: no 'model_type' key")
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def build_meta_model(config) -> torch.nn.Module:
+    """The model of ``config`` on the meta device: a masked LM where its architectures say so,
+    else a causal LM (falling back to a masked LM for encoder-only types)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    archs = getattr(config, "architectures", None) or []
+    masked = any("MaskedLM" in a for a in archs) or config.model_type == "bert"
+    order = (AutoModelForMaskedLM, AutoModelForCausalLM) if masked else (AutoModelForCausalLM, AutoModelForMaskedLM)
+    with torch.device("meta"):
+        try:
+            return order[0].from_config(config)
+        except ValueError:
+            return order[1].from_config(config)
+
+
+def max_positions(config) -> Optional[int]:
+    """Position-embedding rows of ``config`` (None where it has no such table)."""
+    for key in ("n_positions", "max_position_embeddings"):
+        v = getattr(config, key, None)
+        if v:
+            return int(v)
+    return None
+
+
+def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
+               mode: str = "auto", rank_route: str = "auto", dtype: torch.dtype = torch.float32,
+               positions: Optional[int] = None) -> StepPlan:
+    """`steady_state` for ``model`` (its plan built, its capture hooks removed)."""
+    if mode == "rank" and not rank:
+        raise ValueError("--mode rank needs a rank (--rank >= 1)")
+    dad_rank = rank if rank and mode != "exact" else None
+    plan = build_plan(model, DADConfig(mode=mode, rank=dad_rank, rank_route=rank_route))
+    for c in plan.captures:
+        c.remove()  # only the plan is needed, not the hooks
+    seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
+    return steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
+                        rank=dad_rank, rank_route=rank_route, dtype=dtype, powersgd_rank=rank or None)
+
+
+# -- output -------------------------------------------------------------------------------------------
+def _mb(b: Optional[float]) -> str:
+    return "-" if b is None else f"{b / 2 ** 20:,.2f}"
+
+
+def render(step: StepPlan, header: str) -> str:
+    """The plan as a text table, one line per factor unit, then the dense parameters and totals."""
+    name_w = max([len(r.name) for r in step.units] + [len(f"dense parameters ({step.dense_params})")])
+    lines = [header, "",
+             f"{'layer':<{name_w}}  {'shape':>12}  {'rows':>11}  {'route':<14}  {'dAD MB':>10}  "
+             f"{'all-reduce MB':>13}  {'PowerSGD MB':>11}"]
+    rule = "-" * len(lines[-1])
+    lines.append(rule)
+    for r in step.units:
+        lines.append(f"{r.name:<{name_w}}  {'x'.join(map(str, r.shape)):>12}  {'+'.join(map(str, r.rows)):>11}  "
+                     f"{r.route:<14}  {_mb(r.dad):>10}  {_mb(r.allreduce):>13}  {_mb(r.powersgd):>11}")
+    lines.append(f"{f'dense parameters ({step.dense_params})':<{name_w}}  {f'{step.dense_param_numel:,} el':>12}  {'':>11}  "
+                 f"{'dense':<14}  {_mb(step.dense_dad):>10}  {_mb(step.dense_allreduce):>13}  "
+                 f"{_mb(step.dense_powersgd):>11}")
+    lines.append(rule)
+    lines.append(f"{'total':<{name_w}}  {'':>12}  {'':>11}  {'':<14}  {_mb(step.total):>10}  "
+                 f"{_mb(step.allreduce):>13}  {_mb(step.powersgd):>11}")
+    c = step.counts
+    lines += ["", f"routes: {c['exact']} exact, {c['rank']} rank (all-gather), "
+                  f"{c['rank_allreduce']} rank (all-reduce), {c['dense']} dense",
+              f"dAD / all-reduce: {step.total / step.allreduce:.4f}"
+              + ("" if step.powersgd is None else f"; PowerSGD / all-reduce: {step.powersgd / step.allreduce:.4f}")]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command-line entry point (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m dad_integrations.plan", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help=f"a preset {PRESETS} or a path to a config.json")
+    p.add_argument("--sites", type=int, required=True, help="number of ranks (S)")
+    p.add_argument("--tokens-per-rank", type=int, required=True, help="tokens per rank per step")
+    p.add_argument("--rank", type=int, default=4, help="rank of rank-dAD and PowerSGD (0: none)")
+    p.add_argument("--mode", choices=("auto", "exact", "rank"), default="auto")
+    p.add_argument("--rank-route", choices=("auto", "allgather", "allreduce"), default="auto")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="gradient and wire dtype")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = p.parse_args(argv)
+    if args.sites < 2 or args.tokens_per_rank < 1 or args.rank < 0:
+        p.error("need --sites >= 2, --tokens-per-rank >= 1, --rank >= 0")
+    try:
+        cfg = load_config(args.model)
+        model = build_meta_model(cfg)
+        step = plan_model(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
+                          mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
+                          positions=max_positions(cfg))
+    except ValueError as e:
+        p.error(str(e))
+    if args.json:
+        out = {"model": args.model, "sites": args.sites, "tokens_per_rank": args.tokens_per_rank,
+               "rank": args.rank, "mode": args.mode, "rank_route": args.rank_route, "dtype": args.dtype,
+               **asdict(step)}
+        print(json.dumps(out, indent=1))
+    else:
+        print(render(step, f"{args.model}: {args.sites} sites, {args.tokens_per_rank} tokens per rank, "
+                           f"mode {args.mode}, rank {args.rank or '-'}, rank route {args.rank_route}, "
+                           f"{args.dtype}; MB one rank sends per steady-state step"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

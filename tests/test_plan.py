@@ -1,0 +1,130 @@
+"""The planner (`python -m dad_integrations.plan`): presets, a local config.json, and its figures
+against the router and the all-reduce formula. Meta-device models only: fast, no processes but one."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dad_integrations.config import DADConfig
+from dad_integrations.plan import PRESETS, build_meta_model, load_config, main, max_positions, plan_model
+from dad_integrations.router import UnitShape, route
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_json(capsys, *argv):
+    assert main(list(argv) + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def check_sums(out, sites, param_bytes=None):
+    units = out["units"]
+    assert out["total"] == pytest.approx(sum(u["dad"] for u in units) + out["dense_dad"], rel=1e-9)
+    assert out["allreduce"] == pytest.approx(sum(u["allreduce"] for u in units) + out["dense_allreduce"], rel=1e-9)
+    assert out["powersgd"] == pytest.approx(sum(u["powersgd"] for u in units) + out["dense_powersgd"], rel=1e-9)
+    assert sum(out["counts"].values()) == len(units)
+    if param_bytes is not None:
+        assert out["allreduce"] == pytest.approx(2 * (sites - 1) / sites * param_bytes, rel=1e-12)
+
+
+def param_bytes(model, itemsize=4):
+    seen = {id(p): p for p in model.parameters() if p.requires_grad}
+    return sum(p.numel() for p in seen.values()) * itemsize
+
+
+def test_cli_subprocess_gpt2_text_and_json():
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-m", "dad_integrations.plan", "--model", "gpt2", "--sites", "8",
+                           "--tokens-per-rank", "512", "--rank", "4"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "transformer.h.0.mlp.c_fc.weight" in proc.stdout and "dense parameters" in proc.stdout
+    assert "dAD / all-reduce" in proc.stdout
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium", "gpt2-large", "bert-base", "llama-small"])
+def test_presets(capsys, preset):
+    sites = 64
+    out = run_json(capsys, "--model", preset, "--sites", str(sites), "--tokens-per-rank", "4096", "--rank", "4")
+    model = build_meta_model(load_config(preset))
+    check_sums(out, sites, param_bytes(model))
+    assert out["total"] < out["allreduce"]  # rank-r at 64 sites beats all-reduce on all of these
+    names = [u["name"] for u in out["units"]]
+    assert len(names) == len(set(names)) > 0
+
+
+def test_llama_7b_geometry_and_dtype(capsys):
+    out = run_json(capsys, "--model", "llama-7b-geometry", "--sites", "16", "--tokens-per-rank", "2048",
+                   "--rank", "8", "--dtype", "bfloat16")
+    check_sums(out, 16)
+    n_params = 32000 * 4096 * 2 + 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096) + 4096
+    assert out["allreduce"] == pytest.approx(2 * 15 / 16 * n_params * 2, rel=1e-12)
+    assert len(out["units"]) == 32 * 7 + 2   # q k v o gate up down, embed_tokens, lm_head
+
+
+def test_routes_match_router():
+    """The planner's per-layer routes are `route()`'s steady-state decision."""
+    cfg = load_config("gpt2-medium")
+    model = build_meta_model(cfg)
+    for mode, rank_route, sites, tokens in (("auto", "auto", 64, 4096), ("auto", "allgather", 8, 256),
+                                            ("exact", "auto", 8, 64), ("auto", "auto", 4, 16)):
+        step = plan_model(model, sites=sites, tokens_per_rank=tokens, rank=4, mode=mode, rank_route=rank_route,
+                          positions=max_positions(cfg))
+        by = {u.name: u for u in step.units}
+        config = DADConfig(mode=mode, rank=None if mode == "exact" else 4, rank_route=rank_route)
+        for name, kinds in (("transformer.h.3.mlp.c_fc.weight", ("conv1d",)),
+                            ("transformer.wte.weight", ("embedding", "linear")),
+                            ("transformer.wpe.weight", ("embedding",))):
+            u = by[name]
+            shape = UnitShape(kinds, u.shape, 4096 if name.endswith("c_fc.weight") else 0, torch.float32)
+            rows = [u.rows] * sites
+            decision = route(config, shape, world_size=sites, wire_dtype=torch.float32, last_rows=rows)
+            if decision.representation is None:
+                decision = route(config, shape, world_size=sites, wire_dtype=torch.float32, rows_by_rank=rows)
+            assert u.route == decision.representation, (mode, rank_route, sites, name)
+        assert by["transformer.wpe.weight"].rows == [min(tokens, 1024)]
+        assert by["transformer.wte.weight"].rows == [tokens, tokens]
+    # few rows: exact factors win the lossless choice
+    step = plan_model(model, sites=8, tokens_per_rank=16, rank=None, positions=1024)
+    assert step.counts["exact"] == len(step.units)
+
+
+def test_local_config_json(capsys, tmp_path):
+    cfg = {"model_type": "gpt2", "vocab_size": 1000, "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 2,
+           "architectures": ["GPT2LMHeadModel"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    for model_arg in (str(path), str(tmp_path)):
+        out = run_json(capsys, "--model", model_arg, "--sites", "4", "--tokens-per-rank", "512", "--rank", "2",
+                       "--mode", "exact")
+        n = 1000 * 64 + 128 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64
+        check_sums(out, 4, n * 4)
+        assert set(u["route"] for u in out["units"]) == {"exact"}
+        wpe = next(u for u in out["units"] if u["name"] == "transformer.wpe.weight")
+        assert wpe["rows"] == [128]  # position rows capped at n_positions
+
+
+def test_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "no-such-model", "--sites", "4", "--tokens-per-rank", "8"])
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt2", "--sites", "4", "--tokens-per-rank", "8", "--mode", "rank", "--rank", "0"])
+    assert set(PRESETS) >= {"gpt2", "gpt2-medium", "gpt2-large", "bert-base", "llama-7b-geometry"}
+
+
+def test_planner_imports_no_benchmarks_and_transformers_lazily():
+    import ast
+
+    tree = ast.parse((ROOT / "dad_integrations" / "plan.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not any(n.startswith(("transformers", "benchmarks", "torch.distributed")) for n in names), names
+    every = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not any(n.startswith("benchmarks") for n in every)
