@@ -205,7 +205,7 @@ def max_positions(config) -> Optional[int]:
 
 
 def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
-               mode: str = "auto", rank_route: str = "auto", dtype: torch.dtype = torch.float32,
+               mode: str = "auto", rank_route: str = "allgather", dtype: torch.dtype = torch.float32,
                positions: Optional[int] = None) -> StepPlan:
     """`steady_state` for ``model`` (its plan built, its capture hooks removed)."""
     if mode == "rank" and not rank:
@@ -257,7 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--tokens-per-rank", type=int, required=True, help="tokens per rank per step")
     p.add_argument("--rank", type=int, default=4, help="rank of rank-dAD and PowerSGD (0: none)")
     p.add_argument("--mode", choices=("auto", "exact", "rank"), default="auto")
-    p.add_argument("--rank-route", choices=("auto", "allgather", "allreduce"), default="auto")
+    # the synchroniser's own default, so that the plan shows what a default config does
+    p.add_argument("--rank-route", choices=("auto", "allgather", "allreduce"), default=DADConfig().rank_route)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="gradient and wire dtype")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
