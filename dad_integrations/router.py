@@ -111,7 +111,7 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
                           wire_dtype=wire_dtype, world_size=world_size)
 
 
-def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool, rank_route: str = "auto") -> str:
+def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool, rank_route: str = "allgather") -> str:
     """The representation of one unit (see `REPRESENTATIONS`), given agreed byte estimates."""
     if mode == "exact":
         return "exact"
