@@ -44,7 +44,9 @@ class RankAllReduceCodec:
         self.config = config
         self.wire_dtype = wire_dtype
         self.memory = memory
-        self.warm = WarmStart(True)  # the shared Q is what keeps every rank on one subspace
+        # the last all-reduced Q (the same on every rank); without warm start a fresh Q drawn from a
+        # seed every rank shares
+        self.warm = WarmStart(config.warm_start)
         self._pending: list = []
 
     def local(self, unit: FactorUnit, rows: Sequence[Rows],
