@@ -84,3 +84,15 @@ def check_resume(per_rank: list, files: list) -> None:
         assert bare["state_rel"] > 1e3 * RESUME_TOL
         assert r["files"] == files, r["files"]
     assert per_rank[0]["state_fingerprint"] != per_rank[1]["state_fingerprint"], "dAD state equal on both ranks"
+
+
+@pytest.fixture(scope="module")
+def group():
+    """A one-rank gloo group in this process, for the tests that need torch.distributed initialised."""
+    import torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

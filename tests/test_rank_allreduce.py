@@ -1,9 +1,7 @@
 """The rank-r all-reduce route (PowerSGD's shared power iteration) in one process: its algebra."""
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dad_integrations import DADSynchronizer, TorchDistributedAggregator
@@ -12,16 +10,6 @@ from dad_integrations.error_feedback import ErrorFeedback
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.report import ParamReport
 from dad_integrations.units import build_plan
-
-
-@pytest.fixture(scope="module")
-def group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_factor_products_equal_dense_products():

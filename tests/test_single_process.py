@@ -1,7 +1,6 @@
 """One-rank gloo group in this process: API misuse gives clear errors; the layout of the code."""
 import ast
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -15,16 +14,6 @@ from dad_integrations import (CommHandle, DADConfig, DADSynchronizer, EqualSizeA
 from dad_integrations.comm_counter import CollectiveCounter
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dad_integrations"
-
-
-@pytest.fixture(scope="module")
-def group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _model():
