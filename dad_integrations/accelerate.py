@@ -113,7 +113,7 @@ def _checkpoint_with_accelerator(accelerator, ddp: DistributedDataParallel, sync
         index = index_in(models)
         if index is not None:
             load_rank_state(sync_ref(), input_dir, accelerator.process_index, accelerator.num_processes,
-                            index=index, device=accelerator.device)
+                            index=index)
 
     handles = [accelerator.register_save_state_pre_hook(save_hook),
                accelerator.register_load_state_pre_hook(load_hook)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 
@@ -46,11 +46,9 @@ def save_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
     return path
 
 
-def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index: int = 0,
-                    device: Union[str, torch.device, None] = None) -> Optional[dict]:
+def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index: int = 0) -> Optional[dict]:
     """Load this rank's file from ``directory`` into ``sync``; returns the stored payload.
 
-    ``device``: where the state's tensors go (the model's device); None keeps them on the CPU.
 
     A folder without any dAD state (a checkpoint saved without dAD) loads nothing, says so in the
     log and returns None: warm starts and error feedback then start afresh. Raises
@@ -77,15 +75,7 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
                          f"redistributed; resume with {saved_world} processes")
     if payload.get("rank") != rank:
         raise ValueError(f"{path} holds the dAD state of rank {payload.get('rank')}, not of rank {rank}")
-    if device is not None and torch.device(device).type != "cpu":
-        payload["state"] = _to(payload["state"], torch.device(device))
+    # load_state_dict puts every tensor on its parameter's device and dtype
     sync.load_state_dict(payload["state"])
     return payload
 
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj

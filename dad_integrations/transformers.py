@@ -71,7 +71,7 @@ class DADCallback(TrainerCallback):
         if adapter is None:
             self.sync = register_dad_comm_hook(wrapper, self.config)
             if resume is not None:
-                payload = load_rank_state(self.sync, resume, dist.get_rank(), world, device=args.device)
+                payload = load_rank_state(self.sync, resume, dist.get_rank(), world)
                 if payload is not None and payload.get("global_step", state.global_step) != state.global_step:
                     raise ValueError(f"{resume}: its dAD state was saved at step {payload['global_step']}, "
                                      f"but training resumes at step {state.global_step}")

@@ -99,7 +99,7 @@ class DeepSpeedDAD:
         """Load this rank's dAD state from ``directory``; False when it holds none (saved without
         dAD). Raises, naming the file, when it was saved with another number of processes."""
         payload = load_rank_state(self.synchronizer, directory, self.aggregator.rank,
-                                  self.aggregator.world_size, device=self.engine.device)
+                                  self.aggregator.world_size)
         return payload is not None
 
     def checkpoint_tag_dir(self, load_dir: str, tag: Optional[str] = None) -> Optional[str]:
