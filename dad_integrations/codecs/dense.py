@@ -1,14 +1,20 @@
 """Dense buckets: the route for everything factors do not cover, as DDP and Horovod send it.
 
 Gradients are flattened into buckets of at most ``bucket_cap_mb``, reduced with one all-reduce
-each, and scaled. A parameter whose gradient is None on a rank contributes zeros; a flag per
-parameter, summed in the first bucket, tells whether any rank had a gradient at all, so that
-parameters no rank used keep ``grad = None`` (as with DDP). Bytes per rank: ``2 (S-1)/S`` of the
-bucket, like a ring all-reduce.
+each, and scaled. Bytes per rank: ``2 (S-1)/S`` of the bucket, like a ring all-reduce, and no more.
+
+Unused parameters. A parameter whose gradient is None on a rank must keep ``grad = None`` when no
+rank used it (as with DDP), so the ranks have to learn who had a gradient. Instead of a flag per
+parameter on every step (DDP's ``find_unused_parameters`` map: a number per parameter), a rank
+without a gradient sends zeros with a NaN *mark* in the first element. A finite first element in
+the sum means every rank had a gradient (the common case: nothing extra on the wire); a
+non-finite one (a mark, or a gradient that really is not finite) is resolved by one more small
+all-reduce of, per such parameter, how many ranks had a gradient and the true first elements.
+Every rank sees the same sums, so all agree on whether that round runs.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,7 +23,7 @@ from ..aggregator import FactorAggregator, Traffic
 from ..sink import GradSink
 
 DenseItem = Tuple[str, nn.Parameter]
-FLAGS = "[dense flags]"
+FLAGS = "[dense flags]"  # the report's name for the resolving round's bytes
 
 
 def _buckets(items: Sequence[DenseItem], cap_bytes: float, itemsize: int) -> List[List[DenseItem]]:
@@ -41,8 +47,8 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
 
     ``postscale`` None averages (``1 / world_size``). ``prescale`` is applied before the wire cast,
     as Horovod's and DeepSpeed's gradient pre-division is, to keep fp16 sums in range.
-    ``account`` gets each parameter's share of its bucket's traffic (and the flags' share, under
-    the name `FLAGS` with no parameter). Returns whether every reduced gradient is finite.
+    ``account`` gets each parameter's share of its bucket's traffic (and the resolving round's,
+    under the name `FLAGS` with no parameter). Returns whether every reduced gradient is finite.
     """
     if not items:
         return True
@@ -57,30 +63,55 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
 
     pending = []
     for b, bucket in enumerate(buckets):
-        parts = [_prescaled(p.grad, prescale).reshape(-1).to(dtype) if p.grad is not None
-                 else torch.zeros(p.numel(), dtype=dtype, device=device) for _, p in bucket]
-        if b == 0:  # how many ranks hold a gradient, per parameter
-            parts.append(torch.tensor([p.grad is not None for _, p in items], dtype=dtype, device=device))
-        flat = torch.cat(parts)
-        pending.append((bucket, aggregator.all_reduce(flat, name=f"dad.dense.{b}", op="sum"), flat.numel()))
+        flat = torch.cat([_local(p, prescale, dtype) for _, p in bucket])
+        pending.append((bucket, aggregator.all_reduce(flat, name=f"dad.dense.{b}", op="sum")))
 
-    flags = None
-    finite = True
-    position = {id(p): i for i, (_, p) in enumerate(items)}
-    for b, (bucket, handle, numel) in enumerate(pending):
+    sums: List[Tuple[DenseItem, torch.Tensor]] = []
+    for bucket, handle in pending:
         flat = handle.wait()
-        finite = finite and bool(torch.isfinite(flat).all())
-        if b == 0:
-            flags = flat[-len(items):].tolist()
-            account(FLAGS, None, handle.traffic.share(len(items) / numel))
         offset = 0
         for name, p in bucket:
-            account(name, p, handle.traffic.share(p.numel() / numel))
-            avg = flat[offset:offset + p.numel()].view_as(p).to(p.dtype).mul_(postscale)
+            account(name, p, handle.traffic.share(p.numel() / max(flat.numel(), 1)))
+            sums.append(((name, p), flat[offset:offset + p.numel()]))
             offset += p.numel()
-            sink.write_dense(p, avg, flags[position[id(p)]] > 0)
+    had_grad = _resolve(sums, aggregator, prescale, dtype, device, account)
+    finite = True
+    for (name, p), total in sums:
+        finite = finite and bool(torch.isfinite(total).all())
+        avg = total.view_as(p).to(p.dtype).mul_(postscale)
+        sink.write_dense(p, avg, had_grad.get(id(p), True))
     return finite
 
 
-def _prescaled(grad: torch.Tensor, prescale: float) -> torch.Tensor:
-    return grad.detach() if prescale == 1.0 else grad.detach() * prescale
+def _local(p: nn.Parameter, prescale: float, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's part of a bucket: its gradient, or zeros marked with a NaN first element."""
+    if p.grad is not None:
+        g = p.grad.detach()
+        return (g if prescale == 1.0 else g * prescale).reshape(-1).to(dtype)
+    out = torch.zeros(p.numel(), dtype=dtype, device=p.device)
+    if p.numel():
+        out[0] = float("nan")
+    return out
+
+
+def _resolve(sums: List[Tuple[DenseItem, torch.Tensor]], aggregator: FactorAggregator, prescale: float,
+             dtype: torch.dtype, device: torch.device,
+             account: Callable[[str, Optional[nn.Parameter], Traffic], None]) -> Dict[int, bool]:
+    """For each parameter whose summed first element is not finite (a rank without a gradient, or a
+    gradient that is not finite) or that has no elements: whether any rank had a gradient; its
+    first element is replaced by the true sum. One all-reduce, only when there is such a parameter."""
+    unresolved = [(p, total) for (_, p), total in sums if total.numel() == 0 or not bool(torch.isfinite(total[0]))]
+    if not unresolved:
+        return {}
+    flags = [float(p.grad is not None) for p, _ in unresolved]
+    firsts = [float(p.grad.detach().reshape(-1)[:1].mul(prescale).to(dtype)[0])
+              if p.grad is not None and p.numel() else 0.0 for p, _ in unresolved]
+    handle = aggregator.all_reduce(torch.tensor(flags + firsts, dtype=dtype, device=device),
+                                   name="dad.dense.flags", op="sum")
+    out = handle.wait()
+    account(FLAGS, None, handle.traffic)
+    k = len(unresolved)
+    for i, (p, total) in enumerate(unresolved):
+        if total.numel():
+            total[0] = out[k + i]
+    return {id(p): bool(out[i] > 0) for i, (p, _) in enumerate(unresolved)}
