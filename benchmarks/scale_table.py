@@ -6,8 +6,8 @@ For GPT-2 small/medium/large and BERT-base (masked LM) geometries, batch x seque
 32x1024 and 2 to 256 sites, the bytes one rank sends per step in steady state (after the first,
 verifying step), from the synchroniser's own plan (`dad_integrations.units.build_plan`, on a
 model built on the meta device: no memory, no weights) and its own cost model
-(`dad_integrations.router.route`, the decision each unit takes), plus the size exchanges and
-dense-bucket flags the synchroniser sends besides. ``--check`` runs small real configs on 2 ranks
+(`dad_integrations.router.route`, the decision each unit takes), plus the size exchanges the
+synchroniser sends besides. ``--check`` runs small real configs on 2 ranks
 and compares these figures with `last_step_report()`'s accounting, byte for byte.
 
 Rows per step and rank: every captured call of a layer sees all ``batch x seq`` tokens (GPT-2's
@@ -79,13 +79,15 @@ def plan_of(model, mode: str, rank: Optional[int]):
 
 
 def step_bytes(plan, batch: int, seq: int, world: int, mode: str, rank: Optional[int],
-               dtype: torch.dtype = torch.float32) -> Dict[str, object]:
+               dtype: torch.dtype = torch.float32, rank_route: Optional[str] = None) -> Dict[str, object]:
     """Bytes one rank sends in a steady-state step of ``mode`` with ``batch x seq`` tokens per rank
     (`dad_integrations.plan.steady_state`: the router's decision per unit, size exchanges, dense
-    buckets with their flags)."""
+    buckets), and PyTorch's PowerSGD hook at the same rank (None without a rank).
+    ``rank_route`` None is the config's default."""
+    route_kw = {} if rank_route is None else {"rank_route": rank_route}
     step = steady_state(plan, tokens=batch * seq, positions=seq, world_size=world, mode=mode, rank=rank,
-                        dtype=dtype)
-    return {"sent": step.total, "units": step.counts}
+                        dtype=dtype, **route_kw)
+    return {"sent": step.total, "units": step.counts, "powersgd": step.powersgd}
 
 
 def allreduce_bytes(model, world: int) -> float:
@@ -115,6 +117,8 @@ def table(rank: int, geometries: Sequence[str] = GEOMETRIES, shapes=SHAPES, site
                     out = step_bytes(plans[scheme], b, t, s, mode, r)
                     rec[scheme] = out["sent"]
                     rec[f"{scheme}_units"] = out["units"]
+                    if scheme == "dad-auto":
+                        rec["powersgd"] = out["powersgd"]
                 lossless = {k: rec[k] for k in ("allreduce", "dad-exact")}
                 rec["winner_lossless"] = min(lossless, key=lossless.get)
                 rec["winner"] = min(("allreduce", "dad-exact", "dad-rank"), key=lambda k: rec[k])
@@ -128,21 +132,24 @@ def _gb(b: float) -> str:
 
 def markdown(rows: List[dict]) -> str:
     head = ("| geometry | batch x seq | sites | all-reduce MB | dAD exact MB | rank-dAD MB | auto (r) MB "
-            "| auto lossless MB | rank-dAD / all-reduce | lossless winner | auto units exact/rank/dense |")
-    lines = [head, "|" + "---|" * 11]
+            "| PowerSGD (r) MB | auto / PowerSGD | auto lossless MB | rank-dAD / all-reduce | lossless winner "
+            "| auto units exact/rank all-gather/rank all-reduce/dense |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         u = r["dad-auto_units"]
         lines.append(f"| {r['geometry']} | {r['batch']}x{r['seq']} | {r['sites']} | {_gb(r['allreduce'])} "
                      f"| {_gb(r['dad-exact'])} | {_gb(r['dad-rank'])} | {_gb(r['dad-auto'])} "
+                     f"| {_gb(r['powersgd'])} | {r['dad-auto'] / r['powersgd']:.4f} "
                      f"| {_gb(r['auto-lossless'])} | {r['dad-rank'] / r['allreduce']:.4f} "
-                     f"| {r['winner_lossless']} | {u['exact']}/{u['rank']}/{u['dense']} |")
+                     f"| {r['winner_lossless']} | {u['exact']}/{u['rank']}/{u['rank_allreduce']}/{u['dense']} |")
     return "\n".join(lines)
 
 
 def crossovers(rank: int) -> str:
     """Where each scheme stops winning: rows per rank below which exact beats all-reduce, and the
-    number of sites above which rank-dAD's all-gather outgrows all-reduce, per geometry."""
-    lines = ["| geometry | exact beats all-reduce below (tokens per rank, 1 sequence, S=8) | rank-dAD beats all-reduce up to (sites, 512 tokens) |",
+    number of sites above which rank-dAD's all-gather route outgrows all-reduce, per geometry
+    (the all-reduce route, which auto takes beyond two sites, is flat in the sites)."""
+    lines = ["| geometry | exact beats all-reduce below (tokens per rank, 1 sequence, S=8) | rank-dAD all-gather beats all-reduce up to (sites, 512 tokens) |",
              "|---|---|---|"]
     for g in GEOMETRIES:
         model = build(g)
@@ -155,7 +162,8 @@ def crossovers(rank: int) -> str:
             else:
                 hi = mid - 1
         s = 2
-        while s < 1 << 16 and step_bytes(rank_plan, 1, 512, s * 2, "rank", rank)["sent"] < allreduce_bytes(model, s * 2):
+        while s < 1 << 16 and step_bytes(rank_plan, 1, 512, s * 2, "rank", rank,
+                                         rank_route="allgather")["sent"] < allreduce_bytes(model, s * 2):
             s *= 2
         lines.append(f"| {g} | {lo} | ~{s} (doubling search; rank {rank}) |")
     return "\n".join(lines)
@@ -173,7 +181,7 @@ def plot(rows: List[dict], out: Path) -> List[str]:
         sel = [r for r in rows if r["geometry"] == g and (r["batch"], r["seq"]) == (8, 512)]
         sites = [r["sites"] for r in sel]
         for scheme, style in (("allreduce", "k-"), ("dad-exact", "C0--"), ("dad-rank", "C1-o"),
-                              ("dad-auto", "C2:")):
+                              ("dad-auto", "C2:"), ("powersgd", "C3-.")):
             ax.plot(sites, [r[scheme] / 2 ** 20 for r in sel], style, label=scheme)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

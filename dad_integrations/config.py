@@ -46,15 +46,20 @@ class DADConfig:
 
     Attributes:
         mode: ``"exact"`` sends dAD factors for every supported layer (lossless, the paper's dAD);
-            ``"rank"`` sends rank-``rank`` factors for every ``Linear``/``Conv1D`` weight (the
-            paper's rank-dAD); ``"auto"`` picks per parameter the fewest bytes among dense
-            all-reduce, exact factors and, only when ``rank`` is set, rank factors (a parameter
-            that went dense or rank-r stays on that route).
+            ``"rank"`` sends a rank-``rank`` approximation of every captured weight, embeddings
+            included (the paper's rank-dAD, through the rank route ``rank_route`` picks);
+            ``"auto"`` picks per weight the fewest bytes among dense all-reduce, exact factors and,
+            only when ``rank`` is set, the two rank routes (a weight that went dense or rank-r
+            stays on that route). With ``rank=r``, auto never sends more than PyTorch's PowerSGD
+            hook at rank r on the same model, in steady state.
         rank: rank of rank-dAD (required for ``mode="rank"``; enables rank-dAD in ``"auto"``).
         power_iterations: subspace iterations per step of the power method.
         warm_start: start each step's power iteration from the previous step's right factor.
-        error_feedback: keep the local rank-reduction residual and add it to the next step
-            (memory: one dense gradient per rank-reduced weight).
+        error_feedback: keep what the rank routes left out of each weight's local gradient and
+            add it to the next step (GRACE's memory; PowerSGD's default too). On by default:
+            without it the rank-r average is biased and trains visibly worse. Memory: one
+            gradient-sized residual per rank-routed weight and rank (as PowerSGD's hook keeps);
+            nothing for exact or dense weights. ``False`` saves that memory.
         adaptive_tolerance: in (0, 1]; send the fewest components (at most ``rank``) whose
             captured share of the local gradient's energy reaches it.
         wire_dtype: dtype of factors and dense buckets on the wire; None keeps the gradients' dtype.
@@ -67,22 +72,22 @@ class DADConfig:
         rank_route: how rank-r information is shared: ``"allgather"`` (rank-dAD: every rank's own
             rank-r factors, ``(S-1) r (m+n)`` per rank, a rank ``S r`` rebuild), ``"allreduce"``
             (PowerSGD's shared power iteration: ``2 (S-1)/S r (m+n)``, flat in S, rank r of the
-            average), or ``"auto"``: per weight the fewer bytes (all-gather on ties). Default
-            ``"allgather"``.
+            average), or ``"auto"`` (the default): per weight the fewer bytes, the all-gather on
+            ties (at two sites, where its rank ``2 r`` rebuild is the better one).
     """
 
     mode: str = "auto"
     rank: Optional[int] = None
     power_iterations: int = 1
     warm_start: bool = True
-    error_feedback: bool = False
+    error_feedback: bool = True
     adaptive_tolerance: Optional[float] = None
     wire_dtype: Optional[str] = None
     layer_kinds: Tuple[str, ...] = LAYER_KINDS
     exclude: Tuple[str, ...] = ()
     bucket_cap_mb: float = 25.0
     verify_first_step: bool = True
-    rank_route: str = "allgather"
+    rank_route: str = "auto"
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__

@@ -191,10 +191,11 @@ class Exchanger:
 
                 def finish() -> None:
                     sink.write_product(p, *self.rank.decode(unit, self._note(torch.cat(handle.wait())), scale))
-        if (cfg.mode == "rank" and rep in ("rank", "rank_allreduce") and entry.method == "dense" and not verify
+        if (rep in ("rank", "rank_allreduce") and entry.method == "dense" and not decision.exchange_sizes
                 and not unit.rows_unused):
-            # mode rank reduces this weight from its dense gradient: its rows are of no use, so
-            # stop capturing them (saves the hooks' work; reports show 0 rows from then on)
+            # a rank route with no size exchange is the unit's route for good (mode rank; auto's
+            # sticky prediction), and it reduces from the dense gradient: its rows are of no use,
+            # so stop capturing them (saves the hooks' work; reports show 0 rows from then on)
             unit.stop_using_rows()
         entry.add_traffic(traffic)
         return finish

@@ -35,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class UnitRow:
     """One factor unit in steady state. Bytes are what one rank sends per step; ``dad`` includes
-    the unit's share of the dense buckets (its dense numel plus one flag per dense item)."""
+    the unit's share of the dense buckets (its dense numel)."""
 
     name: str
     shape: Tuple[int, int]
@@ -56,7 +56,7 @@ class StepPlan:
     units: List[UnitRow]
     dense_params: int             # parameters outside the units (plan.dense)
     dense_param_numel: int
-    dense_dad: float              # plan.dense's share of the dense buckets (numel + flags)
+    dense_dad: float              # plan.dense's share of the dense buckets
     dense_allreduce: float
     dense_powersgd: Optional[float]
     dense_numel: int              # all of the dense buckets: plan.dense, dense units, rank/dense biases
@@ -73,13 +73,14 @@ def use_rows(capture, tokens: int, positions: int) -> int:
 
 
 def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str, rank: Optional[int],
-                 rank_route: str = "allgather", dtype: torch.dtype = torch.float32,
+                 rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
                  powersgd_rank: Optional[int] = None) -> StepPlan:
     """Bytes one rank sends per unit in a steady-state step of ``mode`` (the router's decision from
     the counts of the unit's last size exchange), with ``tokens`` rows per captured call.
 
     Size exchanges count where the route needs agreed rows; biases of rank-r and dense units go to
-    the dense buckets with one flag per dense item, as the synchroniser sends them. ``powersgd_rank``
+    the dense buckets, as the synchroniser sends them (a step where every rank has every gradient
+    needs no flags: `codecs.dense`). ``powersgd_rank``
     (default ``rank``) adds PyTorch's PowerSGD hook per parameter; None when neither is set.
     """
     s, item = world_size, dtype.itemsize
@@ -123,18 +124,18 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         dense_items += d_items
         params = [u.param] + [b.param for b in u.biases]
         rows.append(UnitRow(u.name, (m, n), use, rep, exchange,
-                            own + ring_allreduce_bytes((d_numel + d_items) * item, s),
+                            own + ring_allreduce_bytes(d_numel * item, s),
                             ring_allreduce_bytes((m * n + bias_numel) * item, s), psgd(params),
                             d_numel, d_items))
     total = sent
     if dense_items:
-        total += ring_allreduce_bytes((dense_numel + dense_items) * item, s)
+        total += ring_allreduce_bytes(dense_numel * item, s)
     dense_params = [p for _, p in plan.dense]
     dense_psgd = psgd(dense_params)
     unit_psgd = [r.powersgd for r in rows]
     return StepPlan(
         units=rows, dense_params=len(plan.dense), dense_param_numel=dense_param_numel,
-        dense_dad=ring_allreduce_bytes((dense_param_numel + len(plan.dense)) * item, s),
+        dense_dad=ring_allreduce_bytes(dense_param_numel * item, s),
         dense_allreduce=ring_allreduce_bytes(dense_param_numel * item, s), dense_powersgd=dense_psgd,
         dense_numel=dense_numel, dense_items=dense_items, total=total,
         allreduce=ring_allreduce_bytes((dense_param_numel + sum(m * n for m, n in (r.shape for r in rows))
@@ -205,7 +206,7 @@ def max_positions(config) -> Optional[int]:
 
 
 def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
-               mode: str = "auto", rank_route: str = "allgather", dtype: torch.dtype = torch.float32,
+               mode: str = "auto", rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
                positions: Optional[int] = None) -> StepPlan:
     """`steady_state` for ``model`` (its plan built, its capture hooks removed)."""
     if mode == "rank" and not rank:
@@ -258,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--rank", type=int, default=4, help="rank of rank-dAD and PowerSGD (0: none)")
     p.add_argument("--mode", choices=("auto", "exact", "rank"), default="auto")
     # the synchroniser's own default, so that the plan shows what a default config does
-    p.add_argument("--rank-route", choices=("auto", "allgather", "allreduce"), default=DADConfig().rank_route)
+    p.add_argument("--rank-route", choices=("auto", "allgather", "allreduce"), default=DADConfig.rank_route)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="gradient and wire dtype")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)

@@ -13,7 +13,12 @@ Representations (one codec each, see `codecs`):
 
 The two rank routes need no row counts; which one a weight takes is ``rank_route``'s choice, by
 bytes where it is ``"auto"`` (at two sites they tie, and the all-gather's rank ``S r`` rebuild wins).
-Embedding-only weights never take a rank route.
+Embeddings take them too (from their dense local gradient, as PowerSGD compresses them).
+
+Against PowerSGD. PowerSGD's hook sends each matrix as ``r (m+n)`` all-reduced (or dense where
+that does not compress it twofold) and everything else dense. Auto with ``rank=r`` takes the
+fewest bytes among routes that include both of those (``"rank_allreduce"`` is PowerSGD's
+exchange; ``"dense"`` its all-reduce), so in steady state it never sends more, weight by weight.
 
 Size exchanges. Exact factors have a row count per rank, which the ranks agree on (one small
 all-gather per unit) before the factors' all-gather. The first step (verification) exchanges
@@ -50,11 +55,6 @@ class UnitShape:
     bias_numel: int
     dtype: torch.dtype
 
-    @property
-    def rank_allowed(self) -> bool:
-        """Embedding-only weights have no factor form worth reducing: they never take rank-r."""
-        return not all(k == "embedding" for k in self.kinds)
-
 
 @dataclass(frozen=True)
 class Route:
@@ -83,7 +83,7 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         rows_by_rank: this step's agreed counts; given, the decision is final.
         last_rows: the counts of the unit's last size exchange (auto's prediction).
     """
-    rank_allowed = config.rank is not None and unit.rank_allowed
+    rank_allowed = config.rank is not None
     if dense_only:
         return Route("dense", first_step)
     if config.mode == "rank" and rank_allowed:  # rank routes need no counts
@@ -111,7 +111,8 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
                           wire_dtype=wire_dtype, world_size=world_size)
 
 
-def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool, rank_route: str = "allgather") -> str:
+def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
+           rank_route: str = DADConfig.rank_route) -> str:
     """The representation of one unit (see `REPRESENTATIONS`), given agreed byte estimates."""
     if mode == "exact":
         return "exact"

@@ -56,10 +56,12 @@ def test_scale_table_bytes_match_last_step_report():
     small, big = by[(1, 128, 2)], by[(8, 512, 2)]
     assert small["dad-exact"] < small["allreduce"] < big["dad-exact"]   # dAD wins with few rows only
     assert big["dad-rank"] < big["allreduce"] / 20
-    assert by[(8, 512, 256)]["dad-rank"] > 100 * big["dad-rank"]        # the all-gather grows with sites
-    for r in rows:  # up to the dense buckets' flags (one number per dense parameter)
-        assert r["auto-lossless"] <= min(r["allreduce"], r["dad-exact"]) * (1 + 1e-5)
-        assert r["dad-auto"] <= r["allreduce"] * (1 + 1e-5)
+    # beyond two sites the rank route all-reduces P and Q: flat in the sites (2 (S-1)/S), not (S-1)
+    assert big["dad-rank"] < by[(8, 512, 256)]["dad-rank"] < 2.1 * big["dad-rank"]
+    for r in rows:
+        assert r["auto-lossless"] <= min(r["allreduce"], r["dad-exact"])
+        assert r["dad-auto"] <= r["allreduce"]
+        assert r["dad-auto"] <= r["powersgd"]  # same rank, position embeddings included
 
 
 def test_compare_smallest_run_writes_every_key(tmp_path):

@@ -128,3 +128,23 @@ def test_planner_imports_no_benchmarks_and_transformers_lazily():
     assert not any(n.startswith(("transformers", "benchmarks", "torch.distributed")) for n in names), names
     every = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not any(n.startswith("benchmarks") for n in every)
+
+
+@pytest.mark.parametrize("preset", ["gpt2", "bert-base", "llama-small"])
+def test_auto_never_sends_more_than_powersgd(preset):
+    """Auto at rank r, on models with position embeddings (GPT-2: ``wpe``; BERT: position and
+    token-type embeddings) and without (Llama), in steady state: at most PowerSGD's bytes at rank r,
+    from 2 to 256 sites and few to many rows, in total and weight by weight."""
+    from dad_integrations.plan import steady_state
+    from dad_integrations.units import build_plan
+
+    model = build_meta_model(load_config(preset))
+    plan = build_plan(model, DADConfig(mode="auto", rank=4))
+    for c in plan.captures:
+        c.remove()
+    for sites in (2, 4, 64, 256):
+        for tokens, positions in ((16, 16), (512, 128), (4096, 512)):
+            step = steady_state(plan, tokens=tokens, positions=positions, world_size=sites, mode="auto", rank=4)
+            assert step.total <= step.powersgd, (sites, tokens, step.total, step.powersgd)
+            for u in step.units:
+                assert u.dad <= u.powersgd * (1 + 1e-12) + 1e-9, (u.name, sites, tokens, u.route)

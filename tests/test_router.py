@@ -28,13 +28,12 @@ def test_exact_mode_always_sends_exact_factors_after_a_size_exchange():
     assert route(cfg, WIDE, rows_by_rank=_rows(10 ** 6), **F32) == Route("exact", True)
 
 
-def test_rank_mode_needs_no_counts_but_embeddings_choose_by_bytes():
-    cfg = DADConfig(mode="rank", rank=4)
+def test_rank_mode_needs_no_counts_embeddings_included():
+    cfg = DADConfig(mode="rank", rank=4, rank_route="allgather")
     assert route(cfg, WIDE, **F32) == Route("rank", False)
-    # embedding-only weights never take rank-r: dense or exact, by bytes, on agreed counts
-    assert route(cfg, EMBEDDING, last_rows=_rows(16), **F32) == Route(None, True)
-    assert route(cfg, EMBEDDING, rows_by_rank=_rows(16), **F32) == Route("exact", True)
-    assert route(cfg, EMBEDDING, last_rows=_rows(4096), **F32) == Route("dense", False)
+    # embeddings are compressed too (from their dense local gradient, as PowerSGD does)
+    assert route(cfg, EMBEDDING, **F32) == Route("rank", False)
+    assert route(DADConfig(mode="rank", rank=4), EMBEDDING, **F32) == Route("rank_allreduce", False)
 
 
 def test_auto_predicts_from_the_last_counts():
@@ -45,7 +44,8 @@ def test_auto_predicts_from_the_last_counts():
     assert route(cfg, WIDE, rows_by_rank=_rows(16), **F32) == Route("exact", True)
     assert route(cfg, WIDE, rows_by_rank=_rows(4096), **F32) == Route("dense", True)
     with_rank = DADConfig(mode="auto", rank=4)
-    assert route(with_rank, WIDE, last_rows=_rows(4096), **F32) == Route("rank", False)
+    assert route(with_rank, WIDE, last_rows=_rows(4096), **F32) == Route("rank_allreduce", False)
+    assert route(with_rank, EMBEDDING, last_rows=_rows(4096), **F32) == Route("rank_allreduce", False)
 
 
 def test_dense_only_is_dense_for_good():
@@ -76,6 +76,51 @@ def test_rank_route_by_bytes():
     assert route(cfg, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank_allreduce", False)
     forced = DADConfig(mode="rank", rank=4, rank_route="allreduce")
     assert route(forced, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank_allreduce", False)
-    assert route(DADConfig(mode="rank", rank=4), WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank", False)
+    gather = DADConfig(mode="rank", rank=4, rank_route="allgather")
+    assert route(gather, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank", False)
     auto = DADConfig(mode="auto", rank=4, rank_route="auto")
     assert route(auto, WIDE, last_rows=_rows(4096), **F32) == Route("rank_allreduce", False)
+
+
+def _auto_choice(unit, rows, sites, rank=4):
+    """Auto's steady-state route for ``unit`` with ``rows`` rows per rank, and its bytes."""
+    from dad_integrations.costs import size_exchange_bytes
+    from dad_integrations.router import unit_estimates
+    cfg = DADConfig(mode="auto", rank=rank)
+    counts = [[rows] * len(unit.kinds)] * sites
+    kw = dict(world_size=sites, wire_dtype=torch.float32)
+    decision = route(cfg, unit, last_rows=counts, **kw)
+    exchange = decision.exchange_sizes
+    if decision.representation is None:
+        decision = route(cfg, unit, rows_by_rank=counts, **kw)
+    est = unit_estimates(cfg, unit, counts, sites, torch.float32)
+    return decision.representation, est[decision.representation] + (
+        size_exchange_bytes(len(unit.kinds), sites) if exchange else 0)
+
+
+def test_auto_takes_each_of_the_four_routes_where_it_is_fewest_bytes():
+    """Per layer, from the rows, the shape and the sites: exact with few rows, dense for a small
+    weight, the all-gather at two sites, the all-reduce at many."""
+    assert _auto_choice(WIDE, 1, 8)[0] == "exact"
+    assert _auto_choice(UnitShape(("linear",), (4, 4), 4, torch.float32), 4096, 8)[0] == "dense"
+    assert _auto_choice(WIDE, 4096, 2)[0] == "rank"
+    assert _auto_choice(WIDE, 4096, 8)[0] == "rank_allreduce"
+    assert _auto_choice(EMBEDDING, 4096, 64)[0] == "rank_allreduce"   # position embeddings compress
+
+
+@pytest.mark.parametrize("sites", [2, 3, 4, 64, 256])
+def test_auto_never_sends_more_than_powersgd_per_weight(sites):
+    """With rank=r, auto's bytes for every weight (its biases included, size exchange included)
+    are at most what PyTorch's PowerSGD hook at rank r sends for the same parameters."""
+    from dad_integrations.costs import powersgd_bytes
+    shapes = [((768, 768), 768), ((2304, 768), 2304), ((1024, 768), 0), ((50257, 768), 0), ((4, 4), 4),
+              ((10, 256), 10), ((64, 8), 0), ((3, 3000), 3)]
+    for (m, n), bias in shapes:
+        for kinds in (("linear",), ("embedding",), ("embedding", "linear")):
+            unit = UnitShape(kinds, (m, n), bias, torch.float32)
+            for rows in (1, 16, 128, 4096, 65536):
+                for rank in (1, 4, 16):
+                    _, ours = _auto_choice(unit, rows, sites, rank)
+                    psgd = powersgd_bytes((m, n), rank, sites, 4)[0] + (
+                        powersgd_bytes((bias,), rank, sites, 4)[0] if bias else 0)
+                    assert ours <= psgd * (1 + 1e-12), (kinds, (m, n), rows, rank, ours, psgd)

@@ -24,9 +24,10 @@ def test_auto_picks_fewest_bytes():
     assert choose_representation("auto", few, rank_allowed=False) == "exact"
     assert choose_representation("auto", many, rank_allowed=False) == "dense"
     with_rank = estimate_bytes(rows_by_rank=[[4096]] * 8, rank=4, **common)
-    assert choose_representation("auto", with_rank, rank_allowed=True) == "rank"
+    assert choose_representation("auto", with_rank, rank_allowed=True) == "rank_allreduce"   # 8 sites
+    assert choose_representation("auto", with_rank, rank_allowed=True, rank_route="allgather") == "rank"
     assert choose_representation("exact", many, rank_allowed=False) == "exact"
-    assert choose_representation("rank", with_rank, rank_allowed=True) == "rank"
+    assert choose_representation("rank", with_rank, rank_allowed=True, rank_route="allgather") == "rank"
 
 
 def test_exact_estimate_matches_packed_layout():
