@@ -102,9 +102,17 @@ def _two_rank_cases() -> dict:
                                                        "config": {"mode": "exact"}, "ddp_hook": True,
                                                        "zero_after_forward": "none", "accumulate": 2},
         # a non-finite loss on one rank: non-finite everywhere, as all-reduce gives
-        "nonfinite-mlp-rank-svd": {"kind": "nonfinite", "model": "mlp", "config": {"mode": "rank", "rank": 2}},
+        "nonfinite-mlp-rank-svd": {"kind": "nonfinite", "model": "mlp",
+                                   "config": {"mode": "rank", "rank": 2, "error_feedback": False}},
         "nonfinite-mlp-rank-inf": {"kind": "nonfinite", "model": "mlp", "bad": "inf",
-                                   "config": {"mode": "rank", "rank": 2}},
+                                   "config": {"mode": "rank", "rank": 2, "error_feedback": False}},
+        # a step the loss scaler skips leaves no trace (defaults: error feedback on)
+        # auto at rank r against PowerSGD's hook at rank r, bytes counted at torch.distributed
+        "vs-powersgd-gpt2-auto": {"kind": "vs_powersgd", "model": "gpt2", "batch": 4,
+                                  "config": {"mode": "auto", "rank": 2}},
+        "scaler-skip-gpt2-auto-rank": {"kind": "scaler_skip", "model": "gpt2", "config": {"mode": "auto", "rank": 2}},
+        "scaler-skip-gpt2-rank-allreduce": {"kind": "scaler_skip", "model": "gpt2",
+                                            "config": {"mode": "rank", "rank": 2, "rank_route": "allreduce"}},
         "nonfinite-gpt2-rank-error-feedback": {"kind": "nonfinite", "model": "gpt2",
                                                "config": {"mode": "rank", "rank": 2, "error_feedback": True}},
         "nonfinite-gpt2-auto-rank": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
@@ -329,3 +337,27 @@ def test_nonfinite_gradients_spread_as_allreduce_gives(two, case_id):
 def test_attach_broadcasts_rank0_parameters_and_buffers(two):
     """Ranks seeded differently hold rank 0's parameters and buffers after attaching, as under DDP."""
     assert all(r["identical"] for r in result(two, "broadcast-seeded-differently"))
+
+
+@pytest.mark.parametrize("case_id", ["scaler-skip-gpt2-auto-rank", "scaler-skip-gpt2-rank-allreduce"])
+def test_scaler_skipped_step_leaves_no_trace(two, case_id):
+    """A step whose gradients overflow (GradScaler skips it and halves its scale) must not poison the
+    error-feedback residuals or the warm starts: the run ends bit for bit where the same run without
+    that step ends, parameters and dAD state, with ranks identical."""
+    for rank, r in enumerate(result(two, case_id)):
+        assert r["skipped"], f"rank {rank}: the scaler did not skip the non-finite step"
+        assert r["scales"][0] == r["scales"][1] < 2.0 ** 10
+        assert r["state_numel"] > 0 and r["same_state_keys"], "no residuals or warm starts: the test is vacuous"
+        assert any(k.startswith("rank") for k in r["routes"]), r["routes"]
+        assert r["params_rel"] <= 1e-6, f"rank {rank}: parameters {r['params_rel']:.2e} off the run without the step"
+        assert r["state_rel"] <= 1e-6, f"rank {rank}: dAD state {r['state_rel']:.2e} off"
+        assert r["identical"]
+
+
+def test_auto_never_sends_more_than_powersgd_hook(two):
+    """GPT-2 (with position embeddings), auto at rank 2 against DDP + PowerSGD's hook at rank 2,
+    bytes counted where they reach torch.distributed, every steady-state step."""
+    for rank, r in enumerate(result(two, "vs-powersgd-gpt2-auto")):
+        ours, theirs = r["sent"]["dad"], r["sent"]["powersgd"]
+        assert max(ours) <= min(theirs), (rank, ours, theirs, r["routes"])
+        assert "rank" in r["routes"] or "rank_allreduce" in r["routes"], r["routes"]

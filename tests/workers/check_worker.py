@@ -3,7 +3,8 @@
 Usage: torchrun --standalone --nproc_per_node N check_worker.py OUT.json CASES.json
 Each case is a dict with a "kind": "grad" (every synchronised gradient against DDP's),
 "train" (parameters on every rank after several optimizer steps), "bytes" (report against the
-tensors handed to torch.distributed) or "mismatch" (different models per rank).
+tensors handed to torch.distributed), "nonfinite" and "scaler_skip" (a step a loss scaler skips),
+"broadcast", or "error" (misuse, e.g. different models per rank).
 """
 from __future__ import annotations
 
@@ -216,6 +217,89 @@ def run_nonfinite(case: dict) -> dict:
     return {"mismatched": mismatched, "state_kept": state_kept, "finite_after": finite_after}
 
 
+def run_scaler_skip(case: dict) -> dict:
+    """A GradScaler-skipped step must leave no trace: rank 1's loss is infinite at step 2, so every
+    rank's synchronised gradients are non-finite and the scaler skips the step and halves its scale.
+    The same run with step 2 left out (and the scale halved by hand) must end with the same
+    parameters and the same dAD state (error-feedback residuals, warm starts), on every rank."""
+    name = case["model"]
+    init = models.build(name)
+    bad_step, steps = 2, case.get("steps", 5)
+    out = {}
+    for variant in ("skipped", "absent"):
+        model = copy.deepcopy(init)
+        sync = DADSynchronizer(model, TorchDistributedAggregator(), config_of(case))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        skipped = None
+        for step in range(steps):
+            if step == bad_step and variant == "absent":
+                scaler.update(new_scale=scaler.get_scale() * scaler.get_backoff_factor())
+                continue
+            loss = models.loss_of(name, model, local_batch(case, step, 0))
+            if step == bad_step and dist.get_rank() == 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            sync.synchronize()
+            before = [p.detach().clone() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+            if step == bad_step:
+                skipped = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            opt.zero_grad(set_to_none=True)
+        state = _tensors(sync.state_dict())
+        routes = sorted({p.representation for p in sync.last_step_report().params})
+        sync.close()
+        out[variant] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                        "state": state, "skipped": skipped, "scale": scaler.get_scale(), "routes": routes}
+    a, b = out["skipped"], out["absent"]
+    state_diff = max((float((a["state"][k] - b["state"][k]).norm() / b["state"][k].norm().clamp_min(1e-30))
+                      for k in b["state"]), default=0.0)
+    flat = a["params"]
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return {"params_rel": float((a["params"] - b["params"]).norm() / b["params"].norm()),
+            "state_rel": state_diff, "same_state_keys": a["state"].keys() == b["state"].keys(),
+            "state_numel": sum(t.numel() for t in b["state"].values()), "skipped": a["skipped"],
+            "scales": [a["scale"], b["scale"]], "routes": a["routes"],
+            "identical": all(torch.equal(gathered[0], g) for g in gathered)}
+
+
+def run_vs_powersgd(case: dict) -> dict:
+    """Bytes per step that reach torch.distributed: dAD against DDP with PyTorch's PowerSGD hook at
+    the same rank (error feedback, warm start, compressing from step 2; one DDP bucket, as the hook
+    needs on gloo), the same model and batches, in steady state (steps 3 on)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    name, rank, steps = case["model"], case["config"]["rank"], case.get("steps", 5)
+    init = models.build(name)
+    sent = {}
+    for method in ("powersgd", "dad"):
+        model = copy.deepcopy(init)
+        if method == "powersgd":
+            fwd = DDP(model, bucket_cap_mb=256)
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                                start_powerSGD_iter=2, random_seed=0)
+            fwd.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            sync = None
+        else:
+            fwd = model
+            sync = DADSynchronizer(model, TorchDistributedAggregator(), config_of(case))
+        per_step = []
+        for step in range(steps):
+            with CollectiveCounter(dist) as counter:
+                models.loss_of(name, fwd, local_batch(case, step, 0)).backward()
+                if sync is not None:
+                    sync.synchronize()
+            per_step.append(counter.traffic().sent)
+            model.zero_grad(set_to_none=True)
+        if sync is not None:
+            routes = sorted({p.representation for p in sync.last_step_report().params})
+            sync.close()
+        sent[method] = per_step[3:]
+    return {"sent": sent, "routes": routes}
+
+
 def _tensors(state: dict) -> dict:
     return {(u, k): v for u, s in state["units"].items() for k, v in s.items() if isinstance(v, torch.Tensor)}
 
@@ -261,7 +345,8 @@ class _null:
 
 
 RUNNERS = {"grad": run_grad, "rank_quality": run_rank_quality, "train": run_train, "bytes": run_bytes,
-           "error": run_error, "nonfinite": run_nonfinite, "broadcast": run_broadcast}
+           "error": run_error, "nonfinite": run_nonfinite, "broadcast": run_broadcast,
+           "scaler_skip": run_scaler_skip, "vs_powersgd": run_vs_powersgd}
 
 
 def _gather(case_id: str, mine: dict) -> list:
