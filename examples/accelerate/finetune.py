@@ -2,10 +2,13 @@
 
     accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/accelerate/finetune.py
 
-The script trains twice from the same weights on the same batches: first with Accelerate's
-ordinary DDP all-reduce, then with dAD (``--dad-mode``) installed by one added line,
+The script trains three times from the same weights on the same batches: with Accelerate's
+ordinary DDP all-reduce, with PyTorch's PowerSGD DDP hook at the same rank as dAD (the lossy
+baseline a user would otherwise pick), and with dAD (``--dad-mode``) installed by one added line,
 ``enable_dad(accelerator, model, config)``. It prints a summary table, writes ``metrics.json``
-and a plot of loss and bytes per step (``loss_bytes.png``) to ``--output-dir``.
+and a plot of loss and bytes per step (``loss_bytes.png``) to ``--output-dir``. Bytes of the
+PowerSGD run are counted where they reach ``torch.distributed``, dAD's come from its own report,
+and all-reduce's are a ring all-reduce's of the gradients.
 
 Tasks: causal language modelling (``--family gpt2`` or ``llama``) and sequence classification
 (``--family bert``). By default a small model is built from a config and trained on text that
@@ -16,6 +19,7 @@ model and its tokenizer instead, where the network allows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -25,11 +29,12 @@ from typing import Dict, List, Optional
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from dad_integrations.accelerate import enable_dad
+from dad_integrations.comm_counter import CollectiveCounter
 
 if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
     # DeepSpeed builds its engine inside accelerator.prepare(); this one line makes that engine
@@ -71,9 +76,9 @@ def parse_args() -> argparse.Namespace:
                    help="load this hub model and tokenizer instead of building a small one (needs network)")
     p.add_argument("--dad-mode", choices=("exact", "rank", "auto"), default="auto")
     p.add_argument("--rank", type=int, default=4, help="rank of rank-dAD (modes rank and auto)")
-    p.add_argument("--error-feedback", action="store_true",
-                   help="rank-dAD keeps each weight's rank-reduction residual for the next step "
-                        "(memory: one gradient per weight)")
+    p.add_argument("--no-error-feedback", action="store_true",
+                   help="turn off error feedback (on by default: rank routes keep what they left out "
+                        "of each weight for the next step; memory: one gradient per rank-routed weight)")
     p.add_argument("--max-steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-step")
     p.add_argument("--seq-len", type=int, default=128)
@@ -81,7 +86,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-baseline", action="store_true", help="skip the all-reduce run")
+    p.add_argument("--no-baseline", action="store_true", help="skip the all-reduce and PowerSGD runs")
+    p.add_argument("--no-powersgd", action="store_true", help="skip the PowerSGD run")
     p.add_argument("--cpu", action="store_true", help="train on CPU even where GPUs exist")
     p.add_argument("--output-dir", default="runs/accelerate")
     args = p.parse_args()
@@ -149,8 +155,9 @@ def _retokenize(args: argparse.Namespace, texts: List[bytes]) -> torch.Tensor:
 
 
 def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_state: dict,
-          dataset: TensorDataset, dad_config: Optional[dict]) -> RunResult:
-    """One run: Accelerate's usual loop; with ``dad_config`` one added line switches to dAD."""
+          dataset: TensorDataset, dad_config: Optional[dict], powersgd_rank: Optional[int] = None) -> RunResult:
+    """One run: Accelerate's usual loop; with ``dad_config`` one added line switches to dAD;
+    with ``powersgd_rank`` DDP runs PyTorch's PowerSGD hook instead of its all-reduce."""
     set_seed(args.seed)  # the same shuffling in both runs
     model = build_model(args)
     model.load_state_dict(init_state)
@@ -170,6 +177,11 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
             name = f"dad-{sync.config.mode}"  # the block's mode, which rules here
     else:
         sync = enable_dad(accelerator, model, dad_config) if dad_config is not None else None  # <- dAD
+    if powersgd_rank is not None:
+        _register_powersgd(model, powersgd_rank, args.seed)
+    # the hook's collectives go through torch.distributed's Python API, where a counter sees them
+    # (DDP's own all-reduce does not: that run is accounted as a ring all-reduce of the gradients)
+    counter = CollectiveCounter(torch.distributed) if powersgd_rank is not None else None
 
     world = accelerator.num_processes
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -181,7 +193,9 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
     micro_losses: List[torch.Tensor] = []
     while len(result.losses) < args.max_steps:
         input_ids, labels = next(batches)
-        with accelerator.accumulate(model):
+        if counter is not None and not micro_losses:
+            counter.reset()  # a new optimizer step
+        with accelerator.accumulate(model), (counter if counter is not None else contextlib.nullcontext()):
             loss = model(input_ids=input_ids, labels=labels).loss
             accelerator.backward(loss)
             micro_losses.append(loss.detach())
@@ -197,6 +211,8 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
         result.losses.append(float(step_loss))
         if sync is not None:
             result.sent_bytes.append(float(sync.last_step_report().totals["sent_bytes"]))
+        elif counter is not None:
+            result.sent_bytes.append(float(counter.traffic().sent))
         else:
             result.sent_bytes.append(result.allreduce_bytes if world > 1 else 0.0)
         bar.update(1)
@@ -206,6 +222,19 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
     result.ranks_identical = _ranks_identical(accelerator, model)
     accelerator.free_memory()
     return result
+
+
+def _register_powersgd(model, rank: int, seed: int) -> None:
+    """PyTorch's PowerSGD hook on the prepared DDP model: rank ``rank``, error feedback and warm
+    start, compressing from the second step (its default waits 1000 steps)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    if not hasattr(model, "register_comm_hook"):
+        raise SystemExit("the PowerSGD baseline needs DDP (a multi-process launch without DeepSpeed)")
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+                                        random_seed=seed)
+    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
 def _deepspeed(accelerator: Accelerator) -> bool:
@@ -271,6 +300,9 @@ def main() -> None:
     if on_deepspeed and not torch.cuda.is_available():
         # without a GPU Accelerate finds no backend for DeepSpeed and counts one process; name it
         handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    # one DDP bucket (an explicit cap: DDP's default first bucket is 1 MB): PowerSGD's hook chains
+    # collectives in future callbacks, which on gloo with several buckets can hang
+    handlers.append(DistributedDataParallelKwargs(bucket_cap_mb=256))
     accelerator = Accelerator(cpu=args.cpu or not (torch.cuda.is_available() or on_deepspeed),
                               gradient_accumulation_steps=args.grad_accum, kwargs_handlers=handlers)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING,
@@ -279,11 +311,14 @@ def main() -> None:
     init_state = build_model(args).state_dict()
     dataset = build_dataset(args)
     dad_config = {"mode": args.dad_mode, "rank": None if args.dad_mode == "exact" else args.rank}
-    if args.error_feedback:
-        dad_config["error_feedback"] = True
+    if args.no_error_feedback:
+        dad_config["error_feedback"] = False
     runs = []
     if not args.no_baseline:
         runs.append(train("allreduce", args, accelerator, init_state, dataset, None))
+        if (not args.no_powersgd and args.dad_mode != "exact" and accelerator.num_processes > 1
+                and not on_deepspeed):
+            runs.append(train("powersgd", args, accelerator, init_state, dataset, None, powersgd_rank=args.rank))
     runs.append(train(f"dad-{args.dad_mode}", args, accelerator, init_state, dataset, dad_config))
     if accelerator.is_main_process:
         report(args, runs, accelerator.num_processes)
