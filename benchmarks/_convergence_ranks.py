@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dad_integrations.comm_counter import CollectiveCounter
+if TYPE_CHECKING:  # imported where used: the launching process needs none of dad_integrations
+    from dad_integrations.comm_counter import CollectiveCounter
 
 log = logging.getLogger("benchmarks.convergence")
 
@@ -149,9 +150,21 @@ class DigitsMLP(Task):
                 "acc": float((logits.argmax(1) == self.yte).float().mean()) * 100.0}
 
 
+def gpt2_rank_batch(settings: dict, world: int) -> int:
+    """Sequences per rank and step: ``model.batch`` where set, else ``global_batch / world``."""
+    batch = settings["model"].get("batch")
+    if batch:
+        return int(batch)
+    if settings["global_batch"] % world:
+        raise ValueError(f"global batch {settings['global_batch']} is not a multiple of {world} ranks")
+    return settings["global_batch"] // world
+
+
 class ByteGPT2(Task):
     """The byte-level GPT-2 of `benchmarks.workload` on stdlib source; held-out loss is the mean
-    over fixed eval batches (the same for every seed), which the ranks share out and all-reduce."""
+    over fixed eval batches (the same for every seed and world size), which the ranks share out
+    and all-reduce. The per-rank batch is either fixed or a fixed global batch split over ranks
+    (`gpt2_rank_batch`), so that every world size solves the same optimisation problem."""
 
     metric_name = "eval_loss"
 
@@ -160,10 +173,11 @@ class ByteGPT2(Task):
         from dad_examples.text_data import byte_lm_batches, stdlib_source_bytes
 
         self.s, self.seed, self.rank, self.world = settings, seed, rank, world
-        self.w = Workload(**settings["model"], lr=settings["lr"], seed=seed)
+        self.w = Workload(**dict(settings["model"], batch=gpt2_rank_batch(settings, world)), lr=settings["lr"],
+                          seed=seed)
         # one corpus for every seed (seed 0); the seed changes the weights and the batch order
         self.data = stdlib_source_bytes(max_bytes=settings.get("data_bytes", 2_000_000), seed=0)
-        ev = byte_lm_batches(self.data, settings.get("eval_batch", self.w.batch), self.w.seq, seed=0, split="eval")
+        ev = byte_lm_batches(self.data, settings["eval_batch"], self.w.seq, seed=0, split="eval")
         self.eval_batches = [next(ev) for _ in range(settings["eval_batches"])]
         self.steps = settings["steps"]
         self.eval_steps = sorted(set(range(0, self.steps, settings["eval_every"])) | {self.steps})
@@ -211,7 +225,7 @@ class Runner:
     """One method's model, wrapper (DDP or dAD) and optimizer; `step` trains one counted step."""
 
     def __init__(self, method: str, task: Task, init_state: dict, spec: dict, seed: int,
-                 counter: CollectiveCounter):
+                 counter: "CollectiveCounter"):
         self.method, self.task, self.counter = method, task, counter
         model = task.build_model()
         model.load_state_dict(init_state)
@@ -251,13 +265,14 @@ class Runner:
         self.counted: List[float] = []
         self.reported: List[float] = []
         self.times: List[float] = []
+        self.cpu_times: List[float] = []
         self.evals: List[Dict[str, float]] = []
 
     def step(self, batch) -> None:
         """Forward, backward, synchronisation and optimizer step, with the bytes counted."""
         self.counter.reset()
         with self.counter:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             loss = self.task.loss(self.fwd, batch)
             loss.backward()
             if self.sync is not None:
@@ -265,6 +280,7 @@ class Runner:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.times.append(time.perf_counter() - start)
+            self.cpu_times.append(time.process_time() - cpu)
         self.counted.append(self.counter.traffic().sent)
         self.losses.append(float(loss.detach()))
         if self.sync is not None:
@@ -306,12 +322,14 @@ def run_seed(workload: str, spec: dict, seed: int, progress: Callable) -> List[d
     task = make_task(workload, spec["settings"][workload], seed, rank, world)
     torch.manual_seed(seed)
     init_state = {k: v.clone() for k, v in task.build_model().state_dict().items()}
+    from dad_integrations.comm_counter import CollectiveCounter
+
     counter = CollectiveCounter(dist)
     runners = [Runner(m, task, init_state, spec, seed, counter) for m in spec["methods"]]
     batches = task.batches()
     evals_at = set(task.eval_steps)
     bar = progress(total=task.steps, desc=f"{workload} S={world} seed={seed}")
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for step in range(task.steps + 1):
         if step in evals_at:
             for r in runners:
@@ -324,6 +342,9 @@ def run_seed(workload: str, spec: dict, seed: int, progress: Callable) -> List[d
         bar.update(1)
     bar.close()
     wall = time.perf_counter() - started
+    # CPU seconds of the training loop, all ranks together (every thread of every rank process):
+    # divided by the machine's cores, the loop's wall time on an otherwise idle machine
+    cpu = _mean_over_ranks([time.process_time() - cpu_started])[0] * world
     records = []
     for r in runners:
         counted = _mean_over_ranks(r.counted)
@@ -350,8 +371,10 @@ def run_seed(workload: str, spec: dict, seed: int, progress: Callable) -> List[d
             "eval_loss": [e["loss"] for e in r.evals],
             "eval_acc": [e["acc"] for e in r.evals] if "acc" in r.evals[-1] else None,
             "step_s_median": sorted(r.times)[len(r.times) // 2],
+            # CPU seconds of one rank's step (all its threads), mean over steps and ranks
+            "step_cpu_s": _mean_over_ranks([sum(r.cpu_times) / len(r.cpu_times)])[0],
             "rank_divergence": r.divergence(),
-            "seed_wall_s": wall,
+            "seed_wall_s": wall, "seed_cpu_s": cpu,
         }
         records.append(rec)
         r.close()
@@ -403,3 +426,4 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+        log.debug("process group destroyed")

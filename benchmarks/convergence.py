@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks._convergence_ranks import DAD_METHODS, DDP_METHODS, MLP_WORKLOADS, WORKLOADS
+from benchmarks._convergence_ranks import DAD_METHODS, DDP_METHODS, MLP_WORKLOADS, WORKLOADS, gpt2_rank_batch
 
 log = logging.getLogger("benchmarks.convergence")
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,28 +62,29 @@ DEFAULT_METHODS = ("allreduce", "powersgd", "dad-auto", "dad-rank")
 KNOWN_METHODS = DDP_METHODS + tuple(DAD_METHODS)
 
 _MLP = {"batch": 32, "epochs": 10, "eval_every": None, "steps": None, "rank": 2}
-_GPT2_MODEL = {"n_embd": 256, "n_layer": 2, "n_head": 4, "seq": 128, "batch": 4}
+# batch None: the global batch (sequences per step, all ranks together) is split over the ranks
+_GPT2_MODEL = {"n_embd": 256, "n_layer": 2, "n_head": 4, "seq": 128, "batch": None}
 PRESETS: Dict[str, dict] = {
     # the full spec: 3 MLP seeds x 10 epochs, 2 GPT-2 seeds x 300 steps, at 2 and 4 ranks
     "default": {
         "ranks": [2, 4], "workloads": list(WORKLOADS), "seeds": {"mlp-adam": 3, "mlp-sgd": 3, "gpt2": 2},
         "mlp-adam": dict(_MLP, lr=1e-3), "mlp-sgd": dict(_MLP, lr=0.05),
-        "gpt2": {"model": dict(_GPT2_MODEL), "lr": 1e-3, "steps": 300, "eval_every": 50, "eval_batches": 8,
-                 "rank": 4},
+        "gpt2": {"model": dict(_GPT2_MODEL), "global_batch": 4, "lr": 1e-3, "steps": 300, "eval_every": 50,
+                 "eval_batches": 8, "eval_batch": 8, "rank": 4},
     },
     # a few minutes at 2 ranks: fewer epochs, steps and seeds, same models
     "quick": {
         "ranks": [2, 4], "workloads": list(WORKLOADS), "seeds": {"mlp-adam": 2, "mlp-sgd": 2, "gpt2": 1},
         "mlp-adam": dict(_MLP, lr=1e-3, epochs=5), "mlp-sgd": dict(_MLP, lr=0.05, epochs=5),
-        "gpt2": {"model": dict(_GPT2_MODEL), "lr": 1e-3, "steps": 60, "eval_every": 20, "eval_batches": 4,
-                 "rank": 4},
+        "gpt2": {"model": dict(_GPT2_MODEL), "global_batch": 4, "lr": 1e-3, "steps": 60, "eval_every": 20,
+                 "eval_batches": 4, "eval_batch": 8, "rank": 4},
     },
     # seconds: for tests (a tiny GPT-2 if asked for with --workloads)
     "smoke": {
         "ranks": [2], "workloads": ["mlp-adam"], "seeds": {"mlp-adam": 1, "mlp-sgd": 1, "gpt2": 1},
         "mlp-adam": dict(_MLP, lr=1e-3, steps=8, eval_every=4), "mlp-sgd": dict(_MLP, lr=0.05, steps=8, eval_every=4),
         "gpt2": {"model": {"n_embd": 32, "n_layer": 1, "n_head": 2, "seq": 16, "batch": 2}, "lr": 1e-3, "steps": 6,
-                 "eval_every": 3, "eval_batches": 2, "rank": 2},
+                 "eval_every": 3, "eval_batches": 2, "eval_batch": 2, "rank": 2},
     },
 }
 #: targets per workload: (description, check(summary of one setting) -> (met, detail)) built below
@@ -123,7 +124,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--mlp-steps", type=int, help="steps instead of epochs")
     p.add_argument("--mlp-batch", type=int, help="rows per rank and step")
     p.add_argument("--gpt2-steps", type=int)
-    p.add_argument("--gpt2-batch", type=int, help="sequences per rank and step")
+    p.add_argument("--gpt2-batch", type=int, help="sequences per rank and step (default: the global batch / ranks)")
+    p.add_argument("--gpt2-global-batch", type=int, help="sequences per step, all ranks together")
     p.add_argument("--gpt2-eval-every", type=int)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -147,6 +149,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             plan["gpt2"][key] = v
     if args.gpt2_batch is not None:
         plan["gpt2"]["model"]["batch"] = args.gpt2_batch
+    if args.gpt2_global_batch is not None:
+        plan["gpt2"]["global_batch"] = args.gpt2_global_batch
+        plan["gpt2"]["model"]["batch"] = None
     try:
         args.dad_extra = json.loads(args.dad_extra)
         variants = {}
@@ -165,6 +170,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     bad += [str(r) for r in plan["ranks"] if r < 2]
     if bad:
         p.error(f"unknown methods or workloads, or world sizes below 2: {bad}")
+    if "gpt2" in plan["workloads"]:
+        for world in plan["ranks"]:
+            try:
+                gpt2_rank_batch(plan["gpt2"], world)
+            except ValueError as e:
+                p.error(f"gpt2: {e} (--gpt2-global-batch or --gpt2-batch)")
     args.plan = plan
     return args
 
@@ -192,6 +203,7 @@ def run_world(args: argparse.Namespace, world: int, workdir: str) -> Tuple[List[
             "out_dir": workdir, "timeout_s": args.timeout, "progress": not args.no_progress,
             "log_level": logging.DEBUG if args.verbose else logging.INFO}
     mp.spawn(rank_main, args=(world, _free_port(), spec), nprocs=world, join=True)
+    log.debug("%d ranks joined", world)
     records, walls = [], {}
     for w in plan["workloads"]:
         with open(Path(workdir) / f"{w}-S{world}.json") as fh:
@@ -280,15 +292,16 @@ def _fmt_bytes(b: Optional[float]) -> str:
     return f"{b:.1f} GB"
 
 
-def _describe(workload: str, row: dict, plan: dict) -> str:
+def _describe(workload: str, world: int, row: dict, plan: dict) -> str:
     s = plan[workload]
     if workload in MLP_WORKLOADS:
         opt = "Adam" if MLP_WORKLOADS[workload] == "adam" else "SGD (momentum 0.9)"
         return (f"MLP 64-256-256-10 on digits, {opt} lr {s['lr']:g}, {row['steps']} steps, "
                 f"batch {s['batch']} per rank, rank r = {row['rank']}")
     m = s["model"]
-    return (f"byte-level GPT-2 ({m['n_embd']}x{m['n_layer']} layers, seq {m['seq']}), AdamW lr {s['lr']:g}, "
-            f"{row['steps']} steps, batch {m['batch']} per rank, rank r = {row['rank']}")
+    return (f"byte-level GPT-2 (n_embd {m['n_embd']}, {m['n_layer']} layers, seq {m['seq']}), AdamW lr {s['lr']:g}, "
+            f"{row['steps']} steps, batch {gpt2_rank_batch(s, world)} sequences per rank, rank r = {row['rank']}; "
+            f"held-out loss over {s['eval_batches']} x {s['eval_batch']} sequences")
 
 
 def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict) -> str:
@@ -301,7 +314,7 @@ def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict) -> str:
         head = ["method", "test acc % (mean ± std)" if acc else "held-out loss (mean ± std)", "seeds"]
         head += ["test loss"] if acc else []
         head += ["bytes/step/rank", "x PowerSGD", "x all-reduce", "dAD report bytes/step", "median step"]
-        lines += [f"### {workload}, {world} ranks", "", _describe(workload, mine[0], plan) + ".", "",
+        lines += [f"### {workload}, {world} ranks", "", _describe(workload, world, mine[0], plan) + ".", "",
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in mine:
             metric = (f"{r['metric_mean']:.2f} ± {r['metric_std']:.2f}" if acc
