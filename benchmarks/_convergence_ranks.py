@@ -267,6 +267,7 @@ class Runner:
         self.times: List[float] = []
         self.cpu_times: List[float] = []
         self.evals: List[Dict[str, float]] = []
+        self.last_report = None
 
     def step(self, batch) -> None:
         """Forward, backward, synchronisation and optimizer step, with the bytes counted."""
@@ -284,7 +285,8 @@ class Runner:
         self.counted.append(self.counter.traffic().sent)
         self.losses.append(float(loss.detach()))
         if self.sync is not None:
-            self.reported.append(float(self.sync.last_step_report().totals["sent_bytes"]))
+            self.last_report = self.sync.last_step_report()
+            self.reported.append(float(self.last_report.totals["sent_bytes"]))
 
     def evaluate(self) -> None:
         self.evals.append(self.task.evaluate(self.model))
@@ -375,6 +377,11 @@ def run_seed(workload: str, spec: dict, seed: int, progress: Callable) -> List[d
             "step_cpu_s": _mean_over_ranks([sum(r.cpu_times) / len(r.cpu_times)])[0],
             "rank_divergence": r.divergence(),
             "seed_wall_s": wall, "seed_cpu_s": cpu,
+            # dAD: rank 0's last step, per parameter: route and bytes (beside all-reduce's)
+            "report": None if r.last_report is None else [
+                {"name": p.name, "representation": p.representation, "shape": list(p.shape),
+                 "components": p.components, "sent": p.sent_bytes, "allreduce": p.allreduce_bytes}
+                for p in r.last_report.params],
         }
         records.append(rec)
         r.close()

@@ -240,7 +240,8 @@ def summarise(records: Sequence[dict]) -> List[dict]:
             "steps": recs[0]["steps"], "rank": recs[0]["rank"], "optimizer": recs[0]["optimizer"],
         })
     for row in rows:
-        same = {r["method"]: r for r in rows if (r["workload"], r["world_size"]) == (row["workload"], row["world_size"])}
+        key = (row["workload"], row["world_size"])
+        same = {r["method"]: r for r in rows if (r["workload"], r["world_size"]) == key}
         for ref in ("powersgd", "allreduce"):
             b = same.get(ref, {}).get("bytes_per_step")
             row[f"x_{ref}"] = row["bytes_per_step"] / b if b else None
@@ -262,7 +263,7 @@ def check_targets(rows: Sequence[dict]) -> List[dict]:
         if auto is None:
             continue
 
-        def add(target: str, met: bool, detail: str) -> None:
+        def add(target: str, met: bool, detail: str, workload: str = workload, world: int = world) -> None:
             out.append({"workload": workload, "world_size": world, "target": target, "met": bool(met),
                         "detail": detail})
 
@@ -356,13 +357,16 @@ def _smooth(xs: Sequence[float], window: int) -> List[float]:
 
 
 def plots(records: Sequence[dict], out: Path) -> List[str]:
-    """``convergence_loss.png`` (training loss, smoothed, and held-out loss against step) and
-    ``convergence_bytes.png`` (held-out loss against cumulative bytes sent per rank), one panel per
-    workload and world size, curves averaged over seeds."""
+    """``convergence_loss.png`` (loss against step) and ``convergence_bytes.png`` (loss against
+    cumulative bytes sent per rank, log scale), one panel per workload and world size: thin solid
+    lines the training loss (mean over ranks and seeds, moving average), dashed lines with markers
+    the held-out loss (mean over seeds). Methods that coincide (dad-auto choosing rank-r for every
+    weight is dad-rank) are told apart by their markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in records)]
     worlds = sorted({r["world_size"] for r in records})
@@ -371,36 +375,47 @@ def plots(records: Sequence[dict], out: Path) -> List[str]:
         if r["method"] not in methods:
             methods.append(r["method"])
     colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    markers = {m: "osv^Dx+*"[i % 8] for i, m in enumerate(methods)}
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    # minor ticks of a log axis: label 2x and 5x a power of ten only
+    sparse = FuncFormatter(lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5)
+                           else "")
     files = []
     for name, xlabel in (("convergence_loss.png", "step"), ("convergence_bytes.png", "cumulative bytes sent per rank")):
-        fig, axes = plt.subplots(len(workloads), len(worlds), figsize=(4.6 * len(worlds), 3.3 * len(workloads)),
+        by_bytes = name == "convergence_bytes.png"
+        fig, axes = plt.subplots(len(workloads), len(worlds), figsize=(4.8 * len(worlds), 3.4 * len(workloads)),
                                  squeeze=False)
         for i, w in enumerate(workloads):
             for j, world in enumerate(worlds):
                 ax = axes[i][j]
-                for m in methods:
+                for k, m in enumerate(methods):
                     recs = [r for r in records if (r["workload"], r["world_size"], r["method"]) == (w, world, m)]
                     if not recs:
                         continue
                     steps = recs[0]["eval_steps"]
                     held = _mean_curve([r["eval_loss"] for r in recs])
                     train = _mean_curve([r["train_loss"] for r in recs])
+                    train = _smooth(train, max(1, len(train) // 25))
                     cum = _mean_curve([r["cum_bytes"] for r in recs])
-                    if name == "convergence_loss.png":
-                        window = max(1, len(train) // 25)
-                        ax.plot(range(1, len(train) + 1), _smooth(train, window), color=colors[m], lw=1, alpha=0.6)
-                        ax.plot(steps, held, color=colors[m], ls="--", marker="o", ms=3, lw=1.2, label=m)
-                    else:
+                    if by_bytes:  # the loss after step s against the bytes of steps 1..s
+                        ax.plot(cum, train, color=colors[m], lw=0.8, alpha=0.45)
                         pts = [(cum[s - 1], h) for s, h in zip(steps, held) if s > 0]
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[m], marker="o", ms=3,
-                                lw=1.2, label=m)
-                        ax.set_xscale("log")
-                ax.set_yscale("log")
+                        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+                    else:
+                        ax.plot(range(1, len(train) + 1), train, color=colors[m], lw=0.8, alpha=0.45)
+                        xs, ys = steps, held
+                    ax.plot(xs, ys, color=colors[m], ls="--", marker=markers[m], ms=4 + (len(methods) - k) * 0.6,
+                            mfc="none" if k % 2 else colors[m], lw=1.2, label=m)
+                if by_bytes:
+                    ax.set_xscale("log")
+                if w in MLP_WORKLOADS:
+                    ax.set_yscale("log")
+                    ax.yaxis.set_major_formatter(plain)
+                    ax.yaxis.set_minor_formatter(sparse)
                 ax.set_title(f"{w}, {world} ranks", fontsize=9)
                 ax.set_xlabel(xlabel, fontsize=8)
-                ax.set_ylabel("held-out loss" + (" (--), train loss (-)" if name == "convergence_loss.png" else ""),
-                              fontsize=8)
-                ax.tick_params(labelsize=7)
+                ax.set_ylabel("loss: held-out (--), train (-)", fontsize=8)
+                ax.tick_params(labelsize=7, which="both")
                 ax.grid(alpha=0.3, which="both")
         axes[0][0].legend(fontsize=7)
         fig.tight_layout()
