@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"override the preset's {key}")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dad-error-feedback", action="store_true", help="dad-rank with error feedback")
+    p.add_argument("--dad-no-error-feedback", action="store_true",
+                   help="dad-rank and dad-auto without error feedback (on by default)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--phase-timeout", type=float, default=900, help="seconds per network condition")
     # internal: run one phase (inside the namespace for shaped links)
@@ -118,7 +119,7 @@ def _phase_spec(args, net: str, out_file: str) -> dict:
     w = Workload(n_embd=s["n_embd"], n_layer=s["n_layer"], n_head=s["n_head"], seq=s["seq"], batch=s["batch"],
                  lr=args.lr, seed=args.seed)
     return {"net": net, "out": out_file, "methods": args.methods, "workload": asdict(w),
-            "opts": {"rank": s["rank"], "dad_error_feedback": args.dad_error_feedback},
+            "opts": {"rank": s["rank"], "dad_error_feedback": not args.dad_no_error_feedback},
             "steps": s["shaped_steps"] if shaped else s["steps"],
             "local_steps": min(s["local_steps"], s["shaped_steps"]) if shaped else s["local_steps"],
             "nocomm_steps": 0 if shaped else s["nocomm_steps"],
@@ -343,7 +344,7 @@ def main(argv=None) -> int:
     targets = check_targets(records, phases)
     table = markdown_table(records)
     meta = {"settings": args.settings, "preset": args.preset, "lr": args.lr, "seed": args.seed,
-            "dad_error_feedback": args.dad_error_feedback, "skipped": skipped,
+            "dad_error_feedback": not args.dad_no_error_feedback, "skipped": skipped,
             "link_bytes_per_s": {n: p["link_bytes_per_s"] for n, p in phases.items() if p},
             "phase_wall_s": {n: p["wall_s"] for n, p in phases.items() if p},
             "total_wall_s": time.perf_counter() - started, "targets": targets,
