@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 
 from benchmarks import net_shaping
 from benchmarks._ranks import METHODS
-from benchmarks.workload import Workload
+from benchmarks.workload import Workload, fmt_bytes
 
 NETS = ("loopback", "1gbit", "100mbit")
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,16 +230,6 @@ def check_targets(records: List[dict], phases: Dict[str, Optional[dict]]) -> Lis
     return out
 
 
-def _fmt_bytes(b: Optional[float]) -> str:
-    if b is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if b < 1024 or unit == "GB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return f"{b:.1f} GB"
-
-
 def _fmt_s(v: Optional[float]) -> str:
     return "null" if v is None else f"{v * 1000:.1f} ms"
 
@@ -253,7 +243,7 @@ def markdown_table(records: List[dict]) -> str:
         ratio = f"{r['bytes_per_step'] / ar:.4f}" if ar else "-"
         mem = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f} MB"
         over = "-" if r["compute_overhead_s"] is None else f"{r['compute_overhead_s'] * 1000:+.1f} ms"
-        lines.append(f"| {r['method']} | {_fmt_bytes(r['bytes_per_step'])} | {ratio} | {_fmt_s(r['step_s_loopback'])} "
+        lines.append(f"| {r['method']} | {fmt_bytes(r['bytes_per_step'])} | {ratio} | {_fmt_s(r['step_s_loopback'])} "
                      f"| {_fmt_s(r['step_s_1gbit'])} | {_fmt_s(r['step_s_100mbit'])} | {_fmt_s(r['step_s_local'])} "
                      f"| {over} | {mem} | {r['final_loss']:.4f} |")
     return "\n".join(lines)
