@@ -141,6 +141,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--gpt2-batch", type=int, help="sequences per rank and step (default: the global batch / ranks)")
     p.add_argument("--gpt2-global-batch", type=int, help="sequences per step, all ranks together")
     p.add_argument("--gpt2-eval-every", type=int)
+    p.add_argument("--keep-other-ranks", metavar="JSON",
+                   help="an earlier convergence.json: keep its records (and their meta) for the world sizes "
+                        "not run now, e.g. to rerun --ranks 2 after a change that leaves 4 ranks as they were")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--timeout", type=float, default=600, help="seconds a collective may wait before the run aborts")
@@ -451,11 +454,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             walls[str(world)] = dict(wall, total=time.perf_counter() - t0)
             log.info("%d ranks done in %.0f s (%s)", world, walls[str(world)]["total"],
                      ", ".join(f"{w} {s:.0f} s" for w, s in wall.items()))
-    rows = summarise(records)
-    targets = check_targets(rows)
     meta = {"preset": args.preset, "plan": plan, "methods": args.methods, "dad_extra": args.dad_extra,
             "dad_variants": args.dad_variants, "wall_s": walls, "total_wall_s": time.perf_counter() - started,
             "argv": list(sys.argv[1:] if argv is None else argv)}
+    if args.keep_other_ranks:
+        with open(args.keep_other_ranks) as fh:
+            earlier = json.load(fh)
+        kept = [r for r in earlier["records"] if r["world_size"] not in plan["ranks"]]
+        records += kept
+        meta["kept_from_earlier_run"] = {"worlds": sorted({r["world_size"] for r in kept}), "meta": earlier["meta"]}
+        plan = dict(plan, ranks=sorted({r["world_size"] for r in records}))
+    rows = summarise(records)
+    targets = check_targets(rows)
     with open(out / "convergence.json", "w") as fh:
         json.dump({"meta": meta, "summary": rows, "targets": targets, "records": records}, fh, indent=1)
     text = markdown(rows, targets, plan)

@@ -61,7 +61,8 @@ class DADConfig:
             gradient-sized residual per rank-routed weight and rank (as PowerSGD's hook keeps);
             nothing for exact or dense weights. ``False`` saves that memory.
         adaptive_tolerance: in (0, 1]; send the fewest components (at most ``rank``) whose
-            captured share of the local gradient's energy reaches it.
+            captured share of the local gradient's energy reaches it (each site's own factors: it
+            makes the rank route the all-gather).
         wire_dtype: dtype of factors and dense buckets on the wire; None keeps the gradients' dtype.
         layer_kinds: which layer kinds are captured as factors.
         exclude: ``fnmatch`` patterns of module names whose parameters always go dense.
@@ -72,8 +73,8 @@ class DADConfig:
         rank_route: how rank-r information is shared: ``"allgather"`` (rank-dAD: every rank's own
             rank-r factors, ``(S-1) r (m+n)`` per rank, a rank ``S r`` rebuild), ``"allreduce"``
             (PowerSGD's shared power iteration: ``2 (S-1)/S r (m+n)``, flat in S, rank r of the
-            average), or ``"auto"`` (the default): per weight the fewer bytes, the all-gather on
-            ties (at two sites, where its rank ``2 r`` rebuild is the better one).
+            average), or ``"auto"`` (the default): per weight the fewer bytes, the all-reduce on
+            ties (at two sites: it trained better there, see `router`).
     """
 
     mode: str = "auto"
@@ -114,6 +115,9 @@ class DADConfig:
             raise ValueError(f"dad config key 'adaptive_tolerance': must be in (0, 1] or None, got {tol!r}")
         if self.rank_route not in RANK_ROUTES:
             raise ValueError(f"dad config key 'rank_route': {self.rank_route!r} is not one of {RANK_ROUTES}")
+        if self.rank_route == "allreduce" and tol is not None:
+            raise ValueError("dad config key 'adaptive_tolerance': an adaptive rank applies to each site's own "
+                             "factors (rank_route 'allgather' or 'auto'), not to the shared all-reduce")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
         for key in ("layer_kinds", "exclude"):

@@ -48,10 +48,11 @@ def _two_rank_cases() -> dict:
                                "config": {"mode": "rank", "rank": 8, "adaptive_tolerance": 0.5}},
         "grad-autocast-bf16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact"},
                                "autocast": "bfloat16"},
+        # the all-gather route's rebuild: the mean of the sites' own rank-r approximations
         "rankq-gpt2": {"kind": "rank_quality", "model": "gpt2", "uneven": True,
-                       "config": {"mode": "rank", "rank": 2, "power_iterations": 10}},
+                       "config": {"mode": "rank", "rank": 2, "power_iterations": 10, "rank_route": "allgather"}},
         "rankq-mlp": {"kind": "rank_quality", "model": "mlp", "batch": 8,
-                      "config": {"mode": "rank", "rank": 2, "power_iterations": 10}},
+                      "config": {"mode": "rank", "rank": 2, "power_iterations": 10, "rank_route": "allgather"}},
         "grad-wire-fp16": {"kind": "grad", "model": "gpt2", "config": {"mode": "exact", "wire_dtype": "float16"}},
         "train-gpt2-error-feedback": {"kind": "train", "model": "gpt2", "steps": 20,
                                       "config": {"mode": "rank", "rank": 2, "error_feedback": True}},

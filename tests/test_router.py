@@ -70,9 +70,12 @@ def test_predicted_route_never_costs_more_than_all_reduce(rows):
 
 def test_rank_route_by_bytes():
     """The all-reduce route's bytes are flat in the sites; the all-gather's grow: auto takes the
-    all-gather at two sites (a tie, and a rank S r rebuild) and the all-reduce beyond."""
+    all-reduce beyond two sites, and at two (a tie) too, where it trained better; the all-gather
+    only when asked for."""
     cfg = DADConfig(mode="rank", rank=4, rank_route="auto")
-    assert route(cfg, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank", False)
+    assert route(cfg, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank_allreduce", False)
+    gather2 = DADConfig(mode="rank", rank=4, rank_route="allgather")
+    assert route(gather2, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank", False)
     assert route(cfg, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank_allreduce", False)
     forced = DADConfig(mode="rank", rank=4, rank_route="allreduce")
     assert route(forced, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank_allreduce", False)
@@ -100,11 +103,15 @@ def _auto_choice(unit, rows, sites, rank=4):
 
 def test_auto_takes_each_of_the_four_routes_where_it_is_fewest_bytes():
     """Per layer, from the rows, the shape and the sites: exact with few rows, dense for a small
-    weight, the all-gather at two sites, the all-reduce at many."""
+    weight, the rank-r all-reduce with many rows; the all-gather where it is fewer bytes (it never
+    is with all-gather's (S-1) against all-reduce's 2 (S-1)/S, so: only when it is the one allowed)."""
     assert _auto_choice(WIDE, 1, 8)[0] == "exact"
     assert _auto_choice(UnitShape(("linear",), (4, 4), 4, torch.float32), 4096, 8)[0] == "dense"
-    assert _auto_choice(WIDE, 4096, 2)[0] == "rank"
+    assert _auto_choice(WIDE, 4096, 2)[0] == "rank_allreduce"   # a tie with the all-gather
     assert _auto_choice(WIDE, 4096, 8)[0] == "rank_allreduce"
+    from dad_integrations.router import choose
+    assert choose("auto", {"dense": 9.0, "exact": 8.0, "rank": 1.0, "rank_allreduce": 2.0},
+                  rank_allowed=True) == "rank"
     assert _auto_choice(EMBEDDING, 4096, 64)[0] == "rank_allreduce"   # position embeddings compress
 
 
@@ -124,3 +131,11 @@ def test_auto_never_sends_more_than_powersgd_per_weight(sites):
                     psgd = powersgd_bytes((m, n), rank, sites, 4)[0] + (
                         powersgd_bytes((bias,), rank, sites, 4)[0] if bias else 0)
                     assert ours <= psgd * (1 + 1e-12), (kinds, (m, n), rows, rank, ours, psgd)
+
+
+def test_adaptive_rank_takes_the_all_gather():
+    """An adaptive rank applies to each site's own factors; with the shared all-reduce it is refused."""
+    cfg = DADConfig(mode="rank", rank=8, adaptive_tolerance=0.5)
+    assert route(cfg, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank", False)
+    with pytest.raises(ValueError, match="adaptive_tolerance"):
+        DADConfig(mode="rank", rank=8, adaptive_tolerance=0.5, rank_route="allreduce")
