@@ -37,6 +37,7 @@ all-to-all of ``left``'s column slices (DESIGN section 4) would save ``(S-1)/S``
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -147,6 +148,11 @@ class FSDPDADSynchronizer:
         self._aggregators: Dict[int, TorchDistributedAggregator] = {}
         self._with_grad: Dict[int, list] = {}
         self._verified: set = set()            # ids of param groups whose first call was checked
+        # Rows become the hook's to send only once autograd has accumulated the weight's gradient
+        # (FSDP's post_backward can run between a call's output gradient and that accumulation):
+        self._committed: Dict[int, list] = {}  # per capture id: pairs already in the local gradient
+        self._watched: Dict[int, tuple] = {}   # per unsharded parameter id: (parameter, hook handle)
+        self._hooks: list = []
 
         groups = []
         for module in model.modules():
@@ -196,6 +202,9 @@ class FSDPDADSynchronizer:
                     self._log_once(f"{b.name}: not in its weight's FSDP group as a row block: dense")
             unit.biases = kept
             self._unit_of_weight[id(unit.param)] = unit
+            for capture in unit.uses:
+                self._hooks.append(capture.module.register_forward_hook(
+                    functools.partial(self._watch_unsharded, unit)))
 
         self._installed = []
         for module, pg in groups:
@@ -233,6 +242,20 @@ class FSDPDADSynchronizer:
         module.set_custom_reduce_scatter(DADReduceScatter(self, pg))
         self._installed.append((module, pg))
 
+    def _watch_unsharded(self, unit: FactorUnit, module: nn.Module, args, output) -> None:
+        """During forward ``module.weight`` is FSDP's unsharded parameter: hook its accumulation once."""
+        p = module.weight
+        if id(p) not in self._watched and p.requires_grad:
+            handle = p.register_post_accumulate_grad_hook(functools.partial(self._commit, unit))
+            self._watched[id(p)] = (p, handle)
+
+    def _commit(self, unit: FactorUnit, param: torch.Tensor) -> None:
+        """Autograd has added every call's contribution captured so far to the unsharded gradient."""
+        for capture in unit.uses:
+            if capture.pairs:
+                self._committed.setdefault(id(capture), []).extend(capture.pairs)
+                capture.pairs = []
+
     def close(self) -> None:
         """Give the reductions back to FSDP and remove the capture hooks."""
         if self._closed:
@@ -243,6 +266,12 @@ class FSDPDADSynchronizer:
             module.set_custom_reduce_scatter(DefaultReduceScatter())
         for capture in self.plan.captures:
             capture.remove()
+        for h in self._hooks:
+            h.remove()
+        for _, handle in self._watched.values():
+            handle.remove()
+        self._watched.clear()
+        self._committed.clear()
 
     def last_step_report(self) -> Optional[ShardedStepReport]:
         """The report of the latest backward that reduced gradients (None before the first)."""
@@ -349,7 +378,7 @@ class FSDPDADSynchronizer:
         dtype = unit.param.dtype
         out = []
         for capture in unit.uses:
-            pairs = capture.take()
+            pairs = self._committed.pop(id(capture), [])
             if pairs:
                 left = torch.cat([l for l, _ in pairs]) if len(pairs) > 1 else pairs[0][0]
                 right = torch.cat([r for _, r in pairs]) if len(pairs) > 1 else pairs[0][1]
