@@ -349,11 +349,21 @@ class FSDPDADSynchronizer:
             dense_bytes = (S - 1) * (ws.numel + sum(b.numel for b in bslots)) * itemsize
             codec = ExactCodec(self._wire, inp.device)
             sizes = codec.sizes(unit, rows_by_rank[unit.index])
-            exact_bytes = (S - 1) * max(sizes)
+            sliced = unit.factors_only and S > 1
+            if sliced:  # all-gather of right, all-to-all of left's column slices
+                longest = [max(r[u] for r in rows_by_rank[unit.index]) for u in range(len(unit.uses))]
+                w = torch.empty((), dtype=codec.wire(unit)).element_size()
+                exact_bytes = (S - 1) * sum(longest) * (unit.param.shape[1] + ws.rows) * w
+            else:       # the exact codec's whole factors, all-gathered
+                exact_bytes = (S - 1) * max(sizes)
             if self.config.mode == "auto" and exact_bytes >= dense_bytes:
                 continue  # the reduce-scatter moves no more bytes: keep it
-            self._exact(unit, codec, rows[unit.index], rows_by_rank[unit.index], sizes, ws, bslots, out,
-                        rank, scale, group, report)
+            if sliced:
+                self._exact_sliced(unit, codec, rows[unit.index], rows_by_rank[unit.index], ws, bslots, out,
+                                   rank, scale, group, report)
+            else:
+                self._exact(unit, codec, rows[unit.index], rows_by_rank[unit.index], sizes, ws, bslots, out,
+                            rank, scale, group, report)
             covered.add(id(ws.fsdp_param))
             covered.update(id(b.fsdp_param) for b in bslots)
 
@@ -498,6 +508,81 @@ class FSDPDADSynchronizer:
                 bias.name, "exact", bs.shape, allreduce_bytes=ring_allreduce_bytes(
                     math.prod(bs.shape) * out.element_size(), group.size()),
                 reduce_scatter_bytes=(group.size() - 1) * bs.numel * out.element_size()))
+
+    def _exact_sliced(self, unit, codec, rows, rows_by_rank, ws: _Slot, bslots: Sequence[_Slot], out, rank,
+                      scale, group, report) -> None:
+        """DESIGN section 4: every rank's ``right`` (all-gather, ``(S-1) N n``) and, from every rank,
+        only this rank's columns ``a:b`` of ``left`` (all-to-all, ``(S-1)/S N m``); rebuild rows a:b."""
+        S = group.size()
+        shape = tuple(unit.param.shape)
+        m, n = shape
+        cdt = compute_dtype(unit.param)
+        wire = codec.wire(unit)
+        c = ws.rows
+        a, b = min(rank * c, m), min((rank + 1) * c, m)
+        nuses = len(unit.uses)
+        counts = [[r[u] for r in rows_by_rank] for u in range(nuses)]      # per use, per rank
+        longest = [max(cu) for cu in counts]
+        # right: one all-gather of this rank's blocks of every use (padded to the longest rank)
+        right_mine = torch.cat([rt.to(wire).reshape(-1) for _, rt in rows]) if rows else torch.zeros(0)
+        handle = self._aggregator(group).all_gather(
+            right_mine, name=f"dad.fsdp.{unit.name}.right",
+            first_dims=[sum(counts[u][s] for u in range(nuses)) * n for s in range(S)])
+        # left: to each rank d, columns [d c, (d+1) c) of every use, rows padded to the longest rank
+        send = torch.zeros(S, sum(longest), c, dtype=wire, device=out.device)
+        row0 = 0
+        for u, (lt, _) in enumerate(rows):
+            lt = lt.to(wire)
+            for d in range(S):
+                lo, hi = min(d * c, m), min((d + 1) * c, m)
+                send[d, row0:row0 + lt.shape[0], :hi - lo] = lt[:, lo:hi]
+            row0 += longest[u]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        a2a_bytes = (S - 1) * send[0].numel() * send.element_size()
+        rights = handle.wait()
+        shard = torch.zeros((c, n), dtype=cdt, device=out.device)
+        d_sums = [None] * nuses
+        for s in range(S):
+            pos, row0 = 0, 0
+            for u in range(nuses):
+                k = counts[u][s]
+                right = rights[s][pos:pos + k * n].view(k, n).to(cdt)
+                left = recv[s, row0:row0 + k].to(cdt)                      # (k, c): columns a:b, padded
+                pos += k * n
+                row0 += longest[u]
+                if k:
+                    shard.addmm_(left.t(), right)
+                    d = left if unit.kinds[u] == "linear" else right
+                    d_sums[u] = d.sum(0) if d_sums[u] is None else d_sums[u] + d.sum(0)
+        shard.mul_(scale)
+        out[ws.offset:ws.offset + ws.numel].copy_(shard.reshape(-1))
+        rep = ShardedParamReport(unit.name, "exact", shape, rows=sum(l.shape[0] for l, _ in rows),
+                                 max_rows=max(sum(r) for r in rows_by_rank), method="sliced",
+                                 allreduce_bytes=ring_allreduce_bytes(m * n * out.element_size(), S),
+                                 reduce_scatter_bytes=(S - 1) * ws.numel * out.element_size())
+        rep.add_traffic(handle.traffic)
+        rep.add_traffic(Traffic(handed=send.numel() * send.element_size(), sent=a2a_bytes, received=a2a_bytes,
+                                calls=1))
+        report.params.append(rep)
+        for bias in unit.biases:
+            bs = next((s for s in bslots if s.fsdp_param.sharded_param is bias.param), None)
+            if bs is None:
+                continue
+            u = unit.uses.index(bias.capture)
+            cb = bs.rows
+            value = torch.zeros(cb, dtype=cdt, device=out.device)
+            if d_sums[u] is not None:
+                if unit.kinds[u] == "linear":   # D's columns a:b are the bias' shard (same padding)
+                    value.copy_(d_sums[u][:cb])
+                else:                           # conv1d: D is whole; the bias is sharded on its own
+                    ab, bb = min(rank * cb, bs.shape[0]), min((rank + 1) * cb, bs.shape[0])
+                    value[:bb - ab] = d_sums[u][ab:bb]
+            out[bs.offset:bs.offset + bs.numel].copy_(value.mul_(scale))
+            report.params.append(ShardedParamReport(
+                bias.name, "exact", bs.shape, allreduce_bytes=ring_allreduce_bytes(
+                    math.prod(bs.shape) * out.element_size(), S),
+                reduce_scatter_bytes=(S - 1) * bs.numel * out.element_size()))
 
     def _dense(self, dense: Sequence[_Slot], out, inp, chunk, S, group, op, report) -> None:
         """FSDP's own reduce-scatter, on a buffer holding only ``dense``'s chunks."""
