@@ -13,13 +13,15 @@ object (`FSDPModule.set_custom_reduce_scatter`; layout and scaling in ``docs/fsd
 `DADReduceScatter` fills this rank's chunk itself:
 
 * a weight the core's `build_plan` covers by factors (``nn.Linear``, HF ``Conv1D``,
-  ``nn.Embedding``, tied uses together) and whose shard is a row block along dim 0: the ranks
-  all-gather their factors (the exact codec's packed buffer, one collective per weight), and each
+  ``nn.Embedding``, tied uses together) and whose shard is a row block along dim 0: each rank
   rebuilds only its rows ``a:b`` of the average. Every kind's gradient is ``left^T right`` in
   `layers`' orientation, with dim 0 on ``left``'s columns, so the rows are ``left[:, a:b]^T right``:
-  the output-gradient columns of a ``Linear``, the input columns of a ``Conv1D``; an embedding keeps
-  the token ids in ``[a, b)``. A bias riding with the weight is the sum of its output-gradient
-  rows, restricted to its own shard;
+  the output-gradient columns of a ``Linear``, the input columns of a ``Conv1D``. For those the
+  ranks all-gather ``right`` and exchange ``left``'s column slices by all-to-all (DESIGN section 4:
+  ``(S-1) N n + (S-1)/S N m`` per rank, rows padded to the longest rank). A unit with an embedding
+  use (GPT-2's tied ``wte``/``lm_head``) all-gathers the exact codec's whole factors and keeps the
+  token ids in ``[a, b)``. A bias riding with the weight is the sum of its output-gradient rows,
+  restricted to its own shard;
 * everything else (norms, parameters factors do not cover, layouts not handled, weights ``auto``
   sends dense) goes through FSDP's own reduce-scatter, on a compacted buffer of just those
   parameters' chunks, with FSDP's op.
@@ -32,8 +34,13 @@ sends them all.
 
 Prototype limits (each falls back to FSDP's own reduce-scatter, logged once): HSDP, ``Shard(d>0)``,
 all-gather extensions, TP (DTensor) parameters, several parameter groups per module. Mode
-``"rank"`` (and ``auto`` with a rank) is not supported yet. Factors are all-gathered whole; the
-all-to-all of ``left``'s column slices (DESIGN section 4) would save ``(S-1)/S`` of ``left``'s bytes.
+``"rank"`` (and ``auto`` with a rank) is not supported yet. Embedding ids are all-gathered whole
+(an all-to-all by id owner would cut them and their rows to ``~1/S``).
+
+Rows are sent only once autograd has accumulated them into the unsharded gradient: FSDP's
+post-backward of a module is triggered by its *inputs'* gradients and can run before the weight's
+``AccumulateGrad`` (a module called twice, with gradients accumulated from a no-sync micro-step,
+showed it), so a post-accumulate-grad hook on the unsharded parameter commits the captured rows.
 """
 from __future__ import annotations
 
