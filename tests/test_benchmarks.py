@@ -89,3 +89,37 @@ def test_compare_smallest_run_writes_every_key(tmp_path):
         assert by[m]["bytes_per_step"] == pytest.approx(by[m]["bytes_counted_per_step"], rel=1e-9)
     assert by["dad-exact"]["final_loss"] == pytest.approx(by["allreduce"]["final_loss"], rel=1e-4)
     assert "skipped" in (tmp_path / "compare.md").read_text()
+
+
+def test_convergence_smoke_writes_every_method(tmp_path):
+    """`python -m benchmarks.convergence --smoke` at 2 ranks: every method has a finite metric and
+    sends bytes, dAD's own report matches the counter at torch.distributed, and the table and both
+    plots are written."""
+    import math
+
+    from benchmarks.convergence import DEFAULT_METHODS
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.convergence", "--smoke", "--ranks", "2",
+                           "--out", str(tmp_path), "--no-progress"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads((tmp_path / "convergence.json").read_text())
+    records = data["records"]
+    assert sorted(r["method"] for r in records) == sorted(DEFAULT_METHODS)
+    for r in records:
+        assert r["world_size"] == 2 and r["workload"] == "mlp-adam"
+        assert math.isfinite(r["metric"]) and 0 <= r["metric"] <= 100, r
+        assert all(math.isfinite(x) for x in r["train_loss"] + r["eval_loss"])
+        assert r["bytes_per_step"] > 0 and all(b > 0 for b in r["bytes_by_step"])
+        assert len(r["cum_bytes"]) == len(r["train_loss"]) == r["steps"]
+        assert r["rank_divergence"] < 1e-6  # every rank holds the same model
+        if r["method"].startswith("dad-"):
+            assert r["bytes_by_step"] == pytest.approx(r["bytes_report_by_step"], rel=1e-9)
+    by = {r["method"]: r for r in records}
+    assert by["powersgd"]["bytes_per_step"] < by["allreduce"]["bytes_per_step"] / 10
+    assert {t["target"] for t in data["targets"]}  # the targets were checked
+    md = (tmp_path / "convergence.md").read_text()
+    assert "mlp-adam, 2 ranks" in md and "x PowerSGD" in md
+    for name in ("convergence_loss.png", "convergence_bytes.png"):
+        assert (tmp_path / name).stat().st_size > 0
