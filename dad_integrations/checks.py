@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from torch import nn
 from .aggregator import FactorAggregator
 from .codecs.exact import local_rebuild
 from .layers import Rows
-from .sink import GradSink
+from .sink import GradSink, ShardSink
 from .units import FactorUnit, SyncPlan
 from .wire import pack, unpack
 
@@ -84,7 +84,7 @@ def broadcast_model(model: nn.Module, aggregator: FactorAggregator, chunk_bytes:
                     t.copy_(value)
 
 
-def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: GradSink) -> bool:
+def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Union[GradSink, ShardSink]) -> bool:
     """Do this rank's factors rebuild the gradients autograd computed locally (weight and biases)?"""
     cdt = torch.float64 if unit.param.dtype == torch.float64 else torch.float32
     # under autocast the output-gradient rows are bf16/fp16 while the inputs may be fp32
