@@ -8,35 +8,29 @@
     optimizer.step()         # every rank's sharded .grad holds its shard of the average
     sync.last_step_report()  # bytes, beside what FSDP2's reduce-scatter would move
 
-FSDP2 hands each parameter group's flat, rank-chunked gradient buffer to a ``ReduceScatter``
-(`FSDPModule.set_custom_reduce_scatter`); `DADReduceScatter` fills this rank's chunk with the core's
-pieces. What lives where:
+FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``ReduceScatter``
+(`FSDPModule.set_custom_reduce_scatter`; layout, scaling and call order in ``docs/fsdp2_notes.md``).
+`DADReduceScatter` fills this rank's output chunk from the core's pieces:
 
-* the algebra and its collectives: `codecs.sharded_exact` (rows ``a:b`` of the average from
-  exact factors; bytes in its doc and in `costs.sharded_exact_bytes`);
-* the decision per weight: `router.route(..., sharded=True)` (reduce-scatter against factors);
-* FSDP's buffers: `sink.ShardSink` (reads local gradients, writes shards and padding);
-* the first-call check: `checks.factors_rebuild_local_grad`;
-* here: finding FSDP's groups, reading their layout and scaling (``docs/fsdp2_notes.md``), taking
-  the captured rows, FSDP's own reduce-scatter for everything else (on a compacted buffer, with
-  FSDP's op), and the report.
+* `codecs.sharded_exact`: the algebra and its collectives (rows ``a:b`` of the average from exact
+  factors; bytes per rank ``(S-1) N n + (S-1)/S N m`` against the reduce-scatter's ``(S-1)/S m n``);
+* `router.route(..., sharded=True)`: per weight, factors or FSDP's reduce-scatter (``auto``);
+* `sink.ShardSink`: FSDP's buffers (local gradients read, shards and padding written);
+* `checks.factors_rebuild_local_grad`: the first call's check; `capture.CommittedRows`: rows are
+  sent only once autograd has added them to the unsharded gradient (FSDP's post-backward can run
+  before the weight's ``AccumulateGrad``).
 
-Results are scaled as FSDP's reduce-scatter would have scaled them; FSDP then post-divides, casts
-and accumulates into the sharded ``.grad``. ``set_requires_gradient_sync(False)`` micro-steps need
-nothing: the hook is not called and the captures keep collecting rows.
+Here: finding FSDP's groups and the parameters each call reduces, FSDP's scaling (results are
+scaled as its reduce-scatter would scale them; FSDP then post-divides, casts and accumulates into
+the sharded ``.grad``), FSDP's own reduce-scatter for the rest (on a compacted buffer, with its op),
+and the report. No-sync micro-steps need nothing: the hook is not called, the captures keep rows.
 
 Limits (each falls back to FSDP's own reduce-scatter, logged once): HSDP, ``Shard(d>0)``, all-gather
 extensions, TP (DTensor) parameters, several parameter groups per module, CPU offload. Rank-dAD
 modes are not supported yet.
-
-Rows are sent only once autograd has accumulated them into the unsharded gradient: FSDP's
-post-backward of a module is triggered by its *inputs'* gradients and can run before the weight's
-``AccumulateGrad`` (a module called twice, after a no-sync micro-step), so a post-accumulate-grad
-hook on the unsharded parameter commits the captured rows.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Dict, List, Mapping, Optional, Tuple, Union
@@ -51,9 +45,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllocM
                                                                     _get_gradient_divide_factors)
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
-from .aggregator import Traffic, ring_allreduce_bytes
-from .checks import factors_rebuild_local_grad
-from .codecs.sharded_exact import ShardedExactCodec
+from .aggregator import Traffic
+from .capture import CommittedRows
+from .checks import agree_factors_rebuild
+from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
 from .config import DADConfig
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
@@ -107,9 +102,6 @@ class FSDPDADSynchronizer:
         self._aggregators: Dict[int, TorchDistributedAggregator] = {}
         self._with_grad: Dict[int, list] = {}  # per group: the FSDPParams its post_backward reduces
         self._verified: set = set()            # groups whose first call was checked
-        self._committed: Dict[int, list] = {}  # per capture: pairs already in the local gradient
-        self._watched: Dict[int, tuple] = {}   # per unsharded parameter: (parameter, hook handle)
-        self._hooks: list = []
         groups = [(m, pg) for m in model.modules() if isinstance(m, FSDPModule) for pg in self._groups_of(m)]
         if not groups:
             raise ValueError("enable_dad_fsdp: no fully_shard-ed module (with a 1-D shard mesh) in the model")
@@ -129,8 +121,7 @@ class FSDPDADSynchronizer:
                     self._log_once(f"{b.name}: not in its weight's FSDP group as a row block: dense")
                     unit.biases.remove(b)
             self._unit_of[id(unit.param)] = unit
-            self._hooks += [c.module.register_forward_hook(functools.partial(self._watch_unsharded, unit))
-                            for c in unit.uses]
+        self._committed = CommittedRows(list(self._unit_of.values()))  # see the module doc's last paragraph
         self._installed = groups
         for module, pg in groups:
             self._install(module, pg)
@@ -177,18 +168,6 @@ class FSDPDADSynchronizer:
         pg.post_backward = post_backward
         module.set_custom_reduce_scatter(DADReduceScatter(self, pg))
 
-    def _watch_unsharded(self, unit: FactorUnit, module: nn.Module, args, output) -> None:
-        """During forward ``module.weight`` is FSDP's unsharded parameter: hook its accumulation once."""
-        p = module.weight
-        if id(p) not in self._watched and p.requires_grad:
-            self._watched[id(p)] = (p, p.register_post_accumulate_grad_hook(functools.partial(self._commit, unit)))
-
-    def _commit(self, unit: FactorUnit, param: torch.Tensor) -> None:
-        """Autograd has added every call's contribution captured so far to the unsharded gradient."""
-        for capture in unit.uses:  # (not `take()`: inputs still waiting for their gradient stay)
-            self._committed.setdefault(id(capture), []).extend(capture.pairs)
-            capture.pairs = []
-
     def close(self) -> None:
         """Give the reductions back to FSDP and remove the capture hooks."""
         if self._closed:
@@ -197,10 +176,9 @@ class FSDPDADSynchronizer:
         for module, pg in self._installed:
             pg.__dict__.pop("post_backward", None)
             module.set_custom_reduce_scatter(DefaultReduceScatter())
-        for handle in self.plan.captures + self._hooks + [h for _, h in self._watched.values()]:
-            handle.remove()
-        self._watched.clear()
-        self._committed.clear()
+        for capture in self.plan.captures:
+            capture.remove()
+        self._committed.remove()
 
     def last_step_report(self) -> Optional[ShardedStepReport]:
         """The report of the latest backward that reduced gradients (None before the first)."""
@@ -223,19 +201,24 @@ class FSDPDADSynchronizer:
         if slots is None:
             self._log_once(f"group {pg._module_fqn or '<root>'}: could not map FSDP's buffer to its parameters; "
                            f"FSDP's reduce-scatter used for the whole group")
-            dist.reduce_scatter_tensor(out, inp, op=op, group=group)
             whole = ShardSlot(f"{pg._module_fqn}.*", None, 0, inp.numel() // S, inp.numel() // S, (inp.numel(),))
-            report.params.append(_param_report(whole, S, inp.element_size(), "dense"))
-            return
+            return self._dense([whole], ShardSink([], out, inp, S), group, op, report)
         predivide, scale = _scaling(pg, group, inp, op)
         sink = ShardSink(slots, out, inp, S, predivide)
         agg = self._aggregators.setdefault(id(group), TorchDistributedAggregator(group))
         units = [u for u in (self._unit_of.get(id(s.param)) for s in slots) if u is not None and not u.dense_only]
-        rows = {u.index: [concat_rows(self._committed.pop(id(c), []), c.kind, tuple(u.param.shape), u.param)
+        rows = {u.index: [concat_rows(self._committed.take(c), c.kind, tuple(u.param.shape), u.param)
                           for c in u.uses] for u in units}
-        counts = self._exchange_counts(units, rows, agg, report)
+        counts, traffic = exchange_row_counts(units, rows, agg)
+        if units:
+            report.params.append(_overhead("dad.fsdp.row_counts", sum(len(u.uses) for u in units), traffic))
         if units and self.config.verify_first_step and id(pg) not in self._verified:
-            units = self._verify(units, rows, sink, agg, report)
+            units, failed, traffic = agree_factors_rebuild(units, rows, sink, agg)
+            report.params.append(_overhead("dad.fsdp.verify", len(units) + len(failed), traffic))
+            for unit in failed:
+                self._log_once(f"{unit.name}: its factors do not rebuild its local gradient on some rank "
+                               f"(a use outside the captured layers?): FSDP's reduce-scatter from now on")
+                unit.set_dense_only(True)
         self._verified.add(id(pg))
         codec = ShardedExactCodec(self._wire, inp.device)
         covered = set()
@@ -250,7 +233,9 @@ class FSDPDADSynchronizer:
             for p in [unit.param] + biases:
                 sink.write(p, result.shards[p])
                 covered.add(id(p))
-                report.params.append(_param_report(sink.slot(p), S, inp.element_size(), "exact"))
+                slot = sink.slot(p)
+                report.params.append(ShardedParamReport.of_shard(slot.name, "exact", slot.shape, slot.numel, S,
+                                                                 inp.element_size()))
             weight = report.params[-1 - len(biases)]  # the bytes go to the weight, biases ride free
             weight.rows = sum(left.shape[0] for left, _ in rows[unit.index])
             weight.max_rows, weight.method = max(sum(r) for r in counts[unit.index]), result.method
@@ -271,35 +256,6 @@ class FSDPDADSynchronizer:
             offset += numel
         return slots if offset * S == inp.numel() else None
 
-    def _exchange_counts(self, units: List[FactorUnit], rows, agg, report) -> Dict[int, List[List[int]]]:
-        """Every rank's row count per unit and use (one small all-gather for the whole call)."""
-        if not units:
-            return {}
-        mine = torch.tensor([l.shape[0] for u in units for l, _ in rows[u.index]], dtype=torch.int64,
-                            device=units[0].param.device)
-        handle = agg.all_gather(mine, name="dad.fsdp.rows", first_dims=[mine.numel()] * agg.world_size)
-        gathered = [t.tolist() for t in handle.wait()]
-        report.params.append(_overhead("dad.fsdp.row_counts", mine.numel(), handle.traffic))
-        out, k = {}, 0
-        for u in units:
-            out[u.index] = [g[k:k + len(u.uses)] for g in gathered]
-            k += len(u.uses)
-        return out
-
-    def _verify(self, units: List[FactorUnit], rows, sink: ShardSink, agg, report) -> List[FactorUnit]:
-        """First call of a group: do the factors rebuild autograd's local gradient on every rank?
-        Units that fail anywhere go dense for good."""
-        flags = torch.tensor([0.0 if factors_rebuild_local_grad(u, rows[u.index], sink) else 1.0 for u in units])
-        handle = agg.all_reduce(flags.to(sink.inp.device), name="dad.fsdp.verify", op="sum")
-        flags = handle.wait().tolist()
-        report.params.append(_overhead("dad.fsdp.verify", len(units), handle.traffic))
-        for unit, bad in zip(units, flags):
-            if bad:
-                self._log_once(f"{unit.name}: its factors do not rebuild its local gradient on some rank "
-                               f"(a use outside the captured layers?): FSDP's reduce-scatter from now on")
-                unit.set_dense_only(True)
-        return [u for u, bad in zip(units, flags) if not bad]
-
     @staticmethod
     def _dense(dense: List[ShardSlot], sink: ShardSink, group, op, report: ShardedStepReport) -> None:
         """FSDP's own reduce-scatter, on a buffer holding only ``dense``'s chunks."""
@@ -312,7 +268,8 @@ class FSDPDADSynchronizer:
             result = torch.empty(compact.numel() // sink.world_size, dtype=compact.dtype, device=compact.device)
             dist.reduce_scatter_tensor(result, compact, op=op, group=group)
             sink.write_dense(dense, result)
-        report.params += [_param_report(s, sink.world_size, sink.inp.element_size(), "dense") for s in dense]
+        report.params += [ShardedParamReport.of_shard(s.name, "dense", s.shape, s.numel, sink.world_size,
+                                                      sink.inp.element_size()) for s in dense]
 
 
 def _scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float, float]:
@@ -326,16 +283,6 @@ def _scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float
     if rs_op == ReduceOp.SUM:
         return pre, 1.0 / pre
     return pre, 1.0 / pre / float(pg.gradient_divide_factor)
-
-
-def _param_report(slot: ShardSlot, S: int, itemsize: int, representation: str) -> ShardedParamReport:
-    """A slot's report; the reduce-scatter's bytes are its baseline, and its traffic when dense."""
-    chunk = slot.numel * itemsize
-    rep = ShardedParamReport(slot.name, representation, slot.shape, reduce_scatter_bytes=(S - 1) * chunk,
-                             allreduce_bytes=ring_allreduce_bytes(math.prod(slot.shape) * itemsize, S))
-    if representation == "dense":
-        rep.add_traffic(Traffic(handed=S * chunk, sent=(S - 1) * chunk, received=(S - 1) * chunk))
-    return rep
 
 
 def _overhead(name: str, numel: int, traffic: Traffic) -> ShardedParamReport:

@@ -91,6 +91,21 @@ class ShardedParamReport(ParamReport):
 
     reduce_scatter_bytes: float = 0.0
 
+    @classmethod
+    def of_shard(cls, name: str, representation: str, shape: tuple, shard_numel: int, world_size: int,
+                 itemsize: int) -> "ShardedParamReport":
+        """A parameter whose padded shard has ``shard_numel`` elements; ``"dense"`` ones went through
+        the reduce-scatter (its bytes are their traffic), the others carry it as their baseline."""
+        S, chunk = world_size, shard_numel * itemsize
+        numel = 1
+        for d in shape:
+            numel *= d
+        rep = cls(name, representation, tuple(shape), reduce_scatter_bytes=(S - 1) * chunk,
+                  allreduce_bytes=2.0 * (S - 1) / S * numel * itemsize)
+        if representation == "dense":
+            rep.handed_bytes, rep.sent_bytes, rep.received_bytes = S * chunk, (S - 1) * chunk, (S - 1) * chunk
+        return rep
+
 
 @dataclass
 class ShardedStepReport(StepReport):

@@ -133,6 +133,23 @@ def decode_whole(kinds: Sequence[str], shape: Tuple[int, int], gathered: Sequenc
     return shard, values
 
 
+def exchange_row_counts(units: Sequence[FactorUnit], rows: Dict[int, Sequence[Rows]],
+                        aggregator: FactorAggregator) -> Tuple[Dict[int, List[List[int]]], Traffic]:
+    """Every rank's row count per unit (by ``unit.index``) and use, by rank: one small all-gather
+    of int64 counts for all ``units`` together, and its traffic."""
+    if not units:
+        return {}, Traffic()
+    mine = torch.tensor([left.shape[0] for u in units for left, _ in rows[u.index]], dtype=torch.int64,
+                        device=units[0].param.device)
+    handle = aggregator.all_gather(mine, name="dad.sharded.rows", first_dims=[mine.numel()] * aggregator.world_size)
+    gathered = [t.tolist() for t in handle.wait()]
+    out, k = {}, 0
+    for u in units:
+        out[u.index] = [g[k:k + len(u.uses)] for g in gathered]
+        k += len(u.uses)
+    return out, handle.traffic
+
+
 @dataclass
 class ShardedResult:
     """One unit's exchange: padded shards by parameter (weight, then riding biases), its bytes,
