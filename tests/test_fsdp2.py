@@ -1,7 +1,8 @@
 """dAD under FSDP2 (`dad_integrations.fsdp.enable_dad_fsdp`) against FSDP2's own reduce-scatter.
 
-One torchrun job (2 CPU processes, gloo) runs every case of `workers/fsdp2_worker.py` once; the
-tests read its results.
+One torchrun job (2 CPU processes, gloo) runs every case of `workers/fsdp2_worker.py` once, and one
+4-process job two MLP cases (shards of 5/5/5/2 rows, and an empty one: the head's 5 rows as 2/2/1/0);
+the tests read their results.
 """
 from __future__ import annotations
 
@@ -18,13 +19,29 @@ PARAM_TOL = 1e-4  # parameters after 3 AdamW steps, relative to each parameter's
 # bitwise equality would pass there, so those parameters are held to the learning rate's scale.
 ROUND_OFF_ONLY = ("attn.c_attn.bias",)
 CASES = ["mlp-exact", "mlp-exact-uneven", "mlp-auto-uneven", "mlp-exact-accum", "gpt2-exact-uneven", "gpt2-auto"]
+CASES_4 = ["mlp-exact-uneven", "mlp-auto"]  # uneven batches at 4 ranks pad every weight to dense in auto
+RUNS = [(2, c) for c in CASES] + [(4, c) for c in CASES_4]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2") / "out.json"
-    run_torchrun(WORKERS / "fsdp2_worker.py", 2, [out, *CASES], timeout=900)
-    return json.loads(out.read_text())
+def jobs(tmp_path_factory):
+    """Per number of processes, that job's results (each job runs when a test first asks)."""
+    done = {}
+
+    def get(nproc: int) -> dict:
+        if nproc not in done:
+            out = tmp_path_factory.mktemp(f"fsdp2_{nproc}") / "out.json"
+            run_torchrun(WORKERS / "fsdp2_worker.py", nproc, [out, *(CASES if nproc == 2 else CASES_4)],
+                         timeout=900)
+            done[nproc] = json.loads(out.read_text())
+        return done[nproc]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def results(jobs):
+    return jobs(2)
 
 
 def _case(results, cid):
@@ -33,24 +50,24 @@ def _case(results, cid):
     return res
 
 
-@pytest.mark.parametrize("cid", CASES)
-def test_sharded_gradients_equal_fsdp(results, cid):
-    res = _case(results, cid)
+@pytest.mark.parametrize("nproc,cid", RUNS)
+def test_sharded_gradients_equal_fsdp(jobs, nproc, cid):
+    res = _case(jobs(nproc), cid)
     worst = max(res["grad_errors"].items(), key=lambda kv: kv[1])
     assert worst[1] <= TOL, worst
 
 
-@pytest.mark.parametrize("cid", CASES)
-def test_parameters_after_adamw(results, cid):
-    res = _case(results, cid)
+@pytest.mark.parametrize("nproc,cid", RUNS)
+def test_parameters_after_adamw(jobs, nproc, cid):
+    res = _case(jobs(nproc), cid)
     assert len(set(res["checksums"])) == 1, res["checksums"]  # every rank sees the same full model
     for name, diff in res["param_diffs"].items():
         assert diff <= (1e-2 if name.endswith(ROUND_OFF_ONLY) else PARAM_TOL), (name, diff)
 
 
-@pytest.mark.parametrize("cid", CASES)
-def test_report_bytes_against_reduce_scatter(results, cid):
-    res = _case(results, cid)
+@pytest.mark.parametrize("nproc,cid", RUNS)
+def test_report_bytes_against_reduce_scatter(jobs, nproc, cid):
+    res = _case(jobs(nproc), cid)
     for rep in res["reports"]:
         totals = rep["totals"]
         # the report's baseline is what FSDP's own reduce-scatter handed to torch.distributed

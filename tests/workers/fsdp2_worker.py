@@ -176,6 +176,7 @@ CASES = {
     "mlp-exact": {"model": "mlp", "mode": "exact"},
     "mlp-exact-uneven": {"model": "mlp", "mode": "exact", "uneven": True},
     "mlp-auto-uneven": {"model": "mlp", "mode": "auto", "uneven": True, "batch": 1},
+    "mlp-auto": {"model": "mlp", "mode": "auto", "batch": 1},
     "mlp-exact-accum": {"model": "mlp", "mode": "exact", "uneven": True, "micro": 2},
     "gpt2-exact-uneven": {"model": "gpt2", "mode": "exact", "uneven": True, "batch": 1},
     "gpt2-auto": {"model": "gpt2", "mode": "auto", "batch": 1},
