@@ -31,11 +31,12 @@ DDP_BUCKET_MB = 25
 
 
 def dad_config(method: str, rank: int, error_feedback: bool) -> dict:
+    """The method's config: the mode and rank, every other key at the config's defaults (error
+    feedback on), except error feedback where ``--dad-no-error-feedback`` turns it off."""
     if method == "dad-exact":
         return {"mode": "exact"}
-    if method == "dad-rank":
-        return {"mode": "rank", "rank": rank, "error_feedback": error_feedback}
-    return {"mode": "auto", "rank": rank}
+    extra = {} if error_feedback else {"error_feedback": False}
+    return {"mode": "rank" if method == "dad-rank" else "auto", "rank": rank, **extra}
 
 
 class Runner:

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 
 from benchmarks import net_shaping
 from benchmarks._ranks import METHODS
-from benchmarks.workload import Workload
+from benchmarks.workload import Workload, fmt_bytes
 
 NETS = ("loopback", "1gbit", "100mbit")
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"override the preset's {key}")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dad-error-feedback", action="store_true", help="dad-rank with error feedback")
+    p.add_argument("--dad-no-error-feedback", action="store_true",
+                   help="dad-rank and dad-auto without error feedback (on by default)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--phase-timeout", type=float, default=900, help="seconds per network condition")
     # internal: run one phase (inside the namespace for shaped links)
@@ -118,7 +119,7 @@ def _phase_spec(args, net: str, out_file: str) -> dict:
     w = Workload(n_embd=s["n_embd"], n_layer=s["n_layer"], n_head=s["n_head"], seq=s["seq"], batch=s["batch"],
                  lr=args.lr, seed=args.seed)
     return {"net": net, "out": out_file, "methods": args.methods, "workload": asdict(w),
-            "opts": {"rank": s["rank"], "dad_error_feedback": args.dad_error_feedback},
+            "opts": {"rank": s["rank"], "dad_error_feedback": not args.dad_no_error_feedback},
             "steps": s["shaped_steps"] if shaped else s["steps"],
             "local_steps": min(s["local_steps"], s["shaped_steps"]) if shaped else s["local_steps"],
             "nocomm_steps": 0 if shaped else s["nocomm_steps"],
@@ -229,16 +230,6 @@ def check_targets(records: List[dict], phases: Dict[str, Optional[dict]]) -> Lis
     return out
 
 
-def _fmt_bytes(b: Optional[float]) -> str:
-    if b is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if b < 1024 or unit == "GB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return f"{b:.1f} GB"
-
-
 def _fmt_s(v: Optional[float]) -> str:
     return "null" if v is None else f"{v * 1000:.1f} ms"
 
@@ -252,7 +243,7 @@ def markdown_table(records: List[dict]) -> str:
         ratio = f"{r['bytes_per_step'] / ar:.4f}" if ar else "-"
         mem = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f} MB"
         over = "-" if r["compute_overhead_s"] is None else f"{r['compute_overhead_s'] * 1000:+.1f} ms"
-        lines.append(f"| {r['method']} | {_fmt_bytes(r['bytes_per_step'])} | {ratio} | {_fmt_s(r['step_s_loopback'])} "
+        lines.append(f"| {r['method']} | {fmt_bytes(r['bytes_per_step'])} | {ratio} | {_fmt_s(r['step_s_loopback'])} "
                      f"| {_fmt_s(r['step_s_1gbit'])} | {_fmt_s(r['step_s_100mbit'])} | {_fmt_s(r['step_s_local'])} "
                      f"| {over} | {mem} | {r['final_loss']:.4f} |")
     return "\n".join(lines)
@@ -343,7 +334,7 @@ def main(argv=None) -> int:
     targets = check_targets(records, phases)
     table = markdown_table(records)
     meta = {"settings": args.settings, "preset": args.preset, "lr": args.lr, "seed": args.seed,
-            "dad_error_feedback": args.dad_error_feedback, "skipped": skipped,
+            "dad_error_feedback": not args.dad_no_error_feedback, "skipped": skipped,
             "link_bytes_per_s": {n: p["link_bytes_per_s"] for n, p in phases.items() if p},
             "phase_wall_s": {n: p["wall_s"] for n, p in phases.items() if p},
             "total_wall_s": time.perf_counter() - started, "targets": targets,

@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from benchmarks._convergence_ranks import DAD_METHODS, DDP_METHODS, MLP_WORKLOADS, WORKLOADS, gpt2_rank_batch
+from benchmarks.workload import fmt_bytes
 
 log = logging.getLogger("benchmarks.convergence")
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,19 +292,9 @@ def check_targets(rows: Sequence[dict]) -> List[dict]:
                 f"{auto['metric_mean']:.4f} vs {ps['metric_mean']:.4f} (limit {limit:.4f})")
         if ps is not None:
             add("dad-auto bytes/step <= PowerSGD's", auto["bytes_per_step"] <= ps["bytes_per_step"],
-                f"{_fmt_bytes(auto['bytes_per_step'])} vs {_fmt_bytes(ps['bytes_per_step'])} "
+                f"{fmt_bytes(auto['bytes_per_step'])} vs {fmt_bytes(ps['bytes_per_step'])} "
                 f"({auto['bytes_per_step'] / ps['bytes_per_step']:.3f} x)")
     return out
-
-
-def _fmt_bytes(b: Optional[float]) -> str:
-    if b is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if b < 1024 or unit == "GB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return f"{b:.1f} GB"
 
 
 def _describe(workload: str, world: int, row: dict, plan: dict) -> str:
@@ -336,10 +327,10 @@ def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict) -> str:
             cells = [r["method"], metric, str(r["n_seeds"])]
             if acc:
                 cells.append(f"{r['final_eval_loss_mean']:.4f}")
-            cells += [_fmt_bytes(r["bytes_per_step"]),
+            cells += [fmt_bytes(r["bytes_per_step"]),
                       "-" if r["x_powersgd"] is None else f"{r['x_powersgd']:.3f}",
                       "-" if r["x_allreduce"] is None else f"{r['x_allreduce']:.4f}",
-                      _fmt_bytes(r["bytes_per_step_report"]), f"{r['step_s_median'] * 1000:.1f} ms"]
+                      fmt_bytes(r["bytes_per_step_report"]), f"{r['step_s_median'] * 1000:.1f} ms"]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
         for t in targets:

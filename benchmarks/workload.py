@@ -104,6 +104,17 @@ def current_rss_mb() -> Optional[float]:
         return None
 
 
+def fmt_bytes(b: Optional[float]) -> str:
+    """``b`` bytes as B / KB / MB / GB for tables; ``-`` for None."""
+    if b is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if b < 1024 or unit == "GB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
+        b /= 1024
+    return f"{b:.1f} GB"
+
+
 def median(xs: List[float]) -> float:
     s = sorted(xs)
     n = len(s)

@@ -63,7 +63,11 @@ class RunResult:
         tail = self.losses[-window:]
         timed = self.step_seconds[1:] or self.step_seconds  # the first step pays one-off costs
         sent = sum(self.sent_bytes) / max(len(self.sent_bytes), 1)
+        # the median is the steady state: PowerSGD's hook all-reduces its first two steps, dAD
+        # checks its factors on the first
+        steady = sorted(self.sent_bytes)[len(self.sent_bytes) // 2] if self.sent_bytes else 0.0
         return {"final_loss": sum(tail) / len(tail), "sent_bytes_per_step": sent,
+                "steady_sent_bytes_per_step": steady,
                 "ratio_to_allreduce": sent / self.allreduce_bytes if self.allreduce_bytes else 0.0,
                 "seconds_per_step": sorted(timed)[len(timed) // 2]}
 
@@ -256,11 +260,13 @@ def report(args: argparse.Namespace, runs: List[RunResult], world: int) -> None:
     """Summary table, metrics.json and loss/bytes plot (rank 0)."""
     os.makedirs(args.output_dir, exist_ok=True)
     rows = [(r.name, r.summary(), r.ranks_identical) for r in runs]
-    header = (f"{'run':<10}| final loss | bytes sent/step/rank | vs all-reduce | s/step | ranks identical")
+    header = (f"{'run':<10}| final loss | bytes sent/step/rank | steady bytes/step | vs all-reduce | s/step "
+              f"| ranks identical")
     lines = [header, "-" * len(header)]
     for name, s, same in rows:
-        lines.append(f"{name:<10}| {s['final_loss']:10.4f} | {s['sent_bytes_per_step']:19,.0f} | "
-                     f"{s['ratio_to_allreduce']:13.3f} | {s['seconds_per_step']:6.3f} | {'yes' if same else 'NO'}")
+        lines.append(f"{name:<10}| {s['final_loss']:10.4f} | {s['sent_bytes_per_step']:20,.0f} | "
+                     f"{s['steady_sent_bytes_per_step']:17,.0f} | {s['ratio_to_allreduce']:13.3f} | "
+                     f"{s['seconds_per_step']:6.3f} | {'yes' if same else 'NO'}")
     print("\n".join(lines), flush=True)
     metrics = {"args": vars(args), "world_size": world,
                "runs": {r.name: {**asdict(r), **r.summary()} for r in runs}}
