@@ -46,7 +46,7 @@ def results(jobs):
 
 def _case(results, cid):
     res = results[cid]
-    assert "error" not in res, res.get("error")
+    assert "exception" not in res, res.get("exception")
     return res
 
 

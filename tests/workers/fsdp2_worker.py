@@ -13,10 +13,8 @@ to torch.distributed in the reference run.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -25,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
 
 from dad_integrations.fsdp import enable_dad_fsdp  # noqa: E402
 
@@ -187,17 +186,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]
     names = sys.argv[2:] or list(CASES)
-    results = {}
-    for cid in names:
-        try:
-            results[cid] = run_case(CASES[cid])
-        except Exception:
-            results[cid] = {"error": traceback.format_exc()}
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    # rank 0's results (a case compares against all ranks itself); a failing case gives its traceback
+    models.write_and_leave(out_path, models.run_all({cid: CASES[cid] for cid in names}, run_case,
+                                                    lambda cid, mine: mine))
 
 
 if __name__ == "__main__":
