@@ -3,6 +3,7 @@
 A backend (torch.distributed, Horovod, DeepSpeed) is a small adapter over one engine's collectives.
 The algorithms need four things: all-gather of rows whose first dimension differs per rank,
 all-reduce, rank / world size, and the bytes each call put on the wire (for the step report).
+The sharded codec (FSDP2) needs a fifth, an all-to-all, which backends may leave out.
 Backends count bytes themselves because only they know what they really handed to the engine
 (padding, size exchanges); each handle carries its own collective's bytes (`CommHandle.traffic`).
 """
@@ -119,6 +120,14 @@ class FactorAggregator(ABC):
             raise ValueError(f"all_reduce op must be one of {REDUCE_OPS}, got {op!r}")
         return self._all_reduce(tensor, name, op)
 
+    def all_to_all(self, tensor: torch.Tensor, *, name: str) -> CommHandle:
+        """Rank d receives every rank's ``tensor[d]``: ``tensor`` has ``world_size`` equal blocks
+        along dim 0, and ``wait()`` returns a tensor of the same shape whose block s is rank s's
+        block for this rank. Only backends that implement `_all_to_all` have it."""
+        if tensor.shape[0] != self.world_size:
+            raise ValueError(f"{name}: all_to_all needs {self.world_size} blocks along dim 0, got {tensor.shape[0]}")
+        return self._all_to_all(tensor.contiguous(), name)
+
     def traffic(self) -> Traffic:
         """A snapshot of the bytes counted so far, over all collectives of every thread.
 
@@ -135,6 +144,14 @@ class FactorAggregator(ABC):
 
     @abstractmethod
     def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle: ...
+
+    def _all_to_all(self, tensor: torch.Tensor, name: str) -> CommHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all ({name})")
+
+    def _count_all_to_all(self, nbytes: float) -> Traffic:
+        """Count an all-to-all of ``nbytes`` handed (``1/S`` of it stays on this rank)."""
+        wire = (self.world_size - 1) / self.world_size * nbytes
+        return self._count(Traffic(handed=nbytes, sent=wire, received=wire, calls=1))
 
     def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> Traffic:
         """Count a ring all-gather in which rank s contributes ``nbytes_per_rank[s]`` bytes;
@@ -176,6 +193,22 @@ class EqualSizeAggregator(FactorAggregator):
     @abstractmethod
     def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         """The engine's in-place sum all-reduce; returns a work handle (or None)."""
+
+    def _engine_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        """The engine's all-to-all of equal blocks along dim 0 (optional; see `all_to_all`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
+    def _all_to_all(self, tensor: torch.Tensor, name: str) -> CommHandle:
+        out = torch.empty_like(tensor)
+        traffic = self._count_all_to_all(tensor.numel() * tensor.element_size())
+        work = self._engine_all_to_all(out, tensor, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return out
+
+        return CommHandle(finish, traffic)
 
     def _gather_equal(self, out: List[torch.Tensor], tensor: torch.Tensor,
                       async_op: bool = False) -> Tuple[Any, Traffic]:

@@ -12,15 +12,15 @@
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from typing import Dict, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from .aggregator import FactorAggregator
+from .aggregator import FactorAggregator, Traffic
 from .codecs.exact import local_rebuild
 from .layers import Rows
-from .sink import GradSink
+from .sink import GradSink, ShardSink
 from .units import FactorUnit, SyncPlan
 from .wire import pack, unpack
 
@@ -84,7 +84,7 @@ def broadcast_model(model: nn.Module, aggregator: FactorAggregator, chunk_bytes:
                     t.copy_(value)
 
 
-def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: GradSink) -> bool:
+def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Union[GradSink, ShardSink]) -> bool:
     """Do this rank's factors rebuild the gradients autograd computed locally (weight and biases)?"""
     cdt = torch.float64 if unit.param.dtype == torch.float64 else torch.float32
     # under autocast the output-gradient rows are bf16/fp16 while the inputs may be fp32
@@ -98,3 +98,16 @@ def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Gra
         if err > tol * max(float(autograd.norm()), 1e-30) and err > 1e-12:
             return False
     return True
+
+
+def agree_factors_rebuild(units: Sequence[FactorUnit], rows: Dict[int, Sequence[Rows]],
+                          sink: Union[GradSink, ShardSink], aggregator: FactorAggregator
+                          ) -> Tuple[List[FactorUnit], List[FactorUnit], Traffic]:
+    """`factors_rebuild_local_grad` for every unit (``rows`` by ``unit.index``), agreed over ranks in
+    one sum all-reduce of flags: (units that pass on every rank, units that fail on some, its bytes)."""
+    flags = torch.tensor([0.0 if factors_rebuild_local_grad(u, rows[u.index], sink) else 1.0 for u in units],
+                         device=units[0].param.device if units else None)
+    handle = aggregator.all_reduce(flags, name="dad.verify", op="sum")
+    failed = handle.wait().tolist()
+    return ([u for u, bad in zip(units, failed) if not bad], [u for u, bad in zip(units, failed) if bad],
+            handle.traffic)

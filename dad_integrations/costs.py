@@ -9,10 +9,16 @@ Bytes received by one rank, S ranks, weight m x n:
   exact factors      (S-1) * max_s rows_s * (m + n) * w      (gathers pad to the longest rank)
   rank-r factors     (S-1) * r (m + n) * w  + the bias, densely          (all-gather, rank-dAD)
   rank-r all-reduce  2 (S-1)/S * r (m + n) * w  + the bias, densely      (PowerSGD's P and Q)
+
+Sharded (FSDP2: each rank keeps rows ``[rank c, (rank+1) c)`` of the average, ``c = ceil(m/S)``):
+  dense reduce-scatter   (S-1)/S * S c n * b = (S-1) * c n * b     (rows padded to S c)
+  sharded exact          (S-1) * sum_u max_s rows_su * (n + c) * w (right all-gathered, left's
+                         column slices by all-to-all); with an embedding use, the exact factors'
+                         all-gather above
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,6 +62,41 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
         out["rank"] = (s - 1) * packed_size(rank_block_specs(shape, r, wire_dtype)) + bias
         out["rank_allreduce"] = ring_allreduce_bytes(r * (m + n) * gb, s) + bias
     return out
+
+
+def reduce_scatter_bytes(shape: Sequence[int], world_size: int, itemsize: int) -> float:
+    """Bytes one rank sends in FSDP2's reduce-scatter of one parameter's gradient: ``S - 1`` of its
+    ``S`` chunks of ``ceil(shape[0] / S)`` rows (dim 0 padded to ``S`` equal chunks)."""
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return (world_size - 1) * -(-shape[0] // world_size) * rest * itemsize
+
+
+def sharded_exact_bytes(kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
+                        wire_dtype: torch.dtype, world_size: int) -> float:
+    """Bytes one rank receives in `codecs.sharded_exact`'s exchange of one unit (see the module doc)."""
+    s = world_size
+    if "embedding" in kinds:  # whole factors, all-gathered
+        return (s - 1) * max(packed_size(exact_block_specs(kinds, shape, r, wire_dtype)) for r in rows_by_rank)
+    m, n = shape
+    w = torch.empty((), dtype=wire_dtype).element_size()
+    longest = sum(max(r[u] for r in rows_by_rank) for u in range(len(kinds)))
+    return (s - 1) * longest * (n + -(-m // s)) * w
+
+
+def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
+                           bias_numel: int, grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
+                           world_size: int) -> Dict[str, float]:
+    """Estimated bytes per rank of the two sharded representations of one unit: ``"dense"`` (FSDP2's
+    reduce-scatter of the weight and its biases, in the gradients' dtype) and ``"exact"``. Several
+    biases are counted as one of ``bias_numel`` (their padding may differ by a row each)."""
+    gb = torch.empty((), dtype=grad_dtype).element_size()
+    dense = reduce_scatter_bytes(shape, world_size, gb)
+    if bias_numel:
+        dense += reduce_scatter_bytes((bias_numel,), world_size, gb)
+    return {"dense": dense, "exact": sharded_exact_bytes(kinds, shape, rows_by_rank, wire_dtype or grad_dtype,
+                                                         world_size)}
 
 
 def powersgd_bytes(shape: Sequence[int], rank: int, world_size: int, itemsize: int,

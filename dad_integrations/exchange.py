@@ -28,7 +28,7 @@ from .codecs.rank import RankBucket, RankCodec, WarmStart
 from .codecs.rank_allreduce import AllReduceBucket, RankAllReduceCodec
 from .config import DADConfig
 from .error_feedback import ErrorFeedback
-from .layers import Rows, compute_dtype
+from .layers import Rows, compute_dtype, concat_rows
 from .report import ParamReport, StepReport
 from .router import RowCounts, UnitShape, route
 from .sink import GradSink
@@ -133,7 +133,7 @@ class Exchanger:
         s = agg.world_size
         m, n = p.shape
         overlapped = not window.flush.is_set()
-        rows = [_concat_rows(pairs, kind, (m, n), p) for pairs, kind in zip(window.take_rows(unit), unit.kinds)]
+        rows = [concat_rows(pairs, kind, (m, n), p) for pairs, kind in zip(window.take_rows(unit), unit.kinds)]
         if unit.index in window.restarts:
             _rederive_priors(unit, rows, window)
         counts = [int(r[0].shape[0]) for r in rows]
@@ -262,13 +262,3 @@ def _rederive_priors(unit: FactorUnit, rows: List[Rows], window: StepWindow) -> 
         else:
             window.priors[id(q)] = q.grad.detach().to(cdt) - local
 
-
-def _concat_rows(pairs: List[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter) -> Rows:
-    """One (left, right) block per use: all calls' rows, in call order of arrival."""
-    if pairs:
-        return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
-    m, n = shape
-    if kind == "embedding":
-        return (torch.zeros(0, dtype=torch.int64, device=p.device),
-                torch.zeros(0, n, dtype=p.dtype, device=p.device))
-    return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)

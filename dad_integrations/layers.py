@@ -12,7 +12,7 @@ Any leading dimensions (batch, time, tokens) are flattened into rows.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -65,6 +65,17 @@ def rows_of_call(kind: str, module: nn.Module, inputs: torch.Tensor, grad_out: t
             d = d / counts.unsqueeze(1)
         return ids, d
     raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def concat_rows(pairs: Sequence[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter) -> Rows:
+    """One (left, right) block per use: all calls' rows, in call order of arrival."""
+    if pairs:
+        return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
+    m, n = shape
+    if kind == "embedding":
+        return (torch.zeros(0, dtype=torch.int64, device=p.device),
+                torch.zeros(0, n, dtype=p.dtype, device=p.device))
+    return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)
 
 
 def output_grad_rows(kind: str, rows: Rows) -> torch.Tensor:

@@ -84,6 +84,43 @@ class StepReport:
         return "\n".join(lines)
 
 
+@dataclass
+class ShardedParamReport(ParamReport):
+    """`ParamReport` under FSDP2, plus what FSDP2's reduce-scatter of this parameter would send
+    per rank (``(S-1)/S`` of its dim-0-padded gradient)."""
+
+    reduce_scatter_bytes: float = 0.0
+
+    @classmethod
+    def of_shard(cls, name: str, representation: str, shape: tuple, shard_numel: int, world_size: int,
+                 itemsize: int) -> "ShardedParamReport":
+        """A parameter whose padded shard has ``shard_numel`` elements; ``"dense"`` ones went through
+        the reduce-scatter (its bytes are their traffic), the others carry it as their baseline."""
+        S, chunk = world_size, shard_numel * itemsize
+        numel = 1
+        for d in shape:
+            numel *= d
+        rep = cls(name, representation, tuple(shape), reduce_scatter_bytes=(S - 1) * chunk,
+                  allreduce_bytes=2.0 * (S - 1) / S * numel * itemsize)
+        if representation == "dense":
+            rep.handed_bytes, rep.sent_bytes, rep.received_bytes = S * chunk, (S - 1) * chunk, (S - 1) * chunk
+        return rep
+
+
+@dataclass
+class ShardedStepReport(StepReport):
+    """A step under FSDP2; ``totals`` adds ``reduce_scatter_bytes`` and ``ratio_reduce_scatter``
+    (bytes sent over the reduce-scatter's)."""
+
+    @property
+    def totals(self) -> Dict[str, float]:
+        out = super().totals
+        rs = float(sum(getattr(p, "reduce_scatter_bytes", 0.0) for p in self.params))
+        out["reduce_scatter_bytes"] = rs
+        out["ratio_reduce_scatter"] = out["sent_bytes"] / rs if rs else 0.0
+        return out
+
+
 def _fmt(nbytes: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if abs(nbytes) < 1024 or unit == "GB":

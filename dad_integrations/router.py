@@ -31,6 +31,10 @@ moves); one predicted to go exact exchanges sizes, which refreshes its counts, a
 on the current counts. Counts of a unit that goes dense or rank-r are not refreshed: if rows
 later shrink, it stays on that route (sticky after the first steps; it never costs more bytes
 than its route).
+
+Sharded (FSDP2, ``sharded=True``): the baseline is FSDP2's reduce-scatter, not an all-reduce, and
+exact factors are exchanged as `codecs.sharded_exact` does; auto weighs those two
+(`costs.sharded_estimate_bytes`). Rank routes are not offered there (not implemented yet).
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from .config import DADConfig
-from .costs import estimate_bytes, size_exchange_bytes
+from .costs import estimate_bytes, sharded_estimate_bytes, size_exchange_bytes
 
 # ties go to the earlier: lossless and simplest first, then the rank-r all-reduce (see above)
 REPRESENTATIONS = ("dense", "exact", "rank_allreduce", "rank")
@@ -72,7 +76,7 @@ class Route:
 
 def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
           first_step: bool = False, dense_only: bool = False, rows_by_rank: Optional[RowCounts] = None,
-          last_rows: Optional[RowCounts] = None) -> Route:
+          last_rows: Optional[RowCounts] = None, sharded: bool = False) -> Route:
     """The route of one unit.
 
     Args:
@@ -84,8 +88,9 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         dense_only: the unit failed the first-step check: dense for good.
         rows_by_rank: this step's agreed counts; given, the decision is final.
         last_rows: the counts of the unit's last size exchange (auto's prediction).
+        sharded: decide on FSDP2's numbers (reduce-scatter against sharded exact factors).
     """
-    rank_allowed = config.rank is not None
+    rank_allowed = config.rank is not None and not sharded
     # an adaptive rank applies to each site's own factors: the all-gather route
     rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
     if dense_only:
@@ -95,11 +100,11 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         return Route(choose("rank", unit_estimates(config, unit, no_rows, world_size, wire_dtype),
                             rank_allowed=True, rank_route=rank_route), first_step)
     if rows_by_rank is not None:
-        return Route(choose(config.mode, unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype),
-                            rank_allowed=rank_allowed, rank_route=rank_route), True)
+        estimates = unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype, sharded=sharded)
+        return Route(choose(config.mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route), True)
     if first_step or config.mode == "exact" or last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)
-    estimates = unit_estimates(config, unit, last_rows, world_size, wire_dtype)
+    estimates = unit_estimates(config, unit, last_rows, world_size, wire_dtype, sharded=sharded)
     estimates["exact"] += size_exchange_bytes(len(unit.kinds), world_size)
     predicted = choose(config.mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route)
     if predicted != "exact":
@@ -108,8 +113,13 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
 
 
 def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, world_size: int,
-                   wire_dtype: torch.dtype) -> Dict[str, float]:
-    """`costs.estimate_bytes` for one unit under ``config``."""
+                   wire_dtype: torch.dtype, *, sharded: bool = False) -> Dict[str, float]:
+    """`costs.estimate_bytes` for one unit under ``config``; `costs.sharded_estimate_bytes` when
+    ``sharded`` (``unit.dtype`` is then FSDP's reduce dtype)."""
+    if sharded:
+        return sharded_estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
+                                      bias_numel=unit.bias_numel, grad_dtype=unit.dtype, wire_dtype=wire_dtype,
+                                      world_size=world_size)
     return estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                           bias_numel=unit.bias_numel, rank=config.rank or 0, grad_dtype=unit.dtype,
                           wire_dtype=wire_dtype, world_size=world_size)

@@ -4,13 +4,16 @@
 * `BucketViewSink`: DDP's bucket views (the communication hook path): DDP copies whatever the
   hook leaves in its buckets into ``.grad``, and a parameter DDP did not hand over is not ours
   to change.
+* `ShardSink`: FSDP2's reduce-scatter buffers (`fsdp`): each parameter's whole local gradient is
+  read from the input, and this rank's padded shard of the result written into the output chunk.
 
-Both keep the window's priors (gradients left from before, see `window`) out of the local gradient
+The first two keep the window's priors (gradients left from before, see `window`) out of the local gradient
 and add them back to the average.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -86,3 +89,67 @@ class BucketViewSink(GradSink):
         view = self.views.get(id(p))
         if view is not None:  # a parameter DDP ignores is not ours to change either
             view.copy_(value.view_as(view))
+
+
+@dataclass
+class ShardSlot:
+    """One parameter's place in FSDP2's reduce-scatter buffers (``docs/fsdp2_notes.md``): the
+    same ``offset`` in every rank's chunk, ``numel`` = ``rows`` (``ceil(shape[0] / S)``) times
+    the other dims."""
+
+    name: str
+    param: nn.Parameter       # the sharded parameter
+    offset: int
+    numel: int
+    rows: int
+    shape: Tuple[int, ...]    # the parameter's global shape
+
+
+class ShardSink:
+    """Reads and writes FSDP2's reduce-scatter buffers.
+
+    ``inp`` is ``(S * chunk,)``: chunk r holds, per slot, rows ``[r c, (r+1) c)`` of this rank's
+    local gradient (zero past the last row), already multiplied by FSDP's ``1/predivide``.
+    ``out`` is this rank's ``(chunk,)``, in the same layout, for the reduced shards.
+    """
+
+    def __init__(self, slots: Sequence[ShardSlot], out: torch.Tensor, inp: torch.Tensor, world_size: int,
+                 predivide: float = 1.0):
+        self.slots = {id(s.param): s for s in slots}
+        self.out, self.inp, self.world_size, self.predivide = out, inp, world_size, predivide
+        self.chunk = out.numel()
+
+    def slot(self, p: nn.Parameter) -> Optional[ShardSlot]:
+        return self.slots.get(id(p))
+
+    def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's whole (unsharded) local gradient of ``p``, as autograd computed it."""
+        s = self.slot(p)
+        if s is None:
+            return torch.zeros(p.shape, dtype=dtype, device=self.inp.device)
+        block = self.inp.view(self.world_size, self.chunk)[:, s.offset:s.offset + s.numel]
+        return block.reshape((self.world_size * s.rows,) + s.shape[1:])[:s.shape[0]].to(dtype) * self.predivide
+
+    def write(self, p: nn.Parameter, shard: Optional[torch.Tensor]) -> None:
+        """Write this rank's shard of ``p`` (its first rows; the padding rows after it are zeroed),
+        or zeros where ``shard`` is None."""
+        s = self.slots[id(p)]
+        view = self.out[s.offset:s.offset + s.numel].view((s.rows,) + s.shape[1:])
+        if shard is None:
+            view.zero_()
+            return
+        k = shard.shape[0]
+        view[:k].copy_(shard)
+        view[k:].zero_()
+
+    def dense_input(self, slots: Sequence[ShardSlot]) -> torch.Tensor:
+        """The input chunks of ``slots`` only (``S * sum numel``), for FSDP's own reduce-scatter."""
+        view = self.inp.view(self.world_size, self.chunk)
+        return torch.cat([view[:, s.offset:s.offset + s.numel] for s in slots], dim=1).reshape(-1)
+
+    def write_dense(self, slots: Sequence[ShardSlot], result: torch.Tensor) -> None:
+        """Scatter the reduce-scatter's ``result`` of `dense_input` back to each slot's place."""
+        pos = 0
+        for s in slots:
+            self.out[s.offset:s.offset + s.numel].copy_(result[pos:pos + s.numel])
+            pos += s.numel

@@ -47,9 +47,12 @@ class TorchDistributedAggregator(EqualSizeAggregator):
     def group(self) -> dist.ProcessGroup:
         return self._group
 
-    # The two calls into torch.distributed; every byte this backend moves passes through them.
+    # The calls into torch.distributed; every byte this backend moves passes through them.
     def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
         return dist.all_gather(out, tensor, group=self._group, async_op=async_op)
 
     def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         return dist.all_reduce(tensor, group=self._group, async_op=async_op)
+
+    def _engine_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        return dist.all_to_all_single(out, tensor, group=self._group, async_op=async_op)

@@ -139,3 +139,37 @@ def test_adaptive_rank_takes_the_all_gather():
     assert route(cfg, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank", False)
     with pytest.raises(ValueError, match="adaptive_tolerance"):
         DADConfig(mode="rank", rank=8, adaptive_tolerance=0.5, rank_route="allreduce")
+
+
+def test_sharded_auto_weighs_reduce_scatter_against_sharded_factors():
+    """Under FSDP2 the baseline is a reduce-scatter ((S-1)/S of the padded gradient, half an
+    all-reduce) and exact factors send ``right`` whole and ``left``'s columns sliced: at 8 ranks a
+    768 x 768 layer with its bias crosses over near 85 rows per rank, not 96."""
+    from dad_integrations.costs import reduce_scatter_bytes, sharded_exact_bytes
+    from dad_integrations.router import unit_estimates
+    cfg = DADConfig(mode="auto")
+    est = unit_estimates(cfg, WIDE, _rows(90), 8, torch.float32, sharded=True)
+    assert est["dense"] == 7 * 96 * 768 * 4 + 7 * 96 * 4 == reduce_scatter_bytes((768, 768), 8, 4) + 7 * 96 * 4
+    assert est["exact"] == 7 * 90 * (768 + 96) * 4 == sharded_exact_bytes(("linear",), (768, 768), _rows(90),
+                                                                            torch.float32, 8)
+    assert set(est) == {"dense", "exact"}
+    assert route(cfg, WIDE, rows_by_rank=_rows(90), **F32) == Route("exact", True)            # vs all-reduce
+    assert route(cfg, WIDE, rows_by_rank=_rows(90), sharded=True, **F32) == Route("dense", True)
+    assert route(cfg, WIDE, rows_by_rank=_rows(85), sharded=True, **F32) == Route("exact", True)
+    # uneven ranks: each use pads to its longest rank
+    assert sharded_exact_bytes(("linear", "conv1d"), (10, 6), [[3, 1], [1, 4]], torch.float32, 2) == \
+        1 * (3 + 4) * (6 + 5) * 4
+
+
+def test_sharded_embeddings_send_whole_factors_and_no_rank_routes():
+    from dad_integrations.costs import estimate_bytes
+    from dad_integrations.router import unit_estimates
+    rows = _rows(10)
+    est = unit_estimates(DADConfig(mode="auto", rank=4), EMBEDDING, rows, 8, torch.float32, sharded=True)
+    whole = estimate_bytes(kinds=EMBEDDING.kinds, shape=EMBEDDING.shape, rows_by_rank=rows, bias_numel=0, rank=0,
+                           grad_dtype=torch.float32, wire_dtype=torch.float32, world_size=8)["exact"]
+    assert est == {"dense": 7 * 128 * 768 * 4, "exact": whole}
+    cfg = DADConfig(mode="auto", rank=4)
+    assert route(cfg, EMBEDDING, rows_by_rank=rows, sharded=True, **F32).representation in ("dense", "exact")
+    exact = DADConfig(mode="exact")
+    assert route(exact, WIDE, rows_by_rank=_rows(10 ** 5), sharded=True, **F32) == Route("exact", True)

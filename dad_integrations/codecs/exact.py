@@ -43,6 +43,20 @@ class ExactCodec:
         shape = tuple(unit.param.shape)
         return [packed_size(exact_block_specs(unit.kinds, shape, r, self.wire(unit))) for r in rows_by_rank]
 
+    def stacked_rows(self, unit: FactorUnit, buffers: Sequence[torch.Tensor],
+                     rows_by_rank: Sequence[Sequence[int]]) -> List[Rows]:
+        """Per use, every rank's rows stacked in rank order (ids as int64, floats in the compute dtype)."""
+        shape = tuple(unit.param.shape)
+        cdt = compute_dtype(unit.param)
+        per_rank = [unpack(buf, exact_block_specs(unit.kinds, shape, r, self.wire(unit)))
+                    for buf, r in zip(buffers, rows_by_rank)]
+        out = []
+        for u, kind in enumerate(unit.kinds):
+            left = torch.cat([blk[2 * u] for blk in per_rank])
+            right = torch.cat([blk[2 * u + 1] for blk in per_rank])
+            out.append((left.long() if kind == "embedding" else left.to(cdt), right.to(cdt)))
+        return out
+
     def decode(self, unit: FactorUnit, buffers: Sequence[torch.Tensor], rows_by_rank: Sequence[Sequence[int]],
                scale: float) -> Optional[Dict[nn.Parameter, torch.Tensor]]:
         """``scale * sum over ranks`` of the weight's and its biases' gradients; None if no rank
@@ -50,18 +64,10 @@ class ExactCodec:
         if not any(any(r) for r in rows_by_rank):
             return None
         p = unit.param
-        shape = tuple(p.shape)
-        cdt = compute_dtype(p)
-        per_rank = [unpack(buf, exact_block_specs(unit.kinds, shape, r, self.wire(unit)))
-                    for buf, r in zip(buffers, rows_by_rank)]
-        grad = torch.zeros(shape, dtype=cdt, device=p.device)
-        gathered = []
-        for u, kind in enumerate(unit.kinds):
-            left = torch.cat([blk[2 * u] for blk in per_rank])
-            right = torch.cat([blk[2 * u + 1] for blk in per_rank])
-            left = left.long() if kind == "embedding" else left.to(cdt)
-            gathered.append((left, right.to(cdt)))
-            add_rebuilt_grad(kind, grad, gathered[-1])
+        grad = torch.zeros(p.shape, dtype=compute_dtype(p), device=p.device)
+        gathered = self.stacked_rows(unit, buffers, rows_by_rank)
+        for kind, rows in zip(unit.kinds, gathered):
+            add_rebuilt_grad(kind, grad, rows)
         out = {p: grad.mul_(scale)}
         for b in unit.biases:
             u = unit.uses.index(b.capture)

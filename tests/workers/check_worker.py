@@ -362,12 +362,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with open(cases_path) as f:
         cases = json.load(f)
-    results = models.run_all(cases, lambda case: RUNNERS[case["kind"]](case), _gather)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    models.write_and_leave(out_path, models.run_all(cases, lambda case: RUNNERS[case["kind"]](case), _gather))
 
 
 if __name__ == "__main__":

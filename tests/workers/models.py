@@ -147,3 +147,16 @@ def run_all(cases: Dict[str, dict], run: Callable[[dict], dict],
             mine = {"exception": traceback.format_exc()}
         results[case_id] = gather(case_id, mine)
     return results
+
+
+def write_and_leave(out_path: str, results: Dict[str, Any]) -> None:
+    """torch.distributed workers: rank 0 writes ``results`` as JSON, every rank waits for it and
+    leaves the default group."""
+    import json
+
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()

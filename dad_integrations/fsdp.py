@@ -1,0 +1,291 @@
+"""dAD under FSDP2 (``torch.distributed.fsdp.fully_shard``): the adapter.
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    sync = enable_dad_fsdp(model, {"mode": "exact"})   # before the first forward
+    loss.backward()          # factor-covered weights skip FSDP2's reduce-scatter
+    optimizer.step()         # every rank's sharded .grad holds its shard of the average
+    sync.last_step_report()  # bytes, beside what FSDP2's reduce-scatter would move
+
+FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``ReduceScatter``
+(`FSDPModule.set_custom_reduce_scatter`; layout, scaling and call order in ``docs/fsdp2_notes.md``).
+`DADReduceScatter` fills this rank's output chunk from the core's pieces:
+
+* `codecs.sharded_exact`: the algebra and its collectives (rows ``a:b`` of the average from exact
+  factors; bytes per rank ``(S-1) N n + (S-1)/S N m`` against the reduce-scatter's ``(S-1)/S m n``);
+* `router.route(..., sharded=True)`: per weight, factors or FSDP's reduce-scatter (``auto``);
+* `sink.ShardSink`: FSDP's buffers (local gradients read, shards and padding written);
+* `checks.factors_rebuild_local_grad`: the first call's check; `capture.CommittedRows`: rows are
+  sent only once autograd has added them to the unsharded gradient (FSDP's post-backward can run
+  before the weight's ``AccumulateGrad``).
+
+Here: finding FSDP's groups and the parameters each call reduces, FSDP's scaling (results are
+scaled as its reduce-scatter would scale them; FSDP then post-divides, casts and accumulates into
+the sharded ``.grad``), FSDP's own reduce-scatter for the rest (on a compacted buffer, with its op),
+and the report. No-sync micro-steps need nothing: the hook is not called, the captures keep rows.
+
+Limits (each falls back to FSDP's own reduce-scatter, logged once): HSDP, ``Shard(d>0)``, all-gather
+extensions, TP (DTensor) parameters, several parameter groups per module, CPU offload. Rank-dAD
+modes are not supported yet.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.distributed_c10d import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllocMixin, DefaultReduceScatter,
+                                                                    _get_gradient_divide_factors)
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+from .aggregator import Traffic
+from .capture import CommittedRows
+from .checks import agree_factors_rebuild
+from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
+from .config import DADConfig
+from .layers import concat_rows
+from .report import ShardedParamReport, ShardedStepReport
+from .router import UnitShape, route
+from .sink import ShardSink, ShardSlot
+from .synchronizer import WIRE_DTYPES
+from .torch_distributed import TorchDistributedAggregator
+from .units import FactorUnit, build_plan
+
+log = logging.getLogger(__name__)
+
+__all__ = ["enable_dad_fsdp", "FSDPDADSynchronizer", "DADReduceScatter", "ShardedParamReport",
+           "ShardedStepReport"]
+
+
+def enable_dad_fsdp(model: nn.Module, config: Union[DADConfig, Mapping, None] = None) -> "FSDPDADSynchronizer":
+    """Replace FSDP2's gradient reduce-scatter by dAD for every weight factors cover.
+
+    Call on every rank after ``fully_shard`` and before the first forward; returns the synchroniser
+    (``last_step_report()``, ``close()``).
+    """
+    return FSDPDADSynchronizer(model, config)
+
+
+class DADReduceScatter(DefaultAllocMixin, ReduceScatter):
+    """The ``ReduceScatter`` installed on one FSDP parameter group."""
+
+    def __init__(self, sync: "FSDPDADSynchronizer", param_group):
+        self.sync, self.param_group = sync, param_group
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        self.sync._reduce(self.param_group, output_tensor, input_tensor, group, op)
+
+
+class FSDPDADSynchronizer:
+    """dAD driven from FSDP2's reduce-scatter (see the module doc)."""
+
+    def __init__(self, model: nn.Module, config: Union[DADConfig, Mapping, None] = None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("enable_dad_fsdp needs an initialised default process group")
+        self.config = DADConfig() if config is None else DADConfig.from_dict(config)
+        if self.config.mode == "rank" or self.config.rank is not None:
+            raise ValueError("enable_dad_fsdp: rank-dAD under FSDP2 is not supported yet; use mode 'exact' "
+                             "or 'auto' without 'rank'")
+        self._wire = WIRE_DTYPES[self.config.wire_dtype]
+        self._logged: set = set()
+        self._closed = False
+        self._report: Optional[ShardedStepReport] = None
+        self._task: Optional[int] = None
+        self._aggregators: Dict[int, TorchDistributedAggregator] = {}
+        self._with_grad: Dict[int, list] = {}  # per group: the FSDPParams its post_backward reduces
+        self._verified: set = set()            # groups whose first call was checked
+        groups = [(m, pg) for m in model.modules() if isinstance(m, FSDPModule) for pg in self._groups_of(m)]
+        if not groups:
+            raise ValueError("enable_dad_fsdp: no fully_shard-ed module (with a 1-D shard mesh) in the model")
+        self._fp_of = {id(fp.sharded_param): (pg, fp) for _, pg in groups for fp in pg.fsdp_params}
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self.plan = build_plan(model, self.config)
+        self._unit_of: Dict[int, FactorUnit] = {}
+        for unit in self.plan.units:
+            reason = self._unsupported(unit.param)
+            if reason is not None:
+                self._log_once(f"{unit.name}: {reason}: FSDP's reduce-scatter kept")
+                unit.set_dense_only(True)
+                continue
+            pg = self._fp_of[id(unit.param)][0]
+            for b in list(unit.biases):
+                if self._unsupported(b.param) is not None or self._fp_of[id(b.param)][0] is not pg:
+                    self._log_once(f"{b.name}: not in its weight's FSDP group as a row block: dense")
+                    unit.biases.remove(b)
+            self._unit_of[id(unit.param)] = unit
+        self._committed = CommittedRows(list(self._unit_of.values()))  # see the module doc's last paragraph
+        self._installed = groups
+        for module, pg in groups:
+            self._install(module, pg)
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def _groups_of(self, module: FSDPModule) -> list:
+        pgs = list(module._get_fsdp_state()._fsdp_param_groups)
+        if len(pgs) > 1:
+            self._log_once(f"{type(module).__name__} has {len(pgs)} parameter groups: FSDP's reduce-scatter kept")
+            return []
+        kept = [pg for pg in pgs if type(pg.mesh_info) is FSDPMeshInfo]  # not HSDP/replicate (subclasses)
+        if len(kept) < len(pgs):
+            self._log_once(f"{type(module).__name__}: HSDP/replicate mesh, FSDP's own reduction kept")
+        return kept
+
+    def _unsupported(self, p: torch.Tensor) -> Optional[str]:
+        entry = self._fp_of.get(id(p))
+        if entry is None:
+            return "not sharded by a handled FSDP group"
+        fp = entry[1]
+        if fp.fsdp_placement.dim != 0:
+            return f"sharded as {fp.fsdp_placement}, not a row block along dim 0"
+        if getattr(fp, "is_dtensor", False):
+            return "already a DTensor (tensor parallel)"
+        if hasattr(fp.sharded_param._local_tensor, "fsdp_pre_all_gather"):
+            return "has FSDP all-gather extensions"
+        if getattr(fp, "offload_to_cpu", False):
+            return "CPU offload (untested)"
+        return None
+
+    def _install(self, module: FSDPModule, pg) -> None:
+        original = pg.post_backward  # bound method of the group's class
+
+        def post_backward(*args, **kwargs):
+            # what FSDP's post_backward is about to reduce (the hook is not told): FSDPParams with a
+            # gradient, in the group's order, as `foreach_reduce` lays out its buffer
+            if pg.reduce_grads:
+                self._with_grad[id(pg)] = [
+                    fp for fp in pg.fsdp_params if hasattr(fp, "_unsharded_param") and (
+                        fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+                        or (pg.reduce_scatter_unused_params and fp.unsharded_param.requires_grad))]
+            return original(*args, **kwargs)
+
+        pg.post_backward = post_backward
+        module.set_custom_reduce_scatter(DADReduceScatter(self, pg))
+
+    def close(self) -> None:
+        """Give the reductions back to FSDP and remove the capture hooks."""
+        if self._closed:
+            return
+        self._closed = True
+        for module, pg in self._installed:
+            pg.__dict__.pop("post_backward", None)
+            module.set_custom_reduce_scatter(DefaultReduceScatter())
+        for capture in self.plan.captures:
+            capture.remove()
+        self._committed.remove()
+
+    def last_step_report(self) -> Optional[ShardedStepReport]:
+        """The report of the latest backward that reduced gradients (None before the first)."""
+        return self._report
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.warning("dAD/FSDP2: %s", message)
+
+    # -- the reduce-scatter -----------------------------------------------------------------------
+    def _reduce(self, pg, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op) -> None:
+        S = group.size()
+        task = torch._C._current_graph_task_id()  # every group's call of one backward shares it
+        if self._report is None or task != self._task or task < 0:
+            self._task = task
+            self._report = ShardedStepReport(self._report.step + 1 if self._report else 1, S)
+        report = self._report
+        slots = self._slots(pg, inp, S)
+        if slots is None:
+            self._log_once(f"group {pg._module_fqn or '<root>'}: could not map FSDP's buffer to its parameters; "
+                           f"FSDP's reduce-scatter used for the whole group")
+            whole = ShardSlot(f"{pg._module_fqn}.*", None, 0, inp.numel() // S, inp.numel() // S, (inp.numel(),))
+            return self._dense([whole], ShardSink([], out, inp, S), group, op, report)
+        predivide, scale = _scaling(pg, group, inp, op)
+        sink = ShardSink(slots, out, inp, S, predivide)
+        agg = self._aggregators.setdefault(id(group), TorchDistributedAggregator(group))
+        units = [u for u in (self._unit_of.get(id(s.param)) for s in slots) if u is not None and not u.dense_only]
+        rows = {u.index: [concat_rows(self._committed.take(c), c.kind, tuple(u.param.shape), u.param)
+                          for c in u.uses] for u in units}
+        counts, traffic = exchange_row_counts(units, rows, agg)
+        if units:
+            report.params.append(_overhead("dad.fsdp.row_counts", sum(len(u.uses) for u in units), traffic))
+        if units and self.config.verify_first_step and id(pg) not in self._verified:
+            units, failed, traffic = agree_factors_rebuild(units, rows, sink, agg)
+            report.params.append(_overhead("dad.fsdp.verify", len(units) + len(failed), traffic))
+            for unit in failed:
+                self._log_once(f"{unit.name}: its factors do not rebuild its local gradient on some rank "
+                               f"(a use outside the captured layers?): FSDP's reduce-scatter from now on")
+                unit.set_dense_only(True)
+        self._verified.add(id(pg))
+        codec = ShardedExactCodec(self._wire, inp.device)
+        covered = set()
+        for unit in units:
+            biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]
+            shape = UnitShape(tuple(unit.kinds), tuple(unit.param.shape), sum(b.shape[0] for b in biases), inp.dtype)
+            decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts[unit.index],
+                             sharded=True)
+            if decision.representation != "exact":
+                continue  # FSDP's reduce-scatter moves no more bytes
+            result = codec.exchange(unit, rows[unit.index], counts[unit.index], agg, scale)
+            for p in [unit.param] + biases:
+                sink.write(p, result.shards[p])
+                covered.add(id(p))
+                slot = sink.slot(p)
+                report.params.append(ShardedParamReport.of_shard(slot.name, "exact", slot.shape, slot.numel, S,
+                                                                 inp.element_size()))
+            weight = report.params[-1 - len(biases)]  # the bytes go to the weight, biases ride free
+            weight.rows = sum(left.shape[0] for left, _ in rows[unit.index])
+            weight.max_rows, weight.method = max(sum(r) for r in counts[unit.index]), result.method
+            weight.add_traffic(result.traffic)
+        self._dense([s for s in slots if id(s.param) not in covered], sink, group, op, report)
+
+    def _slots(self, pg, inp: torch.Tensor, S: int) -> Optional[List[ShardSlot]]:
+        """Each reduced parameter's place in the buffers, or None where they do not add up."""
+        fps = self._with_grad.pop(id(pg), None)
+        if fps is None or self._closed:
+            return None
+        slots, offset = [], 0
+        for fp in fps:
+            numel = math.prod(fp.padded_sharded_param_size)
+            p = fp.sharded_param
+            slots.append(ShardSlot(self._names.get(id(p), "?"), p, offset, numel,
+                                   int(fp.padded_sharded_param_size[0]), tuple(p.shape)))
+            offset += numel
+        return slots if offset * S == inp.numel() else None
+
+    @staticmethod
+    def _dense(dense: List[ShardSlot], sink: ShardSink, group, op, report: ShardedStepReport) -> None:
+        """FSDP's own reduce-scatter, on a buffer holding only ``dense``'s chunks."""
+        if not dense:
+            return
+        if sum(s.numel for s in dense) == sink.chunk:  # nothing went by factors: the buffer as it is
+            dist.reduce_scatter_tensor(sink.out, sink.inp, op=op, group=group)
+        else:
+            compact = sink.dense_input(dense)
+            result = torch.empty(compact.numel() // sink.world_size, dtype=compact.dtype, device=compact.device)
+            dist.reduce_scatter_tensor(result, compact, op=op, group=group)
+            sink.write_dense(dense, result)
+        report.params += [ShardedParamReport.of_shard(s.name, "dense", s.shape, s.numel, sink.world_size,
+                                                      sink.inp.element_size()) for s in dense]
+
+
+def _scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float, float]:
+    """FSDP's predivide (already applied to ``inp``) and what its reduce-scatter multiplies the sum
+    of the predivided gradients by: ``1/S`` for AVG, ``1/factor`` for PREMUL_SUM, 1 for SUM."""
+    pre, _, rs_op, _ = _get_gradient_divide_factors(group, None, inp.dtype, inp.device.type,
+                                                    pg.gradient_divide_factor, pg.force_sum_reduction_for_comms)
+    pre = pre or 1.0
+    if rs_op == ReduceOp.AVG:
+        return pre, 1.0 / pre / group.size()
+    if rs_op == ReduceOp.SUM:
+        return pre, 1.0 / pre
+    return pre, 1.0 / pre / float(pg.gradient_divide_factor)
+
+
+def _overhead(name: str, numel: int, traffic: Traffic) -> ShardedParamReport:
+    rep = ShardedParamReport(name, "overhead", (numel,))
+    rep.add_traffic(traffic)
+    return rep
