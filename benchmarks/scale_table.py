@@ -148,7 +148,7 @@ def markdown(rows: List[dict]) -> str:
 def crossovers(rank: int) -> str:
     """Where each scheme stops winning: rows per rank below which exact beats all-reduce, and the
     number of sites above which rank-dAD's all-gather route outgrows all-reduce, per geometry
-    (the all-reduce route, which auto takes beyond two sites, is flat in the sites)."""
+    (the all-reduce route, which auto takes, is flat in the sites)."""
     lines = ["| geometry | exact beats all-reduce below (tokens per rank, 1 sequence, S=8) | rank-dAD all-gather beats all-reduce up to (sites, 512 tokens) |",
              "|---|---|---|"]
     for g in GEOMETRIES:

@@ -75,6 +75,11 @@ class DADConfig:
             (PowerSGD's shared power iteration: ``2 (S-1)/S r (m+n)``, flat in S, rank r of the
             average), or ``"auto"`` (the default): per weight the fewer bytes, the all-reduce on
             ties (at two sites: it trained better there, see `router`).
+        lossless_steps: the first this many synchronised steps take no rank route (auto without
+            a rank: exact factors or dense, whichever is fewer bytes), as PowerSGD's hook
+            all-reduces its first ``start_powerSGD_iter`` steps. Adam's first moments then start
+            from exact gradients: in the quick-start job 2 such steps brought dAD's final loss from
+            2.7880 to 2.7516, PowerSGD's 2.7544 at the same bytes. Default 0.
     """
 
     mode: str = "auto"
@@ -89,6 +94,7 @@ class DADConfig:
     bucket_cap_mb: float = 25.0
     verify_first_step: bool = True
     rank_route: str = "auto"
+    lossless_steps: int = 0
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
@@ -104,6 +110,9 @@ class DADConfig:
             raise ValueError(f"dad config key 'rank': must be a positive integer or None, got {self.rank!r}")
         if self.mode == "rank" and self.rank is None:
             raise ValueError("dad config key 'rank': mode 'rank' needs a rank (a positive integer)")
+        if _not_int(self.lossless_steps) or self.lossless_steps < 0:
+            raise ValueError(
+                f"dad config key 'lossless_steps': must be an integer >= 0, got {self.lossless_steps!r}")
         if _not_int(self.power_iterations) or self.power_iterations < 1:
             raise ValueError(
                 f"dad config key 'power_iterations': must be an integer >= 1, got {self.power_iterations!r}")

@@ -140,7 +140,7 @@ class Exchanger:
         wire = self.wire_dtype or p.dtype
         shape = UnitShape(tuple(unit.kinds), (m, n), unit.bias_numel, p.dtype)
         decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify, dense_only=unit.dense_only,
-                         last_rows=self.last_rows.get(unit.index))
+                         last_rows=self.last_rows.get(unit.index), step=step)
         traffic = Traffic()
         rows_by_rank = None
         if decision.exchange_sizes:
@@ -148,7 +148,7 @@ class Exchanger:
             rows_by_rank, traffic = self._agree(unit, ok, counts)
             self.last_rows[unit.index] = rows_by_rank
             decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify,
-                             dense_only=unit.dense_only, rows_by_rank=rows_by_rank)
+                             dense_only=unit.dense_only, rows_by_rank=rows_by_rank, step=step)
         rep = decision.representation
 
         entry = ParamReport(unit.name, rep, (m, n), rows=sum(counts),

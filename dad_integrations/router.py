@@ -38,6 +38,7 @@ exact factors are exchanged as `codecs.sharded_exact` does; auto weighs those tw
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -76,7 +77,7 @@ class Route:
 
 def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
           first_step: bool = False, dense_only: bool = False, rows_by_rank: Optional[RowCounts] = None,
-          last_rows: Optional[RowCounts] = None, sharded: bool = False) -> Route:
+          last_rows: Optional[RowCounts] = None, sharded: bool = False, step: Optional[int] = None) -> Route:
     """The route of one unit.
 
     Args:
@@ -89,7 +90,10 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         rows_by_rank: this step's agreed counts; given, the decision is final.
         last_rows: the counts of the unit's last size exchange (auto's prediction).
         sharded: decide on FSDP2's numbers (reduce-scatter against sharded exact factors).
+        step: the synchronised step's index; steps below ``config.lossless_steps`` take no rank route.
     """
+    if step is not None and step < config.lossless_steps and config.rank is not None:
+        config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
     rank_allowed = config.rank is not None and not sharded
     # an adaptive rank applies to each site's own factors: the all-gather route
     rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route

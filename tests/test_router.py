@@ -173,3 +173,14 @@ def test_sharded_embeddings_send_whole_factors_and_no_rank_routes():
     assert route(cfg, EMBEDDING, rows_by_rank=rows, sharded=True, **F32).representation in ("dense", "exact")
     exact = DADConfig(mode="exact")
     assert route(exact, WIDE, rows_by_rank=_rows(10 ** 5), sharded=True, **F32) == Route("exact", True)
+
+
+def test_lossless_steps_take_no_rank_route():
+    """The first ``lossless_steps`` steps go exact or dense (PowerSGD's start_powerSGD_iter), then rank."""
+    cfg = DADConfig(mode="rank", rank=4, lossless_steps=2)
+    for step in (0, 1):
+        assert route(cfg, WIDE, step=step, **F32) == Route(None, True)
+        assert route(cfg, WIDE, step=step, rows_by_rank=_rows(4096), **F32) == Route("dense", True)
+    assert route(cfg, WIDE, step=2, **F32) == Route("rank_allreduce", False)
+    with pytest.raises(ValueError, match="lossless_steps"):
+        DADConfig(lossless_steps=-1)

@@ -83,6 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-error-feedback", action="store_true",
                    help="turn off error feedback (on by default: rank routes keep what they left out "
                         "of each weight for the next step; memory: one gradient per rank-routed weight)")
+    p.add_argument("--lossless-steps", type=int, default=None,
+                   help="dAD's first N steps take no rank route (as PowerSGD's hook all-reduces its first 2)")
     p.add_argument("--max-steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-step")
     p.add_argument("--seq-len", type=int, default=128)
@@ -319,6 +321,8 @@ def main() -> None:
     dad_config = {"mode": args.dad_mode, "rank": None if args.dad_mode == "exact" else args.rank}
     if args.no_error_feedback:
         dad_config["error_feedback"] = False
+    if args.lossless_steps is not None:
+        dad_config["lossless_steps"] = args.lossless_steps
     runs = []
     if not args.no_baseline:
         runs.append(train("allreduce", args, accelerator, init_state, dataset, None))
