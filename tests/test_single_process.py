@@ -94,7 +94,8 @@ def test_rank_mode_stops_capturing_rows_it_does_not_use(group):
         model(x).pow(2).sum().backward()
         sync.synchronize()
     assert all(u.rows_unused and not any(c.enabled for c in u.uses) for u in sync.units)
-    assert {p.method for p in sync.last_step_report().params if p.representation == "rank"} == {"dense"}
+    assert {p.method for p in sync.last_step_report().params
+            if p.representation in ("rank", "rank_allreduce")} == {"dense"}
     model(x).pow(2).sum().backward()
     with pytest.raises(RuntimeError, match="synchronize"):
         model(x)
