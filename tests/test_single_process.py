@@ -388,3 +388,30 @@ def test_broadcast_in_chunks_keeps_every_dtype(group):
     broadcast_model(model, TorchDistributedAggregator(), chunk_bytes=16)
     for k, v in model.state_dict().items():
         assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
+
+
+def test_dense_marks_keep_unused_none_and_real_nan(group):
+    """The dense buckets' NaN marks: a parameter without a gradient stays None, a gradient whose
+    first element really is NaN stays a (non-finite) gradient, the others are untouched."""
+    from dad_integrations.codecs.dense import allreduce_dense
+    from dad_integrations.sink import GradSink
+
+    used, unused, nan_first = (nn.Parameter(torch.ones(3)) for _ in range(3))
+    used.grad = torch.tensor([1.0, 2.0, 3.0])
+    nan_first.grad = torch.tensor([float("nan"), 5.0, 6.0])
+    names = []
+    finite = allreduce_dense([("used", used), ("unused", unused), ("nan", nan_first)], TorchDistributedAggregator(),
+                             GradSink({}), bucket_cap_mb=1, wire_dtype=None,
+                             account=lambda name, p, traffic: names.append(name))
+    assert not finite
+    assert unused.grad is None
+    torch.testing.assert_close(used.grad, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.isnan(nan_first.grad[0]) and nan_first.grad[1:].tolist() == [5.0, 6.0]
+    assert "[dense flags]" in names  # the resolving round ran (only because of the marks)
+    names.clear()
+    unused.grad = torch.zeros(3)
+    nan_first.grad = torch.ones(3)
+    assert allreduce_dense([("used", used), ("unused", unused), ("nan", nan_first)], TorchDistributedAggregator(),
+                           GradSink({}), bucket_cap_mb=1, wire_dtype=None,
+                           account=lambda name, p, traffic: names.append(name))
+    assert "[dense flags]" not in names  # every gradient present: no extra round

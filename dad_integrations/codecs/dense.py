@@ -67,17 +67,18 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
         pending.append((bucket, aggregator.all_reduce(flat, name=f"dad.dense.{b}", op="sum")))
 
     sums: List[Tuple[DenseItem, torch.Tensor]] = []
+    flats: List[torch.Tensor] = []
     for bucket, handle in pending:
         flat = handle.wait()
+        flats.append(flat)
         offset = 0
         for name, p in bucket:
             account(name, p, handle.traffic.share(p.numel() / max(flat.numel(), 1)))
             sums.append(((name, p), flat[offset:offset + p.numel()]))
             offset += p.numel()
     had_grad = _resolve(sums, aggregator, prescale, dtype, device, account)
-    finite = True
+    finite = all(bool(torch.isfinite(flat).all()) for flat in flats)  # marks resolved: one check a bucket
     for (name, p), total in sums:
-        finite = finite and bool(torch.isfinite(total).all())
         avg = total.view_as(p).to(p.dtype).mul_(postscale)
         sink.write_dense(p, avg, had_grad.get(id(p), True))
     return finite
@@ -100,7 +101,12 @@ def _resolve(sums: List[Tuple[DenseItem, torch.Tensor]], aggregator: FactorAggre
     """For each parameter whose summed first element is not finite (a rank without a gradient, or a
     gradient that is not finite) or that has no elements: whether any rank had a gradient; its
     first element is replaced by the true sum. One all-reduce, only when there is such a parameter."""
-    unresolved = [(p, total) for (_, p), total in sums if total.numel() == 0 or not bool(torch.isfinite(total[0]))]
+    nonempty = [(p, total) for (_, p), total in sums if total.numel()]
+    marked = []  # one check for all first elements (one device sync, not one per parameter)
+    if nonempty:
+        bad = (~torch.isfinite(torch.stack([total[0] for _, total in nonempty]))).nonzero().flatten().tolist()
+        marked = [nonempty[i] for i in bad]
+    unresolved = [(p, total) for (_, p), total in sums if not total.numel()] + marked
     if not unresolved:
         return {}
     flags = [float(p.grad is not None) for p, _ in unresolved]
