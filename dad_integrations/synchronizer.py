@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 import weakref
 from typing import Callable, Iterator, List, Mapping, Optional, Tuple, Type, Union
 
@@ -43,6 +44,8 @@ from .window import StepWindow
 from .worker import Worker
 
 log = logging.getLogger(__name__)
+
+_ENGINE_DRAIN_S = 0.05  # at exit: time given to the engine's threads to release finished collectives
 
 WIRE_DTYPES = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 STATE_VERSION = 2
@@ -333,6 +336,11 @@ def _abandon(ref: "weakref.ref[DADSynchronizer]") -> None:
     if sync is not None:
         sync._release()
         sync._worker.join(timeout=5.0)
+        # A gloo worker thread drops its last reference to a finished collective's tensors a
+        # moment after the wait returns, and that needs the GIL; once the interpreter finalises,
+        # taking the GIL ends the thread inside a noexcept destructor (std::terminate). Hand the
+        # GIL over briefly so those threads finish while they still can.
+        time.sleep(_ENGINE_DRAIN_S)
 
 
 def in_backward() -> bool:
