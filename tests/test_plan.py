@@ -148,3 +148,31 @@ def test_auto_never_sends_more_than_powersgd(preset):
             assert step.total <= step.powersgd, (sites, tokens, step.total, step.powersgd)
             for u in step.units:
                 assert u.dad <= u.powersgd * (1 + 1e-12) + 1e-9, (u.name, sites, tokens, u.route)
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama-small"])
+def test_sharded_plan_against_reduce_scatter(model_name, capsys):
+    """`--sharded`: the baseline is FSDP2's reduce-scatter of every parameter (dim 0 padded to the
+    sites), every unit's figures add up, mode exact routes every unit exact, and auto (lossless)
+    never sends more than the reduce-scatter beyond its row-count exchange."""
+    from dad_integrations.costs import reduce_scatter_bytes
+
+    sites, tokens = 8, 128
+    cfg = load_config(model_name)
+    model = build_meta_model(cfg)
+    seen = {id(p): p for p in model.parameters() if p.requires_grad}
+    expected_rs = sum(reduce_scatter_bytes(tuple(p.shape), sites, 4) for p in seen.values())
+    for mode in ("exact", "auto"):
+        out = run_json(capsys, "--model", model_name, "--sites", str(sites), "--tokens-per-rank", str(tokens),
+                       "--rank", "0", "--mode", mode, "--sharded")
+        units = out["units"]
+        assert out["sharded"] is True
+        assert out["reduce_scatter"] == pytest.approx(expected_rs, rel=1e-12)
+        assert out["total"] == pytest.approx(sum(u["dad"] for u in units) + out["dense_reduce_scatter"], rel=1e-12)
+        if mode == "exact":
+            assert out["counts"] == {"exact": len(units)}
+        for u in units:
+            counts_exchange = (sites - 1) * 8.0 * len(u["rows"])
+            assert u["dad"] <= u["reduce_scatter"] + counts_exchange or mode == "exact", u
+        if mode == "auto":
+            assert out["total"] < out["reduce_scatter"]  # few tokens per rank: factors pay somewhere
