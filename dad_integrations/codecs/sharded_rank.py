@@ -294,7 +294,7 @@ class ShardedRankCodec:
         S, rank = agg.world_size, agg.rank
         ps = []
         for it in items:
-            m, n = it.unit.param.shape
+            n = it.unit.param.shape[1]
             q0 = self.shared.initial(it.unit, n, it.rank, compute_dtype(it.unit.param), step)
             ps.append(it.local.mm(q0))
         p_flat = torch.cat([p.reshape(-1) for p in ps]).to(wire)
