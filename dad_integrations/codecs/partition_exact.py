@@ -209,7 +209,7 @@ class PartitionExactCodec:
         """Rank ``rank``'s owned elements of its *own* gradient, rebuilt from its own rows only (the
         first step's check against autograd's local gradient)."""
         wire = self.wire_dtype or dtype
-        own = encode(item.kinds, item.shape, item.rows, item.ranges, wire)[rank]
+        (own,) = encode(item.kinds, item.shape, item.rows, [item.ranges[rank]], wire)  # only this rank's block
         return decode(item.kinds, item.shape, [own], item.ranges[rank], dtype)
 
 
