@@ -50,6 +50,7 @@ from .capture import CommittedRows
 from .checks import agree_factors_rebuild
 from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
 from .config import DADConfig
+from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
 from .router import UnitShape, route
@@ -102,7 +103,15 @@ class FSDPDADSynchronizer:
         self._aggregators: Dict[int, TorchDistributedAggregator] = {}
         self._with_grad: Dict[int, list] = {}  # per group: the FSDPParams its post_backward reduces
         self._verified: set = set()            # groups whose first call was checked
-        groups = [(m, pg) for m in model.modules() if isinstance(m, FSDPModule) for pg in self._groups_of(m)]
+        reject_fsdp1(model, "enable_dad_fsdp")
+        # one entry per group: `fully_shard([norm, lm_head])` (Accelerate's tail) makes several modules
+        # share one FSDP state and group, which must be hooked once
+        groups, seen = [], set()
+        for m in model.modules():
+            for pg in (self._groups_of(m) if isinstance(m, FSDPModule) else []):
+                if id(pg) not in seen:
+                    seen.add(id(pg))
+                    groups.append((m, pg))
         if not groups:
             raise ValueError("enable_dad_fsdp: no fully_shard-ed module (with a 1-D shard mesh) in the model")
         self._fp_of = {id(fp.sharded_param): (pg, fp) for _, pg in groups for fp in pg.fsdp_params}
