@@ -229,12 +229,13 @@ class FSDPDADSynchronizer:
                                f"(a use outside the captured layers?): FSDP's reduce-scatter from now on")
                 unit.set_dense_only(True)
         self._verified.add(id(pg))
-        codec = ShardedExactCodec(self._wire, inp.device)
+        wire = _factor_wire(self._wire, pg)
+        codec = ShardedExactCodec(wire, inp.device)
         covered = set()
         for unit in units:
             biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]
             shape = UnitShape(tuple(unit.kinds), tuple(unit.param.shape), sum(b.shape[0] for b in biases), inp.dtype)
-            decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts[unit.index],
+            decision = route(self.config, shape, world_size=S, wire_dtype=wire, rows_by_rank=counts[unit.index],
                              sharded=True)
             if decision.representation != "exact":
                 continue  # FSDP's reduce-scatter moves no more bytes
@@ -279,6 +280,16 @@ class FSDPDADSynchronizer:
             sink.write_dense(dense, result)
         report.params += [ShardedParamReport.of_shard(s.name, "dense", s.shape, s.numel, sink.world_size,
                                                       sink.inp.element_size()) for s in dense]
+
+
+def _factor_wire(configured: Optional[torch.dtype], pg) -> torch.dtype:
+    """The dtype a group's factors travel in, the same on every rank: the configured ``wire_dtype``,
+    else the group's compute dtype (the mixed precision policy's ``param_dtype``, in which forward
+    and backward made the factors: nothing is lost), else its parameters' dtype. Not FSDP's reduce
+    dtype, which may be lower than the factors' (fp32 parameters reduced in bf16) or higher (bf16
+    compute reduced in fp32); the router and the codec must both use this one, or auto would weigh
+    factor bytes the codec does not send."""
+    return configured or pg.mp_policy.param_dtype or pg.fsdp_params[0].orig_dtype
 
 
 def _scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float, float]:

@@ -248,6 +248,7 @@ CASES = {
     "gpt2-exact-bf16-fp32": {"model": "gpt2", "mode": "exact", "batch": 1, "mp": "bf16-fp32", "steps": 2},
     "gpt2-exact-bf16": {"model": "gpt2", "mode": "exact", "batch": 1, "mp": "bf16", "steps": 2},
     "mlp-exact-fp16": {"model": "mlp", "mode": "exact", "mp": "fp16", "steps": 2},
+    "gpt2-auto-bf16": {"model": "gpt2", "mode": "auto", "batch": 1, "mp": "bf16", "steps": 2},
     "mlp-exact-sum": {"model": "mlp", "mode": "exact", "uneven": True, "force_sum": True},
     "mlp-exact-shard1": {"model": "mlp", "mode": "exact", "shard1": "inp.weight"},
 }
