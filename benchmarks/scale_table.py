@@ -169,6 +169,51 @@ def crossovers(rank: int) -> str:
     return "\n".join(lines)
 
 
+# -- sharded (FSDP2): each rank keeps a shard; the baseline is a reduce-scatter -------------------
+SHARDED_GEOMETRIES = ("gpt2", "gpt2-medium", "gpt2-large", "llama-7b-geometry")  # `plan.PRESETS`
+SHARDED_TOKENS = (128, 1024, 8192)
+SHARDED_SITES = (8, 32, 256)
+SHARDED_SCHEMES = {"dad-exact": ("exact", None), "auto-lossless": ("auto", None), "dad-auto": ("auto", "r")}
+
+
+def sharded_table(rank: int, geometries: Sequence[str] = SHARDED_GEOMETRIES, tokens=SHARDED_TOKENS,
+                  sites=SHARDED_SITES) -> List[dict]:
+    """Bytes per rank and steady-state step under FSDP2 (`plan.sharded_steady_state`): FSDP2's
+    reduce-scatter against dAD exact, auto lossless and auto at ``rank``, fp32 gradients."""
+    from dad_integrations.plan import build_meta_model, load_config, max_positions as positions_of, \
+        sharded_steady_state
+
+    rows = []
+    for g in geometries:
+        cfg = load_config(g)
+        model = build_meta_model(cfg)
+        plans = {k: plan_of(model, mode, rank if r else None) for k, (mode, r) in SHARDED_SCHEMES.items()}
+        for t in tokens:
+            seq = min(t, positions_of(cfg) or t)
+            for s in sites:
+                rec = {"geometry": g, "tokens": t, "sites": s, "rank": rank}
+                for k, (mode, r) in SHARDED_SCHEMES.items():
+                    step = sharded_steady_state(plans[k], tokens=t, positions=seq, world_size=s, mode=mode,
+                                                rank=rank if r else None)
+                    rec["reduce_scatter"] = step.reduce_scatter
+                    rec[k], rec[f"{k}_units"] = step.total, step.counts
+                rows.append(rec)
+    return rows
+
+
+def sharded_markdown(rows: List[dict]) -> str:
+    lines = ["Sharded (FSDP2; fp32 gradients; MB one rank sends per steady-state step, row-count exchange "
+             "included):", "",
+             "| geometry | tokens/rank | sites | reduce-scatter MB | dAD exact MB | auto lossless MB "
+             "| auto (r) MB | auto (r) / reduce-scatter | auto (r) routes |", "|" + "---|" * 9]
+    for r in rows:
+        units = ", ".join(f"{v} {k}" for k, v in sorted(r["dad-auto_units"].items()))
+        lines.append(f"| {r['geometry']} | {r['tokens']} | {r['sites']} | {_gb(r['reduce_scatter'])} "
+                     f"| {_gb(r['dad-exact'])} | {_gb(r['auto-lossless'])} | {_gb(r['dad-auto'])} "
+                     f"| {r['dad-auto'] / r['reduce_scatter']:.4f} | {units} |")
+    return "\n".join(lines)
+
+
 def plot(rows: List[dict], out: Path) -> List[str]:
     import matplotlib
 
@@ -280,7 +325,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = table(args.rank)
-    text = markdown(rows) + "\n\n" + crossovers(args.rank)
+    sharded = sharded_table(args.rank)
+    text = markdown(rows) + "\n\n" + crossovers(args.rank) + "\n\n" + sharded_markdown(sharded)
     if args.check:
         checks = check()
         ok = all(c["match"] for c in checks)
@@ -296,7 +342,7 @@ def main(argv=None) -> int:
     (out / "scale_table.md").write_text(text + "\n")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump({"replicated": rows, "sharded": sharded}, fh, indent=1)
     if not args.no_plots:
         plot(rows, out)
     print(text)

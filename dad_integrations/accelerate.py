@@ -22,8 +22,9 @@ What it does, by Accelerate's distributed type:
   rebuilds only its shard of the average; returns that `FSDPDADSynchronizer`.
   ``accelerator.accumulate`` / ``no_sync`` (FSDP2's ``set_requires_gradient_sync(False)``: the
   factors of every micro-step go out in the synchronised backward) and ``clip_grad_norm_`` keep
-  working. Modes exact and auto keep no state between steps, so ``save_state`` writes no dAD file
-  (a synchroniser with a ``state_dict`` gets the DDP path's per-rank files).
+  working. Modes exact and auto without a rank keep no state between steps, so ``save_state``
+  writes no dAD file (a synchroniser with a ``state_dict`` gets the DDP path's per-rank files; the
+  FSDP2 rank routes' state is not checkpointed yet, said in the log).
 * FSDP1 (``fsdp_version: 1``): rejected with an error that says why and to use FSDP2
   (`dad_integrations.fsdp_detect`).
 * A single process: nothing to synchronise; returns None and says so once in the log.
@@ -116,6 +117,9 @@ def _enable_on_fsdp(accelerator, model: nn.Module, config: Union[DADConfig, Mapp
     sync = enable_dad_fsdp(root, config)
     if callable(getattr(sync, "state_dict", None)):
         _checkpoint_with_accelerator(accelerator, root, sync)
+    elif getattr(sync, "rank_codec", None) is not None:
+        log.warning("dAD under FSDP2: the rank routes' state (error-feedback residuals, warm starts) is not "
+                    "checkpointed yet; accelerator.save_state writes none and a resumed run starts it afresh")
     else:
         log.info("dAD under FSDP2 keeps no state between steps in mode %s: accelerator.save_state writes "
                  "no dAD file and load_state needs none", sync.config.mode)

@@ -3,7 +3,8 @@
 A backend (torch.distributed, Horovod, DeepSpeed) is a small adapter over one engine's collectives.
 The algorithms need four things: all-gather of rows whose first dimension differs per rank,
 all-reduce, rank / world size, and the bytes each call put on the wire (for the step report).
-The sharded codec (FSDP2) needs a fifth, an all-to-all, which backends may leave out.
+The sharded codecs need a fifth, an all-to-all (FSDP2: equal blocks; ZeRO's element ranges:
+`all_to_all_v`, blocks of agreed, different sizes), which backends may leave out.
 Backends count bytes themselves because only they know what they really handed to the engine
 (padding, size exchanges); each handle carries its own collective's bytes (`CommHandle.traffic`).
 """
@@ -128,6 +129,24 @@ class FactorAggregator(ABC):
             raise ValueError(f"{name}: all_to_all needs {self.world_size} blocks along dim 0, got {tensor.shape[0]}")
         return self._all_to_all(tensor.contiguous(), name)
 
+    def all_to_all_v(self, tensor: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], *,
+                     name: str) -> CommHandle:
+        """Rank d receives ``send_sizes[d]`` elements of ``tensor`` (1-D, blocks by destination, in
+        rank order); ``wait()`` returns the 1-D concatenation of what every rank sent here, by
+        source, ``recv_sizes[s]`` from rank s. Every rank must pass sizes that agree (rank s's
+        ``send_sizes[d]`` is rank d's ``recv_sizes[s]``): no sizes are exchanged. Only backends
+        that implement `_all_to_all_v` have it."""
+        send_sizes, recv_sizes = [int(n) for n in send_sizes], [int(n) for n in recv_sizes]
+        if len(send_sizes) != self.world_size or len(recv_sizes) != self.world_size:
+            raise ValueError(f"{name}: all_to_all_v needs {self.world_size} send and receive sizes")
+        if tensor.dim() != 1 or tensor.numel() != sum(send_sizes):
+            raise ValueError(f"{name}: all_to_all_v needs a 1-D tensor of {sum(send_sizes)} elements, "
+                             f"got shape {tuple(tensor.shape)}")
+        if send_sizes[self.rank] != recv_sizes[self.rank]:
+            raise ValueError(f"{name}: this rank sends itself {send_sizes[self.rank]} elements but expects "
+                             f"{recv_sizes[self.rank]}")
+        return self._all_to_all_v(tensor.contiguous(), send_sizes, recv_sizes, name)
+
     def traffic(self) -> Traffic:
         """A snapshot of the bytes counted so far, over all collectives of every thread.
 
@@ -147,6 +166,17 @@ class FactorAggregator(ABC):
 
     def _all_to_all(self, tensor: torch.Tensor, name: str) -> CommHandle:
         raise NotImplementedError(f"{type(self).__name__} has no all-to-all ({name})")
+
+    def _all_to_all_v(self, tensor: torch.Tensor, send_sizes: List[int], recv_sizes: List[int],
+                      name: str) -> CommHandle:
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all with sizes ({name})")
+
+    def _count_all_to_all_v(self, itemsize: int, send_sizes: Sequence[int], recv_sizes: Sequence[int]) -> Traffic:
+        """Count an all-to-all with sizes: what leaves for and arrives from the other ranks."""
+        me = self.rank
+        sent = (sum(send_sizes) - send_sizes[me]) * itemsize
+        received = (sum(recv_sizes) - recv_sizes[me]) * itemsize
+        return self._count(Traffic(handed=sum(send_sizes) * itemsize, sent=sent, received=received, calls=1))
 
     def _count_all_to_all(self, nbytes: float) -> Traffic:
         """Count an all-to-all of ``nbytes`` handed (``1/S`` of it stays on this rank)."""
@@ -197,6 +227,24 @@ class EqualSizeAggregator(FactorAggregator):
     def _engine_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
         """The engine's all-to-all of equal blocks along dim 0 (optional; see `all_to_all`)."""
         raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
+    def _engine_all_to_all_v(self, out: torch.Tensor, tensor: torch.Tensor, out_sizes: List[int],
+                             in_sizes: List[int], async_op: bool = False):
+        """The engine's all-to-all of 1-D blocks of the given sizes (optional; see `all_to_all_v`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all with sizes")
+
+    def _all_to_all_v(self, tensor: torch.Tensor, send_sizes: List[int], recv_sizes: List[int],
+                      name: str) -> CommHandle:
+        out = tensor.new_empty(sum(recv_sizes))
+        traffic = self._count_all_to_all_v(tensor.element_size(), send_sizes, recv_sizes)
+        work = self._engine_all_to_all_v(out, tensor, recv_sizes, send_sizes, async_op=True)
+
+        def finish() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return out
+
+        return CommHandle(finish, traffic)
 
     def _all_to_all(self, tensor: torch.Tensor, name: str) -> CommHandle:
         out = torch.empty_like(tensor)

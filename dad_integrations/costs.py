@@ -15,6 +15,10 @@ Sharded (FSDP2: each rank keeps rows ``[rank c, (rank+1) c)`` of the average, ``
   sharded exact          (S-1) * sum_u max_s rows_su * (n + c) * w (right all-gathered, left's
                          column slices by all-to-all); with an embedding use, the exact factors'
                          all-gather above
+  sharded rank-r         (S-1) * r (n + c) * w  + the bias' reduce-scatter  (every Q_s all-gathered,
+                         each rank's rows of every P_s by all-to-all: `codecs.sharded_rank`)
+  sharded rank-r         2 (S-1)/S * r (m + n) * w  + the bias' reduce-scatter (PowerSGD's P and Q,
+    all-reduce           all-reduced whole: the orthonormalisation needs every row of P)
 """
 from __future__ import annotations
 
@@ -85,18 +89,41 @@ def sharded_exact_bytes(kinds: Sequence[str], shape: Tuple[int, int], rows_by_ra
     return (s - 1) * longest * (n + -(-m // s)) * w
 
 
+def sharded_rank_bytes(shape: Tuple[int, int], rank: int, wire_dtype: torch.dtype, world_size: int) -> float:
+    """Bytes one rank sends (and receives) in `codecs.sharded_rank`'s all-gather route for one weight
+    (m x n, dim 0 sharded): every site's ``Q_s^T`` (r x n) all-gathered, ``(S-1) r n``, and each
+    rank's ``c = ceil(m/S)`` rows of every ``P_s`` by all-to-all, ``(S-1) c r``."""
+    m, n = shape
+    s, r = world_size, min(rank, m, n)
+    w = torch.empty((), dtype=wire_dtype).element_size()
+    return (s - 1) * r * (n + -(-m // s)) * w
+
+
+def sharded_rank_allreduce_bytes(shape: Tuple[int, int], rank: int, wire_dtype: torch.dtype,
+                                 world_size: int) -> float:
+    """Bytes one rank sends in `codecs.sharded_rank`'s all-reduce route for one weight: PowerSGD's
+    ``P`` (m x r) and ``Q`` (n x r) all-reduced whole, ``2 (S-1)/S r (m+n)``, as without sharding."""
+    m, n = shape
+    w = torch.empty((), dtype=wire_dtype).element_size()
+    return ring_allreduce_bytes(min(rank, m, n) * (m + n) * w, world_size)
+
+
 def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
                            bias_numel: int, grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
-                           world_size: int) -> Dict[str, float]:
-    """Estimated bytes per rank of the two sharded representations of one unit: ``"dense"`` (FSDP2's
-    reduce-scatter of the weight and its biases, in the gradients' dtype) and ``"exact"``. Several
-    biases are counted as one of ``bias_numel`` (their padding may differ by a row each)."""
+                           world_size: int, rank: int = 0) -> Dict[str, float]:
+    """Estimated bytes per rank of the sharded representations of one unit: ``"dense"`` (FSDP2's
+    reduce-scatter of the weight and its biases, in the gradients' dtype), ``"exact"``, and with a
+    ``rank``, ``"rank"`` and ``"rank_allreduce"`` (whose biases go through the reduce-scatter).
+    Several biases are counted as one of ``bias_numel`` (their padding may differ by a row each)."""
     gb = torch.empty((), dtype=grad_dtype).element_size()
-    dense = reduce_scatter_bytes(shape, world_size, gb)
-    if bias_numel:
-        dense += reduce_scatter_bytes((bias_numel,), world_size, gb)
-    return {"dense": dense, "exact": sharded_exact_bytes(kinds, shape, rows_by_rank, wire_dtype or grad_dtype,
-                                                         world_size)}
+    wire = wire_dtype or grad_dtype
+    bias = reduce_scatter_bytes((bias_numel,), world_size, gb) if bias_numel else 0.0
+    out = {"dense": reduce_scatter_bytes(shape, world_size, gb) + bias,
+           "exact": sharded_exact_bytes(kinds, shape, rows_by_rank, wire, world_size)}
+    if rank:
+        out["rank"] = sharded_rank_bytes(shape, rank, wire, world_size) + bias
+        out["rank_allreduce"] = sharded_rank_allreduce_bytes(shape, rank, wire, world_size) + bias
+    return out
 
 
 def powersgd_bytes(shape: Sequence[int], rank: int, world_size: int, itemsize: int,

@@ -34,6 +34,12 @@ class ErrorFeedback:
         if self.enabled:
             self.residuals[name] = compensated - sent
 
+    def set(self, name: str, residual: torch.Tensor) -> None:
+        """Keep ``residual``, computed by the caller (`codecs.sharded_rank` computes it while the
+        step's tensors are at hand and keeps it only once the step is known to be finite)."""
+        if self.enabled:
+            self.residuals[name] = residual
+
     def state(self, name: str) -> Optional[torch.Tensor]:
         return self.residuals.get(name)
 

@@ -14,7 +14,11 @@ FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``Re
 
 * `codecs.sharded_exact`: the algebra and its collectives (rows ``a:b`` of the average from exact
   factors; bytes per rank ``(S-1) N n + (S-1)/S N m`` against the reduce-scatter's ``(S-1)/S m n``);
-* `router.route(..., sharded=True)`: per weight, factors or FSDP's reduce-scatter (``auto``);
+* `codecs.sharded_rank`: the rank-r routes (every ``Q_s`` all-gathered and rows ``a:b`` of every
+  ``P_s`` by all-to-all, ``(S-1) r (n + m/S)``; or PowerSGD's all-reduced P and Q), with error
+  feedback (one unsharded residual per rank-routed weight and rank) and warm starts, kept at the end
+  of each backward only if every rank's gradients were finite;
+* `router.route(..., sharded=True)`: per weight, factors, a rank route or FSDP's reduce-scatter (``auto``);
 * `sink.ShardSink`: FSDP's buffers (local gradients read, shards and padding written);
 * `checks.factors_rebuild_local_grad`: the first call's check; `capture.CommittedRows`: rows are
   sent only once autograd has added them to the unsharded gradient (FSDP's post-backward can run
@@ -26,11 +30,12 @@ the sharded ``.grad``), FSDP's own reduce-scatter for the rest (on a compacted b
 and the report. No-sync micro-steps need nothing: the hook is not called, the captures keep rows.
 
 Limits (each falls back to FSDP's own reduce-scatter, logged once): HSDP, ``Shard(d>0)``, all-gather
-extensions, TP (DTensor) parameters, several parameter groups per module, CPU offload. Rank-dAD
-modes are not supported yet.
+extensions, TP (DTensor) parameters, several parameter groups per module, CPU offload. An adaptive
+rank (``adaptive_tolerance``) is refused, and so is FSDP1 (`fsdp_detect`: why, and to use FSDP2).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Dict, List, Mapping, Optional, Tuple, Union
@@ -38,6 +43,7 @@ from typing import Dict, List, Mapping, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed.distributed_c10d import ReduceOp
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -49,6 +55,7 @@ from .aggregator import Traffic
 from .capture import CommittedRows
 from .checks import agree_factors_rebuild
 from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
+from .codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec
 from .config import DADConfig
 from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
@@ -92,10 +99,13 @@ class FSDPDADSynchronizer:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("enable_dad_fsdp needs an initialised default process group")
         self.config = DADConfig() if config is None else DADConfig.from_dict(config)
-        if self.config.mode == "rank" or self.config.rank is not None:
-            raise ValueError("enable_dad_fsdp: rank-dAD under FSDP2 is not supported yet; use mode 'exact' "
-                             "or 'auto' without 'rank'")
+        if self.config.adaptive_tolerance is not None:
+            raise ValueError("enable_dad_fsdp: 'adaptive_tolerance' is not supported under FSDP2 (the sharded rank "
+                             "routes exchange equal blocks of r components from every rank); leave it unset")
         self._wire = WIRE_DTYPES[self.config.wire_dtype]
+        # rank routes' error feedback and warm starts (None without a rank)
+        self.rank_codec = ShardedRankCodec(self.config, self._wire) if self.config.rank is not None else None
+        self._rank_end_queued = False
         self._logged: set = set()
         self._closed = False
         self._report: Optional[ShardedStepReport] = None
@@ -205,7 +215,12 @@ class FSDPDADSynchronizer:
         if self._report is None or task != self._task or task < 0:
             self._task = task
             self._report = ShardedStepReport(self._report.step + 1 if self._report else 1, S)
+            if self.rank_codec is not None:  # (a backward that raised never ran the last step's end)
+                self.rank_codec.start_step()
+                self._rank_end_queued = False
         report = self._report
+        if self.rank_codec is not None:
+            self.rank_codec.note_local(inp)  # the step's finiteness, agreed when it ends
         slots = self._slots(pg, inp, S)
         if slots is None:
             self._log_once(f"group {pg._module_fqn or '<root>'}: could not map FSDP's buffer to its parameters; "
@@ -229,14 +244,19 @@ class FSDPDADSynchronizer:
                                f"(a use outside the captured layers?): FSDP's reduce-scatter from now on")
                 unit.set_dense_only(True)
         self._verified.add(id(pg))
-        wire = _factor_wire(self._wire, pg)
-        codec = ShardedExactCodec(wire, inp.device)
-        covered = set()
+        # factors travel in FSDP's reduce dtype where the config names none, as the router counts
+        # them and as the reduce-scatter and the rank routes send (not in the sharded parameters'
+        # dtype: fp32 factors on the wire under a bf16 policy, counted as bf16 by auto)
+        codec = ShardedExactCodec(self._wire or inp.dtype, inp.device)
+        covered, ranked = set(), []
         for unit in units:
             biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]
             shape = UnitShape(tuple(unit.kinds), tuple(unit.param.shape), sum(b.shape[0] for b in biases), inp.dtype)
-            decision = route(self.config, shape, world_size=S, wire_dtype=wire, rows_by_rank=counts[unit.index],
-                             sharded=True)
+            decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts[unit.index],
+                             sharded=True, step=report.step - 1)
+            if decision.representation in RANK_ROUTES:
+                ranked.append(self.rank_codec.local(unit, rows[unit.index], sink.local_grad, decision.representation))
+                continue  # exchanged together below; biases stay on FSDP's reduce-scatter
             if decision.representation != "exact":
                 continue  # FSDP's reduce-scatter moves no more bytes
             result = codec.exchange(unit, rows[unit.index], counts[unit.index], agg, scale)
@@ -250,7 +270,36 @@ class FSDPDADSynchronizer:
             weight.rows = sum(left.shape[0] for left, _ in rows[unit.index])
             weight.max_rows, weight.method = max(sum(r) for r in counts[unit.index]), result.method
             weight.add_traffic(result.traffic)
+        if ranked:
+            self._rank_routes(ranked, sink, agg, scale, report, covered)
         self._dense([s for s in slots if id(s.param) not in covered], sink, group, op, report)
+
+    def _rank_routes(self, items: List[RankItem], sink: ShardSink, agg: TorchDistributedAggregator, scale: float,
+                     report: ShardedStepReport, covered: set) -> None:
+        """Exchange the rank-routed weights of this call and write their shards; the step's residuals
+        and warm starts are kept or dropped when backward is over (`ShardedRankCodec.end_step`)."""
+        shards = self.rank_codec.exchange(items, agg, scale, report.step - 1, sink.inp.dtype)
+        for item, result in zip(items, shards):
+            p = item.unit.param
+            sink.write(p, result.shard)
+            covered.add(id(p))
+            slot = sink.slot(p)
+            entry = ShardedParamReport.of_shard(slot.name, item.representation, slot.shape, slot.numel,
+                                                agg.world_size, sink.inp.element_size())
+            entry.components, entry.method = result.components, item.method
+            entry.add_traffic(result.traffic)
+            report.params.append(entry)
+        if not self._rank_end_queued:
+            self._rank_end_queued = True
+            end = functools.partial(self._end_rank_step, agg, report)
+            if torch._C._current_graph_task_id() < 0:
+                end()  # not inside a backward: this call is the step
+            else:       # after every group's reduce-scatter, FSDP's final callback included
+                Variable._execution_engine.queue_callback(end)
+
+    def _end_rank_step(self, agg: TorchDistributedAggregator, report: ShardedStepReport) -> None:
+        self._rank_end_queued = False
+        report.params.append(_overhead("dad.fsdp.finite", 1, self.rank_codec.end_step(agg)))
 
     def _slots(self, pg, inp: torch.Tensor, S: int) -> Optional[List[ShardSlot]]:
         """Each reduced parameter's place in the buffers, or None where they do not add up."""
@@ -280,16 +329,6 @@ class FSDPDADSynchronizer:
             sink.write_dense(dense, result)
         report.params += [ShardedParamReport.of_shard(s.name, "dense", s.shape, s.numel, sink.world_size,
                                                       sink.inp.element_size()) for s in dense]
-
-
-def _factor_wire(configured: Optional[torch.dtype], pg) -> torch.dtype:
-    """The dtype a group's factors travel in, the same on every rank: the configured ``wire_dtype``,
-    else the group's compute dtype (the mixed precision policy's ``param_dtype``, in which forward
-    and backward made the factors: nothing is lost), else its parameters' dtype. Not FSDP's reduce
-    dtype, which may be lower than the factors' (fp32 parameters reduced in bf16) or higher (bf16
-    compute reduced in fp32); the router and the codec must both use this one, or auto would weigh
-    factor bytes the codec does not send."""
-    return configured or pg.mp_policy.param_dtype or pg.fsdp_params[0].orig_dtype
 
 
 def _scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float, float]:

@@ -24,7 +24,7 @@ import torch
 
 from .aggregator import ring_allreduce_bytes
 from .config import DADConfig
-from .costs import powersgd_bytes, size_exchange_bytes
+from .costs import powersgd_bytes, reduce_scatter_bytes, size_exchange_bytes
 from .router import UnitShape, route, unit_estimates
 from .units import build_plan
 
@@ -143,6 +143,65 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         powersgd=None if dense_psgd is None else dense_psgd + sum(unit_psgd), counts=counts)
 
 
+# -- sharded (FSDP2) ------------------------------------------------------------------------------------
+@dataclass
+class ShardedUnitRow:
+    """One factor unit under FSDP2 in steady state: bytes one rank sends per step by dAD's route
+    (its row-count exchange included) and by FSDP2's reduce-scatter, weight and biases together."""
+
+    name: str
+    shape: Tuple[int, int]
+    rows: List[int]
+    route: str
+    dad: float
+    reduce_scatter: float
+
+
+@dataclass
+class ShardedStepPlan:
+    """A steady-state sharded step: the units, the parameters outside them (always reduce-scattered),
+    and the totals (``total``: dAD, as `ShardedStepReport.totals["sent_bytes"]` accounts it)."""
+
+    units: List[ShardedUnitRow]
+    dense_params: int
+    dense_reduce_scatter: float
+    total: float
+    reduce_scatter: float
+    counts: Dict[str, int] = field(default_factory=dict)
+
+
+def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str,
+                         rank: Optional[int], rank_route: str = DADConfig.rank_route,
+                         dtype: torch.dtype = torch.float32) -> ShardedStepPlan:
+    """Bytes one rank sends per unit in a steady-state FSDP2 step (`fsdp.enable_dad_fsdp`): every
+    unit's rows are exchanged each backward (`codecs.sharded_exact.exchange_row_counts`), the
+    router decides with ``sharded=True`` on those counts, and the route's estimate is what the
+    unit sends; parameters outside the units, and units routed dense, go through FSDP2's
+    reduce-scatter (`costs.reduce_scatter_bytes`, in ``dtype``)."""
+    s, item = world_size, dtype.itemsize
+    config = DADConfig(mode=mode, rank=rank, rank_route=rank_route)
+    counts: Dict[str, int] = {}
+    rows: List[ShardedUnitRow] = []
+    for u in plan.units:
+        m, n = u.param.shape
+        shape = UnitShape(tuple(u.kinds), (m, n), u.bias_numel, dtype)
+        use = [use_rows(c, tokens, positions) for c in u.uses]
+        rows_by_rank = [use] * s
+        rep = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank,
+                    sharded=True).representation
+        est = unit_estimates(config, shape, rows_by_rank, s, dtype, sharded=True)
+        counts[rep] = counts.get(rep, 0) + 1
+        baseline = reduce_scatter_bytes((m, n), s, item) + sum(reduce_scatter_bytes(tuple(b.param.shape), s, item)
+                                                               for b in u.biases)
+        counts_exchange = (s - 1) * 8.0 * len(u.uses)  # every step, whatever the route
+        dad = (baseline if rep == "dense" else est[rep]) + counts_exchange
+        rows.append(ShardedUnitRow(u.name, (m, n), use, rep, dad, baseline))
+    dense = sum(reduce_scatter_bytes(tuple(p.shape), s, item) for _, p in plan.dense)
+    return ShardedStepPlan(units=rows, dense_params=len(plan.dense), dense_reduce_scatter=dense,
+                           total=dense + sum(r.dad for r in rows),
+                           reduce_scatter=dense + sum(r.reduce_scatter for r in rows), counts=counts)
+
+
 # -- Hugging Face models on the meta device ----------------------------------------------------------
 PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "bert-base", "llama-7b-geometry", "llama-small")
 
@@ -250,6 +309,40 @@ def render(step: StepPlan, header: str) -> str:
     return "\n".join(lines)
 
 
+def render_sharded(step: ShardedStepPlan, header: str) -> str:
+    """The sharded plan as a text table: per factor unit, dAD's route and bytes beside FSDP2's
+    reduce-scatter; then the other parameters and the totals."""
+    other = f"other parameters ({step.dense_params})"
+    name_w = max([len(r.name) for r in step.units] + [len(other)])
+    lines = [header, "",
+             f"{'layer':<{name_w}}  {'shape':>12}  {'rows':>11}  {'route':<14}  {'dAD MB':>10}  {'reduce-scatter MB':>17}"]
+    rule = "-" * len(lines[-1])
+    lines.append(rule)
+    for r in step.units:
+        lines.append(f"{r.name:<{name_w}}  {'x'.join(map(str, r.shape)):>12}  {'+'.join(map(str, r.rows)):>11}  "
+                     f"{r.route:<14}  {_mb(r.dad):>10}  {_mb(r.reduce_scatter):>17}")
+    lines.append(f"{other:<{name_w}}  {'':>12}  {'':>11}  {'dense':<14}  {_mb(step.dense_reduce_scatter):>10}  "
+                 f"{_mb(step.dense_reduce_scatter):>17}")
+    lines.append(rule)
+    lines.append(f"{'total':<{name_w}}  {'':>12}  {'':>11}  {'':<14}  {_mb(step.total):>10}  {_mb(step.reduce_scatter):>17}")
+    lines += ["", "routes: " + ", ".join(f"{v} {k}" for k, v in sorted(step.counts.items())),
+              f"dAD / reduce-scatter: {step.total / step.reduce_scatter:.4f}"]
+    return "\n".join(lines)
+
+
+def plan_sharded_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
+                       mode: str = "auto", rank_route: str = DADConfig.rank_route,
+                       dtype: torch.dtype = torch.float32, positions: Optional[int] = None) -> ShardedStepPlan:
+    """`sharded_steady_state` for ``model`` (its plan built, its capture hooks removed)."""
+    dad_rank = rank if rank and mode != "exact" else None
+    plan = build_plan(model, DADConfig(mode=mode, rank=dad_rank, rank_route=rank_route))
+    for c in plan.captures:
+        c.remove()
+    seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
+    return sharded_steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
+                                rank=dad_rank, rank_route=rank_route, dtype=dtype)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m dad_integrations.plan", description=__doc__.split("\n")[0])
@@ -261,27 +354,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # the synchroniser's own default, so that the plan shows what a default config does
     p.add_argument("--rank-route", choices=("auto", "allgather", "allreduce"), default=DADConfig.rank_route)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="gradient and wire dtype")
+    p.add_argument("--sharded", action="store_true",
+                   help="plan for FSDP2 (each rank keeps a shard; the baseline is a reduce-scatter)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
     if args.sites < 2 or args.tokens_per_rank < 1 or args.rank < 0:
         p.error("need --sites >= 2, --tokens-per-rank >= 1, --rank >= 0")
+    if args.mode == "rank" and not args.rank:
+        p.error("--mode rank needs a rank (--rank >= 1)")
     try:
         cfg = load_config(args.model)
         model = build_meta_model(cfg)
-        step = plan_model(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
+        planner = plan_sharded_model if args.sharded else plan_model
+        step = planner(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
                           mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
                           positions=max_positions(cfg))
     except ValueError as e:
         p.error(str(e))
     if args.json:
         out = {"model": args.model, "sites": args.sites, "tokens_per_rank": args.tokens_per_rank,
-               "rank": args.rank, "mode": args.mode, "rank_route": args.rank_route, "dtype": args.dtype,
+               "sharded": args.sharded, "rank": args.rank, "mode": args.mode, "rank_route": args.rank_route, "dtype": args.dtype,
                **asdict(step)}
         print(json.dumps(out, indent=1))
     else:
-        print(render(step, f"{args.model}: {args.sites} sites, {args.tokens_per_rank} tokens per rank, "
-                           f"mode {args.mode}, rank {args.rank or '-'}, rank route {args.rank_route}, "
-                           f"{args.dtype}; MB one rank sends per steady-state step"))
+        header = (f"{args.model}: {args.sites} sites, {args.tokens_per_rank} tokens per rank, mode {args.mode}, "
+                  f"rank {args.rank or '-'}, rank route {args.rank_route}, {args.dtype}"
+                  f"{', sharded (FSDP2)' if args.sharded else ''}; MB one rank sends per steady-state step")
+        print((render_sharded if args.sharded else render)(step, header))
     return 0
 
 

@@ -86,8 +86,8 @@ class StepReport:
 
 @dataclass
 class ShardedParamReport(ParamReport):
-    """`ParamReport` under FSDP2, plus what FSDP2's reduce-scatter of this parameter would send
-    per rank (``(S-1)/S`` of its dim-0-padded gradient)."""
+    """`ParamReport` under FSDP2 or ZeRO-2/3, plus what the engine's reduce-scatter of this parameter
+    would send per rank (``(S-1)/S`` of its padded gradient: FSDP2 pads dim 0, ZeRO the flat size)."""
 
     reduce_scatter_bytes: float = 0.0
 
@@ -109,7 +109,7 @@ class ShardedParamReport(ParamReport):
 
 @dataclass
 class ShardedStepReport(StepReport):
-    """A step under FSDP2; ``totals`` adds ``reduce_scatter_bytes`` and ``ratio_reduce_scatter``
+    """A step under FSDP2 or ZeRO-2/3 (one backward); ``totals`` adds ``reduce_scatter_bytes`` and ``ratio_reduce_scatter``
     (bytes sent over the reduce-scatter's)."""
 
     @property

@@ -32,9 +32,15 @@ on the current counts. Counts of a unit that goes dense or rank-r are not refres
 later shrink, it stays on that route (sticky after the first steps; it never costs more bytes
 than its route).
 
-Sharded (FSDP2, ``sharded=True``): the baseline is FSDP2's reduce-scatter, not an all-reduce, and
-exact factors are exchanged as `codecs.sharded_exact` does; auto weighs those two
-(`costs.sharded_estimate_bytes`). Rank routes are not offered there (not implemented yet).
+Sharded (FSDP2, ``sharded=True``): the baseline is FSDP2's reduce-scatter, not an all-reduce; exact
+factors are exchanged as `codecs.sharded_exact` does and the rank routes as `codecs.sharded_rank`
+does (every ``Q_s`` all-gathered and each rank's rows of every ``P_s`` by all-to-all; or PowerSGD's
+P and Q all-reduced whole), all weighed by `costs.sharded_estimate_bytes`. The dense
+reduce-scatter is always a candidate, so auto never sends more than it per weight. The sharded
+all-gather route moves ``(S-1) r (n + m/S)`` against the all-reduce's ``2 (S-1)/S r (m+n)``: fewer
+bytes whenever ``n (S-2) < m`` (always at two sites, where without sharding they tie), so
+``rank_route`` ``"auto"`` takes it there by bytes; ``"allreduce"`` keeps PowerSGD's rank-r average.
+Embeddings take the rank routes too (from their dense local gradient).
 """
 from __future__ import annotations
 
@@ -89,19 +95,19 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         dense_only: the unit failed the first-step check: dense for good.
         rows_by_rank: this step's agreed counts; given, the decision is final.
         last_rows: the counts of the unit's last size exchange (auto's prediction).
-        sharded: decide on FSDP2's numbers (reduce-scatter against sharded exact factors).
+        sharded: decide on FSDP2's numbers (reduce-scatter against sharded factors and rank routes).
         step: the synchronised step's index; steps below ``config.lossless_steps`` take no rank route.
     """
     if step is not None and step < config.lossless_steps and config.rank is not None:
         config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
-    rank_allowed = config.rank is not None and not sharded
+    rank_allowed = config.rank is not None
     # an adaptive rank applies to each site's own factors: the all-gather route
     rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
     if dense_only:
         return Route("dense", first_step)
     if config.mode == "rank" and rank_allowed:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size
-        return Route(choose("rank", unit_estimates(config, unit, no_rows, world_size, wire_dtype),
+        return Route(choose("rank", unit_estimates(config, unit, no_rows, world_size, wire_dtype, sharded=sharded),
                             rank_allowed=True, rank_route=rank_route), first_step)
     if rows_by_rank is not None:
         estimates = unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype, sharded=sharded)
@@ -123,7 +129,7 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
     if sharded:
         return sharded_estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                                       bias_numel=unit.bias_numel, grad_dtype=unit.dtype, wire_dtype=wire_dtype,
-                                      world_size=world_size)
+                                      world_size=world_size, rank=config.rank or 0)
     return estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                           bias_numel=unit.bias_numel, rank=config.rank or 0, grad_dtype=unit.dtype,
                           wire_dtype=wire_dtype, world_size=world_size)

@@ -56,3 +56,8 @@ class TorchDistributedAggregator(EqualSizeAggregator):
 
     def _engine_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
         return dist.all_to_all_single(out, tensor, group=self._group, async_op=async_op)
+
+    def _engine_all_to_all_v(self, out: torch.Tensor, tensor: torch.Tensor, out_sizes: List[int],
+                             in_sizes: List[int], async_op: bool = False):
+        return dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
+                                      group=self._group, async_op=async_op)

@@ -20,7 +20,8 @@ Checkpoints: dAD's per-rank state goes into each ``checkpoint-{step}`` folder
 (``dad_state_rank{r}.pt``, every rank its own; under DeepSpeed the engine's ``save_checkpoint``
 writes it into the folder's ``global_step{step}`` tag) and is loaded again by
 ``trainer.train(resume_from_checkpoint=...)`` before the first synchronised step. Under FSDP2,
-modes exact and auto keep no state between steps: there is nothing to write or load.
+modes exact and auto without a rank keep no state between steps: there is nothing to write or load
+(the FSDP2 rank routes' state is not checkpointed yet, said in the log).
 """
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ class DADCallback(TrainerCallback):
             self.sync = enable_dad_fsdp(getattr(model, "_orig_mod", model), self.config)
             if resume is not None and _has_state(self.sync):  # exact/auto under FSDP2 keep none
                 self._load_rank_state(resume, state, world)
+            elif getattr(self.sync, "rank_codec", None) is not None:
+                log.warning("dAD under FSDP2: the rank routes' state (error-feedback residuals, warm starts) "
+                            "is not checkpointed yet; a resumed run starts it afresh")
             log.info("dAD enabled for Trainer (FSDP2: inside its gradient reduce-scatter)")
             return
         wrapper, adapter = _wrapper_of(model)

@@ -20,6 +20,12 @@ from .config import DADConfig
 from .layers import layer_kind
 
 
+def param_shape(p: nn.Parameter) -> Tuple[int, ...]:
+    """A parameter's full shape, also where an engine keeps only a partition in ``p.data``
+    (DeepSpeed ZeRO-3 empties it and records the shape as ``ds_shape``)."""
+    return tuple(getattr(p, "ds_shape", None) or p.shape)
+
+
 @dataclass
 class BiasUse:
     """A bias whose gradient is the sum of one captured layer's output-gradient rows."""
@@ -87,9 +93,9 @@ class SyncPlan:
 
     def signature(self) -> List[list]:
         """What every rank must agree on, in order: names, shapes, dtypes and routes."""
-        sig = [["factor", u.name, list(u.param.shape), str(u.param.dtype), u.kinds,
+        sig = [["factor", u.name, list(param_shape(u.param)), str(u.param.dtype), u.kinds,
                 [b.name for b in u.biases]] for u in self.units]
-        sig += [["dense", n, list(p.shape), str(p.dtype)] for n, p in self.dense]
+        sig += [["dense", n, list(param_shape(p)), str(p.dtype)] for n, p in self.dense]
         return sig
 
     def signature_bytes(self) -> bytes:
@@ -134,7 +140,7 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
     unit_params = set()
     for p in trainable:
         regs = owners.get(id(p), [])
-        if regs and all(attr == "weight" and capturable(n, m) for n, m, attr in regs) and p.dim() == 2:
+        if regs and all(attr == "weight" and capturable(n, m) for n, m, attr in regs) and len(param_shape(p)) == 2:
             uses = []
             for mod_name, module, _ in regs:
                 if id(module) not in captures:

@@ -55,12 +55,21 @@ class DeepSpeedAggregator(EqualSizeAggregator):
         """Global ranks of the group, by group rank."""
         return list(self._ranks)
 
-    # The two calls into deepspeed.comm; every byte this backend moves passes through them.
+    # The calls into deepspeed.comm; every byte this backend moves passes through them.
     def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
         return self._dist.all_gather(out, tensor, group=self._group, async_op=async_op)
 
     def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         return self._dist.all_reduce(tensor, group=self._group, async_op=async_op)
+
+    def _engine_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        return self._dist.all_to_all_single(out, tensor, group=self._group, async_op=async_op)
+
+    def _engine_all_to_all_v(self, out: torch.Tensor, tensor: torch.Tensor, out_sizes: List[int],
+                             in_sizes: List[int], async_op: bool = False):
+        # ZeRO-2/3's partition exchange (`deepspeed_dad.zero`)
+        return self._dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes,
+                                            input_split_sizes=in_sizes, group=self._group, async_op=async_op)
 
 
 def _new_group(ds_dist: Any, ranks: List[int], timeout: Optional[timedelta]) -> Any:

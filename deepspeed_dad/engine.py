@@ -22,9 +22,10 @@ Everything after the reduction is DeepSpeed's own: fp16 overflow checks and skip
 updates, gradient clipping, the optimizer step, ``zero_grad``. The reduction's scaling follows the
 engine's (``gradient_predivide_factor``, ``prescale_gradients``, the ``"sum"`` all-reduce op) and its
 ``communication_data_type`` becomes dAD's wire dtype. Configurations whose gradients DeepSpeed
-reduces elsewhere (ZeRO 2/3 reduce-scatter inside backward hooks, the fp32-accumulating BF16
-optimizer, overlapped ZeRO 1 communication, pipeline/model/sequence parallelism, MoE) are rejected
-with an error that says why, never ignored.
+reduces elsewhere (the fp32-accumulating BF16 optimizer, overlapped ZeRO 1 communication,
+pipeline/model/sequence parallelism, MoE) are rejected with an error that says why, never ignored.
+ZeRO stages 2 and 3, which reduce-scatter inside backward hooks, are attached by `deepspeed_dad.zero`
+instead (`attach` selects by stage).
 """
 from __future__ import annotations
 
@@ -206,11 +207,15 @@ class DeepSpeedDAD:
             cm.__exit__(None, None, None)
 
 
-def attach(engine: Any, config: Union[DADConfig, DADBlock, Mapping[str, Any], None] = None) -> Optional[DeepSpeedDAD]:
+def attach(engine: Any, config: Union[DADConfig, DADBlock, Mapping[str, Any], None] = None
+           ) -> Optional[Union[DeepSpeedDAD, "ZeroDAD"]]:
     """Attach dAD to a DeepSpeed engine made elsewhere; returns the attachment (None if disabled).
 
+    ZeRO stages 0 and 1 get `DeepSpeedDAD` (dAD in place of the all-reduce); stages 2 and 3 get
+    `deepspeed_dad.zero.ZeroDAD` (each rank rebuilds only its gradient partition).
+
     Args:
-        engine: a ``deepspeed.DeepSpeedEngine`` (ZeRO stage 0 or 1) whose optimizer was configured.
+        engine: a ``deepspeed.DeepSpeedEngine`` whose optimizer was configured.
         config: the ``"dad"`` block (a dict with ``enabled`` and `DADConfig` keys), a `DADConfig`,
             or None for the defaults. A block with ``"enabled": false`` attaches nothing.
 
@@ -223,7 +228,22 @@ def attach(engine: Any, config: Union[DADConfig, DADBlock, Mapping[str, Any], No
     if not block.enabled:
         log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
         return None
+    if int(engine.zero_optimization_stage()) in (2, 3):
+        from .zero import ZeroDAD, check_zero
+        config = block.config
+        world = _check_engine(engine, check_zero(engine, config) if _is_engine(engine) else [])
+        wire = _wire_dtype(engine, config)
+        if wire != config.wire_dtype:
+            config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
+        attachment = ZeroDAD(engine, config, world)
+        setattr(engine, ATTR, attachment)
+        return attachment
     return DeepSpeedDAD(engine, block.config)
+
+
+def _is_engine(engine: Any) -> bool:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    return isinstance(engine, DeepSpeedEngine)
 
 
 def get_attachment(engine: Any) -> Optional[DeepSpeedDAD]:
@@ -274,19 +294,19 @@ def _wire_dtype(engine: Any, config: DADConfig) -> Optional[str]:
     return name
 
 
-def _check_engine(engine: Any) -> int:
-    """Reject what dAD cannot honour; returns the data-parallel world size."""
+def _check_engine(engine: Any, sharded_problems: Optional[List[str]] = None) -> int:
+    """Reject what dAD cannot honour; returns the data-parallel world size. ``sharded_problems``:
+    ZeRO-2/3's own (`deepspeed_dad.zero.check_zero`), for an engine of those stages."""
     from deepspeed import comm as dist
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     if not isinstance(engine, DeepSpeedEngine):
         raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
-    problems: List[str] = []
+    problems: List[str] = list(sharded_problems or [])
     stage = int(engine.zero_optimization_stage())
-    if stage not in (0, 1):
-        problems.append(f"ZeRO stage {stage} is not supported: it reduce-scatters gradients inside its own "
-                        f"backward hooks, so dAD cannot replace its reduction; use ZeRO stage 0 or 1")
+    if stage not in (0, 1) and sharded_problems is None:
+        problems.append(f"ZeRO stage {stage} is attached by deepspeed_dad.zero, not here")
     if engine.optimizer is None:
         problems.append("the engine has no optimizer (dAD synchronises training gradients)")
     if isinstance(engine.optimizer, BF16_Optimizer):

@@ -123,3 +123,34 @@ def test_convergence_smoke_writes_every_method(tmp_path):
     assert "mlp-adam, 2 ranks" in md and "x PowerSGD" in md
     for name in ("convergence_loss.png", "convergence_bytes.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_allocation_peak_sees_a_step_of_known_size():
+    """`AllocationPeak`, the sharded memory benchmark's meter: two live 4 MB tensors peak at 8 MB
+    above the start, and freeing one of them leaves 4 MB net."""
+    from benchmarks.sharded_memory import AllocationPeak
+
+    with AllocationPeak() as mem:
+        a = torch.ones(1 << 20)
+        b = a * 2
+        del a
+    assert mem.peak >= 8 << 20 and mem.peak < 9 << 20, mem.peak
+    assert mem.net == 4 << 20 and float(b[0]) == 2.0
+
+
+def test_sharded_memory_smoke_writes_every_method(tmp_path):
+    """`python -m benchmarks.sharded_memory --preset smoke`: FSDP2 and dAD inside it on 2 ranks, a
+    row per method with a peak, and dAD's rows with bytes sent."""
+    from benchmarks.sharded_memory import METHODS
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sharded_memory", "--preset", "smoke",
+                           "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = json.loads((tmp_path / "sharded_memory.json").read_text())["rows"]
+    assert sorted(r["method"] for r in rows) == sorted(METHODS)
+    for r in rows:
+        assert r["step_peak_bytes"] > 0 and r["state_bytes"] > 0 and r["ratio"] > 0
+        assert (r["sent_bytes"] is None) == (r["method"] == "fsdp2")
+    assert "vs FSDP2" in (tmp_path / "sharded_memory.md").read_text()

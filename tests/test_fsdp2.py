@@ -7,10 +7,16 @@ the tests read their results. The 2-process job covers MLP, GPT-2 (tied embeddin
 ways; Accelerate's group layout (an embedding sharded alone, a group of several modules); mixed
 precision policies (bf16 compute with fp32 or bf16 reduction, fp16 with FSDP's SUM and predivide);
 FSDP's forced SUM reduction; a ``Shard(1)`` weight (FSDP's reduce-scatter for it, logged once).
+
+The rank routes (`codecs.sharded_rank`): at full rank they are held to the lossless cases' tolerances;
+at small rank (lossy) to the error-feedback identity (the rebuilt average is the true one plus
+``1/S sum_s (e_old_s - e_new_s)``, to round-off, at every step), to the cost model's bytes, to fewer
+bytes than the reduce-scatter, to a falling loss, and a non-finite step must leave their state as it was.
 """
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -33,14 +39,20 @@ LR, STEPS = 1e-2, 3
 # apart (up to 5e-2): not read.
 MP_TOL = 1e-2
 MP_VS_FP32 = 1.25
-# gpt2-auto-bf16: factors travel in the compute dtype (bf16), which auto weighs against the bf16
-# reduce-scatter (they went in fp32 before, while auto counted bf16: more bytes than FSDP)
+# gpt2-auto-bf16: factors travel in FSDP's reduce dtype (bf16), which auto weighs against the bf16
+# reduce-scatter (they went in the fp32 parameters' dtype before, while auto counted bf16: more bytes
+# than FSDP's reduce-scatter)
 MIXED = ["gpt2-exact-bf16-fp32", "gpt2-exact-bf16", "mlp-exact-fp16", "gpt2-auto-bf16"]
 CASES = ["mlp-exact", "mlp-exact-uneven", "mlp-auto-uneven", "mlp-exact-accum", "gpt2-exact-uneven", "gpt2-auto",
+         "mlp-rank-full-allgather", "mlp-rank-full-allreduce",
          "llama-exact-uneven", "llama-exact-groups", "llama-auto-noreshard", "bert-exact-noreshard",
          "mlp-exact-sum", "mlp-exact-shard1"] + MIXED
 CASES_4 = ["mlp-exact-uneven", "mlp-auto"]  # uneven batches at 4 ranks pad every weight to dense in auto
 RUNS = [(2, c) for c in CASES] + [(4, c) for c in CASES_4]
+LOSSY = ["mlp-rank2-allreduce", "mlp-auto-rank4", "gpt2-auto-rank4"]    # rank 2 / 4, error feedback on
+NONFINITE = ["mlp-rank2-nonfinite", "mlp-rank2-allreduce-nonfinite"]    # rank 1's loss NaN at step 1
+RANKED = ["mlp-rank-full-allgather", "mlp-rank-full-allreduce"] + LOSSY + NONFINITE
+RANK_REPS = ("rank", "rank_allreduce")
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +63,8 @@ def jobs(tmp_path_factory):
     def get(nproc: int) -> dict:
         if nproc not in done:
             out = tmp_path_factory.mktemp(f"fsdp2_{nproc}") / "out.json"
-            run_torchrun(WORKERS / "fsdp2_worker.py", nproc, [out, *(CASES if nproc == 2 else CASES_4)],
-                         timeout=900)
+            run_torchrun(WORKERS / "fsdp2_worker.py", nproc,
+                         [out, *(CASES + LOSSY + NONFINITE if nproc == 2 else CASES_4)], timeout=900)
             done[nproc] = json.loads(out.read_text())
         return done[nproc]
 
@@ -153,3 +165,63 @@ def test_auto_mixes_routes_and_saves_bytes(results):
         assert overhead <= 8 * len(params), overhead
     gpt2 = _case(results, "gpt2-auto")["reports"][-1]["totals"]
     assert gpt2["ratio_reduce_scatter"] < 0.9, gpt2
+
+
+@pytest.mark.parametrize("cid", RANKED)
+def test_rank_routes_send_the_cost_models_bytes(results, cid):
+    """Every rank-routed weight sends exactly what `costs.sharded_rank_bytes` /
+    `sharded_rank_allreduce_bytes` predict (the all-gather of Q plus the all-to-all of P's rows; P and
+    Q all-reduced); at small rank that is below the reduce-scatter, weight by weight and in total."""
+    res = _case(results, cid)
+    for rep in res["reports"]:
+        ranked = [(name, sent, rs) for name, r, sent, rs in rep["params"] if r in RANK_REPS]
+        assert ranked and {name for name, _, _ in ranked} == set(rep["predicted"])
+        for name, sent, _ in ranked:
+            assert sent == pytest.approx(rep["predicted"][name]), name
+        totals = rep["totals"]
+        assert totals["reduce_scatter_bytes"] == pytest.approx(rep["fsdp_reduce_scatter_bytes"])
+        if "full" not in cid:
+            assert all(sent < rs for _, sent, rs in ranked), ranked
+            overhead = sum(sent for _, r, sent, _ in rep["params"] if r == "overhead")
+            assert totals["sent_bytes"] - overhead < totals["reduce_scatter_bytes"], totals
+    reps = {r for rep in res["reports"] for _, r, _, _ in rep["params"]}
+    if "allreduce" in cid:
+        assert "rank_allreduce" in reps and "rank" not in reps
+    elif "auto" in cid:  # auto weighs all routes by bytes: at two sites the all-gather route is fewer
+        assert {"rank", "dense"} <= reps and "rank_allreduce" not in reps
+    if cid == "mlp-auto-rank4":
+        assert "exact" in reps
+    if cid == "gpt2-auto-rank4":  # the tied embedding and the position embedding take a rank route too
+        last = {name: r for name, r, _, _ in res["reports"][-1]["params"]}
+        assert last["transformer.wte.weight"] in RANK_REPS and last["transformer.wpe.weight"] in RANK_REPS
+
+
+@pytest.mark.parametrize("cid", RANKED)
+def test_rank_routes_error_feedback_identity(results, cid):
+    """Sum over sites of what each sent plus what it kept is what it had: the shards FSDP holds equal
+    the true average plus ``1/S sum_s (e_old_s - e_new_s)`` to fp32 round-off, at every finite step,
+    and the error-feedback state moves every finite step."""
+    res = _case(results, cid)
+    finite_steps = len(res["reports"]) - (1 if cid in NONFINITE else 0)
+    assert len(res["identity"]) == finite_steps and max(res["identity"]) <= TOL, res["identity"]
+    assert all(s["numel"] > 0 for s in res["states"])
+    assert [s["changed"] for s in res["states"]] == [not (cid in NONFINITE and k == 1)
+                                                     for k in range(len(res["states"]))]
+
+
+@pytest.mark.parametrize("cid", LOSSY)
+def test_rank_routes_train(results, cid):
+    """Lossy rank routes on a fixed batch: the loss falls; every rank sees the same full model."""
+    res = _case(results, cid)
+    assert res["losses"][-1] < 0.9 * res["losses"][0], res["losses"]
+    assert len(set(res["checksums"])) == 1, res["checksums"]
+
+
+@pytest.mark.parametrize("cid", NONFINITE)
+def test_a_non_finite_step_leaves_the_rank_state_untouched(results, cid):
+    """Rank 1's loss is NaN at step 1: the gradients dAD leaves are non-finite exactly where FSDP's
+    are, the residuals and warm starts of every rank stay as they were, and step 2 trains on."""
+    res = _case(results, cid)
+    bad = res["nonfinite"]
+    assert bad["state_kept"] and bad["mismatched"] == [] and bad["nonfinite_params"] > 0, bad
+    assert all(math.isfinite(x) for x in res["identity"])

@@ -148,3 +148,55 @@ def test_auto_never_sends_more_than_powersgd(preset):
             assert step.total <= step.powersgd, (sites, tokens, step.total, step.powersgd)
             for u in step.units:
                 assert u.dad <= u.powersgd * (1 + 1e-12) + 1e-9, (u.name, sites, tokens, u.route)
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama-small"])
+def test_sharded_plan_against_reduce_scatter(model_name, capsys):
+    """`--sharded`: the baseline is FSDP2's reduce-scatter of every parameter (dim 0 padded to the
+    sites), every unit's figures add up, mode exact routes every unit exact, and auto (lossless)
+    never sends more than the reduce-scatter beyond its row-count exchange."""
+    from dad_integrations.costs import reduce_scatter_bytes
+
+    sites, tokens = 8, 128
+    cfg = load_config(model_name)
+    model = build_meta_model(cfg)
+    seen = {id(p): p for p in model.parameters() if p.requires_grad}
+    expected_rs = sum(reduce_scatter_bytes(tuple(p.shape), sites, 4) for p in seen.values())
+    for mode in ("exact", "auto"):
+        out = run_json(capsys, "--model", model_name, "--sites", str(sites), "--tokens-per-rank", str(tokens),
+                       "--rank", "0", "--mode", mode, "--sharded")
+        units = out["units"]
+        assert out["sharded"] is True
+        assert out["reduce_scatter"] == pytest.approx(expected_rs, rel=1e-12)
+        assert out["total"] == pytest.approx(sum(u["dad"] for u in units) + out["dense_reduce_scatter"], rel=1e-12)
+        if mode == "exact":
+            assert out["counts"] == {"exact": len(units)}
+        for u in units:
+            counts_exchange = (sites - 1) * 8.0 * len(u["rows"])
+            assert u["dad"] <= u["reduce_scatter"] + counts_exchange or mode == "exact", u
+        if mode == "auto":
+            assert out["total"] < out["reduce_scatter"]  # few tokens per rank: factors pay somewhere
+
+
+def test_sharded_plan_prices_rank_routes_with_the_routers_costs():
+    """Under ``--sharded`` with a rank, a unit's bytes are the sharded rank routes' cost functions
+    (`costs.sharded_rank_bytes`: all-gather of Q plus all-to-all of P's rows; or the all-reduce's),
+    its biases' reduce-scatter and the row-count exchange: the planner, the router and the scale
+    table share one formula. At 4 sites the tall weight takes the all-gather, the wide one the all-reduce."""
+    from torch import nn
+
+    from dad_integrations.costs import reduce_scatter_bytes, sharded_rank_allreduce_bytes, sharded_rank_bytes
+    from dad_integrations.plan import sharded_steady_state
+    from dad_integrations.units import build_plan
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    plan = build_plan(model, DADConfig(mode="auto", rank=4))
+    for c in plan.captures:
+        c.remove()
+    step = sharded_steady_state(plan, tokens=4096, positions=4096, world_size=4, mode="auto", rank=4)
+    routes = {r.name: r for r in step.units}
+    tall, wide = routes["0.weight"], routes["2.weight"]          # 256 x 64 and 64 x 256
+    assert (tall.route, wide.route) == ("rank", "rank_allreduce")
+    f32 = torch.float32
+    assert tall.dad == sharded_rank_bytes((256, 64), 4, f32, 4) + reduce_scatter_bytes((256,), 4, 4) + 3 * 8
+    assert wide.dad == sharded_rank_allreduce_bytes((64, 256), 4, f32, 4) + reduce_scatter_bytes((64,), 4, 4) + 3 * 8
+    assert step.total < step.reduce_scatter

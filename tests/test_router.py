@@ -161,18 +161,86 @@ def test_sharded_auto_weighs_reduce_scatter_against_sharded_factors():
         1 * (3 + 4) * (6 + 5) * 4
 
 
-def test_sharded_embeddings_send_whole_factors_and_no_rank_routes():
+def test_sharded_embeddings_send_whole_factors_and_take_rank_routes():
+    """Exact factors of an embedding are gathered whole (ids); its rank routes reduce the dense local
+    gradient, as without sharding."""
     from dad_integrations.costs import estimate_bytes
     from dad_integrations.router import unit_estimates
     rows = _rows(10)
-    est = unit_estimates(DADConfig(mode="auto", rank=4), EMBEDDING, rows, 8, torch.float32, sharded=True)
     whole = estimate_bytes(kinds=EMBEDDING.kinds, shape=EMBEDDING.shape, rows_by_rank=rows, bias_numel=0, rank=0,
                            grad_dtype=torch.float32, wire_dtype=torch.float32, world_size=8)["exact"]
+    est = unit_estimates(DADConfig(mode="auto"), EMBEDDING, rows, 8, torch.float32, sharded=True)
     assert est == {"dense": 7 * 128 * 768 * 4, "exact": whole}
+    est = unit_estimates(DADConfig(mode="auto", rank=4), EMBEDDING, rows, 8, torch.float32, sharded=True)
+    assert est == {"dense": 7 * 128 * 768 * 4, "exact": whole, "rank": 7 * 4 * (768 + 128) * 4,
+                   "rank_allreduce": 2 * 7 / 8 * 4 * (1024 + 768) * 4}
     cfg = DADConfig(mode="auto", rank=4)
-    assert route(cfg, EMBEDDING, rows_by_rank=rows, sharded=True, **F32).representation in ("dense", "exact")
+    assert route(cfg, EMBEDDING, rows_by_rank=rows, sharded=True, **F32) == Route("rank_allreduce", True)
+    assert route(DADConfig(mode="rank", rank=4), EMBEDDING, sharded=True, **F32) == Route("rank_allreduce", False)
     exact = DADConfig(mode="exact")
     assert route(exact, WIDE, rows_by_rank=_rows(10 ** 5), sharded=True, **F32) == Route("exact", True)
+
+
+def test_sharded_rank_routes_bytes_and_choice():
+    """Sharded, the all-gather route sends every Q_s whole and only this rank's rows of every P_s:
+    ``(S-1) r (n + c)``; the all-reduce route ``2 (S-1)/S r (m+n)``. The all-gather is fewer bytes when
+    ``n (S-2) < m``: always at two sites (unsharded they tie there), for tall weights at a few more."""
+    from dad_integrations.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes
+    from dad_integrations.router import unit_estimates
+    cfg = DADConfig(mode="rank", rank=4)
+    est = unit_estimates(cfg, WIDE, _rows(0), 8, torch.float32, sharded=True)
+    bias_rs = 7 * 96 * 4
+    assert est["rank"] == 7 * 4 * (768 + 96) * 4 + bias_rs == sharded_rank_bytes((768, 768), 4, torch.float32, 8) + bias_rs
+    assert est["rank_allreduce"] == 2 * 7 / 8 * 4 * 1536 * 4 + bias_rs == \
+        sharded_rank_allreduce_bytes((768, 768), 4, torch.float32, 8) + bias_rs
+    assert sharded_rank_bytes((7, 5), 9, torch.float32, 4) == 3 * 5 * (5 + 2) * 4  # r capped at min(m, n)
+    tall = UnitShape(("linear",), (3072, 768), 3072, torch.float32)
+    for unit, sites, expected in [(WIDE, 2, "rank"), (WIDE, 3, "rank_allreduce"), (WIDE, 8, "rank_allreduce"),
+                                  (tall, 3, "rank"), (tall, 4, "rank"), (tall, 5, "rank"), (tall, 6, "rank_allreduce"),
+                                  (EMBEDDING, 2, "rank")]:
+        assert route(cfg, unit, world_size=sites, wire_dtype=torch.float32, sharded=True) == Route(expected, False), \
+            (unit, sites)
+    for forced, rep in (("allreduce", "rank_allreduce"), ("allgather", "rank")):
+        for sites in (2, 8):
+            cfg = DADConfig(mode="rank", rank=4, rank_route=forced)
+            assert route(cfg, WIDE, world_size=sites, wire_dtype=torch.float32, sharded=True) == Route(rep, False)
+    # auto weighs all four: exact with few rows, a rank route with many, dense where nothing is cheaper
+    auto = DADConfig(mode="auto", rank=4)
+    assert route(auto, WIDE, rows_by_rank=_rows(1), sharded=True, **F32).representation == "exact"
+    assert route(auto, WIDE, rows_by_rank=_rows(4096), sharded=True, **F32).representation == "rank_allreduce"
+    small = UnitShape(("linear",), (4, 4), 4, torch.float32)
+    assert route(auto, small, rows_by_rank=_rows(4096), sharded=True, **F32).representation == "dense"
+
+
+@pytest.mark.parametrize("sites", [2, 3, 8, 64, 256])
+def test_sharded_auto_never_sends_more_than_the_reduce_scatter(sites):
+    """The byte bound: with rank=r, auto under sharding sends per weight (its biases included) at most
+    FSDP2's reduce-scatter of it, whatever the rows and ``rank_route``, and at most PyTorch's PowerSGD
+    hook at rank r wherever every shard holds at least half a row on average (m >= S/2; below, the
+    reduce-scatter's padding to ``S ceil(m/S)`` rows can exceed an all-reduce of the unpadded matrix).
+    The row-count exchange (8 bytes per use and rank) is not a weight's: the report books it as overhead."""
+    from dad_integrations.costs import powersgd_bytes
+    from dad_integrations.router import choose, unit_estimates
+    shapes = [((768, 768), 768), ((2304, 768), 2304), ((50257, 768), 0), ((4, 4), 4), ((10, 256), 10),
+              ((64, 8), 0), ((3, 3000), 3), ((3072, 768), 3072)]
+    for (m, n), bias in shapes:
+        for kinds in (("linear",), ("embedding", "linear")):
+            unit = UnitShape(kinds, (m, n), bias, torch.float32)
+            for rows in (1, 128, 4096):
+                for rank in (1, 4, 16):
+                    cfg = DADConfig(mode="auto", rank=rank)
+                    counts = [[rows] * len(kinds)] * sites
+                    est = unit_estimates(cfg, unit, counts, sites, torch.float32, sharded=True)
+                    assert route(cfg, unit, rows_by_rank=counts, world_size=sites, wire_dtype=torch.float32,
+                                 sharded=True).representation == choose("auto", est, rank_allowed=True)
+                    for rank_route in ("auto", "allgather", "allreduce"):
+                        rep = choose("auto", est, rank_allowed=True, rank_route=rank_route)
+                        assert est[rep] <= est["dense"], (kinds, (m, n), rows, rank, rep, est)
+                    if m >= sites / 2 and (bias == 0 or bias >= sites / 2):
+                        psgd = powersgd_bytes((m, n), rank, sites, 4)[0] + (
+                            powersgd_bytes((bias,), rank, sites, 4)[0] if bias else 0)
+                        rep = choose("auto", est, rank_allowed=True)
+                        assert est[rep] <= psgd * (1 + 1e-12), (kinds, (m, n), rows, rank, rep, est, psgd)
 
 
 def test_lossless_steps_take_no_rank_route():

@@ -1,8 +1,8 @@
 """Fine-tune a Hugging Face model with Accelerate, synchronising gradients with dAD.
 
     accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/accelerate/finetune.py
-    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/finetune.py \
-        --dad-mode auto --rank 0          # GPU nodes, FSDP2: dAD inside its reduce-scatter
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/finetune.py
+                                          # GPU nodes, FSDP2: dAD inside its reduce-scatter
 
 The script trains three times from the same weights on the same batches: with Accelerate's
 ordinary DDP all-reduce, with PyTorch's PowerSGD DDP hook at the same rank as dAD (the lossy
@@ -14,10 +14,10 @@ and all-reduce's are a ring all-reduce's of the gradients.
 
 Under FSDP2 (``examples/accelerate/fsdp2.yaml``) the same one line puts dAD inside FSDP2's
 gradient reduce-scatter; the baseline run (``fsdp2``) is FSDP2's own reduce-scatter, ``(S-1)/S`` of
-the gradients per rank, and there is no PowerSGD run (a DDP hook). Rank routes are not available
-under FSDP2 yet: use ``--dad-mode auto --rank 0`` (lossless auto: factors only for the weights where
-they move fewer bytes) or ``--dad-mode exact`` (factors for every weight: more bytes than the
-reduce-scatter unless the tokens per rank are few against the layer widths).
+the gradients per rank, and there is no PowerSGD run (a DDP hook). ``--rank 0`` makes auto lossless
+(factors only for the weights where they move fewer bytes); ``--dad-mode exact`` sends factors for
+every weight (more bytes than the reduce-scatter unless the tokens per rank are few against the
+layer widths).
 
 Tasks: causal language modelling (``--family gpt2`` or ``llama``) and sequence classification
 (``--family bert``). By default a small model is built from a config and trained on text that

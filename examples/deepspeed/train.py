@@ -2,7 +2,9 @@
 
     DS_ACCELERATOR=cpu deepspeed --num_gpus 2 examples/deepspeed/train.py --deepspeed_config examples/deepspeed/ds_config.json
 
-(on GPUs drop ``DS_ACCELERATOR=cpu``). The only dAD line is ``deepspeed_dad.initialize`` in place of
+(on GPUs drop ``DS_ACCELERATOR=cpu``); ``ds_config_zero2.json`` / ``ds_config_zero3.json`` run it
+sharded (ZeRO-2/3: each rank rebuilds only its gradient partition; bytes are compared with
+DeepSpeed's reduce-scatter). The only dAD line is ``deepspeed_dad.initialize`` in place of
 ``deepspeed.initialize``; everything else is a plain DeepSpeed loop. The model is built from a
 ``GPT2Config`` and trained on the Python standard library's own source (bytes as tokens), so nothing
 is downloaded. Each logged step shows the loss and the bytes dAD sent per rank against what
@@ -70,8 +72,14 @@ def main() -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     batches = byte_lm_batches(stdlib_source_bytes(max_bytes=2_000_000), micro, args.seq_len,
                               rank=rank, world_size=world)
-    grad_bytes = sum(p.numel() * p.element_size() for p in engine.module.parameters() if p.requires_grad)
-    allreduce = 2.0 * (world - 1) / world * grad_bytes  # what a ring all-reduce sends per rank and step
+    # ZeRO-3 keeps only a partition in p.data: its full size is ds_numel
+    grad_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size()
+                     for p in engine.module.parameters() if p.requires_grad)
+    sharded = engine.zero_optimization_stage() >= 2
+    # what DeepSpeed's own reduction sends per rank and step: a ring all-reduce, or under ZeRO-2/3 a
+    # reduce-scatter (each rank keeps only its partition of the average)
+    baseline_name = "reduce-scatter" if sharded else "all-reduce"
+    allreduce = ((world - 1) / world if sharded else 2.0 * (world - 1) / world) * grad_bytes
     history = []
     start = time.time()
     for step in range(1, args.steps + 1):
@@ -87,14 +95,15 @@ def main() -> None:
             sent = allreduce
         history.append({"step": step, "loss": float(loss.detach()), "sent_bytes": sent})
         if rank == 0 and (step % args.log_every == 0 or step == 1):
-            log.info("step %3d  loss %.4f  sent %9.0f bytes/rank (all-reduce %9.0f, ratio %.3f)",
-                     step, history[-1]["loss"], sent, allreduce, sent / allreduce)
+            log.info("step %3d  loss %.4f  sent %9.0f bytes/rank (%s %9.0f, ratio %.3f)",
+                     step, history[-1]["loss"], sent, baseline_name, allreduce, sent / allreduce)
     elapsed = time.time() - start
     if rank == 0:
         mean_sent = sum(h["sent_bytes"] for h in history) / len(history)
-        log.info("done: %s, %d steps in %.1fs, final loss %.4f, mean %.0f bytes sent/rank/step = %.3f x all-reduce",
-                 "dAD " + dad.config.mode if dad is not None else "DeepSpeed all-reduce", args.steps, elapsed,
-                 history[-1]["loss"], mean_sent, mean_sent / allreduce)
+        log.info("done: %s, ZeRO stage %d, %d steps in %.1fs, final loss %.4f, mean %.0f bytes sent/rank/step = "
+                 "%.3f x %s", "dAD " + dad.config.mode if dad is not None else "DeepSpeed " + baseline_name,
+                 engine.zero_optimization_stage(), args.steps, elapsed, history[-1]["loss"], mean_sent,
+                 mean_sent / allreduce, baseline_name)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"mode": dad.config.mode if dad is not None else "allreduce", "history": history,

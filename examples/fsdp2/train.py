@@ -1,6 +1,6 @@
 """Train a tiny GPT-2 under FSDP2 twice: FSDP's own reduce-scatter, then dAD inside it.
 
-    torchrun --nproc_per_node 2 examples/fsdp2/train.py [--mode auto|exact] [--steps 10]
+    torchrun --nproc_per_node 2 examples/fsdp2/train.py [--mode auto|exact|rank] [--rank 4] [--steps 10]
 
 Both runs start from the same weights and read the same byte-level batches (the Python standard
 library's source, nothing is downloaded); each block and the root are ``fully_shard``-ed. The dAD
@@ -11,7 +11,9 @@ prints loss and bytes sent per rank and step, against what FSDP's reduce-scatter
 
 The defaults (2 x 16 tokens per rank, width 128) are where factors are the cheaper exchange for
 most weights (rows per rank well below a shard's rows times the width over their sum); with many
-more rows per rank ``auto`` sends the weights through FSDP's reduce-scatter as before.
+more rows per rank ``auto`` sends the weights through FSDP's reduce-scatter as before. With
+``--rank r`` (mode ``rank``, or ``auto`` weighing them too) weights may take a rank-r route
+(`codecs.sharded_rank`), lossy, with error feedback.
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def run(model: GPT2LMHeadModel, args: argparse.Namespace, dad: bool, device: tor
     fully_shard(model)
     counter = CountingReduceScatter(world)
     if dad:
-        sync = enable_dad_fsdp(model, {"mode": args.mode})
+        sync = enable_dad_fsdp(model, {"mode": args.mode, "rank": args.rank, "rank_route": args.rank_route})
     else:
         for m in [model, *model.transformer.h]:
             m.set_custom_reduce_scatter(counter)
@@ -76,7 +78,9 @@ def run(model: GPT2LMHeadModel, args: argparse.Namespace, dad: bool, device: tor
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", default="auto", choices=("auto", "exact"))
+    p.add_argument("--mode", default="auto", choices=("auto", "exact", "rank"))
+    p.add_argument("--rank", type=int, default=None, help="rank-r routes (needed by --mode rank)")
+    p.add_argument("--rank-route", default="auto", choices=("auto", "allgather", "allreduce"))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank and step")
     p.add_argument("--seq-len", type=int, default=16)
@@ -91,7 +95,8 @@ def main() -> None:
                                       n_head=2, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
                                       embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
     results = {"reduce-scatter": run(copy.deepcopy(base), args, False, device),
-               f"dad-{args.mode}": run(copy.deepcopy(base), args, True, device)}
+               f"dad-{args.mode}" + (f"-r{args.rank}" if args.rank else ""): run(copy.deepcopy(base), args, True,
+                                                                                device)}
     if dist.get_rank() == 0:
         rs = results["reduce-scatter"]["sent"]
         print(f"{'run':<15}| final loss | bytes sent/step/rank | vs reduce-scatter | s/step")

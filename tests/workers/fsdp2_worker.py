@@ -10,6 +10,15 @@ AdamW step on both. It records per-parameter relative errors (global over ranks,
 of the whole gradient's norm), the parameters' largest difference after the steps, every rank's
 parameters' checksum, and the report's bytes beside the bytes FSDP's reduce-scatter really handed
 to torch.distributed in the reference run, and the adapter's log lines (fallbacks are logged once).
+Mixed precision cases also record the first step's gradients against an fp32 (no policy) run.
+
+Cases with a rank (``config``) also record, per step, the error-feedback identity of the rank routes
+(the rebuilt average equals the true one plus ``scale * sum_s (e_old_s - e_new_s)``, to round-off),
+each rank-routed weight's bytes beside the cost model's, the losses, and, with ``nonfinite_step``
+(rank 1's loss times NaN at that step, no optimizer step), whether the dAD state stayed as it was.
+With ``follow`` (lossy cases), the reference model takes dAD's parameters before every step, so its
+gradients are the true average at the parameters dAD trains (what the identity needs); with
+``fixed_batch`` every step sees the same data, so the losses show training.
 """
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ import copy
 import logging
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -28,6 +38,7 @@ from torch.distributed.tensor import Shard
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 
+from dad_integrations.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes  # noqa: E402
 from dad_integrations.fsdp import enable_dad_fsdp  # noqa: E402
 
 
@@ -157,9 +168,43 @@ def grad_errors(ref: nn.Module, mine: nn.Module) -> dict:
     return {n: float(t[2 * i]) ** 0.5 / max(float(t[2 * i + 1]) ** 0.5, 1e-6 * total) for i, n in enumerate(names)}
 
 
+def rank_state(sync) -> dict:
+    """The rank routes' state (residuals, warm starts) by unit and key, cloned."""
+    codec = sync.rank_codec
+    if codec is None:
+        return {}
+    return {f"{name}.{k}": v.clone() for name, st in codec.state_dict().items() for k, v in st.items()
+            if v is not None}
+
+
+def ef_identity(ref: nn.Module, mine: nn.Module, sync, before: dict, routed: list) -> float:
+    """Worst relative error over ``routed`` (rank-routed weights) of the error-feedback identity
+    ``G_mine = G_ref + (1/S) sum_s (e_old_s - e_new_s)``, with FSDP's averaging reduce-scatter."""
+    world, worst = dist.get_world_size(), 0.0
+    params = dict(mine.named_parameters())
+    for name, a in ref.named_parameters():
+        if name not in routed:
+            continue
+        old = before.get(f"{name}.residual")
+        new = sync.rank_codec.memory.state(name)
+        delta = (torch.zeros(a.shape) if old is None else old) - new
+        dist.all_reduce(delta)
+        expected = a.grad.full_tensor() + delta / world
+        got = params[name].grad.full_tensor()
+        worst = max(worst, float((got - expected).norm()) / max(float(expected.norm()), 1e-30))
+    return worst
+
+
+def predicted_bytes(entry, world: int, rank: int) -> float:
+    """The cost model's bytes for a rank-routed weight (fp32 on the wire)."""
+    fn = sharded_rank_bytes if entry.representation == "rank" else sharded_rank_allreduce_bytes
+    return fn(tuple(entry.shape), rank, torch.float32, world)
+
+
 def run_case(case: dict) -> dict:
-    name, mode = case["model"], case["mode"]
+    name = case["model"]
     rank = dist.get_rank()
+    started = time.perf_counter()
     ref = build(name)
     mine = copy.deepcopy(ref)
     # mixed precision: the first step's gradients in fp32 (no policy) too, which dAD's and FSDP's
@@ -170,39 +215,74 @@ def run_case(case: dict) -> dict:
     shard(name, mine, case)
     logged = LogLines()
     logging.getLogger("dad_integrations.fsdp").addHandler(logged)
-    sync = enable_dad_fsdp(mine, {"mode": mode})
+    config = case.get("config", {"mode": case.get("mode")})
+    sync = enable_dad_fsdp(mine, config)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2)
     worst, first, reports, vs_fp32 = {}, {}, [], {}
+    identity, losses, states, nonfinite = [], [], [], {}
     micro = case.get("micro", 1)
+    world = dist.get_world_size()
     for step in range(case.get("steps", 3)):
         counter.input_bytes = 0
+        if case.get("follow"):
+            with torch.no_grad():
+                for a, b in zip(ref.parameters(), mine.parameters()):
+                    a.to_local().copy_(b.to_local())
+        before = rank_state(sync)
+        bad_step = step == case.get("nonfinite_step")
         for k in range(micro):
             last = k == micro - 1
             for model in (ref, mine):
                 model.set_requires_gradient_sync(last)
             size = case.get("batch", 2) + (rank if case.get("uneven") else 0)
-            data = batch(name, size, seed=1000 * step + 10 * k + rank)
-            loss_of(name, ref, data).backward()
-            loss_of(name, mine, data).backward()
+            data = batch(name, size, seed=(0 if case.get("fixed_batch") else 1000 * step) + 10 * k + rank)
+            bad = float("nan") if bad_step and rank == 1 else 1.0
+            (loss_of(name, ref, data) * bad).backward()
+            loss_mine = loss_of(name, mine, data)
+            (loss_mine * bad).backward()
+            if k == 0:
+                losses.append(float(loss_mine))
             if full is not None and step == 0:
                 loss_of(name, full, data).backward()
-        errors = grad_errors(ref, mine)
-        for n, e in errors.items():
-            worst[n] = max(worst.get(n, 0.0), e)
-        if step == 0:  # both models still equal: only the reduction differs (what mixed precision reads)
-            first = errors
-            if full is not None:
-                vs_fp32 = {"fsdp": grad_errors(full, ref), "dad": grad_errors(full, mine)}
         rep = sync.last_step_report()
+        routed = [p.name for p in rep.params if p.representation in ("rank", "rank_allreduce")]
+        if bad_step:
+            after = rank_state(sync)
+            nonfinite["state_kept"] = before.keys() == after.keys() and all(
+                torch.equal(before[k], after[k]) for k in before)
+            nonfinite["mismatched"] = [
+                n for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters())
+                if a.grad is not None and bool(torch.isfinite(a.grad.full_tensor()).all())
+                != bool(torch.isfinite(b.grad.full_tensor()).all())]
+            nonfinite["nonfinite_params"] = sum(
+                1 for b in mine.parameters() if b.grad is not None and not bool(torch.isfinite(b.grad.full_tensor()).all()))
+        else:
+            errors = grad_errors(ref, mine)
+            for n, e in errors.items():
+                worst[n] = max(worst.get(n, 0.0), e)
+            if step == 0:  # both models still equal: only the reduction differs (what mixed precision reads)
+                first = errors
+                if full is not None:
+                    vs_fp32 = {"fsdp": grad_errors(full, ref), "dad": grad_errors(full, mine)}
+            if routed:
+                identity.append(ef_identity(ref, mine, sync, before, routed))
+        state = rank_state(sync)
+        states.append({"numel": sum(v.numel() for v in state.values()),
+                       "norm": float(sum(float(v.double().norm()) ** 2 for v in state.values()) ** 0.5),
+                       "changed": before.keys() != state.keys() or any(not torch.equal(before[k], state[k])
+                                                                       for k in before)})
         totals = rep.totals
-        world = dist.get_world_size()
+        r = (config.get("rank") or 0)
         reports.append({"totals": totals,
                         "fsdp_reduce_scatter_bytes": (world - 1) / world * counter.input_bytes,
                         "params": [[p.name, p.representation, p.sent_bytes, p.reduce_scatter_bytes]
-                                   for p in rep.params]})
-        opt_ref.step()
-        opt_mine.step()
+                                   for p in rep.params],
+                        "predicted": {p.name: predicted_bytes(p, world, r) for p in rep.params
+                                      if p.representation in ("rank", "rank_allreduce")}})
+        if not bad_step:
+            opt_ref.step()
+            opt_mine.step()
         opt_ref.zero_grad()
         opt_mine.zero_grad()
     diffs, abs_diffs = {}, {}
@@ -217,8 +297,9 @@ def run_case(case: dict) -> dict:
     sync.close()
     logging.getLogger("dad_integrations.fsdp").removeHandler(logged)
     return {"grad_errors": worst, "first_step_errors": first, "vs_fp32": vs_fp32, "param_diffs": diffs,
-            "param_abs_diffs": abs_diffs,
-            "checksums": sums, "reports": reports, "log": logged.lines}
+            "param_abs_diffs": abs_diffs, "checksums": sums, "reports": reports, "log": logged.lines,
+            "identity": identity, "losses": losses, "states": states, "nonfinite": nonfinite,
+            "seconds": time.perf_counter() - started}
 
 
 class LogLines(logging.Handler):
@@ -251,6 +332,22 @@ CASES = {
     "gpt2-auto-bf16": {"model": "gpt2", "mode": "auto", "batch": 1, "mp": "bf16", "steps": 2},
     "mlp-exact-sum": {"model": "mlp", "mode": "exact", "uneven": True, "force_sum": True},
     "mlp-exact-shard1": {"model": "mlp", "mode": "exact", "shard1": "inp.weight"},
+    # rank routes: at full rank lossless; at small rank lossy, with error feedback (the default)
+    # (6+ examples: 18+ rows give every local gradient full rank, so the warm-started Q keeps it too)
+    "mlp-rank-full-allgather": {"model": "mlp", "config": {"mode": "rank", "rank": 64, "rank_route": "allgather"},
+                                "uneven": True, "batch": 6},
+    "mlp-rank-full-allreduce": {"model": "mlp", "config": {"mode": "rank", "rank": 64, "rank_route": "allreduce"},
+                                "uneven": True, "batch": 6},
+    "mlp-rank2-allreduce": {"model": "mlp", "config": {"mode": "rank", "rank": 2, "rank_route": "allreduce"},
+                            "uneven": True, "steps": 5, "follow": True, "fixed_batch": True},
+    "mlp-auto-rank4": {"model": "mlp", "config": {"mode": "auto", "rank": 4}, "batch": 1, "steps": 5,
+                       "follow": True, "fixed_batch": True},
+    "gpt2-auto-rank4": {"model": "gpt2", "config": {"mode": "auto", "rank": 4}, "batch": 1,
+                        "follow": True, "fixed_batch": True},
+    "mlp-rank2-nonfinite": {"model": "mlp", "config": {"mode": "rank", "rank": 2}, "nonfinite_step": 1,
+                            "follow": True},
+    "mlp-rank2-allreduce-nonfinite": {"model": "mlp", "config": {"mode": "rank", "rank": 2, "rank_route": "allreduce"},
+                                      "nonfinite_step": 1, "follow": True},
 }
 
 

@@ -1,0 +1,337 @@
+"""Sharded rank-r routes (rank-dAD and PowerSGD's all-reduce under FSDP2): each rank rebuilds only
+its own rows of the rank-r average.
+
+Notation: a weight ``m x n`` sharded along dim 0 over S ranks; rank d keeps rows
+``[a, b) = [d c, min((d+1) c, m))``, ``c = ceil(m/S)`` (`sharded_exact.shard_span`; trailing shards
+may be short or empty, FSDP pads each to c rows); ``M_s`` is site s's local gradient plus its
+error-feedback residual; ``w`` the wire itemsize; ``scale`` what FSDP's reduce-scatter would
+multiply the sum of the local gradients by (``1/S`` for its default average).
+
+**All-gather route (rank-dAD, ``"rank"``).** Each site reduces its own ``M_s`` to rank r,
+``M_s ~= P_s Q_s^T`` (`low_rank.reduce_rank`: power iteration on the factors or on the dense
+gradient, or a truncated SVD when rows are few; warm-started from the site's last ``Q_s``). Without
+sharding every rank gathers every ``[P_s^T | Q_s^T]`` and rebuilds ``scale * sum_s P_s Q_s^T``. Row i
+of that is ``scale * sum_s P_s[i] Q_s^T``, so rank d needs every ``Q_s`` whole but of ``P_s`` only the
+rows ``a:b``:
+
+    shard_d = scale * sum_s P_s[a:b] Q_s^T = scale * [P_1[a:b] .. P_S[a:b]] [Q_1 .. Q_S]^T
+
+* an all-gather of every site's ``Q_s^T`` (r x n): ``(S-1) r n`` numbers per rank;
+* an all-to-all of ``P_s``'s row blocks (block d = rows ``[d c, (d+1) c)``, zero past m):
+  ``(S-1) c r``, about ``(S-1)/S m r`` per rank;
+
+``(S-1) r (n + c) w`` in all (`costs.sharded_rank_bytes`), against ``(S-1) r (m+n) w`` unsharded and
+FSDP2's reduce-scatter's ``(S-1) c n b``. The rebuild is one ``(c x S r) (S r x n)`` matmul, 1/S of
+the unsharded one.
+
+**All-reduce route (PowerSGD, ``"rank_allreduce"``).** ``Q`` (n x r) is the same on every rank (the
+last step's all-reduced Q, or a draw from a seed every rank shares):
+
+    P = sum_s M_s Q  (all-reduce, m x r)    P^ = orth(P)    Q' = sum_s M_s^T P^  (all-reduce, n x r)
+    shard_d = scale * P^[a:b] Q'^T
+
+``2 (S-1)/S r (m+n) w`` (`costs.sharded_rank_allreduce_bytes`), the same bytes as unsharded: only
+the rebuild shrinks (``c r n`` instead of ``m r n``). A reduce-scatter of P does not suffice: the
+orthonormalisation mixes all rows of P, and the Q round needs all of ``P^`` on every site
+(``M_s^T P^`` runs over all m rows of ``M_s``, which only site s holds). Rows could be
+orthonormalised in place after a reduce-scatter (Cholesky-QR through the ``r x r`` Gram matrix
+``sum_d P[rows_d]^T P[rows_d]``, one tiny all-reduce), but ``P^`` would then have to be all-gathered
+for the Q round: reduce-scatter plus all-gather are the all-reduce's bytes, with a round trip more.
+Where rows are few and there is no residual, ``M_s Q = D^T (X Q)`` and ``M_s^T P^ = X^T (D P^)``
+come from the factors (``N r (m+n)`` flops instead of ``m n r``).
+
+**Error feedback and warm start**, as in the unsharded codecs (`codecs.rank`,
+`codecs.rank_allreduce`): the residual ``M_s - P_s Q_s^T`` (all-gather) or ``M_s - P^ (P^^T M_s)``
+(all-reduce) is added to the next step's local gradient; the all-gather route warm-starts from the
+site's own ``Q_s``, the all-reduce from the shared ``Q'``. Memory: the residual is one *unsharded*
+(m x n, compute dtype) buffer per rank-routed weight and rank, S times that weight's gradient shard
+(what FSDP saves by sharding the gradient, error feedback spends again); it cannot be sharded, since
+site s compresses its whole ``M_s``. ``error_feedback: false`` frees it.
+
+**Non-finite steps.** A site whose local gradient holds NaN or Inf sends NaN in place of ``P_s``
+and ``Q_s`` (the all-gather route skips its reduction, which could raise on that rank alone), so
+every rank rebuilds a non-finite shard, as the reduce-scatter gives; the all-reduce route spreads a
+NaN by itself. New residuals and warm starts wait in the codec until the step is over (`end_step`):
+one all-reduce of one number tells every rank whether any rank's local gradients (all of FSDP's
+reduce-scatter inputs of the step, `note_local`) were non-finite, and such a step (one a loss scaler
+skips) keeps the state of the step before, on every rank alike.
+
+**Embeddings** (token ids, no linear factors) are reduced from their dense local gradient, which
+FSDP's reduce-scatter input holds whole, as the unsharded codecs reduce them (PowerSGD compresses
+them too); the ids play no part, so both routes work for them unchanged.
+
+The pure functions (`row_blocks`, `gathered_shard`, `reduced_shard`) hold the algebra;
+`ShardedRankCodec` runs the collectives through a `FactorAggregator`, every rank calling it with
+the same units and routes in the same order.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..aggregator import FactorAggregator, Traffic
+from ..config import DADConfig
+from ..error_feedback import ErrorFeedback
+from ..layers import Rows, compute_dtype
+from ..low_rank import LocalGradient, choose_method, method_costs, orthonormalize, reduce_rank
+from ..units import FactorUnit
+from .rank import WarmStart, _cat
+from .sharded_exact import shard_span
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("rank", "rank_allreduce")
+LocalGrad = Callable[[nn.Parameter, torch.dtype], torch.Tensor]
+
+
+def row_blocks(p: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``(S, c, r)``: block d holds rows ``[d c, (d+1) c)`` of ``p`` (m x r), zero past m (what rank
+    d receives of this site's P in the all-to-all)."""
+    m, r = p.shape
+    c = -(-m // world_size)
+    out = p.new_zeros(world_size * c, r)
+    out[:m] = p
+    return out.view(world_size, c, r)
+
+
+def gathered_shard(p_blocks: torch.Tensor, q_ts: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * sum_s p_blocks[s] @ q_ts[s]`` as one ``(c x S r) (S r x n)`` matmul: ``p_blocks``
+    ``(S, c, r)`` holds every site's rows of its P for this rank, ``q_ts`` ``(S, r, n)`` every site's
+    ``Q_s^T``. Returns the padded shard ``(c, n)`` (zero past m)."""
+    world, c, r = p_blocks.shape
+    left = p_blocks.permute(1, 0, 2).reshape(c, world * r) * scale  # the scale on the small side
+    return left @ q_ts.reshape(world * r, -1)
+
+
+def reduced_shard(basis: torch.Tensor, q: torch.Tensor, rank: int, world_size: int, scale: float) -> torch.Tensor:
+    """Rows ``a:b`` of ``scale * basis @ q^T``, the all-reduce route's rebuild of rank's shard."""
+    a, b, _ = shard_span(rank, world_size, basis.shape[0])
+    return (basis[a:b] * scale) @ q.t()
+
+
+@dataclass
+class RankItem:
+    """One unit's local side of a rank route this step."""
+
+    unit: FactorUnit
+    representation: str      # "rank" (all-gather) or "rank_allreduce"
+    local: LocalGradient     # M_s, plus the residual where error feedback is on
+    method: str              # how M_s is held and reduced: "dense", "factors", "svd"
+    rank: int                # r = min(config.rank, m, n)
+    finite: bool
+
+
+@dataclass
+class RankShard:
+    """One unit's result: this rank's rows ``a:b`` of the scaled rank-r average, its bytes, and the
+    components this rank sent (fewer only where its gradient's rank is lower; NaN rows count)."""
+
+    shard: torch.Tensor
+    traffic: Traffic
+    components: int
+
+
+class ShardedRankCodec:
+    """The two rank routes under sharding, with error feedback and warm starts (module doc).
+
+    Per step: `start_step`, `note_local` for every reduce-scatter input, `local` then `exchange` for
+    the units that take a rank route, and `end_step` once backward is over (every rank alike).
+    """
+
+    def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype]):
+        self.config = config
+        self.wire_dtype = wire_dtype
+        self.memory = ErrorFeedback(config.error_feedback)
+        self.warm = WarmStart(config.warm_start)    # each site's own Q_s (all-gather route)
+        self.shared = WarmStart(config.warm_start)  # the all-reduced Q (all-reduce route)
+        self._pending: List[tuple] = []             # (warm store, unit, Q, residual or None)
+        self._local_finite = True
+        self._device: Optional[torch.device] = None
+
+    # -- a step ---------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """A new step: nothing pending (a step that never reached `end_step` leaves no trace)."""
+        self._pending, self._local_finite = [], True
+
+    def note_local(self, inp: torch.Tensor) -> None:
+        """Fold one of this rank's reduce-scatter inputs (its local gradients) into the step's
+        finiteness; `end_step` agrees it over ranks."""
+        self._device = inp.device
+        if self._local_finite:
+            self._local_finite = bool(torch.isfinite(inp).all())
+
+    def end_step(self, aggregator: FactorAggregator) -> Traffic:
+        """Agree whether every rank's local gradients were finite this step (one all-reduce of one
+        number) and keep this step's residuals and warm starts only if so; returns its bytes."""
+        flag = torch.tensor([0.0 if self._local_finite else 1.0], device=self._device)
+        handle = aggregator.all_reduce(flag, name="dad.sharded.rank.finite", op="sum")
+        keep = float(handle.wait()[0]) == 0.0
+        if not keep:
+            log.info("dAD/FSDP2: a non-finite step: rank-route residuals and warm starts kept from the step before")
+        self.commit(keep)
+        self._local_finite = True
+        return handle.traffic
+
+    def commit(self, keep: bool) -> None:
+        """Keep this step's warm starts and residuals, or (a non-finite step) drop them."""
+        pending, self._pending = self._pending, []
+        if not keep:
+            return
+        for store, unit, q, residual in pending:
+            store.update(unit, q)
+            if residual is not None:
+                self.memory.set(unit.name, residual)
+
+    # -- one unit's local side ------------------------------------------------------------------
+    def local(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, representation: str) -> RankItem:
+        """``M_s`` for ``representation``: from the factors where that is cheaper and nothing is added
+        to them (no error feedback, no embedding use), else the dense local gradient plus the residual."""
+        if representation not in ROUTES:
+            raise ValueError(f"not a rank route: {representation!r}")
+        cfg, p = self.config, unit.param
+        m, n = p.shape
+        r = min(cfg.rank, m, n)
+        cdt = compute_dtype(p)
+        method = "dense"
+        if not self.memory.enabled and unit.factors_only:
+            n_rows = sum(int(left.shape[0]) for left, _ in rows)
+            if representation == "rank":
+                method = choose_method(n_rows, m, n, r, cfg.power_iterations, factors_available=True)
+            else:
+                costs = method_costs(n_rows, m, n, r, 2, factors_available=True)
+                method = "factors" if costs["factors"] < costs["dense"] else "dense"
+        if method == "dense":
+            local = LocalGradient(dense=self.memory.compensate(unit.name, local_grad(p, cdt)))
+            finite = bool(torch.isfinite(local.dense).all())
+        else:
+            local = LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
+                                  right=_cat([right.to(cdt) for _, right in rows]))
+            finite = bool(torch.isfinite(local.left).all()) and bool(torch.isfinite(local.right).all())
+        return RankItem(unit, representation, local, method, r, finite)
+
+    # -- the collectives --------------------------------------------------------------------------
+    def exchange(self, items: Sequence[RankItem], aggregator: FactorAggregator, scale: float, step: int,
+                 wire: torch.dtype) -> List[RankShard]:
+        """Each item's shard (in ``items``' order). The all-gather route's units share one all-gather
+        and one all-to-all, the all-reduce route's one all-reduce for P and one for Q; ``wire`` is
+        the dtype on the wire where the config sets none (the reduce-scatter's)."""
+        if not items:
+            return []
+        wire = self.wire_dtype or wire
+        gather = [i for i, it in enumerate(items) if it.representation == "rank"]
+        shared = [i for i, it in enumerate(items) if it.representation == "rank_allreduce"]
+        out: Dict[int, RankShard] = {}
+        finish = self._start_gather([items[i] for i in gather], aggregator, scale, step, wire) if gather else None
+        if shared:  # its two rounds run while the all-gather route's collectives are in flight
+            out.update(zip(shared, self._shared_power_iteration([items[i] for i in shared], aggregator, scale,
+                                                                step, wire)))
+        if finish is not None:
+            out.update(zip(gather, finish()))
+        return [out[i] for i in range(len(items))]
+
+    def _start_gather(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
+                      wire: torch.dtype) -> Callable[[], List[RankShard]]:
+        """All-gather every site's ``Q_s^T`` and all-to-all its P's row blocks; the returned finish
+        rebuilds each unit's shard."""
+        S, rank = agg.world_size, agg.rank
+        q_parts, p_parts, components = [], [], []
+        for it in items:
+            p, q, k = self._reduce_own(it, step)
+            q_parts.append(q.t().reshape(-1).to(wire))
+            p_parts.append(row_blocks(p, S).reshape(S, -1).to(wire))
+            components.append(k)
+        flat_q, send = torch.cat(q_parts), torch.cat(p_parts, dim=1)
+        name = f"dad.sharded.rank.{items[0].unit.name}"
+        gather = agg.all_gather(flat_q, name=f"{name}.q", first_dims=[flat_q.numel()] * S)
+        to_all = agg.all_to_all(send, name=f"{name}.p")
+
+        def finish() -> List[RankShard]:
+            qs, received = gather.wait(), to_all.wait()
+            out, q0, p0 = [], 0, 0
+            for it, q_part, p_part, k in zip(items, q_parts, p_parts, components):
+                m, n = it.unit.param.shape
+                cdt = compute_dtype(it.unit.param)
+                a, b, c = shard_span(rank, S, m)
+                q_ts = torch.stack([g[q0:q0 + q_part.numel()].view(it.rank, n) for g in qs]).to(cdt)
+                p_blocks = received[:, p0:p0 + p_part.shape[1]].reshape(S, c, it.rank).to(cdt)
+                shard = gathered_shard(p_blocks, q_ts, scale)[:b - a]
+                traffic = (gather.traffic.share(q_part.numel() / flat_q.numel())
+                           + to_all.traffic.share(p_part.shape[1] / send.shape[1]))
+                out.append(RankShard(shard, traffic, k))
+                q0, p0 = q0 + q_part.numel(), p0 + p_part.shape[1]
+            return out
+
+        return finish
+
+    def _reduce_own(self, it: RankItem, step: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+        """This site's ``(P_s, Q_s)`` padded to r columns, and its component count; NaN where its
+        gradient is not finite. The warm start and residual wait in `_pending` until `end_step`."""
+        unit, r = it.unit, it.rank
+        m, n = unit.param.shape
+        cdt = compute_dtype(unit.param)
+        device = it.local.dense.device if it.local.dense is not None else it.local.left.device
+        if not it.finite:  # every rank's rebuild turns non-finite, none raises alone
+            nan = float("nan")
+            return (torch.full((m, r), nan, dtype=cdt, device=device),
+                    torch.full((n, r), nan, dtype=cdt, device=device), r)
+        low = reduce_rank(it.local, r, method=it.method, q_init=self.warm.initial(unit, n, r, cdt, step),
+                          iterations=self.config.power_iterations)
+        residual = it.local.dense - low.p @ low.q.t() if self.memory.enabled else None
+        self._pending.append((self.warm, unit, low.warm, residual))
+        p, q = low.p, low.q
+        if low.components < r:  # equal blocks on every rank: no size exchange
+            p = torch.nn.functional.pad(p, (0, r - low.components))
+            q = torch.nn.functional.pad(q, (0, r - low.components))
+        return p, q, low.components
+
+    def _shared_power_iteration(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
+                                wire: torch.dtype) -> List[RankShard]:
+        """PowerSGD's two rounds for ``items``: P all-reduced, orthonormalised, Q all-reduced."""
+        S, rank = agg.world_size, agg.rank
+        ps = []
+        for it in items:
+            n = it.unit.param.shape[1]
+            q0 = self.shared.initial(it.unit, n, it.rank, compute_dtype(it.unit.param), step)
+            ps.append(it.local.mm(q0))
+        p_flat = torch.cat([p.reshape(-1) for p in ps]).to(wire)
+        p_handle = agg.all_reduce(p_flat, name=f"dad.sharded.powersgd.p.{items[0].unit.name}", op="sum")
+        p_sum = p_handle.wait()
+        bases, q_locals, off = [], [], 0
+        for it, p in zip(items, ps):
+            bases.append(orthonormalize(p_sum[off:off + p.numel()].view(p.shape).to(p.dtype)))
+            q_locals.append(it.local.rmm(bases[-1]))
+            off += p.numel()
+        q_flat = torch.cat([q.reshape(-1) for q in q_locals]).to(wire)
+        q_handle = agg.all_reduce(q_flat, name=f"dad.sharded.powersgd.q.{items[0].unit.name}", op="sum")
+        q_sum = q_handle.wait()
+        out, off = [], 0
+        for it, p, basis, q_local in zip(items, ps, bases, q_locals):
+            q_all = q_sum[off:off + q_local.numel()].view(q_local.shape).to(q_local.dtype)
+            off += q_local.numel()
+            residual = (it.local.dense - basis @ q_local.t()
+                        if self.memory.enabled and it.local.dense is not None else None)
+            self._pending.append((self.shared, it.unit, q_all, residual))
+            traffic = (p_handle.traffic.share(p.numel() / p_flat.numel())
+                       + q_handle.traffic.share(q_local.numel() / q_flat.numel()))
+            out.append(RankShard(reduced_shard(basis, q_all, rank, S, scale), traffic, it.rank))
+        return out
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, dict]:
+        """This rank's state per unit name: own and shared warm starts, residual (they differ across
+        ranks: save them per rank)."""
+        names = set(self.warm.q) | set(self.shared.q) | set(self.memory.residuals)
+        return {name: {"warm_q": self.warm.q.get(name), "shared_q": self.shared.q.get(name),
+                       "residual": self.memory.state(name)} for name in sorted(names)}
+
+    def load_state_dict(self, state: Dict[str, dict], params: Dict[str, nn.Parameter]) -> None:
+        """Restore `state_dict`'s state onto ``params`` (by unit name)'s device and compute dtype."""
+        for name, s in state.items():
+            like = params[name]
+            self.warm.load(name, s.get("warm_q"), like)
+            self.shared.load(name, s.get("shared_q"), like)
+            self.memory.load(name, s.get("residual"), like)

@@ -1,0 +1,277 @@
+"""dAD under DeepSpeed ZeRO-2 and ZeRO-3: each rank rebuilds only the gradient partition it keeps.
+
+`attach` selects this for stages 2 and 3 (`ZeroDAD`). ZeRO reduces gradients during backward, in
+buckets: a reduction call receives the local gradients of a set of parameters and produces this
+rank's partition of their average. `deepspeed_dad.zero_seams` replaces exactly that call, per
+stage, for the parameters factors cover; everything else (biases, norms, weights routed dense,
+the partition bookkeeping, accumulation over micro-steps, clipping, the optimizer step and the
+all-gather of updated parameters) stays DeepSpeed's. Per call (`ZeroDAD.reduce`):
+
+1. the factors of each covered weight in the call: the rows its captures hold (all uses, all
+   calls of this backward), and every rank's owned element range of the flattened weight;
+2. one all-gather of the row counts (and, for embedding uses, of the ids per owner);
+3. on the first call of each weight, the check that its factors rebuild this rank's owned part of
+   its local gradient (`verify_first_step`; agreed by an all-reduce of flags, a failure sends the
+   weight through DeepSpeed's reduction for good);
+4. per weight, the route: ``exact``, or, in ``auto``, whichever of exact factors and the dense
+   reduce-scatter moves fewer bytes (`router.route(..., sharded=True)`);
+5. one all-to-all (`codecs.partition_exact`) of the exact weights' factors; each rank rebuilds the
+   covering rows of its range and keeps its elements, scaled as DeepSpeed scales its reduction.
+
+Every rank makes the same calls with the same parameters in the same order (DeepSpeed's buckets
+agree across ranks), so the collectives of steps 2, 3 and 5 match. The report of a backward
+(`last_step_report`) lists each parameter's bytes beside what DeepSpeed's reduce-scatter of it
+would move. Rank-dAD (``mode: rank``, a ``rank`` key) is not supported under ZeRO-2/3 yet.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from dad_integrations import DADConfig
+from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
+from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range
+from dad_integrations.layers import compute_dtype, concat_rows
+from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.router import UnitShape, route
+from dad_integrations.synchronizer import WIRE_DTYPES
+from dad_integrations.units import FactorUnit, build_plan, param_shape
+
+from .aggregator import DeepSpeedAggregator
+
+log = logging.getLogger(__name__)
+
+
+def check_zero(engine: Any, config: DADConfig) -> List[str]:
+    """What dAD cannot honour under ZeRO-2/3 (each problem names its setting); [] when fine."""
+    stage = int(engine.zero_optimization_stage())
+    zc = engine._config.zero_config
+    opt = engine.optimizer
+    problems: List[str] = []
+    if config.mode == "rank" or config.rank is not None:
+        raise ValueError(f"dAD: rank-dAD (mode 'rank' or a 'rank' key) is not supported yet under ZeRO stage "
+                         f"{stage}; use mode 'exact' or 'auto' without 'rank', or ZeRO stage 0/1")
+    for name, setting in (("offload_optimizer", zc.offload_optimizer), ("offload_param", zc.offload_param)):
+        device = getattr(setting, "device", None)
+        if setting is not None and str(getattr(device, "value", device)) != "none":
+            problems.append(f"zero_optimization.{name} (device {getattr(device, 'value', device)}) is not supported "
+                            f"with dAD under ZeRO-{stage}: the offloaded reduction path is not replaced; remove it")
+    for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if getattr(zc, key, False):
+            problems.append(f"ZeRO++ zero_optimization.{key}=true is not supported with dAD (ZeRO++ quantizes and "
+                            f"reduces gradients with its own all-to-all); set it to false")
+    if getattr(zc, "zero_hpz_partition_size", 1) > 1:
+        problems.append(f"ZeRO++ zero_optimization.zero_hpz_partition_size={zc.zero_hpz_partition_size} is not "
+                        f"supported with dAD (hierarchical partitions); set it to 1")
+    if opt is not None and stage == 2:
+        if getattr(opt, "use_grad_accum_attribute", False) or (
+                getattr(opt, "gradient_accumulation_dtype", opt.dtype) != opt.dtype):
+            problems.append("data_types.grad_accum_dtype different from the parameters' dtype is not supported with "
+                            "dAD under ZeRO-2 (gradients are reduced into separate fp32 partition buffers); "
+                            "remove data_types.grad_accum_dtype")
+        if getattr(opt, "zenflow", False):
+            problems.append("ZenFlow is not supported with dAD")
+    inner = getattr(opt, "optimizer", None)
+    if inner is not None and "Muon" in type(inner).__name__:
+        problems.append("the Muon optimizer needs whole gradients on several ranks; not supported with dAD under "
+                        "ZeRO-2/3")
+    return problems
+
+
+class ZeroDAD:
+    """dAD attached to one ZeRO-2/3 engine; made by `deepspeed_dad.attach`.
+
+    Attributes:
+        engine, zero_stage, config, aggregator (its `DeepSpeedAggregator`), plan (the factor units).
+    """
+
+    def __init__(self, engine: Any, config: DADConfig, world_size: int):
+        from .zero_seams import Zero2Seam, Zero3Seam
+        self.engine = engine
+        self.zero_stage = int(engine.zero_optimization_stage())
+        self.config = config
+        self.aggregator = DeepSpeedAggregator()
+        self._world = world_size
+        self._wire = WIRE_DTYPES[config.wire_dtype]
+        self._names = {id(p): n for n, p in engine.module.named_parameters()}
+        self.plan = build_plan(engine.module, config)
+        device = next((p.device for p in engine.module.parameters()), torch.device("cpu"))
+        check_same_model(self.plan, self.aggregator, device)
+        self._unit_of: Dict[int, FactorUnit] = {}
+        for unit in self.plan.units:
+            unit.biases.clear()  # a bias is its own ZeRO partition element range: DeepSpeed reduces it
+            self._unit_of[id(unit.param)] = unit
+        self._codec = PartitionExactCodec(self._wire, device)
+        self._verified: set = set()
+        self._logged: set = set()
+        self._report: Optional[ShardedStepReport] = None
+        self._new_backward = True
+        self._steps = 0
+        self._original_prologue = engine.__dict__.get("_backward_prologue")
+        prologue = engine._backward_prologue
+
+        def backward_prologue(*args: Any, **kwargs: Any) -> Any:
+            self._new_backward = True  # the next reduction call opens this backward's report
+            return prologue(*args, **kwargs)
+
+        engine._backward_prologue = backward_prologue
+        seam = Zero2Seam if self.zero_stage == 2 else Zero3Seam
+        self._seam = seam(self, engine.optimizer)
+        if self.aggregator.rank == 0:
+            log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
+                     self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")
+
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def synchronizer(self) -> "ZeroDAD":
+        """The object `dad_integrations.engines` hands out (``last_step_report``): this one."""
+        return self
+
+    @property
+    def units(self) -> List[FactorUnit]:
+        return self.plan.units
+
+    def last_step_report(self) -> Optional[ShardedStepReport]:
+        """The report of the latest backward that reduced gradients (None before the first):
+        per parameter its bytes, beside DeepSpeed's reduce-scatter (``reduce_scatter_bytes``)."""
+        return self._report
+
+    def state_dict(self) -> dict:
+        """Exact and lossless auto keep no state across steps."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+    def save_state(self, directory: str) -> None:
+        return None
+
+    def load_state(self, directory: str) -> bool:
+        return False
+
+    def checkpoint_tag_dir(self, load_dir: str, tag: Optional[str] = None) -> Optional[str]:
+        return None
+
+    def detach(self) -> None:
+        """Give the engine its own reduction back and remove dAD's hooks."""
+        self._seam.remove()
+        if self._original_prologue is None:
+            self.engine.__dict__.pop("_backward_prologue", None)
+        else:
+            self.engine._backward_prologue = self._original_prologue
+        for capture in self.plan.captures:
+            capture.remove()
+        from .engine import ATTR
+        if getattr(self.engine, ATTR, None) is self:
+            delattr(self.engine, ATTR)
+
+    close = detach
+
+    # -- the reduction ----------------------------------------------------------------------------
+    def reduce(self, params: Sequence[torch.nn.Parameter], local: Sequence[torch.Tensor],
+               ranges: Sequence[Sequence[Range]], scale: float, itemsize: int,
+               dtype: torch.dtype) -> Dict[int, torch.Tensor]:
+        """This rank's owned elements of the average of every factor-covered parameter of one
+        reduction call, by ``id(param)``, in ``dtype``; the others are left to DeepSpeed (and reported
+        as dense). ``local[i]`` is the flattened local gradient of ``params[i]``, ``ranges[i]`` every
+        rank's owned ``[lo, hi)`` of it, ``scale`` what DeepSpeed's reduction multiplies the sum by."""
+        S, me = self._world, self.aggregator.rank
+        if self._new_backward or self._report is None:
+            self._new_backward = False
+            self._steps += 1
+            self._report = ShardedStepReport(self._steps, S)
+        report = self._report
+        items: List[PartitionItem] = []
+        grads: Dict[int, torch.Tensor] = {}
+        for p, g, r in zip(params, local, ranges):
+            unit = self._unit_of.get(id(p))
+            if unit is None:
+                continue
+            shape = param_shape(p)
+            rows = [concat_rows(c.take(), c.kind, shape, p) for c in unit.uses]
+            if unit.dense_only:
+                continue
+            items.append(PartitionItem(unit.index, tuple(unit.kinds), shape, list(r), rows))
+            grads[unit.index] = g
+        by_key = {u.index: u for u in self.plan.units}
+        if items:
+            traffic = self._codec.agree_counts(items, self.aggregator)
+            report.params.append(_overhead("dad.zero.counts", len(items), traffic))
+            items = self._verify(items, grads, by_key, report, dtype)
+        exact = []
+        for it in items:
+            decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
+                             wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank(), sharded=True)
+            if decision.representation == "exact":
+                exact.append(it)
+        owned: Dict[int, torch.Tensor] = {}
+        if exact:
+            result = self._codec.exchange(exact, self.aggregator, compute_dtype(by_key[exact[0].key].param), scale)
+            for it in exact:
+                unit = by_key[it.key]
+                owned[id(unit.param)] = result.owned[it.key].to(dtype)
+                rep = _param_report(unit.name, "exact", it.shape, S, itemsize)
+                rep.rows = sum(left.shape[0] for left, _ in it.rows)
+                rep.max_rows = max(sum(k) for k in it.rows_by_rank())
+                rep.method = "partition"
+                rep.add_traffic(result.traffic[it.key])
+                report.params.append(rep)
+        for p in params:
+            if id(p) not in owned:
+                report.params.append(_param_report(self._names.get(id(p), "?"), "dense", param_shape(p), S, itemsize,
+                                                   dense=True))
+        return owned
+
+    def _verify(self, items: List[PartitionItem], grads: Dict[int, torch.Tensor], by_key: Dict[int, FactorUnit],
+                report: ShardedStepReport, dtype: torch.dtype) -> List[PartitionItem]:
+        """The first call of each weight: do its factors rebuild this rank's owned part of its local
+        gradient, on every rank? Those that fail go through DeepSpeed's reduction from now on."""
+        todo = [it for it in items if it.key not in self._verified] if self.config.verify_first_step else []
+        if not todo:
+            return items
+        me = self.aggregator.rank
+        flags = []
+        for it in todo:
+            cdt = torch.float64 if dtype == torch.float64 else torch.float32
+            mine = self._codec.local(it, me, cdt)
+            lo, hi = it.ranges[me]
+            autograd = grads[it.key][lo:hi].to(cdt) if hi > lo else mine
+            low = dtype not in VERIFY_TOLERANCE or any(
+                t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE for pair in it.rows for t in pair)
+            tol = VERIFY_TOLERANCE_LOW_PRECISION if low else VERIFY_TOLERANCE[dtype]
+            err = float((mine - autograd).norm())
+            flags.append(0.0 if err <= tol * max(float(autograd.norm()), 1e-30) or err <= 1e-12 else 1.0)
+        handle = self.aggregator.all_reduce(torch.tensor(flags, device=self._codec.device), name="dad.zero.verify")
+        failed = {it.key for it, bad in zip(todo, handle.wait().tolist()) if bad}
+        report.params.append(_overhead("dad.zero.verify", len(todo), handle.traffic))
+        for it in todo:
+            self._verified.add(it.key)
+            if it.key in failed:
+                unit = by_key[it.key]
+                self._log_once(f"{unit.name}: its factors do not rebuild its local gradient on some rank (a use "
+                               f"outside the captured layers?): DeepSpeed's reduction from now on")
+                unit.set_dense_only(True)
+        return [it for it in items if it.key not in failed]
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.warning("dAD/ZeRO: %s", message)
+
+
+def _param_report(name: str, representation: str, shape: tuple, world: int, itemsize: int,
+                  dense: bool = False) -> ShardedParamReport:
+    numel = 1
+    for d in shape:
+        numel *= d
+    # DeepSpeed's reduce-scatter moves (S-1) of S pieces of ceil(numel/S) elements per rank
+    return ShardedParamReport.of_shard(name, "dense" if dense else representation, tuple(shape),
+                                       -(-numel // world), world, itemsize)
+
+
+def _overhead(name: str, numel: int, traffic) -> ShardedParamReport:
+    rep = ShardedParamReport(name, "overhead", (numel,))
+    rep.add_traffic(traffic)
+    return rep

@@ -1,0 +1,146 @@
+"""The partition codec's algebra on one process (`dad_integrations.codecs.partition_exact`).
+
+S ranks are simulated: each rank encodes its blocks by destination, the all-to-all is done by hand
+(rank d receives block d of every rank), and every rank's decoded elements must equal its element
+range of the flattened ``sum_s G_s``: ZeRO-3's equal pieces and ZeRO-2's arbitrary cuts (a weight
+wholly in one rank's partition, or spanning several, boundaries inside a row).
+"""
+import pytest
+import torch
+
+from dad_integrations.aggregator import EqualSizeAggregator
+from dad_integrations.codecs.partition_exact import (PartitionExactCodec, PartitionItem, block_specs,
+                                                     counts_length, covering_rows, decode, encode, use_counts)
+from dad_integrations.layers import add_rebuilt_grad
+from dad_integrations.wire import packed_size
+
+F64 = torch.float64
+
+
+def _rows(kinds, shape, counts, seed):
+    g = torch.Generator().manual_seed(seed)
+    m, n = shape
+    out = []
+    for per_rank in counts:
+        ranks = []
+        for kind, k in zip(kinds, per_rank):
+            left = (torch.randint(0, m, (k,), generator=g) if kind == "embedding"
+                    else torch.randn(k, m, generator=g, dtype=F64))
+            ranks.append((left, torch.randn(k, n, generator=g, dtype=F64)))
+        out.append(ranks)
+    return out
+
+
+def _full(kinds, shape, rows):
+    grad = torch.zeros(shape, dtype=F64)
+    for per_rank in rows:
+        for kind, pair in zip(kinds, per_rank):
+            add_rebuilt_grad(kind, grad, pair)
+    return grad.reshape(-1)
+
+
+def _zero3(numel, world):
+    p = -(-numel // world)
+    return [(min(r * p, numel), min((r + 1) * p, numel)) for r in range(world)]
+
+
+def _cuts(numel, world, cuts):
+    """ZeRO-2: rank d owns [cuts[d], cuts[d+1]) clipped to the weight (it may own nothing)."""
+    bounds = [0] + list(cuts) + [numel]
+    return [(max(0, min(bounds[d], numel)), max(0, min(bounds[d + 1], numel))) for d in range(world)]
+
+
+@pytest.mark.parametrize("lo,hi,n,expected", [(0, 12, 4, (0, 3)), (5, 7, 4, (1, 2)), (3, 9, 4, (0, 3)),
+                                              (8, 8, 4, (0, 0)), (4, 8, 4, (1, 2))])
+def test_covering_rows(lo, hi, n, expected):
+    assert covering_rows(lo, hi, n) == expected
+
+
+CASES = [
+    (("linear",), (7, 5), [[3], [0], [4]], "zero3"),
+    (("conv1d",), (6, 5), [[2], [5]], "zero3"),
+    (("linear", "linear"), (9, 4), [[2, 0], [1, 3], [0, 0], [4, 1]], "zero3"),      # two uses, an idle rank
+    (("conv1d",), (3, 6), [[2], [2], [2], [2]], "zero3"),
+    (("linear",), (7, 5), [[3], [2]], [35]),                                      # wholly on rank 0
+    (("linear",), (7, 5), [[3], [2]], [0]),                                       # wholly on rank 1
+    (("linear",), (7, 5), [[3], [2], [1]], [13, 22]),                              # cuts inside rows
+    (("embedding", "linear"), (9, 4), [[5, 2], [3, 0], [6, 4]], [7, 30]),          # GPT-2's tied wte/lm_head
+    (("embedding",), (11, 3), [[8], [0]], "zero3"),
+    (("embedding", "linear"), (9, 4), [[5, 2], [3, 3]], "zero3"),
+]
+
+
+@pytest.mark.parametrize("kinds,shape,counts,layout", CASES)
+def test_owned_elements_equal_the_slice_of_the_full_sum(kinds, shape, counts, layout):
+    world, numel = len(counts), shape[0] * shape[1]
+    ranges = _zero3(numel, world) if layout == "zero3" else _cuts(numel, world, layout)
+    rows = _rows(kinds, shape, counts, seed=3)
+    full = _full(kinds, shape, rows)
+    sent = [encode(kinds, shape, r, ranges, F64) for r in rows]
+    agreed = [use_counts(kinds, r, ranges, shape[1]) for r in rows]
+    for d, (lo, hi) in enumerate(ranges):
+        received = [sent[s][d] for s in range(world)]
+        for s in range(world):  # what the receiver computes from the counts matches what was sent
+            specs = block_specs(kinds, shape, agreed[s], d, ranges[d], F64)
+            assert [(t.dtype, tuple(t.shape)) for t in received[s]] == [(dt, sh) for dt, sh in specs]
+            assert sum(len(k) for k in agreed[s]) == counts_length(kinds, world)
+        owned = decode(kinds, shape, received, (lo, hi), F64)
+        assert owned.shape == (max(0, hi - lo),)
+        torch.testing.assert_close(owned, full[lo:hi], rtol=1e-12, atol=1e-12)
+
+
+def test_a_rank_owning_nothing_receives_nothing():
+    kinds, shape = ("linear",), (7, 5)
+    ranges = _cuts(35, 2, [35])
+    rows = _rows(kinds, shape, [[3], [2]], seed=0)
+    for r in rows:
+        assert encode(kinds, shape, r, ranges, F64)[1] == []
+        assert packed_size(block_specs(kinds, shape, [[3]], 1, ranges[1], F64)) == 0
+
+
+def test_embedding_ids_go_to_their_owner_only():
+    """Ids are sent to the ranks whose covering rows hold them (a boundary row to both)."""
+    kinds, shape = ("embedding",), (10, 2)
+    ranges = [(0, 9), (9, 20)]          # rank 0 rows 0..4 (row 4 half), rank 1 rows 4..9
+    ids = torch.tensor([0, 4, 4, 9, 7])
+    (counts,) = use_counts(kinds, [(ids, torch.ones(5, 2, dtype=F64))], ranges, 2)
+    assert counts == [5, 3, 4]          # 0, 4, 4 to rank 0; 4, 4, 9, 7 to rank 1
+
+
+class _OneRank(EqualSizeAggregator):
+    def __init__(self):
+        super().__init__()
+        self._rank, self._world = 0, 1
+
+    def _engine_all_gather(self, out, tensor, async_op=False):
+        out[0].copy_(tensor)
+
+    def _engine_all_reduce(self, tensor, async_op=False):
+        pass
+
+    def _engine_all_to_all_v(self, out, tensor, out_sizes, in_sizes, async_op=False):
+        out.copy_(tensor)
+
+
+def test_exchange_on_one_rank_is_the_scaled_local_gradient():
+    kinds, shape = ("embedding", "linear"), (9, 4)
+    (rows,) = _rows(kinds, shape, [[5, 3]], seed=1)
+    items = [PartitionItem(7, kinds, shape, [(3, 30)], rows), PartitionItem(8, ("linear",), shape, [(0, 0)],
+                                                                           rows[1:])]
+    codec, agg = PartitionExactCodec(None, torch.device("cpu")), _OneRank()
+    codec.agree_counts(items, agg)
+    assert items[0].rows_by_rank() == [[5, 3]]
+    result = codec.exchange(items, agg, F64, scale=0.5)
+    full = _full(kinds, shape, [rows])
+    torch.testing.assert_close(result.owned[7], 0.5 * full[3:30])
+    assert result.owned[8].numel() == 0
+    torch.testing.assert_close(codec.local(items[0], 0, F64), full[3:30])
+    assert result.traffic[7].sent == 0 and result.traffic[7].handed > 0
+
+
+def test_all_to_all_v_checks_sizes():
+    agg = _OneRank()
+    with pytest.raises(ValueError, match="1-D tensor of 3"):
+        agg.all_to_all_v(torch.zeros(2), [3], [3], name="t")
+    handle = agg.all_to_all_v(torch.arange(3.0), [3], [3], name="t")
+    assert torch.equal(handle.wait(), torch.arange(3.0)) and handle.traffic.sent == 0

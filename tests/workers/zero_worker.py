@@ -1,0 +1,217 @@
+"""Runs inside `torchrun` (CPU accelerator, gloo): dAD under DeepSpeed ZeRO-2/3 against DeepSpeed's own
+reduction, same initial model, same batches (uneven across ranks); writes JSON results.
+
+Usage: DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 zero_worker.py OUT.json CASES.json
+
+Case kinds: "match" (after every boundary backward, the fp32 gradient partition each rank owns is
+compared with the reference engine's, per parameter, the error summed over ranks and floored at
+1e-6 of the whole gradient's norm; then both engines step; at the end the parameters are compared
+and checked equal on every rank; bytes of DeepSpeed's own collectives and of dAD's group per step),
+"error" (a config that must be refused: the message).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Dict, Optional
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+import deepspeed  # noqa: E402
+from deepspeed import comm as dist  # noqa: E402
+
+import deepspeed_dad  # noqa: E402
+from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402
+
+COUNTER: Optional[CollectiveCounter] = None
+
+
+def build_model(name: str):
+    if name == "gpt2":  # 2 layers x 64 wide, tied wte / lm_head
+        from transformers import GPT2Config, GPT2LMHeadModel
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                          bos_token_id=0, eos_token_id=0))
+    return models.build(name)
+
+
+def ds_config(case: dict, micro: int) -> dict:
+    gas = case.get("gas", 1)
+    zero = {"stage": case["stage"], "reduce_bucket_size": case.get("bucket", 3000),
+            "overlap_comm": case.get("overlap", False), "contiguous_gradients": case.get("contiguous", True)}
+    if case["stage"] == 3:  # gather every parameter per module use: the small model stays small
+        zero.update({"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1000})
+    zero.update(case.get("zero", {}))
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+           "train_batch_size": micro * gas * dist.get_world_size(), "zero_optimization": zero,
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
+    cfg.update(case.get("ds", {}))
+    return cfg
+
+
+def build_engine(case: dict, micro: int, dad: Optional[dict]):
+    model = build_model(case["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=case.get("lr", 0.1), momentum=0.9)
+    cfg = ds_config(case, micro)
+    if dad is None:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    elif case.get("how") == "patched":  # what Accelerate and the Trainer go through
+        deepspeed_dad.patch_deepspeed_initialize()
+        try:
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config={**cfg, "dad": dad})
+        finally:
+            deepspeed_dad.unpatch_deepspeed_initialize()
+    else:
+        engine, *_ = deepspeed_dad.initialize(model=model, optimizer=opt, config={**cfg, "dad": dad})
+    return engine
+
+
+def owned_partitions(engine) -> Dict[str, torch.Tensor]:
+    """This rank's fp32 gradient partition of every parameter (its owned elements), by name."""
+    opt, me = engine.optimizer, dist.get_rank()
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = {}
+    if engine.zero_optimization_stage() == 3:
+        for p in engine.module.parameters():
+            owned = max(0, min(p.partition_numel(), p.ds_numel - me * p.partition_numel()))
+            out[names[id(p)]] = deepspeed.utils.safe_get_local_grad(p).reshape(-1)[:owned].double()
+        return out
+    for i, params in enumerate(opt.params_in_partition):
+        flat = torch.cat([t.reshape(-1) for t in opt.averaged_gradients[i]]).double()
+        for p in params:
+            pid = opt.get_param_id(p)
+            dest = opt.grad_partition_insertion_offset[i][me][pid]
+            start = opt.grad_start_offset[i][me][pid]
+            num = min(p.numel() - start, int(opt.partition_size[i]) - dest)
+            out[names[id(p)]] = flat[dest:dest + num]
+    return out
+
+
+def partition_errors(ref: Dict[str, torch.Tensor], mine: Dict[str, torch.Tensor], names) -> Dict[str, float]:
+    sq = []
+    for n in names:
+        a, b = ref.get(n), mine.get(n)
+        if (a is None) != (b is None) or (a is not None and a.shape != b.shape):
+            raise AssertionError(f"{n}: partitions differ in layout")
+        sq += [0.0, 0.0] if a is None else [float((b - a).norm()) ** 2, float(a.norm()) ** 2]
+    t = torch.tensor(sq, dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    total = float(t[1::2].sum()) ** 0.5
+    return {n: float(t[2 * i]) ** 0.5 / max(float(t[2 * i + 1]) ** 0.5, 1e-6 * total) for i, n in enumerate(names)}
+
+
+def full_params(engine) -> Dict[str, torch.Tensor]:
+    params = list(engine.module.named_parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters([p for _, p in params]):
+            return {n: p.detach().double().clone() for n, p in params}
+    return {n: p.detach().double().clone() for n, p in params}
+
+
+def ranks_agree(flat: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    torch.distributed.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def counted(group) -> dict:
+    ops = {name: int(t.handed) for name, t in COUNTER.by_function(exclude_group=group).items()}
+    return {"engine_ops": ops, "dad": int(COUNTER.traffic(group=group).handed) if group is not None else 0}
+
+
+def run_match(case: dict) -> dict:
+    name, micro, steps, gas = case["model"], case.get("batch", 2), case.get("steps", 3), case.get("gas", 1)
+    rank = dist.get_rank()
+    ref = build_engine(case, micro, None)
+    mine = build_engine(case, micro, case["dad"])
+    att = deepspeed_dad.get_attachment(mine)
+    group = att.aggregator.group
+    names = [n for n, _ in ref.module.named_parameters()]
+    worst: Dict[str, float] = {}
+    reports, ref_bytes, dad_bytes, losses = [], [], [], []
+    for step in range(steps):
+        for engine, sink in ((ref, ref_bytes), (mine, dad_bytes)):
+            COUNTER.reset()
+            for m in range(gas):
+                size = micro + (rank if case.get("uneven", True) else 0)
+                data = models.batch(name, size, seed=10_000 * step + 100 * m + rank)
+                loss = models.loss_of(name, engine, data)
+                engine.backward(loss)
+                if m < gas - 1:
+                    engine.step()
+                if engine is mine:
+                    losses.append(float(loss.detach()))
+            sink.append(counted(group))
+        for n, e in partition_errors(owned_partitions(ref), owned_partitions(mine), names).items():
+            worst[n] = max(worst.get(n, 0.0), e)
+        rep = att.last_step_report()
+        reports.append({"totals": rep.totals, "params": [[p.name, p.representation, p.sent_bytes,
+                                                          p.reduce_scatter_bytes] for p in rep.params]})
+        ref.step()
+        mine.step()
+    a, b = full_params(ref), full_params(mine)
+    param_diffs = {n: float((b[n] - a[n]).abs().max()) / max(float(a[n].abs().max()), 1e-12) for n in names}
+    flat = torch.cat([b[n].reshape(-1) for n in names])
+    out = {"grad_errors": worst, "param_diffs": param_diffs, "identical": ranks_agree(flat),
+           "ref_identical": ranks_agree(torch.cat([a[n].reshape(-1) for n in names])),
+           "dense_only": [u.name for u in att.units if u.dense_only], "reports": reports,
+           "ref_bytes": ref_bytes, "dad_bytes": dad_bytes, "losses": losses,
+           "units": len(att.units)}
+    att.detach()
+    return out
+
+
+def run_error(case: dict) -> dict:
+    try:
+        engine = build_engine(case, 2, case["dad"])
+    except (ValueError, TypeError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    att = deepspeed_dad.get_attachment(engine)
+    if att is not None:
+        att.detach()
+    return {"error": None}
+
+
+def main() -> None:
+    global COUNTER
+    out_path, cases_path = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(
+        seconds=float(os.environ.get("DAD_TEST_TIMEOUT", 120))))
+    COUNTER = CollectiveCounter(dist).install()
+    with open(cases_path) as f:
+        cases = json.load(f)
+    only = os.environ.get("DAD_CASES")
+    results: Dict[str, Any] = {}
+    start = time.time()
+    for case_id, case in cases.items():
+        if only and case_id not in only.split(","):
+            continue
+        try:
+            mine = {"match": run_match, "error": run_error}[case["kind"]](case)
+        except Exception:
+            mine = {"exception": traceback.format_exc()}
+        per_rank = [None] * dist.get_world_size()
+        torch.distributed.all_gather_object(per_rank, mine)
+        results[case_id] = per_rank
+        if dist.get_rank() == 0:
+            print(f"[zero_worker] {case_id} done at {time.time() - start:.1f}s", flush=True)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
