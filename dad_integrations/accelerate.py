@@ -17,8 +17,18 @@ What it does, by Accelerate's distributed type:
   the DeepSpeed config (see `deepspeed_dad`, found through `dad_integrations.engines`), and this
   returns the synchroniser attached to the engine (or attaches one when ``config`` is given and the
   block is absent). Its state goes with the engine's ``save_checkpoint``, which ``save_state`` calls.
+* FSDP2 (Accelerate's FSDP plugin with ``fsdp_version: 2``): `enable_dad_fsdp` on the prepared
+  (``fully_shard``-ed) model, so dAD replaces FSDP2's gradient reduce-scatter and every rank
+  rebuilds only its shard of the average; returns that `FSDPDADSynchronizer`.
+  ``accelerator.accumulate`` / ``no_sync`` (FSDP2's ``set_requires_gradient_sync(False)``: the
+  factors of every micro-step go out in the synchronised backward) and ``clip_grad_norm_`` keep
+  working. Modes exact and auto without a rank keep no state between steps, so ``save_state``
+  writes no dAD file (a synchroniser with a ``state_dict`` gets the DDP path's per-rank files; the
+  FSDP2 rank routes' state is not checkpointed yet, said in the log).
+* FSDP1 (``fsdp_version: 1``): rejected with an error that says why and to use FSDP2
+  (`dad_integrations.fsdp_detect`).
 * A single process: nothing to synchronise; returns None and says so once in the log.
-* FSDP, Megatron-LM, XLA: rejected with an error (they shard gradients; dAD replaces an all-reduce).
+* Megatron-LM, XLA: rejected with an error (dAD replaces DDP's all-reduce or FSDP2's reduce-scatter).
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ from .checkpoint import load_rank_state, save_rank_state
 from .config import DADConfig
 from .ddp_hook import register_dad_comm_hook
 from .engines import get_engine
+from .fsdp_detect import FSDP1_MESSAGE, fsdp2_modules
 from .synchronizer import DADSynchronizer
 
 log = logging.getLogger(__name__)
@@ -43,16 +54,19 @@ _said_single_process = False
 
 
 def enable_dad(accelerator, model: nn.Module,
-               config: Union[DADConfig, Mapping, None] = None) -> Optional[DADSynchronizer]:
-    """Synchronise ``model``'s gradients with dAD; call once, after ``accelerator.prepare(...)``.
+               config: Union[DADConfig, Mapping, None] = None):
+    """Synchronise ``model``'s gradients with dAD; call once, after ``accelerator.prepare(...)``
+    (under FSDP2 also before the first forward).
 
     Args:
         accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
-        model: the prepared model (the DDP wrapper or the model it wraps).
+        model: the prepared model (the DDP wrapper or the model it wraps; under FSDP2 the
+            ``fully_shard``-ed model ``prepare`` returned).
         config: a `DADConfig` or a dict of its keys; None uses the defaults (``mode="auto"``).
 
     Returns:
-        The `DADSynchronizer` (for ``last_step_report()``), or None in a single process.
+        The synchroniser (for ``last_step_report()``): a `DADSynchronizer` (DDP, DeepSpeed), an
+        `FSDPDADSynchronizer` (FSDP2), or None in a single process.
     """
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
     if kind == "NO" or accelerator.num_processes == 1:
@@ -63,9 +77,11 @@ def enable_dad(accelerator, model: nn.Module,
         return None
     if kind == "DEEPSPEED":
         return _enable_on_deepspeed(accelerator, model, config)
+    if kind == "FSDP":
+        return _enable_on_fsdp(accelerator, model, config)
     if kind not in _DDP_TYPES:
         raise ValueError(f"dAD does not support Accelerate's distributed type {kind}: it replaces "
-                         f"DDP's or DeepSpeed's gradient all-reduce, and {kind} shards gradients instead")
+                         f"DDP's or DeepSpeed's gradient all-reduce or FSDP2's reduce-scatter")
     ddp = _find_ddp(accelerator, model)
     sync = register_dad_comm_hook(ddp, config)
     _checkpoint_with_accelerator(accelerator, ddp, sync)
@@ -85,21 +101,49 @@ def _find_ddp(accelerator, model: nn.Module) -> DistributedDataParallel:
                      "DistributedDataParallel); call it after prepare()")
 
 
-def _checkpoint_with_accelerator(accelerator, ddp: DistributedDataParallel, sync: DADSynchronizer) -> None:
+def _enable_on_fsdp(accelerator, model: nn.Module, config: Union[DADConfig, Mapping, None]):
+    """FSDP2: dAD inside the prepared model's reduce-scatter; FSDP1: an error saying why not."""
+    from .fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
+
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    version = getattr(plugin, "fsdp_version", 1)
+    if version != 2:
+        raise ValueError(FSDP1_MESSAGE.format(where=f"enable_dad (Accelerate's FSDP plugin has fsdp_version "
+                                                    f"{version})"))
+    root = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if not fsdp2_modules(root):
+        raise ValueError("enable_dad() needs the model returned by accelerator.prepare(model, optimizer) "
+                         "under FSDP2 (fully_shard-ed); call it after prepare() and before the first forward")
+    sync = enable_dad_fsdp(root, config)
+    if callable(getattr(sync, "state_dict", None)):
+        _checkpoint_with_accelerator(accelerator, root, sync)
+    elif getattr(sync, "rank_codec", None) is not None:
+        log.warning("dAD under FSDP2: the rank routes' state (error-feedback residuals, warm starts) is not "
+                    "checkpointed yet; accelerator.save_state writes none and a resumed run starts it afresh")
+    else:
+        log.info("dAD under FSDP2 keeps no state between steps in mode %s: accelerator.save_state writes "
+                 "no dAD file and load_state needs none", sync.config.mode)
+    log.info("dAD enabled on Accelerate (FSDP2, %d processes) inside FSDP2's gradient reduce-scatter",
+             accelerator.num_processes)
+    return sync
+
+
+def _checkpoint_with_accelerator(accelerator, wrapper: nn.Module, sync) -> None:
     """Save and load ``sync``'s per-rank state with ``accelerator.save_state`` / ``load_state``.
 
     Their pre-hooks run on every process (``register_for_checkpointing`` objects are written by
-    the main process only, which would keep rank 0's state alone). The hooks hold the model and the
-    synchroniser weakly and are removed with the synchroniser.
+    the main process only, which would keep rank 0's state alone). The hooks hold the model (the
+    DDP wrapper, or the FSDP2 model) and the synchroniser weakly and are removed with the
+    synchroniser.
     """
-    sync_ref, ddp_ref = weakref.ref(sync), weakref.ref(ddp)
+    sync_ref, ddp_ref = weakref.ref(sync), weakref.ref(wrapper)
 
     def index_in(models: List[nn.Module]) -> Optional[int]:
         s, d = sync_ref(), ddp_ref()
         if s is None or d is None:
             return None
         for i, m in enumerate(models):  # Accelerate lists the bare model, not the DDP wrapper
-            if m is d or m is d.module:
+            if m is d or m is getattr(d, "module", None):
                 return i
         return None  # freed (accelerator.free_memory): not part of this checkpoint
 

@@ -80,13 +80,16 @@ class CommittedRows:
     module called twice after a no-sync micro-step, FSDP reduces the old accumulated gradient while
     the capture already holds this micro-step's rows. So rows move here only from a
     post-accumulate-grad hook on the parameter the module used in forward (FSDP's unsharded one,
-    which exists only during forward: the hook is registered from a forward hook, once).
+    which exists only during forward: the hook is registered from a forward hook, once). That
+    forward hook runs before the module's other forward hooks: when the module is itself
+    ``fully_shard``-ed (Accelerate shards an untied embedding on its own), FSDP's post-forward
+    hook reshards it and puts the sharded parameter back into ``module.weight``.
     """
 
     def __init__(self, units: Sequence["FactorUnit"]):
         self._committed: Dict[int, List[Rows]] = {}  # per capture
         self._watched: Dict[int, tuple] = {}         # per used parameter: (parameter, handle)
-        self._hooks = [c.module.register_forward_hook(functools.partial(self._watch, u))
+        self._hooks = [c.module.register_forward_hook(functools.partial(self._watch, u), prepend=True)
                        for u in units for c in u.uses]
 
     def take(self, capture: ModuleCapture) -> List[Rows]:

@@ -31,7 +31,7 @@ and the report. No-sync micro-steps need nothing: the hook is not called, the ca
 
 Limits (each falls back to FSDP's own reduce-scatter, logged once): HSDP, ``Shard(d>0)``, all-gather
 extensions, TP (DTensor) parameters, several parameter groups per module, CPU offload. An adaptive
-rank (``adaptive_tolerance``) is refused.
+rank (``adaptive_tolerance``) is refused, and so is FSDP1 (`fsdp_detect`: why, and to use FSDP2).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ from .checks import agree_factors_rebuild
 from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
 from .codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec
 from .config import DADConfig
+from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
 from .router import UnitShape, route
@@ -112,7 +113,15 @@ class FSDPDADSynchronizer:
         self._aggregators: Dict[int, TorchDistributedAggregator] = {}
         self._with_grad: Dict[int, list] = {}  # per group: the FSDPParams its post_backward reduces
         self._verified: set = set()            # groups whose first call was checked
-        groups = [(m, pg) for m in model.modules() if isinstance(m, FSDPModule) for pg in self._groups_of(m)]
+        reject_fsdp1(model, "enable_dad_fsdp")
+        # one entry per group: `fully_shard([norm, lm_head])` (Accelerate's tail) makes several modules
+        # share one FSDP state and group, which must be hooked once
+        groups, seen = [], set()
+        for m in model.modules():
+            for pg in (self._groups_of(m) if isinstance(m, FSDPModule) else []):
+                if id(pg) not in seen:
+                    seen.add(id(pg))
+                    groups.append((m, pg))
         if not groups:
             raise ValueError("enable_dad_fsdp: no fully_shard-ed module (with a 1-D shard mesh) in the model")
         self._fp_of = {id(fp.sharded_param): (pg, fp) for _, pg in groups for fp in pg.fsdp_params}
@@ -235,7 +244,10 @@ class FSDPDADSynchronizer:
                                f"(a use outside the captured layers?): FSDP's reduce-scatter from now on")
                 unit.set_dense_only(True)
         self._verified.add(id(pg))
-        codec = ShardedExactCodec(self._wire, inp.device)
+        # factors travel in FSDP's reduce dtype where the config names none, as the router counts
+        # them and as the reduce-scatter and the rank routes send (not in the sharded parameters'
+        # dtype: fp32 factors on the wire under a bf16 policy, counted as bf16 by auto)
+        codec = ShardedExactCodec(self._wire or inp.dtype, inp.device)
         covered, ranked = set(), []
         for unit in units:
             biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]

@@ -6,15 +6,22 @@
 
 Launch as usual (``accelerate launch``, ``torchrun``). When training begins the callback finds the
 DDP wrapper the Trainer made and installs dAD as its communication hook (`enable_dad`); under
-DeepSpeed it picks up the synchroniser attached from the config's ``"dad"`` block. At every log
-it adds the bytes dAD sent per optimizer step, what all-reduce would have sent, and their ratio
+DeepSpeed it picks up the synchroniser attached from the config's ``"dad"`` block; under FSDP2
+(``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})``, or an Accelerate FSDP config
+with ``fsdp_version: 2``) it puts dAD inside FSDP2's reduce-scatter of the model the Trainer
+sharded (`enable_dad_fsdp`). FSDP1 is refused with an error saying why (`fsdp_detect`). At every
+log it adds the bytes dAD sent per optimizer step, what all-reduce would have sent, and their ratio
 to the Trainer's own metrics (``dad_sent_bytes_per_step``, ``dad_allreduce_bytes_per_step``,
-``dad_bytes_ratio``), so they reach the console, ``log_history`` and any reporting integration.
+``dad_bytes_ratio``), under FSDP2 also what FSDP2's reduce-scatter would have sent
+(``dad_reduce_scatter_bytes_per_step``, ``dad_bytes_ratio_reduce_scatter``), so they reach the
+console, ``log_history`` and any reporting integration.
 
 Checkpoints: dAD's per-rank state goes into each ``checkpoint-{step}`` folder
 (``dad_state_rank{r}.pt``, every rank its own; under DeepSpeed the engine's ``save_checkpoint``
 writes it into the folder's ``global_step{step}`` tag) and is loaded again by
-``trainer.train(resume_from_checkpoint=...)`` before the first synchronised step.
+``trainer.train(resume_from_checkpoint=...)`` before the first synchronised step. Under FSDP2,
+modes exact and auto without a rank keep no state between steps: there is nothing to write or load
+(the FSDP2 rank routes' state is not checkpointed yet, said in the log).
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from .checkpoint import load_rank_state, save_rank_state
 from .config import DADConfig
 from .ddp_hook import register_dad_comm_hook
 from .engines import EngineAdapter, registered_engines
+from .fsdp_detect import fsdp2_modules, reject_fsdp1
 from .synchronizer import DADSynchronizer
 
 log = logging.getLogger(__name__)
@@ -48,33 +56,43 @@ class DADCallback(TrainerCallback):
 
     def __init__(self, config: Union[DADConfig, Mapping, None] = None):
         self.config = DADConfig() if config is None else DADConfig.from_dict(config)
-        self.sync: Optional[DADSynchronizer] = None
+        self.sync: Optional[DADSynchronizer] = None  # or an FSDPDADSynchronizer under FSDP2
         self._engine: Any = None  # the DeepSpeed engine, whose own checkpoints carry dAD's state
-        self._sent = self._allreduce = 0.0
+        self._sent = self._allreduce = self._reduce_scatter = 0.0
         self._steps = 0
 
     def on_train_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs) -> None:
-        """Install dAD on the DDP wrapper (or find the DeepSpeed engine's) around ``model``; when
-        resuming from a checkpoint, load this rank's dAD state from it."""
+        """Install dAD on the DDP wrapper (or find the DeepSpeed engine's) around ``model``, or inside
+        FSDP2's reduce-scatter of the sharded ``model``; when resuming from a checkpoint, load this
+        rank's dAD state from it."""
         # the process count from torch.distributed: Accelerate under DeepSpeed on CPUs counts one
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if self.sync is not None or world <= 1:
             if world <= 1:
                 log.info("dAD: a single process has nothing to synchronise; training runs unchanged")
             return
+        # under FSDP the Trainer hands callbacks the sharded model itself
+        reject_fsdp1(model, "DADCallback")
+        resume = _resume_checkpoint(args, state)
+        if fsdp2_modules(model):
+            from .fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
+            self.sync = enable_dad_fsdp(getattr(model, "_orig_mod", model), self.config)
+            if resume is not None and _has_state(self.sync):  # exact/auto under FSDP2 keep none
+                self._load_rank_state(resume, state, world)
+            elif getattr(self.sync, "rank_codec", None) is not None:
+                log.warning("dAD under FSDP2: the rank routes' state (error-feedback residuals, warm starts) "
+                            "is not checkpointed yet; a resumed run starts it afresh")
+            log.info("dAD enabled for Trainer (FSDP2: inside its gradient reduce-scatter)")
+            return
         wrapper, adapter = _wrapper_of(model)
         if wrapper is None:
-            raise RuntimeError("DADCallback found neither a DistributedDataParallel wrapper nor a DeepSpeed "
-                               "engine around the model: launch with accelerate launch or torchrun on "
-                               "several processes (FSDP and other sharded setups are not supported)")
-        resume = _resume_checkpoint(args, state)
+            raise RuntimeError("DADCallback found neither a DistributedDataParallel wrapper, a DeepSpeed "
+                               "engine nor an FSDP2 (fully_shard) model: launch with accelerate launch or "
+                               "torchrun on several processes")
         if adapter is None:
             self.sync = register_dad_comm_hook(wrapper, self.config)
             if resume is not None:
-                payload = load_rank_state(self.sync, resume, dist.get_rank(), world)
-                if payload is not None and payload.get("global_step", state.global_step) != state.global_step:
-                    raise ValueError(f"{resume}: its dAD state was saved at step {payload['global_step']}, "
-                                     f"but training resumes at step {state.global_step}")
+                self._load_rank_state(resume, state, world)
         else:
             self._engine = wrapper
             self.sync = adapter.find(wrapper)
@@ -86,13 +104,19 @@ class DADCallback(TrainerCallback):
                     adapter.load_checkpoint_state(wrapper, resume)
         log.info("dAD enabled for Trainer (%s)", type(wrapper).__name__)
 
+    def _load_rank_state(self, resume: str, state, world: int) -> None:
+        payload = load_rank_state(self.sync, resume, dist.get_rank(), world)
+        if payload is not None and payload.get("global_step", state.global_step) != state.global_step:
+            raise ValueError(f"{resume}: its dAD state was saved at step {payload['global_step']}, "
+                             f"but training resumes at step {state.global_step}")
+
     def on_save(self, args, state, control, **kwargs) -> None:
         """Write this rank's dAD state into the checkpoint folder the Trainer has just written.
 
         Under DeepSpeed the engine's ``save_checkpoint`` has already written it (into the folder's
         tag), and a ``save_only_model`` checkpoint cannot be resumed, so neither gets a file here.
         """
-        if self.sync is None or self._engine is not None or args.save_only_model:
+        if self.sync is None or self._engine is not None or args.save_only_model or not _has_state(self.sync):
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         save_rank_state(self.sync, folder, dist.get_rank(), dist.get_world_size(), global_step=state.global_step)
@@ -104,6 +128,7 @@ class DADCallback(TrainerCallback):
             totals = report.totals
             self._sent += totals["sent_bytes"]
             self._allreduce += totals["allreduce_bytes"]
+            self._reduce_scatter += totals.get("reduce_scatter_bytes", 0.0)  # FSDP2's baseline
             self._steps += 1
 
     def on_log(self, args, state, control, logs: Optional[dict] = None, **kwargs) -> None:
@@ -113,12 +138,20 @@ class DADCallback(TrainerCallback):
         metrics = {"dad_sent_bytes_per_step": self._sent / self._steps,
                    "dad_allreduce_bytes_per_step": self._allreduce / self._steps,
                    "dad_bytes_ratio": self._sent / self._allreduce if self._allreduce else 0.0}
+        if self._reduce_scatter:
+            metrics["dad_reduce_scatter_bytes_per_step"] = self._reduce_scatter / self._steps
+            metrics["dad_bytes_ratio_reduce_scatter"] = self._sent / self._reduce_scatter
         logs.update(metrics)
         # the Trainer appended a copy of ``logs`` to log_history before calling us
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(metrics)
-        self._sent = self._allreduce = 0.0
+        self._sent = self._allreduce = self._reduce_scatter = 0.0
         self._steps = 0
+
+
+def _has_state(sync: Any) -> bool:
+    """Does ``sync`` carry per-rank state between steps (FSDP2's exact/auto synchroniser does not)?"""
+    return callable(getattr(sync, "state_dict", None))
 
 
 def _wrapper_of(model: Optional[nn.Module]) -> tuple[Any, Optional[EngineAdapter]]:

@@ -1,6 +1,8 @@
 """Fine-tune a Hugging Face model with Accelerate, synchronising gradients with dAD.
 
     accelerate launch --config_file examples/accelerate/cpu_2proc.yaml examples/accelerate/finetune.py
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/accelerate/finetune.py
+                                          # GPU nodes, FSDP2: dAD inside its reduce-scatter
 
 The script trains three times from the same weights on the same batches: with Accelerate's
 ordinary DDP all-reduce, with PyTorch's PowerSGD DDP hook at the same rank as dAD (the lossy
@@ -9,6 +11,13 @@ baseline a user would otherwise pick), and with dAD (``--dad-mode``) installed b
 and a plot of loss and bytes per step (``loss_bytes.png``) to ``--output-dir``. Bytes of the
 PowerSGD run are counted where they reach ``torch.distributed``, dAD's come from its own report,
 and all-reduce's are a ring all-reduce's of the gradients.
+
+Under FSDP2 (``examples/accelerate/fsdp2.yaml``) the same one line puts dAD inside FSDP2's
+gradient reduce-scatter; the baseline run (``fsdp2``) is FSDP2's own reduce-scatter, ``(S-1)/S`` of
+the gradients per rank, and there is no PowerSGD run (a DDP hook). ``--rank 0`` makes auto lossless
+(factors only for the weights where they move fewer bytes); ``--dad-mode exact`` sends factors for
+every weight (more bytes than the reduce-scatter unless the tokens per rank are few against the
+layer widths).
 
 Tasks: causal language modelling (``--family gpt2`` or ``llama``) and sequence classification
 (``--family bert``). By default a small model is built from a config and trained on text that
@@ -55,7 +64,7 @@ class RunResult:
     name: str
     losses: List[float] = field(default_factory=list)
     sent_bytes: List[float] = field(default_factory=list)       # per optimizer step and rank
-    allreduce_bytes: float = 0.0                                 # a ring all-reduce of the gradients
+    allreduce_bytes: float = 0.0     # a ring all-reduce of the gradients (FSDP2: its reduce-scatter)
     step_seconds: List[float] = field(default_factory=list)
     ranks_identical: Optional[bool] = None
 
@@ -79,7 +88,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model_name_or_path", default=None,
                    help="load this hub model and tokenizer instead of building a small one (needs network)")
     p.add_argument("--dad-mode", choices=("exact", "rank", "auto"), default="auto")
-    p.add_argument("--rank", type=int, default=4, help="rank of rank-dAD (modes rank and auto)")
+    p.add_argument("--rank", type=int, default=4,
+                   help="rank of rank-dAD (modes rank and auto); 0: auto without rank routes (lossless)")
     p.add_argument("--no-error-feedback", action="store_true",
                    help="turn off error feedback (on by default: rank routes keep what they left out "
                         "of each weight for the next step; memory: one gradient per rank-routed weight)")
@@ -190,8 +200,11 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
     counter = CollectiveCounter(torch.distributed) if powersgd_rank is not None else None
 
     world = accelerator.num_processes
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    result = RunResult(name, allreduce_bytes=2.0 * (world - 1) / world * grad_bytes)
+    itemsize = _fsdp2_reduce_itemsize(accelerator)
+    grad_bytes = sum(p.numel() * (itemsize or p.element_size()) for p in model.parameters() if p.requires_grad)
+    # the dense exchange: a ring all-reduce, or under FSDP2 its reduce-scatter (half of it)
+    dense_factor = 1.0 if _fsdp2(accelerator) else 2.0
+    result = RunResult(name, allreduce_bytes=dense_factor * (world - 1) / world * grad_bytes)
     model.train()
     bar = tqdm(total=args.max_steps, desc=f"{name:>9}", disable=not accelerator.is_local_main_process)
     batches = _endless(loader)
@@ -247,22 +260,36 @@ def _deepspeed(accelerator: Accelerator) -> bool:
     return getattr(accelerator.distributed_type, "value", "") == "DEEPSPEED"
 
 
+def _fsdp2(accelerator: Accelerator) -> bool:
+    return bool(getattr(accelerator, "is_fsdp2", False))
+
+
+def _fsdp2_reduce_itemsize(accelerator: Accelerator) -> Optional[int]:
+    """Bytes per gradient element FSDP2 reduce-scatters under its mixed precision policy (None:
+    the parameters' own)."""
+    policy = accelerator.state.fsdp_plugin.mixed_precision_policy if _fsdp2(accelerator) else None
+    dtype = (getattr(policy, "reduce_dtype", None) or getattr(policy, "param_dtype", None)) if policy else None
+    return torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
+
+
 def _endless(loader):
     while True:
         yield from loader
 
 
 def _ranks_identical(accelerator: Accelerator, model) -> bool:
-    flat = torch.cat([p.detach().reshape(-1) for p in accelerator.unwrap_model(model).parameters()])
+    # FSDP2's parameters are shards (DTensors): compare the whole ones
+    flat = torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                      for p in accelerator.unwrap_model(model).parameters()])
     gathered = accelerator.gather(flat.unsqueeze(0))
     return bool(all(torch.equal(gathered[0], g) for g in gathered[1:]))
 
 
-def report(args: argparse.Namespace, runs: List[RunResult], world: int) -> None:
-    """Summary table, metrics.json and loss/bytes plot (rank 0)."""
+def report(args: argparse.Namespace, runs: List[RunResult], world: int, dense: str = "all-reduce") -> None:
+    """Summary table, metrics.json and loss/bytes plot (rank 0); ``dense``: the baseline's name."""
     os.makedirs(args.output_dir, exist_ok=True)
     rows = [(r.name, r.summary(), r.ranks_identical) for r in runs]
-    header = (f"{'run':<10}| final loss | bytes sent/step/rank | steady bytes/step | vs all-reduce | s/step "
+    header = (f"{'run':<10}| final loss | bytes sent/step/rank | steady bytes/step | {'vs ' + dense:>13} | s/step "
               f"| ranks identical")
     lines = [header, "-" * len(header)]
     for name, s, same in rows:
@@ -318,20 +345,21 @@ def main() -> None:
     torch.manual_seed(args.seed)
     init_state = build_model(args).state_dict()
     dataset = build_dataset(args)
-    dad_config = {"mode": args.dad_mode, "rank": None if args.dad_mode == "exact" else args.rank}
+    dad_config = {"mode": args.dad_mode, "rank": None if args.dad_mode == "exact" or not args.rank else args.rank}
     if args.no_error_feedback:
         dad_config["error_feedback"] = False
     if args.lossless_steps is not None:
         dad_config["lossless_steps"] = args.lossless_steps
     runs = []
+    fsdp2 = _fsdp2(accelerator)  # the baseline is FSDP2's reduce-scatter; PowerSGD is a DDP hook
     if not args.no_baseline:
-        runs.append(train("allreduce", args, accelerator, init_state, dataset, None))
+        runs.append(train("fsdp2" if fsdp2 else "allreduce", args, accelerator, init_state, dataset, None))
         if (not args.no_powersgd and args.dad_mode != "exact" and accelerator.num_processes > 1
-                and not on_deepspeed):
+                and not on_deepspeed and not fsdp2):
             runs.append(train("powersgd", args, accelerator, init_state, dataset, None, powersgd_rank=args.rank))
     runs.append(train(f"dad-{args.dad_mode}", args, accelerator, init_state, dataset, dad_config))
     if accelerator.is_main_process:
-        report(args, runs, accelerator.num_processes)
+        report(args, runs, accelerator.num_processes, "reduce-scatter" if fsdp2 else "all-reduce")
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

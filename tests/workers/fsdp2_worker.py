@@ -2,13 +2,15 @@
 
 Usage: torchrun --standalone --nproc_per_node 2 fsdp2_worker.py OUT.json [CASE ...]
 
-Each case builds a model, copies it, applies ``fully_shard`` per block and to the root on both,
-enables dAD on the copy, and runs the same batches (uneven per rank where asked) through both,
-comparing every sharded gradient with FSDP's after each backward, then taking an AdamW step on
-both. It records per-parameter relative errors (global over ranks, the denominator floored at 1e-6
+Each case builds a model, copies it, applies ``fully_shard`` per block and to the root on both
+(with the case's mixed precision policy, ``reshard_after_forward``, and ``Shard(1)`` placements
+where asked), enables dAD on the copy, and runs the same batches (uneven per rank where asked)
+through both, comparing every sharded gradient with FSDP's after each backward, then taking an
+AdamW step on both. It records per-parameter relative errors (global over ranks, the denominator floored at 1e-6
 of the whole gradient's norm), the parameters' largest difference after the steps, every rank's
 parameters' checksum, and the report's bytes beside the bytes FSDP's reduce-scatter really handed
-to torch.distributed in the reference run.
+to torch.distributed in the reference run, and the adapter's log lines (fallbacks are logged once).
+Mixed precision cases also record the first step's gradients against an fp32 (no policy) run.
 
 Cases with a rank (``config``) also record, per step, the error-feedback identity of the rank routes
 (the rebuilt average equals the true one plus ``scale * sum_s (e_old_s - e_new_s)``, to round-off),
@@ -21,6 +23,7 @@ gradients are the true average at the parameters dAD trains (what the identity n
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import sys
 import time
@@ -28,8 +31,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+from torch.distributed.tensor import Shard
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
@@ -70,6 +74,8 @@ def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "mlp":
         return TinyMLP()
+    if name in ("llama", "bert"):  # small configs from models.py (BERT: masked LM, padded batches)
+        return models.build(name)
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -77,10 +83,18 @@ def build(name: str) -> nn.Module:
 
 
 def blocks_of(name: str, model: nn.Module):
-    return list(model.blocks) if name == "mlp" else list(model.transformer.h)
+    if name == "mlp":
+        return list(model.blocks)
+    if name == "llama":
+        return list(model.model.layers)
+    if name == "bert":
+        return list(model.bert.encoder.layer)
+    return list(model.transformer.h)
 
 
 def batch(name: str, size: int, seed: int) -> dict:
+    if name in ("llama", "bert"):
+        return models.batch(name, size, seed)
     g = torch.Generator().manual_seed(seed)
     if name == "mlp":
         return {"x": torch.randn(size, 3, 10, generator=g), "y": torch.randn(size, 3, 5, generator=g)}
@@ -105,13 +119,34 @@ class CountingReduceScatter(DefaultReduceScatter):
         return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
-def shard(name: str, model: nn.Module, counter=None) -> nn.Module:
+# mixed precision policies that run on CPU with gloo (fp16 reduces with SUM and a predivide)
+POLICIES = {
+    "bf16-fp32": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+    "fp16": MixedPrecisionPolicy(param_dtype=torch.float16),
+}
+
+
+def shard(name: str, model: nn.Module, case: dict, counter=None) -> nn.Module:
+    kwargs = {"mp_policy": POLICIES[case["mp"]]} if case.get("mp") else {}
+    if "reshard" in case:
+        kwargs["reshard_after_forward"] = case["reshard"]
     for block in blocks_of(name, model):
-        fully_shard(block)
-    fully_shard(model)
-    if counter is not None:
+        fully_shard(block, **kwargs)
+    if case.get("groups"):  # Accelerate's layout: the untied embedding alone, the final norm and head
+        fully_shard(model.get_input_embeddings(), **kwargs)  # together, kept unsharded after forward
+        fully_shard([model.model.norm, model.get_output_embeddings()], **{**kwargs, "reshard_after_forward": False})
+    if case.get("shard1"):  # one weight of the root's group sharded by columns (10 of them: even)
+        column = model.get_parameter(case["shard1"])
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p is column else None
+    fully_shard(model, **kwargs)
+    if case.get("force_sum"):  # SUM on the wire, FSDP divides afterwards
         for m in [model] + blocks_of(name, model):
-            m.set_custom_reduce_scatter(counter)
+            m.set_force_sum_reduction_for_comms(True)
+    if counter is not None:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_reduce_scatter(counter)
     return model
 
 
@@ -172,14 +207,19 @@ def run_case(case: dict) -> dict:
     started = time.perf_counter()
     ref = build(name)
     mine = copy.deepcopy(ref)
+    # mixed precision: the first step's gradients in fp32 (no policy) too, which dAD's and FSDP's
+    # low-precision ones are both measured against
+    full = shard(name, copy.deepcopy(ref), {}) if case.get("mp") else None
     counter = CountingReduceScatter()
-    shard(name, ref, counter)
-    shard(name, mine)
+    shard(name, ref, case, counter)
+    shard(name, mine, case)
+    logged = LogLines()
+    logging.getLogger("dad_integrations.fsdp").addHandler(logged)
     config = case.get("config", {"mode": case.get("mode")})
     sync = enable_dad_fsdp(mine, config)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2)
-    worst, reports = {}, []
+    worst, first, reports, vs_fp32 = {}, {}, [], {}
     identity, losses, states, nonfinite = [], [], [], {}
     micro = case.get("micro", 1)
     world = dist.get_world_size()
@@ -203,6 +243,8 @@ def run_case(case: dict) -> dict:
             (loss_mine * bad).backward()
             if k == 0:
                 losses.append(float(loss_mine))
+            if full is not None and step == 0:
+                loss_of(name, full, data).backward()
         rep = sync.last_step_report()
         routed = [p.name for p in rep.params if p.representation in ("rank", "rank_allreduce")]
         if bad_step:
@@ -216,8 +258,13 @@ def run_case(case: dict) -> dict:
             nonfinite["nonfinite_params"] = sum(
                 1 for b in mine.parameters() if b.grad is not None and not bool(torch.isfinite(b.grad.full_tensor()).all()))
         else:
-            for n, e in grad_errors(ref, mine).items():
+            errors = grad_errors(ref, mine)
+            for n, e in errors.items():
                 worst[n] = max(worst.get(n, 0.0), e)
+            if step == 0:  # both models still equal: only the reduction differs (what mixed precision reads)
+                first = errors
+                if full is not None:
+                    vs_fp32 = {"fsdp": grad_errors(full, ref), "dad": grad_errors(full, mine)}
             if routed:
                 identity.append(ef_identity(ref, mine, sync, before, routed))
         state = rank_state(sync)
@@ -238,18 +285,32 @@ def run_case(case: dict) -> dict:
             opt_mine.step()
         opt_ref.zero_grad()
         opt_mine.zero_grad()
-    diffs = {}
+    diffs, abs_diffs = {}, {}
     checksum = 0.0
     for (n, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
         fa, fb = a.full_tensor(), b.full_tensor()
-        diffs[n] = float((fa - fb).abs().max()) / max(float(fa.abs().max()), 1e-12)
+        abs_diffs[n] = float((fa - fb).abs().max())
+        diffs[n] = abs_diffs[n] / max(float(fa.abs().max()), 1e-12)
         checksum += float(fb.double().sum())
     sums = [None] * dist.get_world_size()
     dist.all_gather_object(sums, checksum)
     sync.close()
-    return {"grad_errors": worst, "param_diffs": diffs, "checksums": sums, "reports": reports,
+    logging.getLogger("dad_integrations.fsdp").removeHandler(logged)
+    return {"grad_errors": worst, "first_step_errors": first, "vs_fp32": vs_fp32, "param_diffs": diffs,
+            "param_abs_diffs": abs_diffs, "checksums": sums, "reports": reports, "log": logged.lines,
             "identity": identity, "losses": losses, "states": states, "nonfinite": nonfinite,
             "seconds": time.perf_counter() - started}
+
+
+class LogLines(logging.Handler):
+    """Keeps the adapter's log messages."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
 
 
 CASES = {
@@ -260,6 +321,17 @@ CASES = {
     "mlp-exact-accum": {"model": "mlp", "mode": "exact", "uneven": True, "micro": 2},
     "gpt2-exact-uneven": {"model": "gpt2", "mode": "exact", "uneven": True, "batch": 1},
     "gpt2-auto": {"model": "gpt2", "mode": "auto", "batch": 1},
+    "llama-exact-uneven": {"model": "llama", "mode": "exact", "uneven": True, "batch": 1},
+    "bert-exact-noreshard": {"model": "bert", "mode": "exact", "batch": 1, "reshard": False},
+    "llama-exact-groups": {"model": "llama", "mode": "exact", "batch": 1, "reshard": True, "groups": True},
+    "llama-auto-noreshard": {"model": "llama", "mode": "auto", "batch": 1, "reshard": False},
+    # mixed precision: 2 steps (only the first compares equal models: the test reads that one)
+    "gpt2-exact-bf16-fp32": {"model": "gpt2", "mode": "exact", "batch": 1, "mp": "bf16-fp32", "steps": 2},
+    "gpt2-exact-bf16": {"model": "gpt2", "mode": "exact", "batch": 1, "mp": "bf16", "steps": 2},
+    "mlp-exact-fp16": {"model": "mlp", "mode": "exact", "mp": "fp16", "steps": 2},
+    "gpt2-auto-bf16": {"model": "gpt2", "mode": "auto", "batch": 1, "mp": "bf16", "steps": 2},
+    "mlp-exact-sum": {"model": "mlp", "mode": "exact", "uneven": True, "force_sum": True},
+    "mlp-exact-shard1": {"model": "mlp", "mode": "exact", "shard1": "inp.weight"},
     # rank routes: at full rank lossless; at small rank lossy, with error feedback (the default)
     # (6+ examples: 18+ rows give every local gradient full rank, so the warm-started Q keeps it too)
     "mlp-rank-full-allgather": {"model": "mlp", "config": {"mode": "rank", "rank": 64, "rank_route": "allgather"},
