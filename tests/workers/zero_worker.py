@@ -15,9 +15,7 @@ import datetime
 import json
 import os
 import sys
-import time
-import traceback
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -25,6 +23,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
+from case_loop import run_cases  # noqa: E402
 
 import deepspeed  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
@@ -191,27 +190,7 @@ def main() -> None:
     COUNTER = CollectiveCounter(dist).install()
     with open(cases_path) as f:
         cases = json.load(f)
-    only = os.environ.get("DAD_CASES")
-    results: Dict[str, Any] = {}
-    start = time.time()
-    for case_id, case in cases.items():
-        if only and case_id not in only.split(","):
-            continue
-        try:
-            mine = {"match": run_match, "error": run_error}[case["kind"]](case)
-        except Exception:
-            mine = {"exception": traceback.format_exc()}
-        per_rank = [None] * dist.get_world_size()
-        torch.distributed.all_gather_object(per_rank, mine)
-        results[case_id] = per_rank
-        if dist.get_rank() == 0:
-            print(f"[zero_worker] {case_id} done at {time.time() - start:.1f}s", flush=True)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
+    run_cases({"match": run_match, "error": run_error}, cases, out_path, "zero_worker")
 
 if __name__ == "__main__":
     main()

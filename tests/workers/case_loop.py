@@ -1,0 +1,37 @@
+"""The loop the DeepSpeed workers share: run each case on every rank, gather the ranks' results,
+rank 0 writes them as JSON; then the process group ends."""
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from typing import Any, Callable, Dict, Mapping
+
+import torch.distributed as dist
+
+
+def run_cases(runners: Mapping[str, Callable[[dict], dict]], cases: Mapping[str, dict], out_path: str,
+              label: str) -> None:
+    """Run ``cases`` (a case's ``kind`` picks its runner; ``DAD_CASES`` selects ids), an exception
+    becoming that case's ``{"exception": traceback}``; write ``{case id: [result per rank]}``."""
+    only = os.environ.get("DAD_CASES")
+    results: Dict[str, Any] = {}
+    start = time.time()
+    for case_id, case in cases.items():
+        if only and case_id not in only.split(","):
+            continue
+        try:
+            mine = runners[case["kind"]](case)
+        except Exception:
+            mine = {"exception": traceback.format_exc()}
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, mine)
+        results[case_id] = per_rank
+        if dist.get_rank() == 0:
+            print(f"[{label}] {case_id} done at {time.time() - start:.1f}s", flush=True)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
