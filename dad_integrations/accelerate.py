@@ -23,8 +23,8 @@ What it does, by Accelerate's distributed type:
   ``accelerator.accumulate`` / ``no_sync`` (FSDP2's ``set_requires_gradient_sync(False)``: the
   factors of every micro-step go out in the synchronised backward) and ``clip_grad_norm_`` keep
   working. Modes exact and auto without a rank keep no state between steps, so ``save_state``
-  writes no dAD file (a synchroniser with a ``state_dict`` gets the DDP path's per-rank files; the
-  FSDP2 rank routes' state is not checkpointed yet, said in the log).
+  writes no dAD file; with a rank, the rank routes' residuals and warm starts get the DDP path's
+  per-rank files (``dad_state_rank{r}.pt``).
 * FSDP1 (``fsdp_version: 1``): rejected with an error that says why and to use FSDP2
   (`dad_integrations.fsdp_detect`).
 * A single process: nothing to synchronise; returns None and says so once in the log.
@@ -39,7 +39,7 @@ from typing import List, Mapping, Optional, Union
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .checkpoint import load_rank_state, save_rank_state
+from .checkpoint import keeps_state, load_rank_state, save_rank_state
 from .config import DADConfig
 from .ddp_hook import register_dad_comm_hook
 from .engines import get_engine
@@ -115,11 +115,8 @@ def _enable_on_fsdp(accelerator, model: nn.Module, config: Union[DADConfig, Mapp
         raise ValueError("enable_dad() needs the model returned by accelerator.prepare(model, optimizer) "
                          "under FSDP2 (fully_shard-ed); call it after prepare() and before the first forward")
     sync = enable_dad_fsdp(root, config)
-    if callable(getattr(sync, "state_dict", None)):
+    if keeps_state(sync):  # the rank routes' residuals and warm starts, one file per rank
         _checkpoint_with_accelerator(accelerator, root, sync)
-    elif getattr(sync, "rank_codec", None) is not None:
-        log.warning("dAD under FSDP2: the rank routes' state (error-feedback residuals, warm starts) is not "
-                    "checkpointed yet; accelerator.save_state writes none and a resumed run starts it afresh")
     else:
         log.info("dAD under FSDP2 keeps no state between steps in mode %s: accelerator.save_state writes "
                  "no dAD file and load_state needs none", sync.config.mode)

@@ -79,3 +79,8 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
     sync.load_state_dict(payload["state"])
     return payload
 
+
+def keeps_state(sync: Any) -> bool:
+    """Does ``sync`` carry per-rank state between steps worth a checkpoint file? (FSDP2's
+    synchroniser has ``state_dict`` but, in exact and lossless auto modes, nothing in it.)"""
+    return callable(getattr(sync, "state_dict", None)) and bool(getattr(sync, "keeps_state", True))

@@ -68,6 +68,8 @@ from .units import FactorUnit, build_plan
 
 log = logging.getLogger(__name__)
 
+FSDP_STATE_VERSION = 1
+
 __all__ = ["enable_dad_fsdp", "FSDPDADSynchronizer", "DADReduceScatter", "ShardedParamReport",
            "ShardedStepReport"]
 
@@ -202,6 +204,39 @@ class FSDPDADSynchronizer:
     def last_step_report(self) -> Optional[ShardedStepReport]:
         """The report of the latest backward that reduced gradients (None before the first)."""
         return self._report
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def keeps_state(self) -> bool:
+        """Whether `state_dict` holds anything between steps: only the rank routes do (error-feedback
+        residuals, warm starts); exact factors and the reduce-scatter keep nothing."""
+        return self.rank_codec is not None
+
+    def state_dict(self) -> dict:
+        """This rank's dAD state: the steps taken (``lossless_steps`` counts them) and, per
+        rank-routed weight, its warm starts and residual. They differ across ranks: save per rank
+        (`checkpoint.save_rank_state`)."""
+        return {"version": FSDP_STATE_VERSION, "steps": self._report.step if self._report else 0,
+                "rank_routes": self.rank_codec.state_dict() if self.rank_codec is not None else {}}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore `state_dict`'s state (tensors onto each weight's device and compute dtype); call
+        it between steps. Raises, naming them, for weights this model does not have."""
+        if state.get("version") != FSDP_STATE_VERSION:
+            raise ValueError(f"dAD/FSDP2 state of version {state.get('version')!r}, expected {FSDP_STATE_VERSION}")
+        params = {u.name: u.param for u in self.plan.units}
+        routes = state.get("rank_routes") or {}
+        unknown = sorted(set(routes) - set(params))
+        if unknown:
+            raise ValueError(f"dAD state for unknown weights {unknown}: was it saved from another model?")
+        if routes and self.rank_codec is None:
+            raise ValueError("this dAD state holds rank-route state, but the config has no 'rank'")
+        if self.rank_codec is not None:
+            self.rank_codec.load_state_dict(dict(routes), params)
+        steps = int(state.get("steps", 0))
+        # the next backward is step steps + 1 (as `_reduce` counts), and its report replaces this one
+        self._report = ShardedStepReport(steps, dist.get_world_size()) if steps else None
+        self._task = None
 
     def _log_once(self, message: str) -> None:
         if message not in self._logged:

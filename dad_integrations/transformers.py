@@ -20,8 +20,8 @@ Checkpoints: dAD's per-rank state goes into each ``checkpoint-{step}`` folder
 (``dad_state_rank{r}.pt``, every rank its own; under DeepSpeed the engine's ``save_checkpoint``
 writes it into the folder's ``global_step{step}`` tag) and is loaded again by
 ``trainer.train(resume_from_checkpoint=...)`` before the first synchronised step. Under FSDP2,
-modes exact and auto without a rank keep no state between steps: there is nothing to write or load
-(the FSDP2 rank routes' state is not checkpointed yet, said in the log).
+modes exact and auto without a rank keep no state between steps: there is nothing to write or load;
+the rank routes' residuals and warm starts go into the per-rank files as under DDP.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from .checkpoint import load_rank_state, save_rank_state
+from .checkpoint import keeps_state, load_rank_state, save_rank_state
 from .config import DADConfig
 from .ddp_hook import register_dad_comm_hook
 from .engines import EngineAdapter, registered_engines
@@ -79,9 +79,6 @@ class DADCallback(TrainerCallback):
             self.sync = enable_dad_fsdp(getattr(model, "_orig_mod", model), self.config)
             if resume is not None and _has_state(self.sync):  # exact/auto under FSDP2 keep none
                 self._load_rank_state(resume, state, world)
-            elif getattr(self.sync, "rank_codec", None) is not None:
-                log.warning("dAD under FSDP2: the rank routes' state (error-feedback residuals, warm starts) "
-                            "is not checkpointed yet; a resumed run starts it afresh")
             log.info("dAD enabled for Trainer (FSDP2: inside its gradient reduce-scatter)")
             return
         wrapper, adapter = _wrapper_of(model)
@@ -151,7 +148,7 @@ class DADCallback(TrainerCallback):
 
 def _has_state(sync: Any) -> bool:
     """Does ``sync`` carry per-rank state between steps (FSDP2's exact/auto synchroniser does not)?"""
-    return callable(getattr(sync, "state_dict", None))
+    return keeps_state(sync)
 
 
 def _wrapper_of(model: Optional[nn.Module]) -> tuple[Any, Optional[EngineAdapter]]:

@@ -49,7 +49,8 @@ CASES = ["mlp-exact", "mlp-exact-uneven", "mlp-auto-uneven", "mlp-exact-accum", 
          "mlp-exact-sum", "mlp-exact-shard1"] + MIXED
 CASES_4 = ["mlp-exact-uneven", "mlp-auto"]  # uneven batches at 4 ranks pad every weight to dense in auto
 RUNS = [(2, c) for c in CASES] + [(4, c) for c in CASES_4]
-LOSSY = ["mlp-rank2-allreduce", "mlp-auto-rank4", "gpt2-auto-rank4"]    # rank 2 / 4, error feedback on
+LOSSY = ["mlp-rank2-allreduce", "mlp-auto-rank4", "gpt2-auto-rank4",   # rank 2 / 4, error feedback on
+         "mlp-rank2-resume"]                                             # ... resumed at step 2
 NONFINITE = ["mlp-rank2-nonfinite", "mlp-rank2-allreduce-nonfinite"]    # rank 1's loss NaN at step 1
 RANKED = ["mlp-rank-full-allgather", "mlp-rank-full-allreduce"] + LOSSY + NONFINITE
 RANK_REPS = ("rank", "rank_allreduce")
@@ -225,3 +226,14 @@ def test_a_non_finite_step_leaves_the_rank_state_untouched(results, cid):
     bad = res["nonfinite"]
     assert bad["state_kept"] and bad["mismatched"] == [] and bad["nonfinite_params"] > 0, bad
     assert all(math.isfinite(x) for x in res["identity"])
+
+
+def test_rank_routes_state_survives_a_resume(results):
+    """At step 2 the synchroniser's `state_dict` goes through ``torch.save``, a new synchroniser on
+    the same model starts empty and loads it: every residual and warm start comes back bitwise, the
+    step count goes on, and the error-feedback identity holds at the steps after (checked above)."""
+    res = _case(results, "mlp-rank2-resume")
+    back = res["resumed"]
+    assert back["fresh_empty"] and back["numel"] > 0 and back["state_equal"], back
+    assert back["steps"] == [2, 2], back
+    assert len(res["identity"]) == 5

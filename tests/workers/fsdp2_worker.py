@@ -23,6 +23,7 @@ gradients are the true average at the parameters dAD trains (what the identity n
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import os
 import sys
@@ -201,6 +202,23 @@ def predicted_bytes(entry, world: int, rank: int) -> float:
     return fn(tuple(entry.shape), rank, torch.float32, world)
 
 
+def resume(sync, model: nn.Module, config: dict):
+    """Save ``sync``'s state through ``torch.save``, close it, attach a new synchroniser to ``model``
+    and load the state into it, as a resumed run does; returns it and what the load kept."""
+    saved, steps = rank_state(sync), sync.state_dict()["steps"]
+    buf = io.BytesIO()
+    torch.save(sync.state_dict(), buf)
+    sync.close()
+    new = enable_dad_fsdp(model, config)
+    fresh = rank_state(new)
+    buf.seek(0)
+    new.load_state_dict(torch.load(buf, weights_only=False))
+    loaded = rank_state(new)
+    return new, {"fresh_empty": not fresh, "steps": [steps, new.state_dict()["steps"]], "numel": sum(
+        v.numel() for v in saved.values()), "state_equal": saved.keys() == loaded.keys() and all(
+        torch.equal(saved[k], loaded[k]) for k in saved)}
+
+
 def run_case(case: dict) -> dict:
     name = case["model"]
     rank = dist.get_rank()
@@ -219,7 +237,7 @@ def run_case(case: dict) -> dict:
     sync = enable_dad_fsdp(mine, config)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt_mine = torch.optim.AdamW(mine.parameters(), lr=1e-2)
-    worst, first, reports, vs_fp32 = {}, {}, [], {}
+    worst, first, reports, vs_fp32, resumed = {}, {}, [], {}, {}
     identity, losses, states, nonfinite = [], [], [], {}
     micro = case.get("micro", 1)
     world = dist.get_world_size()
@@ -229,6 +247,8 @@ def run_case(case: dict) -> dict:
             with torch.no_grad():
                 for a, b in zip(ref.parameters(), mine.parameters()):
                     a.to_local().copy_(b.to_local())
+        if step == case.get("resume_at"):  # a resume: a new synchroniser loads the saved state
+            sync, resumed = resume(sync, mine, config)
         before = rank_state(sync)
         bad_step = step == case.get("nonfinite_step")
         for k in range(micro):
@@ -298,7 +318,7 @@ def run_case(case: dict) -> dict:
     logging.getLogger("dad_integrations.fsdp").removeHandler(logged)
     return {"grad_errors": worst, "first_step_errors": first, "vs_fp32": vs_fp32, "param_diffs": diffs,
             "param_abs_diffs": abs_diffs, "checksums": sums, "reports": reports, "log": logged.lines,
-            "identity": identity, "losses": losses, "states": states, "nonfinite": nonfinite,
+            "identity": identity, "losses": losses, "states": states, "nonfinite": nonfinite, "resumed": resumed,
             "seconds": time.perf_counter() - started}
 
 
@@ -344,6 +364,8 @@ CASES = {
                        "follow": True, "fixed_batch": True},
     "gpt2-auto-rank4": {"model": "gpt2", "config": {"mode": "auto", "rank": 4}, "batch": 1,
                         "follow": True, "fixed_batch": True},
+    "mlp-rank2-resume": {"model": "mlp", "config": {"mode": "rank", "rank": 2}, "uneven": True, "steps": 5,
+                         "follow": True, "fixed_batch": True, "resume_at": 2},
     "mlp-rank2-nonfinite": {"model": "mlp", "config": {"mode": "rank", "rank": 2}, "nonfinite_step": 1,
                             "follow": True},
     "mlp-rank2-allreduce-nonfinite": {"model": "mlp", "config": {"mode": "rank", "rank": 2, "rank_route": "allreduce"},
