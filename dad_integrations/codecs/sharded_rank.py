@@ -149,31 +149,34 @@ class ShardedRankCodec:
         self.warm = WarmStart(config.warm_start)    # each site's own Q_s (all-gather route)
         self.shared = WarmStart(config.warm_start)  # the all-reduced Q (all-reduce route)
         self._pending: List[tuple] = []             # (warm store, unit, Q, residual or None)
-        self._local_finite = True
+        self._local_ok: Optional[torch.Tensor] = None  # on the device: no host sync per FSDP group
         self._device: Optional[torch.device] = None
 
     # -- a step ---------------------------------------------------------------------------------
     def start_step(self) -> None:
         """A new step: nothing pending (a step that never reached `end_step` leaves no trace)."""
-        self._pending, self._local_finite = [], True
+        self._pending, self._local_ok = [], None
 
     def note_local(self, inp: torch.Tensor) -> None:
         """Fold one of this rank's reduce-scatter inputs (its local gradients) into the step's
         finiteness; `end_step` agrees it over ranks."""
         self._device = inp.device
-        if self._local_finite:
-            self._local_finite = bool(torch.isfinite(inp).all())
+        ok = torch.isfinite(inp).all()
+        self._local_ok = ok if self._local_ok is None else self._local_ok & ok
 
     def end_step(self, aggregator: FactorAggregator) -> Traffic:
         """Agree whether every rank's local gradients were finite this step (one all-reduce of one
         number) and keep this step's residuals and warm starts only if so; returns its bytes."""
-        flag = torch.tensor([0.0 if self._local_finite else 1.0], device=self._device)
+        if self._local_ok is None:
+            flag = torch.zeros(1, device=self._device)
+        else:
+            flag = (~self._local_ok).to(torch.float32).reshape(1)
         handle = aggregator.all_reduce(flag, name="dad.sharded.rank.finite", op="sum")
         keep = float(handle.wait()[0]) == 0.0
         if not keep:
             log.info("dAD/FSDP2: a non-finite step: rank-route residuals and warm starts kept from the step before")
         self.commit(keep)
-        self._local_finite = True
+        self._local_ok = None
         return handle.traffic
 
     def commit(self, keep: bool) -> None:
