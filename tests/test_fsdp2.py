@@ -27,9 +27,8 @@ PARAM_TOL = 1e-4  # parameters after 3 AdamW steps, relative to each parameter's
 # Key biases (GPT-2's in the middle third of c_attn.bias, BERT's key.bias) get gradients that softmax
 # cancels: zero up to round-off, which AdamW normalises into lr-sized steps whatever the reduction;
 # only FSDP-vs-FSDP bitwise equality would pass there, so those parameters are held to the learning
-# rate's scale (BERT's, zero at init and pure key bias, also to a round-off-sized gradient floor).
+# rate's scale after the AdamW steps (their gradients themselves meet TOL).
 ROUND_OFF_ONLY = ("attn.c_attn.bias", "attention.self.key.bias")
-ROUND_OFF_GRAD_TOL = 1e-4
 LR, STEPS = 1e-2, 3
 # Mixed precision: the first step compares equal models, so only the reduction differs: FSDP reduces
 # each rank's gradient rounded to the compute dtype, dAD rebuilds from the same low-precision factors
@@ -86,8 +85,8 @@ def _case(results, cid):
 @pytest.mark.parametrize("nproc,cid", [r for r in RUNS if r[1] not in MIXED])
 def test_sharded_gradients_equal_fsdp(jobs, nproc, cid):
     res = _case(jobs(nproc), cid)
-    for name, err in res["grad_errors"].items():
-        assert err <= (ROUND_OFF_GRAD_TOL if name.endswith("attention.self.key.bias") else TOL), (name, err)
+    worst = max(res["grad_errors"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= TOL, worst  # BERT's round-off-only key biases too (measured 7.9e-6)
 
 
 @pytest.mark.parametrize("nproc,cid", RUNS)
