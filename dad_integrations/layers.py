@@ -69,6 +69,8 @@ def rows_of_call(kind: str, module: nn.Module, inputs: torch.Tensor, grad_out: t
 
 def concat_rows(pairs: Sequence[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter) -> Rows:
     """One (left, right) block per use: all calls' rows, in call order of arrival."""
+    if len(pairs) == 1:  # one call: no copy (the rows are only read from here on)
+        return pairs[0][0].contiguous(), pairs[0][1].contiguous()
     if pairs:
         return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
     m, n = shape

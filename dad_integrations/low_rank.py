@@ -131,6 +131,12 @@ def reduce_rank(m: LocalGradient, rank: int, *, method: str, q_init: Optional[to
     rank = min(rank, rows, cols)
     if method == "svd":
         p, q = truncated_svd(m.left, m.right, rank)
+    elif method in ("factors", "dense") and rank == min(rows, cols):
+        # full rank: M = M I^T (or I (M^T)^T), exactly; a power iteration from a warm start of lower rank
+        # (last step's gradient spanned less) would miss the directions this step's gradient adds
+        dense = m.dense if m.dense is not None else m.to_dense()
+        eye = torch.eye(rank, dtype=dense.dtype, device=dense.device)
+        p, q = (dense, eye) if cols <= rows else (eye, dense.t())
     elif method in ("factors", "dense"):
         if method == "dense" and m.dense is None:
             m = LocalGradient(dense=m.to_dense())

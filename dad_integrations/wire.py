@@ -29,16 +29,26 @@ def packed_size(specs: Sequence[BlockSpec]) -> int:
 
 def pack(blocks: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Concatenate ``blocks`` as a flat uint8 tensor (each block padded to `ALIGN` bytes)."""
-    parts = []
+    out = torch.empty(packed_size([(t.dtype, tuple(t.shape)) for t in blocks]), dtype=torch.uint8,
+                      device=blocks[0].device if blocks else device)
+    pack_into(blocks, out)
+    return out
+
+
+def pack_into(blocks: Sequence[torch.Tensor], out: torch.Tensor) -> int:
+    """Write ``blocks`` into the uint8 buffer ``out`` as `pack` lays them out; return the bytes
+    written. Each block is copied straight into its place (no packed temporaries), so a caller that
+    packs many blocks into one send buffer holds that buffer only."""
+    offset = 0
     for t in blocks:
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        parts.append(raw)
-        pad = -raw.numel() % ALIGN
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=raw.device))
-    if not parts:
-        return torch.zeros(0, dtype=torch.uint8, device=device)
-    return torch.cat(parts)
+        size = _nbytes((t.dtype, tuple(t.shape)))
+        raw = t.element_size() * t.numel()
+        if raw:
+            out.narrow(0, offset, raw).view(t.dtype).view(t.shape).copy_(t)
+        if size > raw:
+            out.narrow(0, offset + raw, size - raw).zero_()
+        offset += size
+    return offset
 
 
 def unpack(buffer: torch.Tensor, specs: Sequence[BlockSpec]) -> List[torch.Tensor]:

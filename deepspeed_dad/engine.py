@@ -14,9 +14,7 @@ ZeRO stages 0 and 1. `attach` swaps that method, on this engine only, for one th
 
 Checkpoints: the engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped too, so that every
 rank writes its own dAD state (`DADSynchronizer.state_dict`: warm starts, error-feedback residuals,
-weights sent dense for good) into the checkpoint's tag folder, next to DeepSpeed's files, as
-``dad_state_rank{r}.pt``, and reads it back. Accelerate's ``save_state`` / ``load_state`` and the
-Hugging Face ``Trainer`` go through these methods under DeepSpeed, so they carry it as well.
+weights sent dense for good) into the checkpoint's tag folder (`deepspeed_dad.checkpointing`).
 
 Everything after the reduction is DeepSpeed's own: fp16 overflow checks and skipped steps, loss-scale
 updates, gradient clipping, the optimizer step, ``zero_grad``. The reduction's scaling follows the
@@ -30,17 +28,15 @@ instead (`attach` selects by stage).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
-import os
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 
 from dad_integrations import DADConfig, DADSynchronizer, StepReport
-from dad_integrations.checkpoint import load_rank_state, save_rank_state
 
 from .aggregator import DeepSpeedAggregator
+from .checkpointing import RankStateCheckpoints
 from .config import DADBlock, parse_block
 
 log = logging.getLogger(__name__)
@@ -49,7 +45,7 @@ ATTR = "_dad_attachment"  # where the attachment lives on the engine
 _WIRE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-class DeepSpeedDAD:
+class DeepSpeedDAD(RankStateCheckpoints):
     """dAD attached to one DeepSpeed engine; made by `attach`.
 
     Attributes:
@@ -79,8 +75,7 @@ class DeepSpeedDAD:
         self._patch("backward", self._wrap_backward(engine.backward))
         self._patch("_backward_prologue", self._wrap_prologue(engine._backward_prologue))
         self._patch("_backward_epilogue", self._wrap_epilogue(engine._backward_epilogue))
-        self._patch("save_checkpoint", self._wrap_save_checkpoint(engine.save_checkpoint))
-        self._patch("load_checkpoint", self._wrap_load_checkpoint(engine.load_checkpoint))
+        self._patch_checkpoints()
         setattr(engine, ATTR, self)
         if self.aggregator.rank == 0:
             log.info("dAD replaces DeepSpeed's gradient all-reduce: ZeRO stage %d, mode %s, prescale %g, "
@@ -91,29 +86,6 @@ class DeepSpeedDAD:
     def last_step_report(self) -> Optional[StepReport]:
         """Bytes and representations of the last synchronised step (see `DADSynchronizer`)."""
         return self.synchronizer.last_step_report()
-
-    def save_state(self, directory: str) -> str:
-        """Write this rank's dAD state into ``directory`` (every rank calls it); returns the file."""
-        return save_rank_state(self.synchronizer, directory, self.aggregator.rank, self.aggregator.world_size)
-
-    def load_state(self, directory: str) -> bool:
-        """Load this rank's dAD state from ``directory``; False when it holds none (saved without
-        dAD). Raises, naming the file, when it was saved with another number of processes."""
-        payload = load_rank_state(self.synchronizer, directory, self.aggregator.rank,
-                                  self.aggregator.world_size)
-        return payload is not None
-
-    def checkpoint_tag_dir(self, load_dir: str, tag: Optional[str] = None) -> Optional[str]:
-        """The folder of checkpoint ``tag`` in ``load_dir``, as ``load_checkpoint`` resolves it (no
-        tag: the one named by the ``latest`` file); None when there is no such file."""
-        if tag is None:
-            name = "latest_universal" if self.engine.load_universal_checkpoint() else "latest"
-            latest = os.path.join(load_dir, name)
-            if not os.path.isfile(latest):
-                return None
-            with open(latest) as f:
-                tag = f.read().strip()
-        return os.path.join(load_dir, str(tag))
 
     def detach(self) -> None:
         """Give the engine its own all-reduce back and remove dAD's hooks."""
@@ -143,30 +115,6 @@ class DeepSpeedDAD:
         if self.zero_stage == 1:
             with _reduction_without_communication(engine.optimizer):
                 engine.optimizer.reduce_gradients(pipeline_parallel=engine.pipeline_parallelism)
-
-    def _wrap_save_checkpoint(self, original: Callable) -> Callable:
-        def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-            if save_dir:  # DeepSpeed rejects an empty save_dir itself
-                # DeepSpeed's own default tag; written first, so that 'latest' names a whole checkpoint
-                name = f"global_step{self.engine.global_steps}" if tag is None else str(tag)
-                self.save_state(os.path.join(save_dir, name))
-            return original(save_dir, tag, *args, **kwargs)
-        save_checkpoint.__doc__ = original.__doc__
-        return save_checkpoint
-
-    def _wrap_load_checkpoint(self, original: Callable) -> Callable:
-        signature = inspect.signature(original)
-
-        def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
-            tag_dir = self.checkpoint_tag_dir(load_dir, tag)
-            result = original(load_dir, tag, *args, **kwargs)
-            bound = signature.bind(load_dir, tag, *args, **kwargs)
-            module_only = bound.arguments.get("load_module_only", False)
-            if result[0] is not None and tag_dir is not None and not module_only:
-                self.load_state(tag_dir)
-            return result
-        load_checkpoint.__doc__ = original.__doc__
-        return load_checkpoint
 
     def _wrap_backward(self, original: Callable) -> Callable:
         def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

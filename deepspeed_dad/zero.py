@@ -13,26 +13,42 @@ all-gather of updated parameters) stays DeepSpeed's. Per call (`ZeroDAD.reduce`)
 3. on the first call of each weight, the check that its factors rebuild this rank's owned part of
    its local gradient (`verify_first_step`; agreed by an all-reduce of flags, a failure sends the
    weight through DeepSpeed's reduction for good);
-4. per weight, the route: ``exact``, or, in ``auto``, whichever of exact factors and the dense
-   reduce-scatter moves fewer bytes (`router.route(..., sharded=True)`);
-5. one all-to-all (`codecs.partition_exact`) of the exact weights' factors; each rank rebuilds the
-   covering rows of its range and keeps its elements, scaled as DeepSpeed scales its reduction.
+4. per weight, the route (`router.route(..., sharded=True)`): ``exact``; in ``auto`` whichever of
+   exact factors, the dense reduce-scatter and (with a ``rank``) rank-dAD moves fewest bytes; in
+   ``rank``, rank-dAD;
+5. for a rank-dAD weight, this site's local gradient plus its error-feedback residual reduced to
+   rank r, ``M_s ~= P_s Q_s^T`` (`codecs.sharded_rank.ShardedRankCodec`: power iteration, warm
+   start, residual), which is a sum of r outer products: ``(P_s^T, Q_s^T)`` travel as r factor rows;
+6. one all-to-all (`codecs.partition_exact`) per run of weights, exact factors and rank-r rows
+   alike; each rank rebuilds the covering rows of its range and keeps its elements, scaled as
+   DeepSpeed scales its reduction. A rank d owning w rows of an ``m x n`` weight receives
+   ``sum_{s != d} r (n + w)`` for it in rank-dAD, ``sum_{s != d} N_s (n + w)`` for exact factors.
 
 Every rank makes the same calls with the same parameters in the same order (DeepSpeed's buckets
-agree across ranks), so the collectives of steps 2, 3 and 5 match. The report of a backward
+agree across ranks), so the collectives of steps 2, 3 and 6 match. The report of a backward
 (`last_step_report`) lists each parameter's bytes beside what DeepSpeed's reduce-scatter of it
-would move. Rank-dAD (``mode: rank``, a ``rank`` key) is not supported under ZeRO-2/3 yet.
+would move.
+
+Rank-dAD's residuals and warm starts are kept only once the backward is over and every rank's local
+gradients were finite (the wrapped ``_backward_epilogue``: one all-reduce of one number), as under
+FSDP2; they are per rank, so ``save_checkpoint`` / ``load_checkpoint`` write and read one file per
+rank (`deepspeed_dad.checkpointing`). The residual is one unsharded ``m x n`` buffer per rank-routed
+weight (a site compresses its whole local gradient), what ZeRO saves by sharding gradients error
+feedback spends again; ``error_feedback: false`` frees it. PowerSGD's all-reduce route
+(``rank_route: allreduce``) and an adaptive rank are refused under ZeRO-2/3.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from dad_integrations import DADConfig
 from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range
+from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.router import UnitShape, route
@@ -40,8 +56,10 @@ from dad_integrations.synchronizer import WIRE_DTYPES
 from dad_integrations.units import FactorUnit, build_plan, param_shape
 
 from .aggregator import DeepSpeedAggregator
+from .checkpointing import RankStateCheckpoints
 
 log = logging.getLogger(__name__)
+ZERO_STATE_VERSION = 1
 
 
 def check_zero(engine: Any, config: DADConfig) -> List[str]:
@@ -50,9 +68,13 @@ def check_zero(engine: Any, config: DADConfig) -> List[str]:
     zc = engine._config.zero_config
     opt = engine.optimizer
     problems: List[str] = []
-    if config.mode == "rank" or config.rank is not None:
-        raise ValueError(f"dAD: rank-dAD (mode 'rank' or a 'rank' key) is not supported yet under ZeRO stage "
-                         f"{stage}; use mode 'exact' or 'auto' without 'rank', or ZeRO stage 0/1")
+    if config.rank is not None and config.rank_route == "allreduce":
+        problems.append(f"dad.rank_route 'allreduce' (PowerSGD's shared power iteration) is not supported under "
+                        f"ZeRO-{stage}: rank-dAD's own factors go by the partition exchange; use 'allgather' or "
+                        f"'auto'")
+    if config.adaptive_tolerance is not None:
+        problems.append(f"dad.adaptive_tolerance is not supported under ZeRO-{stage} (ranks are padded to 'rank' "
+                        f"so that no count exchange is needed); remove it")
     for name, setting in (("offload_optimizer", zc.offload_optimizer), ("offload_param", zc.offload_param)):
         device = getattr(setting, "device", None)
         if setting is not None and str(getattr(device, "value", device)) != "none":
@@ -80,7 +102,7 @@ def check_zero(engine: Any, config: DADConfig) -> List[str]:
     return problems
 
 
-class ZeroDAD:
+class ZeroDAD(RankStateCheckpoints):
     """dAD attached to one ZeRO-2/3 engine; made by `deepspeed_dad.attach`.
 
     Attributes:
@@ -104,19 +126,36 @@ class ZeroDAD:
             unit.biases.clear()  # a bias is its own ZeRO partition element range: DeepSpeed reduces it
             self._unit_of[id(unit.param)] = unit
         self._codec = PartitionExactCodec(self._wire, device)
+        # rank routes: rank-dAD's all-gather route only, by the partition exchange (`_rank_item`)
+        self._route_config = (dataclasses.replace(config, rank_route="allgather") if config.rank is not None
+                              else config)
+        self._rank = ShardedRankCodec(self._route_config, self._wire) if config.rank is not None else None
+        self._rank_in_step = False
+        # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
+        # which it reduces in place: the send and receive buffers add at most about half a bucket
+        bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
+        self._chunk_bytes = min(config.bucket_cap_mb * 2 ** 20, bucket / 4 if bucket else float("inf"))
         self._verified: set = set()
         self._logged: set = set()
         self._report: Optional[ShardedStepReport] = None
         self._new_backward = True
         self._steps = 0
-        self._original_prologue = engine.__dict__.get("_backward_prologue")
-        prologue = engine._backward_prologue
+        self._originals: Dict[str, Any] = {}
+        prologue, epilogue = engine._backward_prologue, engine._backward_epilogue
 
         def backward_prologue(*args: Any, **kwargs: Any) -> Any:
             self._new_backward = True  # the next reduction call opens this backward's report
             return prologue(*args, **kwargs)
 
-        engine._backward_prologue = backward_prologue
+        def backward_epilogue(*args: Any, **kwargs: Any) -> Any:
+            out = epilogue(*args, **kwargs)  # ZeRO reduces its last bucket in here
+            self._end_rank_step()            # not after a raise: a collective then could hang
+            return out
+
+        self._patch("_backward_prologue", backward_prologue)
+        self._patch("_backward_epilogue", backward_epilogue)
+        if self.keeps_state:
+            self._patch_checkpoints()
         seam = Zero2Seam if self.zero_stage == 2 else Zero3Seam
         self._seam = seam(self, engine.optimizer)
         if self.aggregator.rank == 0:
@@ -138,29 +177,40 @@ class ZeroDAD:
         per parameter its bytes, beside DeepSpeed's reduce-scatter (``reduce_scatter_bytes``)."""
         return self._report
 
+    @property
+    def keeps_state(self) -> bool:
+        """Whether `state_dict` holds anything between steps: only the rank route does (error-feedback
+        residuals, warm starts; then ``save_checkpoint`` / ``load_checkpoint`` carry it per rank)."""
+        return self._rank is not None
+
     def state_dict(self) -> dict:
-        """Exact and lossless auto keep no state across steps."""
-        return {}
+        """This rank's dAD state: the backwards taken (``lossless_steps`` counts them) and, per
+        rank-routed weight, its warm start and residual (they differ across ranks: saved per rank)."""
+        return {"version": ZERO_STATE_VERSION, "steps": self._steps,
+                "rank_routes": self._rank.state_dict() if self._rank is not None else {}}
 
     def load_state_dict(self, state: dict) -> None:
-        return None
-
-    def save_state(self, directory: str) -> None:
-        return None
-
-    def load_state(self, directory: str) -> bool:
-        return False
-
-    def checkpoint_tag_dir(self, load_dir: str, tag: Optional[str] = None) -> Optional[str]:
-        return None
+        """Restore `state_dict`'s state (call it between steps). Raises, naming them, for weights this
+        model does not have, or rank-route state without a ``rank`` in the config."""
+        if state.get("version") != ZERO_STATE_VERSION:
+            raise ValueError(f"dAD/ZeRO state of version {state.get('version')!r}, expected {ZERO_STATE_VERSION}")
+        params = {u.name: u.param for u in self.plan.units}
+        routes = dict(state.get("rank_routes") or {})
+        unknown = sorted(set(routes) - set(params))
+        if unknown:
+            raise ValueError(f"dAD state for unknown weights {unknown}: was it saved from another model?")
+        if routes and self._rank is None:
+            raise ValueError("this dAD state holds rank-route state, but the config has no 'rank'")
+        if self._rank is not None:
+            self._rank.load_state_dict(routes, params)
+        self._steps = int(state.get("steps", 0))
 
     def detach(self) -> None:
         """Give the engine its own reduction back and remove dAD's hooks."""
         self._seam.remove()
-        if self._original_prologue is None:
-            self.engine.__dict__.pop("_backward_prologue", None)
-        else:
-            self.engine._backward_prologue = self._original_prologue
+        for name in self._originals:
+            self.engine.__dict__.pop(name, None)
+        self._originals.clear()
         for capture in self.plan.captures:
             capture.remove()
         from .engine import ATTR
@@ -169,19 +219,29 @@ class ZeroDAD:
 
     close = detach
 
+    def _patch(self, name: str, replacement: Callable) -> None:
+        # an instance attribute shadows the class method for this engine only; detach() deletes it
+        self._originals[name] = getattr(self.engine, name)
+        setattr(self.engine, name, replacement)
+
     # -- the reduction ----------------------------------------------------------------------------
     def reduce(self, params: Sequence[torch.nn.Parameter], local: Sequence[torch.Tensor],
-               ranges: Sequence[Sequence[Range]], scale: float, itemsize: int,
-               dtype: torch.dtype) -> Dict[int, torch.Tensor]:
-        """This rank's owned elements of the average of every factor-covered parameter of one
-        reduction call, by ``id(param)``, in ``dtype``; the others are left to DeepSpeed (and reported
-        as dense). ``local[i]`` is the flattened local gradient of ``params[i]``, ``ranges[i]`` every
-        rank's owned ``[lo, hi)`` of it, ``scale`` what DeepSpeed's reduction multiplies the sum by."""
-        S, me = self._world, self.aggregator.rank
+               ranges: Sequence[Sequence[Range]], scale: float, itemsize: int, dtype: torch.dtype,
+               deliver: Callable[[torch.nn.Parameter, torch.Tensor], None]) -> Set[int]:
+        """Rebuild this rank's owned elements of the average of every factor-covered parameter of
+        one reduction call and hand each to ``deliver(param, owned)`` as soon as it is rebuilt (so
+        at most one weight's owned part is alive beside DeepSpeed's buffers); return the ``id`` of
+        every parameter delivered. The others are left to DeepSpeed (and reported as dense).
+        ``local[i]`` is the flattened local gradient of ``params[i]`` (``dtype``), ``ranges[i]``
+        every rank's owned ``[lo, hi)`` of it, ``scale`` what DeepSpeed's reduction multiplies the
+        sum by."""
+        S = self._world
         if self._new_backward or self._report is None:
             self._new_backward = False
             self._steps += 1
             self._report = ShardedStepReport(self._steps, S)
+            if self._rank is not None:
+                self._rank.start_step()
         report = self._report
         items: List[PartitionItem] = []
         grads: Dict[int, torch.Tensor] = {}
@@ -200,31 +260,67 @@ class ZeroDAD:
             traffic = self._codec.agree_counts(items, self.aggregator)
             report.params.append(_overhead("dad.zero.counts", len(items), traffic))
             items = self._verify(items, grads, by_key, report, dtype)
-        exact = []
+        routed: List[PartitionItem] = []   # exact factors, or (rank routes) P_s^T and Q_s^T as rows
+        ranked: Dict[int, Tuple[int, str]] = {}   # components sent, how M_s was reduced
         for it in items:
-            decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
-                             wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank(), sharded=True)
+            decision = route(self._route_config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
+                             wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank(), sharded=True,
+                             step=self._steps - 1)
             if decision.representation == "exact":
-                exact.append(it)
-        owned: Dict[int, torch.Tensor] = {}
-        for chunk in _chunks(exact, self.config.bucket_cap_mb * 2 ** 20):
+                routed.append(it)
+            elif decision.representation == "rank":
+                item, components, method = self._rank_item(it, by_key[it.key], grads[it.key])
+                routed.append(item)
+                ranked[it.key] = (components, method)
+        delivered: Set[int] = set()
+        for chunk in _chunks(routed, self._chunk_bytes):
             # one all-to-all per chunk: a whole DeepSpeed bucket's factors at once would hold all of
             # their send and receive buffers together (1.25x ZeRO's own peak at 4096 rows per rank)
-            result = self._codec.exchange(chunk, self.aggregator, compute_dtype(by_key[chunk[0].key].param), scale)
+            traffic = self._codec.exchange(chunk, self.aggregator, compute_dtype(by_key[chunk[0].key].param), scale,
+                                           lambda key, owned: deliver(by_key[key].param, owned))
             for it in chunk:
                 unit = by_key[it.key]
-                owned[id(unit.param)] = result.owned[it.key].to(dtype)
-                rep = _param_report(unit.name, "exact", it.shape, S, itemsize)
+                delivered.add(id(unit.param))
+                rep = _param_report(unit.name, "rank" if it.key in ranked else "exact", it.shape, S, itemsize)
                 rep.rows = sum(left.shape[0] for left, _ in it.rows)
                 rep.max_rows = max(sum(k) for k in it.rows_by_rank())
                 rep.method = "partition"
-                rep.add_traffic(result.traffic[it.key])
+                if it.key in ranked:
+                    rep.components, rep.method = ranked[it.key]
+                rep.add_traffic(traffic[it.key])
                 report.params.append(rep)
         for p in params:
-            if id(p) not in owned:
+            if id(p) not in delivered:
                 report.params.append(_param_report(self._names.get(id(p), "?"), "dense", param_shape(p), S, itemsize,
                                                    dense=True))
-        return owned
+        return delivered
+
+    def _rank_item(self, it: PartitionItem, unit: FactorUnit, local: torch.Tensor
+                   ) -> Tuple[PartitionItem, int, str]:
+        """Rank-dAD's local half for one weight: this site's ``M_s`` (local gradient plus residual)
+        reduced to rank r (`ShardedRankCodec`: warm start, error feedback kept until the backward is
+        over), as r rows ``(P_s^T, Q_s^T)`` of a linear use, for the same partition exchange as
+        exact factors: rank d receives every site's ``Q_s`` and the columns of ``P_s^T`` over its
+        covering rows. Returns that item, the components this site sent and how it reduced."""
+        m, n = it.shape
+        self._rank_in_step = True
+        self._rank.note_local(local)
+        ranked = self._rank.local(unit, it.rows, lambda p, cdt: local.view(m, n).to(cdt), "rank")
+        p, q, components = self._rank.reduce_own(ranked, self._steps - 1)
+        item = PartitionItem(it.key, ("linear",), it.shape, it.ranges, [(p.t(), q.t())])
+        item.counts = [[[p.shape[1]]] for _ in range(self._world)]  # padded to r everywhere: no count exchange
+        return item, components, ranked.method
+
+    def _end_rank_step(self) -> None:
+        """After a backward whose reductions took rank routes: keep its residuals and warm starts
+        if every rank's local gradients were finite (one all-reduce of one number), else keep the
+        backward before's, on every rank alike (a step a loss scaler skips leaves no trace)."""
+        if self._rank is None or not self._rank_in_step:
+            return
+        self._rank_in_step = False
+        traffic = self._rank.end_step(self.aggregator)
+        if self._report is not None:
+            self._report.params.append(_overhead("dad.zero.finite", 1, traffic))
 
     def _verify(self, items: List[PartitionItem], grads: Dict[int, torch.Tensor], by_key: Dict[int, FactorUnit],
                 report: ShardedStepReport, dtype: torch.dtype) -> List[PartitionItem]:

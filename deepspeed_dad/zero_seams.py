@@ -32,7 +32,7 @@ Scaling mirrors each call: ZeRO-2 divides by S (when averaging); ZeRO-3 divides 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
 import torch
 
@@ -54,12 +54,18 @@ class _Seam:
             self.opt.__dict__.pop(name, None)
         self._originals.clear()
 
-    def _write(self, params: Sequence[torch.nn.Parameter], targets: Sequence[torch.Tensor],
-               ranges: Sequence[Sequence[Range]], owned: Dict[int, torch.Tensor]) -> None:
-        for p, target, r in zip(params, targets, ranges):
-            if id(p) in owned:
-                lo, hi = r[self.rank]
-                target[lo:hi].copy_(owned[id(p)])
+    def _reduce_in_place(self, params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor],
+                         ranges: Sequence[Sequence[Range]], itemsize: int) -> Set[int]:
+        """`ZeroDAD.reduce`, each covered weight's owned elements written over its local gradient's
+        ``[lo, hi)`` in ``views`` (ZeRO-2 keeps that slice of the bucket as the partition)."""
+        where = {id(p): (view, r[self.rank]) for p, view, r in zip(params, views, ranges)}
+
+        def write(p: torch.nn.Parameter, owned: torch.Tensor) -> None:
+            view, (lo, hi) = where[id(p)]
+            view[lo:hi].copy_(owned)
+
+        dtype = views[0].dtype if views else torch.float32
+        return self.dad.reduce(params, views, ranges, self.scale, itemsize, dtype, write)
 
 
 def _runs(covered: Sequence[bool]) -> List[Tuple[int, int]]:
@@ -114,8 +120,7 @@ class Zero2Seam(_Seam):
                                f"DeepSpeed's reduction kept")
             return original(tensor, communication_data_type)
         views = [tensor.narrow(0, offsets[k], p.numel()) for k, p in enumerate(params)]
-        owned = self.dad.reduce(params, views, ranges, self.scale, tensor.element_size(), tensor.dtype)
-        self._write(params, views, ranges, owned)
+        owned = self._reduce_in_place(params, views, ranges, tensor.element_size())
         self._after_writes()
         saved = bucket.params
         try:
@@ -133,9 +138,7 @@ class Zero2Seam(_Seam):
                 g.numel() != p.numel() for g, p in zip(grads, params)):
             return original(rank, grads, communication_data_type, elements_per_buffer, log)
         views = [g.view(-1) for g in grads]
-        owned = self.dad.reduce(params, views, ranges, self.scale, grads[0].element_size() if grads else 4,
-                                grads[0].dtype if grads else torch.float32)
-        self._write(params, views, ranges, owned)
+        owned = self._reduce_in_place(params, views, ranges, grads[0].element_size() if grads else 4)
         self._after_writes()
         rest = [g for g, p in zip(grads, params) if id(p) not in owned]
         if rest:
@@ -171,25 +174,28 @@ class Zero3Seam(_Seam):
         size, numel = p.partition_numel(), p.ds_numel
         return [(min(r * size, numel), min((r + 1) * size, numel)) for r in range(self.world)]
 
-    def _partitions(self, params: Sequence[torch.nn.Parameter], owned: Dict[int, torch.Tensor]) -> Dict[int, torch.Tensor]:
-        out = {}
-        for p in params:
-            if id(p) in owned:
-                part = torch.zeros(p.partition_numel(), dtype=self.opt.gradient_accumulation_dtype,
-                                   device=owned[id(p)].device)
-                part[:owned[id(p)].numel()].copy_(owned[id(p)])
-                out[id(p)] = part
-        return out
+    def _reduce_to_partitions(self, params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor],
+                              scale: float, communication_data_type: torch.dtype) -> Dict[int, torch.Tensor]:
+        """`ZeroDAD.reduce`, as the partitions DeepSpeed's calls return (by ``id(param)``): the owned
+        elements, zero past the weight's end, in the gradient accumulation dtype."""
+        parts: Dict[int, torch.Tensor] = {}
+
+        def partition(p: torch.nn.Parameter, owned: torch.Tensor) -> None:
+            part = torch.zeros(p.partition_numel(), dtype=self.opt.gradient_accumulation_dtype, device=owned.device)
+            part[:owned.numel()].copy_(owned)
+            parts[id(p)] = part
+
+        itemsize = torch.empty((), dtype=communication_data_type).element_size()
+        dtype = views[0].dtype if views else torch.float32
+        self.dad.reduce(params, views, [self.ranges(p) for p in params], scale, itemsize, dtype, partition)
+        return parts
 
     def avg_scatter_grads(self, params_to_reduce: List[torch.nn.Parameter],
                           communication_data_type: torch.dtype) -> List[torch.Tensor]:
         original = self._originals[_Z3 + "avg_scatter_grads"]
         views = [p.grad.view(-1) for p in params_to_reduce]
-        ranges = [self.ranges(p) for p in params_to_reduce]
-        dtype = views[0].dtype if views else torch.float32
-        owned = self.dad.reduce(params_to_reduce, views, ranges, self.scale(all_reduce=False),
-                                torch.empty((), dtype=communication_data_type).element_size(), dtype)
-        parts = self._partitions(params_to_reduce, owned)
+        parts = self._reduce_to_partitions(params_to_reduce, views, self.scale(all_reduce=False),
+                                           communication_data_type)
         rest = [p for p in params_to_reduce if id(p) not in parts]
         dense = iter(original(rest, communication_data_type) if rest else [])
         return [parts[id(p)] if id(p) in parts else next(dense) for p in params_to_reduce]
@@ -203,10 +209,7 @@ class Zero3Seam(_Seam):
         for p in params:
             offsets.append(offsets[-1] + p.grad.numel())
         views = [buffer_to_reduce.narrow(0, offsets[k], p.grad.numel()) for k, p in enumerate(params)]
-        ranges = [self.ranges(p) for p in params]
-        owned = self.dad.reduce(params, views, ranges, self.scale(all_reduce=True),
-                                torch.empty((), dtype=communication_data_type).element_size(), buffer_to_reduce.dtype)
-        out = self._partitions(params, owned)
+        out = self._reduce_to_partitions(params, views, self.scale(all_reduce=True), communication_data_type)
         saved = bucket.params
         try:
             for a, b in _runs([id(p) in out for p in params]):

@@ -139,19 +139,23 @@ def test_allocation_peak_sees_a_step_of_known_size():
 
 
 def test_sharded_memory_smoke_writes_every_method(tmp_path):
-    """`python -m benchmarks.sharded_memory --preset smoke`: FSDP2, ZeRO-2 and ZeRO-3, each alone
-    and with dAD inside it, on 2 ranks: a row per engine and method with a peak, and dAD's rows with
-    bytes sent."""
-    from benchmarks.sharded_memory import ENGINES, METHODS
+    """`python -m benchmarks.sharded_memory --preset smoke --methods dad-exact,dad-rank4`: FSDP2,
+    ZeRO-2 and ZeRO-3, each alone and with dAD inside it, on 2 ranks: a row per engine and method
+    with a peak, dAD's rows with bytes sent, rank-dAD's state with its residuals counted."""
+    from benchmarks.sharded_memory import ENGINES
 
+    methods = ["engine", "dad-exact", "dad-rank4"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.sharded_memory", "--preset", "smoke",
-                           "--out-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+                           "--methods", ",".join(methods[1:]), "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = json.loads((tmp_path / "sharded_memory.json").read_text())["rows"]
-    assert sorted((r["engine"], r["method"]) for r in rows) == sorted((e, m) for e in ENGINES for m in METHODS)
+    assert sorted((r["engine"], r["method"]) for r in rows) == sorted((e, m) for e in ENGINES for m in methods)
     for r in rows:
         assert r["step_peak_bytes"] > 0 and r["state_bytes"] > 0 and r["ratio"] > 0
         assert (r["sent_bytes"] is None) == (r["method"] == "engine")
+    state = {(r["engine"], r["method"]): r["state_bytes"] for r in rows}
+    for engine in ENGINES:  # error feedback's residuals: one unsharded gradient per rank-routed weight
+        assert state[engine, "dad-rank4"] > state[engine, "engine"] == state[engine, "dad-exact"]
     assert "vs engine" in (tmp_path / "sharded_memory.md").read_text()

@@ -57,9 +57,11 @@ ERRORS = {
     "err-bad-mode": ({"dad": {"mode": "fast"}}, "'mode'"),
     "err-bad-enabled": ({"dad": {"enabled": "yes"}}, "'enabled'"),
     "err-rank-missing": ({"dad": {"mode": "rank"}}, "'rank'"),
-    # ZeRO-2/3 themselves are tested in test_zero.py; rank-dAD is not supported there yet
-    "err-zero2-rank": ({"stage": 2, "dad": {"mode": "rank", "rank": 2}}, "not supported yet under ZeRO stage 2"),
-    "err-zero3-rank": ({"stage": 3, "dad": {"mode": "auto", "rank": 2}}, "not supported yet under ZeRO stage 3"),
+    # ZeRO-2/3 themselves are tested in test_zero.py; there PowerSGD's all-reduce route is refused
+    "err-zero2-rank-allreduce": ({"stage": 2, "dad": {"mode": "rank", "rank": 2, "rank_route": "allreduce"}},
+                                 "rank_route 'allreduce'"),
+    "err-zero3-rank-allreduce": ({"stage": 3, "dad": {"mode": "auto", "rank": 2, "rank_route": "allreduce"}},
+                                 "rank_route 'allreduce'"),
     "err-wire-contradiction": ({"dad": {"mode": "exact", "wire_dtype": "float16"},
                                 "ds": {"communication_data_type": "bf16"}}, "contradictory"),
     "err-comm-fp32-bf16": ({"dad": EXACT, "ds": {"bf16": {"enabled": True}, "communication_data_type": "fp32"}},

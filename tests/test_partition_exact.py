@@ -130,12 +130,14 @@ def test_exchange_on_one_rank_is_the_scaled_local_gradient():
     codec, agg = PartitionExactCodec(None, torch.device("cpu")), _OneRank()
     codec.agree_counts(items, agg)
     assert items[0].rows_by_rank() == [[5, 3]]
-    result = codec.exchange(items, agg, F64, scale=0.5)
+    owned = {}
+    traffic = codec.exchange(items, agg, F64, scale=0.5, deliver=owned.__setitem__)
     full = _full(kinds, shape, [rows])
-    torch.testing.assert_close(result.owned[7], 0.5 * full[3:30])
-    assert result.owned[8].numel() == 0
+    assert list(owned) == [7, 8]        # delivered one by one, in order
+    torch.testing.assert_close(owned[7], 0.5 * full[3:30])
+    assert owned[8].numel() == 0
     torch.testing.assert_close(codec.local(items[0], 0, F64), full[3:30])
-    assert result.traffic[7].sent == 0 and result.traffic[7].handed > 0
+    assert traffic[7].sent == 0 and traffic[7].handed > 0
 
 
 def test_all_to_all_v_checks_sizes():

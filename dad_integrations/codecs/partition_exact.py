@@ -20,20 +20,21 @@ sent. Bytes one rank receives for a weight it owns ``w`` covering rows of:
 ``sum_{s != d} N_s (n + w)`` (wire dtype), against ZeRO's reduce(-scatter), about ``(S-1)/S m n``.
 
 The pure functions (`covering_rows`, `use_counts`, `block_specs`, `encode`, `decode`) hold the
-algebra; `PartitionExactCodec.exchange` packs the blocks as bytes (`wire.pack`, ids as int32) and
-runs the collective through a `FactorAggregator`. Nothing here knows an engine.
+algebra; `PartitionExactCodec.exchange` packs the blocks as bytes straight into one send buffer
+(`wire.pack_into`, ids as int32) and runs the collective through a `FactorAggregator`. Nothing here
+knows an engine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..aggregator import FactorAggregator, Traffic
 from ..costs import ID_DTYPE
 from ..layers import Rows, deterministic_index_add
-from ..wire import BlockSpec, pack, packed_size, unpack
+from ..wire import BlockSpec, pack_into, packed_size, unpack
 
 Range = Tuple[int, int]          # [lo, hi) of the flattened weight; lo >= hi: nothing
 Counts = Sequence[Sequence[int]]  # by use: [rows] (linear, conv1d) or [rows, ids for rank 0, ..., S-1]
@@ -143,14 +144,6 @@ class PartitionItem:
         return [[k[0] for k in per_rank] for per_rank in self.counts]
 
 
-@dataclass
-class PartitionResult:
-    """The owned elements of each item (by ``key``; ``scale`` applied) and each item's bytes."""
-
-    owned: Dict[int, torch.Tensor]
-    traffic: Dict[int, Traffic]
-
-
 class PartitionExactCodec:
     """Runs the exchange of `decode`'s blocks for several units in one all-to-all (module doc)."""
 
@@ -178,19 +171,24 @@ class PartitionExactCodec:
         return handle.traffic
 
     def exchange(self, items: Sequence[PartitionItem], aggregator: FactorAggregator, dtype: torch.dtype,
-                 scale: float) -> PartitionResult:
-        """``scale`` times this rank's owned elements of every item's summed gradient, in ``dtype``.
-        Every rank calls it with the same items (same keys, shapes, ranges, agreed counts), in order."""
+                 scale: float, deliver: Callable[[int, torch.Tensor], None]) -> Dict[int, Traffic]:
+        """Hand ``deliver(key, owned)`` ``scale`` times this rank's owned elements of each item's
+        summed gradient, in ``dtype``, one item at a time, and return each item's bytes. Every rank
+        calls it with the same items (same keys, shapes, ranges, agreed counts), in order.
+
+        ``owned`` is dropped once ``deliver`` returns, so the rebuild adds one item's covering rows
+        to the peak, not every item's owned elements at once."""
         S, me = aggregator.world_size, aggregator.rank
         wire = self.wire_dtype or dtype
         sizes = {it.key: [[packed_size(block_specs(it.kinds, it.shape, it.counts[s], d, it.ranges[d], wire))
                            for d in range(S)] for s in range(S)] for it in items}   # [source][dest] bytes
-        encoded = [encode(it.kinds, it.shape, it.rows, it.ranges, wire) for it in items]
-        parts = [pack(blocks[d], self.device) for d in range(S) for blocks in encoded if blocks[d]]
-        del encoded
-        send = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=self.device)
-        del parts
         send_sizes = [sum(sizes[it.key][me][d] for it in items) for d in range(S)]
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
+        pos = 0
+        for d in range(S):   # by destination, items in order: the layout `block_specs` describes
+            for it in items:
+                blocks = encode(it.kinds, it.shape, it.rows, [it.ranges[d]], wire)[0]
+                pos += pack_into(blocks, send.narrow(0, pos, sizes[it.key][me][d]))
         recv_sizes = [sum(sizes[it.key][s][me] for it in items) for s in range(S)]
         received = aggregator.all_to_all_v(send, send_sizes, recv_sizes, name="dad.partition.factors").wait()
         per_source: Dict[int, List[List[torch.Tensor]]] = {it.key: [] for it in items}
@@ -201,9 +199,9 @@ class PartitionExactCodec:
                 specs = block_specs(it.kinds, it.shape, it.counts[s], me, it.ranges[me], wire)
                 per_source[it.key].append(unpack(received[pos:pos + size], specs) if specs else [])
                 pos += size
-        owned = {it.key: decode(it.kinds, it.shape, per_source[it.key], it.ranges[me], dtype).mul_(scale)
-                 for it in items}
-        return PartitionResult(owned, _shares(items, sizes, me, S))
+        for it in items:
+            deliver(it.key, decode(it.kinds, it.shape, per_source.pop(it.key), it.ranges[me], dtype).mul_(scale))
+        return _shares(items, sizes, me, S)
 
     def local(self, item: PartitionItem, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """Rank ``rank``'s owned elements of its *own* gradient, rebuilt from its own rows only (the

@@ -78,7 +78,7 @@ from ..config import DADConfig
 from ..error_feedback import ErrorFeedback
 from ..layers import Rows, compute_dtype
 from ..low_rank import LocalGradient, choose_method, method_costs, orthonormalize, reduce_rank
-from ..units import FactorUnit
+from ..units import FactorUnit, param_shape
 from .rank import WarmStart, _cat
 from .sharded_exact import shard_span
 
@@ -196,7 +196,7 @@ class ShardedRankCodec:
         if representation not in ROUTES:
             raise ValueError(f"not a rank route: {representation!r}")
         cfg, p = self.config, unit.param
-        m, n = p.shape
+        m, n = param_shape(p)  # ZeRO-3 empties p.data; FSDP2's DTensor has the global shape
         r = min(cfg.rank, m, n)
         cdt = compute_dtype(p)
         method = "dense"
@@ -243,7 +243,7 @@ class ShardedRankCodec:
         S, rank = agg.world_size, agg.rank
         q_parts, p_parts, components = [], [], []
         for it in items:
-            p, q, k = self._reduce_own(it, step)
+            p, q, k = self.reduce_own(it, step)
             q_parts.append(q.t().reshape(-1).to(wire))
             p_parts.append(row_blocks(p, S).reshape(S, -1).to(wire))
             components.append(k)
@@ -270,11 +270,12 @@ class ShardedRankCodec:
 
         return finish
 
-    def _reduce_own(self, it: RankItem, step: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    def reduce_own(self, it: RankItem, step: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """This site's ``(P_s, Q_s)`` padded to r columns, and its component count; NaN where its
-        gradient is not finite. The warm start and residual wait in `_pending` until `end_step`."""
+        gradient is not finite. The warm start and residual wait in `_pending` until `end_step`.
+        (The all-gather route's local half; `deepspeed_dad.zero` sends the pair its own way.)"""
         unit, r = it.unit, it.rank
-        m, n = unit.param.shape
+        m, n = param_shape(unit.param)
         cdt = compute_dtype(unit.param)
         device = it.local.dense.device if it.local.dense is not None else it.local.left.device
         if not it.finite:  # every rank's rebuild turns non-finite, none raises alone

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, Mapping
@@ -25,6 +26,9 @@ def run_cases(runners: Mapping[str, Callable[[dict], dict]], cases: Mapping[str,
             mine = runners[case["kind"]](case)
         except Exception:
             mine = {"exception": traceback.format_exc()}
+            # also here: should the other ranks then hang in a collective, the gather below never returns
+            print(f"[{label}] {case_id} raised on rank {dist.get_rank()}:\n{mine['exception']}", file=sys.stderr,
+                  flush=True)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         results[case_id] = per_rank

@@ -7,7 +7,9 @@ Case kinds: "match" (after every boundary backward, the fp32 gradient partition 
 compared with the reference engine's, per parameter, the error summed over ranks and floored at
 1e-6 of the whole gradient's norm; then both engines step; at the end the parameters are compared
 and checked equal on every rank; bytes of DeepSpeed's own collectives and of dAD's group per step),
-"error" (a config that must be refused: the message).
+"rank" (rank-dAD: the error-feedback identity against DeepSpeed's average at fixed parameters, a
+non-finite step, the state through a checkpoint, training; `run_rank`), "error" (a config that must
+be refused: the message).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import datetime
 import json
 import os
 import sys
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -32,6 +34,7 @@ import deepspeed_dad  # noqa: E402
 from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402
 
 COUNTER: Optional[CollectiveCounter] = None
+OUT_DIR = "."
 
 
 def build_model(name: str):
@@ -75,15 +78,18 @@ def build_engine(case: dict, micro: int, dad: Optional[dict]):
     return engine
 
 
-def owned_partitions(engine) -> Dict[str, torch.Tensor]:
-    """This rank's fp32 gradient partition of every parameter (its owned elements), by name."""
+def owned_partitions(engine, ranges: Optional[Dict[str, Tuple[int, int]]] = None) -> Dict[str, torch.Tensor]:
+    """This rank's fp32 gradient partition of every parameter (its owned elements), by name; and,
+    into ``ranges``, where they lie in the flattened parameter (``[lo, hi)``)."""
     opt, me = engine.optimizer, dist.get_rank()
     names = {id(p): n for n, p in engine.module.named_parameters()}
+    ranges = {} if ranges is None else ranges
     out = {}
     if engine.zero_optimization_stage() == 3:
         for p in engine.module.parameters():
             owned = max(0, min(p.partition_numel(), p.ds_numel - me * p.partition_numel()))
             out[names[id(p)]] = deepspeed.utils.safe_get_local_grad(p).reshape(-1)[:owned].double()
+            ranges[names[id(p)]] = (me * p.partition_numel(), me * p.partition_numel() + owned)
         return out
     for i, params in enumerate(opt.params_in_partition):
         flat = torch.cat([t.reshape(-1) for t in opt.averaged_gradients[i]]).double()
@@ -93,6 +99,7 @@ def owned_partitions(engine) -> Dict[str, torch.Tensor]:
             start = opt.grad_start_offset[i][me][pid]
             num = min(p.numel() - start, int(opt.partition_size[i]) - dest)
             out[names[id(p)]] = flat[dest:dest + num]
+            ranges[names[id(p)]] = (start, start + num)
     return out
 
 
@@ -170,6 +177,106 @@ def run_match(case: dict) -> dict:
     return out
 
 
+def rank_state(att) -> Dict[str, torch.Tensor]:
+    """The rank route's residuals and warm starts, by parameter name and key, cloned."""
+    names = {id(u.param): n for u in att.units for n, p in att.engine.module.named_parameters() if p is u.param}
+    by_unit = {u.name: names[id(u.param)] for u in att.units}
+    out = {}
+    for unit, state in att.state_dict()["rank_routes"].items():
+        for key, t in state.items():
+            if isinstance(t, torch.Tensor):
+                out[f"{by_unit[unit]}.{key}"] = t.detach().clone()
+    return out
+
+
+def ef_expected(ref_owned: Dict[str, torch.Tensor], ranges: Dict[str, Tuple[int, int]], before: dict,
+                after: dict) -> Dict[str, torch.Tensor]:
+    """What the error-feedback identity says dAD's partitions hold: DeepSpeed's average plus
+    ``1/S sum_s (e_old_s - e_new_s)`` over this rank's owned elements (every rank-routed weight)."""
+    S = dist.get_world_size()
+    out = dict(ref_owned)
+    for key in sorted(k for k in after if k.endswith(".residual")):
+        name = key[:-len(".residual")]
+        diff = (before.get(key, torch.zeros_like(after[key])) - after[key]).double().reshape(-1)
+        torch.distributed.all_reduce(diff)
+        if name in ranges:  # (ZeRO-2: a rank may own nothing of a weight)
+            lo, hi = ranges[name]
+            out[name] = ref_owned[name] + diff[lo:hi] / S
+    return out
+
+
+def run_rank(case: dict) -> dict:
+    """Rank-dAD under ZeRO. With ``lr`` 0 both engines stay at the initial parameters, so that at every
+    step the error-feedback identity can be checked against DeepSpeed's own average; with a
+    ``nonfinite_step`` rank 1's loss is NaN there (the last step checked); with a ``resume_step`` the
+    state goes through ``save_checkpoint`` / ``load_checkpoint`` (one step run between them)."""
+    name, micro, steps, gas = case["model"], case.get("batch", 2), case.get("steps", 3), case.get("gas", 1)
+    rank = dist.get_rank()
+    ref = build_engine(case, micro, None)
+    mine = build_engine(case, micro, case["dad"])
+    att = deepspeed_dad.get_attachment(mine)
+    names = [n for n, _ in ref.module.named_parameters()]
+    identity, losses, ref_losses, routes, changed, nonfinite, resumed = [], [], [], [], [], {}, {}
+
+    def run(engine, step: int, bad: bool = False) -> None:
+        for m in range(gas):
+            seed = 7 + rank if case.get("fixed_batch") else 10_000 * step + 100 * m + rank
+            loss = models.loss_of(name, engine, models.batch(name, micro + rank, seed=seed))
+            if bad and rank == 1:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            if m < gas - 1:
+                engine.step()
+            if m == gas - 1:
+                (losses if engine is mine else ref_losses).append(float(loss.detach()))
+
+    for step in range(steps):
+        before = rank_state(att)
+        bad = step == case.get("nonfinite_step")
+        run(ref, step, bad)
+        run(mine, step, bad)
+        after = rank_state(att)
+        changed.append(any(k not in before or not torch.equal(before[k], after[k]) for k in after))
+        routes.append(sorted({p.representation for p in att.last_step_report().params}))
+        ranges: Dict[str, Tuple[int, int]] = {}
+        ref_owned, mine_owned = owned_partitions(ref, ranges), owned_partitions(mine)
+        if bad:
+            nonfinite = {"state_kept": not changed[-1],
+                         # finite where DeepSpeed's is not (the other way is allowed: a rank-r
+                         # approximation of a gradient with a NaN is NaN in every row)
+                         "missed": [n for n in ref_owned if bool((~torch.isfinite(ref_owned[n])
+                                                                  & torch.isfinite(mine_owned[n])).any())],
+                         "nonfinite_params": sum(not bool(torch.isfinite(t).all()) for t in mine_owned.values())}
+            break
+        if case.get("lr", 0.1) == 0 and gas == 1:
+            expected = ef_expected(ref_owned, ranges, before, after)
+            identity.append(max(partition_errors(expected, mine_owned, names).values()))
+        ref.step()
+        mine.step()
+        if step == case.get("resume_step"):
+            folder = os.path.join(OUT_DIR, f"ckpt-{case['stage']}-{case['model']}")
+            mine.save_checkpoint(folder, tag="resume")
+            saved, saved_steps = rank_state(att), att.state_dict()["steps"]
+            run(mine, step + 1)      # the state moves on ...
+            mine.step()
+            moved = rank_state(att)
+            mine.load_checkpoint(folder, tag="resume")   # ... and comes back
+            back = rank_state(att)
+            resumed = {"numel": sum(t.numel() for t in saved.values()),
+                       "moved": any(not torch.equal(saved[k], moved[k]) for k in saved),
+                       "state_equal": saved.keys() == back.keys() and all(torch.equal(saved[k], back[k])
+                                                                          for k in saved),
+                       "steps": [saved_steps, att.state_dict()["steps"]],
+                       "files": sorted(f for f in os.listdir(os.path.join(folder, "resume")) if "dad" in f)}
+    a, b = full_params(ref), full_params(mine)
+    out = {"identity": identity, "losses": losses, "ref_losses": ref_losses, "routes": routes, "changed": changed, "nonfinite": nonfinite,
+           "resumed": resumed, "identical": ranks_agree(torch.cat([b[n].reshape(-1) for n in names])),
+           "finite": all(bool(torch.isfinite(b[n]).all()) for n in names),
+           "dense_only": [u.name for u in att.units if u.dense_only]}
+    att.detach()
+    return out
+
+
 def run_error(case: dict) -> dict:
     try:
         engine = build_engine(case, 2, case["dad"])
@@ -182,15 +289,16 @@ def run_error(case: dict) -> dict:
 
 
 def main() -> None:
-    global COUNTER
+    global COUNTER, OUT_DIR
     out_path, cases_path = sys.argv[1], sys.argv[2]
+    OUT_DIR = os.path.dirname(os.path.abspath(out_path))
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(
         seconds=float(os.environ.get("DAD_TEST_TIMEOUT", 120))))
     COUNTER = CollectiveCounter(dist).install()
     with open(cases_path) as f:
         cases = json.load(f)
-    run_cases({"match": run_match, "error": run_error}, cases, out_path, "zero_worker")
+    run_cases({"match": run_match, "rank": run_rank, "error": run_error}, cases, out_path, "zero_worker")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,77 @@
+"""dAD's per-rank state inside DeepSpeed checkpoints, shared by both attachments (`engine.DeepSpeedDAD`
+for ZeRO 0/1, `zero.ZeroDAD` for ZeRO-2/3).
+
+The engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped so that every rank writes its own
+dAD state (its synchroniser's ``state_dict``: warm starts, error-feedback residuals, ...) into the
+checkpoint's tag folder, next to DeepSpeed's files, as ``dad_state_rank{r}.pt``, and reads it back.
+Accelerate's ``save_state`` / ``load_state`` and the Hugging Face ``Trainer`` go through these
+methods under DeepSpeed, so they carry it as well.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any, Callable, Optional
+
+from dad_integrations.checkpoint import load_rank_state, save_rank_state
+
+
+class RankStateCheckpoints:
+    """Mixin: needs ``engine``, ``aggregator`` and ``synchronizer`` (with ``state_dict`` /
+    ``load_state_dict``), and a ``_patch(name, replacement)`` that shadows an engine method."""
+
+    engine: Any
+    aggregator: Any
+    synchronizer: Any
+
+    def save_state(self, directory: str) -> str:
+        """Write this rank's dAD state into ``directory`` (every rank calls it); returns the file."""
+        return save_rank_state(self.synchronizer, directory, self.aggregator.rank, self.aggregator.world_size)
+
+    def load_state(self, directory: str) -> bool:
+        """Load this rank's dAD state from ``directory``; False when it holds none (saved without
+        dAD). Raises, naming the file, when it was saved with another number of processes."""
+        payload = load_rank_state(self.synchronizer, directory, self.aggregator.rank,
+                                  self.aggregator.world_size)
+        return payload is not None
+
+    def checkpoint_tag_dir(self, load_dir: str, tag: Optional[str] = None) -> Optional[str]:
+        """The folder of checkpoint ``tag`` in ``load_dir``, as ``load_checkpoint`` resolves it (no
+        tag: the one named by the ``latest`` file); None when there is no such file."""
+        if tag is None:
+            name = "latest_universal" if self.engine.load_universal_checkpoint() else "latest"
+            latest = os.path.join(load_dir, name)
+            if not os.path.isfile(latest):
+                return None
+            with open(latest) as f:
+                tag = f.read().strip()
+        return os.path.join(load_dir, str(tag))
+
+    def _patch_checkpoints(self) -> None:
+        """Wrap the engine's ``save_checkpoint`` and ``load_checkpoint`` (module doc)."""
+        self._patch("save_checkpoint", self._wrap_save_checkpoint(self.engine.save_checkpoint))
+        self._patch("load_checkpoint", self._wrap_load_checkpoint(self.engine.load_checkpoint))
+
+    def _wrap_save_checkpoint(self, original: Callable) -> Callable:
+        def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if save_dir:  # DeepSpeed rejects an empty save_dir itself
+                # DeepSpeed's own default tag; written first, so that 'latest' names a whole checkpoint
+                name = f"global_step{self.engine.global_steps}" if tag is None else str(tag)
+                self.save_state(os.path.join(save_dir, name))
+            return original(save_dir, tag, *args, **kwargs)
+        save_checkpoint.__doc__ = original.__doc__
+        return save_checkpoint
+
+    def _wrap_load_checkpoint(self, original: Callable) -> Callable:
+        signature = inspect.signature(original)
+
+        def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+            tag_dir = self.checkpoint_tag_dir(load_dir, tag)
+            result = original(load_dir, tag, *args, **kwargs)
+            bound = signature.bind(load_dir, tag, *args, **kwargs)
+            module_only = bound.arguments.get("load_module_only", False)
+            if result[0] is not None and tag_dir is not None and not module_only:
+                self.load_state(tag_dir)
+            return result
+        load_checkpoint.__doc__ = original.__doc__
+        return load_checkpoint
