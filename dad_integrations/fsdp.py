@@ -55,7 +55,7 @@ from .aggregator import Traffic
 from .capture import CommittedRows
 from .checks import agree_factors_rebuild
 from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
-from .codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec
+from .codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec, load_rank_route_state
 from .config import DADConfig
 from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
@@ -224,15 +224,8 @@ class FSDPDADSynchronizer:
         it between steps. Raises, naming them, for weights this model does not have."""
         if state.get("version") != FSDP_STATE_VERSION:
             raise ValueError(f"dAD/FSDP2 state of version {state.get('version')!r}, expected {FSDP_STATE_VERSION}")
-        params = {u.name: u.param for u in self.plan.units}
-        routes = state.get("rank_routes") or {}
-        unknown = sorted(set(routes) - set(params))
-        if unknown:
-            raise ValueError(f"dAD state for unknown weights {unknown}: was it saved from another model?")
-        if routes and self.rank_codec is None:
-            raise ValueError("this dAD state holds rank-route state, but the config has no 'rank'")
-        if self.rank_codec is not None:
-            self.rank_codec.load_state_dict(dict(routes), params)
+        load_rank_route_state(self.rank_codec, dict(state.get("rank_routes") or {}),
+                              {u.name: u.param for u in self.plan.units})
         steps = int(state.get("steps", 0))
         # the next backward is step steps + 1 (as `_reduce` counts), and its report replaces this one
         self._report = ShardedStepReport(steps, dist.get_world_size()) if steps else None

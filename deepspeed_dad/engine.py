@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -37,6 +37,9 @@ from dad_integrations import DADConfig, DADSynchronizer, StepReport
 
 from .aggregator import DeepSpeedAggregator
 from .checkpointing import RankStateCheckpoints
+
+if TYPE_CHECKING:
+    from .zero import ZeroDAD
 from .config import DADBlock, parse_block
 
 log = logging.getLogger(__name__)

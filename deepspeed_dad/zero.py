@@ -48,7 +48,7 @@ import torch
 from dad_integrations import DADConfig
 from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range
-from dad_integrations.codecs.sharded_rank import ShardedRankCodec
+from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.router import UnitShape, route
@@ -194,15 +194,8 @@ class ZeroDAD(RankStateCheckpoints):
         model does not have, or rank-route state without a ``rank`` in the config."""
         if state.get("version") != ZERO_STATE_VERSION:
             raise ValueError(f"dAD/ZeRO state of version {state.get('version')!r}, expected {ZERO_STATE_VERSION}")
-        params = {u.name: u.param for u in self.plan.units}
-        routes = dict(state.get("rank_routes") or {})
-        unknown = sorted(set(routes) - set(params))
-        if unknown:
-            raise ValueError(f"dAD state for unknown weights {unknown}: was it saved from another model?")
-        if routes and self._rank is None:
-            raise ValueError("this dAD state holds rank-route state, but the config has no 'rank'")
-        if self._rank is not None:
-            self._rank.load_state_dict(routes, params)
+        load_rank_route_state(self._rank, dict(state.get("rank_routes") or {}),
+                              {u.name: u.param for u in self.plan.units})
         self._steps = int(state.get("steps", 0))
 
     def detach(self) -> None:

@@ -100,7 +100,7 @@ def test_a_rank_owning_nothing_receives_nothing():
 
 def test_embedding_ids_go_to_their_owner_only():
     """Ids are sent to the ranks whose covering rows hold them (a boundary row to both)."""
-    kinds, shape = ("embedding",), (10, 2)
+    kinds = ("embedding",)   # a 10 x 2 weight
     ranges = [(0, 9), (9, 20)]          # rank 0 rows 0..4 (row 4 half), rank 1 rows 4..9
     ids = torch.tensor([0, 4, 4, 9, 7])
     (counts,) = use_counts(kinds, [(ids, torch.ones(5, 2, dtype=F64))], ranges, 2)

@@ -339,3 +339,17 @@ class ShardedRankCodec:
             self.warm.load(name, s.get("warm_q"), like)
             self.shared.load(name, s.get("shared_q"), like)
             self.memory.load(name, s.get("residual"), like)
+
+
+def load_rank_route_state(codec: Optional[ShardedRankCodec], routes: Dict[str, dict],
+                          params: Dict[str, nn.Parameter]) -> None:
+    """Load a synchroniser's saved ``rank_routes`` (`ShardedRankCodec.state_dict`) into ``codec``;
+    raises, naming them, for weights not in ``params`` (by unit name) or for rank-route state where
+    the config has no rank (``codec`` None). Shared by FSDP2's and ZeRO's synchronisers."""
+    unknown = sorted(set(routes) - set(params))
+    if unknown:
+        raise ValueError(f"dAD state for unknown weights {unknown}: was it saved from another model?")
+    if routes and codec is None:
+        raise ValueError("this dAD state holds rank-route state, but the config has no 'rank'")
+    if codec is not None:
+        codec.load_state_dict(dict(routes), params)

@@ -268,7 +268,7 @@ def run_rank(case: dict) -> dict:
                                                                           for k in saved),
                        "steps": [saved_steps, att.state_dict()["steps"]],
                        "files": sorted(f for f in os.listdir(os.path.join(folder, "resume")) if "dad" in f)}
-    a, b = full_params(ref), full_params(mine)
+    b = full_params(mine)
     out = {"identity": identity, "losses": losses, "ref_losses": ref_losses, "routes": routes, "changed": changed, "nonfinite": nonfinite,
            "resumed": resumed, "identical": ranks_agree(torch.cat([b[n].reshape(-1) for n in names])),
            "finite": all(bool(torch.isfinite(b[n]).all()) for n in names),
