@@ -121,16 +121,22 @@ def test_trainer_with_dad_callback(tmp_path):
                               for h in logged)
 
 
-def test_trainer_on_deepspeed_takes_dad_from_the_config_block(tmp_path, monkeypatch):
-    """Trainer + DeepSpeed ZeRO 1 with a "dad" block (exact) ends where DeepSpeed's own run ends,
-    and DADCallback finds the engine's dAD and logs its bytes."""
+@pytest.mark.parametrize("stage", [1, 3])
+def test_trainer_on_deepspeed_takes_dad_from_the_config_block(tmp_path, monkeypatch, stage):
+    """Trainer + DeepSpeed ZeRO 1, and ZeRO-3 (Hugging Face's usual recipe for large models; each
+    rank rebuilds its own partitions), with a "dad" block (exact) ends where DeepSpeed's own run
+    ends, and DADCallback finds the engine's dAD and logs its bytes (under ZeRO-3 also against
+    the reduce-scatter)."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     out = tmp_path / "trainer_ds.json"
-    run_torchrun(WORKERS / "trainer_worker.py", 2, [out, "deepspeed"])
+    run_torchrun(WORKERS / "trainer_worker.py", 2, [out, "deepspeed", stage])
     for rank, r in enumerate(json.loads(out.read_text())):
         assert r["identical"] and r["moved"] > 0
         assert r["rel_diff"] < TOL, f"rank {rank}: {r['rel_diff']:.2e} from DeepSpeed's own run"
-        assert all(h["dad_sent_bytes_per_step"] > 0 for h in r["log_history"] if "loss" in h)
+        logged = [h for h in r["log_history"] if "loss" in h]
+        assert logged and all(h["dad_sent_bytes_per_step"] > 0 for h in logged)
+        if stage == 3:
+            assert all(0 < h["dad_bytes_ratio_reduce_scatter"] for h in logged), logged
 
 
 def test_example_on_deepspeed_through_accelerate(tmp_path, monkeypatch):

@@ -250,13 +250,13 @@ def test_accelerate_deepspeed_plugin_picks_up_dad_block(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_carries_dad_state(tmp_path):
-    """engine.save_checkpoint / load_checkpoint (default tag, 'latest'), ZeRO 0 and 1: a resumed
-    rank-dAD run with error feedback ends where the straight one ends; each rank's state is in the
-    tag folder next to DeepSpeed's files."""
+    """engine.save_checkpoint / load_checkpoint (default tag, 'latest'), ZeRO 0, 1, 2 and 3: a
+    resumed rank-dAD run with error feedback ends where the straight one ends; each rank's state is
+    in the tag folder next to DeepSpeed's files."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     run_torchrun(WORKERS / "resume_worker.py", 2, ["deepspeed", tmp_path / "out.json", tmp_path], timeout=600)
     per_rank = json.loads((tmp_path / "out.json").read_text())
-    for stage in ("z0", "z1"):
+    for stage in ("z0", "z1", "z2", "z3"):
         check_resume([r[stage] for r in per_rank],
                      ["global_step3/dad_state_rank0.pt", "global_step3/dad_state_rank1.pt"])
 

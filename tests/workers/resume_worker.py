@@ -15,6 +15,7 @@ state) and which dAD files the checkpoint holds.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -43,7 +44,8 @@ def flat_state(sync: Any) -> torch.Tensor:
     parts: List[torch.Tensor] = []
     state = sync.state_dict()
     parts.append(torch.tensor([float(state["steps"])]))
-    for name, entry in sorted(state["units"].items()):
+    units = state["units"] if "units" in state else state["rank_routes"]  # ZeRO-2/3: the rank routes' state
+    for name, entry in sorted(units.items()):
         for key, value in sorted(entry.items()):
             if isinstance(value, torch.Tensor):
                 parts.append(value.detach().float().reshape(-1).cpu())
@@ -163,12 +165,13 @@ def run_trainer(work: str, deepspeed: bool = False) -> list:
 
 # -- DeepSpeed engines --------------------------------------------------------------------------------
 def run_deepspeed(work: str) -> list:
+    import deepspeed
     import deepspeed_dad
     from deepspeed import comm as dist
 
     rank = dist.get_rank()
     results = {}
-    for stage in (0, 1):
+    for stage in (0, 1, 2, 3):
         ckpt, bare = os.path.join(work, f"z{stage}"), os.path.join(work, f"z{stage}-no-dad")
         cfg = {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1,
                "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
@@ -189,7 +192,9 @@ def run_deepspeed(work: str) -> list:
                 if load is None and step + 1 == SAVE_AT:
                     engine.save_checkpoint(ckpt)  # default tag global_step3
             att = deepspeed_dad.get_attachment(engine)
-            out = flat_params(engine.module), flat_state(att.synchronizer)
+            params = list(engine.module.parameters())
+            with (deepspeed.zero.GatheredParameters(params) if stage == 3 else contextlib.nullcontext()):
+                out = flat_params(engine.module), flat_state(att.synchronizer)
             att.detach()
             return out
 

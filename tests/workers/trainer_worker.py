@@ -1,10 +1,10 @@
 """Runs inside `accelerate launch` (2 CPU processes): `transformers.Trainer` with `DADCallback`.
 
 Usage: accelerate launch --config_file examples/accelerate/cpu_2proc.yaml trainer_worker.py OUT
-       DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 trainer_worker.py OUT deepspeed
+       DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 trainer_worker.py OUT deepspeed [STAGE]
 Trains the small GPT-2 twice from the same weights on the same data: plain Trainer (DDP all-reduce,
-or DeepSpeed ZeRO 1's), then with ``DADCallback`` in mode exact (under DeepSpeed, from the config's
-"dad" block); writes the final parameters' difference, whether
+or DeepSpeed ZeRO STAGE's, 1 by default), then with ``DADCallback`` in mode exact (under DeepSpeed,
+from the config's "dad" block); writes the final parameters' difference, whether
 ranks agree, and the log history (where the callback's byte metrics must appear).
 """
 from __future__ import annotations
@@ -54,8 +54,18 @@ def train(init: torch.nn.Module, callbacks: list, out_dir: str, deepspeed: dict 
                              disable_tqdm=True, max_grad_norm=1.0, **device_args)
     trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(), callbacks=callbacks)
     trainer.train()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    params = list(model.parameters())
+    with _gathered(params, deepspeed):  # ZeRO-3 keeps only partitions in the module
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
     return flat, trainer.state.log_history
+
+
+def _gathered(params: list, deepspeed: dict):
+    import contextlib
+    if deepspeed and deepspeed["zero_optimization"]["stage"] == 3:
+        import deepspeed as ds
+        return ds.zero.GatheredParameters(params)
+    return contextlib.nullcontext()
 
 
 def main() -> None:
@@ -64,12 +74,14 @@ def main() -> None:
     torch.set_num_threads(1)
     init = models.build("gpt2")
     on_deepspeed = len(sys.argv) > 2 and sys.argv[2] == "deepspeed"
+    stage = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    config = {**DEEPSPEED, "zero_optimization": {"stage": stage}}
     with tempfile.TemporaryDirectory() as tmp:
         if on_deepspeed:  # the "dad" block rules there; the callback finds the engine's dAD
             import deepspeed_dad.auto  # noqa: F401  the one added line
-            ref, _ = train(init, [], tmp, DEEPSPEED)
+            ref, _ = train(init, [], tmp, config)
             mine, history = train(init, [DADCallback()], tmp,
-                                  {**DEEPSPEED, "dad": {"enabled": True, "mode": "exact"}})
+                                  {**config, "dad": {"enabled": True, "mode": "exact"}})
         else:
             ref, _ = train(init, [], tmp)
             mine, history = train(init, [DADCallback({"mode": "exact"})], tmp)
