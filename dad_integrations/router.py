@@ -83,7 +83,8 @@ class Route:
 
 def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
           first_step: bool = False, dense_only: bool = False, rows_by_rank: Optional[RowCounts] = None,
-          last_rows: Optional[RowCounts] = None, sharded: bool = False, step: Optional[int] = None) -> Route:
+          last_rows: Optional[RowCounts] = None, sharded: bool = False, step: Optional[int] = None,
+          estimates: Optional[Dict[str, float]] = None) -> Route:
     """The route of one unit.
 
     Args:
@@ -97,6 +98,9 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         last_rows: the counts of the unit's last size exchange (auto's prediction).
         sharded: decide on FSDP2's numbers (reduce-scatter against sharded factors and rank routes).
         step: the synchronised step's index; steps below ``config.lossless_steps`` take no rank route.
+        estimates: agreed bytes per representation to decide on, in place of the cost model's (with
+            ``rows_by_rank``, or in mode rank): an adapter that knows its exchange's exact sizes
+            (ZeRO's partitions, `deepspeed_dad.zero`).
     """
     if step is not None and step < config.lossless_steps and config.rank is not None:
         config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
@@ -107,10 +111,12 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         return Route("dense", first_step)
     if config.mode == "rank" and rank_allowed:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size
-        return Route(choose("rank", unit_estimates(config, unit, no_rows, world_size, wire_dtype, sharded=sharded),
-                            rank_allowed=True, rank_route=rank_route), first_step)
+        if estimates is None:
+            estimates = unit_estimates(config, unit, no_rows, world_size, wire_dtype, sharded=sharded)
+        return Route(choose("rank", estimates, rank_allowed=True, rank_route=rank_route), first_step)
     if rows_by_rank is not None:
-        estimates = unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype, sharded=sharded)
+        if estimates is None:
+            estimates = unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype, sharded=sharded)
         return Route(choose(config.mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route), True)
     if first_step or config.mode == "exact" or last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)

@@ -13,8 +13,10 @@ all-gather of updated parameters) stays DeepSpeed's. Per call (`ZeroDAD.reduce`)
 3. on the first call of each weight, the check that its factors rebuild this rank's owned part of
    its local gradient (`verify_first_step`; agreed by an all-reduce of flags, a failure sends the
    weight through DeepSpeed's reduction for good);
-4. per weight, the route (`router.route(..., sharded=True)`): ``exact``; in ``auto`` whichever of
-   exact factors, the dense reduce-scatter and (with a ``rank``) rank-dAD moves fewest bytes; in
+4. per weight, the route (`router.route`): ``exact``; in ``auto`` whichever of exact factors, the
+   dense reduce-scatter and (with a ``rank``) rank-dAD moves fewest bytes on the weight's busiest
+   rank, sized from the agreed counts and the real partition ranges (`_estimates`: under ZeRO-2 a
+   weight often lies in one rank's partition, and that rank receives every site's factors); in
    ``rank``, rank-dAD;
 5. for a rank-dAD weight, this site's local gradient plus its error-feedback residual reduced to
    rank r, ``M_s ~= P_s Q_s^T`` (`codecs.sharded_rank.ShardedRankCodec`: power iteration, warm
@@ -47,7 +49,7 @@ import torch
 
 from dad_integrations import DADConfig
 from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
-from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range
+from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, busiest_rank_bytes
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
@@ -258,7 +260,7 @@ class ZeroDAD(RankStateCheckpoints):
         for it in items:
             decision = route(self._route_config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
                              wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank(), sharded=True,
-                             step=self._steps - 1)
+                             step=self._steps - 1, estimates=self._estimates(it, itemsize, self._wire or dtype))
             if decision.representation == "exact":
                 routed.append(it)
             elif decision.representation == "rank":
@@ -287,6 +289,19 @@ class ZeroDAD(RankStateCheckpoints):
                 report.params.append(_param_report(self._names.get(id(p), "?"), "dense", param_shape(p), S, itemsize,
                                                    dense=True))
         return delivered
+
+    def _estimates(self, it: PartitionItem, itemsize: int, wire: torch.dtype) -> Dict[str, float]:
+        """Each route's bytes for one weight on its busiest rank, from the agreed counts and the real
+        partition ranges (the same on every rank): DeepSpeed's reduce-scatter, exact factors, and
+        with a ``rank``, rank-dAD's r rows (`partition_exact.busiest_rank_bytes`)."""
+        S = self._world
+        numel = it.shape[0] * it.shape[1]
+        out = {"dense": float((S - 1) * -(-numel // S) * itemsize),
+               "exact": float(busiest_rank_bytes(it.kinds, it.shape, it.counts, it.ranges, wire))}
+        if self._rank is not None:
+            r = min(self.config.rank, *it.shape)
+            out["rank"] = float(busiest_rank_bytes(("linear",), it.shape, [[[r]]] * S, it.ranges, wire))
+        return out
 
     def _rank_item(self, it: PartitionItem, unit: FactorUnit, local: torch.Tensor
                    ) -> Tuple[PartitionItem, int, str]:
