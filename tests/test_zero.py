@@ -53,6 +53,8 @@ RANK_CASES = {
         "z2-gpt2-rank2": {"model": "gpt2", "dad": RANK2, "lr": 0.0, "nonfinite_step": 2, "resume_step": 0},
         "z2-llama-rank2-train-gas2-clip-overlap": {"model": "llama", "dad": RANK2, "gas": 2, "overlap": True,
                                                    "ds": CLIP, "fixed_batch": True, "steps": 6, "lr": 0.5},
+        "z2-gpt2-rank2-train-bf16": {"model": "gpt2", "dad": RANK2, "ds": {"bf16": {"enabled": True}},
+                                     "fixed_batch": True, "steps": 6, "lr": 0.5},
     },
     3: {
         "z3-gpt2-auto-rank2": {"model": "gpt2", "dad": {"mode": "auto", "rank": 2}, "lr": 0.0, "nonfinite_step": 2,
