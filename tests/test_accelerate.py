@@ -203,11 +203,12 @@ def test_trainer_resume_carries_dad_state(tmp_path):
     check_resume(json.loads((tmp_path / "out.json").read_text()), ["dad_state_rank0.pt", "dad_state_rank1.pt"])
 
 
-def test_trainer_on_deepspeed_resume_carries_dad_state(tmp_path, monkeypatch):
-    """Trainer + DeepSpeed ZeRO 1, dAD attached by DADCallback (no "dad" block, deepspeed_dad never
-    imported by the script: found through the entry point): the engine's checkpoint carries dAD's
-    state in its tag folder, and the callback loads it on resume."""
+@pytest.mark.parametrize("engine", ["trainer-deepspeed", "trainer-deepspeed-zero3"])
+def test_trainer_on_deepspeed_resume_carries_dad_state(tmp_path, monkeypatch, engine):
+    """Trainer + DeepSpeed ZeRO 1 and ZeRO-3, rank-dAD attached by DADCallback (no "dad" block,
+    deepspeed_dad never imported by the script: found through the entry point): the engine's
+    checkpoint carries dAD's state in its tag folder, and the callback loads it on resume."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    run_torchrun(WORKERS / "resume_worker.py", 2, ["trainer-deepspeed", tmp_path / "out.json", tmp_path])
+    run_torchrun(WORKERS / "resume_worker.py", 2, [engine, tmp_path / "out.json", tmp_path])
     check_resume(json.loads((tmp_path / "out.json").read_text()),
                  ["global_step3/dad_state_rank0.pt", "global_step3/dad_state_rank1.pt"])

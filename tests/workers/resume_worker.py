@@ -3,7 +3,7 @@
 Usage (OUT is a JSON file, WORK a folder every rank sees):
   accelerate launch --config_file examples/accelerate/cpu_2proc.yaml resume_worker.py accelerate OUT WORK
   accelerate launch --config_file examples/accelerate/cpu_2proc.yaml resume_worker.py trainer OUT WORK
-  DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 resume_worker.py deepspeed|accelerate-deepspeed|trainer-deepspeed OUT WORK
+  DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 resume_worker.py deepspeed|accelerate-deepspeed|trainer-deepspeed[-zero3] OUT WORK
   horovodrun -np 2 -H localhost:2 --gloo python resume_worker.py horovod OUT WORK
 
 Each engine trains rank-dAD with error feedback three times from the same weights on the same data:
@@ -125,7 +125,7 @@ def run_accelerate(work: str) -> list:
 
 
 # -- transformers.Trainer ---------------------------------------------------------------------------
-def run_trainer(work: str, deepspeed: bool = False) -> list:
+def run_trainer(work: str, deepspeed: bool = False, stage: int = 1) -> list:
     import torch.distributed as dist
     from transformers import Trainer, TrainingArguments
     from dad_integrations.transformers import DADCallback
@@ -140,7 +140,8 @@ def run_trainer(work: str, deepspeed: bool = False) -> list:
 
     def train(out_dir: str, resume: Optional[str]) -> tuple:
         model = copy.deepcopy(init)
-        device_args = {"deepspeed": DEEPSPEED, "ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}
+        config = {**DEEPSPEED, "zero_optimization": {"stage": stage}}
+        device_args = {"deepspeed": config, "ddp_backend": "gloo"} if deepspeed else {"use_cpu": True}
         args = TrainingArguments(output_dir=out_dir, max_steps=STEPS, per_device_train_batch_size=4,
                                  learning_rate=3e-3, logging_steps=100, report_to=[], save_strategy="steps",
                                  save_steps=SAVE_AT, seed=0, data_seed=0, disable_tqdm=True, max_grad_norm=1.0,
@@ -148,7 +149,9 @@ def run_trainer(work: str, deepspeed: bool = False) -> list:
         callback = DADCallback(CONFIG)  # under DeepSpeed: no "dad" block, the callback attaches dAD
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
         trainer.train(resume_from_checkpoint=resume)
-        return flat_params(model), flat_state(callback.sync)
+        params = list(model.parameters())
+        with (_zero3_gathered(params) if deepspeed and stage == 3 else contextlib.nullcontext()):
+            return flat_params(model), flat_state(callback.sync)
 
     ckpt = os.path.join(work, "straight", f"checkpoint-{SAVE_AT}")
     bare = os.path.join(work, "elsewhere", f"checkpoint-{SAVE_AT}")
@@ -161,6 +164,11 @@ def run_trainer(work: str, deepspeed: bool = False) -> list:
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
     return per_rank
+
+
+def _zero3_gathered(params: list):
+    import deepspeed
+    return deepspeed.zero.GatheredParameters(params)
 
 
 # -- DeepSpeed engines --------------------------------------------------------------------------------
@@ -307,7 +315,9 @@ def main() -> None:
         is_main = None
     runner = {"accelerate": run_accelerate, "trainer": run_trainer, "deepspeed": run_deepspeed,
               "accelerate-deepspeed": run_accelerate_deepspeed,
-              "trainer-deepspeed": lambda w: run_trainer(w, deepspeed=True), "horovod": run_horovod}[engine]
+              "trainer-deepspeed": lambda w: run_trainer(w, deepspeed=True),
+              "trainer-deepspeed-zero3": lambda w: run_trainer(w, deepspeed=True, stage=3),
+              "horovod": run_horovod}[engine]
     per_rank = runner(work)
     if is_main is None:
         import torch.distributed as dist
