@@ -319,10 +319,9 @@ def main() -> None:
               "trainer-deepspeed-zero3": lambda w: run_trainer(w, deepspeed=True, stage=3),
               "horovod": run_horovod}[engine]
     per_rank = runner(work)
-    if is_main is None:
-        import torch.distributed as dist
-        is_main = dist.get_rank() == 0
-    if is_main:
+    if is_main is None:  # torch.distributed: leave the group before exit (gloo's threads end first)
+        models.write_and_leave(out_path, per_rank)
+    elif is_main:
         with open(out_path, "w") as f:
             json.dump(per_rank, f, indent=1)
 

@@ -10,7 +10,6 @@ ranks agree, and the log history (where the callback's byte metrics must appear)
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
 import tempfile
@@ -93,9 +92,9 @@ def main() -> None:
               "log_history": history}
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(per_rank, f, indent=1)
+    # leave the group before exit: a gloo thread that frees a finished collective's tensors during
+    # interpreter shutdown aborts the process ("terminate called without an active exception")
+    models.write_and_leave(out_path, per_rank)
 
 
 if __name__ == "__main__":
