@@ -5,7 +5,6 @@ Usage: DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 2 accelerate_ds
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -57,10 +56,7 @@ def main() -> None:
               "engine": type(model).__name__, "num_processes": accelerator.num_processes}
     per_rank = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(per_rank, result)
-    if torch.distributed.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(per_rank, f, indent=1)
-    accelerator.wait_for_everyone()
+    models.write_and_leave(out_path, per_rank)  # leaves the group: gloo's threads end before exit
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ CPU processes. Cases (each rank's result gathered):
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import sys
@@ -259,10 +258,7 @@ def main() -> None:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         results[cid] = per_rank
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
+    models.write_and_leave(out_path, results)  # leaves the group: gloo's threads end before exit
 
 
 if __name__ == "__main__":
