@@ -134,7 +134,24 @@ def _gpt2(preset: dict, seq_len: int):
     return GPT2LMHeadModel(cfg)
 
 
-class FSDP2Run:
+class _Run:
+    """What both engines' runs share: ``sync`` is dAD's synchroniser (None for the engine's own
+    reduction), with ``last_step_report``, ``state_dict`` and ``close``."""
+
+    sync = None
+
+    def sent(self) -> Optional[float]:
+        return self.sync.last_step_report().totals["sent_bytes"] if self.sync else None
+
+    def dad_state(self) -> int:
+        return dad_state_bytes(self.sync)
+
+    def close(self) -> None:
+        if self.sync:
+            self.sync.close()
+
+
+class FSDP2Run(_Run):
     """A copy of the model under FSDP2 (every block and the root ``fully_shard``-ed), AdamW."""
 
     def __init__(self, base: torch.nn.Module, dad: Optional[dict]):
@@ -156,18 +173,8 @@ class FSDP2Run:
         self.optimizer.zero_grad(set_to_none=False)  # the gradients' memory is state, as for the engine
         return float(loss.detach())
 
-    def sent(self) -> Optional[float]:
-        return self.sync.last_step_report().totals["sent_bytes"] if self.sync else None
 
-    def dad_state(self) -> int:
-        return dad_state_bytes(self.sync)
-
-    def close(self) -> None:
-        if self.sync:
-            self.sync.close()
-
-
-class ZeroRun:
+class ZeroRun(_Run):
     """A copy of the model under DeepSpeed ZeRO ``stage`` (CPU accelerator), AdamW; dAD through the
     config's ``"dad"`` block."""
 
@@ -191,7 +198,7 @@ class ZeroRun:
         self.engine, self.optimizer, _, _ = deepspeed_dad.initialize(model=model, optimizer=optimizer,
                                                                      config=config)
         self.model = self.engine.module
-        self.attachment = deepspeed_dad.get_attachment(self.engine)
+        self.sync = deepspeed_dad.get_attachment(self.engine)  # ZeroDAD: close() detaches it
 
     def step(self, ids: torch.Tensor) -> float:
         loss = self.engine(input_ids=ids, labels=ids).loss
@@ -199,15 +206,8 @@ class ZeroRun:
         self.engine.step()
         return float(loss.detach())
 
-    def sent(self) -> Optional[float]:
-        return self.attachment.last_step_report().totals["sent_bytes"] if self.attachment else None
-
-    def dad_state(self) -> int:
-        return dad_state_bytes(self.attachment)
-
     def close(self) -> None:
-        if self.attachment:
-            self.attachment.detach()
+        super().close()
         self.engine.destroy()
 
 

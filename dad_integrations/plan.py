@@ -284,50 +284,52 @@ def _mb(b: Optional[float]) -> str:
     return "-" if b is None else f"{b / 2 ** 20:,.2f}"
 
 
+def _table(header: str, columns: Sequence[Tuple[str, int]], units: Sequence[Sequence[str]],
+           other: Sequence[str], total: Sequence[str], footer: Sequence[str]) -> str:
+    """A plan as text: the name column, then ``columns`` (title, width; right-aligned but for the
+    route), one line per factor unit, the other parameters, a rule and the totals."""
+    name_w = max([len(u[0]) for u in units] + [len(other[0])])
+
+    def line(cells: Sequence[str]) -> str:
+        out = [f"{cells[0]:<{name_w}}"]
+        for (title, width), cell in zip(columns, cells[1:]):
+            out.append(f"{cell:<{width}}" if title == "route" else f"{cell:>{width}}")
+        return "  ".join(out)
+
+    head = line(["layer"] + [title for title, _ in columns])
+    rule = "-" * len(head)
+    return "\n".join([header, "", head, rule] + [line(u) for u in units] + [line(other), rule, line(total), ""]
+                     + list(footer))
+
+
 def render(step: StepPlan, header: str) -> str:
     """The plan as a text table, one line per factor unit, then the dense parameters and totals."""
-    name_w = max([len(r.name) for r in step.units] + [len(f"dense parameters ({step.dense_params})")])
-    lines = [header, "",
-             f"{'layer':<{name_w}}  {'shape':>12}  {'rows':>11}  {'route':<14}  {'dAD MB':>10}  "
-             f"{'all-reduce MB':>13}  {'PowerSGD MB':>11}"]
-    rule = "-" * len(lines[-1])
-    lines.append(rule)
-    for r in step.units:
-        lines.append(f"{r.name:<{name_w}}  {'x'.join(map(str, r.shape)):>12}  {'+'.join(map(str, r.rows)):>11}  "
-                     f"{r.route:<14}  {_mb(r.dad):>10}  {_mb(r.allreduce):>13}  {_mb(r.powersgd):>11}")
-    lines.append(f"{f'dense parameters ({step.dense_params})':<{name_w}}  {f'{step.dense_param_numel:,} el':>12}  {'':>11}  "
-                 f"{'dense':<14}  {_mb(step.dense_dad):>10}  {_mb(step.dense_allreduce):>13}  "
-                 f"{_mb(step.dense_powersgd):>11}")
-    lines.append(rule)
-    lines.append(f"{'total':<{name_w}}  {'':>12}  {'':>11}  {'':<14}  {_mb(step.total):>10}  "
-                 f"{_mb(step.allreduce):>13}  {_mb(step.powersgd):>11}")
+    columns = [("shape", 12), ("rows", 11), ("route", 14), ("dAD MB", 10), ("all-reduce MB", 13), ("PowerSGD MB", 11)]
+    units = [[r.name, "x".join(map(str, r.shape)), "+".join(map(str, r.rows)), r.route, _mb(r.dad), _mb(r.allreduce),
+              _mb(r.powersgd)] for r in step.units]
+    other = [f"dense parameters ({step.dense_params})", f"{step.dense_param_numel:,} el", "", "dense",
+             _mb(step.dense_dad), _mb(step.dense_allreduce), _mb(step.dense_powersgd)]
+    total = ["total", "", "", "", _mb(step.total), _mb(step.allreduce), _mb(step.powersgd)]
     c = step.counts
-    lines += ["", f"routes: {c['exact']} exact, {c['rank']} rank (all-gather), "
-                  f"{c['rank_allreduce']} rank (all-reduce), {c['dense']} dense",
+    footer = [f"routes: {c['exact']} exact, {c['rank']} rank (all-gather), "
+              f"{c['rank_allreduce']} rank (all-reduce), {c['dense']} dense",
               f"dAD / all-reduce: {step.total / step.allreduce:.4f}"
               + ("" if step.powersgd is None else f"; PowerSGD / all-reduce: {step.powersgd / step.allreduce:.4f}")]
-    return "\n".join(lines)
+    return _table(header, columns, units, other, total, footer)
 
 
 def render_sharded(step: ShardedStepPlan, header: str) -> str:
     """The sharded plan as a text table: per factor unit, dAD's route and bytes beside FSDP2's
     reduce-scatter; then the other parameters and the totals."""
-    other = f"other parameters ({step.dense_params})"
-    name_w = max([len(r.name) for r in step.units] + [len(other)])
-    lines = [header, "",
-             f"{'layer':<{name_w}}  {'shape':>12}  {'rows':>11}  {'route':<14}  {'dAD MB':>10}  {'reduce-scatter MB':>17}"]
-    rule = "-" * len(lines[-1])
-    lines.append(rule)
-    for r in step.units:
-        lines.append(f"{r.name:<{name_w}}  {'x'.join(map(str, r.shape)):>12}  {'+'.join(map(str, r.rows)):>11}  "
-                     f"{r.route:<14}  {_mb(r.dad):>10}  {_mb(r.reduce_scatter):>17}")
-    lines.append(f"{other:<{name_w}}  {'':>12}  {'':>11}  {'dense':<14}  {_mb(step.dense_reduce_scatter):>10}  "
-                 f"{_mb(step.dense_reduce_scatter):>17}")
-    lines.append(rule)
-    lines.append(f"{'total':<{name_w}}  {'':>12}  {'':>11}  {'':<14}  {_mb(step.total):>10}  {_mb(step.reduce_scatter):>17}")
-    lines += ["", "routes: " + ", ".join(f"{v} {k}" for k, v in sorted(step.counts.items())),
+    columns = [("shape", 12), ("rows", 11), ("route", 14), ("dAD MB", 10), ("reduce-scatter MB", 17)]
+    units = [[r.name, "x".join(map(str, r.shape)), "+".join(map(str, r.rows)), r.route, _mb(r.dad),
+              _mb(r.reduce_scatter)] for r in step.units]
+    other = [f"other parameters ({step.dense_params})", "", "", "dense", _mb(step.dense_reduce_scatter),
+             _mb(step.dense_reduce_scatter)]
+    total = ["total", "", "", "", _mb(step.total), _mb(step.reduce_scatter)]
+    footer = ["routes: " + ", ".join(f"{v} {k}" for k, v in sorted(step.counts.items())),
               f"dAD / reduce-scatter: {step.total / step.reduce_scatter:.4f}"]
-    return "\n".join(lines)
+    return _table(header, columns, units, other, total, footer)
 
 
 def plan_sharded_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],

@@ -77,7 +77,7 @@ class DADCallback(TrainerCallback):
         if fsdp2_modules(model):
             from .fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
             self.sync = enable_dad_fsdp(getattr(model, "_orig_mod", model), self.config)
-            if resume is not None and _has_state(self.sync):  # exact/auto under FSDP2 keep none
+            if resume is not None and keeps_state(self.sync):  # exact/auto under FSDP2 keep none
                 self._load_rank_state(resume, state, world)
             log.info("dAD enabled for Trainer (FSDP2: inside its gradient reduce-scatter)")
             return
@@ -113,7 +113,7 @@ class DADCallback(TrainerCallback):
         Under DeepSpeed the engine's ``save_checkpoint`` has already written it (into the folder's
         tag), and a ``save_only_model`` checkpoint cannot be resumed, so neither gets a file here.
         """
-        if self.sync is None or self._engine is not None or args.save_only_model or not _has_state(self.sync):
+        if self.sync is None or self._engine is not None or args.save_only_model or not keeps_state(self.sync):
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         save_rank_state(self.sync, folder, dist.get_rank(), dist.get_world_size(), global_step=state.global_step)
@@ -144,11 +144,6 @@ class DADCallback(TrainerCallback):
             state.log_history[-1].update(metrics)
         self._sent = self._allreduce = self._reduce_scatter = 0.0
         self._steps = 0
-
-
-def _has_state(sync: Any) -> bool:
-    """Does ``sync`` carry per-rank state between steps (FSDP2's exact/auto synchroniser does not)?"""
-    return keeps_state(sync)
 
 
 def _wrapper_of(model: Optional[nn.Module]) -> tuple[Any, Optional[EngineAdapter]]:

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 from fsdp2_worker import LogLines  # noqa: E402
 from fsdp_on_cpu import allow_fsdp_on_cpu  # noqa: E402
+from trainer_worker import ByteWindows  # noqa: E402
 
 from dad_integrations.accelerate import enable_dad  # noqa: E402
 
@@ -163,19 +164,6 @@ def run_accelerate(workdir: str) -> dict:
             for name, accumulate in (("gpt2", 2), ("llama", 1))}
 
 
-class ByteWindows(torch.utils.data.Dataset):
-    """The same 32 windows of random bytes on every rank; the Trainer's sampler shards them."""
-
-    def __init__(self):
-        self.data = torch.randint(3, 64, (32, 16), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.data[i], "labels": self.data[i]}
-
-
 def run_trainer(workdir: str) -> dict:
     from transformers import Trainer, TrainingArguments
 
@@ -190,7 +178,7 @@ def run_trainer(workdir: str) -> dict:
                                  report_to=[], save_strategy="no", seed=0, data_seed=0, disable_tqdm=True,
                                  max_grad_norm=0.5, use_cpu=True, fsdp=True,
                                  fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]})
-        trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(), callbacks=callbacks)
+        trainer = Trainer(model=model, args=args, train_dataset=ByteWindows(count=32, low=3), callbacks=callbacks)
         assert trainer.is_fsdp_enabled, "the Trainer did not take its FSDP path"
         trainer.train()
         return _full(trainer.model), trainer.state.log_history

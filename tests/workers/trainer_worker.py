@@ -26,10 +26,11 @@ from dad_integrations.transformers import DADCallback  # noqa: E402
 
 
 class ByteWindows(Dataset):
-    """The same 64 windows of random bytes on every rank; the Trainer's sampler shards them."""
+    """The same ``count`` windows of 16 random bytes (from ``low`` to 63) on every rank; the Trainer's
+    sampler shards them."""
 
-    def __init__(self):
-        self.data = torch.randint(0, 64, (64, 16), generator=torch.Generator().manual_seed(0))
+    def __init__(self, count: int = 64, low: int = 0):
+        self.data = torch.randint(low, 64, (count, 16), generator=torch.Generator().manual_seed(0))
 
     def __len__(self):
         return len(self.data)
