@@ -56,7 +56,7 @@ def main() -> None:
               "engine": type(model).__name__, "num_processes": accelerator.num_processes}
     per_rank = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(per_rank, result)
-    models.write_and_leave(out_path, per_rank)  # leaves the group: gloo's threads end before exit
+    models.write_and_exit(out_path, per_rank)
 
 
 if __name__ == "__main__":

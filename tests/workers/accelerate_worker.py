@@ -121,12 +121,7 @@ def main() -> None:
         dist.all_gather_object(per_rank, mine)
         return per_rank
 
-    results = models.run_all(cases, run, gather)
-    if accelerator.is_main_process:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    models.write_and_exit(out_path, models.run_all(cases, run, gather))
 
 
 if __name__ == "__main__":

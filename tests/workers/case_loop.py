@@ -1,8 +1,7 @@
 """The loop the DeepSpeed workers share: run each case on every rank, gather the ranks' results,
-rank 0 writes them as JSON; then the process group ends."""
+rank 0 writes them as JSON; then the process leaves the group and exits (`models.write_and_exit`)."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -10,6 +9,8 @@ import traceback
 from typing import Any, Callable, Dict, Mapping
 
 import torch.distributed as dist
+
+import models  # the workers put tests/workers on sys.path
 
 
 def run_cases(runners: Mapping[str, Callable[[dict], dict]], cases: Mapping[str, dict], out_path: str,
@@ -34,8 +35,4 @@ def run_cases(runners: Mapping[str, Callable[[dict], dict]], cases: Mapping[str,
         results[case_id] = per_rank
         if dist.get_rank() == 0:
             print(f"[{label}] {case_id} done at {time.time() - start:.1f}s", flush=True)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    models.write_and_exit(out_path, results)

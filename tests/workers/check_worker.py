@@ -362,7 +362,7 @@ def main() -> None:
     torch.set_num_threads(1)
     with open(cases_path) as f:
         cases = json.load(f)
-    models.write_and_leave(out_path, models.run_all(cases, lambda case: RUNNERS[case["kind"]](case), _gather))
+    models.write_and_exit(out_path, models.run_all(cases, lambda case: RUNNERS[case["kind"]](case), _gather))
 
 
 if __name__ == "__main__":

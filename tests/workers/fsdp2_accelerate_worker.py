@@ -246,7 +246,7 @@ def main() -> None:
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         results[cid] = per_rank
-    models.write_and_leave(out_path, results)  # leaves the group: gloo's threads end before exit
+    models.write_and_exit(out_path, results)
 
 
 if __name__ == "__main__":

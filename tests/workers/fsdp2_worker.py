@@ -378,8 +378,8 @@ def main() -> None:
     out_path = sys.argv[1]
     names = sys.argv[2:] or list(CASES)
     # rank 0's results (a case compares against all ranks itself); a failing case gives its traceback
-    models.write_and_leave(out_path, models.run_all({cid: CASES[cid] for cid in names}, run_case,
-                                                    lambda cid, mine: mine))
+    models.write_and_exit(out_path, models.run_all({cid: CASES[cid] for cid in names}, run_case,
+                                                   lambda cid, mine: mine))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, NoReturn
 
 import torch
 from torch import nn
@@ -149,10 +149,19 @@ def run_all(cases: Dict[str, dict], run: Callable[[dict], dict],
     return results
 
 
-def write_and_leave(out_path: str, results: Dict[str, Any]) -> None:
-    """torch.distributed workers: rank 0 writes ``results`` as JSON, every rank waits for it and
-    leaves the default group."""
+def write_and_exit(out_path: str, results: Dict[str, Any]) -> NoReturn:
+    """torch.distributed workers' last act: rank 0 writes ``results`` as JSON, every rank waits for
+    it, leaves the default group and ends the process at once with status 0.
+
+    Why at once: after FSDP2 (and DeepSpeed) ran, something in C++ still holds the gloo process
+    group past ``destroy_process_group`` (its worker threads still run: read from
+    /proc/self/task). Interpreter finalisation then frees it while Python is torn down, and once
+    in a while the process aborts with "terminate called without an active exception" after its
+    work is done. ``os._exit`` skips finalisation; the results are on disk by then."""
     import json
+    import logging
+    import os
+    import sys
 
     import torch.distributed as dist
     if dist.get_rank() == 0:
@@ -160,3 +169,7 @@ def write_and_leave(out_path: str, results: Dict[str, Any]) -> None:
             json.dump(results, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

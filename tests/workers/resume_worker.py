@@ -319,8 +319,8 @@ def main() -> None:
               "trainer-deepspeed-zero3": lambda w: run_trainer(w, deepspeed=True, stage=3),
               "horovod": run_horovod}[engine]
     per_rank = runner(work)
-    if is_main is None:  # torch.distributed: leave the group before exit (gloo's threads end first)
-        models.write_and_leave(out_path, per_rank)
+    if is_main is None:  # torch.distributed
+        models.write_and_exit(out_path, per_rank)
     elif is_main:
         with open(out_path, "w") as f:
             json.dump(per_rank, f, indent=1)

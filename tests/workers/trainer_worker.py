@@ -95,7 +95,7 @@ def main() -> None:
     dist.all_gather_object(per_rank, result)
     # leave the group before exit: a gloo thread that frees a finished collective's tensors during
     # interpreter shutdown aborts the process ("terminate called without an active exception")
-    models.write_and_leave(out_path, per_rank)
+    models.write_and_exit(out_path, per_rank)
 
 
 if __name__ == "__main__":
