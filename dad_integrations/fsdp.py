@@ -60,7 +60,7 @@ from .config import DADConfig
 from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
-from .router import UnitShape, route
+from .router import UnitShape, route, sharded_needs_counts
 from .sink import ShardSink, ShardSlot
 from .synchronizer import WIRE_DTYPES
 from .torch_distributed import TorchDistributedAggregator
@@ -261,8 +261,9 @@ class FSDPDADSynchronizer:
         units = [u for u in (self._unit_of.get(id(s.param)) for s in slots) if u is not None and not u.dense_only]
         rows = {u.index: [concat_rows(self._committed.take(c), c.kind, tuple(u.param.shape), u.param)
                           for c in u.uses] for u in units}
-        counts, traffic = exchange_row_counts(units, rows, agg)
-        if units:
+        counts: Dict[int, List[List[int]]] = {}
+        if units and sharded_needs_counts(self.config, report.step - 1):
+            counts, traffic = exchange_row_counts(units, rows, agg)
             report.params.append(_overhead("dad.fsdp.row_counts", sum(len(u.uses) for u in units), traffic))
         if units and self.config.verify_first_step and id(pg) not in self._verified:
             units, failed, traffic = agree_factors_rebuild(units, rows, sink, agg)
@@ -280,7 +281,7 @@ class FSDPDADSynchronizer:
         for unit in units:
             biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]
             shape = UnitShape(tuple(unit.kinds), tuple(unit.param.shape), sum(b.shape[0] for b in biases), inp.dtype)
-            decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts[unit.index],
+            decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts.get(unit.index),
                              sharded=True, step=report.step - 1)
             if decision.representation in RANK_ROUTES:
                 ranked.append(self.rank_codec.local(unit, rows[unit.index], sink.local_grad, decision.representation))

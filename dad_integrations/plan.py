@@ -25,7 +25,7 @@ import torch
 from .aggregator import ring_allreduce_bytes
 from .config import DADConfig
 from .costs import powersgd_bytes, reduce_scatter_bytes, size_exchange_bytes
-from .router import UnitShape, route, unit_estimates
+from .router import UnitShape, route, sharded_needs_counts, unit_estimates
 from .units import build_plan
 
 POSITION_EMBEDDINGS = ("wpe", "position_embeddings")
@@ -174,12 +174,13 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
                          rank: Optional[int], rank_route: str = DADConfig.rank_route,
                          dtype: torch.dtype = torch.float32) -> ShardedStepPlan:
     """Bytes one rank sends per unit in a steady-state FSDP2 step (`fsdp.enable_dad_fsdp`): every
-    unit's rows are exchanged each backward (`codecs.sharded_exact.exchange_row_counts`), the
-    router decides with ``sharded=True`` on those counts, and the route's estimate is what the
-    unit sends; parameters outside the units, and units routed dense, go through FSDP2's
+    unit's rows are exchanged each backward (`codecs.sharded_exact.exchange_row_counts`; not in
+    mode ``"rank"``, `router.sharded_needs_counts`), the router decides with ``sharded=True`` on
+    those counts, and the route's estimate is what the unit sends; parameters outside the units, and units routed dense, go through FSDP2's
     reduce-scatter (`costs.reduce_scatter_bytes`, in ``dtype``)."""
     s, item = world_size, dtype.itemsize
     config = DADConfig(mode=mode, rank=rank, rank_route=rank_route)
+    exchanges_counts = sharded_needs_counts(config, step=config.lossless_steps)  # a steady-state step
     counts: Dict[str, int] = {}
     rows: List[ShardedUnitRow] = []
     for u in plan.units:
@@ -193,7 +194,7 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
         counts[rep] = counts.get(rep, 0) + 1
         baseline = reduce_scatter_bytes((m, n), s, item) + sum(reduce_scatter_bytes(tuple(b.param.shape), s, item)
                                                                for b in u.biases)
-        counts_exchange = (s - 1) * 8.0 * len(u.uses)  # every step, whatever the route
+        counts_exchange = (s - 1) * 8.0 * len(u.uses) if exchanges_counts else 0.0  # whatever the route
         dad = (baseline if rep == "dense" else est[rep]) + counts_exchange
         rows.append(ShardedUnitRow(u.name, (m, n), use, rep, dad, baseline))
     dense = sum(reduce_scatter_bytes(tuple(p.shape), s, item) for _, p in plan.dense)

@@ -40,7 +40,10 @@ reduce-scatter is always a candidate, so auto never sends more than it per weigh
 all-gather route moves ``(S-1) r (n + m/S)`` against the all-reduce's ``2 (S-1)/S r (m+n)``: fewer
 bytes whenever ``n (S-2) < m`` (always at two sites, where without sharding they tie), so
 ``rank_route`` ``"auto"`` takes it there by bytes; ``"allreduce"`` keeps PowerSGD's rank-r average.
-Embeddings take the rank routes too (from their dense local gradient).
+Embeddings take the rank routes too (from their dense local gradient). Each sharded reduction call
+agrees on its weights' row counts (one all-gather) before routing, except in mode ``"rank"`` past
+the lossless steps (`sharded_needs_counts`): every weight then takes a rank route, and the first
+step's check rebuilds each rank's own gradient from its own rows.
 """
 from __future__ import annotations
 
@@ -126,6 +129,13 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
     if predicted != "exact":
         return Route(predicted, False)  # no counts needed
     return Route(None, True)            # exact predicted: refresh the counts, decide on them
+
+
+def sharded_needs_counts(config: DADConfig, step: int) -> bool:
+    """Whether a sharded reduction call (FSDP2, ZeRO) of synchronised step ``step`` (0-based) agrees
+    on every rank's row counts before routing: not in mode ``"rank"`` past the lossless steps, where
+    `route` sends every weight by a rank route (r rows, whatever the batch)."""
+    return not (config.mode == "rank" and config.rank is not None and step >= config.lossless_steps)
 
 
 def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, world_size: int,

@@ -53,7 +53,7 @@ from dad_integrations.codecs.partition_exact import PartitionExactCodec, Partiti
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.router import UnitShape, route
+from dad_integrations.router import UnitShape, route, sharded_needs_counts
 from dad_integrations.synchronizer import WIRE_DTYPES
 from dad_integrations.units import FactorUnit, build_plan, param_shape
 
@@ -251,15 +251,16 @@ class ZeroDAD(RankStateCheckpoints):
             items.append(PartitionItem(unit.index, tuple(unit.kinds), shape, list(r), rows))
             grads[unit.index] = g
         by_key = {u.index: u for u in self.plan.units}
-        if items:
+        if items and sharded_needs_counts(self.config, self._steps - 1):
             traffic = self._codec.agree_counts(items, self.aggregator)
             report.params.append(_overhead("dad.zero.counts", len(items), traffic))
+        if items:
             items = self._verify(items, grads, by_key, report, dtype)
         routed: List[PartitionItem] = []   # exact factors, or (rank routes) P_s^T and Q_s^T as rows
         ranked: Dict[int, Tuple[int, str]] = {}   # components sent, how M_s was reduced
         for it in items:
             decision = route(self._route_config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
-                             wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank(), sharded=True,
+                             wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank() or None, sharded=True,
                              step=self._steps - 1, estimates=self._estimates(it, itemsize, self._wire or dtype))
             if decision.representation == "exact":
                 routed.append(it)
@@ -291,13 +292,14 @@ class ZeroDAD(RankStateCheckpoints):
         return delivered
 
     def _estimates(self, it: PartitionItem, itemsize: int, wire: torch.dtype) -> Dict[str, float]:
-        """Each route's bytes for one weight on its busiest rank, from the agreed counts and the real
-        partition ranges (the same on every rank): DeepSpeed's reduce-scatter, exact factors, and
-        with a ``rank``, rank-dAD's r rows (`partition_exact.busiest_rank_bytes`)."""
+        """Each route's bytes for one weight on its busiest rank, from the real partition ranges (the
+        same on every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed,
+        and with a ``rank``, rank-dAD's r rows (`partition_exact.busiest_rank_bytes`)."""
         S = self._world
         numel = it.shape[0] * it.shape[1]
-        out = {"dense": float((S - 1) * -(-numel // S) * itemsize),
-               "exact": float(busiest_rank_bytes(it.kinds, it.shape, it.counts, it.ranges, wire))}
+        out = {"dense": float((S - 1) * -(-numel // S) * itemsize)}
+        if it.counts:
+            out["exact"] = float(busiest_rank_bytes(it.kinds, it.shape, it.counts, it.ranges, wire))
         if self._rank is not None:
             r = min(self.config.rank, *it.shape)
             out["rank"] = float(busiest_rank_bytes(("linear",), it.shape, [[[r]]] * S, it.ranges, wire))

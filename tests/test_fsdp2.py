@@ -171,7 +171,8 @@ def test_auto_mixes_routes_and_saves_bytes(results):
 def test_rank_routes_send_the_cost_models_bytes(results, cid):
     """Every rank-routed weight sends exactly what `costs.sharded_rank_bytes` /
     `sharded_rank_allreduce_bytes` predict (the all-gather of Q plus the all-to-all of P's rows; P and
-    Q all-reduced); at small rank that is below the reduce-scatter, weight by weight and in total."""
+    Q all-reduced); at small rank that is below the reduce-scatter, weight by weight and in total.
+    Mode rank sends no row counts."""
     res = _case(results, cid)
     for rep in res["reports"]:
         ranked = [(name, sent, rs) for name, r, sent, rs in rep["params"] if r in RANK_REPS]
@@ -184,6 +185,9 @@ def test_rank_routes_send_the_cost_models_bytes(results, cid):
             assert all(sent < rs for _, sent, rs in ranked), ranked
             overhead = sum(sent for _, r, sent, _ in rep["params"] if r == "overhead")
             assert totals["sent_bytes"] - overhead < totals["reduce_scatter_bytes"], totals
+    names = {name for rep in res["reports"] for name, _, _, _ in rep["params"]}
+    # mode rank agrees on no row counts (`router.sharded_needs_counts`); auto does, for its exact routes
+    assert ("dad.fsdp.row_counts" in names) == ("auto" in cid), sorted(names)
     reps = {r for rep in res["reports"] for _, r, _, _ in rep["params"]}
     if "allreduce" in cid:
         assert "rank_allreduce" in reps and "rank" not in reps

@@ -200,3 +200,7 @@ def test_sharded_plan_prices_rank_routes_with_the_routers_costs():
     assert tall.dad == sharded_rank_bytes((256, 64), 4, f32, 4) + reduce_scatter_bytes((256,), 4, 4) + 3 * 8
     assert wide.dad == sharded_rank_allreduce_bytes((64, 256), 4, f32, 4) + reduce_scatter_bytes((64,), 4, 4) + 3 * 8
     assert step.total < step.reduce_scatter
+    # mode rank sends no row counts (`router.sharded_needs_counts`)
+    ranked = {r.name: r for r in sharded_steady_state(plan, tokens=4096, positions=4096, world_size=4,
+                                                      mode="rank", rank=4).units}
+    assert ranked["0.weight"].dad == tall.dad - 3 * 8 and ranked["2.weight"].dad == wide.dad - 3 * 8

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dad_integrations.config import DADConfig
-from dad_integrations.router import Route, UnitShape, route
+from dad_integrations.router import Route, UnitShape, route, sharded_needs_counts
 
 WIDE = UnitShape(("linear",), (768, 768), 768, torch.float32)
 EMBEDDING = UnitShape(("embedding",), (1024, 768), 0, torch.float32)
@@ -34,6 +34,16 @@ def test_rank_mode_needs_no_counts_embeddings_included():
     # embeddings are compressed too (from their dense local gradient, as PowerSGD does)
     assert route(cfg, EMBEDDING, **F32) == Route("rank", False)
     assert route(DADConfig(mode="rank", rank=4), EMBEDDING, **F32) == Route("rank_allreduce", False)
+
+
+def test_sharded_calls_agree_on_counts_except_in_mode_rank():
+    """FSDP2 and ZeRO agree on row counts in every call where a weight may take the exact route:
+    modes exact and auto, and mode rank's lossless first steps (auto, without a rank)."""
+    rank = DADConfig(mode="rank", rank=4, lossless_steps=2)
+    assert [sharded_needs_counts(rank, step) for step in range(4)] == [True, True, False, False]
+    assert not sharded_needs_counts(DADConfig(mode="rank", rank=4), 0)
+    assert sharded_needs_counts(DADConfig(mode="auto", rank=4), 5)
+    assert sharded_needs_counts(DADConfig(mode="exact"), 5)
 
 
 def test_auto_predicts_from_the_last_counts():

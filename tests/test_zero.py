@@ -179,12 +179,14 @@ TRAIN_IDS = [(s, c) for s, c in RANK_IDS if (s, c) not in IDENTITY_IDS]
 @pytest.mark.parametrize("stage", [2, 3])
 def test_rank_dad_at_full_rank_equals_deepspeed(jobs, stage):
     """At a rank no smaller than any weight's, rank-dAD is lossless: its partitions equal DeepSpeed's
-    (checked by the match tests above) and every weight took the rank route."""
+    (checked by the match tests above) and every weight took the rank route. Mode rank agrees on no
+    row counts: every weight's route is a rank route, r rows whatever the batch."""
     cid = next(c for s, c in MATCH_IDS if s == stage and "rank-full" in c)
     for r in result(jobs(stage), cid):
         for rep in r["reports"]:
             ranked = [p for p in rep["params"] if p[1] == "rank"]
             assert len(ranked) == r["units"] and not [p for p in rep["params"] if p[1] == "exact"]
+            assert "dad.zero.counts" not in [p[0] for p in rep["params"]]
 
 
 @pytest.mark.slow
