@@ -268,6 +268,12 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
                 json.dump(records, fh)
     finally:
         dist.destroy_process_group()
+    # End without interpreter finalisation: FSDP2 (its DTensors) and DeepSpeed ZeRO keep the gloo group
+    # alive in C++ past destroy_process_group, and freeing it while Python is torn down once in a
+    # while aborts the process ("terminate called without an active exception") after its work is
+    # done. The records are on disk.
+    logging.shutdown()
+    os._exit(0)
 
 
 # -- the report ------------------------------------------------------------------------------------

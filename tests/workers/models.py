@@ -153,9 +153,9 @@ def write_and_exit(out_path: str, results: Dict[str, Any]) -> NoReturn:
     """torch.distributed workers' last act: rank 0 writes ``results`` as JSON, every rank waits for
     it, leaves the default group and ends the process at once with status 0.
 
-    Why at once: after FSDP2 (and DeepSpeed) ran, something in C++ still holds the gloo process
-    group past ``destroy_process_group`` (its worker threads still run: read from
-    /proc/self/task). Interpreter finalisation then frees it while Python is torn down, and once
+    Why at once: after FSDP2 (one DTensor is enough) or DeepSpeed ZeRO-2/3 ran, something in C++
+    still holds the gloo process group past ``destroy_process_group`` (its worker threads still
+    run: read from /proc/self/task; a plain all-reduce job's end with it). Interpreter finalisation then frees it while Python is torn down, and once
     in a while the process aborts with "terminate called without an active exception" after its
     work is done. ``os._exit`` skips finalisation; the results are on disk by then."""
     import json
