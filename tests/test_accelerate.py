@@ -144,7 +144,7 @@ def test_example_on_deepspeed_through_accelerate(tmp_path, monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     proc = run_accelerate(ROOT / "examples" / "accelerate" / "finetune.py",
                           ["--max-steps", "3", "--batch-size", "4", "--seq-len", "32", "--output-dir", tmp_path],
-                          config=ROOT / "examples" / "accelerate" / "deepspeed.yaml")
+                          config=ROOT / "examples" / "accelerate" / "deepspeed.yaml", exit_abort_reruns=1)
     assert "dAD replaces DeepSpeed's gradient all-reduce" in proc.stdout + proc.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     dad = metrics["runs"]["dad-auto"]
