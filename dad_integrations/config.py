@@ -59,7 +59,15 @@ class DADConfig:
             add it to the next step (GRACE's memory; PowerSGD's default too). On by default:
             without it the rank-r average is biased and trains visibly worse. Memory: one
             gradient-sized residual per rank-routed weight and rank (as PowerSGD's hook keeps);
-            nothing for exact or dense weights. ``False`` saves that memory.
+            nothing for exact or dense weights. ``False`` saves that memory; so, in part, does
+            ``error_feedback_rank``.
+        error_feedback_rank: keep each residual as its rank-``q`` part (``q (m+n)`` numbers instead
+            of ``m n``; `error_feedback.LowRankErrorFeedback`): the residual's strongest
+            directions carry over, its tail is dropped. None (the default) keeps it whole. Under
+            FSDP2 and ZeRO, where a whole residual per rank costs S times the weight's gradient
+            shard, it gives back most of the memory sharding saved, for part of error feedback's
+            gain (GPT-2 at two ranks: q=16 kept 69 % of it with 9 % of the residual's numbers,
+            `benchmarks/results/convergence_error_feedback_memory_2ranks.md`).
         adaptive_tolerance: in (0, 1]; send the fewest components (at most ``rank``) whose
             captured share of the local gradient's energy reaches it (each site's own factors: it
             makes the rank route the all-gather).
@@ -87,6 +95,7 @@ class DADConfig:
     power_iterations: int = 1
     warm_start: bool = True
     error_feedback: bool = True
+    error_feedback_rank: Optional[int] = None
     adaptive_tolerance: Optional[float] = None
     wire_dtype: Optional[str] = None
     layer_kinds: Tuple[str, ...] = LAYER_KINDS
@@ -110,6 +119,9 @@ class DADConfig:
             raise ValueError(f"dad config key 'rank': must be a positive integer or None, got {self.rank!r}")
         if self.mode == "rank" and self.rank is None:
             raise ValueError("dad config key 'rank': mode 'rank' needs a rank (a positive integer)")
+        efr = self.error_feedback_rank
+        if efr is not None and (_not_int(efr) or efr < 1):
+            raise ValueError(f"dad config key 'error_feedback_rank': must be a positive integer or None, got {efr!r}")
         if _not_int(self.lossless_steps) or self.lossless_steps < 0:
             raise ValueError(
                 f"dad config key 'lossless_steps': must be an integer >= 0, got {self.lossless_steps!r}")

@@ -27,7 +27,7 @@ from .codecs.exact import ExactCodec, local_rebuild
 from .codecs.rank import RankBucket, RankCodec, WarmStart
 from .codecs.rank_allreduce import AllReduceBucket, RankAllReduceCodec
 from .config import DADConfig
-from .error_feedback import ErrorFeedback
+from .error_feedback import error_feedback_for
 from .layers import Rows, compute_dtype, concat_rows
 from .report import ParamReport, StepReport
 from .router import RowCounts, UnitShape, route
@@ -56,7 +56,7 @@ class Exchanger:
         self.wire_dtype = wire_dtype
         self.device = device
         self.exact = ExactCodec(wire_dtype, device)
-        self.memory = ErrorFeedback(config.error_feedback)
+        self.memory = error_feedback_for(config)
         self.warm = WarmStart(config.warm_start)
         lossy = config.rank is not None
         self.rank = RankCodec(config, wire_dtype, self.memory, self.warm) if lossy else None

@@ -16,7 +16,8 @@ FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``Re
   factors; bytes per rank ``(S-1) N n + (S-1)/S N m`` against the reduce-scatter's ``(S-1)/S m n``);
 * `codecs.sharded_rank`: the rank-r routes (every ``Q_s`` all-gathered and rows ``a:b`` of every
   ``P_s`` by all-to-all, ``(S-1) r (n + m/S)``; or PowerSGD's all-reduced P and Q), with error
-  feedback (one unsharded residual per rank-routed weight and rank) and warm starts, kept at the end
+  feedback (one unsharded residual per rank-routed weight and rank, or its rank-q part with
+  ``error_feedback_rank``) and warm starts, kept at the end
   of each backward only if every rank's gradients were finite;
 * `router.route(..., sharded=True)`: per weight, factors, a rank route or FSDP's reduce-scatter (``auto``);
 * `sink.ShardSink`: FSDP's buffers (local gradients read, shards and padding written);

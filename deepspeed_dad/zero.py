@@ -36,7 +36,8 @@ gradients were finite (the wrapped ``_backward_epilogue``: one all-reduce of one
 FSDP2; they are per rank, so ``save_checkpoint`` / ``load_checkpoint`` write and read one file per
 rank (`deepspeed_dad.checkpointing`). The residual is one unsharded ``m x n`` buffer per rank-routed
 weight (a site compresses its whole local gradient), what ZeRO saves by sharding gradients error
-feedback spends again; ``error_feedback: false`` frees it. PowerSGD's all-reduce route
+feedback spends again; ``error_feedback_rank: q`` keeps its rank-q part (``q (m+n)`` numbers) and
+``error_feedback: false`` frees it. PowerSGD's all-reduce route
 (``rank_route: allreduce``) and an adaptive rank are refused under ZeRO-2/3.
 """
 from __future__ import annotations

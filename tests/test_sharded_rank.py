@@ -20,7 +20,7 @@ from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.codecs.sharded_exact import shard_span
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec, gathered_shard, reduced_shard, row_blocks
 from dad_integrations.config import DADConfig
-from dad_integrations.error_feedback import ErrorFeedback
+from dad_integrations.error_feedback import error_feedback_for
 from dad_integrations.report import ParamReport
 from dad_integrations.sink import GradSink
 from dad_integrations.units import build_plan
@@ -144,7 +144,7 @@ def _step_both(route: str, unit, config: DADConfig, grads: List[torch.Tensor], s
 
     def body(rank, agg):
         u, plan = _unit("linear" if unit.factors_only else "embedding", *unit.param.shape, config.rank)
-        memory = ErrorFeedback(config.error_feedback)
+        memory = error_feedback_for(config)
         whole = (RankCodec(config, None, memory, WarmStart(config.warm_start)) if route == "rank"
                  else RankAllReduceCodec(config, None, memory))
         sharded = ShardedRankCodec(config, None)
@@ -169,7 +169,7 @@ def _step_both(route: str, unit, config: DADConfig, grads: List[torch.Tensor], s
             shard = sharded.exchange([item], agg, scale, step, F64)[0].shard
             sharded.end_step(agg)
             whole.commit(True)
-            out.append((full, shard, memory.state(u.name), sharded.memory.state(u.name)))
+            out.append((full, shard, memory.dense(u.name), sharded.memory.dense(u.name)))
         for c in plan.captures:
             c.remove()
         return out
@@ -180,10 +180,13 @@ def _step_both(route: str, unit, config: DADConfig, grads: List[torch.Tensor], s
 @pytest.mark.parametrize("route", ["rank", "rank_allreduce"])
 @pytest.mark.parametrize("kind", ["linear", "embedding"])
 @pytest.mark.parametrize("m,n,world", [(7, 5, 2), (7, 5, 3), (5, 4, 4), (3, 6, 4)])
-def test_codec_shards_are_rows_of_the_unsharded_codecs_rebuild(route, kind, m, n, world):
-    """Three steps (warm starts, error feedback) with rank 2: every rank's shard is its rows of what
-    the unsharded codec rebuilds from the same local gradients, and the residuals agree."""
-    config = DADConfig(mode="rank", rank=2, rank_route="allgather" if route == "rank" else "allreduce")
+@pytest.mark.parametrize("ef_rank", [None, 1])
+def test_codec_shards_are_rows_of_the_unsharded_codecs_rebuild(route, kind, m, n, world, ef_rank):
+    """Three steps (warm starts, error feedback whole or at rank 1) with rank 2: every rank's shard
+    is its rows of what the unsharded codec rebuilds from the same local gradients, and the
+    residuals agree."""
+    config = DADConfig(mode="rank", rank=2, rank_route="allgather" if route == "rank" else "allreduce",
+                       error_feedback_rank=ef_rank)
     unit, plan = _unit(kind, m, n, 2)
     grads = [_local_grads(world, m, n, step) for step in range(3)]
     per_rank = _step_both(route, unit, config, grads, steps=3)
@@ -250,14 +253,22 @@ def test_factor_products_equal_dense_products_and_rebuild_at_full_rank(route):
 
 
 @pytest.mark.parametrize("route", ["rank", "rank_allreduce"])
-def test_a_non_finite_step_leaves_residuals_and_warm_starts_untouched(route):
+@pytest.mark.parametrize("ef_rank", [None, 2])
+def test_a_non_finite_step_leaves_residuals_and_warm_starts_untouched(route, ef_rank):
     """Rank 1's gradient is NaN at step 1: no rank raises, every non-empty shard is non-finite, and
     every rank keeps the state of step 0; step 2 is finite and moves the state again."""
     m, n, world = 7, 5, 3
-    config = DADConfig(mode="rank", rank=2, rank_route="allgather" if route == "rank" else "allreduce")
+    config = DADConfig(mode="rank", rank=2, rank_route="allgather" if route == "rank" else "allreduce",
+                       error_feedback_rank=ef_rank)
 
-    def state(codec):
-        return {k: v.clone() for name, s in codec.state_dict().items() for k, v in s.items() if v is not None}
+    def state(codec):  # a low-rank residual is a pair (U, V): one entry each
+        flat = {}
+        for name, s in codec.state_dict().items():
+            for k, v in s.items():
+                for i, t in enumerate(v if isinstance(v, tuple) else (v,)):
+                    if t is not None:
+                        flat[(name, k, i)] = t.clone()
+        return flat
 
     def body(rank, agg):
         unit, plan = _unit("linear", m, n, 2)
@@ -284,3 +295,22 @@ def test_a_non_finite_step_leaves_residuals_and_warm_starts_untouched(route):
         assert states[0] and states[0].keys() == states[1].keys()
         assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])     # step 1 left no trace
         assert any(not torch.equal(states[1][k], states[2][k]) for k in states[1])  # step 2 moved on
+
+
+@pytest.mark.parametrize("route", ["rank", "rank_allreduce"])
+def test_low_rank_error_feedback_at_full_rank_is_the_whole_residual(route):
+    """``error_feedback_rank >= min(m, n)`` keeps the residual exactly: three steps give the shards
+    and residuals of whole-residual error feedback to round-off."""
+    m, n, world = 7, 5, 3
+    unit, plan = _unit("linear", m, n, 2)
+    grads = [_local_grads(world, m, n, step) for step in range(3)]
+    kw = dict(mode="rank", rank=2, rank_route="allgather" if route == "rank" else "allreduce")
+    whole = _step_both(route, unit, DADConfig(**kw), grads, steps=3)
+    low = _step_both(route, unit, DADConfig(**kw, error_feedback_rank=n), grads, steps=3)
+    for rank in range(world):
+        for (full, shard, residual, _), (full_l, shard_l, residual_l, _) in zip(whole[rank], low[rank]):
+            torch.testing.assert_close(shard_l, shard, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(full_l, full, rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(residual_l, residual, rtol=1e-9, atol=1e-9)
+    for c in plan.captures:
+        c.remove()

@@ -46,7 +46,10 @@ come from the factors (``N r (m+n)`` flops instead of ``m n r``).
 site's own ``Q_s``, the all-reduce from the shared ``Q'``. Memory: the residual is one *unsharded*
 (m x n, compute dtype) buffer per rank-routed weight and rank, S times that weight's gradient shard
 (what FSDP saves by sharding the gradient, error feedback spends again); it cannot be sharded, since
-site s compresses its whole ``M_s``. ``error_feedback: false`` frees it.
+site s compresses its whole ``M_s``, and no rank but s knows ``M_s``. ``error_feedback_rank: q``
+keeps its rank-q part instead (`error_feedback.LowRankErrorFeedback`, ``q (m+n)`` numbers, packed
+as soon as the residual is computed, so no whole residual waits for `end_step` either);
+``error_feedback: false`` frees it.
 
 **Non-finite steps.** A site whose local gradient holds NaN or Inf sends NaN in place of ``P_s``
 and ``Q_s`` (the all-gather route skips its reduction, which could raise on that rank alone), so
@@ -75,7 +78,7 @@ from torch import nn
 
 from ..aggregator import FactorAggregator, Traffic
 from ..config import DADConfig
-from ..error_feedback import ErrorFeedback
+from ..error_feedback import error_feedback_for
 from ..layers import Rows, compute_dtype
 from ..low_rank import LocalGradient, choose_method, method_costs, orthonormalize, reduce_rank
 from ..units import FactorUnit, param_shape
@@ -145,7 +148,7 @@ class ShardedRankCodec:
     def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype]):
         self.config = config
         self.wire_dtype = wire_dtype
-        self.memory = ErrorFeedback(config.error_feedback)
+        self.memory = error_feedback_for(config)
         self.warm = WarmStart(config.warm_start)    # each site's own Q_s (all-gather route)
         self.shared = WarmStart(config.warm_start)  # the all-reduced Q (all-reduce route)
         self._pending: List[tuple] = []             # (warm store, unit, Q, residual or None)
@@ -187,7 +190,7 @@ class ShardedRankCodec:
         for store, unit, q, residual in pending:
             store.update(unit, q)
             if residual is not None:
-                self.memory.set(unit.name, residual)
+                self.memory.keep(unit.name, residual)
 
     # -- one unit's local side ------------------------------------------------------------------
     def local(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, representation: str) -> RankItem:
@@ -284,7 +287,7 @@ class ShardedRankCodec:
                     torch.full((n, r), nan, dtype=cdt, device=device), r)
         low = reduce_rank(it.local, r, method=it.method, q_init=self.warm.initial(unit, n, r, cdt, step),
                           iterations=self.config.power_iterations)
-        residual = it.local.dense - low.p @ low.q.t() if self.memory.enabled else None
+        residual = self._residual(unit, it.local.dense, low.p, low.q) if self.memory.enabled else None
         self._pending.append((self.warm, unit, low.warm, residual))
         p, q = low.p, low.q
         if low.components < r:  # equal blocks on every rank: no size exchange
@@ -316,13 +319,18 @@ class ShardedRankCodec:
         for it, p, basis, q_local in zip(items, ps, bases, q_locals):
             q_all = q_sum[off:off + q_local.numel()].view(q_local.shape).to(q_local.dtype)
             off += q_local.numel()
-            residual = (it.local.dense - basis @ q_local.t()
+            residual = (self._residual(it.unit, it.local.dense, basis, q_local)
                         if self.memory.enabled and it.local.dense is not None else None)
             self._pending.append((self.shared, it.unit, q_all, residual))
             traffic = (p_handle.traffic.share(p.numel() / p_flat.numel())
                        + q_handle.traffic.share(q_local.numel() / q_flat.numel()))
             out.append(RankShard(reduced_shard(basis, q_all, rank, S, scale), traffic, it.rank))
         return out
+
+    def _residual(self, unit: FactorUnit, compensated: torch.Tensor, p: torch.Tensor, q: torch.Tensor):
+        """``compensated - p q^T`` as the memory keeps it (`ErrorFeedback.pack`), computed now while
+        the step's tensors are at hand and held in `_pending` until `end_step`."""
+        return self.memory.pack(unit.name, torch.addmm(compensated, p, q.t(), alpha=-1))
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, dict]:
