@@ -27,8 +27,12 @@ PARAM_TOL = 1e-4  # parameters after 3 AdamW steps, relative to each parameter's
 # Key biases (GPT-2's in the middle third of c_attn.bias, BERT's key.bias) get gradients that softmax
 # cancels: zero up to round-off, which AdamW normalises into lr-sized steps whatever the reduction;
 # only FSDP-vs-FSDP bitwise equality would pass there, so those parameters are held to the learning
-# rate's scale after the AdamW steps (their gradients themselves meet TOL).
+# rate's scale after the AdamW steps. BERT's key-bias gradients (zero at init, pure key bias) are
+# compared against the floor of 1e-6 of the whole gradient, so what is measured there is the round-off
+# of the terms softmax cancels, which depends on the CPU's kernels: 7.9e-6 on one machine, 1.35e-5 on
+# another (main at ee93451 included); they get ten times TOL.
 ROUND_OFF_ONLY = ("attn.c_attn.bias", "attention.self.key.bias")
+ROUND_OFF_GRAD_TOL = 10 * TOL
 LR, STEPS = 1e-2, 3
 # Mixed precision: the first step compares equal models, so only the reduction differs: FSDP reduces
 # each rank's gradient rounded to the compute dtype, dAD rebuilds from the same low-precision factors
@@ -49,7 +53,9 @@ CASES = ["mlp-exact", "mlp-exact-uneven", "mlp-auto-uneven", "mlp-exact-accum", 
 CASES_4 = ["mlp-exact-uneven", "mlp-auto"]  # uneven batches at 4 ranks pad every weight to dense in auto
 RUNS = [(2, c) for c in CASES] + [(4, c) for c in CASES_4]
 LOSSY = ["mlp-rank2-allreduce", "mlp-auto-rank4", "gpt2-auto-rank4",   # rank 2 / 4, error feedback on
-         "mlp-rank2-resume"]                                             # ... resumed at step 2
+         "mlp-rank2-resume",                                             # ... resumed at step 2
+         "mlp-rank2-ef-rank64", "gpt2-auto-rank4-ef-rank1"]              # residuals kept at rank 64 / 1
+EF_LOSSY = ["gpt2-auto-rank4-ef-rank1"]  # a residual kept at rank 1 drops its tail: no exact identity
 NONFINITE = ["mlp-rank2-nonfinite", "mlp-rank2-allreduce-nonfinite"]    # rank 1's loss NaN at step 1
 RANKED = ["mlp-rank-full-allgather", "mlp-rank-full-allreduce"] + LOSSY + NONFINITE
 RANK_REPS = ("rank", "rank_allreduce")
@@ -85,8 +91,8 @@ def _case(results, cid):
 @pytest.mark.parametrize("nproc,cid", [r for r in RUNS if r[1] not in MIXED])
 def test_sharded_gradients_equal_fsdp(jobs, nproc, cid):
     res = _case(jobs(nproc), cid)
-    worst = max(res["grad_errors"].items(), key=lambda kv: kv[1])
-    assert worst[1] <= TOL, worst  # BERT's round-off-only key biases too (measured 7.9e-6)
+    for name, err in res["grad_errors"].items():
+        assert err <= (ROUND_OFF_GRAD_TOL if name.endswith("attention.self.key.bias") else TOL), (name, err)
 
 
 @pytest.mark.parametrize("nproc,cid", RUNS)
@@ -200,7 +206,7 @@ def test_rank_routes_send_the_cost_models_bytes(results, cid):
         assert last["transformer.wte.weight"] in RANK_REPS and last["transformer.wpe.weight"] in RANK_REPS
 
 
-@pytest.mark.parametrize("cid", RANKED)
+@pytest.mark.parametrize("cid", [c for c in RANKED if c not in EF_LOSSY])
 def test_rank_routes_error_feedback_identity(results, cid):
     """Sum over sites of what each sent plus what it kept is what it had: the shards FSDP holds equal
     the true average plus ``1/S sum_s (e_old_s - e_new_s)`` to fp32 round-off, at every finite step,
@@ -229,6 +235,24 @@ def test_a_non_finite_step_leaves_the_rank_state_untouched(results, cid):
     bad = res["nonfinite"]
     assert bad["state_kept"] and bad["mismatched"] == [] and bad["nonfinite_params"] > 0, bad
     assert all(math.isfinite(x) for x in res["identity"])
+
+
+def test_residuals_kept_at_rank_q_hold_q_m_plus_n_numbers(results):
+    """``error_feedback_rank: 1`` (GPT-2, auto rank 4): every rank-routed weight's residual is
+    ``1 x (m + n)`` numbers, not ``m x n`` (what the whole residuals of the same run hold), and the
+    residuals move every step and come back bitwise through a resume at step 2.
+    ``error_feedback_rank: 64`` (at least every MLP weight's smaller
+    side) keeps them whole (the identity above holds) and they come back bitwise after a resume."""
+    low, whole = _case(results, "gpt2-auto-rank4-ef-rank1"), _case(results, "gpt2-auto-rank4")
+    for s_low, s_whole in zip(low["states"], whole["states"]):
+        assert s_low["routed_shapes"] == s_whole["routed_shapes"] and s_low["routed_shapes"]
+        assert s_low["residual_numel"] == sum(m + n for m, n in s_low["routed_shapes"])
+        assert s_whole["residual_numel"] == sum(m * n for m, n in s_whole["routed_shapes"])
+        assert s_low["changed"]
+    assert low["resumed"]["state_equal"] and low["resumed"]["numel"] > 0, low["resumed"]  # (U, V) bitwise
+    full = _case(results, "mlp-rank2-ef-rank64")
+    assert all(s["residual_numel"] == sum(m * n for m, n in s["routed_shapes"]) for s in full["states"])
+    assert full["resumed"]["state_equal"] and full["resumed"]["numel"] > 0, full["resumed"]
 
 
 def test_rank_routes_state_survives_a_resume(results):

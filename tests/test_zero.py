@@ -55,11 +55,17 @@ RANK_CASES = {
                                                    "ds": CLIP, "fixed_batch": True, "steps": 6, "lr": 0.5},
         "z2-gpt2-rank2-train-bf16": {"model": "gpt2", "dad": RANK2, "ds": {"bf16": {"enabled": True}},
                                      "fixed_batch": True, "steps": 6, "lr": 0.5},
+        # residuals kept at rank 8 (`error_feedback_rank`): q (m+n) numbers per weight
+        "z2-llama-rank2-train-ef-rank8": {"model": "llama", "dad": {**RANK2, "error_feedback_rank": 8},
+                                          "fixed_batch": True, "steps": 6, "lr": 0.5},
     },
     3: {
         "z3-gpt2-auto-rank2": {"model": "gpt2", "dad": {"mode": "auto", "rank": 2}, "lr": 0.0, "nonfinite_step": 2,
                                "resume_step": 0},
         "z3-llama-rank2-train": {"model": "llama", "dad": RANK2, "fixed_batch": True, "steps": 6, "lr": 0.5},
+        # residuals kept at rank 64 >= every weight's smaller side: kept whole, the identity holds
+        "z3-gpt2-rank2-ef-rank64": {"model": "gpt2", "dad": {**RANK2, "error_feedback_rank": 64}, "lr": 0.0,
+                                    "nonfinite_step": 2, "resume_step": 0},
     },
 }
 NO_FORCE = {"zero_force_ds_cpu_optimizer": False}

@@ -174,8 +174,20 @@ def rank_state(sync) -> dict:
     codec = sync.rank_codec
     if codec is None:
         return {}
-    return {f"{name}.{k}": v.clone() for name, st in codec.state_dict().items() for k, v in st.items()
-            if v is not None}
+    out = {}
+    for name, st in codec.state_dict().items():
+        for k, v in st.items():
+            if isinstance(v, tuple):  # a residual kept at rank q (error_feedback_rank): (U, V)
+                out.update({f"{name}.{k}.{i}": t.clone() for i, t in enumerate(v)})
+            elif v is not None:
+                out[f"{name}.{k}"] = v.clone()
+    return out
+
+
+def dense_residuals(sync) -> dict:
+    """Each rank-routed weight's residual as one m x n tensor (whole or rebuilt from U V^T)."""
+    codec = sync.rank_codec
+    return {} if codec is None else {n: codec.memory.dense(n) for n in codec.memory.residuals}
 
 
 def ef_identity(ref: nn.Module, mine: nn.Module, sync, before: dict, routed: list) -> float:
@@ -186,8 +198,8 @@ def ef_identity(ref: nn.Module, mine: nn.Module, sync, before: dict, routed: lis
     for name, a in ref.named_parameters():
         if name not in routed:
             continue
-        old = before.get(f"{name}.residual")
-        new = sync.rank_codec.memory.state(name)
+        old = before.get(name)
+        new = sync.rank_codec.memory.dense(name)
         delta = (torch.zeros(a.shape) if old is None else old) - new
         dist.all_reduce(delta)
         expected = a.grad.full_tensor() + delta / world
@@ -249,7 +261,7 @@ def run_case(case: dict) -> dict:
                     a.to_local().copy_(b.to_local())
         if step == case.get("resume_at"):  # a resume: a new synchroniser loads the saved state
             sync, resumed = resume(sync, mine, config)
-        before = rank_state(sync)
+        before, before_residuals = rank_state(sync), dense_residuals(sync)
         bad_step = step == case.get("nonfinite_step")
         for k in range(micro):
             last = k == micro - 1
@@ -286,9 +298,12 @@ def run_case(case: dict) -> dict:
                 if full is not None:
                     vs_fp32 = {"fsdp": grad_errors(full, ref), "dad": grad_errors(full, mine)}
             if routed:
-                identity.append(ef_identity(ref, mine, sync, before, routed))
+                identity.append(ef_identity(ref, mine, sync, before_residuals, routed))
         state = rank_state(sync)
+        memory = sync.rank_codec.memory if sync.rank_codec is not None else None
         states.append({"numel": sum(v.numel() for v in state.values()),
+                       "residual_numel": memory.numel() if memory is not None else 0,
+                       "routed_shapes": [list(p.shape) for p in rep.params if p.name in routed],
                        "norm": float(sum(float(v.double().norm()) ** 2 for v in state.values()) ** 0.5),
                        "changed": before.keys() != state.keys() or any(not torch.equal(before[k], state[k])
                                                                        for k in before)})
@@ -364,6 +379,12 @@ CASES = {
                        "follow": True, "fixed_batch": True},
     "gpt2-auto-rank4": {"model": "gpt2", "config": {"mode": "auto", "rank": 4}, "batch": 1,
                         "follow": True, "fixed_batch": True},
+    # error feedback kept at rank q: at q >= min(m, n) the whole residual (the identity holds);
+    # at q = 1 lossy, and its state is q (m+n) numbers per weight
+    "mlp-rank2-ef-rank64": {"model": "mlp", "config": {"mode": "rank", "rank": 2, "error_feedback_rank": 64},
+                               "uneven": True, "steps": 5, "follow": True, "fixed_batch": True, "resume_at": 2},
+    "gpt2-auto-rank4-ef-rank1": {"model": "gpt2", "config": {"mode": "auto", "rank": 4, "error_feedback_rank": 1},
+                                 "batch": 1, "follow": True, "fixed_batch": True, "resume_at": 2},
     "mlp-rank2-resume": {"model": "mlp", "config": {"mode": "rank", "rank": 2}, "uneven": True, "steps": 5,
                          "follow": True, "fixed_batch": True, "resume_at": 2},
     "mlp-rank2-nonfinite": {"model": "mlp", "config": {"mode": "rank", "rank": 2}, "nonfinite_step": 1,

@@ -184,20 +184,31 @@ def rank_state(att) -> Dict[str, torch.Tensor]:
     out = {}
     for unit, state in att.state_dict()["rank_routes"].items():
         for key, t in state.items():
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, tuple):  # a residual kept at rank q (error_feedback_rank): (U, V)
+                out.update({f"{by_unit[unit]}.{key}.{i}": f.detach().clone() for i, f in enumerate(t)})
+            elif isinstance(t, torch.Tensor):
                 out[f"{by_unit[unit]}.{key}"] = t.detach().clone()
     return out
 
 
+def dense_residuals(att) -> Dict[str, torch.Tensor]:
+    """Each rank-routed weight's residual as one m x n tensor (whole or rebuilt from U V^T), by
+    parameter name."""
+    names = {id(u.param): n for u in att.units for n, p in att.engine.module.named_parameters() if p is u.param}
+    memory = att._rank.memory
+    return {names[id(u.param)]: memory.dense(u.name).detach().clone() for u in att.units
+            if memory.state(u.name) is not None}
+
+
 def ef_expected(ref_owned: Dict[str, torch.Tensor], ranges: Dict[str, Tuple[int, int]], before: dict,
                 after: dict) -> Dict[str, torch.Tensor]:
+    # before / after: `dense_residuals` at the step's start and end
     """What the error-feedback identity says dAD's partitions hold: DeepSpeed's average plus
     ``1/S sum_s (e_old_s - e_new_s)`` over this rank's owned elements (every rank-routed weight)."""
     S = dist.get_world_size()
     out = dict(ref_owned)
-    for key in sorted(k for k in after if k.endswith(".residual")):
-        name = key[:-len(".residual")]
-        diff = (before.get(key, torch.zeros_like(after[key])) - after[key]).double().reshape(-1)
+    for name in sorted(after):
+        diff = (before.get(name, torch.zeros_like(after[name])) - after[name]).double().reshape(-1)
         torch.distributed.all_reduce(diff)
         if name in ranges:  # (ZeRO-2: a rank may own nothing of a weight)
             lo, hi = ranges[name]
@@ -231,7 +242,7 @@ def run_rank(case: dict) -> dict:
                 (losses if engine is mine else ref_losses).append(float(loss.detach()))
 
     for step in range(steps):
-        before = rank_state(att)
+        before, before_residuals = rank_state(att), dense_residuals(att)
         bad = step == case.get("nonfinite_step")
         run(ref, step, bad)
         run(mine, step, bad)
@@ -249,7 +260,7 @@ def run_rank(case: dict) -> dict:
                          "nonfinite_params": sum(not bool(torch.isfinite(t).all()) for t in mine_owned.values())}
             break
         if case.get("lr", 0.1) == 0 and gas == 1:
-            expected = ef_expected(ref_owned, ranges, before, after)
+            expected = ef_expected(ref_owned, ranges, before_residuals, dense_residuals(att))
             identity.append(max(partition_errors(expected, mine_owned, names).values()))
         ref.step()
         mine.step()
