@@ -16,7 +16,8 @@ mode, from the same weights on the same batches, and records per rank and step:
   their gradients, the optimizer's state (for ZeRO: the module's parameters, ZeRO-3's partitions,
   and the inner optimizer's state; ZeRO's flat fp32 partitions are the same for both runs and
   not counted), and dAD's own state (none in the lossless modes; rank-dAD's warm starts and, with
-  error feedback, its residuals: one unsharded gradient per rank-routed weight);
+  error feedback, its residuals: one unsharded gradient per rank-routed weight, or ``q (m+n)``
+  numbers with ``error_feedback_rank: q``);
 
 and reports ``state + peak`` per method and its ratio to the engine's own. Steps after the first
 count (the first also runs dAD's one-off check that factors rebuild the local gradients).
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import socket
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
@@ -42,14 +44,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # "engine": the engine's own reduction; each dAD method is its config
 DAD_CONFIGS = {"dad-exact": {"mode": "exact"}, "dad-auto": {"mode": "auto"},
                "dad-rank4": {"mode": "rank", "rank": 4},
-               "dad-rank4-no-ef": {"mode": "rank", "rank": 4, "error_feedback": False}}
+               "dad-rank4-no-ef": {"mode": "rank", "rank": 4, "error_feedback": False},
+               "dad-rank4-ef-rank16": {"mode": "rank", "rank": 4, "error_feedback_rank": 16}}
 METHODS = ("engine",) + tuple(DAD_CONFIGS)
 ENGINES = ("fsdp2", "zero2", "zero3")
 PRESETS = {
     # width, layers, heads, sequences per rank x length (one entry per token count), steps
-    "default": {"width": 256, "layers": 4, "heads": 4, "shapes": [(1, 128), (4, 256), (8, 512)], "steps": 3},
-    "quick": {"width": 128, "layers": 2, "heads": 2, "shapes": [(1, 128), (4, 256)], "steps": 3},
-    "smoke": {"width": 64, "layers": 1, "heads": 2, "shapes": [(1, 32)], "steps": 2},  # for the tests
+    "default": {"width": 256, "layers": 4, "heads": 4, "shapes": [(1, 128), (4, 256), (8, 512)], "steps": 3,
+                "repeats": 3},
+    "quick": {"width": 128, "layers": 2, "heads": 2, "shapes": [(1, 128), (4, 256)], "steps": 3, "repeats": 1},
+    "smoke": {"width": 64, "layers": 1, "heads": 2, "shapes": [(1, 32)], "steps": 2, "repeats": 1},  # for the tests
 }
 log = logging.getLogger("benchmarks.sharded_memory")
 
@@ -118,7 +122,9 @@ def dad_state_bytes(sync) -> int:
     if sync is None:
         return 0
     routes = sync.state_dict().get("rank_routes") or {}
-    return tensor_bytes(t for state in routes.values() for t in state.values() if isinstance(t, torch.Tensor))
+    held = [v for state in routes.values() for v in state.values()]
+    # a low-rank residual (error_feedback_rank) is a pair (U, V)
+    return tensor_bytes(t for v in held for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor))
 
 
 # -- the ranks ---------------------------------------------------------------------------------
@@ -254,15 +260,17 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
             data = byte_lm_batches(text, batch, seq, rank=rank, world_size=world, seed=0)
             batches = [next(data) for _ in range(preset["steps"])]
             for engine in spec["engines"]:
-                for method in spec["methods"]:
-                    res = run_method(engine, method, base, batches, preset["steps"])
-                    gathered = [None] * world
-                    dist.all_gather_object(gathered, res)
-                    if rank == 0:
-                        records.append({"engine": engine, "method": method, "batch": batch, "seq": seq,
-                                        "tokens": batch * seq, "ranks": gathered})
-                        log.info("%s %s, %d x %d tokens per rank: peak %s", engine, method, batch, seq,
-                                 [max(r["peak"][1:]) for r in gathered])
+                # methods take turns, repeat after repeat: what varies from run to run falls on all alike
+                for repeat in range(spec.get("repeats", 1)):
+                    for method in spec["methods"]:
+                        res = run_method(engine, method, base, batches, preset["steps"])
+                        gathered = [None] * world
+                        dist.all_gather_object(gathered, res)
+                        if rank == 0:
+                            records.append({"engine": engine, "method": method, "batch": batch, "seq": seq,
+                                            "tokens": batch * seq, "repeat": repeat, "ranks": gathered})
+                            log.info("%s %s, %d x %d tokens per rank, repeat %d: peak %s", engine, method,
+                                     batch, seq, repeat, [max(r["peak"][1:]) for r in gathered])
         if rank == 0:
             with open(spec["out"], "w") as fh:
                 json.dump(records, fh)
@@ -279,16 +287,25 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
 # -- the report ------------------------------------------------------------------------------------
 
 def summarise(records: Sequence[dict]) -> List[dict]:
-    """Per shape and method: the worst rank's ``state + peak`` over the steps after the first, and
-    its ratio to the engine's own."""
-    rows = []
+    """Per shape and method: the worst rank's ``state + peak`` over the steps after the first, the
+    median over repeats (the same step's peak moves by up to a fifth from run to run at the smallest
+    shape, the engine's own too), and its ratio to the engine's own."""
+    groups: Dict[tuple, List[dict]] = {}
     for rec in records:
-        totals = [max(s + p for s, p in zip(r["state"][1:], r["peak"][1:])) for r in rec["ranks"]]
-        peaks = [max(r["peak"][1:]) for r in rec["ranks"]]
-        sent = [r["sent"][-1] for r in rec["ranks"]]
-        rows.append({"engine": rec["engine"], "method": rec["method"], "batch": rec["batch"], "seq": rec["seq"], "tokens": rec["tokens"],
-                     "total_bytes": max(totals), "step_peak_bytes": max(peaks),
-                     "state_bytes": max(max(r["state"][1:]) for r in rec["ranks"]),
+        groups.setdefault((rec["engine"], rec["method"], rec["batch"], rec["seq"]), []).append(rec)
+    rows = []
+    for (engine, method, batch, seq), recs in groups.items():
+        def worst(rec: dict, key) -> int:
+            return max(key(r) for r in rec["ranks"])
+
+        totals = [worst(rec, lambda r: max(s + p for s, p in zip(r["state"][1:], r["peak"][1:]))) for rec in recs]
+        peaks = [worst(rec, lambda r: max(r["peak"][1:])) for rec in recs]
+        sent = [r["sent"][-1] for r in recs[0]["ranks"]]
+        rows.append({"engine": engine, "method": method, "batch": batch, "seq": seq, "tokens": batch * seq,
+                     "repeats": len(recs), "total_bytes": statistics.median(totals),
+                     "total_bytes_range": [min(totals), max(totals)],
+                     "step_peak_bytes": statistics.median(peaks),
+                     "state_bytes": max(worst(rec, lambda r: max(r["state"][1:])) for rec in recs),
                      "sent_bytes": None if sent[0] is None else max(sent)})
     for row in rows:
         engine = next(r for r in rows if (r["engine"], r["tokens"], r["method"]) == (row["engine"], row["tokens"], "engine"))
@@ -297,7 +314,7 @@ def summarise(records: Sequence[dict]) -> List[dict]:
     return rows
 
 
-def markdown(rows: Sequence[dict], preset_name: str, preset: dict, world: int) -> str:
+def markdown(rows: Sequence[dict], preset_name: str, preset: dict, world: int, repeats: int = 1) -> str:
     from benchmarks.workload import fmt_bytes
 
     lines = [f"# Peak memory of a sharded step ({world} gloo ranks, preset {preset_name})", "",
@@ -305,12 +322,16 @@ def markdown(rows: Sequence[dict], preset_name: str, preset: dict, world: int) -
              f"and the root `fully_shard`-ed, DeepSpeed ZeRO-2/3 on the CPU accelerator. *engine*: the engine's "
              f"own reduction. Worst rank, steps after the first. *state*: parameter shards, gradients and "
              f"optimizer state at the step's start; *step peak*: the most tensor bytes alive above that during "
-             f"forward, backward and step (profiler allocation events).", "",
-             "| engine | tokens/rank | method | state | step peak | state + peak | vs engine | step peak vs engine "
-             "| sent/step |", "|---|---|---|---|---|---|---|---|---|"]
+             f"forward, backward and step (profiler allocation events). Every method ran {repeats} time(s), "
+             f"the methods taking turns; each figure is the median over those runs (*range*: the least and the "
+             f"most state + peak).", "",
+             "| engine | tokens/rank | method | state | step peak | state + peak | range | vs engine "
+             "| step peak vs engine | sent/step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        lo, hi = r.get("total_bytes_range", [r["total_bytes"]] * 2)
         lines.append(f"| {r['engine']} | {r['batch']}x{r['seq']} | {r['method']} | {fmt_bytes(r['state_bytes'])} | "
-                     f"{fmt_bytes(r['step_peak_bytes'])} | {fmt_bytes(r['total_bytes'])} | {r['ratio']:.3f} | "
+                     f"{fmt_bytes(r['step_peak_bytes'])} | {fmt_bytes(r['total_bytes'])} | "
+                     f"{fmt_bytes(lo)}-{fmt_bytes(hi)} | {r['ratio']:.3f} | "
                      f"{r['step_peak_ratio']:.3f} | {fmt_bytes(r['sent_bytes'])} |")
     lines += ["", "Target (issue 12): state + peak within 10 % of the engine's own. Worst per method:", ""]
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "engine"):
@@ -334,6 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--repeats", type=int, help="runs of every method, taking turns (default: the preset's)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     import torch.multiprocessing as mp
@@ -347,7 +369,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"unknown engines/methods {unknown}; engines {ENGINES}, methods {METHODS}")
     preset = PRESETS[args.preset]
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"preset": preset, "engines": engines, "methods": methods, "out": os.path.join(tmp, "records.json")}
+        spec = {"preset": preset, "engines": engines, "methods": methods, "out": os.path.join(tmp, "records.json"),
+                "repeats": args.repeats or preset["repeats"]}
         mp.spawn(rank_main, args=(args.ranks, _free_port(), spec), nprocs=args.ranks, join=True)
         with open(spec["out"]) as fh:
             records = json.load(fh)
@@ -355,8 +378,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "sharded_memory.json", "w") as fh:
-        json.dump({"preset": args.preset, "ranks": args.ranks, "rows": rows, "records": records}, fh, indent=1)
-    table = markdown(rows, args.preset, preset, args.ranks)
+        json.dump({"preset": args.preset, "ranks": args.ranks, "repeats": spec["repeats"], "rows": rows,
+                   "records": records}, fh, indent=1)
+    table = markdown(rows, args.preset, preset, args.ranks, spec["repeats"])
     (out / "sharded_memory.md").write_text(table)
     print(table)
     return 0
