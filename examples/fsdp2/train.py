@@ -1,6 +1,7 @@
 """Train a tiny GPT-2 under FSDP2 twice: FSDP's own reduce-scatter, then dAD inside it.
 
     torchrun --nproc_per_node 2 examples/fsdp2/train.py [--mode auto|exact|rank] [--rank 4] [--steps 10]
+        [--error-feedback-rank 16]
 
 Both runs start from the same weights and read the same byte-level batches (the Python standard
 library's source, nothing is downloaded); each block and the root are ``fully_shard``-ed. The dAD
@@ -13,7 +14,8 @@ The defaults (2 x 16 tokens per rank, width 128) are where factors are the cheap
 most weights (rows per rank well below a shard's rows times the width over their sum); with many
 more rows per rank ``auto`` sends the weights through FSDP's reduce-scatter as before. With
 ``--rank r`` (mode ``rank``, or ``auto`` weighing them too) weights may take a rank-r route
-(`codecs.sharded_rank`), lossy, with error feedback.
+(`codecs.sharded_rank`), lossy, with error feedback: one unsharded residual per rank-routed weight
+and rank, or its rank-q part with ``--error-feedback-rank q`` (less memory, part of the gain).
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ def run(model: GPT2LMHeadModel, args: argparse.Namespace, dad: bool, device: tor
     fully_shard(model)
     counter = CountingReduceScatter(world)
     if dad:
-        sync = enable_dad_fsdp(model, {"mode": args.mode, "rank": args.rank, "rank_route": args.rank_route})
+        sync = enable_dad_fsdp(model, {"mode": args.mode, "rank": args.rank, "rank_route": args.rank_route,
+                                       "error_feedback_rank": args.error_feedback_rank})
     else:
         for m in [model, *model.transformer.h]:
             m.set_custom_reduce_scatter(counter)
@@ -81,6 +84,8 @@ def main() -> None:
     p.add_argument("--mode", default="auto", choices=("auto", "exact", "rank"))
     p.add_argument("--rank", type=int, default=None, help="rank-r routes (needed by --mode rank)")
     p.add_argument("--rank-route", default="auto", choices=("auto", "allgather", "allreduce"))
+    p.add_argument("--error-feedback-rank", type=int, default=None,
+                   help="keep each error-feedback residual at this rank (default: whole)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=2, help="sequences per rank and step")
     p.add_argument("--seq-len", type=int, default=16)
