@@ -47,6 +47,8 @@ def setup(case: str):
     """Both ranks: groups and dAD for ``case``; returns (step function, dAD's process group)."""
     from dad_integrations import DADSynchronizer, TorchDistributedAggregator, register_dad_comm_hook
     exact = {"mode": "exact"}
+    if case == "zero2":
+        return _zero2()
     if case == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
@@ -69,7 +71,43 @@ def setup(case: str):
         ddp = nn.parallel.DistributedDataParallel(net)
         sync = register_dad_comm_hook(ddp, exact, **explicit)
         return lambda x: ddp(x).square().mean().backward(), sync.aggregator.group
+    if case == "fsdp2":
+        return _fsdp2(net)
     raise ValueError(f"unknown case {case!r}")
+
+
+def _fsdp2(net: nn.Module):
+    """FSDP2 with dAD inside its reduce-scatter. Both ranks run the forward here (its all-gathers
+    are FSDP's); with ``reshard_after_forward=False`` the backward all-gathers nothing, so the
+    first collective rank 0 waits on in its step is dAD's, in FSDP's reduce-scatter hook."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dad_integrations.fsdp import enable_dad_fsdp
+    for layer in (net[0], net[2]):
+        fully_shard(layer, reshard_after_forward=False)
+    fully_shard(net, reshard_after_forward=False)
+    sync = enable_dad_fsdp(net, {"mode": "exact"})
+    loss = net(torch.randn(5, 8)).square().mean()
+    return lambda x: loss.backward(), dist.group.WORLD
+
+
+def _zero2():
+    """DeepSpeed ZeRO-2 with dAD in place of its gradient reduce-scatter (the ``"dad"`` block):
+    forward and backward gather nothing, so rank 0's first collective is the bucket reduction,
+    dAD's partition exchange for the factor-covered weights."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    import deepspeed_dad
+    deepspeed.init_distributed(dist_backend="gloo", timeout=INIT_TIMEOUT, verbose=False)
+    net = model()
+    config = {"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 1, "train_batch_size": 10,
+              "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10 ** 9, "dad": {"mode": "exact"}}
+    engine, *_ = deepspeed_dad.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                                          config=config)
+    att = deepspeed_dad.get_attachment(engine)
+    return lambda x: engine.backward(engine(x).square().mean()), att.aggregator.group
 
 
 def main() -> None:
