@@ -87,7 +87,7 @@ class Route:
 def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
           first_step: bool = False, dense_only: bool = False, rows_by_rank: Optional[RowCounts] = None,
           last_rows: Optional[RowCounts] = None, sharded: bool = False, step: Optional[int] = None,
-          estimates: Optional[Dict[str, float]] = None) -> Route:
+          estimates: Optional[Dict[str, float]] = None, ties: Optional[Dict[str, float]] = None) -> Route:
     """The route of one unit.
 
     Args:
@@ -104,6 +104,8 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         estimates: agreed bytes per representation to decide on, in place of the cost model's (with
             ``rows_by_rank``, or in mode rank): an adapter that knows its exchange's exact sizes
             (ZeRO's partitions, `deepspeed_dad.zero`).
+        ties: with ``estimates``, agreed bytes that break their ties before the order of
+            `REPRESENTATIONS` does (ZeRO: estimates on the busiest rank, ties by the mean over ranks).
     """
     if step is not None and step < config.lossless_steps and config.rank is not None:
         config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
@@ -116,11 +118,12 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         no_rows = [[0] * len(unit.kinds)] * world_size
         if estimates is None:
             estimates = unit_estimates(config, unit, no_rows, world_size, wire_dtype, sharded=sharded)
-        return Route(choose("rank", estimates, rank_allowed=True, rank_route=rank_route), first_step)
+        return Route(choose("rank", estimates, rank_allowed=True, rank_route=rank_route, ties=ties), first_step)
     if rows_by_rank is not None:
         if estimates is None:
             estimates = unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype, sharded=sharded)
-        return Route(choose(config.mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route), True)
+        return Route(choose(config.mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route, ties=ties),
+                     True)
     if first_step or config.mode == "exact" or last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)
     estimates = unit_estimates(config, unit, last_rows, world_size, wire_dtype, sharded=sharded)
@@ -152,8 +155,9 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
 
 
 def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
-           rank_route: str = DADConfig.rank_route) -> str:
-    """The representation of one unit (see `REPRESENTATIONS`), given agreed byte estimates."""
+           rank_route: str = DADConfig.rank_route, ties: Optional[Dict[str, float]] = None) -> str:
+    """The representation of one unit (see `REPRESENTATIONS`), given agreed byte estimates; equal
+    estimates are decided by ``ties`` (where given), then by `REPRESENTATIONS`' order."""
     if mode == "exact":
         return "exact"
     rank_routes = [k for k in RANK_ROUTES[rank_route] if k in estimates] if rank_allowed else []
@@ -161,4 +165,5 @@ def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
         allowed = rank_routes
     else:
         allowed = ["dense", "exact"] + (rank_routes if mode == "auto" else [])
-    return min(allowed, key=lambda k: (estimates[k], REPRESENTATIONS.index(k)))
+    ties = ties or {}
+    return min(allowed, key=lambda k: (estimates[k], ties.get(k, 0.0), REPRESENTATIONS.index(k)))

@@ -262,3 +262,17 @@ def test_lossless_steps_take_no_rank_route():
     assert route(cfg, WIDE, step=2, **F32) == Route("rank_allreduce", False)
     with pytest.raises(ValueError, match="lossless_steps"):
         DADConfig(lossless_steps=-1)
+
+
+def test_given_estimates_tie_break_on_the_given_ties():
+    """An adapter's estimates (ZeRO: bytes on the busiest rank) decide first; equal ones go by its
+    ties (the mean over ranks: rank-dAD's other ranks receive nothing for a weight one rank owns),
+    and only then by the order of lossless and simplest first (the all-reduce before rank-dAD)."""
+    cfg = DADConfig(mode="rank", rank=2)
+    unit = UnitShape(("linear",), (8, 6), 0, torch.float32)
+    busiest = {"dense": 100.0, "rank": 56.0, "rank_allreduce": 56.0}
+    kw = dict(world_size=2, wire_dtype=torch.float32, sharded=True, estimates=busiest)
+    assert route(cfg, unit, **kw).representation == "rank_allreduce"
+    assert route(cfg, unit, **kw, ties={"rank": 28.0, "rank_allreduce": 56.0}).representation == "rank"
+    assert route(cfg, unit, **{**kw, "estimates": {**busiest, "rank": 57.0}},
+                 ties={"rank": 28.0, "rank_allreduce": 56.0}).representation == "rank_allreduce"

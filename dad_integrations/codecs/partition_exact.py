@@ -127,16 +127,18 @@ def decode(kinds: Sequence[str], shape: Tuple[int, int], received: Sequence[Sequ
     return rows.reshape(-1)[lo - r0 * n:hi - r0 * n]
 
 
-def busiest_rank_bytes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts],
-                       ranges: Sequence[Range], wire: torch.dtype) -> int:
-    """Bytes of one unit's exchange on its busiest rank: the most any rank sends to, or receives
-    from, the others (``counts`` every rank's, ``ranges`` every rank's owned range). Under ZeRO-2 a
-    weight often lies in one rank's partition, which then receives every other site's factors: the
-    mean over ranks would hide that."""
+def exchange_bytes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts],
+                   ranges: Sequence[Range], wire: torch.dtype) -> Tuple[int, float]:
+    """Bytes of one unit's exchange: on its busiest rank (the most any rank sends to, or receives
+    from, the others), and sent per rank on average (``counts`` every rank's, ``ranges`` every
+    rank's owned range). Under ZeRO-2 a weight often lies in one rank's partition, which then
+    receives every other site's factors: the mean alone would hide that, the busiest rank alone
+    that the others send nothing."""
     S = len(ranges)
     sizes = [[packed_size(block_specs(kinds, shape, counts[s], d, ranges[d], wire)) if d != s else 0
               for d in range(S)] for s in range(S)]
-    return max(max(sum(row) for row in sizes), max(sum(sizes[s][d] for s in range(S)) for d in range(S)))
+    busiest = max(max(sum(row) for row in sizes), max(sum(sizes[s][d] for s in range(S)) for d in range(S)))
+    return busiest, sum(map(sum, sizes)) / S
 
 
 @dataclass
