@@ -14,20 +14,25 @@ all-gather of updated parameters) stays DeepSpeed's. Per call (`ZeroDAD.reduce`)
    its local gradient (`verify_first_step`; agreed by an all-reduce of flags, a failure sends the
    weight through DeepSpeed's reduction for good);
 4. per weight, the route (`router.route`): ``exact``; in ``auto`` whichever of exact factors, the
-   dense reduce-scatter and (with a ``rank``) rank-dAD moves fewest bytes on the weight's busiest
-   rank, sized from the agreed counts and the real partition ranges (`_estimates`: under ZeRO-2 a
-   weight often lies in one rank's partition, and that rank receives every site's factors); in
-   ``rank``, rank-dAD;
-5. for a rank-dAD weight, this site's local gradient plus its error-feedback residual reduced to
-   rank r, ``M_s ~= P_s Q_s^T`` (`codecs.sharded_rank.ShardedRankCodec`: power iteration, warm
-   start, residual), which is a sum of r outer products: ``(P_s^T, Q_s^T)`` travel as r factor rows;
+   dense reduce-scatter and (with a ``rank``) the two rank routes moves fewest bytes on the
+   weight's busiest rank, sized from the agreed counts and the real partition ranges (`_estimates`:
+   under ZeRO-2 a weight often lies in one rank's partition, and that rank receives every site's
+   factors); in ``rank``, the rank route ``rank_route`` names (by bytes where it is ``auto``);
+5. for a rank-dAD weight (``rank_route: allgather``), this site's local gradient plus its
+   error-feedback residual reduced to rank r, ``M_s ~= P_s Q_s^T`` (`codecs.sharded_rank
+   .ShardedRankCodec`: power iteration, warm start, residual), which is a sum of r outer products:
+   ``(P_s^T, Q_s^T)`` travel as r factor rows;
 6. one all-to-all (`codecs.partition_exact`) per run of weights, exact factors and rank-r rows
    alike; each rank rebuilds the covering rows of its range and keeps its elements, scaled as
    DeepSpeed scales its reduction. A rank d owning w rows of an ``m x n`` weight receives
-   ``sum_{s != d} r (n + w)`` for it in rank-dAD, ``sum_{s != d} N_s (n + w)`` for exact factors.
+   ``sum_{s != d} r (n + w)`` for it in rank-dAD, ``sum_{s != d} N_s (n + w)`` for exact factors;
+7. for a weight on PowerSGD's all-reduce route (``rank_route: allreduce``, or ``auto`` where it is
+   fewer bytes: from a few sites on, since rank-dAD's exchange grows with S and this one does
+   not), P and Q all-reduced, ``2 (S-1)/S r (m+n)`` per rank, and each rank rebuilds the covering
+   rows of its owned elements of ``P^ Q'^T`` (`sharded_rank.reduced_elements`).
 
 Every rank makes the same calls with the same parameters in the same order (DeepSpeed's buckets
-agree across ranks), so the collectives of steps 2, 3 and 6 match. The report of a backward
+agree across ranks), so the collectives of steps 2, 3, 6 and 7 match. The report of a backward
 (`last_step_report`) lists each parameter's bytes beside what DeepSpeed's reduce-scatter of it
 would move.
 
@@ -37,12 +42,10 @@ FSDP2; they are per rank, so ``save_checkpoint`` / ``load_checkpoint`` write and
 rank (`deepspeed_dad.checkpointing`). The residual is one unsharded ``m x n`` buffer per rank-routed
 weight (a site compresses its whole local gradient), what ZeRO saves by sharding gradients error
 feedback spends again; ``error_feedback_rank: q`` keeps its rank-q part (``q (m+n)`` numbers) and
-``error_feedback: false`` frees it. PowerSGD's all-reduce route
-(``rank_route: allreduce``) and an adaptive rank are refused under ZeRO-2/3.
+``error_feedback: false`` frees it. An adaptive rank is refused under ZeRO-2/3.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -50,8 +53,9 @@ import torch
 
 from dad_integrations import DADConfig
 from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
-from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, busiest_rank_bytes
-from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
+from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
+from dad_integrations.codecs.sharded_rank import RankItem, ShardedRankCodec, load_rank_route_state, reduced_elements
+from dad_integrations.costs import sharded_rank_allreduce_bytes
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.router import UnitShape, route, sharded_needs_counts
@@ -71,10 +75,6 @@ def check_zero(engine: Any, config: DADConfig) -> List[str]:
     zc = engine._config.zero_config
     opt = engine.optimizer
     problems: List[str] = []
-    if config.rank is not None and config.rank_route == "allreduce":
-        problems.append(f"dad.rank_route 'allreduce' (PowerSGD's shared power iteration) is not supported under "
-                        f"ZeRO-{stage}: rank-dAD's own factors go by the partition exchange; use 'allgather' or "
-                        f"'auto'")
     if config.adaptive_tolerance is not None:
         problems.append(f"dad.adaptive_tolerance is not supported under ZeRO-{stage} (ranks are padded to 'rank' "
                         f"so that no count exchange is needed); remove it")
@@ -129,10 +129,9 @@ class ZeroDAD(RankStateCheckpoints):
             unit.biases.clear()  # a bias is its own ZeRO partition element range: DeepSpeed reduces it
             self._unit_of[id(unit.param)] = unit
         self._codec = PartitionExactCodec(self._wire, device)
-        # rank routes: rank-dAD's all-gather route only, by the partition exchange (`_rank_item`)
-        self._route_config = (dataclasses.replace(config, rank_route="allgather") if config.rank is not None
-                              else config)
-        self._rank = ShardedRankCodec(self._route_config, self._wire) if config.rank is not None else None
+        # rank routes: rank-dAD's own factors by the partition exchange (`_rank_item`), PowerSGD's
+        # all-reduced P and Q rebuilt over each rank's owned elements (`_reduce_shared`)
+        self._rank = ShardedRankCodec(config, self._wire) if config.rank is not None else None
         self._rank_in_step = False
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
         # which it reduces in place: the send and receive buffers add at most about half a bucket
@@ -257,19 +256,27 @@ class ZeroDAD(RankStateCheckpoints):
             report.params.append(_overhead("dad.zero.counts", len(items), traffic))
         if items:
             items = self._verify(items, grads, by_key, report, dtype)
-        routed: List[PartitionItem] = []   # exact factors, or (rank routes) P_s^T and Q_s^T as rows
+        routed: List[PartitionItem] = []   # exact factors, or (rank-dAD) P_s^T and Q_s^T as rows
         ranked: Dict[int, Tuple[int, str]] = {}   # components sent, how M_s was reduced
+        shared: List[Tuple[PartitionItem, RankItem]] = []   # PowerSGD's all-reduce route
         for it in items:
-            decision = route(self._route_config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
+            busiest, mean = self._estimates(it, itemsize, self._wire or dtype)
+            decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
                              wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank() or None, sharded=True,
-                             step=self._steps - 1, estimates=self._estimates(it, itemsize, self._wire or dtype))
+                             step=self._steps - 1, estimates=busiest, ties=mean)
             if decision.representation == "exact":
                 routed.append(it)
             elif decision.representation == "rank":
                 item, components, method = self._rank_item(it, by_key[it.key], grads[it.key])
                 routed.append(item)
                 ranked[it.key] = (components, method)
+            elif decision.representation == "rank_allreduce":
+                shared.append((it, self._shared_item(it, by_key[it.key], grads[it.key])))
         delivered: Set[int] = set()
+        if shared:
+            for unit, rep in self._reduce_shared(shared, by_key, scale, dtype, itemsize, deliver):
+                delivered.add(id(unit.param))
+                report.params.append(rep)
         for chunk in _chunks(routed, self._chunk_bytes):
             # one all-to-all per chunk: a whole DeepSpeed bucket's factors at once would hold all of
             # their send and receive buffers together (1.25x ZeRO's own peak at 4096 rows per rank)
@@ -292,19 +299,25 @@ class ZeroDAD(RankStateCheckpoints):
                                                    dense=True))
         return delivered
 
-    def _estimates(self, it: PartitionItem, itemsize: int, wire: torch.dtype) -> Dict[str, float]:
-        """Each route's bytes for one weight on its busiest rank, from the real partition ranges (the
-        same on every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed,
-        and with a ``rank``, rank-dAD's r rows (`partition_exact.busiest_rank_bytes`)."""
+    def _estimates(self, it: PartitionItem, itemsize: int, wire: torch.dtype
+                   ) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
+        breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
+        while rank-dAD's other rank receives nothing), from the real partition ranges (the same on
+        every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed, and with
+        a ``rank``, rank-dAD's r rows (`partition_exact.exchange_bytes`) and PowerSGD's all-reduced
+        P and Q (alike on every rank)."""
         S = self._world
         numel = it.shape[0] * it.shape[1]
-        out = {"dense": float((S - 1) * -(-numel // S) * itemsize)}
+        dense = float((S - 1) * -(-numel // S) * itemsize)
+        busiest, mean = {"dense": dense}, {"dense": dense}
         if it.counts:
-            out["exact"] = float(busiest_rank_bytes(it.kinds, it.shape, it.counts, it.ranges, wire))
+            busiest["exact"], mean["exact"] = exchange_bytes(it.kinds, it.shape, it.counts, it.ranges, wire)
         if self._rank is not None:
             r = min(self.config.rank, *it.shape)
-            out["rank"] = float(busiest_rank_bytes(("linear",), it.shape, [[[r]]] * S, it.ranges, wire))
-        return out
+            busiest["rank"], mean["rank"] = exchange_bytes(("linear",), it.shape, [[[r]]] * S, it.ranges, wire)
+            busiest["rank_allreduce"] = mean["rank_allreduce"] = float(sharded_rank_allreduce_bytes(it.shape, r, wire, S))
+        return busiest, mean
 
     def _rank_item(self, it: PartitionItem, unit: FactorUnit, local: torch.Tensor
                    ) -> Tuple[PartitionItem, int, str]:
@@ -321,6 +334,39 @@ class ZeroDAD(RankStateCheckpoints):
         item = PartitionItem(it.key, ("linear",), it.shape, it.ranges, [(p.t(), q.t())])
         item.counts = [[[p.shape[1]]] for _ in range(self._world)]  # padded to r everywhere: no count exchange
         return item, components, ranked.method
+
+    def _shared_item(self, it: PartitionItem, unit: FactorUnit, local: torch.Tensor) -> RankItem:
+        """The all-reduce route's local half for one weight: ``M_s`` (local gradient plus residual)."""
+        m, n = it.shape
+        self._rank_in_step = True
+        self._rank.note_local(local)
+        return self._rank.local(unit, it.rows, lambda p, cdt: local.view(m, n).to(cdt), "rank_allreduce")
+
+    def _reduce_shared(self, shared: Sequence[Tuple[PartitionItem, RankItem]], by_key: Dict[int, FactorUnit],
+                       scale: float, dtype: torch.dtype, itemsize: int,
+                       deliver: Callable[[torch.nn.Parameter, torch.Tensor], None]
+                       ) -> List[Tuple[FactorUnit, ShardedParamReport]]:
+        """PowerSGD's exchange for the all-reduce-routed weights of one call (P all-reduced, made
+        orthonormal, Q all-reduced: ``2 (S-1)/S r (m+n)`` per rank, flat in S); each rank rebuilds
+        only the covering rows of its owned elements of ``scale P^ Q'^T`` and delivers those."""
+        me, S = self.aggregator.rank, self._world
+        ranges = {it.key: it.ranges[me] for it, _ in shared}
+
+        def owned(item: RankItem, basis: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            return reduced_elements(basis, q, *ranges[item.unit.index], scale)
+
+        results = self._rank.exchange([ri for _, ri in shared], self.aggregator, scale, self._steps - 1,
+                                      self._wire or dtype, rebuild=owned)
+        out = []
+        for (it, ri), res in zip(shared, results):
+            unit = by_key[it.key]
+            deliver(unit.param, res.shard)
+            rep = _param_report(unit.name, "rank_allreduce", it.shape, S, itemsize)
+            rep.rows = sum(left.shape[0] for left, _ in it.rows)
+            rep.components, rep.method = res.components, ri.method
+            rep.add_traffic(res.traffic)
+            out.append((unit, rep))
+        return out
 
     def _end_rank_step(self) -> None:
         """After a backward whose reductions took rank routes: keep its residuals and warm starts

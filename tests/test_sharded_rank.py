@@ -18,7 +18,8 @@ from dad_integrations.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.rank import RankCodec, WarmStart
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.codecs.sharded_exact import shard_span
-from dad_integrations.codecs.sharded_rank import ShardedRankCodec, gathered_shard, reduced_shard, row_blocks
+from dad_integrations.codecs.sharded_rank import (ShardedRankCodec, gathered_shard, reduced_elements, reduced_shard,
+                                                   row_blocks)
 from dad_integrations.config import DADConfig
 from dad_integrations.error_feedback import error_feedback_for
 from dad_integrations.report import ParamReport
@@ -134,6 +135,15 @@ def test_sliced_p_and_gathered_q_give_the_rows_of_the_unsharded_rebuild(m, n, wo
         _check_shard(reduced_shard(ps[0], qs[0], d, world, scale), scale * ps[0] @ qs[0].t(), d, world, 1e-12)
     for c in plan.captures:
         c.remove()
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 35), (3, 4), (4, 17), (10, 10), (30, 35), (5, 10)])
+def test_reduced_elements_are_the_flat_range_of_the_rebuild(lo, hi):
+    """A ZeRO partition's elements ``[lo, hi)`` of ``scale P^ Q'^T`` (7 x 5, cut mid-row too), from
+    the covering rows only."""
+    basis, q = torch.randn(7, 2, dtype=F64), torch.randn(5, 2, dtype=F64)
+    got = reduced_elements(basis, q, lo, hi, 0.5)
+    torch.testing.assert_close(got, (0.5 * basis @ q.t()).reshape(-1)[lo:hi], rtol=1e-12, atol=1e-12)
 
 
 def _step_both(route: str, unit, config: DADConfig, grads: List[torch.Tensor], steps: int):

@@ -89,6 +89,7 @@ log = logging.getLogger(__name__)
 
 ROUTES = ("rank", "rank_allreduce")
 LocalGrad = Callable[[nn.Parameter, torch.dtype], torch.Tensor]
+SharedRebuild = Callable[["RankItem", torch.Tensor, torch.Tensor], torch.Tensor]  # (item, P^, Q') -> its part
 
 
 def row_blocks(p: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -114,6 +115,16 @@ def reduced_shard(basis: torch.Tensor, q: torch.Tensor, rank: int, world_size: i
     """Rows ``a:b`` of ``scale * basis @ q^T``, the all-reduce route's rebuild of rank's shard."""
     a, b, _ = shard_span(rank, world_size, basis.shape[0])
     return (basis[a:b] * scale) @ q.t()
+
+
+def reduced_elements(basis: torch.Tensor, q: torch.Tensor, lo: int, hi: int, scale: float) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of the flattened ``scale * basis @ q^T`` from its covering rows only (a
+    ZeRO partition cuts a weight at any element)."""
+    n = q.shape[0]
+    if hi <= lo:
+        return basis.new_zeros(0)
+    first, last = lo // n, -(-hi // n)
+    return ((basis[first:last] * scale) @ q.t()).reshape(-1)[lo - first * n:hi - first * n]
 
 
 @dataclass
@@ -221,10 +232,12 @@ class ShardedRankCodec:
 
     # -- the collectives --------------------------------------------------------------------------
     def exchange(self, items: Sequence[RankItem], aggregator: FactorAggregator, scale: float, step: int,
-                 wire: torch.dtype) -> List[RankShard]:
+                 wire: torch.dtype, rebuild: Optional[SharedRebuild] = None) -> List[RankShard]:
         """Each item's shard (in ``items``' order). The all-gather route's units share one all-gather
         and one all-to-all, the all-reduce route's one all-reduce for P and one for Q; ``wire`` is
-        the dtype on the wire where the config sets none (the reduce-scatter's)."""
+        the dtype on the wire where the config sets none (the reduce-scatter's). ``rebuild(item,
+        P^, Q')`` gives an all-reduce-routed item's part of ``scale P^ Q'^T`` (default: this rank's
+        row block, `reduced_shard`; ZeRO's partitions take `reduced_elements`)."""
         if not items:
             return []
         wire = self.wire_dtype or wire
@@ -234,7 +247,7 @@ class ShardedRankCodec:
         finish = self._start_gather([items[i] for i in gather], aggregator, scale, step, wire) if gather else None
         if shared:  # its two rounds run while the all-gather route's collectives are in flight
             out.update(zip(shared, self._shared_power_iteration([items[i] for i in shared], aggregator, scale,
-                                                                step, wire)))
+                                                                step, wire, rebuild)))
         if finish is not None:
             out.update(zip(gather, finish()))
         return [out[i] for i in range(len(items))]
@@ -296,12 +309,15 @@ class ShardedRankCodec:
         return p, q, low.components
 
     def _shared_power_iteration(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
-                                wire: torch.dtype) -> List[RankShard]:
+                                wire: torch.dtype, rebuild: Optional[SharedRebuild]) -> List[RankShard]:
         """PowerSGD's two rounds for ``items``: P all-reduced, orthonormalised, Q all-reduced."""
         S, rank = agg.world_size, agg.rank
+        if rebuild is None:
+            def rebuild(it: RankItem, basis: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+                return reduced_shard(basis, q, rank, S, scale)
         ps = []
         for it in items:
-            n = it.unit.param.shape[1]
+            n = param_shape(it.unit.param)[1]  # ZeRO-3 empties p.data
             q0 = self.shared.initial(it.unit, n, it.rank, compute_dtype(it.unit.param), step)
             ps.append(it.local.mm(q0))
         p_flat = torch.cat([p.reshape(-1) for p in ps]).to(wire)
@@ -324,7 +340,7 @@ class ShardedRankCodec:
             self._pending.append((self.shared, it.unit, q_all, residual))
             traffic = (p_handle.traffic.share(p.numel() / p_flat.numel())
                        + q_handle.traffic.share(q_local.numel() / q_flat.numel()))
-            out.append(RankShard(reduced_shard(basis, q_all, rank, S, scale), traffic, it.rank))
+            out.append(RankShard(rebuild(it, basis, q_all), traffic, it.rank))
         return out
 
     def _residual(self, unit: FactorUnit, compensated: torch.Tensor, p: torch.Tensor, q: torch.Tensor):

@@ -162,7 +162,7 @@ def run_match(case: dict) -> dict:
             worst[n] = max(worst.get(n, 0.0), e)
         rep = att.last_step_report()
         reports.append({"totals": rep.totals, "params": [[p.name, p.representation, p.sent_bytes,
-                                                          p.reduce_scatter_bytes] for p in rep.params]})
+                                                          p.reduce_scatter_bytes, list(p.shape)] for p in rep.params]})
         ref.step()
         mine.step()
     a, b = full_params(ref), full_params(mine)
