@@ -129,6 +129,20 @@ class LowRankErrorFeedback(ErrorFeedback):
             super().load(name, residual, like)
 
 
+def sharded_residual_note(config, shapes, world_size: int, itemsize: int) -> Optional[str]:
+    """Under FSDP2 or ZeRO: what whole residuals would cost beside the gradient shards they sit
+    next to (``shapes`` the weights rank routes may take), and how to bound it; None where the
+    config keeps no whole residual (no rank, no error feedback, or ``error_feedback_rank``)."""
+    if config.rank is None or not config.error_feedback or config.error_feedback_rank is not None or not shapes:
+        return None
+    whole = sum(m * n for m, n in shapes) * itemsize
+    low = sum(min(16, m, n) * (m + n) if min(m, n) > 16 else m * n for m, n in shapes) * itemsize
+    return (f"error feedback keeps one whole residual per rank-routed weight on every rank: up to "
+            f"{whole / 2 ** 20:,.1f} MiB here, {world_size}x these weights' gradient shards "
+            f"({whole / world_size / 2 ** 20:,.1f} MiB); 'error_feedback_rank': 16 would keep "
+            f"{low / 2 ** 20:,.1f} MiB (part of its gain, see the README), 'error_feedback': false none")
+
+
 def error_feedback_for(config) -> ErrorFeedback:
     """The memory ``config`` asks for: dense, or rank ``error_feedback_rank``."""
     if config.error_feedback and config.error_feedback_rank is not None:

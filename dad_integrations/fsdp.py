@@ -58,6 +58,7 @@ from .checks import agree_factors_rebuild
 from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
 from .codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec, load_rank_route_state
 from .config import DADConfig
+from .error_feedback import sharded_residual_note
 from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
@@ -65,7 +66,7 @@ from .router import UnitShape, route, sharded_needs_counts
 from .sink import ShardSink, ShardSlot
 from .synchronizer import WIRE_DTYPES
 from .torch_distributed import TorchDistributedAggregator
-from .units import FactorUnit, build_plan
+from .units import FactorUnit, build_plan, param_shape
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,11 @@ class FSDPDADSynchronizer:
                     unit.biases.remove(b)
             self._unit_of[id(unit.param)] = unit
         self._committed = CommittedRows(list(self._unit_of.values()))  # see the module doc's last paragraph
+        units = list(self._unit_of.values())
+        note = sharded_residual_note(self.config, [param_shape(u.param) for u in units], dist.get_world_size(),
+                                     units[0].param.element_size() if units else 4)
+        if note is not None and dist.get_rank() == 0:  # said once, at attach: memory the user did not expect
+            log.warning("dAD/FSDP2: %s", note)
         self._installed = groups
         for module, pg in groups:
             self._install(module, pg)

@@ -56,6 +56,7 @@ from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECI
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
 from dad_integrations.codecs.sharded_rank import RankItem, ShardedRankCodec, load_rank_route_state, reduced_elements
 from dad_integrations.costs import sharded_rank_allreduce_bytes
+from dad_integrations.error_feedback import sharded_residual_note
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.router import UnitShape, route, sharded_needs_counts
@@ -163,6 +164,11 @@ class ZeroDAD(RankStateCheckpoints):
         if self.aggregator.rank == 0:
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
                      self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")
+            units = self.plan.units
+            note = sharded_residual_note(config, [param_shape(u.param) for u in units], world_size,
+                                         units[0].param.element_size() if units else 4)
+            if note is not None:
+                log.warning("dAD/ZeRO-%d: %s", self.zero_stage, note)
 
     # -- public ---------------------------------------------------------------------------------
     @property
