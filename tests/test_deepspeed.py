@@ -57,11 +57,11 @@ ERRORS = {
     "err-bad-mode": ({"dad": {"mode": "fast"}}, "'mode'"),
     "err-bad-enabled": ({"dad": {"enabled": "yes"}}, "'enabled'"),
     "err-rank-missing": ({"dad": {"mode": "rank"}}, "'rank'"),
-    # ZeRO-2/3 themselves are tested in test_zero.py; there PowerSGD's all-reduce route is refused
-    "err-zero2-rank-allreduce": ({"stage": 2, "dad": {"mode": "rank", "rank": 2, "rank_route": "allreduce"}},
-                                 "rank_route 'allreduce'"),
-    "err-zero3-rank-allreduce": ({"stage": 3, "dad": {"mode": "auto", "rank": 2, "rank_route": "allreduce"}},
-                                 "rank_route 'allreduce'"),
+    # ZeRO-2/3 themselves are tested in test_zero.py; there an adaptive rank is refused
+    "err-zero2-adaptive-rank": ({"stage": 2, "dad": {"mode": "rank", "rank": 2, "adaptive_tolerance": 0.9}},
+                                "adaptive_tolerance"),
+    "err-zero3-adaptive-rank": ({"stage": 3, "dad": {"mode": "auto", "rank": 2, "adaptive_tolerance": 0.9}},
+                                "adaptive_tolerance"),
     "err-wire-contradiction": ({"dad": {"mode": "exact", "wire_dtype": "float16"},
                                 "ds": {"communication_data_type": "bf16"}}, "contradictory"),
     "err-comm-fp32-bf16": ({"dad": EXACT, "ds": {"bf16": {"enabled": True}, "communication_data_type": "fp32"}},
