@@ -306,21 +306,3 @@ def test_a_non_finite_step_leaves_residuals_and_warm_starts_untouched(route, ef_
         assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])     # step 1 left no trace
         assert any(not torch.equal(states[1][k], states[2][k]) for k in states[1])  # step 2 moved on
 
-
-@pytest.mark.parametrize("route", ["rank", "rank_allreduce"])
-def test_low_rank_error_feedback_at_full_rank_is_the_whole_residual(route):
-    """``error_feedback_rank >= min(m, n)`` keeps the residual exactly: three steps give the shards
-    and residuals of whole-residual error feedback to round-off."""
-    m, n, world = 7, 5, 3
-    unit, plan = _unit("linear", m, n, 2)
-    grads = [_local_grads(world, m, n, step) for step in range(3)]
-    kw = dict(mode="rank", rank=2, rank_route="allgather" if route == "rank" else "allreduce")
-    whole = _step_both(route, unit, DADConfig(**kw), grads, steps=3)
-    low = _step_both(route, unit, DADConfig(**kw, error_feedback_rank=n), grads, steps=3)
-    for rank in range(world):
-        for (full, shard, residual, _), (full_l, shard_l, residual_l, _) in zip(whole[rank], low[rank]):
-            torch.testing.assert_close(shard_l, shard, rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(full_l, full, rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(residual_l, residual, rtol=1e-9, atol=1e-9)
-    for c in plan.captures:
-        c.remove()

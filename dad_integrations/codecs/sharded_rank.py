@@ -136,7 +136,7 @@ class RankItem:
     local: LocalGradient     # M_s, plus the residual where error feedback is on
     method: str              # how M_s is held and reduced: "dense", "factors", "svd"
     rank: int                # r = min(config.rank, m, n)
-    finite: bool
+    finite: bool             # read by the all-gather route only (True for the all-reduce route)
 
 
 @dataclass
@@ -223,11 +223,12 @@ class ShardedRankCodec:
                 method = "factors" if costs["factors"] < costs["dense"] else "dense"
         if method == "dense":
             local = LocalGradient(dense=self.memory.compensate(unit.name, local_grad(p, cdt)))
-            finite = bool(torch.isfinite(local.dense).all())
         else:
             local = LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
                                   right=_cat([right.to(cdt) for _, right in rows]))
-            finite = bool(torch.isfinite(local.left).all()) and bool(torch.isfinite(local.right).all())
+        # only the all-gather route reads it (a site's own reduction must not run on NaN); the
+        # all-reduce route spreads a NaN by itself, and the check is a host sync per weight on a GPU
+        finite = _finite(local) if representation == "rank" else True
         return RankItem(unit, representation, local, method, r, finite)
 
     # -- the collectives --------------------------------------------------------------------------
@@ -363,6 +364,11 @@ class ShardedRankCodec:
             self.warm.load(name, s.get("warm_q"), like)
             self.shared.load(name, s.get("shared_q"), like)
             self.memory.load(name, s.get("residual"), like)
+
+
+def _finite(local: LocalGradient) -> bool:
+    tensors = (local.dense,) if local.dense is not None else (local.left, local.right)
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def load_rank_route_state(codec: Optional[ShardedRankCodec], routes: Dict[str, dict],
