@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Tuple
 
@@ -16,6 +17,15 @@ MODES = ("exact", "rank", "auto")
 RANK_ROUTES = ("auto", "allgather", "allreduce")
 WIRE_DTYPES = (None, "float16", "bfloat16")
 LAYER_KINDS = ("linear", "conv1d", "embedding")
+OBJECTIVES = ("time", "bytes")
+# the objective of a config that names none; a job (or a test suite whose assertions are about bytes)
+# can set it for every engine at once without editing configs
+OBJECTIVE_ENV = "DAD_OBJECTIVE"
+
+
+def default_objective() -> str:
+    """``$DAD_OBJECTIVE`` where it is set (checked in `DADConfig.validate`), else ``"time"``."""
+    return os.environ.get(OBJECTIVE_ENV, "time")
 
 
 def _reject_unknown_keys(cls: type) -> type:
@@ -88,6 +98,20 @@ class DADConfig:
             all-reduces its first ``start_powerSGD_iter`` steps. In the 60-step quick-start job 2
             such steps brought dAD's final loss from 2.7880 to 2.7516 (PowerSGD's 2.7544, same
             bytes); over 300 GPT-2 steps of the convergence benchmark they did not help. Default 0.
+        objective: what auto minimises per weight. ``"time"`` (the default; ``$DAD_OBJECTIVE``
+            changes it for configs that do not name one): the predicted seconds of each route, its
+            local compute (`compute_model`) plus its wire time on the job's link (`link`), so
+            that on a fast link weights go dense (and stop being captured) and the predicted step
+            is never slower than all-reduce's. ``"bytes"``: the fewest bytes, with the guarantee
+            of never sending more than PyTorch's PowerSGD hook at rank ``rank``.
+        link: the link model for ``objective="time"``: None measures it on the job's own group at
+            attach (and again every ``route_refresh_steps``); a dict states it, for planning and
+            tests: ``{"bandwidth": "10gbit", "latency_us": 20}`` (bandwidth as ``"<n>gbit"``,
+            ``"<n>mbit"`` or bytes per second, per rank and direction), optionally per collective
+            kind: ``{"all_reduce": {...}, "all_gather": {...}, "all_to_all": {...}}``.
+        route_refresh_steps: under ``objective="time"``, every this many steps the link is measured
+            again (where it is not stated), every weight's row counts are exchanged and its route
+            is chosen again, identically on every rank.
     """
 
     mode: str = "auto"
@@ -104,6 +128,9 @@ class DADConfig:
     verify_first_step: bool = True
     rank_route: str = "auto"
     lossless_steps: int = 0
+    objective: str = dataclasses.field(default_factory=default_objective)
+    link: Optional[Mapping[str, Any]] = None
+    route_refresh_steps: int = 200
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
@@ -139,6 +166,15 @@ class DADConfig:
         if self.rank_route == "allreduce" and tol is not None:
             raise ValueError("dad config key 'adaptive_tolerance': an adaptive rank applies to each site's own "
                              "factors (rank_route 'allgather' or 'auto'), not to the shared all-reduce")
+        if self.objective not in OBJECTIVES:
+            source = f" (from ${OBJECTIVE_ENV})" if os.environ.get(OBJECTIVE_ENV) == self.objective else ""
+            raise ValueError(f"dad config key 'objective': {self.objective!r}{source} is not one of {OBJECTIVES}")
+        if _not_int(self.route_refresh_steps) or self.route_refresh_steps < 1:
+            raise ValueError("dad config key 'route_refresh_steps': must be an integer >= 1, "
+                             f"got {self.route_refresh_steps!r}")
+        if self.link is not None:
+            from .link import LinkModel  # validates and names the bad sub-key
+            LinkModel.from_spec(self.link)
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
         for key in ("layer_kinds", "exclude"):
@@ -165,6 +201,7 @@ class DADConfig:
         out = dataclasses.asdict(self)
         out["layer_kinds"] = list(self.layer_kinds)
         out["exclude"] = list(self.exclude)
+        out["link"] = None if self.link is None else dict(self.link)
         return out
 
 

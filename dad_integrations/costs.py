@@ -68,6 +68,11 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
     return out
 
 
+def all_to_all_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends in an all-to-all of ``nbytes``: all blocks but its own."""
+    return (world_size - 1) / world_size * nbytes
+
+
 def reduce_scatter_bytes(shape: Sequence[int], world_size: int, itemsize: int) -> float:
     """Bytes one rank sends in FSDP2's reduce-scatter of one parameter's gradient: ``S - 1`` of its
     ``S`` chunks of ``ceil(shape[0] / S)`` rows (dim 0 padded to ``S`` equal chunks)."""

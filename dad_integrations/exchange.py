@@ -30,8 +30,10 @@ from .config import DADConfig
 from .error_feedback import error_feedback_for
 from .layers import Rows, compute_dtype, concat_rows
 from .report import ParamReport, StepReport
-from .router import RowCounts, UnitShape, route
+from .router import Route, RowCounts, UnitShape, route
 from .sink import GradSink
+from .link import probe_link
+from .timing import StepTiming, build_timing
 from .units import FactorUnit, SyncPlan
 from .window import StepWindow
 
@@ -62,8 +64,45 @@ class Exchanger:
         self.rank = RankCodec(config, wire_dtype, self.memory, self.warm) if lossy else None
         self.rank_allreduce = RankAllReduceCodec(config, wire_dtype, self.memory) if lossy else None
         self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
+        self.last_route: Dict[int, str] = {}       # unit index -> representation of its last step
         self.closed = False
         self._finite = True  # every synchronised result of the step so far is finite
+        self._flushed: List[Tuple[str, object]] = []  # residuals flushed this step (restored if it is not finite)
+        # objective "time": the agreed link and compute models (measured at attach: a collective)
+        self.timing: Optional[StepTiming] = (
+            build_timing(config, {tuple(u.param.shape) for u in plan.units}, aggregator, device,
+                         dtype=plan.units[0].param.dtype) if plan.units else None)
+
+    def refresh_due(self, step: int) -> bool:
+        """Whether step ``step`` chooses every route again (objective ``"time"``): every
+        ``route_refresh_steps``, and when the lossless steps end (not step 0, which exchanges
+        every unit's sizes anyway)."""
+        return self.timing is not None and step > 0 and (step % self.config.route_refresh_steps == 0
+                                                         or step == self.config.lossless_steps)
+
+    def _held_route(self, unit: FactorUnit, step: int, verify: bool) -> Optional[str]:
+        """By time, a unit keeps the route of the last refresh until the next (the models may have
+        changed in between: routes change together, at a refresh, on every rank)."""
+        if self.timing is None or verify or self.refresh_due(step) or unit.dense_only:
+            return None
+        return self.last_route.get(unit.index)
+
+    def set_link(self, link) -> None:
+        """Route by ``link`` (a `link.LinkModel`, the same on every rank) from the next refresh on."""
+        if self.timing is not None:
+            self.timing = StepTiming(link, self.timing.compute)
+
+    def _prepare_refresh(self, next_step: int) -> None:
+        """Before a refresh step: measure the link again (where it is not stated) and capture every
+        unit's rows in that step, so that exact factors are a candidate again."""
+        if not self.refresh_due(next_step):
+            return
+        if self.config.link is None:
+            self.set_link(probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather")))
+        for u in self.plan.units:
+            if u.rows_unused and not u.dense_only:
+                u.rows_unused = False
+                u.update_capture()
 
     def run(self, window: StepWindow, sink: GradSink, *, step: int, verify: bool, prescale: float,
             postscale: Optional[float]) -> StepReport:
@@ -110,9 +149,15 @@ class Exchanger:
         finite = allreduce_dense(self.plan.dense + dense, self.aggregator, sink,
                                  bucket_cap_mb=self.config.bucket_cap_mb, wire_dtype=self.wire_dtype,
                                  account=account, prescale=prescale, postscale=postscale)
+        keep = finite and self._finite
         if self.rank is not None:
-            self.rank.commit(keep=finite and self._finite)
-            self.rank_allreduce.commit(keep=finite and self._finite)
+            self.rank.commit(keep=keep)
+            self.rank_allreduce.commit(keep=keep)
+        flushed, self._flushed = self._flushed, []
+        if not keep:  # a skipped step: the residuals it flushed are still owed
+            for name, residual in flushed:
+                self.memory.keep(name, residual)
+        self._prepare_refresh(step + 1)
         return StepReport(step, s, list(report.values()))
 
     def _note(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -139,17 +184,28 @@ class Exchanger:
         counts = [int(r[0].shape[0]) for r in rows]
         wire = self.wire_dtype or p.dtype
         shape = UnitShape(tuple(unit.kinds), (m, n), unit.bias_numel, p.dtype)
-        decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify, dense_only=unit.dense_only,
-                         last_rows=self.last_rows.get(unit.index), step=step)
+        sticky = self._held_route(unit, step, verify)
+        if sticky is not None:  # by time, between refreshes: the route chosen at the last one
+            decision = Route(sticky, sticky == "exact")
+        else:
+            decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify, dense_only=unit.dense_only,
+                             last_rows=self.last_rows.get(unit.index), step=step, timing=self.timing,
+                             refresh=self.refresh_due(step))
         traffic = Traffic()
         rows_by_rank = None
         if decision.exchange_sizes:
             ok = unit.dense_only or not verify or factors_rebuild_local_grad(unit, rows, sink)
             rows_by_rank, traffic = self._agree(unit, ok, counts)
             self.last_rows[unit.index] = rows_by_rank
-            decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify,
-                             dense_only=unit.dense_only, rows_by_rank=rows_by_rank, step=step)
+            if sticky is None or unit.dense_only:
+                decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify,
+                                 dense_only=unit.dense_only, rows_by_rank=rows_by_rank, step=step,
+                                 timing=self.timing, current=self.last_route.get(unit.index))
         rep = decision.representation
+        flush = self._flush_residual(unit, rep)
+        self.last_route[unit.index] = rep
+        if flush:
+            rep = "dense"  # it carries the residual this step; its route applies from the next
 
         entry = ParamReport(unit.name, rep, (m, n), rows=sum(counts),
                             max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0,
@@ -197,8 +253,30 @@ class Exchanger:
             # sticky prediction), and it reduces from the dense gradient: its rows are of no use,
             # so stop capturing them (saves the hooks' work; reports show 0 rows from then on)
             unit.stop_using_rows()
+        elif rep == "dense" and self.timing is not None and not unit.rows_unused and not verify:
+            # routed by time and dense until the next refresh: capture nothing, so that a step whose
+            # every unit goes dense costs what DDP's does (rows come back before the refresh)
+            unit.stop_using_rows()
         entry.add_traffic(traffic)
         return finish
+
+    def _flush_residual(self, unit: FactorUnit, rep: str) -> bool:
+        """A unit leaving a rank route: add its error-feedback residual to its local gradient, so
+        that the next dense step sends it (the average then carries the mean residual, what the
+        ranks still owed); returns whether it did. Every rank took the same last route, so every
+        rank flushes alike."""
+        if rep in ("rank", "rank_allreduce") or self.last_route.get(unit.index) not in ("rank", "rank_allreduce"):
+            return False
+        residual = self.memory.dense(unit.name) if self.memory.enabled else None
+        if residual is None:
+            return False
+        self._flushed.append((unit.name, self.memory.residuals.pop(unit.name)))
+        p = unit.param
+        if p.grad is None:
+            p.grad = residual.to(p.dtype).clone()
+        else:
+            p.grad.add_(residual.to(p.grad.dtype))
+        return True
 
     def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> Tuple[List[List[int]], Traffic]:
         """Exchange every rank's row counts and first-step check; returns the counts by rank."""

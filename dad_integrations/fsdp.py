@@ -63,6 +63,7 @@ from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
 from .router import UnitShape, route, sharded_needs_counts
+from .timing import LazyTiming
 from .sink import ShardSink, ShardSlot
 from .synchronizer import WIRE_DTYPES
 from .torch_distributed import TorchDistributedAggregator
@@ -131,6 +132,7 @@ class FSDPDADSynchronizer:
         self._fp_of = {id(fp.sharded_param): (pg, fp) for _, pg in groups for fp in pg.fsdp_params}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self.plan = build_plan(model, self.config)
+        self._timing = LazyTiming(self.config, (param_shape(u.param) for u in self.plan.units))
         self._unit_of: Dict[int, FactorUnit] = {}
         for unit in self.plan.units:
             reason = self._unsupported(unit.param)
@@ -284,12 +286,13 @@ class FSDPDADSynchronizer:
         # them and as the reduce-scatter and the rank routes send (not in the sharded parameters'
         # dtype: fp32 factors on the wire under a bf16 policy, counted as bf16 by auto)
         codec = ShardedExactCodec(self._wire or inp.dtype, inp.device)
+        timing = self._timing.get(agg, inp.device, report.step - 1) if units else None
         covered, ranked = set(), []
         for unit in units:
             biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]
             shape = UnitShape(tuple(unit.kinds), tuple(unit.param.shape), sum(b.shape[0] for b in biases), inp.dtype)
             decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts.get(unit.index),
-                             sharded=True, step=report.step - 1)
+                             sharded=True, step=report.step - 1, timing=timing)
             if decision.representation in RANK_ROUTES:
                 ranked.append(self.rank_codec.local(unit, rows[unit.index], sink.local_grad, decision.representation))
                 continue  # exchanged together below; biases stay on FSDP's reduce-scatter

@@ -74,7 +74,7 @@ def use_rows(capture, tokens: int, positions: int) -> int:
 
 def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str, rank: Optional[int],
                  rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
-                 powersgd_rank: Optional[int] = None) -> StepPlan:
+                 powersgd_rank: Optional[int] = None, timing=None) -> StepPlan:
     """Bytes one rank sends per unit in a steady-state step of ``mode`` (the router's decision from
     the counts of the unit's last size exchange), with ``tokens`` rows per captured call.
 
@@ -82,9 +82,12 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
     the dense buckets, as the synchroniser sends them (a step where every rank has every gradient
     needs no flags: `codecs.dense`). ``powersgd_rank``
     (default ``rank``) adds PyTorch's PowerSGD hook per parameter; None when neither is set.
+    With a ``timing`` (`timing.StepTiming`), routes are chosen by predicted time (objective
+    ``"time"``), else by bytes.
     """
     s, item = world_size, dtype.itemsize
-    config = DADConfig(mode=mode, rank=rank, rank_route=rank_route)
+    config = DADConfig(mode=mode, rank=rank, rank_route=rank_route,
+                       objective="time" if timing is not None else "bytes")
     psgd_rank = powersgd_rank if powersgd_rank is not None else rank
 
     def psgd(params) -> Optional[float]:
@@ -103,10 +106,10 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype)
         use = [use_rows(c, tokens, positions) for c in u.uses]
         rows_by_rank = [use] * s
-        decision = route(config, shape, world_size=s, wire_dtype=dtype, last_rows=rows_by_rank)
+        decision = route(config, shape, world_size=s, wire_dtype=dtype, last_rows=rows_by_rank, timing=timing)
         exchange = decision.exchange_sizes
         if decision.representation is None:  # decided on this step's counts, the same in steady state
-            decision = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank)
+            decision = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank, timing=timing)
         rep = decision.representation
         est = unit_estimates(config, shape, rows_by_rank, s, dtype)
         counts[rep] += 1
@@ -267,8 +270,9 @@ def max_positions(config) -> Optional[int]:
 
 def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
                mode: str = "auto", rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
-               positions: Optional[int] = None) -> StepPlan:
-    """`steady_state` for ``model`` (its plan built, its capture hooks removed)."""
+               positions: Optional[int] = None, timing=None) -> StepPlan:
+    """`steady_state` for ``model`` (its plan built, its capture hooks removed); by predicted time
+    with a ``timing``."""
     if mode == "rank" and not rank:
         raise ValueError("--mode rank needs a rank (--rank >= 1)")
     dad_rank = rank if rank and mode != "exact" else None
@@ -277,7 +281,8 @@ def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank
         c.remove()  # only the plan is needed, not the hooks
     seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
     return steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
-                        rank=dad_rank, rank_route=rank_route, dtype=dtype, powersgd_rank=rank or None)
+                        rank=dad_rank, rank_route=rank_route, dtype=dtype, powersgd_rank=rank or None,
+                        timing=timing)
 
 
 # -- output -------------------------------------------------------------------------------------------
@@ -360,6 +365,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--sharded", action="store_true",
                    help="plan for FSDP2 (each rank keeps a shard; the baseline is a reduce-scatter)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--bandwidth", help="a link to predict step time on, e.g. 10gbit, 100mbit (per rank); "
+                                       "routes are then chosen by time, as objective 'time' does")
+    p.add_argument("--latency-us", type=float, default=0.0, help="the link's latency per collective call")
+    p.add_argument("--compute-device", default="cpu",
+                   help="where the routes' local compute is measured for the model's weight shapes "
+                        "(cpu, cuda, ...), or none to count no compute")
     args = p.parse_args(argv)
     if args.sites < 2 or args.tokens_per_rank < 1 or args.rank < 0:
         p.error("need --sites >= 2, --tokens-per-rank >= 1, --rank >= 0")
@@ -372,19 +383,55 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         step = planner(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
                           mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
                           positions=max_positions(cfg))
+        timed = None
+        if args.bandwidth is not None:
+            if args.sharded:
+                raise ValueError("--bandwidth: the step-time prediction covers unsharded plans only")
+            timed = _time_plan(args, model, cfg, step)
     except ValueError as e:
         p.error(str(e))
     if args.json:
         out = {"model": args.model, "sites": args.sites, "tokens_per_rank": args.tokens_per_rank,
                "sharded": args.sharded, "rank": args.rank, "mode": args.mode, "rank_route": args.rank_route, "dtype": args.dtype,
                **asdict(step)}
+        if timed is not None:
+            out["time"] = asdict(timed[0])
+            out["time"]["by_time"] = asdict(timed[1])
         print(json.dumps(out, indent=1))
     else:
         header = (f"{args.model}: {args.sites} sites, {args.tokens_per_rank} tokens per rank, mode {args.mode}, "
                   f"rank {args.rank or '-'}, rank route {args.rank_route}, {args.dtype}"
                   f"{', sharded (FSDP2)' if args.sharded else ''}; MB one rank sends per steady-state step")
         print((render_sharded if args.sharded else render)(step, header))
+        if timed is not None:
+            from .plan_time import render_time
+            print()
+            print(render_time(timed[0], timed[2], timed[3]))
     return 0
+
+
+def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan):
+    """The plan by predicted time on the stated link: (time plan, the steady state by time, link, note)."""
+    from .compute_model import ComputeModel, measure_compute
+    from .link import LinkModel, parse_bandwidth
+    from .plan_time import time_plan
+    from .timing import StepTiming
+
+    link = LinkModel.uniform(parse_bandwidth(args.bandwidth), args.latency_us * 1e-6)
+    rank = args.rank if args.rank and args.mode != "exact" else None
+    if args.compute_device == "none":
+        compute, note = ComputeModel(), "no compute counted"
+    else:
+        shapes = {tuple(r.shape) for r in by_bytes.units}
+        compute = measure_compute(shapes, rank=rank, world_size=args.sites, iterations=DADConfig.power_iterations,
+                                  error_feedback=DADConfig.error_feedback, device=torch.device(args.compute_device),
+                                  dtype=DTYPES[args.dtype])
+        note = f"compute measured on {args.compute_device}"
+    timing = StepTiming(link, compute)
+    by_time = plan_model(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
+                         mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
+                         positions=max_positions(cfg), timing=timing)
+    return time_plan(by_time, timing, sites=args.sites, compressed=by_bytes), by_time, link, note
 
 
 if __name__ == "__main__":

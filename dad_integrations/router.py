@@ -55,11 +55,13 @@ import torch
 
 from .config import DADConfig
 from .costs import estimate_bytes, sharded_estimate_bytes, size_exchange_bytes
+from .timing import StepTiming
 
 # ties go to the earlier: lossless and simplest first, then the rank-r all-reduce (see above)
 REPRESENTATIONS = ("dense", "exact", "rank_allreduce", "rank")
 RANK_ROUTES = {"allgather": ("rank",), "allreduce": ("rank_allreduce",), "auto": ("rank", "rank_allreduce")}
 RowCounts = Sequence[Sequence[int]]           # by rank, by use
+SWITCH_MARGIN = 0.25  # by time, a unit changes route only for a predicted gain above this share
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ class Route:
 def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
           first_step: bool = False, dense_only: bool = False, rows_by_rank: Optional[RowCounts] = None,
           last_rows: Optional[RowCounts] = None, sharded: bool = False, step: Optional[int] = None,
-          estimates: Optional[Dict[str, float]] = None, ties: Optional[Dict[str, float]] = None) -> Route:
+          estimates: Optional[Dict[str, float]] = None, ties: Optional[Dict[str, float]] = None,
+          timing: Optional[StepTiming] = None, refresh: bool = False, current: Optional[str] = None) -> Route:
     """The route of one unit.
 
     Args:
@@ -106,6 +109,14 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
             (ZeRO's partitions, `deepspeed_dad.zero`).
         ties: with ``estimates``, agreed bytes that break their ties before the order of
             `REPRESENTATIONS` does (ZeRO: estimates on the busiest rank, ties by the mean over ranks).
+        timing: the agreed link and compute models; with ``config.objective == "time"`` the
+            decision is by predicted seconds (`timing.StepTiming.route_seconds`) instead of bytes,
+            the bytes breaking ties.
+        refresh: a step on which ``objective="time"`` chooses every route again: sizes are
+            exchanged, as on the first step.
+        current: the unit's route so far; by time, it is kept unless another is predicted faster
+            by more than `SWITCH_MARGIN` (a switch must pay for the noise of the measurements
+            and for the residual it flushes).
     """
     if step is not None and step < config.lossless_steps and config.rank is not None:
         config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
@@ -114,21 +125,30 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
     rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
     if dense_only:
         return Route("dense", first_step)
+    timed = timing if config.objective == "time" else None
+
+    def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], size_exchange: bool = False) -> str:
+        est = given if given is not None else unit_estimates(config, unit, rows, world_size, wire_dtype, sharded=sharded)
+        if size_exchange:
+            est = dict(est, exact=est["exact"] + size_exchange_bytes(len(unit.kinds), world_size))
+        if timed is None:
+            return choose(mode, est, rank_allowed=rank_allowed, rank_route=rank_route, ties=ties)
+        seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
+                                      world_size=world_size, sharded=sharded, size_exchange=size_exchange)
+        best = choose(mode, seconds, rank_allowed=rank_allowed, rank_route=rank_route, ties=est)
+        if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
+            if choose(mode, {**seconds, current: -1.0}, rank_allowed=rank_allowed, rank_route=rank_route) == current:
+                return current  # still allowed, and not worth a switch
+        return best
+
     if config.mode == "rank" and rank_allowed:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size
-        if estimates is None:
-            estimates = unit_estimates(config, unit, no_rows, world_size, wire_dtype, sharded=sharded)
-        return Route(choose("rank", estimates, rank_allowed=True, rank_route=rank_route, ties=ties), first_step)
+        return Route(decide("rank", no_rows, estimates), first_step)
     if rows_by_rank is not None:
-        if estimates is None:
-            estimates = unit_estimates(config, unit, rows_by_rank, world_size, wire_dtype, sharded=sharded)
-        return Route(choose(config.mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route, ties=ties),
-                     True)
-    if first_step or config.mode == "exact" or last_rows is None:
+        return Route(decide(config.mode, rows_by_rank, estimates), True)
+    if first_step or refresh or config.mode == "exact" or last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)
-    estimates = unit_estimates(config, unit, last_rows, world_size, wire_dtype, sharded=sharded)
-    estimates["exact"] += size_exchange_bytes(len(unit.kinds), world_size)
-    predicted = choose(config.mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route)
+    predicted = decide(config.mode, last_rows, None, size_exchange=True)
     if predicted != "exact":
         return Route(predicted, False)  # no counts needed
     return Route(None, True)            # exact predicted: refresh the counts, decide on them

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Callable, Iterator, List, Mapping, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from .sink import BucketViewSink, GradSink
 from .units import FactorUnit, build_plan
 from .window import StepWindow
 from .worker import Worker
+
+if TYPE_CHECKING:
+    from .link import LinkModel
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +182,19 @@ class DADSynchronizer:
     def last_step_report(self) -> Optional[StepReport]:
         """Per parameter: representation, rows, bytes handed/sent/received, and totals."""
         return self._report
+
+    def set_link(self, link: Union["LinkModel", Mapping]) -> None:
+        """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; pass the same on every
+        rank) from the next route refresh on (every ``route_refresh_steps``), in place of the
+        measured or configured one; with ``objective="bytes"`` it has no effect."""
+        from .link import LinkModel
+        self._exchanger.set_link(LinkModel.from_spec(link))
+
+    @property
+    def timing(self):
+        """The link and compute models routes are chosen by (`timing.StepTiming`); None where the
+        objective is bytes."""
+        return self._exchanger.timing
 
     @property
     def units(self) -> List[FactorUnit]:

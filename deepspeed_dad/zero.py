@@ -60,6 +60,7 @@ from dad_integrations.error_feedback import sharded_residual_note
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.router import UnitShape, route, sharded_needs_counts
+from dad_integrations.timing import LazyTiming
 from dad_integrations.synchronizer import WIRE_DTYPES
 from dad_integrations.units import FactorUnit, build_plan, param_shape
 
@@ -134,6 +135,7 @@ class ZeroDAD(RankStateCheckpoints):
         # all-reduced P and Q rebuilt over each rank's owned elements (`_reduce_shared`)
         self._rank = ShardedRankCodec(config, self._wire) if config.rank is not None else None
         self._rank_in_step = False
+        self._timing = LazyTiming(config, (param_shape(u.param) for u in self.plan.units))
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
         # which it reduces in place: the send and receive buffers add at most about half a bucket
         bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
@@ -265,11 +267,12 @@ class ZeroDAD(RankStateCheckpoints):
         routed: List[PartitionItem] = []   # exact factors, or (rank-dAD) P_s^T and Q_s^T as rows
         ranked: Dict[int, Tuple[int, str]] = {}   # components sent, how M_s was reduced
         shared: List[Tuple[PartitionItem, RankItem]] = []   # PowerSGD's all-reduce route
+        timing = self._timing.get(self.aggregator, self._codec.device, self._steps - 1) if items else None
         for it in items:
             busiest, mean = self._estimates(it, itemsize, self._wire or dtype)
             decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
                              wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank() or None, sharded=True,
-                             step=self._steps - 1, estimates=busiest, ties=mean)
+                             step=self._steps - 1, estimates=busiest, ties=mean, timing=timing)
             if decision.representation == "exact":
                 routed.append(it)
             elif decision.representation == "rank":

@@ -1,0 +1,230 @@
+"""The link model: how long one collective of a given kind and size takes on the job's group.
+
+Per collective kind, the classic ``t = alpha + bytes / beta`` (Hockney's model): ``alpha`` the
+latency of one call, ``beta`` the bandwidth one rank sees. ``bytes`` is what the cost model
+(`costs`) counts for the call on one rank (``2 (S-1)/S n`` for a ring all-reduce of ``n`` bytes,
+``(S-1) n`` for an all-gather), so a fitted ``beta`` folds the algorithm's own factors in and
+the model predicts what the router weighs, not a wire rate.
+
+Kinds: ``"all_reduce"`` (dense buckets, PowerSGD's P and Q), ``"all_gather"`` (exact and rank-r
+factors, size exchanges) and ``"all_to_all"`` (the sharded codecs' slices; FSDP2's and ZeRO's
+reduce-scatter, the sharded dense baseline, is timed as one too).
+
+Where it comes from (`probe_link`): a few collectives of each kind and two sizes, timed on the
+job's own group at attach and again every ``route_refresh_steps``, fitted per kind, and agreed
+across ranks by taking the slowest rank's figures (an all-gather of them), so every rank decides
+alike. A config's ``link`` states it instead (`LinkModel.from_spec`), for planning and tests.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Sequence, Tuple
+
+import torch
+
+from .aggregator import FactorAggregator
+
+log = logging.getLogger(__name__)
+
+KINDS = ("all_reduce", "all_gather", "all_to_all")
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+# probe sizes in bytes: one small call for the latency, one large enough for the bandwidth
+PROBE_BYTES = (4 * 2 ** 10, 1 * 2 ** 20)
+PROBE_REPS = 3
+
+
+def parse_bandwidth(value: Any) -> float:
+    """Bytes per second from ``"10gbit"``, ``"100mbit"``, ``"1.5GB/s"``-like strings or a number
+    (already bytes per second)."""
+    if isinstance(value, bool):
+        raise ValueError(f"bandwidth must be a number or a string like '10gbit', got {value!r}")
+    if isinstance(value, (int, float)):
+        out = float(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|b|byte|bytes)?(?:/s|ps)?\s*",
+                         value.lower())
+        if not m or (m.group(3) is None and m.group(2)):
+            raise ValueError(f"bandwidth {value!r}: write e.g. '10gbit', '100mbit', '2GB/s' or bytes per second")
+        scale = _UNITS[m.group(2)]
+        out = float(m.group(1)) * scale / (8.0 if m.group(3) == "bit" else 1.0)
+    else:
+        raise ValueError(f"bandwidth must be a number or a string like '10gbit', got {value!r}")
+    if not out > 0 or out == float("inf"):
+        raise ValueError(f"bandwidth must be finite and positive, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """``seconds(nbytes) = alpha + nbytes / beta`` for one collective kind."""
+
+    alpha: float   # seconds per call
+    beta: float    # bytes per second
+
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha + nbytes / self.beta
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """One `LinkCost` per collective kind (`KINDS`)."""
+
+    all_reduce: LinkCost
+    all_gather: LinkCost
+    all_to_all: LinkCost
+    measured: bool = False
+
+    def seconds(self, kind: str, nbytes: float, calls: int = 1) -> float:
+        """Predicted time of ``calls`` collectives of ``kind`` moving ``nbytes`` in all (per rank);
+        zero bytes in zero calls cost nothing."""
+        cost: LinkCost = getattr(self, kind)
+        if nbytes <= 0 and calls <= 0:
+            return 0.0
+        return calls * cost.alpha + nbytes / cost.beta
+
+    @classmethod
+    def uniform(cls, bandwidth: float, latency_s: float, measured: bool = False) -> "LinkModel":
+        c = LinkCost(float(latency_s), float(bandwidth))
+        return cls(c, c, c, measured)
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> "LinkModel":
+        """The config's ``link``: ``{"bandwidth": ..., "latency_us": ...}`` for every kind, and/or
+        per kind ``{"all_gather": {"bandwidth": ..., "latency_us": ...}, ...}`` (a kind not named
+        takes the top level's figures). Bad keys raise `ValueError` naming them."""
+        if isinstance(spec, LinkModel):
+            return spec
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"dad config key 'link': must be a dict, got {type(spec).__name__}")
+        allowed = {"bandwidth", "latency_us", *KINDS}
+        bad = sorted(set(spec) - allowed, key=str)
+        if bad:
+            raise ValueError(f"dad config key 'link': unknown key(s) {bad}; known: {sorted(allowed)}")
+        top = _cost(spec, "link") if "bandwidth" in spec else None
+        costs = {}
+        for kind in KINDS:
+            if kind in spec:
+                sub = spec[kind]
+                if not isinstance(sub, Mapping) or set(sub) - {"bandwidth", "latency_us"} or "bandwidth" not in sub:
+                    raise ValueError(f"dad config key 'link.{kind}': must be a dict with 'bandwidth' and "
+                                     f"optionally 'latency_us', got {sub!r}")
+                costs[kind] = _cost(sub, f"link.{kind}")
+            elif top is not None:
+                costs[kind] = top
+            else:
+                raise ValueError(f"dad config key 'link': give 'bandwidth' (for every kind) or one for {kind!r}")
+        return cls(**costs)
+
+    def to_list(self) -> List[float]:
+        """``[alpha, 1/beta]`` per kind: the figures ranks agree on (larger is slower)."""
+        out = []
+        for kind in KINDS:
+            c: LinkCost = getattr(self, kind)
+            out += [c.alpha, 1.0 / c.beta]
+        return out
+
+    @classmethod
+    def from_list(cls, values: Sequence[float], measured: bool = False) -> "LinkModel":
+        costs = {k: LinkCost(float(values[2 * i]), 1.0 / float(values[2 * i + 1])) for i, k in enumerate(KINDS)}
+        return cls(**costs, measured=measured)
+
+    def describe(self) -> str:
+        parts = [f"{k} {getattr(self, k).alpha * 1e6:.0f} us + {getattr(self, k).beta * 8 / 1e9:.3g} Gbit/s"
+                 for k in KINDS]
+        return ", ".join(parts)
+
+
+def _cost(spec: Mapping[str, Any], key: str) -> LinkCost:
+    try:
+        beta = parse_bandwidth(spec["bandwidth"])
+    except ValueError as e:
+        raise ValueError(f"dad config key '{key}.bandwidth': {e}") from None
+    latency = spec.get("latency_us", 0.0)
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < float("inf"):
+        raise ValueError(f"dad config key '{key}.latency_us': must be a finite number >= 0, got {latency!r}")
+    return LinkCost(float(latency) / 1e6, beta)
+
+
+def fit_link_cost(samples: Sequence[Tuple[float, float]]) -> LinkCost:
+    """Least-squares ``alpha, beta`` from ``(bytes, seconds)`` samples, clamped to physical values
+    (``alpha >= 0``; a flat or noisy fit falls back to the slowest observed rate)."""
+    xs = [float(b) for b, _ in samples]
+    ys = [float(t) for _, t in samples]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    alpha = my - slope * mx
+    if slope <= 0 or alpha < 0:  # noise: no latency, and the slowest rate any sample saw
+        alpha = 0.0
+        slope = max((y / x for x, y in zip(xs, ys) if x > 0), default=0.0)
+    slope = max(slope, 1e-15)  # at most a petabyte per second: never divide by zero
+    return LinkCost(max(alpha, 0.0), 1.0 / slope)
+
+
+def probe_link(aggregator: FactorAggregator, device: torch.device, *, kinds: Sequence[str] = KINDS,
+               sizes: Sequence[int] = PROBE_BYTES, reps: int = PROBE_REPS) -> LinkModel:
+    """Time a few collectives of each kind on the group and fit `LinkModel`, agreed across ranks.
+
+    Every rank runs the same calls in the same order (a collective itself), then the ranks take
+    the slowest figures of any rank. Kinds the backend lacks (no ``all_to_all``) take the
+    all-gather's figures. Costs ``len(kinds) * len(sizes) * (reps + 1)`` collectives.
+    """
+    from .costs import all_to_all_bytes  # the cost model's byte counts: fitted rates predict them
+    from .aggregator import ring_allreduce_bytes
+
+    s = aggregator.world_size
+    fitted: Dict[str, LinkCost] = {}
+    for kind in kinds:
+        samples = []
+        for size in sizes:
+            numel = max(s, size // 4 // s * s)
+            x = torch.zeros(numel, dtype=torch.float32, device=device)
+            times = []
+            for rep in range(reps + 1):  # the first call warms the path up
+                t0 = time.perf_counter()
+                try:
+                    _call(aggregator, kind, x, f"dad.link.{kind}.{size}.{rep}")
+                except NotImplementedError:
+                    break
+                _sync(device)
+                if rep:
+                    times.append(time.perf_counter() - t0)
+            if not times:
+                break
+            counted = {"all_reduce": ring_allreduce_bytes(numel * 4, s), "all_gather": (s - 1) * numel * 4.0,
+                       "all_to_all": all_to_all_bytes(numel * 4, s)}[kind]
+            samples.append((counted, statistics.median(times)))
+        if len(samples) == len(sizes):
+            fitted[kind] = fit_link_cost(samples)
+    for kind in KINDS:
+        fitted.setdefault(kind, fitted.get("all_gather") or fitted["all_reduce"])
+    local = LinkModel(**fitted, measured=True)
+    return LinkModel.from_list(agree_max(aggregator, local.to_list(), device, name="dad.link.agree"),
+                               measured=True)
+
+
+def agree_max(aggregator: FactorAggregator, values: Sequence[float], device: torch.device, *,
+              name: str) -> List[float]:
+    """Element-wise maximum over ranks of ``values`` (one all-gather; every rank gets the same)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    gathered = aggregator.all_gather(t, name=name, first_dims=[t.numel()] * aggregator.world_size).wait()
+    return torch.stack([g.to(torch.float64) for g in gathered]).max(dim=0).values.cpu().tolist()
+
+
+def _call(aggregator: FactorAggregator, kind: str, x: torch.Tensor, name: str) -> None:
+    s = aggregator.world_size
+    if kind == "all_reduce":
+        aggregator.all_reduce(x, name=name, op="sum").wait()
+    elif kind == "all_gather":
+        aggregator.all_gather(x, name=name, first_dims=[x.numel()] * s).wait()
+    else:
+        aggregator.all_to_all(x.view(s, -1), name=name).wait()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

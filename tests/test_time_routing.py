@@ -1,0 +1,188 @@
+"""Objective "time": the link and compute models, the decision as a pure function, and a real
+2-rank job that routes by them (fast link: dense, capture off; slow link: rank routes; a switch
+flushes the error-feedback residuals into the next dense step)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import WORKERS, result, run_torchrun
+from dad_integrations import DADConfig
+from dad_integrations.compute_model import ComputeModel, ShapeCosts
+from dad_integrations.link import LinkCost, LinkModel, fit_link_cost, parse_bandwidth
+from dad_integrations.router import SWITCH_MARGIN, UnitShape, route, unit_estimates
+from dad_integrations.timing import StepTiming
+
+SHAPE = UnitShape(("linear",), (768, 768), 768, torch.float32)
+
+
+def _timing(bandwidth: str, *, latency_us: float = 0.0, rank_s: float = 1e-3, exact_per_row: float = 1e-7,
+            capture: float = 0.0) -> StepTiming:
+    link = LinkModel.from_spec({"bandwidth": bandwidth, "latency_us": latency_us})
+    costs = ShapeCosts(rank_allreduce=rank_s, rank=rank_s, exact_per_row=exact_per_row)
+    return StepTiming(link, ComputeModel({SHAPE.shape: costs}, capture))
+
+
+def _route(timing, *, world_size=2, rows=4096, rank=4, objective="time", current=None, mode="auto") -> str:
+    cfg = DADConfig(mode=mode, rank=rank, objective=objective)
+    return route(cfg, SHAPE, world_size=world_size, wire_dtype=torch.float32,
+                 rows_by_rank=[[rows]] * world_size, timing=timing, current=current).representation
+
+
+def test_parse_bandwidth():
+    assert parse_bandwidth("10gbit") == pytest.approx(1.25e9)
+    assert parse_bandwidth("100Mbit/s") == pytest.approx(12.5e6)
+    assert parse_bandwidth("2GB/s") == pytest.approx(2e9)
+    assert parse_bandwidth(5e8) == 5e8
+    for bad in ("fast", "10g", -1, 0, True, float("inf")):
+        with pytest.raises(ValueError):
+            parse_bandwidth(bad)
+
+
+def test_link_spec_and_errors():
+    link = LinkModel.from_spec({"bandwidth": "8gbit", "latency_us": 20, "all_gather": {"bandwidth": "4gbit"}})
+    assert link.all_reduce == LinkCost(20e-6, 1e9)
+    assert link.all_gather == LinkCost(0.0, 5e8)
+    assert link.seconds("all_reduce", 1e9, calls=2) == pytest.approx(1.0 + 40e-6)
+    assert LinkModel.from_list(link.to_list()).to_list() == pytest.approx(link.to_list(), rel=1e-12)
+    for bad, key in (({"bandwidth": "1gbit", "latncy_us": 3}, "latncy_us"), ({"latency_us": 3}, "bandwidth"),
+                     ({"bandwidth": "1gbit", "latency_us": -1}, "latency_us"),
+                     ({"bandwidth": "1gbit", "all_gather": 3}, "link.all_gather")):
+        with pytest.raises(ValueError, match=key):
+            DADConfig(link=bad)
+
+
+def test_config_objective_keys(monkeypatch):
+    assert DADConfig(objective="time").objective == "time"
+    with pytest.raises(ValueError, match="objective"):
+        DADConfig(objective="speed")
+    with pytest.raises(ValueError, match="route_refresh_steps"):
+        DADConfig(route_refresh_steps=0)
+    monkeypatch.delenv("DAD_OBJECTIVE")
+    assert DADConfig().objective == "time"            # the default
+    monkeypatch.setenv("DAD_OBJECTIVE", "bytes")
+    assert DADConfig().objective == "bytes"
+    monkeypatch.setenv("DAD_OBJECTIVE", "quick")
+    with pytest.raises(ValueError, match="DAD_OBJECTIVE"):
+        DADConfig()
+    cfg = DADConfig(objective="time", link={"bandwidth": "1gbit"}, route_refresh_steps=7)
+    assert DADConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_fit_recovers_alpha_beta():
+    samples = [(b, 30e-6 + b / 2e9) for b in (4096, 65536, 1 << 20, 4 << 20)]
+    c = fit_link_cost(samples)
+    assert c.alpha == pytest.approx(30e-6, rel=1e-6) and c.beta == pytest.approx(2e9, rel=1e-6)
+    noisy = fit_link_cost([(4096, 5e-3), (1 << 20, 1e-3)])  # larger call faster: noise
+    assert noisy.alpha == 0.0 and noisy.beta > 0 and math.isfinite(noisy.beta)
+
+
+def test_fast_link_goes_dense_slow_link_compresses():
+    assert _route(_timing("1000gbit")) == "dense"
+    assert _route(_timing("100mbit")) == "rank_allreduce"
+    # bytes ignore the models: PowerSGD's route on any link
+    assert _route(_timing("1000gbit"), objective="bytes") == "rank_allreduce"
+
+
+def test_exact_rebuild_grows_with_sites():
+    # few rows per site: exact factors are the fewest bytes at any number of sites ...
+    for sites in (2, 64):
+        assert _route(None, world_size=sites, rows=2, rank=None, objective="bytes") == "exact"
+    # ... but their S N m n rebuild grows with the sites: by time, dense wins at 64 on a fast link
+    timing = _timing("100gbit", exact_per_row=2e-5)
+    assert _route(timing, world_size=2, rows=2, rank=None) == "exact"
+    assert _route(timing, world_size=64, rows=2, rank=None) == "dense"
+
+
+def test_latency_counts_per_exact_call():
+    # exact factors pay a size exchange and an all-gather of their own; on a high-latency link the
+    # bucketed dense all-reduce is faster although it moves more bytes
+    assert _route(_timing("100gbit", latency_us=1), rows=16, rank=None) == "exact"
+    assert _route(_timing("100gbit", latency_us=20000), rows=16, rank=None) == "dense"
+
+
+def test_switch_needs_a_margin():
+    # at 10 Gbit/s the dense all-reduce of a 768 x 768 weight takes ~1.9 ms on the wire
+    close = _timing("10gbit", rank_s=1.7e-3)   # rank-r all-reduce predicted ~10 % faster
+    assert _route(close) == "rank_allreduce"
+    assert _route(close, current="dense") == "dense"              # not worth a switch
+    assert _route(close, current="rank_allreduce") == "rank_allreduce"
+    clear = _timing("10gbit", rank_s=0.5e-3)   # ~4x faster: switch
+    assert _route(clear, current="dense") == "rank_allreduce"
+    assert SWITCH_MARGIN > 0.1
+
+
+@pytest.mark.parametrize("bandwidth", ["1mbit", "100mbit", "1gbit", "10gbit", "100gbit", "1000gbit"])
+@pytest.mark.parametrize("sites", [2, 8, 64])
+def test_predicted_never_slower_than_allreduce(bandwidth, sites):
+    """Per unit, auto's predicted seconds never exceed dense all-reduce's, on any link and scale."""
+    for rank_s in (1e-5, 1e-3, 1e-1):
+        timing = _timing(bandwidth, latency_us=50, rank_s=rank_s, exact_per_row=1e-6, capture=2e-5)
+        for rows in (1, 64, 4096):
+            cfg = DADConfig(mode="auto", rank=4, objective="time")
+            rep = _route(timing, world_size=sites, rows=rows)
+            est = unit_estimates(cfg, SHAPE, [[rows]] * sites, sites, torch.float32)
+            seconds = timing.route_seconds(est, shape=SHAPE.shape, uses=1, rows_by_rank=[[rows]] * sites,
+                                           world_size=sites)
+            assert seconds[rep] <= seconds["dense"]
+
+
+def test_compute_model_measures_every_shape():
+    from dad_integrations.compute_model import measure_compute
+    model = measure_compute([(32, 48), (48, 32), (32, 48)], rank=4, world_size=2, iterations=1,
+                            error_feedback=True, device=torch.device("cpu"))
+    assert set(model.shapes) == {(32, 48), (48, 32)}
+    c = model.shapes[(32, 48)]
+    assert c.rank_allreduce > 0 and c.rank > 0 and c.exact_per_row > 0
+    # exact dAD's rebuild grows with the sites and rows; dense costs nothing extra
+    assert model.seconds("exact", (32, 48), rows_by_rank=[[10]] * 8, world_size=8) > \
+        model.seconds("exact", (32, 48), rows_by_rank=[[10]] * 2, world_size=2)
+    assert model.seconds("dense", (32, 48), rows_by_rank=[[10]], world_size=2) == 0.0
+
+
+@pytest.fixture(scope="module")
+def time_job(tmp_path_factory):
+    work = tmp_path_factory.mktemp("time")
+    run_torchrun(WORKERS / "time_worker.py", 2, [work / "out.json"])
+    return json.loads((work / "out.json").read_text())
+
+
+def _ranks_agree(per_rank):
+    assert per_rank[0]["routes"] == per_rank[1]["routes"]
+    assert per_rank[0]["digest"] == per_rank[1]["digest"]  # bit-identical parameters
+
+
+def test_fast_link_all_dense_capture_off_equals_allreduce(time_job):
+    per_rank = result(time_job, "fast")
+    _ranks_agree(per_rank)
+    for r in per_rank:
+        assert all(routes == ["dense"] for routes in r["routes"][1:])
+        assert r["captured"][-1] == 0          # nothing captured: the step costs what DDP's does
+        assert max(r["errors"]) < 1e-5         # every gradient equals the all-reduce's
+
+
+def test_slow_link_takes_rank_routes(time_job):
+    per_rank = result(time_job, "slow")
+    _ranks_agree(per_rank)
+    assert all("rank_allreduce" in routes for routes in per_rank[0]["routes"][1:])
+
+
+def test_leaving_a_rank_route_flushes_the_residual(time_job):
+    per_rank = result(time_job, "flush")
+    _ranks_agree(per_rank)
+    routes = per_rank[0]["routes"]
+    assert "rank_allreduce" in routes[2] and routes[3] == ["dense"] and routes[4] == ["dense"]
+    for r in per_rank:
+        assert r["flushed"] > 0
+        assert r["errors"][0] < 1e-5           # the dense step sent local gradient + residual
+        assert r["residuals_after"] == 0       # nothing is owed any more
+
+
+def test_measured_link_agreed(time_job):
+    per_rank = result(time_job, "measured")
+    _ranks_agree(per_rank)
+    assert per_rank[0]["link"] == per_rank[1]["link"]
+    assert all(v > 0 for v in per_rank[0]["link"][1::2])  # a finite bandwidth per kind

@@ -1,0 +1,102 @@
+"""torchrun worker: objective "time" on a real gloo group (tests/test_time_routing.py).
+
+Cases (each rank trains the small GPT-2 of `models` on its own batches):
+- ``fast``: a stated link of 1 Tbit/s: after the checked first step every weight goes dense and
+  stops being captured; every gradient equals the all-reduce of the local gradients.
+- ``slow``: 1 Mbit/s: the weights take the rank-r all-reduce route.
+- ``flush``: 1 Mbit/s, then `set_link` to 1 Tbit/s: at the refresh the weights leave the rank
+  route, and that step's gradient is the all-reduce of the local gradient plus each rank's
+  residual.
+- ``measured``: no link stated: measured at attach on this group, every rank routes alike.
+Every case reports the routes per step and a digest of the final parameters.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from models import batch, build, grad_errors, loss_of, run_all, write_and_exit  # noqa: E402
+
+from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator  # noqa: E402
+
+FAST = {"bandwidth": "1000gbit", "latency_us": 0}
+SLOW = {"bandwidth": "1mbit", "latency_us": 100}
+MODEL = "gpt2"
+
+
+def _digest(model: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(model.parameters())))
+
+
+def _reference_grads(model: torch.nn.Module, data: dict, residuals: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of ``model`` whose gradients are the all-reduce mean of each rank's local gradient
+    plus its residual (what a dense step that flushes the residuals must give)."""
+    ref = build(MODEL)  # not a deepcopy: the model's hooks hold the synchroniser
+    ref.load_state_dict(model.state_dict())
+    loss_of(MODEL, ref, data).backward()
+    for name, p in ref.named_parameters():
+        if name in residuals:
+            p.grad.add_(residuals[name].to(p.grad.dtype))
+        dist.all_reduce(p.grad)
+        p.grad.div_(dist.get_world_size())
+    return ref
+
+
+def run(case: dict) -> dict:
+    model = build(MODEL, seed=0)
+    link = {"fast": FAST, "slow": SLOW, "flush": SLOW, "measured": None}[case["name"]]
+    config = DADConfig(mode="auto", rank=4, objective="time", link=link, route_refresh_steps=3)
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = {"routes": [], "errors": [], "captured": []}
+    for step in range(5):
+        data = batch(MODEL, 2, seed=100 * step + dist.get_rank())
+        if case["name"] == "flush" and step == 1:
+            sync.set_link(FAST)  # from the refresh at step 3 on
+        ref = None
+        if case["name"] in ("fast", "flush") and step >= 1:
+            residuals = {}
+            if case["name"] == "flush" and step == 3:
+                for name, s in sync.state_dict()["units"].items():
+                    if s["residual"] is not None:
+                        residuals[name] = s["residual"]
+                out["flushed"] = len(residuals)
+            if case["name"] == "fast" or step == 3:
+                ref = _reference_grads(model, data, residuals)
+        loss_of(MODEL, model, data).backward()
+        sync.synchronize()
+        if ref is not None:
+            out["errors"].append(max(grad_errors(ref, model).values()))
+        report = sync.last_step_report()
+        out["routes"].append(sorted({p.representation for p in report.params if p.shape and len(p.shape) == 2}))
+        out["captured"].append(sum(c.enabled for c in sync._plan.captures))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["digest"] = _digest(model)
+    out["residuals_after"] = sum(s["residual"] is not None for s in sync.state_dict()["units"].values())
+    out["link"] = sync.timing.link.to_list()
+    sync.close()
+    return out
+
+
+def _gather(case_id: str, mine: dict) -> list:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    out_path = sys.argv[1]
+    cases = {name: {"name": name} for name in ("fast", "slow", "flush", "measured")}
+    write_and_exit(out_path, run_all(cases, run, _gather))
+
+
+if __name__ == "__main__":
+    main()
