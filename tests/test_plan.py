@@ -204,3 +204,32 @@ def test_sharded_plan_prices_rank_routes_with_the_routers_costs():
     ranked = {r.name: r for r in sharded_steady_state(plan, tokens=4096, positions=4096, world_size=4,
                                                       mode="rank", rank=4).units}
     assert ranked["0.weight"].dad == tall.dad - 3 * 8 and ranked["2.weight"].dad == wide.dad - 3 * 8
+
+
+def test_bandwidth_prints_step_time_and_break_even(capsys, tmp_path):
+    """``--bandwidth``: per layer the predicted seconds of all-reduce, PowerSGD and dAD (routes by
+    time), totals and break-even bandwidths; dAD's prediction never exceeds all-reduce's."""
+    args = ["--model", "gpt2", "--sites", "8", "--tokens-per-rank", "2048", "--rank", "4",
+            "--compute-device", "none"]
+    assert main(args + ["--bandwidth", "10gbit", "--latency-us", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "dAD ms" in text and "all-reduce ms" in text and "PowerSGD ms" in text
+    assert "dAD (its compressed routes) pays at any bandwidth" in text  # no compute counted
+    out = run_json(capsys, *args, "--bandwidth", "10gbit", "--latency-us", "20")
+    t = out["time"]
+    assert t["dad"] <= t["allreduce"] + 1e-12
+    assert t["dad"] == pytest.approx(sum(u["dad"] for u in t["units"]), rel=1e-9)
+    assert t["allreduce"] == pytest.approx(out["allreduce"] / 1.25e9, rel=1e-9)  # bucketed: no latency
+    # with compute: on a link fast enough, dAD sends what all-reduce sends (every weight dense),
+    # and its break-even bandwidth is finite
+    tiny = tmp_path / "config.json"  # small shapes: the compute model is measured for each
+    tiny.write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 1, "n_head": 2, "vocab_size": 256,
+                                "n_positions": 64}))
+    small = ["--model", str(tiny), "--sites", "2", "--tokens-per-rank", "256", "--rank", "4"]
+    out = run_json(capsys, *small, "--bandwidth", "10000gbit")
+    assert set(u["route"] for u in out["time"]["by_time"]["units"]) == {"dense"}
+    assert out["time"]["dad"] == pytest.approx(out["time"]["allreduce"], rel=1e-9)
+    be = out["time"]["break_even"]
+    assert 0 < be["dad"] < float("inf") and 0 < be["powersgd"] < float("inf")
+    with pytest.raises(SystemExit):
+        main(small + ["--bandwidth", "fast"])
