@@ -159,7 +159,7 @@ def measure(precision: str, args, device: torch.device) -> Dict[str, float]:
     out = {"precision": precision, "forward_s": t_fwd, "backward_s": t_bwd, "capture_s": t_fb_cap - t_fb,
            "rank_reduction_s": t_red, "rebuild_s": t_reb, "dad_step_overhead_s": t_dad - t_fb}
     for k in ("capture_s", "rank_reduction_s", "rebuild_s", "dad_step_overhead_s"):
-        out[k.replace("_s", "_of_backward")] = out[k] / t_bwd if t_bwd > 0 else None
+        out[k[:-2] + "_of_backward"] = out[k] / t_bwd if t_bwd > 0 else None
     return out
 
 
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         def f(k):
-            return f"{r[k] * 1000:.2f} ms ({r[k.replace('_s', '_of_backward')] * 100:.1f}%)"
+            return f"{r[k] * 1000:.2f} ms ({r[k[:-2] + '_of_backward'] * 100:.1f}%)"
         print(f"| {r['precision']} | {r['forward_s'] * 1000:.2f} ms | {r['backward_s'] * 1000:.2f} ms | "
               f"{f('capture_s')} | {f('rank_reduction_s')} | {f('rebuild_s')} | {f('dad_step_overhead_s')} |")
     if args.json:

@@ -160,8 +160,13 @@ def test_example_runs_end_to_end(tmp_path, family, mode):
                            "--seq-len", "32", "--output-dir", tmp_path])
     assert "ranks identical" in proc.stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    # the lossy modes run PowerSGD at the same rank beside them
-    assert set(metrics["runs"]) == {"allreduce", f"dad-{mode}"} | ({"powersgd"} if mode != "exact" else set())
+    # the lossy modes run PowerSGD at the same rank beside them, and dAD again routed by a slow link
+    lossy = {"powersgd", f"dad-{mode}@100mbit"} if mode != "exact" else set()
+    assert set(metrics["runs"]) == {"allreduce", f"dad-{mode}"} | lossy
+    if mode != "exact":  # by time: on the stated slow link every weight is compressed
+        slow = metrics["runs"][f"dad-{mode}@100mbit"]
+        assert slow["link"] == "100mbit (stated)" and slow["routes"].split("/")[0] == slow["routes"].split("/")[1]
+        assert metrics["runs"][f"dad-{mode}"]["link"] == "measured"
     for run in metrics["runs"].values():
         assert len(run["losses"]) == 4 and run["ranks_identical"]
     if mode != "exact":  # counted at torch.distributed: PowerSGD well below all-reduce after its first step

@@ -161,3 +161,24 @@ def test_sharded_memory_smoke_writes_every_method(tmp_path):
         assert state[engine, "dad-rank4"] > state[engine, "dad-rank4-ef-rank16"] > state[engine, "engine"]
         assert state[engine, "engine"] == state[engine, "dad-exact"]
     assert "vs engine" in (tmp_path / "sharded_memory.md").read_text()
+
+
+def test_gpu_check_runs_on_cpu_and_skips_without_cuda(tmp_path):
+    """benchmarks.gpu_check: its CPU form runs every part but NCCL (fp32 rebuild exact, bf16 reported,
+    the compute model per layer); without CUDA the default form skips and exits 0."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--tiny", "--batch", "2",
+                           "--seq", "16", "--reps", "1", "--json", str(out)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    fp32, bf16 = result["exactness"]
+    assert fp32["max_rel_err"] < 1e-5 and bf16["max_rel_err"] < 5e-2 and fp32["weights"] > 0
+    assert len(result["layer_overhead"]["layers"]) == fp32["weights"]
+    assert result["nccl_ordering"] == {"skipped": "not on CUDA"} and result["failures"] == []
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "skipped" in proc.stdout

@@ -67,6 +67,8 @@ class RunResult:
     allreduce_bytes: float = 0.0     # a ring all-reduce of the gradients (FSDP2: its reduce-scatter)
     step_seconds: List[float] = field(default_factory=list)
     ranks_identical: Optional[bool] = None
+    link: str = "-"                  # dAD under objective "time": the link it routed by
+    routes: str = "-"                # dAD: weights sent compressed (factors or rank-r) / all, last step
 
     def summary(self, window: int = 5) -> Dict[str, float]:
         tail = self.losses[-window:]
@@ -95,6 +97,13 @@ def parse_args() -> argparse.Namespace:
                         "of each weight for the next step; memory: one gradient per rank-routed weight)")
     p.add_argument("--lossless-steps", type=int, default=None,
                    help="dAD's first N steps take no rank route (as PowerSGD's hook all-reduces its first 2)")
+    p.add_argument("--objective", choices=("time", "bytes"), default="time",
+                   help="what dAD's auto minimises per weight: predicted step time (on the link measured "
+                        "on this job's group) or bytes")
+    p.add_argument("--slow-link", default="100mbit",
+                   help="with objective time, a second dAD run routes by this stated link (what auto "
+                        "does on a slow network; the data still crosses this machine's loopback); "
+                        "'none' skips it")
     p.add_argument("--max-steps", type=int, default=60, help="optimizer steps per run")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per process and micro-step")
     p.add_argument("--seq-len", type=int, default=128)
@@ -229,7 +238,10 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
         micro_losses = []
         result.losses.append(float(step_loss))
         if sync is not None:
-            result.sent_bytes.append(float(sync.last_step_report().totals["sent_bytes"]))
+            step_report = sync.last_step_report()
+            result.sent_bytes.append(float(step_report.totals["sent_bytes"]))
+            weights = [q for q in step_report.params if len(q.shape) == 2]
+            result.routes = f"{sum(q.representation != 'dense' for q in weights)}/{len(weights)}"
         elif counter is not None:
             result.sent_bytes.append(float(counter.traffic().sent))
         else:
@@ -239,6 +251,9 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
         start = time.perf_counter()
     bar.close()
     result.ranks_identical = _ranks_identical(accelerator, model)
+    if sync is not None and getattr(sync, "timing", None) is not None:
+        link = (dad_config or {}).get("link")
+        result.link = f"{link['bandwidth']} (stated)" if link else "measured"
     accelerator.free_memory()
     return result
 
@@ -289,13 +304,13 @@ def report(args: argparse.Namespace, runs: List[RunResult], world: int, dense: s
     """Summary table, metrics.json and loss/bytes plot (rank 0); ``dense``: the baseline's name."""
     os.makedirs(args.output_dir, exist_ok=True)
     rows = [(r.name, r.summary(), r.ranks_identical) for r in runs]
-    header = (f"{'run':<10}| final loss | bytes sent/step/rank | steady bytes/step | {'vs ' + dense:>13} | s/step "
-              f"| ranks identical")
+    header = (f"{'run':<16}| final loss | bytes sent/step/rank | steady bytes/step | {'vs ' + dense:>13} | s/step "
+              f"| compressed | routed by link   | ranks identical")
     lines = [header, "-" * len(header)]
-    for name, s, same in rows:
-        lines.append(f"{name:<10}| {s['final_loss']:10.4f} | {s['sent_bytes_per_step']:20,.0f} | "
+    for (name, s, same), r in zip(rows, runs):
+        lines.append(f"{name:<16}| {s['final_loss']:10.4f} | {s['sent_bytes_per_step']:20,.0f} | "
                      f"{s['steady_sent_bytes_per_step']:17,.0f} | {s['ratio_to_allreduce']:13.3f} | "
-                     f"{s['seconds_per_step']:6.3f} | {'yes' if same else 'NO'}")
+                     f"{s['seconds_per_step']:6.3f} | {r.routes:>10} | {r.link:<16} | {'yes' if same else 'NO'}")
     print("\n".join(lines), flush=True)
     metrics = {"args": vars(args), "world_size": world,
                "runs": {r.name: {**asdict(r), **r.summary()} for r in runs}}
@@ -345,7 +360,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     init_state = build_model(args).state_dict()
     dataset = build_dataset(args)
-    dad_config = {"mode": args.dad_mode, "rank": None if args.dad_mode == "exact" or not args.rank else args.rank}
+    dad_config = {"mode": args.dad_mode, "rank": None if args.dad_mode == "exact" or not args.rank else args.rank,
+                  "objective": args.objective}
     if args.no_error_feedback:
         dad_config["error_feedback"] = False
     if args.lossless_steps is not None:
@@ -358,6 +374,10 @@ def main() -> None:
                 and not on_deepspeed and not fsdp2):
             runs.append(train("powersgd", args, accelerator, init_state, dataset, None, powersgd_rank=args.rank))
     runs.append(train(f"dad-{args.dad_mode}", args, accelerator, init_state, dataset, dad_config))
+    if (args.objective == "time" and args.dad_mode != "exact" and args.slow_link != "none" and not on_deepspeed
+            and accelerator.num_processes > 1):
+        slow = {**dad_config, "link": {"bandwidth": args.slow_link}}
+        runs.append(train(f"dad-{args.dad_mode}@{args.slow_link}", args, accelerator, init_state, dataset, slow))
     if accelerator.is_main_process:
         report(args, runs, accelerator.num_processes, "reduce-scatter" if fsdp2 else "all-reduce")
     accelerator.wait_for_everyone()
