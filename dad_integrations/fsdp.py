@@ -63,7 +63,7 @@ from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
 from .router import UnitShape, route, sharded_needs_counts
-from .timing import LazyTiming
+from .timing import EngineTiming
 from .sink import ShardSink, ShardSlot
 from .synchronizer import WIRE_DTYPES
 from .torch_distributed import TorchDistributedAggregator
@@ -132,7 +132,7 @@ class FSDPDADSynchronizer:
         self._fp_of = {id(fp.sharded_param): (pg, fp) for _, pg in groups for fp in pg.fsdp_params}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self.plan = build_plan(model, self.config)
-        self._timing = LazyTiming(self.config, (param_shape(u.param) for u in self.plan.units))
+        self._timing = EngineTiming(self.config)
         self._unit_of: Dict[int, FactorUnit] = {}
         for unit in self.plan.units:
             reason = self._unsupported(unit.param)
@@ -152,6 +152,9 @@ class FSDPDADSynchronizer:
                                      units[0].param.element_size() if units else 4)
         if note is not None and dist.get_rank() == 0:  # said once, at attach: memory the user did not expect
             log.warning("dAD/FSDP2: %s", note)
+        if units:  # objective "time": the link and compute models, measured here by every rank together
+            self._timing.start([param_shape(u.param) for u in units], TorchDistributedAggregator(),
+                               units[0].param.device)
         self._installed = groups
         for module, pg in groups:
             self._install(module, pg)

@@ -89,28 +89,26 @@ def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregato
     return StepTiming(link, compute)
 
 
-class LazyTiming:
+class EngineTiming:
     """`StepTiming` for engines whose reductions run inside the engine's own hooks (FSDP2, ZeRO):
-    measured at the first reduction (every rank reaches it together), the link measured again at
-    the first reduction of every ``route_refresh_steps``-th step (where the config states none)."""
+    measured at attach (`start`: every rank attaches together; not inside backward, where the
+    compute model's timed backward of a probe layer could not run), the link measured again at the
+    first reduction of every ``route_refresh_steps``-th step (where the config states none)."""
 
-    def __init__(self, config: DADConfig, shapes: Iterable[Tuple[int, int]]):
+    def __init__(self, config: DADConfig):
         self.config = config
-        self.shapes = sorted(set(tuple(s) for s in shapes))
         self.timing: Optional[StepTiming] = None
         self._probed_step = 0
 
-    def get(self, aggregator: FactorAggregator, device: torch.device, step: int,
-            dtype: torch.dtype = torch.float32) -> Optional[StepTiming]:
+    def start(self, shapes: Iterable[Tuple[int, int]], aggregator: FactorAggregator, device: torch.device) -> None:
+        self.timing = build_timing(self.config, shapes, aggregator, device,
+                                   link_kinds=("all_reduce", "all_gather", "all_to_all"))
+
+    def get(self, aggregator: FactorAggregator, device: torch.device, step: int) -> Optional[StepTiming]:
         """The models for synchronised step ``step`` (0-based)."""
-        if not wants_timing(self.config):
-            return None
         if self.timing is None:
-            self.timing = build_timing(self.config, self.shapes, aggregator, device, dtype=dtype,
-                                       link_kinds=("all_reduce", "all_gather", "all_to_all"))
-            self._probed_step = step
-        elif (self.config.link is None and step > self._probed_step
-              and step % self.config.route_refresh_steps == 0):
+            return None
+        if self.config.link is None and step > self._probed_step and step % self.config.route_refresh_steps == 0:
             self.timing = StepTiming(probe_link(aggregator, device), self.timing.compute)
             self._probed_step = step
         return self.timing

@@ -60,7 +60,7 @@ from dad_integrations.error_feedback import sharded_residual_note
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.router import UnitShape, route, sharded_needs_counts
-from dad_integrations.timing import LazyTiming
+from dad_integrations.timing import EngineTiming
 from dad_integrations.synchronizer import WIRE_DTYPES
 from dad_integrations.units import FactorUnit, build_plan, param_shape
 
@@ -135,7 +135,8 @@ class ZeroDAD(RankStateCheckpoints):
         # all-reduced P and Q rebuilt over each rank's owned elements (`_reduce_shared`)
         self._rank = ShardedRankCodec(config, self._wire) if config.rank is not None else None
         self._rank_in_step = False
-        self._timing = LazyTiming(config, (param_shape(u.param) for u in self.plan.units))
+        self._timing = EngineTiming(config)
+        self._timing.start([param_shape(u.param) for u in self.plan.units], self.aggregator, device)
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
         # which it reduces in place: the send and receive buffers add at most about half a bucket
         bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)

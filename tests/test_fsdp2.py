@@ -49,7 +49,7 @@ MIXED = ["gpt2-exact-bf16-fp32", "gpt2-exact-bf16", "mlp-exact-fp16", "gpt2-auto
 CASES = ["mlp-exact", "mlp-exact-uneven", "mlp-auto-uneven", "mlp-exact-accum", "gpt2-exact-uneven", "gpt2-auto",
          "mlp-rank-full-allgather", "mlp-rank-full-allreduce",
          "llama-exact-uneven", "llama-exact-groups", "llama-auto-noreshard", "bert-exact-noreshard",
-         "mlp-exact-sum", "mlp-exact-shard1"] + MIXED
+         "mlp-exact-sum", "mlp-exact-shard1", "gpt2-time-fast"] + MIXED
 CASES_4 = ["mlp-exact-uneven", "mlp-auto"]  # uneven batches at 4 ranks pad every weight to dense in auto
 RUNS = [(2, c) for c in CASES] + [(4, c) for c in CASES_4]
 LOSSY = ["mlp-rank2-allreduce", "mlp-auto-rank4", "gpt2-auto-rank4",   # rank 2 / 4, error feedback on
@@ -57,6 +57,7 @@ LOSSY = ["mlp-rank2-allreduce", "mlp-auto-rank4", "gpt2-auto-rank4",   # rank 2 
          "mlp-rank2-ef-rank64", "gpt2-auto-rank4-ef-rank1"]              # residuals kept at rank 64 / 1
 EF_LOSSY = ["gpt2-auto-rank4-ef-rank1"]  # a residual kept at rank 1 drops its tail: no exact identity
 NONFINITE = ["mlp-rank2-nonfinite", "mlp-rank2-allreduce-nonfinite"]    # rank 1's loss NaN at step 1
+TIMED = ["gpt2-time-slow"]  # objective "time" on a stated slow link (the fast one is in CASES)
 RANKED = ["mlp-rank-full-allgather", "mlp-rank-full-allreduce"] + LOSSY + NONFINITE
 RANK_REPS = ("rank", "rank_allreduce")
 
@@ -70,7 +71,7 @@ def jobs(tmp_path_factory):
         if nproc not in done:
             out = tmp_path_factory.mktemp(f"fsdp2_{nproc}") / "out.json"
             run_torchrun(WORKERS / "fsdp2_worker.py", nproc,
-                         [out, *(CASES + LOSSY + NONFINITE if nproc == 2 else CASES_4)], timeout=900)
+                         [out, *(CASES + LOSSY + NONFINITE + TIMED if nproc == 2 else CASES_4)], timeout=900)
             done[nproc] = json.loads(out.read_text())
         return done[nproc]
 
@@ -120,6 +121,18 @@ def test_mixed_precision_reduction(results, cid):
     for name in fsdp:
         assert dad[name] <= MP_VS_FP32 * fsdp[name] + 1e-6, (name, dad[name], fsdp[name])
     assert res["reports"][0]["totals"]["params_exact"] > 0
+
+
+def test_objective_time_routes_by_the_link(results):
+    """Objective "time" under FSDP2: on a fast link every weight goes by FSDP's reduce-scatter (and
+    every gradient equals FSDP's: test_sharded_gradients_equal_fsdp), on a slow one by rank routes."""
+    fast, slow = _case(results, "gpt2-time-fast"), _case(results, "gpt2-time-slow")
+    for rep in fast["reports"]:
+        assert {r for _, r, _, _ in rep["params"]} - {"overhead"} == {"dense"}, rep["params"]
+    for rep in slow["reports"]:
+        assert {r for _, r, _, _ in rep["params"]} & set(RANK_REPS), rep["params"]
+        assert rep["totals"]["sent_bytes"] < 0.5 * rep["fsdp_reduce_scatter_bytes"]  # 32-wide layers, rank 4
+    assert len(set(slow["checksums"])) == 1
 
 
 def test_shard1_weight_falls_back_logged_once(results):

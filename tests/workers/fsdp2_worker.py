@@ -356,6 +356,12 @@ CASES = {
     "mlp-exact-accum": {"model": "mlp", "mode": "exact", "uneven": True, "micro": 2},
     "gpt2-exact-uneven": {"model": "gpt2", "mode": "exact", "uneven": True, "batch": 1},
     "gpt2-auto": {"model": "gpt2", "mode": "auto", "batch": 1},
+    # objective "time" by stated links: a fast one sends every weight by FSDP's reduce-scatter, a slow
+    # one by rank routes
+    "gpt2-time-fast": {"model": "gpt2", "config": {"mode": "auto", "rank": 4, "objective": "time",
+                                                   "link": {"bandwidth": "1000gbit"}}, "batch": 1},
+    "gpt2-time-slow": {"model": "gpt2", "config": {"mode": "auto", "rank": 4, "objective": "time",
+                                                   "link": {"bandwidth": "1mbit", "latency_us": 100}}, "batch": 1},
     "llama-exact-uneven": {"model": "llama", "mode": "exact", "uneven": True, "batch": 1},
     "bert-exact-noreshard": {"model": "bert", "mode": "exact", "batch": 1, "reshard": False},
     "llama-exact-groups": {"model": "llama", "mode": "exact", "batch": 1, "reshard": True, "groups": True},
