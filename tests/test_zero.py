@@ -38,6 +38,10 @@ MATCH = {
         "z2-llama-noncontiguous": {"model": "llama", "contiguous": False},
         "z2-gpt2-allreduce-patched": {"model": "gpt2", "zero": {"reduce_scatter": False}, "how": "patched"},
         "z2-gpt2-auto": {"model": "gpt2", "dad": {"mode": "auto"}, "batch": 1, "uneven": False},
+        # objective "time" on a stated fast link: every weight by DeepSpeed's own reduction, a rank
+        # route would not match
+        "z2-gpt2-time-fast": {"model": "gpt2", "dad": {"mode": "auto", "rank": 4, "objective": "time",
+                                                       "link": {"bandwidth": "1000gbit"}}},
         "z2-gpt2-bf16": {"model": "gpt2", "ds": {"bf16": {"enabled": True}}},
         "z2-gpt2-rank-full": {"model": "gpt2", "dad": {"mode": "rank", "rank": 4096, "rank_route": "allgather"}},
         # PowerSGD's all-reduce route at full rank, from a fresh (full-rank) Q every step: lossless
@@ -50,6 +54,8 @@ MATCH = {
         "z3-llama-gas2-clip-overlap": {"model": "llama", "gas": 2, "overlap": True, "ds": CLIP},
         "z3-llama-allreduce": {"model": "llama", "zero": {"reduce_scatter": False}},
         "z3-gpt2-auto": {"model": "gpt2", "dad": {"mode": "auto"}, "batch": 1, "uneven": False},
+        "z3-gpt2-time-fast": {"model": "gpt2", "dad": {"mode": "auto", "rank": 4, "objective": "time",
+                                                       "link": {"bandwidth": "1000gbit"}}},
         "z3-llama-rank-full-no-ef": {"model": "llama", "dad": {"mode": "rank", "rank": 4096, "rank_route": "allgather",
                                                                 "error_feedback": False}},
         "z3-llama-rank-full-allreduce": {"model": "llama", "dad": {"mode": "rank", "rank": 4096, "rank_route": "allreduce",
