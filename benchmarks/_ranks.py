@@ -24,18 +24,26 @@ from benchmarks.workload import (NullAggregator, Workload, build_model, current_
 from dad_integrations.comm_counter import CollectiveCounter
 
 DDP_METHODS = ("allreduce", "fp16", "powersgd", "atomo")
-DAD_METHODS = ("dad-exact", "dad-rank", "dad-auto")
+DAD_METHODS = ("dad-exact", "dad-rank", "dad-auto", "dad-auto-bytes")
 METHODS = DDP_METHODS + DAD_METHODS
 EVAL_BATCHES = 4
 DDP_BUCKET_MB = 25
 
 
-def dad_config(method: str, rank: int, error_feedback: bool) -> dict:
+def dad_config(method: str, rank: int, error_feedback: bool, link: Optional[dict] = None) -> dict:
     """The method's config: the mode and rank, every other key at the config's defaults (error
-    feedback on), except error feedback where ``--dad-no-error-feedback`` turns it off."""
+    feedback on, objective "time" for dad-auto), except error feedback where
+    ``--dad-no-error-feedback`` turns it off; dad-auto-bytes is auto by bytes. ``link`` states
+    dad-auto's link (its communication-free variant routes by the real run's measured one)."""
     if method == "dad-exact":
         return {"mode": "exact"}
     extra = {} if error_feedback else {"error_feedback": False}
+    if method == "dad-auto":
+        extra["objective"] = "time"
+        if link is not None:
+            extra["link"] = link
+    else:
+        extra["objective"] = "bytes"
     return {"mode": "rank" if method == "dad-rank" else "auto", "rank": rank, **extra}
 
 
@@ -43,7 +51,7 @@ class Runner:
     """One method's model, optimizer and batches; `step()` trains one step and times it."""
 
     def __init__(self, method: str, variant: str, opts: dict, w: Workload, init_state, data: bytes,
-                 counter: CollectiveCounter, solo_group):
+                 counter: CollectiveCounter, solo_group, link: Optional[dict] = None):
         from dad_examples.text_data import byte_lm_batches
 
         self.method, self.variant, self.counter = method, variant, counter
@@ -79,7 +87,7 @@ class Runner:
 
             agg = TorchDistributedAggregator() if variant == "real" else NullAggregator(rank, world)
             self.sync = DADSynchronizer(model, agg, DADConfig.from_dict(
-                dad_config(method, opts["rank"], opts["dad_error_feedback"])))
+                dad_config(method, opts["rank"], opts["dad_error_feedback"], link)))
         self.opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
         self.batches = byte_lm_batches(data, w.batch, w.seq, rank=rank, world_size=world, seed=w.seed)
         self.times: List[float] = []
@@ -192,10 +200,14 @@ def _run_phase(spec: dict) -> None:
     runners: List[Runner] = [Runner("local", "local", opts, w, init_state, data, counter, solo)]
     targets = [spec["local_steps"]]
     for method in methods:
-        runners.append(Runner(method, "real", opts, w, init_state, data, counter, solo))
+        real = Runner(method, "real", opts, w, init_state, data, counter, solo)
+        runners.append(real)
         targets.append(spec["steps"])
         if spec.get("nocomm_steps"):
-            runners.append(Runner(method, "nocomm", opts, w, init_state, data, counter, solo))
+            # routed by time, the variant without communication takes the real run's routes: its link
+            timing = real.sync.timing if real.sync is not None else None
+            link = timing.link.to_spec() if timing is not None else None
+            runners.append(Runner(method, "nocomm", opts, w, init_state, data, counter, solo, link))
             targets.append(spec["nocomm_steps"])
     # round i takes each runner to round(i * total / rounds) steps: the runners' steps are spread
     # evenly over the run, so a burst of load from elsewhere falls on all of them alike
@@ -216,6 +228,8 @@ def _run_phase(spec: dict) -> None:
                        received_per_step=sum(r.received[warm:] or r.received) / len(counted),
                        counted_per_step=sum(r.counted[warm:] or r.counted) / len(counted),
                        sent_by_step=r.sent, eval_loss=r.eval_loss(eval_batches))
+            if r.sync is not None and r.sync.timing is not None:
+                rec["link"] = r.sync.timing.link.describe()
             if r.last_report is not None:
                 rec["report"] = [{"name": p.name, "representation": p.representation, "sent": p.sent_bytes,
                                   "allreduce": p.allreduce_bytes, "rows": p.rows, "method": p.method}

@@ -2,9 +2,10 @@
 
     python -m benchmarks.compare --quick --json benchmarks/results/compare.json
 
-Launches its own 2 CPU ranks (gloo) for each network condition: plain loopback, and loopback in a
-private network namespace shaped to 1 Gbit/s and 100 Mbit/s (`benchmarks.net_shaping`; skipped,
-with a message and null columns, where namespaces or tc are not permitted). Every method trains
+Launches its own 2 CPU ranks (gloo) for each network condition, each in a private network namespace
+(`benchmarks.net_shaping`), so that every condition sees the same stack: its loopback unshaped, and
+shaped to 10 Gbit/s, 1 Gbit/s and 100 Mbit/s (the shaped ones skipped, with a message and null
+columns, where namespaces or tc are not permitted; the unshaped one then runs on the host's loopback). Every method trains
 the same byte-level GPT-2 (from a config) from the same weights on the same stdlib-source batches.
 
 Per method (one JSON record each):
@@ -18,6 +19,10 @@ Per method (one JSON record each):
                       capture, rank reduction / compression and rebuild, timed apart from the wire
   peak_mem_mb         peak RSS of a rank process while the method trains (torch runtime included)
   final_loss          held-out loss after the run's steps (loopback run)
+
+dad-auto routes by predicted time (the default objective: the link measured on each condition's
+group at attach), dad-auto-bytes by bytes. Plots: bytes, step time by link, loss by step, and loss
+against wall-clock time on each link (time-to-loss).
 """
 from __future__ import annotations
 
@@ -37,9 +42,10 @@ from benchmarks import net_shaping
 from benchmarks._ranks import METHODS
 from benchmarks.workload import Workload, fmt_bytes
 
-NETS = ("loopback", "1gbit", "100mbit")
+NETS = ("loopback", "10gbit", "1gbit", "100mbit")
+SHAPED = NETS[1:]
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = ("method", "bytes_per_step", "step_s_loopback", "step_s_1gbit", "step_s_100mbit", "step_s_local",
+KEYS = ("method", "bytes_per_step", "step_s_loopback", "step_s_10gbit", "step_s_1gbit", "step_s_100mbit", "step_s_local",
         "compute_overhead_s", "peak_mem_mb", "final_loss")
 
 PRESETS = {
@@ -108,8 +114,8 @@ def run_phase_inside(spec_path: str) -> None:
 
     with open(spec_path) as fh:
         spec = json.load(fh)
-    if spec["net"] != "loopback":
-        net_shaping.setup_inside(spec["net"])
+    if spec.get("namespace"):
+        net_shaping.setup_inside(None if spec["net"] == "loopback" else spec["net"])
     mp.spawn(rank_main, args=(2, _free_port(), spec), nprocs=2, join=True)
 
 
@@ -119,6 +125,7 @@ def _phase_spec(args, net: str, out_file: str) -> dict:
     w = Workload(n_embd=s["n_embd"], n_layer=s["n_layer"], n_head=s["n_head"], seq=s["seq"], batch=s["batch"],
                  lr=args.lr, seed=args.seed)
     return {"net": net, "out": out_file, "methods": args.methods, "workload": asdict(w),
+            "namespace": shaped or args.namespace_ok,
             "opts": {"rank": s["rank"], "dad_error_feedback": not args.dad_no_error_feedback},
             "steps": s["shaped_steps"] if shaped else s["steps"],
             "local_steps": min(s["local_steps"], s["shaped_steps"]) if shaped else s["local_steps"],
@@ -134,7 +141,7 @@ def run_phase(args, net: str, workdir: str) -> dict:
     with open(spec_file, "w") as fh:
         json.dump(_phase_spec(args, net, out_file), fh)
     cmd = [sys.executable, "-m", "benchmarks.compare", "--_phase", net, "--_spec", spec_file]
-    if net != "loopback":
+    if net != "loopback" or args.namespace_ok:
         cmd = net_shaping.namespace_prefix() + cmd
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -170,8 +177,7 @@ def assemble(args, phases: Dict[str, Optional[dict]], skipped: Dict[str, str]) -
             "bytes_per_step": sum(r["sent_per_step"] for r in ranks) / len(ranks),
             "bytes_received_per_step": sum(r["received_per_step"] for r in ranks) / len(ranks),
             "step_s_loopback": slowest(loop, m),
-            "step_s_1gbit": slowest(phases["1gbit"], m) if phases.get("1gbit") else None,
-            "step_s_100mbit": slowest(phases["100mbit"], m) if phases.get("100mbit") else None,
+            **{f"step_s_{net}": slowest(phases[net], m) if phases.get(net) else None for net in SHAPED},
             "step_s_local": local,
             "compute_overhead_s": None if nocomm is None else nocomm - local,
             "peak_mem_mb": max(mems) if mems else None,
@@ -179,16 +185,47 @@ def assemble(args, phases: Dict[str, Optional[dict]], skipped: Dict[str, str]) -
             "train_loss_last5": sum(sum(r["losses"][-5:]) / len(r["losses"][-5:]) for r in ranks) / len(ranks),
             "bytes_counted_per_step": sum(r["counted_per_step"] for r in ranks) / len(ranks),
         }
-        for net in ("1gbit", "100mbit"):
+        for net in SHAPED:
             if phases.get(net):
                 rec[f"step_s_local_{net}"] = slowest(phases[net], "local")
         records.append(rec)
     return records
 
 
+def auto_targets(records: List[dict]) -> List[dict]:
+    """Issue "Seconds, not bytes": dad-auto (by time) against the fastest of all-reduce, fp16 and
+    PowerSGD on every link, against the no-communication step at 1 Gbit/s, and PowerSGD's loss."""
+    by = {r["method"]: r for r in records}
+    auto = by.get("dad-auto")
+    if auto is None:
+        return []
+    out = []
+    peers = [m for m in ("allreduce", "fp16", "powersgd") if m in by]
+    for net in NETS:
+        key = f"step_s_{net}"
+        times = {m: by[m][key] for m in peers if by[m].get(key) is not None}
+        if auto.get(key) is None or not times:
+            continue
+        best = min(times, key=times.get)
+        ratio = auto[key] / times[best]
+        out.append({"target": f"dad-auto step on {net} <= 1.02 x the fastest peer's", "value": ratio, "limit": 1.02,
+                    "met": ratio <= 1.02, "detail": f"{auto[key] * 1e3:.1f} ms vs {best} {times[best] * 1e3:.1f} ms"})
+    local = auto.get("step_s_local_1gbit")
+    if auto.get("step_s_1gbit") is not None and local:
+        ratio = auto["step_s_1gbit"] / local
+        out.append({"target": "dad-auto step at 1 Gbit/s <= 1.15 x no-communication step", "value": ratio,
+                    "limit": 1.15, "met": ratio <= 1.15,
+                    "detail": f"{auto['step_s_1gbit'] * 1e3:.1f} ms vs {local * 1e3:.1f} ms (local, same phase)"})
+    if "powersgd" in by:
+        ratio = auto["final_loss"] / by["powersgd"]["final_loss"]
+        out.append({"target": "dad-auto held-out loss <= 1.01 x PowerSGD's", "value": ratio, "limit": 1.01,
+                    "met": ratio <= 1.01, "detail": f"{auto['final_loss']:.4f} vs {by['powersgd']['final_loss']:.4f}"})
+    return out
+
+
 def check_targets(records: List[dict], phases: Dict[str, Optional[dict]]) -> List[dict]:
     by = {r["method"]: r for r in records}
-    out = []
+    out = auto_targets(records)
     if "dad-rank" not in by:
         return out
     dr = by["dad-rank"]
@@ -236,15 +273,16 @@ def _fmt_s(v: Optional[float]) -> str:
 
 def markdown_table(records: List[dict]) -> str:
     ar = next((r["bytes_per_step"] for r in records if r["method"] == "allreduce"), None)
-    head = ("| method | bytes/step/rank | x all-reduce | step loopback | step 1 Gbit/s | step 100 Mbit/s "
-            "| step local | compute overhead | peak mem | final loss |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| method | bytes/step/rank | x all-reduce | step loopback | step 10 Gbit/s | step 1 Gbit/s "
+            "| step 100 Mbit/s | step local | compute overhead | peak mem | final loss |")
+    lines = [head, "|" + "---|" * 11]
     for r in records:
         ratio = f"{r['bytes_per_step'] / ar:.4f}" if ar else "-"
         mem = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f} MB"
         over = "-" if r["compute_overhead_s"] is None else f"{r['compute_overhead_s'] * 1000:+.1f} ms"
         lines.append(f"| {r['method']} | {fmt_bytes(r['bytes_per_step'])} | {ratio} | {_fmt_s(r['step_s_loopback'])} "
-                     f"| {_fmt_s(r['step_s_1gbit'])} | {_fmt_s(r['step_s_100mbit'])} | {_fmt_s(r['step_s_local'])} "
+                     f"| {_fmt_s(r.get('step_s_10gbit'))} | {_fmt_s(r['step_s_1gbit'])} | {_fmt_s(r['step_s_100mbit'])} "
+                     f"| {_fmt_s(r['step_s_local'])} "
                      f"| {over} | {mem} | {r['final_loss']:.4f} |")
     return "\n".join(lines)
 
@@ -298,6 +336,29 @@ def plots(records: List[dict], phases: Dict[str, Optional[dict]], out: Path) -> 
     fig.savefig(out / "compare_loss.png", dpi=110)
     plt.close(fig)
     files.append("compare_loss.png")
+
+    # time-to-loss: training loss (rank 0, 5-step running mean) against its cumulative step time
+    ran = [n for n in NETS if phases.get(n)]
+    fig, axes = plt.subplots(1, len(ran), figsize=(4.2 * len(ran), 3.6), squeeze=False)
+    for ax, net in zip(axes[0], ran):
+        for m in names:
+            r = _per_rank(phases[net], m)[0]
+            if not r.get("times"):
+                continue
+            clock, total = [], 0.0
+            for t in r["times"]:
+                total += t
+                clock.append(total)
+            losses = r["losses"]
+            smooth = [sum(losses[max(0, i - 4):i + 1]) / len(losses[max(0, i - 4):i + 1]) for i in range(len(losses))]
+            ax.plot(clock, smooth, label=m, lw=1)
+        ax.set(xlabel="wall-clock seconds (sum of step times)", ylabel="training loss", title=net)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "compare_time_to_loss.png", dpi=110)
+    plt.close(fig)
+    files.append("compare_time_to_loss.png")
     return files
 
 
@@ -312,6 +373,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     phases: Dict[str, Optional[dict]] = {n: None for n in NETS}
     skipped: Dict[str, str] = {}
+    # every condition in a namespace of its own where that is allowed, the unshaped one too
+    args.namespace_ok = net_shaping.probe("1gbit")[0]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="dad-compare-") as work:
         for net in NETS:

@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from typing import List, Optional, Tuple
 
-RATES = {"1gbit": 1e9, "100mbit": 1e8}
+RATES = {"10gbit": 1e10, "1gbit": 1e9, "100mbit": 1e8}
 MTU = 1500
 
 

@@ -132,6 +132,10 @@ class LinkModel:
         costs = {k: LinkCost(float(values[2 * i]), 1.0 / float(values[2 * i + 1])) for i, k in enumerate(KINDS)}
         return cls(**costs, measured=measured)
 
+    def to_spec(self) -> dict:
+        """The config's ``link`` form of this model (per kind), e.g. to route another run by it."""
+        return {k: {"bandwidth": getattr(self, k).beta, "latency_us": getattr(self, k).alpha * 1e6} for k in KINDS}
+
     def describe(self) -> str:
         parts = [f"{k} {getattr(self, k).alpha * 1e6:.0f} us + {getattr(self, k).beta * 8 / 1e9:.3g} Gbit/s"
                  for k in KINDS]
