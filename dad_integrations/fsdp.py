@@ -299,6 +299,8 @@ class FSDPDADSynchronizer:
             if decision.representation in RANK_ROUTES:
                 ranked.append(self.rank_codec.local(unit, rows[unit.index], sink.local_grad, decision.representation))
                 continue  # exchanged together below; biases stay on FSDP's reduce-scatter
+            if self._flush_residual(unit, sink):
+                continue  # its residual rides FSDP's reduce-scatter this step
             if decision.representation != "exact":
                 continue  # FSDP's reduce-scatter moves no more bytes
             result = codec.exchange(unit, rows[unit.index], counts[unit.index], agg, scale)
@@ -315,6 +317,19 @@ class FSDPDADSynchronizer:
         if ranked:
             self._rank_routes(ranked, sink, agg, scale, report, covered)
         self._dense([s for s in slots if id(s.param) not in covered], sink, group, op, report)
+
+    def _flush_residual(self, unit: FactorUnit, sink: ShardSink) -> bool:
+        """A weight off the rank routes with an error-feedback residual left (its route changed:
+        rows fell, or objective "time" chose again): add the residual to its local gradient in
+        FSDP's reduce-scatter input, which then carries the mean residual, what the ranks still owed.
+        Every rank holds a residual for the same weights (they took the same routes)."""
+        memory = self.rank_codec.memory if self.rank_codec is not None else None
+        residual = memory.dense(unit.name) if memory is not None and memory.enabled else None
+        if residual is None:
+            return False
+        sink.add_local(unit.param, residual)
+        memory.residuals.pop(unit.name)
+        return True
 
     def _rank_routes(self, items: List[RankItem], sink: ShardSink, agg: TorchDistributedAggregator, scale: float,
                      report: ShardedStepReport, covered: set) -> None:

@@ -130,6 +130,17 @@ class ShardSink:
         block = self.inp.view(self.world_size, self.chunk)[:, s.offset:s.offset + s.numel]
         return block.reshape((self.world_size * s.rows,) + s.shape[1:])[:s.shape[0]].to(dtype) * self.predivide
 
+    def add_local(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Add ``value`` (``p``'s whole shape) to this rank's local gradient of ``p`` in the
+        reduce-scatter input, so that FSDP's reduce-scatter sends it too."""
+        s = self.slots[id(p)]
+        block = self.inp.view(self.world_size, self.chunk)[:, s.offset:s.offset + s.numel]
+        block = block.view((self.world_size, s.rows) + tuple(s.shape[1:]))
+        for r in range(self.world_size):  # chunk r holds rows [r c, (r+1) c)
+            part = value[r * s.rows:(r + 1) * s.rows]
+            if part.shape[0]:
+                block[r, :part.shape[0]].add_(part.to(block.dtype) / self.predivide)
+
     def write(self, p: nn.Parameter, shard: Optional[torch.Tensor]) -> None:
         """Write this rank's shard of ``p`` (its first rows; the padding rows after it are zeroed),
         or zeros where ``shard`` is None."""

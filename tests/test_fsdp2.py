@@ -58,6 +58,7 @@ LOSSY = ["mlp-rank2-allreduce", "mlp-auto-rank4", "gpt2-auto-rank4",   # rank 2 
 EF_LOSSY = ["gpt2-auto-rank4-ef-rank1"]  # a residual kept at rank 1 drops its tail: no exact identity
 NONFINITE = ["mlp-rank2-nonfinite", "mlp-rank2-allreduce-nonfinite"]    # rank 1's loss NaN at step 1
 TIMED = ["gpt2-time-slow"]  # objective "time" on a stated slow link (the fast one is in CASES)
+FLUSH = ["mlp-auto-rank8-flush"]  # a weight leaves its rank route when rows fall
 RANKED = ["mlp-rank-full-allgather", "mlp-rank-full-allreduce"] + LOSSY + NONFINITE
 RANK_REPS = ("rank", "rank_allreduce")
 
@@ -71,7 +72,7 @@ def jobs(tmp_path_factory):
         if nproc not in done:
             out = tmp_path_factory.mktemp(f"fsdp2_{nproc}") / "out.json"
             run_torchrun(WORKERS / "fsdp2_worker.py", nproc,
-                         [out, *(CASES + LOSSY + NONFINITE + TIMED if nproc == 2 else CASES_4)], timeout=900)
+                         [out, *(CASES + LOSSY + NONFINITE + TIMED + FLUSH if nproc == 2 else CASES_4)], timeout=900)
             done[nproc] = json.loads(out.read_text())
         return done[nproc]
 
@@ -133,6 +134,18 @@ def test_objective_time_routes_by_the_link(results):
         assert {r for _, r, _, _ in rep["params"]} & set(RANK_REPS), rep["params"]
         assert rep["totals"]["sent_bytes"] < 0.5 * rep["fsdp_reduce_scatter_bytes"]  # 32-wide layers, rank 4
     assert len(set(slow["checksums"])) == 1
+
+
+def test_leaving_a_rank_route_flushes_the_residual(results):
+    """A weight that leaves its rank route (here: rows fall, exact factors become fewer bytes) sends
+    its error-feedback residual with that step's reduce-scatter: the gradient is FSDP's plus the
+    mean residual (the identity with the new residual zero), and none is left owed."""
+    res = _case(results, "mlp-auto-rank8-flush")
+    flushed = res["nonfinite"].get("flushed", [])
+    assert flushed, res["nonfinite"]
+    assert max(res["identity"]) < 1e-5, res["identity"]
+    last = {name: r for name, r, _, _ in res["reports"][-1]["params"]}
+    assert all(last[name] == "dense" for name in flushed), last  # the flush step goes by the reduce-scatter
 
 
 def test_shard1_weight_falls_back_logged_once(results):

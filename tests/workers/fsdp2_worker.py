@@ -199,8 +199,8 @@ def ef_identity(ref: nn.Module, mine: nn.Module, sync, before: dict, routed: lis
         if name not in routed:
             continue
         old = before.get(name)
-        new = sync.rank_codec.memory.dense(name)
-        delta = (torch.zeros(a.shape) if old is None else old) - new
+        new = sync.rank_codec.memory.dense(name)  # None: flushed into this step's reduce-scatter
+        delta = (torch.zeros(a.shape) if old is None else old) - (0 if new is None else new)
         dist.all_reduce(delta)
         expected = a.grad.full_tensor() + delta / world
         got = params[name].grad.full_tensor()
@@ -267,7 +267,7 @@ def run_case(case: dict) -> dict:
             last = k == micro - 1
             for model in (ref, mine):
                 model.set_requires_gradient_sync(last)
-            size = case.get("batch", 2) + (rank if case.get("uneven") else 0)
+            size = case.get("batch_by_step", [case.get("batch", 2)] * (step + 1))[step] + (rank if case.get("uneven") else 0)
             data = batch(name, size, seed=(0 if case.get("fixed_batch") else 1000 * step) + 10 * k + rank)
             bad = float("nan") if bad_step and rank == 1 else 1.0
             (loss_of(name, ref, data) * bad).backward()
@@ -297,8 +297,12 @@ def run_case(case: dict) -> dict:
                 first = errors
                 if full is not None:
                     vs_fp32 = {"fsdp": grad_errors(full, ref), "dad": grad_errors(full, mine)}
-            if routed:
-                identity.append(ef_identity(ref, mine, sync, before_residuals, routed))
+            # weights that left a rank route this step send their residual (`fsdp._flush_residual`)
+            flushed = [n for n in before_residuals if n not in routed]
+            if routed or flushed:
+                identity.append(ef_identity(ref, mine, sync, before_residuals, routed + flushed))
+            if flushed:
+                nonfinite.setdefault("flushed", []).extend(flushed)
         state = rank_state(sync)
         memory = sync.rank_codec.memory if sync.rank_codec is not None else None
         states.append({"numel": sum(v.numel() for v in state.values()),
@@ -358,6 +362,10 @@ CASES = {
     "gpt2-auto": {"model": "gpt2", "mode": "auto", "batch": 1},
     # objective "time" by stated links: a fast one sends every weight by FSDP's reduce-scatter, a slow
     # one by rank routes
+    # rows fall at step 2 (batch 8 -> 1): the fc1 weights leave rank 8 for exact factors, and send
+    # their residuals with FSDP's reduce-scatter that step
+    "mlp-auto-rank8-flush": {"model": "mlp", "config": {"mode": "auto", "rank": 8}, "batch_by_step": [8, 8, 1],
+                             "steps": 3, "follow": True},
     "gpt2-time-fast": {"model": "gpt2", "config": {"mode": "auto", "rank": 4, "objective": "time",
                                                    "link": {"bandwidth": "1000gbit"}}, "batch": 1},
     "gpt2-time-slow": {"model": "gpt2", "config": {"mode": "auto", "rank": 4, "objective": "time",
