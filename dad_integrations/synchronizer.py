@@ -327,6 +327,7 @@ class DADSynchronizer:
     def _after_dense_accumulate(self, p: nn.Parameter) -> None:
         window = self._current_window()
         window.touch(p)
+        window.note_accumulated(p)  # it may share a DDP bucket with factor weights' gradients
         if not (self._accumulating or self._driven_by_ddp):
             window.count_pass(p)
 

@@ -1,0 +1,57 @@
+"""PyTorch's own DDP test cases with dAD's communication hook in place of DDP's reduction.
+
+One torchrun job (2 ranks, gloo) runs every case of `workers/ddp_engine_worker.py`: PyTorch's
+``torch.testing._internal.distributed.distributed_test`` methods as shipped, where they run on
+CPU, ports of those that need CUDA, and comparisons with DDP's own all-reduce every step.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import WORKERS, result, run_torchrun
+
+TOL = 1e-5  # fp32 round-off, relative, floored at 1e-6 of the whole gradient's norm
+
+PYTORCH_CASES = ["accumulate_gradients_no_sync", "accumulate_gradients_no_sync_grad_is_view",
+                 "ddp_create_graph"]
+ACCUMULATE_CASES = ["accumulate_vs_allreduce_hook_net", "accumulate_vs_allreduce_hook_net_grad_is_view",
+                    "accumulate_vs_allreduce_hook_mlp", "accumulate_vs_allreduce_hook_mlp_grad_is_view",
+                    "accumulate_vs_allreduce_hook_mlp_grad_is_view_zero_between"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    try:
+        import expecttest  # noqa: F401  (PyTorch's test code imports it)
+    except ImportError:
+        pytest.fail("PyTorch's distributed test code needs expecttest, in the 'test' extras: "
+                    "pip install -e '.[test]' (scripts/setup_env.sh does)")
+    out = tmp_path_factory.mktemp("ddp_engine") / "out.json"
+    run_torchrun(WORKERS / "ddp_engine_worker.py", 2, [out], timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", PYTORCH_CASES)
+def test_pytorch_ddp_case_passes_with_dad_hook(results, case):
+    """PyTorch's test method, run as shipped with every DDP it builds on dAD's hook, passes on
+    every rank (its own assertions: gradients and parameters against one process's, to
+    ``assertEqual``'s fp32 tolerance)."""
+    for r in result(results, case):
+        assert r["ok"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ACCUMULATE_CASES)
+def test_no_sync_accumulation_equals_allreduce_hook(results, case):
+    """`_test_accumulate_gradients_no_sync`'s loop (grads never zeroed, a ``no_grad`` forward in
+    ``no_sync`` first, then no_sync and synchronised backwards in turn, 6 iterations) with and
+    without ``gradient_as_bucket_view``: every gradient equals that of the same DDP with PyTorch's
+    ``allreduce_hook`` on every step, and synchronised gradients are bit-identical across ranks."""
+    for rank, r in enumerate(result(results, case)):
+        worst = r["worst_per_iter"]
+        assert len(worst) == 6
+        assert max(worst) <= TOL, f"rank {rank}: relative errors per iteration {worst}"
+        assert all(r["synced_grads_equal_across_ranks"]), r["synced_grads_equal_across_ranks"]

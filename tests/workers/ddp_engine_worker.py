@@ -1,0 +1,192 @@
+"""Runs inside `torchrun` (gloo): PyTorch's own DDP test cases with dAD's communication hook
+(`register_dad_comm_hook`, mode exact) in place of DDP's reduction; writes JSON results.
+
+Usage: torchrun --standalone --nproc_per_node 2 ddp_engine_worker.py OUT.json [CASE ...]
+
+Where PyTorch's test code runs on CPU and gloo, it runs as shipped: the methods of
+``torch.testing._internal.distributed.distributed_test.DistributedTest._DistTestBase`` on an
+instance of it, with every ``DistributedDataParallel`` they build getting the dAD hook (`dad_ddp`).
+Where it needs CUDA (``.cuda(rank)``, ``device_ids``, ``torch.cuda.synchronize``), the case is a
+port that keeps the test's model, data, loop and assertions, named after the PyTorch test.
+Besides, the cases compare dAD against DDP's own all-reduce (PyTorch's ``allreduce_hook`` or
+DDP's built-in reduction) gradient by gradient, every step, to fp32 round-off.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import os
+import sys
+import tempfile
+from typing import Callable, Dict, Iterator, List, Optional
+
+os.environ.setdefault("BACKEND", "gloo")  # read by distributed_test at import
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.testing._internal.common_utils import TestCase  # noqa: E402
+from torch.testing._internal.distributed import distributed_test as dt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+from dad_integrations import register_dad_comm_hook  # noqa: E402
+
+EXACT = {"mode": "exact"}
+
+
+# -- PyTorch's test class, with the dAD hook on every DDP it builds -------------------------------
+class DADDistTest(TestCase, dt.DistributedTest._DistTestBase):
+    """PyTorch's DDP test methods, run on this rank (one instance per case)."""
+
+    def __init__(self, method: str):
+        super().__init__(method)
+        self.rank = dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def _barrier(self, *args, **kwargs) -> None:
+        # PyTorch's file-based barrier needs its harness's TEMP_DIR; a collective one does the same job
+        dist.barrier()
+
+
+class DADDistributedDataParallel(DDP):
+    """A DDP whose reduction is dAD's communication hook (what the cases' code builds instead of
+    DDP). A module-level class: ``torch.save`` of the model pickles it by reference."""
+
+    dad_config: dict = EXACT
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        register_dad_comm_hook(self, self.dad_config)
+
+
+@contextlib.contextmanager
+def dad_ddp(config: dict = EXACT) -> Iterator[None]:
+    """Every ``DistributedDataParallel(...)`` built inside (by name or through ``nn.parallel``)
+    gets dAD's hook."""
+    saved = (torch.nn.parallel.DistributedDataParallel, dt.DistributedDataParallel,
+             DADDistributedDataParallel.dad_config)
+    torch.nn.parallel.DistributedDataParallel = dt.DistributedDataParallel = DADDistributedDataParallel
+    DADDistributedDataParallel.dad_config = config
+    try:
+        yield
+    finally:
+        (torch.nn.parallel.DistributedDataParallel, dt.DistributedDataParallel,
+         DADDistributedDataParallel.dad_config) = saved
+
+
+def dad_syncs(ddp: DDP) -> list:
+    """The synchronisers behind ``ddp``'s dAD hook (the hook's state is their driver)."""
+    return [state.sync for hook, state in ddp._comm_hooks if hasattr(state, "sync")]
+
+
+# -- PyTorch's own tests, as shipped ----------------------------------------------------------------
+def run_pytorch(case: dict) -> dict:
+    """Call one of PyTorch's test methods (``method``, with ``kwargs``) with the dAD hook on."""
+    test = DADDistTest(case["method"])
+    torch.manual_seed(case.get("seed", 0))  # as PyTorch's harness: the same model on every rank
+    with dad_ddp():
+        out = getattr(test, case["method"])(**case.get("kwargs", {}))
+    return {"ok": True, "returned": type(out).__name__}
+
+
+# -- accumulation with no_sync, against DDP's all-reduce hook ---------------------------------------
+def run_accumulate_vs_allreduce(case: dict) -> dict:
+    """`_test_accumulate_gradients_no_sync` against PyTorch's ``allreduce_hook`` instead of a
+    single-process model: grads never zeroed, a ``no_grad`` forward in ``no_sync`` first, then
+    no_sync and synchronised backwards in turn; every gradient compared on every step."""
+    name, view = case["model"], case["bucket_view"]
+    torch.manual_seed(0)
+    base = dt.Net() if name == "net" else models.build(name)
+    ddp_kwargs = {"bucket_cap_mb": case.get("bucket_cap_mb", 0.001), "gradient_as_bucket_view": view}
+    ref = DDP(copy.deepcopy(base), **ddp_kwargs)
+    ref.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    mine = DDP(copy.deepcopy(base), **ddp_kwargs)
+    register_dad_comm_hook(mine, EXACT)
+    x0, _ = _data(name, 0)
+    for model in (ref, mine):
+        with torch.no_grad(), model.no_sync():
+            model(x0)
+    worst: List[float] = []
+    synced_equal = []
+    for it in range(case.get("iters", 6)):
+        x, y = _data(name, it)
+        sync = it % 2 == 1
+        for model in (ref, mine):
+            if sync and case.get("zero_before_sync"):  # a change between micro-steps: DDP averages what is left
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.zero_()
+            with contextlib.nullcontext() if sync else model.no_sync():
+                F.mse_loss(model(x), y).backward()
+        worst.append(max(models.grad_errors(ref.module, mine.module).values()))
+        if sync:
+            synced_equal.append(_equal_across_ranks([p.grad for p in mine.parameters()]))
+    return {"worst_per_iter": worst, "synced_grads_equal_across_ranks": synced_equal}
+
+
+def _data(name: str, it: int):
+    g = torch.Generator().manual_seed(1000 * it + dist.get_rank())
+    if name == "net":
+        return torch.randn(2, 2, generator=g), torch.randn(2, 4, generator=g)
+    d = models.batch(name, 3, seed=1000 * it + dist.get_rank())
+    return d["x"], d["y"]
+
+
+def _equal_across_ranks(tensors: List[torch.Tensor]) -> bool:
+    """Bit for bit the same on every rank."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors if t is not None])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+RUNNERS: Dict[str, Callable[[dict], dict]] = {"pytorch": run_pytorch, "accumulate": run_accumulate_vs_allreduce}
+
+CASES: Dict[str, dict] = {
+    # PyTorch: test_accumulate_gradients_no_sync(_grad_is_view); num_iters=4 as its hook variants
+    "accumulate_gradients_no_sync": {"kind": "pytorch", "method": "_test_accumulate_gradients_no_sync",
+                                     "kwargs": {"num_iters": 4}},
+    "accumulate_gradients_no_sync_grad_is_view": {"kind": "pytorch", "method": "_test_accumulate_gradients_no_sync",
+                                                  "kwargs": {"num_iters": 4, "gradient_as_bucket_view": True}},
+    "accumulate_vs_allreduce_hook_net": {"kind": "accumulate", "model": "net", "bucket_view": False},
+    "accumulate_vs_allreduce_hook_net_grad_is_view": {"kind": "accumulate", "model": "net", "bucket_view": True},
+    "accumulate_vs_allreduce_hook_mlp": {"kind": "accumulate", "model": "mlp", "bucket_view": False},
+    "accumulate_vs_allreduce_hook_mlp_grad_is_view": {"kind": "accumulate", "model": "mlp", "bucket_view": True},
+    "accumulate_vs_allreduce_hook_mlp_grad_is_view_zero_between": {"kind": "accumulate", "model": "mlp",
+                                                                   "bucket_view": True, "zero_before_sync": True},
+    # PyTorch: test_DistributedDataParallelCPU(_grad_is_view): 5 steps against one process, torch.save at the end
+    "DistributedDataParallelCPU": {"kind": "pytorch", "method": "_test_DistributedDataParallelCPU"},
+    "DistributedDataParallelCPU_grad_is_view": {"kind": "pytorch", "method": "_test_DistributedDataParallelCPU",
+                                                "kwargs": {"gradient_as_bucket_view": True}},
+    "ddp_create_graph": {"kind": "pytorch", "method": "test_ddp_create_graph"},
+}
+
+
+def _gather(case_id: str, mine: dict) -> list:
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    if dist.get_rank() == 0:
+        print(f"[ddp_engine] {case_id}: {'raised' if any('exception' in r for r in per_rank) else 'done'}",
+              flush=True)
+    return per_rank
+
+
+def main() -> None:
+    out_path, only = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("DAD_TEST_TIMEOUT", 120))))
+    torch.set_num_threads(1)
+    cases = {k: v for k, v in CASES.items() if not only or k in only}
+    models.write_and_exit(out_path, models.run_all(cases, lambda case: RUNNERS[case["kind"]](case), _gather))
+
+
+if __name__ == "__main__":
+    main()
