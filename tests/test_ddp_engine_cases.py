@@ -15,7 +15,13 @@ from conftest import WORKERS, result, run_torchrun
 TOL = 1e-5  # fp32 round-off, relative, floored at 1e-6 of the whole gradient's norm
 
 PYTORCH_CASES = ["accumulate_gradients_no_sync", "accumulate_gradients_no_sync_grad_is_view",
+                 "DistributedDataParallelCPU", "DistributedDataParallelCPU_grad_is_view",
+                 "DistributedDataParallel_save_load_on_cpu", "DistributedDataParallel_save_load_on_cpu_grad_is_view",
                  "ddp_create_graph"]
+# the ports of _test_DistributedDataParallel load the model before training (trains 3 steps) and
+# after its third step (trains on to step 5, from the saved dAD state's step count)
+REATTACHED_STEPS = {"DistributedDataParallel_save_load_on_cpu": [3, 5],
+                    "DistributedDataParallel_save_load_on_cpu_grad_is_view": [3, 5]}
 ACCUMULATE_CASES = ["accumulate_vs_allreduce_hook_net", "accumulate_vs_allreduce_hook_net_grad_is_view",
                     "accumulate_vs_allreduce_hook_mlp", "accumulate_vs_allreduce_hook_mlp_grad_is_view",
                     "accumulate_vs_allreduce_hook_mlp_grad_is_view_zero_between"]
@@ -41,6 +47,31 @@ def test_pytorch_ddp_case_passes_with_dad_hook(results, case):
     ``assertEqual``'s fp32 tolerance)."""
     for r in result(results, case):
         assert r["ok"]
+        # a loaded model's hook is dAD's again: it ran every step since the load, through factors
+        assert [d["steps"] for d in r["reattached"]] == REATTACHED_STEPS.get(case, []), r["reattached"]
+        assert all(d["routes"] == ["exact"] for d in r["reattached"]), r["reattached"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["save_load_exact", "save_load_exact_grad_is_view", "save_load_rank_error_feedback"])
+def test_saved_ddp_model_trains_on_with_dad(results, case):
+    """``torch.save(ddp)`` / ``torch.load`` of a DDP model with the dAD hook after 2 steps; then
+    the original, the loaded copy and a plain DDP train 3 more steps on the same data. The loaded
+    copy's hook is attached again (the detached capture hooks that came with it are removed): its
+    parameters and dAD state stay bit-identical to the original's (rank mode: warm starts and
+    error-feedback residuals came with it), and in exact mode its gradients equal DDP's."""
+    for rank, r in enumerate(result(results, case)):
+        assert r["steps"] == r["original_steps"] == 5
+        assert r["params_diff_vs_original"] == [0.0] * 3, f"rank {rank}: {r['params_diff_vs_original']}"
+        assert r["state_diff_vs_original"] == 0.0
+        assert r["hooks_per_module"] == 1  # the new capture's forward hook only
+        assert r["params_equal_across_ranks"]
+        if case.startswith("save_load_exact"):
+            assert max(r["worst_vs_ddp"]) <= TOL, f"rank {rank}: {r['worst_vs_ddp']}"
+            assert "exact" in r["routes"]
+        else:
+            assert r["saved_state_norm"] > 0, "no dAD state to carry: the test would be vacuous"
+            assert "rank_allreduce" in r["routes"]
 
 
 @pytest.mark.slow

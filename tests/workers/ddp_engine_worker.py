@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 
 from dad_integrations import register_dad_comm_hook  # noqa: E402
+from dad_integrations.ddp_hook import DDPDriver  # noqa: E402
 
 EXACT = {"mode": "exact"}
 
@@ -55,6 +56,23 @@ class DADDistTest(TestCase, dt.DistributedTest._DistTestBase):
     def _barrier(self, *args, **kwargs) -> None:
         # PyTorch's file-based barrier needs its harness's TEMP_DIR; a collective one does the same job
         dist.barrier()
+
+    def _test_DistributedDataParallel_on_cpu(self, gradient_as_bucket_view: bool = False) -> None:
+        """Port of PyTorch's ``_test_DistributedDataParallel`` (CUDA only) to CPU, its code less the
+        ``.cuda()`` calls: ``torch.save`` / ``torch.load`` of the DDP model before training, then
+        `_test_DDP_niter` with ``test_save`` (saved and loaded again after its third step; 5 steps,
+        parameters against one process's after each)."""
+        model = dt.Net()
+        model_base = copy.deepcopy(model)
+        model_DDP = nn.parallel.DistributedDataParallel(copy.deepcopy(model),
+                                                        gradient_as_bucket_view=gradient_as_bucket_view)
+        with tempfile.NamedTemporaryFile() as tmp:
+            torch.save(model_DDP, tmp.name)
+            model_DDP = torch.load(tmp.name, weights_only=False)
+        local_bs = 2  # as _test_DistributedDataParallelCPU
+        global_bs, input_cpu, target, loss = self._prepare_dummy_data(local_bs)
+        self._test_DDP_niter(model_base, model_DDP, input_cpu, target, loss, local_bs, self.rank, global_bs, True)
+        self._barrier()
 
 
 class DADDistributedDataParallel(DDP):
@@ -83,19 +101,118 @@ def dad_ddp(config: dict = EXACT) -> Iterator[None]:
          DADDistributedDataParallel.dad_config) = saved
 
 
-def dad_syncs(ddp: DDP) -> list:
-    """The synchronisers behind ``ddp``'s dAD hook (the hook's state is their driver)."""
-    return [state.sync for hook, state in ddp._comm_hooks if hasattr(state, "sync")]
+@contextlib.contextmanager
+def recording_reattached() -> Iterator[List[DDPDriver]]:
+    """The hooks of loaded DDP models that attached dAD again, in order (to see them train)."""
+    found: List[DDPDriver] = []
+    reattach = getattr(DDPDriver, "_reattach", None)
+    if reattach is None:  # a dAD without pickling (to see these cases fail before it): nothing to record
+        yield found
+        return
+
+    def recorded(driver: DDPDriver, ddp: DDP) -> None:
+        reattach(driver, ddp)
+        found.append(driver)
+
+    DDPDriver._reattach = recorded
+    try:
+        yield found
+    finally:
+        DDPDriver._reattach = reattach
 
 
 # -- PyTorch's own tests, as shipped ----------------------------------------------------------------
 def run_pytorch(case: dict) -> dict:
-    """Call one of PyTorch's test methods (``method``, with ``kwargs``) with the dAD hook on."""
+    """Call one of PyTorch's test methods (``method``, with ``kwargs``) with the dAD hook on;
+    report the loaded models' re-attached hooks: steps run and routes of their last step."""
     test = DADDistTest(case["method"])
     torch.manual_seed(case.get("seed", 0))  # as PyTorch's harness: the same model on every rank
-    with dad_ddp():
-        out = getattr(test, case["method"])(**case.get("kwargs", {}))
-    return {"ok": True, "returned": type(out).__name__}
+    saved_init = dt.INIT_METHOD
+    if case.get("file_init"):  # _test_DDP_niter saves mid-training only under a file:// init method
+        dt.INIT_METHOD = "file://unused"
+    try:
+        with dad_ddp(), recording_reattached() as reattached:
+            getattr(test, case["method"])(**case.get("kwargs", {}))
+    finally:
+        dt.INIT_METHOD = saved_init
+    return {"ok": True, "reattached": [{"steps": d.sync._steps, "routes": _routes(d.sync)} for d in reattached]}
+
+
+def _routes(sync) -> List[str]:
+    report = sync.last_step_report()
+    return sorted({p.representation for p in report.params}) if report is not None else []
+
+
+# -- torch.save of a DDP model with the dAD hook: the loaded model trains on ------------------------
+def run_save_load(case: dict) -> dict:
+    """Train a DDP model with the dAD hook 2 steps, ``torch.save`` it (each rank its own file, as
+    PyTorch's DDP tests do), ``torch.load`` it and train the original, the loaded copy and a DDP
+    with its own all-reduce 3 more steps on the same data: the loaded copy's gradients against
+    DDP's, its parameters and dAD state against the original's."""
+    config = case["config"]
+    torch.manual_seed(0)
+    base = models.build("mlp")
+    ddp_kwargs = {"gradient_as_bucket_view": case.get("bucket_view", False)}
+    ref = DDP(copy.deepcopy(base), **ddp_kwargs)
+    original = DDP(copy.deepcopy(base), **ddp_kwargs)
+    sync = register_dad_comm_hook(original, config)
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, original)}
+
+    def step(model: DDP, it: int) -> None:
+        x, y = _data("mlp", it)
+        F.mse_loss(model(x), y).backward()
+
+    def update(model: DDP) -> None:
+        opts[id(model)].step()
+        opts[id(model)].zero_grad()
+
+    for it in range(2):
+        for model in (ref, original):
+            step(model, it)
+            update(model)
+    saved_state = sync.state_dict()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"ddp_rank{dist.get_rank()}.pt")
+        torch.save(original, path)
+        with recording_reattached() as reattached:
+            loaded = torch.load(path, weights_only=False)
+            opts[id(loaded)] = torch.optim.SGD(loaded.parameters(), lr=0.1)
+            worst, params_diff = [], []
+            for it in range(2, 5):
+                for model in (ref, original, loaded):
+                    step(model, it)
+                worst.append(max(models.grad_errors(ref.module, loaded.module).values()))
+                for model in (ref, original, loaded):
+                    update(model)
+                params_diff.append(max(float((a - b).abs().max())
+                                       for a, b in zip(original.parameters(), loaded.parameters())))
+    (driver,) = reattached
+    return {"worst_vs_ddp": worst, "params_diff_vs_original": params_diff, "steps": driver.sync._steps,
+            "original_steps": sync._steps, "routes": _routes(driver.sync),
+            "state_diff_vs_original": _state_diff(sync.state_dict(), driver.sync.state_dict()),
+            "saved_state_norm": _state_norm(saved_state),
+            "hooks_per_module": max(len(m._forward_hooks) for m in loaded.module.modules()),
+            "params_equal_across_ranks": _equal_across_ranks(list(loaded.parameters()))}
+
+
+def _tensors(state) -> List[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for k in sorted(state) for t in _tensors(state[k])]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _tensors(v)]
+    return []
+
+
+def _state_diff(a: dict, b: dict) -> float:
+    ta, tb = _tensors(a), _tensors(b)
+    assert len(ta) == len(tb) and a["steps"] == b["steps"], (len(ta), len(tb), a["steps"], b["steps"])
+    return max([float((x - y).abs().max()) for x, y in zip(ta, tb) if x.numel()] + [0.0])
+
+
+def _state_norm(state: dict) -> float:
+    return float(sum(float(t.float().norm()) ** 2 for t in _tensors(state)) ** 0.5)
 
 
 # -- accumulation with no_sync, against DDP's all-reduce hook ---------------------------------------
@@ -149,7 +266,8 @@ def _equal_across_ranks(tensors: List[torch.Tensor]) -> bool:
     return all(torch.equal(gathered[0], g) for g in gathered)
 
 
-RUNNERS: Dict[str, Callable[[dict], dict]] = {"pytorch": run_pytorch, "accumulate": run_accumulate_vs_allreduce}
+RUNNERS: Dict[str, Callable[[dict], dict]] = {"pytorch": run_pytorch, "accumulate": run_accumulate_vs_allreduce,
+                                              "save_load": run_save_load}
 
 CASES: Dict[str, dict] = {
     # PyTorch: test_accumulate_gradients_no_sync(_grad_is_view); num_iters=4 as its hook variants
@@ -167,7 +285,16 @@ CASES: Dict[str, dict] = {
     "DistributedDataParallelCPU": {"kind": "pytorch", "method": "_test_DistributedDataParallelCPU"},
     "DistributedDataParallelCPU_grad_is_view": {"kind": "pytorch", "method": "_test_DistributedDataParallelCPU",
                                                 "kwargs": {"gradient_as_bucket_view": True}},
+    # PyTorch: _test_DistributedDataParallel (CUDA), ported: saved and loaded before training and mid-training
+    "DistributedDataParallel_save_load_on_cpu": {"kind": "pytorch", "method": "_test_DistributedDataParallel_on_cpu",
+                                                 "file_init": True},
+    "DistributedDataParallel_save_load_on_cpu_grad_is_view": {
+        "kind": "pytorch", "method": "_test_DistributedDataParallel_on_cpu", "file_init": True,
+        "kwargs": {"gradient_as_bucket_view": True}},
     "ddp_create_graph": {"kind": "pytorch", "method": "test_ddp_create_graph"},
+    "save_load_exact": {"kind": "save_load", "config": EXACT},
+    "save_load_exact_grad_is_view": {"kind": "save_load", "config": EXACT, "bucket_view": True},
+    "save_load_rank_error_feedback": {"kind": "save_load", "config": {"mode": "rank", "rank": 2}},
 }
 
 
