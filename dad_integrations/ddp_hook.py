@@ -12,6 +12,17 @@ What DDP users keep: ``ddp.no_sync()`` accumulation (the hook is not called, fac
 accumulating and go with the next synchronised backward), gradient clipping and optimizers after
 backward, mixed precision. Costs are those of `DADSynchronizer`.
 
+Uneven inputs (``ddp.join()``). A rank that has run out of inputs shadows the others'
+collectives: DDP's join hook hands each bucket, zeroed, to the hook outside any backward. dAD then
+runs the step with this rank adding nothing (`sink.BucketViewSink.shadow`: no rows, no dense
+gradient, whatever ``.grad`` holds), so the others' collectives match. DDP's own reduction sums
+what the ranks still training hold in ``.grad`` and divides by the initial world size, or with
+``join(divide_by_initial_world_size=False)`` by the ranks still training; dAD does the same: one
+more all-reduce, of one number, counts those ranks in every step of a DDP that has entered
+``join`` (DDP keeps its join config afterwards, and so its own extra collectives too), and a
+gradient left in ``.grad`` from before the step (the window's prior, the same on every rank) counts
+once per rank still training (`sink.BucketViewSink.prior_scale`).
+
 Pickling (``torch.save(ddp)``, as PyTorch's DDP tests do). DDP pickles its hooks with it; the
 hook's state (`DDPDriver`) pickles as PowerSGD's state does: without its process group (and
 without the synchroniser's threads), with the config and this rank's dAD state
@@ -23,8 +34,9 @@ on with dAD. Like any DDP training forward, that first forward must run on every
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations and
 # accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 import logging
+import weakref
 from datetime import timedelta
-from typing import Callable, List, Mapping, Optional, Union
+from typing import Callable, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -34,8 +46,8 @@ from .aggregator import FactorAggregator
 from .capture import remove_detached_captures
 from .config import DADConfig
 from .groups import new_group_like
-from .report import StepReport
-from .synchronizer import DADSynchronizer
+from .report import ParamReport, StepReport
+from .synchronizer import DADSynchronizer, in_backward
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +67,7 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
     driver = DDPDriver(_attach(ddp, config, aggregator, timeout), timeout=timeout,
                        own_aggregator=aggregator is not None)
+    driver.ddp = weakref.ref(ddp)
     ddp.register_comm_hook(driver, _dad_comm_hook)
     # kept by DDP's pickling: the loaded model's first forward attaches dAD again (`DDPDriver`)
     ddp.register_forward_pre_hook(driver.before_forward)
@@ -88,6 +101,7 @@ class DDPDriver:
         self.sync: Optional[DADSynchronizer] = sync
         self.timeout = timeout
         self.own_aggregator = own_aggregator
+        self.ddp: Optional["weakref.ref[nn.parallel.DistributedDataParallel]"] = None  # the DDP it drives
         self._loaded: Optional[dict] = None  # what a loaded driver attaches with
 
     def __getstate__(self) -> dict:
@@ -98,6 +112,7 @@ class DDPDriver:
 
     def __setstate__(self, saved: dict) -> None:
         self.sync = None
+        self.ddp = None
         self.timeout = saved["timeout"]
         self.own_aggregator = saved["own_aggregator"]
         self._loaded = saved
@@ -120,6 +135,7 @@ class DDPDriver:
         ddp._comm_hooks = [(h, s) for h, s in ddp._comm_hooks if s is not self]
         ddp.register_comm_hook(self, _dad_comm_hook)
         self.sync, self._loaded, self.own_aggregator = sync, None, False
+        self.ddp = weakref.ref(ddp)
 
     def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
                   on_done: Callable[[Optional[BaseException]], None]) -> None:
@@ -130,6 +146,10 @@ class DDPDriver:
         if sync._closed:
             raise RuntimeError("the dAD communication hook was used after close()")
         window = sync._current_window()
+        if not window.sink.views and self._joined():  # the step's first bucket, shadowed by join
+            window.sink.shadow = True
+            for c in sync._plan.captures:  # rows of no_sync micro-steps before joining: DDP sends zeros
+                c.clear()
         with window.lock:
             for p, v in zip(params, views):
                 window.sink.views[id(p)] = v
@@ -142,12 +162,41 @@ class DDPDriver:
         if last:
             window.release_all()  # after on_done is in: the step may end from here on
 
+    def _joined(self) -> bool:
+        """This rank has joined (``ddp.join()``): DDP hands over buckets outside any backward."""
+        ddp = self.ddp() if self.ddp is not None else None
+        config = getattr(ddp, "_join_config", None)
+        return bool(config is not None and config.enable and not in_backward())
+
+    def _join_postscale(self, window) -> Tuple[Optional[float], Optional[ParamReport]]:
+        """In a DDP that has entered ``join``: the step's postscale (DDP's divisor: the ranks still
+        training with ``divide_by_initial_world_size=False``, else None for all ranks), having
+        set the window's prior scale; the traffic of counting those ranks (every rank, joined or
+        not, runs that collective in the step). Elsewhere (None, None)."""
+        ddp = self.ddp() if self.ddp is not None else None
+        config = getattr(ddp, "_join_config", None)
+        if config is None or not config.enable:
+            return None, None
+        sync = self.sync
+        flag = torch.tensor([0.0 if window.sink.shadow else 1.0], device=sync._exchanger.device)
+        handle = sync.aggregator.all_reduce(flag, name="dad.join.training", op="sum")
+        active = int(handle.wait()[0])
+        entry = ParamReport("[join: ranks training]", "overhead", ())
+        entry.add_traffic(handle.traffic)
+        world = sync.aggregator.world_size
+        postscale = None if getattr(ddp, "_divide_by_initial_world_size", True) else 1.0 / active
+        window.sink.prior_scale = active * (1.0 / world if postscale is None else postscale)
+        return postscale, entry
+
     def _step(self, window) -> StepReport:
         sync = self.sync
         error: Optional[BaseException] = None
         report = None
         try:
-            report = sync._exchange(window)
+            postscale, counted = self._join_postscale(window)
+            report = sync._exchange(window, postscale)
+            if counted is not None:
+                report.params.append(counted)
         except BaseException as e:
             error = e
         with window.lock:

@@ -254,9 +254,11 @@ class DADSynchronizer:
             if window.future is None:
                 window.future = self._worker.submit(functools.partial(job, window))
 
-    def _exchange(self, window: StepWindow) -> StepReport:
+    def _exchange(self, window: StepWindow, postscale: Optional[float] = None) -> StepReport:
+        """Run the step's exchange; ``postscale`` replaces ``postscale_factor`` for this step."""
         return self._exchanger.run(window, window.sink, step=self._steps, verify=not self._verified,
-                                   prescale=self.prescale_factor, postscale=self.postscale_factor)
+                                   prescale=self.prescale_factor,
+                                   postscale=self.postscale_factor if postscale is None else postscale)
 
     def _end_step(self, window: StepWindow) -> List[str]:
         """Drop the step's window and rows; returns the weights whose rows arrived after their exchange."""

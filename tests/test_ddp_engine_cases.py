@@ -17,7 +17,8 @@ TOL = 1e-5  # fp32 round-off, relative, floored at 1e-6 of the whole gradient's 
 PYTORCH_CASES = ["accumulate_gradients_no_sync", "accumulate_gradients_no_sync_grad_is_view",
                  "DistributedDataParallelCPU", "DistributedDataParallelCPU_grad_is_view",
                  "DistributedDataParallel_save_load_on_cpu", "DistributedDataParallel_save_load_on_cpu_grad_is_view",
-                 "ddp_create_graph"]
+                 "ddp_create_graph", "ddp_grad_div_uneven_inputs", "ddp_uneven_input_join_disable",
+                 "ddp_uneven_input_exception", "ddp_uneven_inputs"]
 # the ports of _test_DistributedDataParallel load the model before training (trains 3 steps) and
 # after its third step (trains on to step 5, from the saved dAD state's step count)
 REATTACHED_STEPS = {"DistributedDataParallel_save_load_on_cpu": [3, 5],
@@ -86,3 +87,19 @@ def test_no_sync_accumulation_equals_allreduce_hook(results, case):
         assert len(worst) == 6
         assert max(worst) <= TOL, f"rank {rank}: relative errors per iteration {worst}"
         assert all(r["synced_grads_equal_across_ranks"]), r["synced_grads_equal_across_ranks"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["join_vs_ddp", "join_vs_ddp_divide_by_ranks_training", "join_vs_ddp_no_sync"])
+def test_join_equals_ddp_reduction(results, case):
+    """``ddp.join()`` with uneven inputs (rank 0: 2 steps, rank 1: 5), gradients never zeroed,
+    ``no_sync`` every other step in one case: every step's gradients on each rank equal those of
+    DDP's own reduction (joined ranks add nothing, whatever their ``.grad`` holds; divided by the
+    initial world size, or by the ranks still training), and so do the final parameters."""
+    per_rank = result(results, case)
+    for rank, r in enumerate(per_rank):
+        assert len(r["worst_per_step"]) == (2 if rank == 0 else 5)
+        assert max(r["worst_per_step"]) <= TOL, f"rank {rank}: {r['worst_per_step']}"
+        assert r["final_params_max_abs_diff"] <= 1e-6
+        assert r["params_equal_across_ranks"]
+

@@ -19,6 +19,7 @@ import datetime
 import os
 import sys
 import tempfile
+import traceback
 from typing import Callable, Dict, Iterator, List, Optional
 
 os.environ.setdefault("BACKEND", "gloo")  # read by distributed_test at import
@@ -73,6 +74,140 @@ class DADDistTest(TestCase, dt.DistributedTest._DistTestBase):
         global_bs, input_cpu, target, loss = self._prepare_dummy_data(local_bs)
         self._test_DDP_niter(model_base, model_DDP, input_cpu, target, loss, local_bs, self.rank, global_bs, True)
         self._barrier()
+
+    def test_ddp_grad_div_uneven_inputs_on_cpu(self) -> None:
+        """Port of PyTorch's ``test_ddp_grad_div_uneven_inputs`` (CUDA only): under ``join``, each
+        step's gradient is divided by the ranks still training (``divide_by_initial_world_size=False``)
+        or by the initial world size, joined ranks adding zeros; its code less the device placement."""
+        dim, batch, grad_scale = 5, 1, 50
+        model = nn.Linear(dim, dim, bias=False)
+        inp = torch.ones(batch, dim) * grad_scale
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        n_iters = 3 + (2 if self.rank > 0 else 0)
+        with net.join(divide_by_initial_world_size=False):
+            for _ in range(n_iters):
+                net(inp).sum().backward()
+                expected_grad = torch.ones(dim, dim) * grad_scale
+                self.assertEqual(expected_grad, next(iter(net.parameters())).grad)
+                net.zero_grad()
+        with net.join(divide_by_initial_world_size=True):
+            for i in range(n_iters):
+                net(inp).sum().backward()
+                effective_ws = dist.get_world_size() - (1 if i >= 3 else 0)
+                expected_grad = torch.ones(dim, dim) * grad_scale * effective_ws / dist.get_world_size()
+                self.assertEqual(expected_grad, next(iter(net.parameters())).grad)
+                net.zero_grad()
+
+    def test_ddp_uneven_input_join_disable_on_cpu(self) -> None:
+        """Port of PyTorch's ``test_ddp_uneven_input_join_disable`` (CUDA only)."""
+        torch.manual_seed(self.rank)
+        net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(1, 1))
+        inp = torch.ones(1) * self.rank
+        world_size = dist.get_world_size()
+        with net.join(enable=False):
+            for _ in range(5):
+                grad = net.module.weight.grad
+                if grad is not None:
+                    grad.requires_grad_(False)
+                    grad.zero_()
+                net(inp).sum().backward()
+                self.assertEqual(net.module.weight.grad.item(), sum(range(world_size)) / world_size)
+        self.assertFalse(net._join_config.enable)
+        self.validate_net_equivalence(net)
+
+    def test_ddp_uneven_input_exception_on_cpu(self) -> None:
+        """Port of PyTorch's ``test_ddp_uneven_input_exception`` (CUDA only): an error in forward
+        inside ``join`` comes out as it is."""
+        error_str = "Intentional error"
+
+        class ExceptionModule(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.param = nn.Parameter(torch.ones(1, requires_grad=True))
+
+            def forward(self, _):
+                raise ValueError(error_str)
+
+        net = torch.nn.parallel.DistributedDataParallel(ExceptionModule())
+        with self.assertRaisesRegex(ValueError, error_str):
+            with net.join():
+                net(torch.ones(1)).sum().backward()
+
+    def test_ddp_uneven_inputs_on_cpu(self) -> None:
+        """PyTorch's ``test_ddp_uneven_inputs`` (CUDA only) on CPU, a selection: its models but
+        the large conv model (minutes on CPU) and the two with hooks of their own (dAD is the
+        hook here); each with sync every step, with ``no_sync`` every (index + 2) steps as it
+        does, and with ``throw_on_early_termination``; iteration mappings {0: 0, 1: 2} and {0: 5, 1: 8}."""
+        dim, batch, rank = 1000, 1, self.rank
+        small_model = nn.Linear(dim, dim, bias=False)
+        bn_net = dt.BatchNormNet()
+
+        class UnusedParamModule(nn.Module):
+            def __init__(self, unused_params_rank):
+                super().__init__()
+                self.t0, self.t1 = dt.Task(), dt.Task()
+                self.unused_params_rank = unused_params_rank
+
+            def forward(self, x, rank):
+                return self.t1(self.t0(x)) if rank != self.unused_params_rank else self.t1(x)
+
+        models_to_test = [
+            dt.DDPUnevenTestInput(name="batch_norm_net", model=bn_net, inp=torch.ones(batch, 2), sync_interval=1),
+            dt.DDPUnevenTestInput(name="small_model", model=small_model, inp=torch.ones(batch, dim), sync_interval=1),
+            dt.DDPUnevenTestInput(name="unjoined_rank_with_unused_params_model", model=UnusedParamModule(1),
+                                  inp=(torch.ones(batch, 2), rank), sync_interval=1),
+            dt.DDPUnevenTestInput(name="joined_rank_with_unused_params_model", model=UnusedParamModule(0),
+                                  inp=(torch.ones(batch, 2), rank), sync_interval=1),
+        ]
+        index = {"batch_norm_net": 0, "small_model": 2, "unjoined_rank_with_unused_params_model": 3,
+                 "joined_rank_with_unused_params_model": 4}  # their place in PyTorch's list: sync every i + 2
+        models_to_test += ([t._replace(sync_interval=index[t.name] + 2) for t in models_to_test]
+                           + [t._replace(throw_on_early_termination=True) for t in models_to_test])
+        for test_case in models_to_test:
+            for iteration_mapping in ({0: 0, 1: 2}, {0: 5, 1: 8}):
+                self._run_uneven_inputs_test_on_cpu(test_case, iteration_mapping,
+                                                    find_unused_params="unused_params_model" in test_case.name)
+
+    def _run_uneven_inputs_test_on_cpu(self, test_case, iteration_mapping, find_unused_params) -> None:
+        """Port of PyTorch's ``_run_uneven_inputs_test``: its code less the device placement and
+        ``torch.cuda.synchronize`` calls."""
+        model, inp, rank, sync_interval = test_case.model, test_case.inp, self.rank, test_case.sync_interval
+        dist.barrier()
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1, find_unused_parameters=find_unused_params)
+        num_iters = iteration_mapping[rank]
+        num_iters_tensor = torch.tensor([num_iters])
+        dist.all_reduce(num_iters_tensor, op=dist.ReduceOp.MIN)
+        min_num_iters = num_iters_tensor.item()
+        total_iters = 0
+        if test_case.throw_on_early_termination:
+            if min_num_iters == num_iters:
+                exception_ctx = self.assertRaisesRegex(RuntimeError, f"Rank {self.rank} exhausted all inputs")
+            else:
+                exception_ctx = self.assertRaisesRegex(RuntimeError, "Detected at least one rank that exhausted inputs.")
+        else:
+            exception_ctx = contextlib.nullcontext()
+        with exception_ctx:
+            with net.join(throw_on_early_termination=test_case.throw_on_early_termination):
+                for i in range(num_iters):
+                    context = net.no_sync() if i % sync_interval != 0 else contextlib.nullcontext()
+                    with context:
+                        loss = net(*inp).sum() if isinstance(inp, tuple) else net(inp).sum()
+                        loss.backward()
+                        self._model_step(net)
+                    total_iters += 1
+        if test_case.throw_on_early_termination:
+            self.assertEqual(total_iters, min_num_iters)
+        else:
+            self.assertGreaterEqual(total_iters, min_num_iters)
+        if not test_case.throw_on_early_termination:
+            self.assertTrue(net._authoritative_rank)
+            final_rank_tensor = torch.tensor([net._authoritative_rank])
+            tensor_list = [torch.zeros_like(final_rank_tensor) for _ in range(dist.get_world_size())]
+            dist.all_gather(tensor_list, final_rank_tensor)
+            self.assertSetEqual({dist.get_world_size() - 1}, {tensor.item() for tensor in tensor_list})
+            self.validate_net_equivalence(net)
+            self.assertTrue(net._get_ddp_logging_data().get("join_uneven_inputs"))
+            dist.barrier()
 
 
 class DADDistributedDataParallel(DDP):
@@ -195,6 +330,40 @@ def run_save_load(case: dict) -> dict:
             "params_equal_across_ranks": _equal_across_ranks(list(loaded.parameters()))}
 
 
+# -- uneven inputs with join, against DDP's own reduction -------------------------------------------
+def run_join_vs_ddp(case: dict) -> dict:
+    """Rank 0 runs out of inputs after 2 steps, rank 1 trains 5 (``ddp.join()``); gradients are
+    never zeroed (so the joined rank's ``.grad`` holds its last step's, which DDP's shadow does not
+    send) and some steps accumulate in ``no_sync``. The same loop with DDP's own reduction and
+    with the dAD hook: every step's gradients on each rank, and the final parameters, compared."""
+    torch.manual_seed(0)
+    base = models.build("mlp")
+    iters = 2 if dist.get_rank() == 0 else 5
+    runs = {}
+    for name in ("ddp", "dad"):
+        model = DDP(copy.deepcopy(base))
+        if name == "dad":
+            register_dad_comm_hook(model, EXACT)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        with model.join(divide_by_initial_world_size=case["divide_by_initial_world_size"]):
+            for it in range(iters):
+                x, y = _data("mlp", it)
+                with model.no_sync() if it % case.get("sync_interval", 1) else contextlib.nullcontext():
+                    F.mse_loss(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+                opt.step()
+        runs[name] = (model, grads)
+    (ref, ref_grads), (mine, my_grads) = runs["ddp"], runs["dad"]
+    worst = []
+    for a, b in zip(ref_grads, my_grads):
+        total = sum(float(g.norm()) ** 2 for g in a) ** 0.5
+        worst.append(max(models.rel_err(gb, ga, 1e-6 * total) for ga, gb in zip(a, b)))
+    params = max(float((a - b).abs().max()) for a, b in zip(ref.parameters(), mine.parameters()))
+    return {"worst_per_step": worst, "final_params_max_abs_diff": params,
+            "params_equal_across_ranks": _equal_across_ranks(list(mine.parameters()))}
+
+
 def _tensors(state) -> List[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         return [state]
@@ -267,7 +436,7 @@ def _equal_across_ranks(tensors: List[torch.Tensor]) -> bool:
 
 
 RUNNERS: Dict[str, Callable[[dict], dict]] = {"pytorch": run_pytorch, "accumulate": run_accumulate_vs_allreduce,
-                                              "save_load": run_save_load}
+                                              "save_load": run_save_load, "join": run_join_vs_ddp}
 
 CASES: Dict[str, dict] = {
     # PyTorch: test_accumulate_gradients_no_sync(_grad_is_view); num_iters=4 as its hook variants
@@ -292,6 +461,14 @@ CASES: Dict[str, dict] = {
         "kind": "pytorch", "method": "_test_DistributedDataParallel_on_cpu", "file_init": True,
         "kwargs": {"gradient_as_bucket_view": True}},
     "ddp_create_graph": {"kind": "pytorch", "method": "test_ddp_create_graph"},
+    # PyTorch: the uneven-inputs tests (CUDA), ported
+    "ddp_grad_div_uneven_inputs": {"kind": "pytorch", "method": "test_ddp_grad_div_uneven_inputs_on_cpu"},
+    "ddp_uneven_input_join_disable": {"kind": "pytorch", "method": "test_ddp_uneven_input_join_disable_on_cpu"},
+    "ddp_uneven_input_exception": {"kind": "pytorch", "method": "test_ddp_uneven_input_exception_on_cpu"},
+    "ddp_uneven_inputs": {"kind": "pytorch", "method": "test_ddp_uneven_inputs_on_cpu"},
+    "join_vs_ddp": {"kind": "join", "divide_by_initial_world_size": True},
+    "join_vs_ddp_divide_by_ranks_training": {"kind": "join", "divide_by_initial_world_size": False},
+    "join_vs_ddp_no_sync": {"kind": "join", "divide_by_initial_world_size": True, "sync_interval": 2},
     "save_load_exact": {"kind": "save_load", "config": EXACT},
     "save_load_exact_grad_is_view": {"kind": "save_load", "config": EXACT, "bucket_view": True},
     "save_load_rank_error_feedback": {"kind": "save_load", "config": {"mode": "rank", "rank": 2}},
@@ -312,7 +489,17 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(os.environ.get("DAD_TEST_TIMEOUT", 120))))
     torch.set_num_threads(1)
     cases = {k: v for k, v in CASES.items() if not only or k in only}
-    models.write_and_exit(out_path, models.run_all(cases, lambda case: RUNNERS[case["kind"]](case), _gather))
+    models.write_and_exit(out_path, models.run_all(cases, _run, _gather))
+
+
+def _run(case: dict) -> dict:
+    try:
+        return RUNNERS[case["kind"]](case)
+    except Exception:
+        # also here: should the other rank then wait in a collective, its gather never returns
+        print(f"[ddp_engine] rank {dist.get_rank()} raised in {case}:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        raise
 
 
 if __name__ == "__main__":
