@@ -65,13 +65,31 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
     """
     if not isinstance(ddp, nn.parallel.DistributedDataParallel):
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
+    if ddp._comm_hooks:
+        raise RuntimeError("this DDP model has a communication hook already (DDP takes one, registered once)")
+    _close_previous(ddp.module)
     driver = DDPDriver(_attach(ddp, config, aggregator, timeout), timeout=timeout,
                        own_aggregator=aggregator is not None)
     driver.ddp = weakref.ref(ddp)
+    _DRIVERS[ddp.module] = driver
     ddp.register_comm_hook(driver, _dad_comm_hook)
     # kept by DDP's pickling: the loaded model's first forward attaches dAD again (`DDPDriver`)
     ddp.register_forward_pre_hook(driver.before_forward)
     return driver.sync
+
+
+# per module, the hook of the last DDP around it (weak: a dropped model takes its entry along)
+_DRIVERS: "weakref.WeakKeyDictionary[nn.Module, DDPDriver]" = weakref.WeakKeyDictionary()
+
+
+def _close_previous(module: nn.Module) -> None:
+    """The module was wrapped in a DDP with the dAD hook before (PyTorch's tests wrap one model
+    in a new DDP case after case): the new DDP takes over, as DDP's own reducer does; close the
+    old hook's synchroniser, whose hooks on the module would go on capturing rows for nobody."""
+    previous = _DRIVERS.pop(module, None)
+    if previous is not None and previous.sync is not None and not previous.sync._closed:
+        log.info("dAD: the model was wrapped in a new DDP; the dAD hook of the previous one is closed")
+        previous.sync.close()
 
 
 def _attach(ddp: nn.parallel.DistributedDataParallel, config: Union[DADConfig, Mapping, None],
@@ -129,6 +147,7 @@ class DDPDriver:
             log.warning("dAD: the loaded DDP model's hook was registered with an aggregator of the user's, "
                         "which does not pickle; it is re-attached over DDP's (default) process group")
         remove_detached_captures(ddp.module)
+        _close_previous(ddp.module)
         sync = _attach(ddp, saved["config"], None, self.timeout)
         sync.load_state_dict(saved["state"])
         # DDP's unpickling kept this hook in _comm_hooks but built its reducer without it
@@ -136,6 +155,7 @@ class DDPDriver:
         ddp.register_comm_hook(self, _dad_comm_hook)
         self.sync, self._loaded, self.own_aggregator = sync, None, False
         self.ddp = weakref.ref(ddp)
+        _DRIVERS[ddp.module] = self
 
     def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
                   on_done: Callable[[Optional[BaseException]], None]) -> None:

@@ -103,3 +103,14 @@ def test_join_equals_ddp_reduction(results, case):
         assert r["final_params_max_abs_diff"] <= 1e-6
         assert r["params_equal_across_ranks"]
 
+
+@pytest.mark.slow
+def test_model_wrapped_in_a_new_ddp_closes_the_old_hook(results):
+    """One model wrapped in a DDP with the dAD hook, then in a new one (as PyTorch's tests do case
+    after case): the old hook's synchroniser is closed (its DDP raises if used: no rows captured
+    for nobody), one capture hook per module is left, and the new DDP's gradients equal DDP's."""
+    for r in result(results, "rewrap"):
+        assert r["first_closed"]
+        assert r["hooks_per_module"] == 1
+        assert max(r["worst"]) <= TOL, r["worst"]
+        assert "used after close()" in r["old_hook_error"]

@@ -364,6 +364,36 @@ def run_join_vs_ddp(case: dict) -> dict:
             "params_equal_across_ranks": _equal_across_ranks(list(mine.parameters()))}
 
 
+# -- one model wrapped in DDP after DDP (as PyTorch's tests do) -------------------------------------
+def run_rewrap(case: dict) -> dict:
+    """Wrap one model in a DDP with the dAD hook, train a step, wrap it in a new one, train on:
+    the first hook is closed (its DDP raises if used), one capture hook per module is left, and
+    the gradients equal a plain DDP's."""
+    torch.manual_seed(0)
+    model = models.build("mlp")
+    ref = DDP(copy.deepcopy(model))
+    first = DDP(model)
+    first_sync = register_dad_comm_hook(first, EXACT)
+    x, y = _data("mlp", 0)
+    F.mse_loss(first(x), y).backward()
+    second = DDP(model)
+    register_dad_comm_hook(second, EXACT)
+    worst = []
+    for it in range(2):
+        x, y = _data("mlp", it)
+        for m in (ref, second):
+            m.zero_grad()
+            F.mse_loss(m(x), y).backward()
+        worst.append(max(models.grad_errors(ref.module, second.module).values()))
+    try:
+        F.mse_loss(first(x), y).backward()
+        old_hook_error = ""
+    except Exception as e:  # raised by the hook, inside DDP's backward
+        old_hook_error = str(e)
+    return {"first_closed": first_sync._closed, "hooks_per_module": max(len(m._forward_hooks) for m in model.modules()),
+            "worst": worst, "old_hook_error": old_hook_error}
+
+
 def _tensors(state) -> List[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         return [state]
@@ -436,7 +466,8 @@ def _equal_across_ranks(tensors: List[torch.Tensor]) -> bool:
 
 
 RUNNERS: Dict[str, Callable[[dict], dict]] = {"pytorch": run_pytorch, "accumulate": run_accumulate_vs_allreduce,
-                                              "save_load": run_save_load, "join": run_join_vs_ddp}
+                                              "save_load": run_save_load, "join": run_join_vs_ddp,
+                                              "rewrap": run_rewrap}
 
 CASES: Dict[str, dict] = {
     # PyTorch: test_accumulate_gradients_no_sync(_grad_is_view); num_iters=4 as its hook variants
@@ -469,6 +500,7 @@ CASES: Dict[str, dict] = {
     "join_vs_ddp": {"kind": "join", "divide_by_initial_world_size": True},
     "join_vs_ddp_divide_by_ranks_training": {"kind": "join", "divide_by_initial_world_size": False},
     "join_vs_ddp_no_sync": {"kind": "join", "divide_by_initial_world_size": True, "sync_interval": 2},
+    "rewrap": {"kind": "rewrap"},
     "save_load_exact": {"kind": "save_load", "config": EXACT},
     "save_load_exact_grad_is_view": {"kind": "save_load", "config": EXACT, "bucket_view": True},
     "save_load_rank_error_feedback": {"kind": "save_load", "config": {"mode": "rank", "rank": 2}},
