@@ -71,6 +71,30 @@ class ModuleCapture:
         self._handle.remove()
         self.clear()
 
+    # The forward hook holds this capture, so pickling the model (``torch.save(model)``, or of a
+    # DDP around it) pickles it too: it goes as a detached capture, whose hook does nothing, and
+    # never with the synchroniser it reports to (threads and locks do not pickle). Attaching dAD
+    # to the loaded model removes such hooks (`remove_detached_captures`).
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__, pairs=[], _pending={}, _on_forward=None, enabled=False)
+        state["detached"] = True
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+def remove_detached_captures(model: nn.Module) -> int:
+    """Remove the hooks of the captures that came with a loaded (unpickled) ``model``; returns how many."""
+    removed = 0
+    for module in model.modules():
+        for hook in list(module._forward_hooks.values()):
+            capture = getattr(hook, "__self__", None)
+            if isinstance(capture, ModuleCapture) and getattr(capture, "detached", False):
+                capture.remove()
+                removed += 1
+    return removed
+
 
 class CommittedRows:
     """The captured rows of each unit that autograd has already added to the weight's gradient.

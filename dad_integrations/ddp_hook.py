@@ -11,21 +11,45 @@ future completes when the step is over (DDP waits for them at the end of backwar
 What DDP users keep: ``ddp.no_sync()`` accumulation (the hook is not called, factors keep
 accumulating and go with the next synchronised backward), gradient clipping and optimizers after
 backward, mixed precision. Costs are those of `DADSynchronizer`.
+
+Uneven inputs (``ddp.join()``). A rank that has run out of inputs shadows the others'
+collectives: DDP's join hook hands each bucket, zeroed, to the hook outside any backward. dAD then
+runs the step with this rank adding nothing (`sink.BucketViewSink.shadow`: no rows, no dense
+gradient, whatever ``.grad`` holds), so the others' collectives match. DDP's own reduction sums
+what the ranks still training hold in ``.grad`` and divides by the initial world size, or with
+``join(divide_by_initial_world_size=False)`` by the ranks still training; dAD does the same: one
+more all-reduce, of one number, counts those ranks in every step of a DDP that has entered
+``join`` (DDP keeps its join config afterwards, and so its own extra collectives too), and a
+gradient left in ``.grad`` from before the step (the window's prior, the same on every rank) counts
+once per rank still training (`sink.BucketViewSink.prior_scale`).
+
+Pickling (``torch.save(ddp)``, as PyTorch's DDP tests do). DDP pickles its hooks with it; the
+hook's state (`DDPDriver`) pickles as PowerSGD's state does: without its process group (and
+without the synchroniser's threads), with the config and this rank's dAD state
+(`DADSynchronizer.state_dict`). DDP's unpickling builds a new reducer without the hook; the
+loaded model's first forward with gradients enabled attaches a new synchroniser over a new group
+of DDP's (default) group's ranks, loads that state and registers the hook again, so training goes
+on with dAD. Like any DDP training forward, that first forward must run on every rank.
 """
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations and
 # accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
+import logging
+import weakref
 from datetime import timedelta
-from typing import Callable, List, Mapping, Optional, Union
+from typing import Callable, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .aggregator import FactorAggregator
+from .capture import remove_detached_captures
 from .config import DADConfig
 from .groups import new_group_like
-from .report import StepReport
-from .synchronizer import DADSynchronizer
+from .report import ParamReport, StepReport
+from .synchronizer import DADSynchronizer, in_backward
+
+log = logging.getLogger(__name__)
 
 
 def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
@@ -41,13 +65,40 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
     """
     if not isinstance(ddp, nn.parallel.DistributedDataParallel):
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
+    if ddp._comm_hooks:
+        raise RuntimeError("this DDP model has a communication hook already (DDP takes one, registered once)")
+    _close_previous(ddp.module)
+    driver = DDPDriver(_attach(ddp, config, aggregator, timeout), timeout=timeout,
+                       own_aggregator=aggregator is not None)
+    driver.ddp = weakref.ref(ddp)
+    _DRIVERS[ddp.module] = driver
+    ddp.register_comm_hook(driver, _dad_comm_hook)
+    # kept by DDP's pickling: the loaded model's first forward attaches dAD again (`DDPDriver`)
+    ddp.register_forward_pre_hook(driver.before_forward)
+    return driver.sync
+
+
+# per module, the hook of the last DDP around it (weak: a dropped model takes its entry along)
+_DRIVERS: "weakref.WeakKeyDictionary[nn.Module, DDPDriver]" = weakref.WeakKeyDictionary()
+
+
+def _close_previous(module: nn.Module) -> None:
+    """The module was wrapped in a DDP with the dAD hook before (PyTorch's tests wrap one model
+    in a new DDP case after case): the new DDP takes over, as DDP's own reducer does; close the
+    old hook's synchroniser, whose hooks on the module would go on capturing rows for nobody."""
+    previous = _DRIVERS.pop(module, None)
+    if previous is not None and previous.sync is not None and not previous.sync._closed:
+        log.info("dAD: the model was wrapped in a new DDP; the dAD hook of the previous one is closed")
+        previous.sync.close()
+
+
+def _attach(ddp: nn.parallel.DistributedDataParallel, config: Union[DADConfig, Mapping, None],
+            aggregator: Optional[FactorAggregator], timeout: Optional[timedelta]) -> DADSynchronizer:
     if aggregator is None:
         from .torch_distributed import TorchDistributedAggregator
         aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group, timeout))
     # DDP broadcast rank 0's parameters and buffers when it wrapped the model
-    sync = DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, _driven_by_ddp=True)
-    ddp.register_comm_hook(DDPDriver(sync), _dad_comm_hook)
-    return sync
+    return DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, _driven_by_ddp=True)
 
 
 class DDPDriver:
@@ -57,18 +108,68 @@ class DDPDriver:
     and of all its biases have arrived (results go into those buckets, see `sink.BucketViewSink`);
     the step runs on the synchroniser's worker thread, and the step's futures complete when it is
     over.
+
+    It is DDP's hook state, and pickles as PowerSGD's does (see the module doc): the config and
+    this rank's dAD state go, the synchroniser and its group do not; ``sync`` is None once loaded,
+    until `before_forward` attaches a new one.
     """
 
-    def __init__(self, sync: DADSynchronizer):
-        self.sync = sync
+    def __init__(self, sync: DADSynchronizer, *, timeout: Optional[timedelta] = None,
+                 own_aggregator: bool = False):
+        self.sync: Optional[DADSynchronizer] = sync
+        self.timeout = timeout
+        self.own_aggregator = own_aggregator
+        self.ddp: Optional["weakref.ref[nn.parallel.DistributedDataParallel]"] = None  # the DDP it drives
+        self._loaded: Optional[dict] = None  # what a loaded driver attaches with
+
+    def __getstate__(self) -> dict:
+        if self.sync is None:  # loaded and not attached yet: pickles as it was loaded
+            return dict(self._loaded)
+        return {"config": self.sync.config.to_dict(), "state": self.sync.state_dict(),
+                "timeout": self.timeout, "own_aggregator": self.own_aggregator}
+
+    def __setstate__(self, saved: dict) -> None:
+        self.sync = None
+        self.ddp = None
+        self.timeout = saved["timeout"]
+        self.own_aggregator = saved["own_aggregator"]
+        self._loaded = saved
+
+    def before_forward(self, ddp: nn.parallel.DistributedDataParallel, args: tuple) -> None:
+        """DDP's forward pre-hook: on a loaded model, attach dAD before the first training forward."""
+        if self.sync is None and torch.is_grad_enabled():
+            self._reattach(ddp)
+
+    def _reattach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Attach a new synchroniser to a loaded DDP, with the saved state; register the hook."""
+        saved = self._loaded
+        if self.own_aggregator and dist.get_rank() == 0:
+            log.warning("dAD: the loaded DDP model's hook was registered with an aggregator of the user's, "
+                        "which does not pickle; it is re-attached over DDP's (default) process group")
+        remove_detached_captures(ddp.module)
+        _close_previous(ddp.module)
+        sync = _attach(ddp, saved["config"], None, self.timeout)
+        sync.load_state_dict(saved["state"])
+        # DDP's unpickling kept this hook in _comm_hooks but built its reducer without it
+        ddp._comm_hooks = [(h, s) for h, s in ddp._comm_hooks if s is not self]
+        ddp.register_comm_hook(self, _dad_comm_hook)
+        self.sync, self._loaded, self.own_aggregator = sync, None, False
+        self.ddp = weakref.ref(ddp)
+        _DRIVERS[ddp.module] = self
 
     def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
                   on_done: Callable[[Optional[BaseException]], None]) -> None:
         """DDP handed over a bucket of finished local gradients; results are written into ``views``."""
         sync = self.sync
+        if sync is None:  # DDP's unpickled reducer has no hook: this cannot be reached from DDP
+            raise RuntimeError("the dAD communication hook of a loaded DDP model ran before its first forward")
         if sync._closed:
             raise RuntimeError("the dAD communication hook was used after close()")
         window = sync._current_window()
+        if not window.sink.views and self._joined():  # the step's first bucket, shadowed by join
+            window.sink.shadow = True
+            for c in sync._plan.captures:  # rows of no_sync micro-steps before joining: DDP sends zeros
+                c.clear()
         with window.lock:
             for p, v in zip(params, views):
                 window.sink.views[id(p)] = v
@@ -81,12 +182,41 @@ class DDPDriver:
         if last:
             window.release_all()  # after on_done is in: the step may end from here on
 
+    def _joined(self) -> bool:
+        """This rank has joined (``ddp.join()``): DDP hands over buckets outside any backward."""
+        ddp = self.ddp() if self.ddp is not None else None
+        config = getattr(ddp, "_join_config", None)
+        return bool(config is not None and config.enable and not in_backward())
+
+    def _join_postscale(self, window) -> Tuple[Optional[float], Optional[ParamReport]]:
+        """In a DDP that has entered ``join``: the step's postscale (DDP's divisor: the ranks still
+        training with ``divide_by_initial_world_size=False``, else None for all ranks), having
+        set the window's prior scale; the traffic of counting those ranks (every rank, joined or
+        not, runs that collective in the step). Elsewhere (None, None)."""
+        ddp = self.ddp() if self.ddp is not None else None
+        config = getattr(ddp, "_join_config", None)
+        if config is None or not config.enable:
+            return None, None
+        sync = self.sync
+        flag = torch.tensor([0.0 if window.sink.shadow else 1.0], device=sync._exchanger.device)
+        handle = sync.aggregator.all_reduce(flag, name="dad.join.training", op="sum")
+        active = int(handle.wait()[0])
+        entry = ParamReport("[join: ranks training]", "overhead", ())
+        entry.add_traffic(handle.traffic)
+        world = sync.aggregator.world_size
+        postscale = None if getattr(ddp, "_divide_by_initial_world_size", True) else 1.0 / active
+        window.sink.prior_scale = active * (1.0 / world if postscale is None else postscale)
+        return postscale, entry
+
     def _step(self, window) -> StepReport:
         sync = self.sync
         error: Optional[BaseException] = None
         report = None
         try:
-            report = sync._exchange(window)
+            postscale, counted = self._join_postscale(window)
+            report = sync._exchange(window, postscale)
+            if counted is not None:
+                report.params.append(counted)
         except BaseException as e:
             error = e
         with window.lock:

@@ -25,6 +25,10 @@ class GradSink:
     def __init__(self, priors: Dict[int, torch.Tensor]):
         self.priors = priors
 
+    def dense_grad(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        """What a dense bucket reduces for ``p`` (None: this rank has no gradient of it)."""
+        return p.grad
+
     def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """This rank's gradient of the current window (without any gradient left from before)."""
         g = self._current(p)
@@ -69,11 +73,36 @@ class GradSink:
 
 
 class BucketViewSink(GradSink):
-    """Reads ``.grad`` and writes DDP's bucket views (DDP copies them into ``.grad``)."""
+    """Reads ``.grad`` and writes DDP's bucket views (DDP copies them into ``.grad``).
+
+    ``shadow``: DDP's ``join`` runs this step on a rank that has run out of inputs, handing over
+    zero buckets to match the other ranks' collectives (``_DDPJoinHook``): this rank adds
+    nothing, whatever its ``.grad`` holds (no gradient to the dense buckets, as DDP's unused
+    parameters, and zeros to the rank routes). ``prior_scale``: what a prior (the same on every
+    rank) counts for in the result: 1 where every rank sends it, as the average has it; under
+    ``join`` only the ranks still training send theirs (DDP reduces whole buckets).
+    """
 
     def __init__(self, priors: Dict[int, torch.Tensor]):
         super().__init__(priors)
         self.views: Dict[int, torch.Tensor] = {}
+        self.shadow = False
+        self.prior_scale = 1.0
+
+    def write(self, p: nn.Parameter, average: torch.Tensor) -> None:
+        prior = self.priors.get(id(p))
+        if prior is None:
+            self._store(p, average)
+        else:
+            self._store(p, average + prior.to(average.dtype) * self.prior_scale)
+
+    def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
+        if self.shadow:
+            return torch.zeros(p.shape, dtype=dtype, device=p.device)
+        return super().local_grad(p, dtype)
+
+    def dense_grad(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        return None if self.shadow else p.grad
 
     def write_product(self, p: nn.Parameter, left: torch.Tensor, right: torch.Tensor) -> None:
         self.write(p, left @ right)

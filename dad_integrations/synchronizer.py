@@ -270,9 +270,11 @@ class DADSynchronizer:
             if window.future is None:
                 window.future = self._worker.submit(functools.partial(job, window))
 
-    def _exchange(self, window: StepWindow) -> StepReport:
+    def _exchange(self, window: StepWindow, postscale: Optional[float] = None) -> StepReport:
+        """Run the step's exchange; ``postscale`` replaces ``postscale_factor`` for this step."""
         return self._exchanger.run(window, window.sink, step=self._steps, verify=not self._verified,
-                                   prescale=self.prescale_factor, postscale=self.postscale_factor)
+                                   prescale=self.prescale_factor,
+                                   postscale=self.postscale_factor if postscale is None else postscale)
 
     def _end_step(self, window: StepWindow) -> List[str]:
         """Drop the step's window and rows; returns the weights whose rows arrived after their exchange."""
@@ -343,6 +345,7 @@ class DADSynchronizer:
     def _after_dense_accumulate(self, p: nn.Parameter) -> None:
         window = self._current_window()
         window.touch(p)
+        window.note_accumulated(p)  # it may share a DDP bucket with factor weights' gradients
         if not (self._accumulating or self._driven_by_ddp):
             window.count_pass(p)
 

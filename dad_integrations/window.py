@@ -19,7 +19,13 @@ allows: DDP then averages only what ``.grad`` holds), rows of the earlier micro-
 describe the gradient. Each parameter's ``.grad`` is marked (storage and version counter) after
 every accumulation; a parameter whose mark changed before its next accumulation *restarts* its
 unit: the rows captured before are dropped, and the unit's priors are re-derived at the exchange.
-A parameter whose ``.grad`` the user changed has its prior read at the restart (what ``.grad``
+A version counter is shared by every view of one base tensor: DDP's bucket views
+(``gradient_as_bucket_view=True``) share one per bucket, so autograd adding into one
+parameter's gradient bumps the counter its bucket siblings read. Every accumulation backward
+makes (into a factor weight's or a dense parameter's gradient) therefore moves the marks of the
+other gradients in its storage along with it (`StepWindow.note_accumulated`): only a change
+made outside backward restarts a unit (a change of one view restarts every unit whose gradient
+shares its storage). A parameter whose ``.grad`` the user changed has its prior read at the restart (what ``.grad``
 holds then: exact, so ``zero_grad()`` leaves no prior and ranks stay bit-identical); any other
 parameter of the unit gets ``.grad`` minus the local rebuild of the rows kept (a local matmul, on
 this rare path only).
@@ -34,12 +40,15 @@ import torch
 from .sink import GradSink
 from .units import FactorUnit
 
-GradMark = Tuple[int, int]
+GradMark = Tuple[int, int, int]  # storage, data pointer, version counter
 
 
 def grad_mark(grad: Optional[torch.Tensor]) -> Optional[GradMark]:
-    """Identity and version of a ``.grad`` tensor: any in-place change or replacement alters it."""
-    return None if grad is None else (grad.data_ptr(), grad._version)
+    """Identity and version of a ``.grad`` tensor: any in-place change or replacement alters it
+    (and so does an in-place change of another view of the same base: see the module doc)."""
+    if grad is None:
+        return None
+    return grad.untyped_storage().data_ptr(), grad.data_ptr(), grad._version
 
 
 class StepWindow:
@@ -66,6 +75,7 @@ class StepWindow:
         # per unit index, per parameter id: (backward pass, what .grad held just before it added)
         self._bases: Dict[int, Dict[int, Tuple[int, Optional[torch.Tensor]]]] = {}
         self._marks: Dict[int, Optional[GradMark]] = {}
+        self._marked_in: Dict[int, Dict[int, None]] = {}  # per storage: ids of the parameters marked in it
         # per unit index: (backward pass, pairs per use after it, pairs per use after the pass before)
         self._pair_marks: Dict[int, tuple] = {}
         self.future = None
@@ -105,12 +115,34 @@ class StepWindow:
 
     def after_accumulate(self, p: torch.Tensor, unit: FactorUnit) -> None:
         """Backward has added to ``p.grad``: mark it, and the unit's rows so far."""
-        self._marks[id(p)] = grad_mark(p.grad)
+        self.note_accumulated(p)
+        self._set_mark(id(p), grad_mark(p.grad))
         task, counts, before = self._pair_marks.get(unit.index, (None, None, None))
         now = _graph_task()
         if task != now:  # the first of the unit's parameters in this backward
             before = counts
         self._pair_marks[unit.index] = (now, [len(c.pairs) for c in unit.uses], before)
+
+    def note_accumulated(self, p: torch.Tensor) -> None:
+        """Backward has just added into ``p.grad`` (any synchronised parameter). In place, that
+        bumped the version counter ``p.grad`` shares with the other views of its base: a mark
+        in that storage that was current just before moves on with it."""
+        mark = grad_mark(p.grad)
+        if mark is None:
+            return
+        storage, _, version = mark
+        for key in self._marked_in.get(storage, ()):
+            m = self._marks[key]
+            if key != id(p) and m is not None and m[2] == version - 1:
+                self._marks[key] = (m[0], m[1], version)
+
+    def _set_mark(self, key: int, mark: Optional[GradMark]) -> None:
+        old = self._marks.get(key)
+        if old is not None:
+            self._marked_in.get(old[0], {}).pop(key, None)
+        self._marks[key] = mark
+        if mark is not None:
+            self._marked_in.setdefault(mark[0], {})[key] = None
 
     def _rows_before_this_backward(self, unit: FactorUnit) -> List[int]:
         """Per use, how many pairs earlier backward passes captured (this one's come after them)."""

@@ -63,7 +63,7 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
 
     pending = []
     for b, bucket in enumerate(buckets):
-        flat = torch.cat([_local(p, prescale, dtype) for _, p in bucket])
+        flat = torch.cat([_local(sink.dense_grad(p), p, prescale, dtype) for _, p in bucket])
         pending.append((bucket, aggregator.all_reduce(flat, name=f"dad.dense.{b}", op="sum")))
 
     sums: List[Tuple[DenseItem, torch.Tensor]] = []
@@ -76,7 +76,7 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
             account(name, p, handle.traffic.share(p.numel() / max(flat.numel(), 1)))
             sums.append(((name, p), flat[offset:offset + p.numel()]))
             offset += p.numel()
-    had_grad = _resolve(sums, aggregator, prescale, dtype, device, account)
+    had_grad = _resolve(sums, sink, aggregator, prescale, dtype, device, account)
     finite = all(bool(torch.isfinite(flat).all()) for flat in flats)  # marks resolved: one check a bucket
     for (name, p), total in sums:
         avg = total.view_as(p).to(p.dtype).mul_(postscale)
@@ -84,10 +84,10 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
     return finite
 
 
-def _local(p: nn.Parameter, prescale: float, dtype: torch.dtype) -> torch.Tensor:
+def _local(grad: Optional[torch.Tensor], p: nn.Parameter, prescale: float, dtype: torch.dtype) -> torch.Tensor:
     """This rank's part of a bucket: its gradient, or zeros marked with a NaN first element."""
-    if p.grad is not None:
-        g = p.grad.detach()
+    if grad is not None:
+        g = grad.detach()
         return (g if prescale == 1.0 else g * prescale).reshape(-1).to(dtype)
     out = torch.zeros(p.numel(), dtype=dtype, device=p.device)
     if p.numel():
@@ -95,8 +95,8 @@ def _local(p: nn.Parameter, prescale: float, dtype: torch.dtype) -> torch.Tensor
     return out
 
 
-def _resolve(sums: List[Tuple[DenseItem, torch.Tensor]], aggregator: FactorAggregator, prescale: float,
-             dtype: torch.dtype, device: torch.device,
+def _resolve(sums: List[Tuple[DenseItem, torch.Tensor]], sink: GradSink, aggregator: FactorAggregator,
+             prescale: float, dtype: torch.dtype, device: torch.device,
              account: Callable[[str, Optional[nn.Parameter], Traffic], None]) -> Dict[int, bool]:
     """For each parameter whose summed first element is not finite (a rank without a gradient, or a
     gradient that is not finite) or that has no elements: whether any rank had a gradient; its
@@ -109,9 +109,10 @@ def _resolve(sums: List[Tuple[DenseItem, torch.Tensor]], aggregator: FactorAggre
     unresolved = [(p, total) for (_, p), total in sums if not total.numel()] + marked
     if not unresolved:
         return {}
-    flags = [float(p.grad is not None) for p, _ in unresolved]
-    firsts = [float(p.grad.detach().reshape(-1)[:1].mul(prescale).to(dtype)[0])
-              if p.grad is not None and p.numel() else 0.0 for p, _ in unresolved]
+    grads = [sink.dense_grad(p) for p, _ in unresolved]
+    flags = [float(g is not None) for g in grads]
+    firsts = [float(g.detach().reshape(-1)[:1].mul(prescale).to(dtype)[0])
+              if g is not None and p.numel() else 0.0 for g, (p, _) in zip(grads, unresolved)]
     handle = aggregator.all_reduce(torch.tensor(flags + firsts, dtype=dtype, device=device),
                                    name="dad.dense.flags", op="sum")
     out = handle.wait()
