@@ -12,6 +12,7 @@ import json
 import pytest
 
 from conftest import ROOT, WORKERS, check_resume, run_accelerate, run_torchrun
+from dad_hook_site import hook_site, with_hook  # noqa: F401  (fixtures: the installed import hook)
 
 TOL = 1e-5
 
@@ -121,26 +122,33 @@ def test_trainer_with_dad_callback(tmp_path):
                               for h in logged)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_trainer_on_deepspeed_takes_dad_from_the_config_block(tmp_path, monkeypatch, stage):
+@pytest.mark.parametrize("stage,how", [(1, "json-only"), (3, "import")])
+def test_trainer_on_deepspeed_takes_dad_from_the_config_block(tmp_path, monkeypatch, with_hook, stage, how):
     """Trainer + DeepSpeed ZeRO 1, and ZeRO-3 (Hugging Face's usual recipe for large models; each
     rank rebuilds its own partitions), with a "dad" block (exact) ends where DeepSpeed's own run
-    ends, and DADCallback finds the engine's dAD and logs its bytes (under ZeRO-3 also against
-    the reduce-scatter)."""
+    ends. ZeRO 1: ``Trainer(args=TrainingArguments(deepspeed=config))`` and nothing else, no
+    import, no callback (the installed import hook attaches dAD; its report shows dAD's bytes).
+    ZeRO-3: ``import deepspeed_dad.auto`` and DADCallback, which finds the engine's dAD and logs
+    its bytes (also against the reduce-scatter)."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     out = tmp_path / "trainer_ds.json"
-    run_torchrun(WORKERS / "trainer_worker.py", 2, [out, "deepspeed", stage])
+    run_torchrun(WORKERS / "trainer_worker.py", 2, [out, "deepspeed", stage, how])
     for rank, r in enumerate(json.loads(out.read_text())):
         assert r["identical"] and r["moved"] > 0
+        assert r["dad_totals"] is not None, f"rank {rank}: no dAD on the Trainer's engine: the block was ignored"
+        assert r["dad_totals"]["sent_bytes"] > 0
         assert r["rel_diff"] < TOL, f"rank {rank}: {r['rel_diff']:.2e} from DeepSpeed's own run"
+        if how == "json-only":
+            continue
         logged = [h for h in r["log_history"] if "loss" in h]
         assert logged and all(h["dad_sent_bytes_per_step"] > 0 for h in logged)
         if stage == 3:
             assert all(0 < h["dad_bytes_ratio_reduce_scatter"] for h in logged), logged
 
 
-def test_example_on_deepspeed_through_accelerate(tmp_path, monkeypatch):
-    """accelerate launch with the DeepSpeed config: dAD from ds_config.json's "dad" block."""
+def test_example_on_deepspeed_through_accelerate(tmp_path, monkeypatch, with_hook):
+    """accelerate launch with the DeepSpeed config: dAD from ds_config.json's "dad" block ("mode":
+    "auto", which Accelerate's config walk must leave alone), the script importing nothing for it."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     proc = run_accelerate(ROOT / "examples" / "accelerate" / "finetune.py",
                           ["--max-steps", "3", "--batch-size", "4", "--seq-len", "32", "--output-dir", tmp_path],
