@@ -220,3 +220,26 @@ def test_trainer_on_deepspeed_resume_carries_dad_state(tmp_path, monkeypatch, en
     run_torchrun(WORKERS / "resume_worker.py", 2, [engine, tmp_path / "out.json", tmp_path])
     check_resume(json.loads((tmp_path / "out.json").read_text()),
                  ["global_step3/dad_state_rank0.pt", "global_step3/dad_state_rank1.pt"])
+
+
+def test_plain_accelerator_on_cpu_launch_raises_in_enable_dad(tmp_path):
+    """cpu_2proc.yaml starts two processes, but a plain ``Accelerator()`` on CPUs runs each alone
+    (DistributedType.NO): enable_dad raises, naming the fix, instead of returning None."""
+    script = tmp_path / "plain_accelerator.py"
+    script.write_text(
+        "import torch\n"
+        "from accelerate import Accelerator\n"
+        "from dad_integrations.accelerate import enable_dad\n"
+        "acc = Accelerator()\n"
+        "model = acc.prepare(torch.nn.Linear(2, 2))\n"
+        "try:\n"
+        "    print('RETURNED', enable_dad(acc, model, {'mode': 'exact'}), acc.distributed_type, flush=True)\n"
+        "except ValueError as e:\n"
+        "    print('RAISED', e, flush=True)\n")
+    proc = run_accelerate(script, [])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("RAISED", "RETURNED"))]
+    assert len(lines) == 2, proc.stdout[-3000:]
+    for line in lines:
+        assert line.startswith("RAISED"), line
+        assert "started 2 processes" in line and "ACCELERATE_USE_CPU=1" in line and "cpu=True" in line
+
