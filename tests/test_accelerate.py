@@ -243,3 +243,26 @@ def test_plain_accelerator_on_cpu_launch_raises_in_enable_dad(tmp_path):
         assert line.startswith("RAISED"), line
         assert "started 2 processes" in line and "ACCELERATE_USE_CPU=1" in line and "cpu=True" in line
 
+
+# test_sync's functions that fail with plain DDP too on this model (see the README: Accelerate)
+TEST_SYNC_EXCLUDED = [f"gradient_accumulation_with_opt_and_scheduler[split=True,dispatch={d},sync_each_batch={e}]"
+                      for d in (True, False) for e in (True, False)]
+
+
+def test_accelerates_own_test_sync_with_dad(tmp_path, monkeypatch):
+    """Accelerate's shipped test_sync.py (no_sync, trigger_sync_in_backward, accumulate with
+    split_batches / dispatch_batches / sync_each_batch, with optimizer and scheduler) passes with
+    enable_dad after prepare on a model of Linear layers, on the CPU path (MULTI_CPU); every weight
+    went as exact factors."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")  # what a plain Accelerator() needs on CPUs
+    monkeypatch.setenv("DAD_TEST_SYNC_SKIP", ";".join(TEST_SYNC_EXCLUDED))
+    out = tmp_path / "test_sync.json"
+    run_accelerate(WORKERS / "accelerate_test_sync_worker.py", [out])
+    results = json.loads(out.read_text())
+    assert results.pop("distributed_type") == "DistributedType.MULTI_CPU" and results.pop("num_processes") == 2
+    assert len(results) == 19 - len(TEST_SYNC_EXCLUDED), sorted(results)
+    for name, per_rank in results.items():
+        for rank, r in enumerate(per_rank):
+            assert r["passed"], f"{name} on rank {rank}: {r.get('assertion') or r.get('exception')}"
+            if name != "dataloader_break":  # the one without a model
+                assert r["syncs"] >= 1 and r["representations"] == ["exact"] and r["sent"] > 0, (name, r)
