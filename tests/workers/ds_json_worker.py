@@ -86,10 +86,20 @@ def own_initialize():
     return getattr(deepspeed.initialize, "_dad_original", deepspeed.initialize)
 
 
+_REFERENCE: dict = {}
+
+
+def reference() -> tuple:
+    """DeepSpeed's own run without a block (engine, bytes per step), made once and shared by the cases."""
+    if not _REFERENCE:
+        engine = build(own_initialize(), ds_config())
+        _REFERENCE["run"] = (engine, train(engine))
+    return _REFERENCE["run"]
+
+
 def run_plain(case: dict) -> dict:
     loaded_before = sorted(m for m in sys.modules if m.split(".")[0] == "deepspeed_dad")
-    ref = build(own_initialize(), ds_config())
-    ref_bytes = train(ref)
+    ref, ref_bytes = reference()
     mine = build(deepspeed.initialize, ds_config())
     my_bytes = train(mine)
     return {"hooked": hasattr(deepspeed.initialize, "_dad_original"), "loaded_before": loaded_before,
@@ -98,8 +108,7 @@ def run_plain(case: dict) -> dict:
 
 
 def run_block(case: dict) -> dict:
-    ref = build(own_initialize(), ds_config())
-    ref_bytes = train(ref)
+    ref, ref_bytes = reference()
     mine = build(deepspeed.initialize, ds_config({"dad": case["dad"]}), case.get("how", "config"))
     import deepspeed_dad  # only now, to read the attachment the hook made
     att = deepspeed_dad.get_attachment(mine)
