@@ -48,10 +48,22 @@ def source_copy(dest: Path) -> Path:
     return dest
 
 
+def can_build_here() -> bool:
+    """Whether this environment's setuptools builds wheels without an index (>= 70.1 has
+    ``bdist_wheel``; older ones need the ``wheel`` package)."""
+    import importlib.util
+    return importlib.util.find_spec("setuptools") is not None and (
+        importlib.util.find_spec("setuptools.command.bdist_wheel") is not None
+        or importlib.util.find_spec("wheel") is not None)
+
+
 def pip_install_wheel(src: Path, target: Path) -> Path:
-    """``pip install --no-deps --target`` of ``src`` (a regular wheel build, no index needed)."""
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(src)], check=True, capture_output=True, text=True, timeout=600)
+    """``pip install --no-deps --target`` of ``src`` (a regular wheel build; with this environment's
+    setuptools where it can, else pip's isolated build, which needs the package index)."""
+    isolation = ["--no-build-isolation"] if can_build_here() else []
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *isolation,
+                           "--target", str(target), str(src)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return target
 
 
