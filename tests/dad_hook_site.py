@@ -81,9 +81,14 @@ def hook_site(tmp_path_factory):
     site-packages already has it). Use with ``monkeypatch.setenv("PYTHONPATH", ...)``."""
     if installed_pth() is not None:
         return ""
-    work = tmp_path_factory.mktemp("hook_site")
-    target = pip_install_wheel(source_copy(work / "src"), work / "site")
-    return str(site_dir_launcher(target, work / "launcher"))
+    if "launcher" not in _BUILT:  # once per session, although two test modules import the fixture
+        work = tmp_path_factory.mktemp("hook_site")
+        target = pip_install_wheel(source_copy(work / "src"), work / "site")
+        _BUILT["launcher"] = str(site_dir_launcher(target, work / "launcher"))
+    return _BUILT["launcher"]
+
+
+_BUILT: dict = {}
 
 
 @pytest.fixture
