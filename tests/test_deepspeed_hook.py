@@ -158,3 +158,34 @@ def test_hook_wraps_deepspeed_on_import_only(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_block_found_wherever_deepspeed_reads_its_config(tmp_path):
+    """The wrapper looks for the block where deepspeed.initialize reads its config: ``config``,
+    ``config_params``, ``args.deepspeed_config`` / ``deepscale_config`` (a JSON or hjson file),
+    and DeepSpeed's base64-encoded JSON; split_config reads the same sources."""
+    import argparse
+    import base64
+
+    import deepspeed
+
+    import deepspeed_dad_hook as hook
+    from deepspeed_dad import split_config
+
+    own = getattr(deepspeed.initialize, "_dad_original", deepspeed.initialize)
+    cfg = {"train_batch_size": 2, "dad": {"mode": "exact"}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    hjson_path = tmp_path / "ds_hjson.json"  # DeepSpeed parses its config files with hjson
+    hjson_path.write_text("{\n  # a comment\n  train_batch_size: 2\n  dad: {\n    mode: exact\n  }\n}\n")
+    b64 = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
+    calls = [((), {"config": cfg}), ((), {"config_params": cfg}), ((), {"config": str(path)}), ((), {"config": b64}),
+             ((argparse.Namespace(deepspeed_config=str(path)),), {}),
+             ((argparse.Namespace(deepscale_config=str(hjson_path)),), {})]
+    for args, kwargs in calls:
+        kwargs = {"model": None, **kwargs}
+        assert hook.has_dad_block(own, args, kwargs), (args, kwargs)
+        assert split_config(hook.config_source(own, args, kwargs))[1].config.mode == "exact"
+    assert not hook.has_dad_block(own, (), {"model": None, "config": {"train_batch_size": 2}})
+    assert not hook.has_dad_block(own, (), {"model": None, "config": "neither a file nor base64"})
+    assert not hook.has_dad_block(own, (), {"model": None, "no_such_argument": 1})  # DeepSpeed will say so
