@@ -11,8 +11,11 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH_NAME = "deepspeed_dad_hook.pth"
-# one line that site.py runs at start-up; deepspeed_dad_hook imports only sys and os
-PTH_LINE = "import deepspeed_dad_hook; deepspeed_dad_hook.install()\n"
+# one line that site.py runs at start-up; deepspeed_dad_hook imports only sys and os. Quiet when
+# the module is gone (an editable install whose checkout was deleted): site.py would otherwise
+# print a traceback at every interpreter start
+PTH_LINE = ('import sys; exec("try:\\n import deepspeed_dad_hook\\nexcept ImportError:\\n pass\\n'
+            'else:\\n deepspeed_dad_hook.install()")\n')
 
 
 class BuildPyWithPth(build_py):

@@ -124,9 +124,16 @@ def test_wheel_and_editable_install_ship_the_hook(tmp_path):
         pytest.skip("this environment's setuptools cannot build wheels without an index")
     src = source_copy(tmp_path / "src")
     wheel_site = pip_install_wheel(src, tmp_path / "wheel_site")
-    assert (wheel_site / PTH).read_text().startswith("import deepspeed_dad_hook")
+    assert "deepspeed_dad_hook.install()" in (wheel_site / PTH).read_text()
     out = _probe(wheel_site, tmp_path)
     assert out[0] == str(wheel_site / "deepspeed_dad_hook.py") and out[1] == "True" and out[2] == "[]", out
+    # a .pth whose module is gone (an editable install's deleted checkout) keeps start-up quiet
+    stale = tmp_path / "stale_site"
+    stale.mkdir()
+    (stale / PTH).write_text((wheel_site / PTH).read_text())
+    proc = subprocess.run([sys.executable, "-S", "-c", f"import site; site.addsitedir({str(stale)!r})"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
 
     dist = tmp_path / "dist"
     dist.mkdir()
