@@ -64,6 +64,8 @@ class _PostImportFinder:
         self._busy.add(fullname)
         try:
             spec = importlib.util.find_spec(fullname)
+        except Exception:  # noqa: BLE001 -- the import system's own finders will say what is wrong
+            return None
         finally:
             self._busy.discard(fullname)
         if spec is None or spec.loader is None:
