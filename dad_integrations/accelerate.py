@@ -27,12 +27,16 @@ What it does, by Accelerate's distributed type:
   per-rank files (``dad_state_rank{r}.pt``).
 * FSDP1 (``fsdp_version: 1``): rejected with an error that says why and to use FSDP2
   (`dad_integrations.fsdp_detect`).
-* A single process: nothing to synchronise; returns None and says so once in the log.
+* A single process: nothing to synchronise; returns None and says so once in the log. But where
+  the launcher started several processes and Accelerate still runs this one alone
+  (``DistributedType.NO``: a plain ``Accelerator()`` on CPUs without ``ACCELERATE_USE_CPU=1``),
+  it raises, saying so: the processes would train apart, silently.
 * Megatron-LM, XLA: rejected with an error (dAD replaces DDP's all-reduce or FSDP2's reduce-scatter).
 """
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from typing import List, Mapping, Optional, Union
 
@@ -70,6 +74,7 @@ def enable_dad(accelerator, model: nn.Module,
     """
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
     if kind == "NO" or accelerator.num_processes == 1:
+        _refuse_launched_alone(kind, accelerator.num_processes)
         global _said_single_process
         if not _said_single_process:
             log.info("dAD: a single process has nothing to synchronise; training runs unchanged")
@@ -88,6 +93,34 @@ def enable_dad(accelerator, model: nn.Module,
     log.info("dAD enabled on Accelerate (%s, %d processes) as DDP's communication hook",
              kind, accelerator.num_processes)
     return sync
+
+
+def _launched_world_size() -> int:
+    """How many processes the launcher started, from the variables torchrun and MPI set (1: none)."""
+    for var in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def _refuse_launched_alone(kind: str, num_processes: int) -> None:
+    """Raise where the launcher started several processes but Accelerate runs this one alone.
+
+    Each would train its own model with nothing synchronised, and the launch would look fine:
+    on a machine without GPUs ``accelerate launch`` with ``use_cpu: true`` starts the processes
+    through its multi-GPU launcher, which does not tell them to use the CPU, so a plain
+    ``Accelerator()`` finds no device to distribute over and says ``DistributedType.NO``.
+    """
+    launched = _launched_world_size()
+    if launched <= 1 or kind != "NO":
+        return
+    raise ValueError(f"enable_dad: the launcher started {launched} processes, but Accelerate runs this one alone "
+                     f"(distributed type {kind}, {num_processes} process): every process would train its own "
+                     f"model and nothing would be synchronised. Without GPUs Accelerate distributes over the "
+                     f"CPU only when told to: Accelerator(cpu=True), or ACCELERATE_USE_CPU=1 in the environment "
+                     f"(accelerate launch with use_cpu: true in its config starts the processes but does not "
+                     f"tell them)")
 
 
 def _find_ddp(accelerator, model: nn.Module) -> DistributedDataParallel:

@@ -1,9 +1,13 @@
 """DeepSpeed adapter for dAD: switch it on with a ``"dad"`` block in the DeepSpeed JSON config.
 
+With the package installed the block is enough: its import hook (`deepspeed_dad_hook`, run by
+``deepspeed_dad_hook.pth``) wraps ``deepspeed.initialize`` when DeepSpeed is imported, so the
+user's own call, Accelerate's and the Hugging Face ``Trainer``'s all attach dAD.
+
 * `initialize`: ``deepspeed.initialize`` that reads the block and attaches dAD;
 * `attach`: attach dAD to an engine built elsewhere;
-* `patch_deepspeed_initialize` (or ``import deepspeed_dad.auto``): make ``deepspeed.initialize``
-  itself honour the block, for Accelerate and the Hugging Face ``Trainer``;
+* `patch_deepspeed_initialize` (or ``import deepspeed_dad.auto``): the hook's wrapper by hand, where
+  the hook is not active, or despite ``DAD_DEEPSPEED_HOOK=0``;
 * `DeepSpeedAggregator`: the `FactorAggregator` over ``deepspeed.comm``.
 
 Importing it registers the adapter with the core (`dad_integrations.engines`); the core also finds

@@ -1,8 +1,11 @@
-"""One-line opt-in for Accelerate and the Hugging Face Trainer: ``import deepspeed_dad.auto``.
+"""``import deepspeed_dad.auto``: what the installed import hook does, by hand.
 
 Importing it patches ``deepspeed.initialize`` (`deepspeed_dad.patch_deepspeed_initialize`), so
-engines that these libraries build from a DeepSpeed config with an enabled ``"dad"`` block
-synchronise their gradients with dAD instead of DeepSpeed's all-reduce.
+engines built from a DeepSpeed config with an enabled ``"dad"`` block (by the script, Accelerate or
+the Hugging Face Trainer) synchronise their gradients with dAD instead of DeepSpeed's all-reduce.
+The installed package does this without the import (`deepspeed_dad_hook`); the line still serves
+where the hook is not active (``python -S``, the package only on ``PYTHONPATH``), and overrides
+``DAD_DEEPSPEED_HOOK=0``.
 """
 from .initialize import patch_deepspeed_initialize
 

@@ -7,14 +7,13 @@ DeepSpeed reads and the dAD block, and hands DeepSpeed a copy without it.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple, Union
 
 from dad_integrations import DADConfig
+from deepspeed_dad_hook import BLOCK_KEY, read_config
 
-BLOCK_KEY = "dad"
 ConfigSource = Union[str, os.PathLike, Mapping[str, Any], None]
 
 
@@ -42,21 +41,27 @@ def parse_block(block: Any) -> DADBlock:
     values = dict(block)
     enabled = values.pop("enabled", True)
     if not isinstance(enabled, bool):
-        raise ValueError(f"dad config key 'enabled': must be true or false, got {enabled!r}")
-    return DADBlock(enabled, DADConfig.from_dict(values))
+        raise ValueError(f"the DeepSpeed config's {BLOCK_KEY!r} block: dad config key 'enabled': must be true or "
+                         f"false, got {enabled!r}")
+    try:
+        config = DADConfig.from_dict(values)
+    except ValueError as e:  # name the block: the job may never have mentioned dAD anywhere else
+        raise ValueError(f"the DeepSpeed config's {BLOCK_KEY!r} block: {e}") from None
+    return DADBlock(enabled, config)
 
 
 def load_config(source: ConfigSource) -> Optional[dict]:
-    """A DeepSpeed config as a fresh dict: from a dict (deep-copied), a JSON file path, or None."""
+    """A DeepSpeed config as a fresh dict: from a dict (deep-copied), a JSON (or hjson) file path,
+    base64-encoded JSON (as DeepSpeed accepts), or None."""
     if source is None:
         return None
     if isinstance(source, Mapping):
         return copy.deepcopy(dict(source))
     if isinstance(source, (str, os.PathLike)):
-        with open(source, "r", encoding="utf-8") as fh:
-            loaded = json.load(fh)
-        if not isinstance(loaded, dict):
-            raise ValueError(f"DeepSpeed config file {os.fspath(source)!r} does not hold a JSON object")
+        loaded = read_config(source)
+        if loaded is None:
+            raise ValueError(f"DeepSpeed config {os.fspath(source)!r} is neither a JSON file holding an object "
+                             f"nor base64-encoded JSON")
         return loaded
     raise ValueError(f"a DeepSpeed config must be a dict or a path to a JSON file, got {type(source).__name__}")
 

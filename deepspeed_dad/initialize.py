@@ -1,23 +1,28 @@
 """`initialize`: ``deepspeed.initialize`` that reads the config's ``"dad"`` block and attaches dAD.
 
-`patch_deepspeed_initialize` installs the same behaviour in ``deepspeed.initialize`` itself, for
-code that calls it on the user's behalf (Accelerate, the Hugging Face ``Trainer``).
+``deepspeed.initialize`` itself does the same once the package is installed: its import hook
+(`deepspeed_dad_hook`) wraps it and hands calls whose config holds a block to
+`initialize_with_block`. `patch_deepspeed_initialize` installs that wrapper by hand where the hook
+is not active (``python -S``, the package only on ``PYTHONPATH``) and overrides the opt-out.
 """
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import logging
+import os
 from typing import Any, Callable, Tuple
 
+import deepspeed_dad_hook as hook
+
 from .accelerate_compat import let_accelerate_skip_dad_block
-from .config import split_config
+from .config import BLOCK_KEY, split_config
 from .engine import attach
 
 log = logging.getLogger(__name__)
 
-_PATCH_MARK = "_dad_original"
+_PATCH_MARK = hook.ORIGINAL
+_explicit = False  # patch_deepspeed_initialize was called: the opt-out does not apply
 
 
 def _deepspeed_initialize() -> Callable[..., Tuple[Any, Any, Any, Any]]:
@@ -45,7 +50,7 @@ def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], re
     if block is None:
         if require_block:
             log.warning("the DeepSpeed config has no 'dad' block: DeepSpeed's own all-reduce is kept")
-        return ds_initialize(*bound.args, **bound.kwargs)
+        return ds_initialize(*args, **kwargs)  # the caller's arguments, untouched
 
     # DeepSpeed gets the config without the block, as a dict, through `config` only
     given["config"] = config
@@ -74,34 +79,53 @@ def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     return _initialize_with(_deepspeed_initialize(), True, *args, **kwargs)
 
 
+def initialize_with_block(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], args: tuple,
+                          kwargs: dict) -> Tuple[Any, Any, Any, Any]:
+    """What the wrapped ``deepspeed.initialize`` runs for a config that holds a ``"dad"`` block.
+
+    The block is validated first (a bad or unknown key raises, naming the block and the key).
+    With ``DAD_DEEPSPEED_HOOK=0`` and no `patch_deepspeed_initialize` an enabled block raises:
+    the config asks for dAD, the environment forbids attaching it, and training on with
+    DeepSpeed's all-reduce would ignore the block without a word.
+    """
+    if hook.opted_out() and not _explicit:
+        _, block = split_config(hook.config_source(ds_initialize, args, kwargs))
+        if block is not None and block.enabled:
+            raise ValueError(f"the DeepSpeed config has an enabled {BLOCK_KEY!r} block, but "
+                             f"{hook.OPT_OUT}={os.environ.get(hook.OPT_OUT)} turns off dAD's automatic attachment: "
+                             f"remove the block (or set \"enabled\": false), unset {hook.OPT_OUT}, or build the "
+                             f"engine with deepspeed_dad.initialize")
+    return _initialize_with(ds_initialize, False, *args, **kwargs)
+
+
 def patch_deepspeed_initialize() -> None:
     """Make ``deepspeed.initialize`` itself honour the ``"dad"`` block, for every later call.
 
-    For scripts whose engine is built by a library (Accelerate's ``prepare``, the Hugging Face
-    ``Trainer``): after this call, an engine whose config holds an enabled ``"dad"`` block gets dAD
-    (find it with `deepspeed_dad.get_attachment`), and DeepSpeed never sees the block. Configs
-    without a block are passed through untouched. Idempotent; undo with
-    `unpatch_deepspeed_initialize`. ``import deepspeed_dad.auto`` calls it.
+    The installed package's import hook already does this (`deepspeed_dad_hook`); call it where
+    the hook is not active, or to attach dAD despite ``DAD_DEEPSPEED_HOOK=0``. After this call an
+    engine whose config holds an enabled ``"dad"`` block gets dAD (find it with
+    `deepspeed_dad.get_attachment`), and DeepSpeed never sees the block. Configs without a block
+    are passed through untouched. Idempotent; undo with `unpatch_deepspeed_initialize`.
+    ``import deepspeed_dad.auto`` calls it.
     """
+    global _explicit
     import deepspeed
     let_accelerate_skip_dad_block()
-    if hasattr(deepspeed.initialize, _PATCH_MARK):
-        return
-    original = deepspeed.initialize
-
-    @functools.wraps(original)
-    def initialize_with_dad(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
-        return _initialize_with(original, False, *args, **kwargs)
-
-    setattr(initialize_with_dad, _PATCH_MARK, original)
-    deepspeed.initialize = initialize_with_dad
+    hook.wrap_deepspeed(deepspeed, by_hook=False)
+    _explicit = True
     log.info("deepspeed.initialize now attaches dAD to engines whose config has an enabled 'dad' block")
 
 
 def unpatch_deepspeed_initialize() -> None:
-    """Restore DeepSpeed's own ``initialize`` (engines made meanwhile keep their dAD)."""
+    """Undo `patch_deepspeed_initialize` (engines made meanwhile keep their dAD).
+
+    DeepSpeed's own ``initialize`` comes back unless the import hook installed the wrapper; then
+    the wrapper stays, so that a block is never ignored, and the opt-out applies again.
+    """
+    global _explicit
     import deepspeed
+    _explicit = False
     original = getattr(deepspeed.initialize, _PATCH_MARK, None)
-    if original is not None:
+    if original is not None and not getattr(deepspeed.initialize, hook.BY_HOOK, False):
         deepspeed.initialize = original
 

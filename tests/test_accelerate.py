@@ -12,6 +12,7 @@ import json
 import pytest
 
 from conftest import ROOT, WORKERS, check_resume, run_accelerate, run_torchrun
+from dad_hook_site import hook_site, with_hook  # noqa: F401  (fixtures: the installed import hook)
 
 TOL = 1e-5
 
@@ -121,26 +122,33 @@ def test_trainer_with_dad_callback(tmp_path):
                               for h in logged)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_trainer_on_deepspeed_takes_dad_from_the_config_block(tmp_path, monkeypatch, stage):
+@pytest.mark.parametrize("stage,how", [(1, "json-only"), (3, "import")])
+def test_trainer_on_deepspeed_takes_dad_from_the_config_block(tmp_path, monkeypatch, with_hook, stage, how):
     """Trainer + DeepSpeed ZeRO 1, and ZeRO-3 (Hugging Face's usual recipe for large models; each
     rank rebuilds its own partitions), with a "dad" block (exact) ends where DeepSpeed's own run
-    ends, and DADCallback finds the engine's dAD and logs its bytes (under ZeRO-3 also against
-    the reduce-scatter)."""
+    ends. ZeRO 1: ``Trainer(args=TrainingArguments(deepspeed=config))`` and nothing else, no
+    import, no callback (the installed import hook attaches dAD; its report shows dAD's bytes).
+    ZeRO-3: ``import deepspeed_dad.auto`` and DADCallback, which finds the engine's dAD and logs
+    its bytes (also against the reduce-scatter)."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     out = tmp_path / "trainer_ds.json"
-    run_torchrun(WORKERS / "trainer_worker.py", 2, [out, "deepspeed", stage])
+    run_torchrun(WORKERS / "trainer_worker.py", 2, [out, "deepspeed", stage, how])
     for rank, r in enumerate(json.loads(out.read_text())):
         assert r["identical"] and r["moved"] > 0
+        assert r["dad_totals"] is not None, f"rank {rank}: no dAD on the Trainer's engine: the block was ignored"
+        assert r["dad_totals"]["sent_bytes"] > 0
         assert r["rel_diff"] < TOL, f"rank {rank}: {r['rel_diff']:.2e} from DeepSpeed's own run"
+        if how == "json-only":
+            continue
         logged = [h for h in r["log_history"] if "loss" in h]
         assert logged and all(h["dad_sent_bytes_per_step"] > 0 for h in logged)
         if stage == 3:
             assert all(0 < h["dad_bytes_ratio_reduce_scatter"] for h in logged), logged
 
 
-def test_example_on_deepspeed_through_accelerate(tmp_path, monkeypatch):
-    """accelerate launch with the DeepSpeed config: dAD from ds_config.json's "dad" block."""
+def test_example_on_deepspeed_through_accelerate(tmp_path, monkeypatch, with_hook):
+    """accelerate launch with the DeepSpeed config: dAD from ds_config.json's "dad" block ("mode":
+    "auto", which Accelerate's config walk must leave alone), the script importing nothing for it."""
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     proc = run_accelerate(ROOT / "examples" / "accelerate" / "finetune.py",
                           ["--max-steps", "3", "--batch-size", "4", "--seq-len", "32", "--output-dir", tmp_path],
@@ -217,3 +225,49 @@ def test_trainer_on_deepspeed_resume_carries_dad_state(tmp_path, monkeypatch, en
     run_torchrun(WORKERS / "resume_worker.py", 2, [engine, tmp_path / "out.json", tmp_path])
     check_resume(json.loads((tmp_path / "out.json").read_text()),
                  ["global_step3/dad_state_rank0.pt", "global_step3/dad_state_rank1.pt"])
+
+
+def test_plain_accelerator_on_cpu_launch_raises_in_enable_dad(tmp_path):
+    """cpu_2proc.yaml starts two processes, but a plain ``Accelerator()`` on CPUs runs each alone
+    (DistributedType.NO): enable_dad raises, naming the fix, instead of returning None."""
+    script = tmp_path / "plain_accelerator.py"
+    script.write_text(
+        "import torch\n"
+        "from accelerate import Accelerator\n"
+        "from dad_integrations.accelerate import enable_dad\n"
+        "acc = Accelerator()\n"
+        "model = acc.prepare(torch.nn.Linear(2, 2))\n"
+        "try:\n"
+        "    print('RETURNED', enable_dad(acc, model, {'mode': 'exact'}), acc.distributed_type, flush=True)\n"
+        "except ValueError as e:\n"
+        "    print('RAISED', e, flush=True)\n")
+    proc = run_accelerate(script, [])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("RAISED", "RETURNED"))]
+    assert len(lines) == 2, proc.stdout[-3000:]
+    for line in lines:
+        assert line.startswith("RAISED"), line
+        assert "started 2 processes" in line and "ACCELERATE_USE_CPU=1" in line and "cpu=True" in line
+
+
+# test_sync's functions that fail with plain DDP too on this model (see the README: Accelerate)
+TEST_SYNC_EXCLUDED = [f"gradient_accumulation_with_opt_and_scheduler[split=True,dispatch={d},sync_each_batch={e}]"
+                      for d in (True, False) for e in (True, False)]
+
+
+def test_accelerates_own_test_sync_with_dad(tmp_path, monkeypatch):
+    """Accelerate's shipped test_sync.py (no_sync, trigger_sync_in_backward, accumulate with
+    split_batches / dispatch_batches / sync_each_batch, with optimizer and scheduler) passes with
+    enable_dad after prepare on a model of Linear layers, on the CPU path (MULTI_CPU); every weight
+    went as exact factors."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")  # what a plain Accelerator() needs on CPUs
+    monkeypatch.setenv("DAD_TEST_SYNC_SKIP", ";".join(TEST_SYNC_EXCLUDED))
+    out = tmp_path / "test_sync.json"
+    run_accelerate(WORKERS / "accelerate_test_sync_worker.py", [out])
+    results = json.loads(out.read_text())
+    assert results.pop("distributed_type") == "DistributedType.MULTI_CPU" and results.pop("num_processes") == 2
+    assert len(results) == 19 - len(TEST_SYNC_EXCLUDED), sorted(results)
+    for name, per_rank in results.items():
+        for rank, r in enumerate(per_rank):
+            assert r["passed"], f"{name} on rank {rank}: {r.get('assertion') or r.get('exception')}"
+            if name != "dataloader_break":  # the one without a model
+                assert r["syncs"] >= 1 and r["representations"] == ["exact"] and r["sent"] > 0, (name, r)

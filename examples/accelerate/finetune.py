@@ -45,10 +45,9 @@ from tqdm.auto import tqdm
 from dad_integrations.accelerate import enable_dad
 from dad_integrations.comm_counter import CollectiveCounter
 
-if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-    # DeepSpeed builds its engine inside accelerator.prepare(); this one line makes that engine
-    # use dAD when the DeepSpeed config has an enabled "dad" block (see deepspeed_dad).
-    import deepspeed_dad.auto  # noqa: F401  (imported for its effect)
+# Under DeepSpeed (examples/accelerate/deepspeed.yaml) nothing here switches dAD on: DeepSpeed builds
+# its engine inside accelerator.prepare(), and the installed package's import hook attaches dAD
+# to it because ds_config.json holds an enabled "dad" block (README, DeepSpeed section).
 from dad_examples.text_data import VOCAB_SIZE, stdlib_package_snippets, stdlib_source_bytes
 
 log = logging.getLogger("finetune")
@@ -197,8 +196,9 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
         sync = attachment.synchronizer if dad_config is not None and attachment is not None else None
         if dad_config is not None:
             if sync is None:
-                raise SystemExit("the DeepSpeed config has no enabled \"dad\" block: under DeepSpeed the "
-                                 "block, not --dad-mode/--rank, switches dAD on")
+                raise SystemExit("no dAD on the DeepSpeed engine: under DeepSpeed an enabled \"dad\" block in "
+                                 "the DeepSpeed config, not --dad-mode/--rank, switches dAD on (through the "
+                                 "import hook of the installed package: pip install -e .)")
             name = f"dad-{sync.config.mode}"  # the block's mode, which rules here
     else:
         sync = enable_dad(accelerator, model, dad_config) if dad_config is not None else None  # <- dAD

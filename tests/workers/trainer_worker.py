@@ -1,11 +1,13 @@
 """Runs inside `accelerate launch` (2 CPU processes): `transformers.Trainer` with `DADCallback`.
 
 Usage: accelerate launch --config_file examples/accelerate/cpu_2proc.yaml trainer_worker.py OUT
-       DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 trainer_worker.py OUT deepspeed [STAGE]
+       DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 trainer_worker.py OUT deepspeed [STAGE [json-only]]
 Trains the small GPT-2 twice from the same weights on the same data: plain Trainer (DDP all-reduce,
 or DeepSpeed ZeRO STAGE's, 1 by default), then with ``DADCallback`` in mode exact (under DeepSpeed,
 from the config's "dad" block); writes the final parameters' difference, whether
 ranks agree, and the log history (where the callback's byte metrics must appear).
+``json-only``: no dAD import and no callback, only the block in ``TrainingArguments(deepspeed=...)``
+(the installed import hook attaches dAD); then the engine's dAD report is written instead.
 """
 from __future__ import annotations
 
@@ -21,8 +23,6 @@ from transformers import Trainer, TrainingArguments
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
-
-from dad_integrations.transformers import DADCallback  # noqa: E402
 
 
 class ByteWindows(Dataset):
@@ -57,7 +57,14 @@ def train(init: torch.nn.Module, callbacks: list, out_dir: str, deepspeed: dict 
     params = list(model.parameters())
     with _gathered(params, deepspeed):  # ZeRO-3 keeps only partitions in the module
         flat = torch.cat([p.detach().reshape(-1) for p in params])
-    return flat, trainer.state.log_history
+    return flat, trainer.state.log_history, _dad_totals(trainer) if deepspeed else None
+
+
+def _dad_totals(trainer) -> dict:
+    """The last step's dAD report of the Trainer's DeepSpeed engine (None: no dAD attached)."""
+    import deepspeed_dad  # after training: reads what the config's block attached
+    attachment = deepspeed_dad.get_attachment(trainer.model_wrapped)
+    return None if attachment is None else attachment.last_step_report().totals
 
 
 def _gathered(params: list, deepspeed: dict):
@@ -75,22 +82,29 @@ def main() -> None:
     init = models.build("gpt2")
     on_deepspeed = len(sys.argv) > 2 and sys.argv[2] == "deepspeed"
     stage = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    json_only = len(sys.argv) > 4 and sys.argv[4] == "json-only"
     config = {**DEEPSPEED, "zero_optimization": {"stage": stage}}
+    totals = None
+    if not json_only:
+        from dad_integrations.transformers import DADCallback
     with tempfile.TemporaryDirectory() as tmp:
-        if on_deepspeed:  # the "dad" block rules there; the callback finds the engine's dAD
+        if json_only:  # nothing of dAD in the script: the block alone
+            ref, _, _ = train(init, [], tmp, config)
+            mine, history, totals = train(init, [], tmp, {**config, "dad": {"enabled": True, "mode": "exact"}})
+        elif on_deepspeed:  # the "dad" block rules there; the callback finds the engine's dAD
             import deepspeed_dad.auto  # noqa: F401  the one added line
-            ref, _ = train(init, [], tmp, config)
-            mine, history = train(init, [DADCallback()], tmp,
-                                  {**config, "dad": {"enabled": True, "mode": "exact"}})
+            ref, _, _ = train(init, [], tmp, config)
+            mine, history, totals = train(init, [DADCallback()], tmp,
+                                          {**config, "dad": {"enabled": True, "mode": "exact"}})
         else:
-            ref, _ = train(init, [], tmp)
-            mine, history = train(init, [DADCallback({"mode": "exact"})], tmp)
+            ref, _, _ = train(init, [], tmp)
+            mine, history, _ = train(init, [DADCallback({"mode": "exact"})], tmp)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     result = {"rel_diff": float((mine - ref).norm() / ref.norm()),
               "moved": float((mine - torch.cat([p.detach().reshape(-1) for p in init.parameters()])).norm()),
               "identical": all(torch.equal(gathered[0], g) for g in gathered),
-              "log_history": history}
+              "log_history": history, "dad_totals": totals}
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, result)
     # leave the group before exit: a gloo thread that frees a finished collective's tensors during
