@@ -60,6 +60,8 @@ for _name in ("Min", "Max", "Product"):
     if hasattr(hvd, _name):
         _OP_NAMES.setdefault(getattr(hvd, _name), _name)
 
+_HOROVOD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
+
 _ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 
@@ -114,7 +116,10 @@ def DADOptimizer(optimizer: torch.optim.Optimizer,
     config = DADConfig() if dad is None else DADConfig.from_dict(dad)
     config = _apply_compression(config, compression)
     _check_groups(groups)
-    cls = type(optimizer.__class__.__name__, (_DADOptimizerMixin, optimizer.__class__), {})
+    # `step` lives in the built class itself, as in Horovod's: Horovod's helpers step without
+    # synchronising through super(type(opt), opt).step(), which must reach the wrapped class
+    cls = type(optimizer.__class__.__name__, (_DADOptimizerMixin, optimizer.__class__),
+               {"step": _DADOptimizerMixin._synchronizing_step})
     return cls(optimizer.param_groups, named_parameters=named_parameters, compression=compression,
                backward_passes_per_step=backward_passes_per_step, op=op,
                gradient_predivide_factor=float(gradient_predivide_factor), groups=groups,
@@ -132,6 +137,11 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
                  op: Any, gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
                  process_set: Any, model: nn.Module, config: DADConfig):
         super().__init__(params)
+        # hvd.broadcast_optimizer_state steps a fresh optimizer without synchronising only when
+        # `optimizer.__module__` is Horovod's optimizer module (otherwise every rank must step, or
+        # the ranks whose state is empty wait in the exchange: a hang on resume). This optimizer
+        # keeps Horovod's protocol, so it takes Horovod's path; its class stays ours.
+        self.__module__ = _HOROVOD_OPTIMIZER_MODULE
         self._compression = compression
         self._parameter_names = _check_named_parameters(named_parameters, self.param_groups)
         self.backward_passes_per_step = backward_passes_per_step
@@ -223,8 +233,11 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure: Any = None) -> Any:
-        """Synchronise (unless inside ``skip_synchronize()``), then the wrapped optimizer's step."""
+    def _synchronizing_step(self, closure: Any = None) -> Any:
+        """Synchronise (unless inside ``skip_synchronize()``), then the wrapped optimizer's step.
+
+        Installed as ``step`` of the class `DADOptimizer` builds, not defined on the mixin, so
+        that ``super(type(opt), opt).step()`` is the wrapped optimizer's step, as with Horovod's."""
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
