@@ -28,7 +28,8 @@ Arguments and dAD:
                            with ``False`` a model with sparse embeddings raises ``ValueError``
 ``process_set``            collectives run over it; a process outside it steps locally, as in Horovod
 ``model`` (new, optional)  the module whose factors are captured; it must hold every parameter
-                           of the optimizer (not wrapped in DDP). Without it (as Horovod's own
+                           of the optimizer (not wrapped in DDP); only the optimizer's parameters
+                           are synchronised, as with Horovod. Without it (as Horovod's own
                            scripts and tests call it) dAD attaches at the first forward of a
                            module holding the optimizer's parameters (`discovery`); a step before
                            any forward all-reduces the gradients as Horovod does
@@ -183,7 +184,7 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         """Refuse what dAD cannot synchronise, before anything is attached."""
         sparse_modules = [(n, m) for n, m in model.named_modules()
                           if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and
-                          (m.weight.requires_grad or any(m.weight is p for p in self._requires_update))]
+                          any(m.weight is p for p in self._requires_update)]
         if sparse_modules and not self.sparse_as_dense:
             raise ValueError(f"modules {[n for n, _ in sparse_modules]} produce sparse gradients, which Horovod "
                              f"all-gathers as sparse tensors; dAD needs dense gradients: pass "
@@ -212,10 +213,7 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
                     f"{missing[:4]}{'...' if len(missing) > 4 else ''}); dAD must attach to one module that "
                     f"holds all of them before its forward: pass model=")
             self._check_model(module)
-            # the plan covers the parameters that required grad when the optimizer was built, as
-            # Horovod's hooks do, also if some are switched off at this forward (a GAN's other half)
-            with _requiring_grad(self._requires_update):
-                self._attach(module)
+            self._attach(module)
         except BaseException as e:
             self._attach_error = e  # synchronize() raises it too: never step on local gradients
             raise
@@ -226,11 +224,6 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
     def _attach(self, model: nn.Module) -> None:
         """Attach the `DADSynchronizer` (and the sparse-as-dense hooks) to ``model``."""
         config, process_set = self._config, self.process_set
-        owned = {id(p) for p in self._requires_update}
-        extra = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
-        if extra and process_set.rank() == 0:
-            log.warning("dAD: %d trainable parameters of model= are not in this optimizer (%s...); they are "
-                        "averaged over ranks too", len(extra), ", ".join(extra[:3]))
         if self._groups is not None and process_set.rank() == 0:
             log.info("dAD: groups=%r only groups Horovod's all-reduces for fusion; dAD buckets dense "
                      "gradients by bucket_cap_mb=%s instead", self._groups, config.bucket_cap_mb)
@@ -241,11 +234,15 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
             self._dad_hooks.append(p.register_post_accumulate_grad_hook(_sparse_to_dense))
         prescale, postscale = self._scale_factors()
         try:
-            # Horovod users broadcast explicitly (hvd.broadcast_parameters), as with Horovod's optimizer
-            self._dad_sync = DADSynchronizer(model, HorovodAggregator(process_set), config,
-                                             prescale_factor=prescale, postscale_factor=postscale,
-                                             backward_passes_per_step=self.backward_passes_per_step,
-                                             broadcast_parameters=False)
+            # The plan covers what Horovod's hooks cover: the parameters of this optimizer that
+            # required grad when it was built, also if switched off now (a GAN's other half); the
+            # model's other parameters keep their local gradients (another optimizer's, say).
+            # Horovod users broadcast explicitly (hvd.broadcast_parameters), as with Horovod's optimizer.
+            with _requiring_grad_only(model, self._requires_update):
+                self._dad_sync = DADSynchronizer(model, HorovodAggregator(process_set), config,
+                                                 prescale_factor=prescale, postscale_factor=postscale,
+                                                 backward_passes_per_step=self.backward_passes_per_step,
+                                                 broadcast_parameters=False)
         except BaseException:
             self._remove_hooks()
             raise
@@ -461,16 +458,18 @@ def _check_named_parameters(named_parameters: Any, param_groups: List[dict]) -> 
 
 
 @contextlib.contextmanager
-def _requiring_grad(params: List[nn.Parameter]) -> Iterator[None]:
-    """``requires_grad=True`` on ``params`` inside the block (hooks can be registered), then back."""
-    off = [p for p in params if not p.requires_grad]
-    for p in off:
-        p.requires_grad_(True)
+def _requiring_grad_only(model: nn.Module, params: List[nn.Parameter]) -> Iterator[None]:
+    """Inside the block, of ``model``'s parameters exactly ``params`` require grad (so that the
+    synchroniser's plan covers them and hooks can be registered on them); then as before."""
+    ours = {id(p) for p in params}
+    flipped = [p for p in _unique(list(model.parameters()) + list(params)) if p.requires_grad != (id(p) in ours)]
+    for p in flipped:
+        p.requires_grad_(not p.requires_grad)
     try:
         yield
     finally:
-        for p in off:
-            p.requires_grad_(False)
+        for p in flipped:
+            p.requires_grad_(not p.requires_grad)
 
 
 def _unique(params: Iterable[nn.Parameter]) -> List[nn.Parameter]:

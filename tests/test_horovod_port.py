@@ -24,7 +24,7 @@ PORTED = ["test_broadcast_state", "test_broadcast_state_options", "test_broadcas
 # how many parameter comparisons with the Horovod twin each one makes (a vacuous twin fails)
 TWINS = {"test_force_allreduce": 22, "test_model_parallelism": 1, "test_no_named_parameters": 1,
          "test_optimizer_no_named_parameters": 1, "test_dynamic_requires_grad": 12, "test_sparse_embeddings": 1,
-         "forward_before_build": 3}
+         "forward_before_build": 3, "two_optimizers_one_model": 3}
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +89,12 @@ def test_model_used_before_the_optimizer_was_built(port):
         assert r["attached"] == [False, True, True]
         assert "exact" in r["representations"]
         assert r["failures"] == [] and r["worst"] <= TOL
+
+
+def test_two_optimizers_over_one_model_each_exchange_their_own(port):
+    """Two DADOptimizers over disjoint parts of one model, no model=: both find it; each one's
+    synchroniser covers only its optimizer's weights (before, each exchanged every weight of the
+    model, twice the bytes), and three steps equal Horovod's two optimizers'."""
+    for r in result(port, "two_optimizers_one_model"):
+        assert r["units"] == [["hidden.weight", "inp.weight"], ["out.weight"]]
+        assert r["failures"] == [] and r["compared"] == TWINS["two_optimizers_one_model"] and r["worst"] <= TOL

@@ -785,8 +785,41 @@ def forward_before_build() -> dict:
     return c.result(attached=attached, representations=sorted({p.representation for p in report.params}))
 
 
+def two_optimizers_one_model() -> dict:
+    """One model, two DADOptimizers over disjoint parts of it (Adam for the layers, SGD for the
+    norm and the head), no model=: both find the same model, and each synchronises its own
+    parameters only, as Horovod's two optimizers do. Three steps with per-rank data against
+    Horovod's."""
+    c = Checks()
+    model = models.build("mlp")
+    twin = copy.deepcopy(model)
+
+    def split(m):
+        first = [p for n, p in m.named_parameters() if n.startswith(("inp", "hidden"))]
+        return first, [p for p in m.parameters() if all(p is not q for q in first)]
+
+    opts = []
+    for m, wrap in ((model, lambda o, **kw: DADOptimizer(o, dad=EXACT, **kw)), (twin, hvd.DistributedOptimizer)):
+        first, second = split(m)
+        names = {id(p): n for n, p in m.named_parameters()}
+        opts.append([wrap(torch.optim.Adam(first, lr=1e-2), named_parameters=[(names[id(p)], p) for p in first]),
+                     wrap(torch.optim.SGD(second, lr=0.1), named_parameters=[(names[id(p)], p) for p in second])])
+    for step in range(3):
+        data = models.batch("mlp", 2 + 2 * hvd.rank(), seed=10_000 * step + hvd.rank())
+        for m, pair in ((model, opts[0]), (twin, opts[1])):
+            for o in pair:
+                o.zero_grad()
+            models.loss_of("mlp", m, data).backward()
+            for o in pair:
+                o.step()
+        c.same_params(twin, model, f"step {step}")
+    covered = [sorted(u.name for u in o.dad_synchronizer.units) for o in opts[0]]
+    return c.result(units=covered)
+
+
 CASES = {name: fn for name, fn in list(globals().items())
-         if callable(fn) and (name.startswith("test_") or name in ("resume_broadcast", "forward_before_build"))}
+         if callable(fn) and (name.startswith("test_") or name in ("resume_broadcast", "forward_before_build",
+                                                        "two_optimizers_one_model"))}
 
 
 def main() -> None:
