@@ -22,7 +22,7 @@ PORTED = ["test_broadcast_state", "test_broadcast_state_options", "test_broadcas
           "test_dynamic_requires_grad", "test_gradient_clipping", "test_synchronize_step_warning",
           "test_sparse_embeddings", "test_optimizer_process_sets"]
 # how many parameter comparisons with the Horovod twin each one makes (a vacuous twin fails)
-TWINS = {"test_force_allreduce": 22, "test_model_parallelism": 1, "test_no_named_parameters": 1,
+TWINS = {"test_model_parallelism": 1, "test_no_named_parameters": 1,
          "test_optimizer_no_named_parameters": 1, "test_dynamic_requires_grad": 12, "test_sparse_embeddings": 1,
          "forward_before_build": 3, "two_optimizers_one_model": 3}
 
@@ -41,7 +41,9 @@ def test_horovods_optimizer_tests_pass(port, name):
     hvd.DistributedOptimizer's (relative 1e-5, floored at 1e-6 of the whole model's norm)."""
     for r in result(port, name):
         assert r["failures"] == [], r["failures"][:5]
-        assert r["compared"] == TWINS.get(name, 0)
+        # test_force_allreduce: one twin per optimizer and option set (22 with torch 2.13)
+        twins = 2 * len(r["ran"]) if name == "test_force_allreduce" else TWINS.get(name, 0)
+        assert r["compared"] == twins
         assert r["worst"] <= TOL
 
 
