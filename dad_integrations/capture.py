@@ -42,6 +42,10 @@ class ModuleCapture:
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return
+        if not module.weight.requires_grad:
+            # frozen for now (a GAN's other half): no gradient will take these rows, and kept they
+            # would join the next step that trains the weight
+            return
         if self._on_forward is not None:  # also when disabled: the step's window opens here
             self._on_forward()
         if not self.enabled:

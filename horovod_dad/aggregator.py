@@ -3,9 +3,10 @@
 Horovod matches collectives across ranks by name, not by issue order, and its enqueue is
 thread-safe, so dAD's background thread can issue its all-gathers while the training thread (or a
 second optimizer) issues its own. Names must therefore agree across ranks and be unique among the
-operations in flight: every aggregator prefixes its names with a number drawn from a per-process
-counter (ranks create their optimizers in the same order, as Horovod already requires) and the
-process set's id.
+operations in flight: every aggregator prefixes its names with the process set's id and a number
+drawn from that process set's counter in this process (the ranks of a set create their optimizers
+for it in the same order, as Horovod already requires; ranks outside the set create none, so one
+counter for all sets would leave the ranks' names apart from then on).
 
 Horovod's ``allgather`` accepts a different first dimension per rank and concatenates the results,
 so no padding is needed; the split needs every rank's first dimension, which is exchanged first
@@ -17,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -27,7 +28,7 @@ from ._horovod import hvd
 
 log = logging.getLogger(__name__)
 
-_instances = itertools.count()
+_instances: Dict[int, Iterator[int]] = {}  # per process set id
 _instances_lock = threading.Lock()
 
 
@@ -50,8 +51,9 @@ class HorovodAggregator(FactorAggregator):
         if not self._process_set.included():
             raise RuntimeError("this process is not a member of the given Horovod process set")
         if prefix is None:
+            ps_id = self._process_set.process_set_id
             with _instances_lock:
-                n = next(_instances)
+                n = next(_instances.setdefault(ps_id, itertools.count()))
             prefix = f"dad{n}.ps{self._process_set.process_set_id}."
         self._prefix = prefix
         self._rank = int(self._process_set.rank())

@@ -27,8 +27,12 @@ Arguments and dAD:
                            through the dense buckets and are made sparse again, as in Horovod);
                            with ``False`` a model with sparse embeddings raises ``ValueError``
 ``process_set``            collectives run over it; a process outside it steps locally, as in Horovod
-``model`` (new)            the module whose factors are captured; it must hold every parameter
-                           of the optimizer (not wrapped in DDP)
+``model`` (new, optional)  the module whose factors are captured; it must hold every parameter
+                           of the optimizer (not wrapped in DDP); only the optimizer's parameters
+                           are synchronised, as with Horovod. Without it (as Horovod's own
+                           scripts and tests call it) dAD attaches at the first forward of a
+                           module holding the optimizer's parameters (`discovery`); a step before
+                           any forward all-reduces the gradients as Horovod does
 ``dad`` (new)              a `DADConfig` or a dict of its keys
 =========================  ===================================================================
 
@@ -52,6 +56,7 @@ from dad_integrations import DADConfig, DADSynchronizer, StepReport
 
 from ._horovod import Compression, hvd
 from .aggregator import HorovodAggregator
+from .discovery import ModelFinder
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,8 @@ _OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
 for _name in ("Min", "Max", "Product"):
     if hasattr(hvd, _name):
         _OP_NAMES.setdefault(getattr(hvd, _name), _name)
+
+_HOROVOD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
 
 _ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
                    "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
@@ -74,23 +81,25 @@ def DADOptimizer(optimizer: torch.optim.Optimizer,
                  groups: Any = None,
                  sparse_as_dense: bool = False,
                  process_set: Any = hvd.global_process_set,
-                 *, model: nn.Module,
+                 *, model: Optional[nn.Module] = None,
                  dad: Union[DADConfig, Mapping[str, Any], None] = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that gradients are averaged over Horovod ranks with dAD.
 
     Same arguments as ``hvd.DistributedOptimizer`` (see the module docstring for how each one
-    maps onto dAD), plus ``model`` (where factors are captured) and ``dad`` (a `DADConfig` or a
-    dict of its keys, e.g. ``{"mode": "auto", "rank": 4}``). Returns an instance of a subclass of
-    ``optimizer``'s class sharing its ``param_groups``, as Horovod does.
+    maps onto dAD), plus ``model`` (where factors are captured; None finds it at the first
+    forward, see `discovery`) and ``dad`` (a `DADConfig` or a dict of its keys, e.g.
+    ``{"mode": "auto", "rank": 4}``). Returns an instance of a subclass of ``optimizer``'s class
+    sharing its ``param_groups``, as Horovod does.
 
     Raises:
         ValueError: an argument Horovod rejects, or one dAD cannot honour (``op=hvd.Adasum``, a
             custom compressor, sparse gradients without ``sparse_as_dense=True``, optimizer
-            parameters outside ``model``), or a bad ``dad`` key.
+            parameters outside ``model``), or a bad ``dad`` key. Without ``model=``, the checks
+            that need the model raise at its first forward.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(model, nn.Module):
+    if model is not None and not isinstance(model, nn.Module):
         raise ValueError(f"model= must be the nn.Module whose parameters the optimizer updates, "
                          f"got {type(model).__name__}")
     # Horovod's own checks, in Horovod's order and words
@@ -114,7 +123,10 @@ def DADOptimizer(optimizer: torch.optim.Optimizer,
     config = DADConfig() if dad is None else DADConfig.from_dict(dad)
     config = _apply_compression(config, compression)
     _check_groups(groups)
-    cls = type(optimizer.__class__.__name__, (_DADOptimizerMixin, optimizer.__class__), {})
+    # `step` lives in the built class itself, as in Horovod's: Horovod's helpers step without
+    # synchronising through super(type(opt), opt).step(), which must reach the wrapped class
+    cls = type(optimizer.__class__.__name__, (_DADOptimizerMixin, optimizer.__class__),
+               {"step": _DADOptimizerMixin._synchronizing_step})
     return cls(optimizer.param_groups, named_parameters=named_parameters, compression=compression,
                backward_passes_per_step=backward_passes_per_step, op=op,
                gradient_predivide_factor=float(gradient_predivide_factor), groups=groups,
@@ -130,8 +142,13 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
 
     def __init__(self, params: Any, *, named_parameters: Any, compression: Any, backward_passes_per_step: int,
                  op: Any, gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
-                 process_set: Any, model: nn.Module, config: DADConfig):
+                 process_set: Any, model: Optional[nn.Module], config: DADConfig):
         super().__init__(params)
+        # hvd.broadcast_optimizer_state steps a fresh optimizer without synchronising only when
+        # `optimizer.__module__` is Horovod's optimizer module (otherwise every rank must step, or
+        # the ranks whose state is empty wait in the exchange: a hang on resume). This optimizer
+        # keeps Horovod's protocol, so it takes Horovod's path; its class stays ours.
+        self.__module__ = _HOROVOD_OPTIMIZER_MODULE
         self._compression = compression
         self._parameter_names = _check_named_parameters(named_parameters, self.param_groups)
         self.backward_passes_per_step = backward_passes_per_step
@@ -140,26 +157,43 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self._groups = groups
+        self._config = config
         self._synchronized = False
         self._should_synchronize = True
+        # as Horovod: the parameters that require grad when the optimizer is built (a GAN may
+        # switch requires_grad off and on later)
         self._requires_update: List[nn.Parameter] = _unique(
             p for g in self.param_groups for p in g["params"] if p.requires_grad)
         self._dad_hooks: List[Any] = []
         self._dad_sync: Optional[DADSynchronizer] = None
         self._sparse_params: List[nn.Parameter] = []
+        self._finder: Optional[ModelFinder] = None
+        self._pending_dad_state: Optional[Mapping[str, Any]] = None
+        self._attach_error: Optional[BaseException] = None
 
+        # Like Horovod: nothing to do on a single process (unless elastic) or outside the process set.
+        self._active = process_set.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
+        if model is not None:
+            self._check_model(model)
+            if self._active:
+                self._attach(model)
+        elif self._active and self._requires_update:
+            self._finder = ModelFinder(self._requires_update, self._on_model_found)
+
+    def _check_model(self, model: nn.Module) -> None:
+        """Refuse what dAD cannot synchronise, before anything is attached."""
         sparse_modules = [(n, m) for n, m in model.named_modules()
-                          if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
-        if sparse_modules and not sparse_as_dense:
+                          if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and
+                          any(m.weight is p for p in self._requires_update)]
+        if sparse_modules and not self.sparse_as_dense:
             raise ValueError(f"modules {[n for n, _ in sparse_modules]} produce sparse gradients, which Horovod "
                              f"all-gathers as sparse tensors; dAD needs dense gradients: pass "
                              f"sparse_as_dense=True (or build the embeddings with sparse=False)")
         if sparse_modules:
             # dense buckets, then sparse again before the update (Horovod's sparse_as_dense)
-            config = DADConfig.from_dict(dict(config.to_dict(), exclude=list(config.exclude) + [
+            self._config = DADConfig.from_dict(dict(self._config.to_dict(), exclude=list(self._config.exclude) + [
                 n for n, _ in sparse_modules]))
             self._sparse_params = [m.weight for _, m in sparse_modules]
-
         model_params = {id(p) for p in model.parameters()}
         outside = [self._parameter_names.get(p, "?") for p in self._requires_update if id(p) not in model_params]
         if outside:
@@ -167,40 +201,69 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
                              f"synchronises the parameters of the model it is attached to, so these would "
                              f"never be averaged; pass the module that holds all of them")
 
-        # Like Horovod: nothing to do on a single process (unless elastic) or outside the process set.
-        if not (process_set.included() and (hvd.size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")):
-            return
-        owned = {id(p) for p in self._requires_update}
-        extra = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
-        if extra and process_set.rank() == 0:
-            log.warning("dAD: %d trainable parameters of model= are not in this optimizer (%s...); they are "
-                        "averaged over ranks too", len(extra), ", ".join(extra[:3]))
-        if groups is not None and process_set.rank() == 0:
+    def _on_model_found(self, module: nn.Module) -> None:
+        """`ModelFinder`'s call, at the first forward of a module holding the optimizer's parameters."""
+        try:
+            held = {id(p) for p in module.parameters()}
+            missing = [self._parameter_names.get(p, "?") for p in self._requires_update if id(p) not in held]
+            if missing:
+                raise ValueError(
+                    f"DADOptimizer without model=: the first forward after it was built ran a "
+                    f"{type(module).__name__} that holds only some of the optimizer's parameters (not "
+                    f"{missing[:4]}{'...' if len(missing) > 4 else ''}); dAD must attach to one module that "
+                    f"holds all of them before its forward: pass model=")
+            self._check_model(module)
+            self._attach(module)
+        except BaseException as e:
+            self._attach_error = e  # synchronize() raises it too: never step on local gradients
+            raise
+        if self._pending_dad_state is not None:
+            self._dad_sync.load_state_dict(self._pending_dad_state)
+            self._pending_dad_state = None
+
+    def _attach(self, model: nn.Module) -> None:
+        """Attach the `DADSynchronizer` (and the sparse-as-dense hooks) to ``model``."""
+        config, process_set = self._config, self.process_set
+        if self._groups is not None and process_set.rank() == 0:
             log.info("dAD: groups=%r only groups Horovod's all-reduces for fusion; dAD buckets dense "
-                     "gradients by bucket_cap_mb=%s instead", groups, config.bucket_cap_mb)
+                     "gradients by bucket_cap_mb=%s instead", self._groups, config.bucket_cap_mb)
         # Horovod's sparse_as_dense: sparse gradients become dense before dAD reads them. Registered
         # before the synchroniser's hooks, so they run first. (Passes are counted, and a forward
         # before the exchange of the last k passes is refused, by the synchroniser itself.)
         for p in self._sparse_params:
             self._dad_hooks.append(p.register_post_accumulate_grad_hook(_sparse_to_dense))
-        if op == hvd.Average:
-            prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor / process_set.size()
-        else:
-            prescale, postscale = 1.0, 1.0
+        prescale, postscale = self._scale_factors()
         try:
-            # Horovod users broadcast explicitly (hvd.broadcast_parameters), as with Horovod's optimizer
-            self._dad_sync = DADSynchronizer(model, HorovodAggregator(process_set), config,
-                                             prescale_factor=prescale, postscale_factor=postscale,
-                                             backward_passes_per_step=backward_passes_per_step,
-                                             broadcast_parameters=False)
+            # The plan covers what Horovod's hooks cover: the parameters of this optimizer that
+            # required grad when it was built, also if switched off now (a GAN's other half); the
+            # model's other parameters keep their local gradients (another optimizer's, say).
+            # Horovod users broadcast explicitly (hvd.broadcast_parameters), as with Horovod's optimizer.
+            with _requiring_grad_only(model, self._requires_update):
+                self._dad_sync = DADSynchronizer(model, HorovodAggregator(process_set), config,
+                                                 prescale_factor=prescale, postscale_factor=postscale,
+                                                 backward_passes_per_step=self.backward_passes_per_step,
+                                                 broadcast_parameters=False)
         except BaseException:
             self._remove_hooks()
             raise
 
+    def _scale_factors(self) -> Tuple[float, float]:
+        """Horovod's reduction as (prescale, postscale) of the sum over the process set."""
+        if self.op == hvd.Average:
+            f = self.gradient_predivide_factor
+            return 1.0 / f, f / self.process_set.size()
+        return 1.0, 1.0
+
     # -- Horovod's protocol ---------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait until every gradient holds its reduction over the process set (dAD's rebuild)."""
+        if self._attach_error is not None:
+            raise RuntimeError(f"dAD could not attach to the model: {self._attach_error}") from self._attach_error
         if self._dad_sync is None:
+            if self._finder is not None and self._finder.pending:
+                # no forward since the optimizer was built (its backward may be of an earlier one):
+                # what Horovod does for gradients its hooks did not see, a plain all-reduce
+                self._allreduce_unattached()
             self._synchronized = True
             return
         self._dad_sync.synchronize()
@@ -223,8 +286,11 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
-    def step(self, closure: Any = None) -> Any:
-        """Synchronise (unless inside ``skip_synchronize()``), then the wrapped optimizer's step."""
+    def _synchronizing_step(self, closure: Any = None) -> Any:
+        """Synchronise (unless inside ``skip_synchronize()``), then the wrapped optimizer's step.
+
+        Installed as ``step`` of the class `DADOptimizer` builds, not defined on the mixin, so
+        that ``super(type(opt), opt).step()`` is the wrapped optimizer's step, as with Horovod's."""
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -260,6 +326,8 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         state = super().state_dict()
         if self._dad_sync is not None:
             state["dad"] = self._dad_sync.state_dict()
+        elif self._pending_dad_state is not None:
+            state["dad"] = self._pending_dad_state
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -274,6 +342,8 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         if dad_state is not None and self._dad_sync is not None:
             self._dad_sync.load_state_dict(dad_state)
+        elif dad_state is not None:  # loaded when dAD attaches (model found at the first forward)
+            self._pending_dad_state = dad_state
 
     # -- dAD extras -----------------------------------------------------------------------------
     @property
@@ -287,6 +357,9 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Detach dAD from the model (hooks removed); the optimizer then steps on local gradients."""
+        if self._finder is not None:
+            self._finder.remove()
+            self._finder = None
         self._remove_hooks()
         if self._dad_sync is not None:
             self._dad_sync.close()
@@ -295,6 +368,28 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
     # -- internals ------------------------------------------------------------------------------
     def _backward_pending(self) -> bool:
         return self._dad_sync is not None and self._dad_sync.backward_pending
+
+    def _allreduce_unattached(self) -> None:
+        """Horovod's reduction of every gradient, as its ``synchronize()`` gives for gradients its
+        hooks missed; names from ``named_parameters``, the same on every rank."""
+        prescale, postscale = self._scale_factors()
+        handles = []
+        for p in self._requires_update:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dense = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            wire, ctx = self._compression.compress(dense)
+            wire = wire.contiguous()
+            wire.mul_(prescale)
+            name = f"dad.unattached.{self._parameter_names.get(p)}"
+            handles.append((p, wire, ctx, hvd.allreduce_async_(wire, name=name, op=hvd.Sum,
+                                                                process_set=self.process_set)))
+        for p, wire, ctx, handle in handles:
+            out = self._compression.decompress(hvd.synchronize(handle), ctx).mul_(postscale)
+            p.grad = out.to_sparse() if p.grad.is_sparse else out.to(p.grad.dtype)
+        if handles and self.process_set.rank() == 0:
+            log.info("dAD: step() before any forward since DADOptimizer was built: %d gradients "
+                     "all-reduced as Horovod does", len(handles))
 
     def _remove_hooks(self) -> None:
         for h in self._dad_hooks:
@@ -360,6 +455,21 @@ def _check_named_parameters(named_parameters: Any, param_groups: List[dict]) -> 
         raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
                          "Python object ids: %s" % ", ".join(str(i) for i in unnamed))
     return {v: k for k, v in named_parameters}
+
+
+@contextlib.contextmanager
+def _requiring_grad_only(model: nn.Module, params: List[nn.Parameter]) -> Iterator[None]:
+    """Inside the block, of ``model``'s parameters exactly ``params`` require grad (so that the
+    synchroniser's plan covers them and hooks can be registered on them); then as before."""
+    ours = {id(p) for p in params}
+    flipped = [p for p in _unique(list(model.parameters()) + list(params)) if p.requires_grad != (id(p) in ours)]
+    for p in flipped:
+        p.requires_grad_(not p.requires_grad)
+    try:
+        yield
+    finally:
+        for p in flipped:
+            p.requires_grad_(not p.requires_grad)
 
 
 def _unique(params: Iterable[nn.Parameter]) -> List[nn.Parameter]:

@@ -36,6 +36,10 @@ def _two_rank_cases() -> dict:
                     "hvd": {"backward_passes_per_step": passes, "op": op}}
         cases[f"grad-{model}-predivide"] = {"kind": "grad", "model": model, "config": {"mode": "exact"},
                                             "hvd": {"gradient_predivide_factor": 4.0}}
+        # hvd.DistributedOptimizer's arguments only: no model= (found at the first forward)
+        cases[f"grad-{model}-no-model-p2"] = {"kind": "grad", "model": model, "config": {"mode": "exact"},
+                                             "uneven": True, "no_model": True,
+                                             "hvd": {"backward_passes_per_step": 2}}
     cases["grad-mlp-zero-tensors"] = {"kind": "grad", "model": "mlp", "config": {"mode": "exact"},
                                       "set_to_none": False}
     cases["grad-gpt2-auto-few-rows"] = {"kind": "grad", "model": "gpt2", "config": {"mode": "auto"}, "batch": 1}
@@ -137,7 +141,7 @@ def test_exact_gradients_equal_horovods(world, case_id, request):
 
 def test_exact_uses_factors(two):
     """The comparison is not vacuous: weights went through dAD factors, not only all-reduce."""
-    for case_id in ("grad-gpt2-p1-average", "grad-mlp-p2-sum", "grad-gpt2-auto-few-rows",
+    for case_id in ("grad-gpt2-p1-average", "grad-mlp-p2-sum", "grad-gpt2-auto-few-rows", "grad-gpt2-no-model-p2",
                     "grad-gpt2-exact-zero-after-forward", "grad-mlp-exact-zero-after-forward-zeros",
                     "grad-gpt2-auto-zero-after-forward"):
         for r in result(two, case_id):
@@ -187,7 +191,8 @@ ERRORS = {
     "groups_bad": "ValueError: groups should be a non-negative integer",
     "fp16_vs_bf16": "ValueError: compression=hvd.Compression.fp16 conflicts with dad wire_dtype",
     "bad_dad_key": "ValueError: unknown dad config key(s) ['rnak']",
-    "no_model": "TypeError",
+    "partial_forward": "ValueError: DADOptimizer without model=: the first forward after it was built ran a Linear",
+    "after_failed_attach": "RuntimeError: dAD could not attach to the model",
     "outside_model": "ValueError: parameters ['allreduce.noname.0.0'",
     "sparse": "ValueError: modules ['0'] produce sparse gradients",
     "zero_grad_race": "AssertionError: optimizer.zero_grad() was called after loss.backward()",

@@ -5,7 +5,8 @@
     horovodrun -np 2 -H localhost:2 --gloo python examples/horovod/train.py --allreduce   # plain Horovod
 
 An ordinary Horovod training script; the only dAD-specific line is the optimizer wrapper
-(``horovod_dad.DADOptimizer`` instead of ``hvd.DistributedOptimizer``, with ``model=`` and ``dad=``).
+(``horovod_dad.DADOptimizer`` instead of ``hvd.DistributedOptimizer``, with the same arguments and
+``dad=``; dAD finds the model at its first forward).
 The model is built from a ``GPT2Config`` and the data is the Python standard library's own source
 read as bytes (`dad_examples.text_data`): nothing is downloaded. It shows the usual Horovod
 pieces: broadcast of parameters and optimizer state, gradient accumulation through
@@ -66,7 +67,7 @@ def main() -> None:
         optimizer = horovod_dad.DADOptimizer(optimizer, named_parameters=model.named_parameters(),
                                              compression=compression,
                                              backward_passes_per_step=args.accumulate,
-                                             model=model, dad=args.dad)
+                                             dad=args.dad)
 
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)

@@ -96,8 +96,10 @@ def run_grad(case: dict) -> dict:
     mine = copy.deepcopy(ref)
     opt_ref = hvd.DistributedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1),
                                        named_parameters=ref.named_parameters(), **kw)
+    # "no_model": exactly hvd.DistributedOptimizer's arguments (dAD finds the model at its forward)
     opt_mine = DADOptimizer(torch.optim.SGD(mine.parameters(), lr=0.1),
-                            named_parameters=mine.named_parameters(), model=mine, dad=case["config"], **kw)
+                            named_parameters=mine.named_parameters(), dad=case["config"],
+                            model=None if case.get("no_model") else mine, **kw)
     worst, per_param, reps, sent = 0.0, {}, set(), []
     passes = kw.get("backward_passes_per_step", 1)
     for step in range(case.get("steps", 3)):
@@ -187,7 +189,12 @@ def run_errors(case: dict) -> dict:
     out["groups_bad"] = _raises(lambda: build(groups=-1))
     out["fp16_vs_bf16"] = _raises(lambda: build(compression=hvd.Compression.fp16, dad={"wire_dtype": "bfloat16"}))
     out["bad_dad_key"] = _raises(lambda: build(dad={"mode": "exact", "rnak": 4}))
-    out["no_model"] = _raises(lambda: DADOptimizer(torch.optim.SGD(models.build("mlp").parameters(), lr=0.1)))
+    # without model=, the first forward must be of a module holding all the optimizer's parameters
+    part = models.build("mlp")
+    opt = DADOptimizer(torch.optim.SGD(part.parameters(), lr=0.1), named_parameters=part.named_parameters())
+    out["partial_forward"] = _raises(lambda: part.hidden(torch.randn(2, 24)))
+    out["after_failed_attach"] = _raises(opt.synchronize)
+    opt.close()
     other = models.build("mlp")
     out["outside_model"] = _raises(lambda: DADOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
                                                         model=models.build("mlp")))
