@@ -35,6 +35,7 @@ on with dAD. Like any DDP training forward, that first forward must run on every
 # accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 import logging
 import weakref
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Callable, List, Mapping, Optional, Tuple, Union
 
@@ -121,6 +122,7 @@ class DDPDriver:
         self.own_aggregator = own_aggregator
         self.ddp: Optional["weakref.ref[nn.parallel.DistributedDataParallel]"] = None  # the DDP it drives
         self._loaded: Optional[dict] = None  # what a loaded driver attaches with
+        self.serialise: Optional[bool] = None  # see `_serialised`; None decides by DDP's backend
 
     def __getstate__(self) -> dict:
         if self.sync is None:  # loaded and not attached yet: pickles as it was loaded
@@ -130,6 +132,7 @@ class DDPDriver:
 
     def __setstate__(self, saved: dict) -> None:
         self.sync = None
+        self.serialise = None
         self.ddp = None
         self.timeout = saved["timeout"]
         self.own_aggregator = saved["own_aggregator"]
@@ -178,9 +181,31 @@ class DDPDriver:
             unit = sync._unit_of.get(id(p))
             if unit is not None and all(id(q) in window.sink.views for q in unit.params):
                 window.ready[unit.index].set()
-        sync._dispatch(window, self._step)
+        serial = self._serialised()
+        if not serial:
+            sync._dispatch(window, self._step)
         if last:
             window.release_all()  # after on_done is in: the step may end from here on
+            if serial:
+                window.future = Future()
+                window.future.set_result(self._step(window))
+
+    def _serialised(self) -> bool:
+        """Whether this step's exchange runs inline, in the last bucket's hook: on NCCL, a DDP with
+        ``find_unused_parameters=True`` all-reduces its used-parameter map on its own communicator,
+        from the autograd thread, right after that hook returns; dAD's worker thread would race it,
+        and NCCL operations on two communicators enqueued in different orders on different ranks can
+        deadlock. Inline, every dAD collective is enqueued before the map's, on every rank (the step
+        then overlaps nothing). ``serialise`` (True/False) overrides the choice."""
+        if self.serialise is not None:
+            return self.serialise
+        ddp = self.ddp() if self.ddp is not None else None
+        if ddp is None or not getattr(ddp, "find_unused_parameters", False):
+            return False
+        try:
+            return "nccl" in str(dist.get_backend(ddp.process_group)).lower()
+        except (RuntimeError, ValueError):
+            return False
 
     def _joined(self) -> bool:
         """This rank has joined (``ddp.join()``): DDP hands over buckets outside any backward."""

@@ -114,3 +114,17 @@ def test_model_wrapped_in_a_new_ddp_closes_the_old_hook(results):
         assert r["hooks_per_module"] == 1
         assert max(r["worst"]) <= TOL, r["worst"]
         assert "used after close()" in r["old_hook_error"]
+
+
+def test_serialised_exchange_with_find_unused_parameters(tmp_path):
+    """The NCCL ordering mode (dAD's exchange inline in DDP's last bucket hook, so it is enqueued
+    before DDP's used-parameter map all-reduce on every rank), forced on gloo: gradients equal DDP's
+    with ``find_unused_parameters=True`` and a layer used every other step; ranks identical."""
+    import json
+
+    from conftest import WORKERS, run_torchrun
+    out = tmp_path / "out.json"
+    run_torchrun(WORKERS / "ddp_serial_worker.py", 2, [out])
+    ranks = json.loads(out.read_text())["ranks"]
+    assert all(r["worst"] < 1e-5 and r["reports"] for r in ranks), ranks
+    assert ranks[0]["digest"] == ranks[1]["digest"]
