@@ -7,10 +7,13 @@ resume the 4-rank checkpoints), every engine in each (workers/elastic_resize_wor
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import WORKERS, run_torchrun
+from conftest import ROOT, WORKERS, run_torchrun
 
 ENGINES = ("accelerate", "trainer", "deepspeed-z0", "deepspeed-z2")
 
@@ -51,3 +54,24 @@ def test_resume_at_another_world_size_keeps_the_mean_residual(resized, engine, s
         assert r["params_same"] and r["loss_finite"]
     if engine == "accelerate":  # rank_route allreduce: every rank-routed weight has a shared warm start
         assert all(r["shared_q"] > 0 for r in per_rank)
+
+
+def test_torchrun_elastic_restart_resumes_equal_to_an_uninterrupted_run(tmp_path):
+    """torchrun --max-restarts 1: rank 1 SIGKILLs itself in the middle of step 5 of 8 (first attempt
+    only, from TORCHELASTIC_RESTART_COUNT); torchrun stops rank 0 and starts both again, which
+    resume from the step-4 checkpoint (dAD's per-rank state files among it) and end bit for bit
+    where an uninterrupted run with the same checkpoint boundaries ends: parameters and dAD state
+    (a same-size resume is exact, so equality, not only identical ranks, is what to assert).
+    The worker prefixes its store keys by attempt (its init_group says why)."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1:1", "--nproc-per-node", "2",
+           "--max-restarts", "1", str(WORKERS / "elastic_torchrun_worker.py"), str(tmp_path / "out.json"),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    assert "exitcode: -9" in proc.stderr  # the first attempt's rank 1 was killed
+    ranks = json.loads((tmp_path / "out.json").read_text())["ranks"]
+    for r in ranks:
+        assert r["attempt"] == 1 and r["resumed_from"] == 4
+        assert r["params_equal"] and r["state_equal"] and r["ranks_equal"], r
