@@ -146,6 +146,7 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
             p for g in self.param_groups for p in g["params"] if p.requires_grad)
         self._dad_hooks: List[Any] = []
         self._dad_sync: Optional[DADSynchronizer] = None
+        self._dad_deferred: Optional[tuple] = None  # Horovod elastic: attached at TorchState's sync
         self._sparse_params: List[nn.Parameter] = []
 
         sparse_modules = [(n, m) for n, m in model.named_modules()
@@ -187,6 +188,11 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
             prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor / process_set.size()
         else:
             prescale, postscale = 1.0, 1.0
+        if os.environ.get("HOROVOD_ELASTIC") == "1":
+            # no collective here: a new worker's would meet the running ones' state sync and hang;
+            # TorchState's handler attaches dAD in hvd.elastic.run (horovod_dad.elastic)
+            self._dad_deferred = (model, config, HorovodAggregator(process_set).prefix)
+            return
         try:
             # Horovod users broadcast explicitly (hvd.broadcast_parameters), as with Horovod's optimizer
             self._dad_sync = DADSynchronizer(model, HorovodAggregator(process_set), config,
@@ -201,6 +207,10 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait until every gradient holds its reduction over the process set (dAD's rebuild)."""
         if self._dad_sync is None:
+            if self._dad_deferred is not None:
+                raise RuntimeError("under Horovod elastic, dAD attaches when hvd.elastic.TorchState(model, "
+                                   "optimizer) syncs in hvd.elastic.run; with another State, call "
+                                   "horovod_dad.elastic.reattach(optimizer) in its sync()")
             self._synchronized = True
             return
         self._dad_sync.synchronize()

@@ -1,5 +1,5 @@
 """Elastic and resized jobs: dAD's state resumed at another world size (Accelerate, Trainer,
-DeepSpeed), a torchrun elastic restart after a killed rank, Horovod elastic.
+DeepSpeed), a torchrun elastic restart after a killed rank, Horovod elastic (2 -> 1 -> 2 workers).
 
 The resize runs are three torchrun jobs (2 ranks save; 4 ranks resume those and save; 2 ranks
 resume the 4-rank checkpoints), every engine in each (workers/elastic_resize_worker.py).
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +77,38 @@ def test_torchrun_elastic_restart_resumes_equal_to_an_uninterrupted_run(tmp_path
     for r in ranks:
         assert r["attempt"] == 1 and r["resumed_from"] == 4
         assert r["params_equal"] and r["state_equal"] and r["ranks_equal"], r
+
+
+def test_horovod_elastic_worker_leaves_and_joins(tmp_path):
+    """horovodrun --gloo -np 2 --min-np 1 --max-np 2 with a discovery script: after step 2 the hosts
+    file offers one slot (a worker leaves), after 3 steps on one process two again (one joins).
+    The documented pattern, hvd.elastic.run and hvd.elastic.TorchState(model, optimizer) with
+    DADOptimizer, unchanged: every step's synchronised gradient (lossless dAD) equals Horovod's
+    own all-reduce (op Average) of the same local gradients at the size of that step, a rank-dAD
+    optimizer with error feedback trains on beside it (its residuals carried to the new size), and
+    both ranks end with equal parameters. Before horovod_dad.elastic, the step after the worker
+    left failed (dAD's aggregator still split for two ranks) and a joining worker hung."""
+    horovodrun = Path(sys.executable).with_name("horovodrun")
+    if not horovodrun.exists():
+        horovodrun = Path(shutil.which("horovodrun") or "horovodrun")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    # a joining worker imports torch and transformers before it meets the others: on two loaded
+    # cores that can pass gloo's 30 s default
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HOROVOD_GLOO_TIMEOUT_SECONDS="150")
+    out = tmp_path / "out.json"
+    cmd = [str(horovodrun), "--gloo", "--network-interface", "lo", "-np", "2", "--min-np", "1", "--max-np", "2",
+           "--blacklist-cooldown-range", "1", "2", "--host-discovery-script", str(discover),
+           sys.executable, str(WORKERS / "elastic_horovod_worker.py"), str(out), str(hosts)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-4000:] + proc.stderr[-8000:]
+    result = json.loads(out.read_text())
+    sizes = [row[1] for row in result["log"]]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2 and result["final_size"] == 2, sizes
+    assert max(row[2] for row in result["log"]) < 1e-5, result["log"]
+    assert result["params_same"] and result["finite"]
+    assert "re-attached for 1 Horovod processes; error-feedback residuals of 10 weight(s)" in proc.stdout + proc.stderr
