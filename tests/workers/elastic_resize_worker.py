@@ -14,8 +14,6 @@ same parameters and a finite loss.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import glob
 import logging
 import math
