@@ -5,13 +5,19 @@ differs across ranks, so every rank writes its own ``dad_state_rank{r}.pt`` into
 folder and reads its own back. The engines' glue calls these from their checkpoint paths
 (Accelerate's ``save_state`` hooks, DeepSpeed's ``save_checkpoint``, the Trainer's ``on_save``);
 a plain ``torch.distributed`` loop may call them directly.
+
+Resuming on another number of processes (an elastic restart, a job moved from 8 to 16 nodes) is
+`merge_rank_states`' job: every new rank reads all the old ranks' files and takes their mean
+residual, which keeps what the average still owes, ``(1/S') sum e' = (1/S) sum e``; the rest of
+the state either is the same on every old rank and carries over, or belongs to the old size and
+restarts (the function's doc lists which).
 """
 from __future__ import annotations
 
 import glob
 import logging
 import os
-from typing import Any, Optional
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -47,14 +53,17 @@ def save_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
 
 
 def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index: int = 0) -> Optional[dict]:
-    """Load this rank's file from ``directory`` into ``sync``; returns the stored payload.
+    """Load this rank's dAD state from ``directory`` into ``sync``; returns the stored payload.
 
+    Saved by a job of the same size, this rank's own file is loaded as written. Saved by a job of
+    another size S, every rank reads all S files and loads their merge (`merge_rank_states`): the
+    mean residual, the shared warm starts, the rest restarted; rank 0 logs what carried over, and
+    the payload returned is old rank 0's with ``"resized_from": S``.
 
     A folder without any dAD state (a checkpoint saved without dAD) loads nothing, says so in the
     log and returns None: warm starts and error feedback then start afresh. Raises
-    `FileNotFoundError` when other ranks' files are there but not this rank's, and `ValueError`
-    when the file was saved by a job with another number of processes (per-rank state cannot be
-    redistributed), each naming the file.
+    `FileNotFoundError`, naming it, when a file the checkpoint should hold is missing, and
+    `ValueError` when a file holds another rank's state or its job size disagrees with the others'.
     """
     path = state_file(directory, rank, index)
     if not os.path.isfile(path):
@@ -63,21 +72,196 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
             log.info("dAD: %s holds no dAD state (saved without dAD); rank-dAD warm starts and error "
                      "feedback start afresh", directory)
             return None
-        raise FileNotFoundError(
-            f"dAD state for rank {rank} is missing: {path} does not exist, though the checkpoint holds "
-            f"{len(found)} dAD state file(s); it was saved by a job with a different number of processes "
-            f"(this one has {world_size}), and dAD's per-rank state cannot be redistributed")
-    payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = _read(state_file(directory, 0, index), 0, None, len(found))
+    else:
+        payload = _read(path, rank, None, None)
     saved_world = payload.get("world_size")
-    if saved_world != world_size:
-        raise ValueError(f"{path} was saved by a job of {saved_world} processes, this one has {world_size}: "
-                         f"dAD's per-rank state (error-feedback residuals, warm starts) cannot be "
-                         f"redistributed; resume with {saved_world} processes")
+    if saved_world == world_size:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"dAD state for rank {rank} is missing: {path} does not exist, though the "
+                                    f"checkpoint was saved by a job of {saved_world} processes, as this one")
+        if payload.get("rank") != rank:
+            raise ValueError(f"{path} holds the dAD state of rank {payload.get('rank')}, not of rank {rank}")
+        # load_state_dict puts every tensor on its parameter's device and dtype
+        sync.load_state_dict(payload["state"])
+        return payload
+    return _load_resized(sync, directory, rank, world_size, index, int(saved_world))
+
+
+def _read(path: str, rank: int, world_size: Optional[int], found: Optional[int]) -> dict:
+    """One rank's file, checked to hold that rank's state (and, given, of a job of ``world_size``)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dAD state for rank {rank} is missing: {path} does not exist"
+                                + (f", though the checkpoint holds {found} dAD state file(s)" if found else ""))
+    payload = torch.load(path, map_location="cpu", weights_only=True)
     if payload.get("rank") != rank:
         raise ValueError(f"{path} holds the dAD state of rank {payload.get('rank')}, not of rank {rank}")
-    # load_state_dict puts every tensor on its parameter's device and dtype
-    sync.load_state_dict(payload["state"])
+    if world_size is not None and payload.get("world_size") != world_size:
+        raise ValueError(f"{path} was saved by a job of {payload.get('world_size')} processes, but rank 0's "
+                         f"file by one of {world_size}: the checkpoint mixes two jobs' dAD state")
     return payload
+
+
+def _load_resized(sync: Any, directory: str, rank: int, world_size: int, index: int, saved_world: int) -> dict:
+    """Every old rank's file merged into this rank's state (`merge_rank_states`), loaded into ``sync``.
+
+    Each new rank reads the S files itself, in rank order, so every rank forms the same merge bit
+    for bit with no collective (the engines' load paths may run where none can be issued).
+    """
+    first = _read(state_file(directory, 0, index), 0, saved_world, None)
+    meta = {k: v for k, v in first.items() if k != "state"}
+    merged, summary = merge_rank_states(_old_states(first.pop("state"), directory, index, saved_world))
+    sync.load_state_dict(merged)
+    if rank == 0:
+        log.info("dAD: resuming on %d processes from dAD state saved by %d (%s): %s", world_size, saved_world,
+                 directory, summary)
+    return {**meta, "state": merged, "rank": rank, "world_size": world_size, "resized_from": saved_world}
+
+
+def _old_states(first: dict, directory: str, index: int, saved_world: int) -> Iterable[dict]:
+    """Old rank 0's state, then each other old rank's, read one at a time (one file in memory)."""
+    state = first
+    del first
+    yield state
+    for r in range(1, saved_world):
+        state = _read(state_file(directory, r, index), r, saved_world, None)["state"]
+        yield state
+
+
+# -- another world size ---------------------------------------------------------------------------------
+# What one unit's entry holds, and what becomes of it at another size (merge_rank_states' doc says why)
+_UNIT_MEAN = ("residual",)
+_UNIT_FROM_RANK0 = ("shared_q",)
+_UNIT_RESTART = {"warm_q": None, "dense_only": False, "rows_unused": False, "last_rows": None}
+_TOP_FROM_RANK0 = ("version", "steps")
+_TOP_RESTART = {"verified": False}
+_UNIT_TABLES = ("units", "rank_routes")  # DADSynchronizer's; FSDP2's and ZeRO-2/3's
+
+
+def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
+    """One new rank's dAD state from the S old ranks' ``state_dict()``s (in rank order); returns it
+    and a one-line summary of what carried over. Every new rank gets the same merge.
+
+    - **Error-feedback residuals**: their mean over the S old ranks, so the new ranks' mean is the
+      old one and the average still owes what it owed. A whole residual stays whole. Rank-``q``
+      residuals (``error_feedback_rank``, ``(U, V)``) are re-compressed to rank ``q``: the mean of
+      S of them has rank up to ``S q``, and the memory bound ``q (m+n)`` is what the config asked
+      for; the pair kept is the mean's best rank-``q`` approximation (an exact truncated SVD, no
+      ``m x n`` matrix formed), equal to the mean whenever the mean has rank ``q`` or less.
+    - **The all-reduce route's warm start** (``shared_q``) is the same on every rank: old rank 0's.
+    - **The step count** (synchronised steps, counted alike on every rank; ``lossless_steps`` and
+      the seeds of fresh power iterations read it): old rank 0's, so the new ranks agree on it.
+    - **Restarted**, because they hold per-rank or per-size facts: the all-gather route's own warm
+      starts, auto's last row counts (one per old rank), the first-step check and the decisions
+      taken on it (dense for good, rank-reduced from the dense gradient): the new job re-agrees
+      them on its first step, identically on every rank.
+
+    Raises `ValueError` for a key it does not know how to carry over (state of a newer format),
+    or for old states that disagree on what must be the same everywhere (version, step count,
+    which weights they hold).
+    """
+    merged: Optional[dict] = None
+    table: Optional[str] = None
+    residuals: Dict[str, _Mean] = {}
+    count = 0
+    for state in states:
+        state = dict(state)
+        key = next((k for k in _UNIT_TABLES if k in state), None)
+        units = state.pop(key) if key is not None else state  # version 1: the units' table alone
+        top = {} if key is None else state
+        if merged is None:
+            table, merged = key, _merge_top(top)
+            merged_units = {name: _merge_unit(name, entry) for name, entry in units.items()}
+        elif key != table or set(units) != set(merged_units) or any(
+                top.get(k) != merged.get(k) for k in _TOP_FROM_RANK0 if k in merged):
+            raise ValueError(f"the old ranks' dAD states disagree (rank {count} differs from rank 0 in its "
+                             f"format, its weights or its step count): not one job's checkpoint")
+        for name, entry in units.items():
+            if entry.get("residual") is not None:
+                residuals.setdefault(name, _Mean()).add(entry["residual"])
+        count += 1
+    if merged is None:
+        raise ValueError("no dAD state to merge")
+    for name, mean in residuals.items():
+        merged_units[name]["residual"] = mean.result(count)
+    if table is None:
+        merged = merged_units
+    else:
+        merged[table] = merged_units
+    shared = sum(1 for e in merged_units.values() if e.get("shared_q") is not None)
+    low = sum(1 for m in residuals.values() if m.low_rank)
+    summary = (f"error-feedback residuals of {len(residuals)} weight(s) averaged over the {count} old ranks"
+               + (f" ({low} kept at their rank q: the mean's best rank-q part)" if low else "")
+               + f"; the all-reduce route's warm starts of {shared} weight(s) carried over; the all-gather "
+                 f"route's warm starts, the first-step check, row counts and dense-for-good decisions restart")
+    return merged, summary
+
+
+def _merge_top(top: Mapping) -> dict:
+    unknown = sorted(set(top) - set(_TOP_FROM_RANK0) - set(_TOP_RESTART))
+    if unknown:
+        raise ValueError(f"dAD state keys {unknown} cannot be carried to another world size (unknown keys)")
+    return {**{k: top[k] for k in _TOP_FROM_RANK0 if k in top}, **{k: v for k, v in _TOP_RESTART.items() if k in top}}
+
+
+def _merge_unit(name: str, entry: Mapping) -> dict:
+    unknown = sorted(set(entry) - set(_UNIT_MEAN) - set(_UNIT_FROM_RANK0) - set(_UNIT_RESTART))
+    if unknown:
+        raise ValueError(f"dAD state of {name!r} has keys {unknown} that cannot be carried to another world "
+                         f"size (unknown keys)")
+    out = {k: v for k, v in _UNIT_RESTART.items() if k in entry}
+    out.update({k: entry.get(k) for k in _UNIT_FROM_RANK0 if k in entry})
+    out.update({k: None for k in _UNIT_MEAN if k in entry})
+    return out
+
+
+class _Mean:
+    """The running sum of one weight's residuals: whole ones summed, rank-q pairs stacked (an old
+    rank without one adds zero)."""
+
+    def __init__(self) -> None:
+        self.dense: Optional[torch.Tensor] = None
+        self.lefts: List[torch.Tensor] = []
+        self.rights: List[torch.Tensor] = []
+
+    @property
+    def low_rank(self) -> bool:
+        return self.dense is None
+
+    def add(self, residual: Any) -> None:
+        if isinstance(residual, (tuple, list)):
+            u, v = residual
+            if self.dense is None:
+                self.lefts.append(u)
+                self.rights.append(v)
+            else:
+                self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
+            return
+        if self.dense is None:  # a whole one among pairs (never saved so; kept correct anyway)
+            self.dense = residual.clone()
+            for u, v in zip(self.lefts, self.rights):
+                self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
+            self.lefts, self.rights = [], []
+        else:
+            self.dense += residual
+
+    def result(self, count: int) -> Any:
+        if self.dense is not None:
+            return self.dense / count
+        q = self.lefts[0].shape[1]
+        return best_rank_q(torch.cat(self.lefts, 1), torch.cat(self.rights, 1) / count, q)
+
+
+def best_rank_q(left: torch.Tensor, right: torch.Tensor, q: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The best rank-``q`` approximation of ``left @ right.T`` as ``(U, V)``, ``U`` orthonormal, as
+    `error_feedback.LowRankErrorFeedback` keeps it: thin QR of both factors and the SVD of the small
+    core (``left``: m x k, ``right``: n x k; costs ``O((m+n) k^2)``, in float64)."""
+    dtype = left.dtype
+    qa, ra = torch.linalg.qr(left.double())
+    qb, rb = torch.linalg.qr(right.double())
+    w, sigma, zh = torch.linalg.svd(ra @ rb.t(), full_matrices=False)
+    q = min(q, sigma.numel())
+    return (qa @ w[:, :q]).to(dtype), (qb @ (zh[:q].t() * sigma[:q])).to(dtype)
 
 
 def keeps_state(sync: Any) -> bool:

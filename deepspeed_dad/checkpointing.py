@@ -30,7 +30,8 @@ class RankStateCheckpoints:
 
     def load_state(self, directory: str) -> bool:
         """Load this rank's dAD state from ``directory``; False when it holds none (saved without
-        dAD). Raises, naming the file, when it was saved with another number of processes."""
+        dAD). Saved by another number of processes, every rank loads the old ranks' merged state
+        (`dad_integrations.checkpoint.load_rank_state`)."""
         payload = load_rank_state(self.synchronizer, directory, self.aggregator.rank,
                                   self.aggregator.world_size)
         return payload is not None

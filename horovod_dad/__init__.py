@@ -7,5 +7,6 @@ Importing this package imports Horovod (built by ``scripts/build_horovod.sh``); 
 from ._horovod import BUILD_HINT
 from .aggregator import HorovodAggregator
 from .optimizer import DADOptimizer
+from . import elastic as _elastic  # noqa: E402,F401  TorchState's handler for DADOptimizer (Horovod elastic)
 
 __all__ = ["BUILD_HINT", "DADOptimizer", "HorovodAggregator"]

@@ -11,5 +11,6 @@ BUILD_HINT = ("Horovod is not importable: build and install it with `bash script
 try:
     import horovod.torch as hvd  # noqa: F401
     from horovod.torch.compression import Compression  # noqa: F401
+    from horovod.common.exceptions import HorovodInternalError  # noqa: F401
 except ImportError as e:  # re-raised with the way out
     raise ImportError(f"{BUILD_HINT}; the import failed with: {e}") from e

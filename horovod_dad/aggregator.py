@@ -24,7 +24,7 @@ import torch
 
 from dad_integrations.aggregator import CommHandle, FactorAggregator, Traffic
 
-from ._horovod import hvd
+from ._horovod import HorovodInternalError, hvd
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,12 @@ class HorovodAggregator(FactorAggregator):
 
         def finish() -> List[torch.Tensor]:
             out = hvd.synchronize(handle)
+            if out.shape[0] != sum(first_dims):
+                # fewer ranks answered than this aggregator was built for: under Horovod elastic a
+                # worker left mid-step (its rows are missing). Horovod's own error for it, so that
+                # hvd.elastic.run restores the last commit and resets, as it does for its collectives
+                raise HorovodInternalError(f"{name}: {out.shape[0]} rows gathered, {sum(first_dims)} expected "
+                                           f"from {len(first_dims)} ranks: the job's membership changed")
             if dtype == torch.bfloat16:
                 out = out.view(torch.bfloat16)
             return list(torch.split(out, first_dims))

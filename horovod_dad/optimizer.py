@@ -166,6 +166,7 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
             p for g in self.param_groups for p in g["params"] if p.requires_grad)
         self._dad_hooks: List[Any] = []
         self._dad_sync: Optional[DADSynchronizer] = None
+        self._dad_deferred: Optional[tuple] = None  # Horovod elastic: attached at TorchState's sync
         self._sparse_params: List[nn.Parameter] = []
         self._finder: Optional[ModelFinder] = None
         self._pending_dad_state: Optional[Mapping[str, Any]] = None
@@ -233,6 +234,11 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         for p in self._sparse_params:
             self._dad_hooks.append(p.register_post_accumulate_grad_hook(_sparse_to_dense))
         prescale, postscale = self._scale_factors()
+        if os.environ.get("HOROVOD_ELASTIC") == "1":
+            # no collective here: a new worker's would meet the running ones' state sync and hang;
+            # TorchState's handler attaches dAD in hvd.elastic.run (horovod_dad.elastic)
+            self._dad_deferred = (model, config, HorovodAggregator(process_set).prefix)
+            return
         try:
             # The plan covers what Horovod's hooks cover: the parameters of this optimizer that
             # required grad when it was built, also if switched off now (a GAN's other half); the
@@ -260,6 +266,11 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
         if self._attach_error is not None:
             raise RuntimeError(f"dAD could not attach to the model: {self._attach_error}") from self._attach_error
         if self._dad_sync is None:
+            if self._dad_deferred is not None:
+                raise RuntimeError("under Horovod elastic, dAD attaches when hvd.elastic.TorchState(model, "
+                                   "optimizer) syncs in hvd.elastic.run (build the optimizer with model=, and "
+                                   "the State before hvd.elastic.run); with another State, call "
+                                   "horovod_dad.elastic.reattach(optimizer) in its sync()")
             if self._finder is not None and self._finder.pending:
                 # no forward since the optimizer was built (its backward may be of an earlier one):
                 # what Horovod does for gradients its hooks did not see, a plain all-reduce
