@@ -80,9 +80,10 @@ from ..aggregator import FactorAggregator, Traffic
 from ..config import DADConfig
 from ..error_feedback import error_feedback_for
 from ..layers import Rows, compute_dtype
-from ..low_rank import LocalGradient, choose_method, method_costs, orthonormalize, reduce_rank
+from ..low_rank import LocalGradient, choose_method, method_costs, reduce_rank
 from ..units import FactorUnit, param_shape
 from .rank import WarmStart, _cat
+from .rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
 from .sharded_exact import shard_span
 
 log = logging.getLogger(__name__)
@@ -311,36 +312,32 @@ class ShardedRankCodec:
 
     def _shared_power_iteration(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
                                 wire: torch.dtype, rebuild: Optional[SharedRebuild]) -> List[RankShard]:
-        """PowerSGD's two rounds for ``items``: P all-reduced, orthonormalised, Q all-reduced."""
+        """PowerSGD's rounds for ``items`` (`rank_allreduce.SharedPowerIteration`): per power
+        iteration, P all-reduced, orthonormalised, Q all-reduced."""
         S, rank = agg.world_size, agg.rank
         if rebuild is None:
             def rebuild(it: RankItem, basis: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
                 return reduced_shard(basis, q, rank, S, scale)
-        ps = []
-        for it in items:
-            n = param_shape(it.unit.param)[1]  # ZeRO-3 empties p.data
-            q0 = self.shared.initial(it.unit, n, it.rank, compute_dtype(it.unit.param), step)
-            ps.append(it.local.mm(q0))
-        p_flat = torch.cat([p.reshape(-1) for p in ps]).to(wire)
-        p_handle = agg.all_reduce(p_flat, name=f"dad.sharded.powersgd.p.{items[0].unit.name}", op="sum")
-        p_sum = p_handle.wait()
-        bases, q_locals, off = [], [], 0
-        for it, p in zip(items, ps):
-            bases.append(orthonormalize(p_sum[off:off + p.numel()].view(p.shape).to(p.dtype)))
-            q_locals.append(it.local.rmm(bases[-1]))
-            off += p.numel()
-        q_flat = torch.cat([q.reshape(-1) for q in q_locals]).to(wire)
-        q_handle = agg.all_reduce(q_flat, name=f"dad.sharded.powersgd.q.{items[0].unit.name}", op="sum")
-        q_sum = q_handle.wait()
-        out, off = [], 0
-        for it, p, basis, q_local in zip(items, ps, bases, q_locals):
-            q_all = q_sum[off:off + q_local.numel()].view(q_local.shape).to(q_local.dtype)
-            off += q_local.numel()
-            residual = (self._residual(it.unit, it.local.dense, basis, q_local)
-                        if self.memory.enabled and it.local.dense is not None else None)
-            self._pending.append((self.shared, it.unit, q_all, residual))
-            traffic = (p_handle.traffic.share(p.numel() / p_flat.numel())
-                       + q_handle.traffic.share(q_local.numel() / q_flat.numel()))
+        dtypes = [compute_dtype(it.unit.param) for it in items]
+        rounds = SharedPowerIteration([it.local for it in items], dtypes, [it.rank for it in items], agg, wire,
+                                      f"dad.sharded.powersgd.{items[0].unit.name}",
+                                      rank_allreduce_rounds(self.config), lambda t: t)
+        # param_shape: ZeRO-3 empties p.data
+        rounds.start([self.shared.initial(it.unit, param_shape(it.unit.param)[1], it.rank, dtype, step)
+                      for it, dtype in zip(items, dtypes)])
+        residuals: list = [None] * len(items)
+
+        def residual(bases: List[torch.Tensor], q_locals: List[torch.Tensor]) -> None:
+            """While the last Q all-reduce is on the wire: ``M_s - P^ (M_s^T P^)^T`` as the memory keeps it."""
+            if self.memory.enabled:
+                for i, (it, basis, q_local) in enumerate(zip(items, bases, q_locals)):
+                    if it.local.dense is not None:
+                        residuals[i] = self._residual(it.unit, it.local.dense, basis, q_local)
+
+        bases, _, q_alls = rounds.finish(residual)
+        out = []
+        for it, basis, q_all, res, traffic in zip(items, bases, q_alls, residuals, rounds.traffic):
+            self._pending.append((self.shared, it.unit, q_all, res))
             out.append(RankShard(rebuild(it, basis, q_all), traffic, it.rank))
         return out
 
