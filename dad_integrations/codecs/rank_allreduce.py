@@ -102,17 +102,18 @@ class SharedPowerIteration:
 
     def _products(self, shapes: Sequence[Tuple[int, int]], products: Sequence[Callable]
                   ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """One flat buffer (the first weight's dtype) holding every ``product(out)``, and its views."""
+        """One flat buffer (the first weight's dtype) holding every ``product(out)``, and each
+        product in its weight's dtype (a view of the buffer where that is the buffer's)."""
         device = self.grads[0].device
         flat = torch.empty(sum(a * b for a, b in shapes), dtype=self.dtypes[0], device=device)
         views, offset = [], 0
         for (a, b), product, dtype in zip(shapes, products, self.dtypes):
             view = flat[offset:offset + a * b].view(a, b)
             if dtype == flat.dtype:
-                product(view)
+                views.append(product(view))
             else:  # a weight of another compute dtype in the bucket: its product, then a copy
-                view.copy_(product(None))
-            views.append(view)
+                views.append(product(None))
+                view.copy_(views[-1])
             offset += a * b
         return flat, views
 
