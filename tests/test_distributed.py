@@ -117,6 +117,9 @@ def _two_rank_cases() -> dict:
         "nonfinite-gpt2-rank-error-feedback": {"kind": "nonfinite", "model": "gpt2",
                                                "config": {"mode": "rank", "rank": 2, "error_feedback": True}},
         "nonfinite-gpt2-auto-rank": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
+        # rank-dAD's own power iteration on the dense residual-compensated gradient spreads the NaN
+        "nonfinite-gpt2-rank-allgather": {"kind": "nonfinite", "model": "gpt2",
+                                          "config": {"mode": "rank", "rank": 2, "rank_route": "allgather"}},
         "nonfinite-gpt2-exact": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "exact"}},
         "broadcast-seeded-differently": {"kind": "broadcast", "config": {"mode": "exact"}},
         # rank-r all-reduce (PowerSGD's shared power iteration)

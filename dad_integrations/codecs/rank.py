@@ -11,9 +11,11 @@ step's Q, so one iteration suffices once training settles. Error feedback
 (`error_feedback.ErrorFeedback`): the local residual is added to the next step's gradient; the
 reduction then runs on the dense compensated gradient.
 
-Non-finite gradients: a rank whose local gradient holds NaN or Inf sends r rows of NaN (it skips
-the reduction, which could raise on that rank alone), so every rank rebuilds a non-finite
-gradient, as all-reduce gives. New warm starts and residuals are held back until the step is
+Non-finite gradients: a rank whose local gradient holds NaN or Inf sends a non-finite payload, so
+every rank rebuilds a non-finite gradient, as all-reduce gives: the power iteration spreads the NaN
+into P and Q by itself (no pass over the gradient to check it); where the reduction could raise on
+that rank alone (the exact SVD) or would drop components (adaptive tolerance), the input is checked
+and r rows of NaN go instead. New warm starts and residuals are held back until the step is
 over (`commit`): a step with any non-finite gradient (one a loss scaler will skip) keeps those of
 the step before, on every rank alike, so the next finite step trains as if it had not happened.
 """
@@ -30,6 +32,7 @@ from ..layers import Rows, compute_dtype
 from ..low_rank import LocalGradient, choose_method, reduce_rank
 from ..report import ParamReport
 from ..units import FactorUnit
+from .finite import finite_flag
 
 
 class WarmStart:
@@ -90,17 +93,13 @@ class RankCodec:
         method = "dense" if self.memory.enabled or unit.rows_unused else choose_method(
             n_rows, m, n, r, cfg.power_iterations, factors_available=unit.factors_only)
         if method == "dense":
-            compensated = self.memory.compensate(unit.name, local_grad(p, cdt))
-            grad = LocalGradient(dense=compensated)
-            finite = bool(torch.isfinite(compensated).all())
+            grad = LocalGradient(dense=self.memory.compensate(unit.name, local_grad(p, cdt)))
         else:
-            left = _cat([left.to(cdt) for left, _ in rows])
-            right = _cat([right.to(cdt) for _, right in rows])
-            grad = LocalGradient(left=left, right=right)
-            finite = bool(torch.isfinite(left).all()) and bool(torch.isfinite(right).all())
+            grad = LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
+                                 right=_cat([right.to(cdt) for _, right in rows]))
         entry.method = method
         wire = self.wire_dtype or p.dtype
-        if not finite:
+        if not _reduction_is_safe(grad, method, cfg.adaptive_tolerance):
             entry.components = r
             return torch.full((r, m + n), float("nan"), dtype=wire, device=p.device)
         low = reduce_rank(grad, r, method=method, q_init=self.warm.initial(unit, n, r, cdt, step),
@@ -156,6 +155,20 @@ class RankBucket:
     def _front_run(self) -> int:
         dtype = self.items[0][1].dtype if self.items else None
         return next((i for i, (_, p, _) in enumerate(self.items) if p.dtype != dtype), len(self.items))
+
+
+def _reduction_is_safe(grad: LocalGradient, method: str, tolerance: Optional[float]) -> bool:
+    """May this rank reduce ``grad`` and send the result, finite or not?
+
+    A power iteration spreads a NaN or Inf of the gradient into P and Q by itself, and
+    `low_rank.reduce_rank` then keeps all r components, so every rank rebuilds a non-finite result
+    without a check (one pass and, on a GPU, one host sync per weight fewer). The exact SVD may raise
+    on non-finite input, on this rank alone, and an adaptive tolerance would send no component for
+    a NaN energy: those check the input first (the SVD's factor rows are few)."""
+    if method != "svd" and tolerance is None:
+        return True
+    tensors = (grad.dense,) if grad.dense is not None else (grad.left, grad.right)
+    return all(bool(finite_flag(t)) for t in tensors)
 
 
 def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:

@@ -51,13 +51,14 @@ keeps its rank-q part instead (`error_feedback.LowRankErrorFeedback`, ``q (m+n)`
 as soon as the residual is computed, so no whole residual waits for `end_step` either);
 ``error_feedback: false`` frees it.
 
-**Non-finite steps.** A site whose local gradient holds NaN or Inf sends NaN in place of ``P_s``
-and ``Q_s`` (the all-gather route skips its reduction, which could raise on that rank alone), so
-every rank rebuilds a non-finite shard, as the reduce-scatter gives; the all-reduce route spreads a
-NaN by itself. New residuals and warm starts wait in the codec until the step is over (`end_step`):
-one all-reduce of one number tells every rank whether any rank's local gradients (all of FSDP's
-reduce-scatter inputs of the step, `note_local`) were non-finite, and such a step (one a loss scaler
-skips) keeps the state of the step before, on every rank alike.
+**Non-finite steps.** A site whose local gradient holds NaN or Inf sends a non-finite ``P_s`` and
+``Q_s``, so every rank rebuilds a non-finite shard, as the reduce-scatter gives: a power iteration
+spreads the NaN by itself (both routes); the all-gather route's exact SVD, which could raise on
+that rank alone, checks its factors first and sends NaN instead. New residuals and warm starts
+wait in the codec until the step is over (`end_step`): one all-reduce of one number tells every
+rank whether any rank's local gradients (all of FSDP's reduce-scatter inputs of the step,
+`note_local`) were non-finite, and such a step (one a loss scaler skips) keeps the state of the
+step before, on every rank alike.
 
 **Embeddings** (token ids, no linear factors) are reduced from their dense local gradient, which
 FSDP's reduce-scatter input holds whole, as the unsharded codecs reduce them (PowerSGD compresses
@@ -82,7 +83,8 @@ from ..error_feedback import error_feedback_for
 from ..layers import Rows, compute_dtype
 from ..low_rank import LocalGradient, choose_method, method_costs, reduce_rank
 from ..units import FactorUnit, param_shape
-from .rank import WarmStart, _cat
+from .finite import finite_flag
+from .rank import WarmStart, _cat, _reduction_is_safe
 from .rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
 from .sharded_exact import shard_span
 
@@ -176,7 +178,7 @@ class ShardedRankCodec:
         """Fold one of this rank's reduce-scatter inputs (its local gradients) into the step's
         finiteness; `end_step` agrees it over ranks."""
         self._device = inp.device
-        ok = torch.isfinite(inp).all()
+        ok = finite_flag(inp)
         self._local_ok = ok if self._local_ok is None else self._local_ok & ok
 
     def end_step(self, aggregator: FactorAggregator) -> Traffic:
@@ -227,9 +229,10 @@ class ShardedRankCodec:
         else:
             local = LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
                                   right=_cat([right.to(cdt) for _, right in rows]))
-        # only the all-gather route reads it (a site's own reduction must not run on NaN); the
-        # all-reduce route spreads a NaN by itself, and the check is a host sync per weight on a GPU
-        finite = _finite(local) if representation == "rank" else True
+        # only the all-gather route reads it, and only for the exact SVD (which may raise on NaN on
+        # one site alone): power iterations spread a NaN by themselves (`codecs.rank`), and the check
+        # is a pass over the gradient and, on a GPU, a host sync per weight
+        finite = _reduction_is_safe(local, method, None) if representation == "rank" else True
         return RankItem(unit, representation, local, method, r, finite)
 
     # -- the collectives --------------------------------------------------------------------------
@@ -361,11 +364,6 @@ class ShardedRankCodec:
             self.warm.load(name, s.get("warm_q"), like)
             self.shared.load(name, s.get("shared_q"), like)
             self.memory.load(name, s.get("residual"), like)
-
-
-def _finite(local: LocalGradient) -> bool:
-    tensors = (local.dense,) if local.dense is not None else (local.left, local.right)
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def load_rank_route_state(codec: Optional[ShardedRankCodec], routes: Dict[str, dict],
