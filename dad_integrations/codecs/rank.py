@@ -70,17 +70,19 @@ class RankCodec:
         self.wire_dtype = wire_dtype
         self.memory = memory
         self.warm = warm
-        self._pending: list = []  # (unit, low-rank factors, compensated gradient) of this step
+        # (unit, low-rank factors, compensated gradient, whether it is this codec's own copy) of this step
+        self._pending: list = []
 
     def commit(self, keep: bool) -> None:
         """End of step: keep this step's warm starts and residuals, or (a non-finite step) drop them."""
         pending, self._pending = self._pending, []
         if not keep:
             return
-        for unit, low, compensated in pending:
+        for unit, low, compensated, owned in pending:
             self.warm.update(unit, low.warm)
             if compensated is not None:
-                self.memory.update(unit.name, compensated, low.p @ low.q.t())
+                residual = residual_of(compensated, low.p, low.q, owned)
+                self.memory.keep(unit.name, self.memory.pack(unit.name, residual))
 
     def encode(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor],
                entry: ParamReport, step: int) -> torch.Tensor:
@@ -92,8 +94,11 @@ class RankCodec:
         n_rows = sum(int(left.shape[0]) for left, _ in rows)
         method = "dense" if self.memory.enabled or unit.rows_unused else choose_method(
             n_rows, m, n, r, cfg.power_iterations, factors_available=unit.factors_only)
+        owned = False
         if method == "dense":
-            grad = LocalGradient(dense=self.memory.compensate(unit.name, local_grad(p, cdt)))
+            local = local_grad(p, cdt)
+            grad = LocalGradient(dense=self.memory.compensate(unit.name, local))
+            owned = grad.dense is not local
         else:
             grad = LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
                                  right=_cat([right.to(cdt) for _, right in rows]))
@@ -104,7 +109,7 @@ class RankCodec:
             return torch.full((r, m + n), float("nan"), dtype=wire, device=p.device)
         low = reduce_rank(grad, r, method=method, q_init=self.warm.initial(unit, n, r, cdt, step),
                           iterations=cfg.power_iterations, tolerance=cfg.adaptive_tolerance)
-        self._pending.append((unit, low, grad.dense if self.memory.enabled else None))
+        self._pending.append((unit, low, grad.dense if self.memory.enabled else None, owned))
         pq, qq = low.p, low.q
         if cfg.adaptive_tolerance is None and low.components < r:  # fixed sizes: no size exchange
             pq = torch.nn.functional.pad(pq, (0, r - low.components))
@@ -155,6 +160,19 @@ class RankBucket:
     def _front_run(self) -> int:
         dtype = self.items[0][1].dtype if self.items else None
         return next((i for i, (_, p, _) in enumerate(self.items) if p.dtype != dtype), len(self.items))
+
+
+def residual_of(compensated: torch.Tensor, p: torch.Tensor, q: torch.Tensor, owned: bool) -> torch.Tensor:
+    """``compensated - p q^T``, what a rank route left out: one fused ``addmm``, in place where
+    ``compensated`` is the codec's own copy (the local gradient plus the last residual) that neither
+    factor views (a full-rank reduction returns the gradient itself as a factor)."""
+    if owned and not _shares_storage(compensated, p) and not _shares_storage(compensated, q):
+        return compensated.addmm_(p, q.t(), alpha=-1)
+    return torch.addmm(compensated, p, q.t(), alpha=-1)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _reduction_is_safe(grad: LocalGradient, method: str, tolerance: Optional[float]) -> bool:

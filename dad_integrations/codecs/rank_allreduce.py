@@ -38,7 +38,7 @@ from ..low_rank import LocalGradient, method_costs, orthonormalize_flat
 from ..report import ParamReport
 from ..sink import GradSink
 from ..units import FactorUnit
-from .rank import WarmStart, _cat
+from .rank import WarmStart, _cat, residual_of
 
 Item = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport]  # unit, M_s, Q, report entry
 Note = Callable[[torch.Tensor], torch.Tensor]
@@ -180,10 +180,7 @@ class RankAllReduceCodec:
             for i, ((unit, m_s, _, _), basis, q_local) in enumerate(zip(items, bases, q_locals)):
                 if m_s.dense is None:
                     continue
-                if unit.name in self._owned:  # this codec's own copy: in place, no m x n temporary
-                    residuals[i] = m_s.dense.addmm_(basis, q_local.t(), alpha=-1)
-                else:
-                    residuals[i] = torch.addmm(m_s.dense, basis, q_local.t(), alpha=-1)
+                residuals[i] = residual_of(m_s.dense, basis, q_local, unit.name in self._owned)
 
         def finish() -> None:
             bases, _, q_alls = rounds.finish(residual)
