@@ -21,7 +21,6 @@ from torch import nn
 
 from ..aggregator import FactorAggregator, Traffic
 from ..sink import GradSink
-from .finite import finite_flag
 
 DenseItem = Tuple[str, nn.Parameter]
 FLAGS = "[dense flags]"  # the report's name for the resolving round's bytes
@@ -78,8 +77,7 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
             sums.append(((name, p), flat[offset:offset + p.numel()]))
             offset += p.numel()
     had_grad = _resolve(sums, aggregator, prescale, dtype, device, account)
-    # marks resolved: one pass a bucket, one host sync a step
-    finite = bool(torch.stack([finite_flag(flat) for flat in flats]).all())
+    finite = all(bool(torch.isfinite(flat).all()) for flat in flats)  # marks resolved: one check a bucket
     for (name, p), total in sums:
         avg = total.view_as(p).to(p.dtype).mul_(postscale)
         sink.write_dense(p, avg, had_grad.get(id(p), True))
