@@ -11,8 +11,8 @@ the last step's, which every rank holds alike):
 (subspace iteration on the average: its error falls towards the truncated SVD's). Bytes per rank
 and weight: ``k 2 (S-1)/S r (m+n)`` (`rank_allreduce_rounds`), flat in the number of sites S, where
 rank-dAD's all-gather (`codecs.rank`) moves ``(S-1) r (m+n)``; the rebuild has rank r (of the
-average), not S r. Where rows are few and there is no residual, ``M_s Q = D^T (X Q)`` and ``M_s^T P = X^T (D P)``
-are computed from the factors (``N r (m+n)`` instead of ``m n r``).
+average), not S r. Where rows are few and there is no residual, ``M_s Q = D^T (X Q)`` and
+``M_s^T P = X^T (D P)`` are computed from the factors (``N r (m+n)`` instead of ``m n r``).
 
 Error feedback keeps ``M_s - P (P^T M_s)``, what this rank's own contribution lost; warm start keeps
 the all-reduced Q. Both are committed at the end of the step, and only if the step was finite
