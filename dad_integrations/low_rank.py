@@ -94,8 +94,9 @@ def orthonormalize_flat(flat: torch.Tensor, shapes: Sequence[Tuple[int, int]],
                         dtypes: Sequence[torch.dtype]) -> List[torch.Tensor]:
     """`orthonormalize` of each ``(m, r)`` block of ``flat`` (row-major blocks, one after another),
     in ``dtypes``: consecutive blocks of one shape and dtype go through one batched QR (as PowerSGD's
-    hook batches same-shape matrices), the same bits as one QR each with a call per run instead of
-    per block (a transformer's layers repeat their shapes)."""
+    hook batches same-shape matrices), one call per run instead of per block (a transformer's layers
+    repeat their shapes); on CPU the same bits as one QR each (`test_low_rank`), and every rank
+    runs the same calls, so ranks agree on any device."""
     out: List[torch.Tensor] = []
     offset, i = 0, 0
     while i < len(shapes):
