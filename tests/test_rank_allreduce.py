@@ -123,3 +123,27 @@ def test_sharded_power_iterations_approach_the_svd_optimum(group):
             c.remove()
     assert ratios[1] > 1.5 and ratios[1] > ratios[2] > ratios[8], ratios
     assert ratios[8] < 1.01, ratios
+
+
+@pytest.mark.parametrize("route", ["allreduce", "allgather"])
+def test_first_residual_is_what_the_local_gradient_lost(group, route):
+    """Error feedback's first residual (none before it: the compensated gradient is ``.grad``
+    itself) is the local gradient minus what this rank's own contribution kept; on one rank,
+    ``M - G``. It was read after the rebuild had overwritten ``.grad`` with G: zero on one rank
+    (at S ranks, the average's approximation minus this rank's own), for both routes."""
+    torch.manual_seed(0)
+    model, ref = nn.Linear(12, 10), nn.Linear(12, 10)
+    ref.load_state_dict(model.state_dict())
+    sync = DADSynchronizer(model, TorchDistributedAggregator(),
+                           {"mode": "rank", "rank": 2, "rank_route": route, "error_feedback": True})
+    x = torch.randn(30, 12)
+    model(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    sync.synchronize()
+    (entry,) = [p for p in sync.last_step_report().params if p.name == "weight"]
+    assert entry.representation == ("rank_allreduce" if route == "allreduce" else "rank")
+    residual = sync._exchanger.memory.dense("weight")
+    lost = ref.weight.grad - model.weight.grad
+    assert float(lost.norm()) > 1e-2 * float(ref.weight.grad.norm())  # rank 2 of 10 x 12 is lossy
+    torch.testing.assert_close(residual, lost, rtol=1e-5, atol=1e-6)
+    sync.close()

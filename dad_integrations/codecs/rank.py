@@ -70,18 +70,16 @@ class RankCodec:
         self.wire_dtype = wire_dtype
         self.memory = memory
         self.warm = warm
-        # (unit, low-rank factors, compensated gradient, whether it is this codec's own copy) of this step
-        self._pending: list = []
+        self._pending: list = []  # (unit, low-rank factors, residual or None) of this step
 
     def commit(self, keep: bool) -> None:
         """End of step: keep this step's warm starts and residuals, or (a non-finite step) drop them."""
         pending, self._pending = self._pending, []
         if not keep:
             return
-        for unit, low, compensated, owned in pending:
+        for unit, low, residual in pending:
             self.warm.update(unit, low.warm)
-            if compensated is not None:
-                residual = residual_of(compensated, low.p, low.q, owned)
+            if residual is not None:
                 self.memory.keep(unit.name, self.memory.pack(unit.name, residual))
 
     def encode(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor],
@@ -109,7 +107,10 @@ class RankCodec:
             return torch.full((r, m + n), float("nan"), dtype=wire, device=p.device)
         low = reduce_rank(grad, r, method=method, q_init=self.warm.initial(unit, n, r, cdt, step),
                           iterations=cfg.power_iterations, tolerance=cfg.adaptive_tolerance)
-        self._pending.append((unit, low, grad.dense if self.memory.enabled else None, owned))
+        # the residual now, not at commit: without a residual yet, the compensated gradient is the
+        # local gradient itself, which may be .grad, and the decode overwrites .grad with the average
+        residual = residual_of(grad.dense, low.p, low.q, owned) if self.memory.enabled else None
+        self._pending.append((unit, low, residual))
         pq, qq = low.p, low.q
         if cfg.adaptive_tolerance is None and low.components < r:  # fixed sizes: no size exchange
             pq = torch.nn.functional.pad(pq, (0, r - low.components))
