@@ -24,6 +24,7 @@ from .aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
 from .checks import factors_rebuild_local_grad
 from .codecs.dense import allreduce_dense
 from .codecs.exact import ExactCodec, local_rebuild
+from .codecs.finite import finite_flag
 from .codecs.rank import RankBucket, RankCodec, WarmStart
 from .codecs.rank_allreduce import AllReduceBucket, RankAllReduceCodec
 from .config import DADConfig
@@ -163,7 +164,7 @@ class Exchanger:
     def _note(self, tensor: torch.Tensor) -> torch.Tensor:
         """Remember whether a synchronised result is finite (the same on every rank: all see it)."""
         if self._finite and self.config.rank is not None:
-            self._finite = bool(torch.isfinite(tensor).all())
+            self._finite = bool(finite_flag(tensor))
         return tensor
 
     def _check_open(self) -> None:

@@ -181,7 +181,17 @@ def _graph_task() -> int:
 
 
 def _nonzero_copy(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A copy of ``grad`` unless it is None or all zeros (``zero_grad(set_to_none=False)``)."""
-    if grad is None or not bool(grad.ne(0).any()):
+    """A copy of ``grad`` unless it is None or all zeros (``zero_grad(set_to_none=False)``).
+
+    All zeros is read from one ``aminmax`` pass (both ends 0; a NaN is neither), not from
+    ``ne(0).any()``'s gradient-sized mask: this runs for every parameter of every step whose
+    gradients were zeroed rather than dropped."""
+    if grad is None or not grad.numel():
+        return None
+    if grad.is_floating_point():
+        low, high = torch.aminmax(grad.detach())
+        if bool((low == 0) & (high == 0)):
+            return None
+    elif not bool(grad.ne(0).any()):
         return None
     return grad.detach().clone()

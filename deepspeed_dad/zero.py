@@ -54,6 +54,7 @@ import torch
 from dad_integrations import DADConfig
 from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
+from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.sharded_rank import RankItem, ShardedRankCodec, load_rank_route_state, reduced_elements
 from dad_integrations.costs import sharded_rank_allreduce_bytes
 from dad_integrations.error_feedback import sharded_residual_note
@@ -316,7 +317,7 @@ class ZeroDAD(RankStateCheckpoints):
         while rank-dAD's other rank receives nothing), from the real partition ranges (the same on
         every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed, and with
         a ``rank``, rank-dAD's r rows (`partition_exact.exchange_bytes`) and PowerSGD's all-reduced
-        P and Q (alike on every rank)."""
+        P and Q, once per power iteration (alike on every rank)."""
         S = self._world
         numel = it.shape[0] * it.shape[1]
         dense = float((S - 1) * -(-numel // S) * itemsize)
@@ -326,7 +327,9 @@ class ZeroDAD(RankStateCheckpoints):
         if self._rank is not None:
             r = min(self.config.rank, *it.shape)
             busiest["rank"], mean["rank"] = exchange_bytes(("linear",), it.shape, [[[r]]] * S, it.ranges, wire)
-            busiest["rank_allreduce"] = mean["rank_allreduce"] = float(sharded_rank_allreduce_bytes(it.shape, r, wire, S))
+            rounds = rank_allreduce_rounds(self.config)  # P and Q all-reduced once per power iteration
+            busiest["rank_allreduce"] = mean["rank_allreduce"] = rounds * float(
+                sharded_rank_allreduce_bytes(it.shape, r, wire, S))
         return busiest, mean
 
     def _rank_item(self, it: PartitionItem, unit: FactorUnit, local: torch.Tensor

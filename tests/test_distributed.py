@@ -117,6 +117,9 @@ def _two_rank_cases() -> dict:
         "nonfinite-gpt2-rank-error-feedback": {"kind": "nonfinite", "model": "gpt2",
                                                "config": {"mode": "rank", "rank": 2, "error_feedback": True}},
         "nonfinite-gpt2-auto-rank": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "auto", "rank": 4}},
+        # rank-dAD's own power iteration on the dense residual-compensated gradient spreads the NaN
+        "nonfinite-gpt2-rank-allgather": {"kind": "nonfinite", "model": "gpt2",
+                                          "config": {"mode": "rank", "rank": 2, "rank_route": "allgather"}},
         "nonfinite-gpt2-exact": {"kind": "nonfinite", "model": "gpt2", "config": {"mode": "exact"}},
         "broadcast-seeded-differently": {"kind": "broadcast", "config": {"mode": "exact"}},
         # rank-r all-reduce (PowerSGD's shared power iteration)
@@ -127,6 +130,13 @@ def _two_rank_cases() -> dict:
                                                  "error_feedback": True}},
         "bytes-gpt2-rank-allreduce": {"kind": "bytes", "model": "gpt2",
                                       "config": {"mode": "rank", "rank": 4, "rank_route": "allreduce"}},
+        # power_iterations 2: two rounds of P and Q all-reduce per step
+        "train-gpt2-rank-allreduce-iters2": {"kind": "train", "model": "gpt2", "steps": 12,
+                                             "config": {"mode": "rank", "rank": 2, "rank_route": "allreduce",
+                                                        "power_iterations": 2}},
+        "bytes-gpt2-rank-allreduce-iters2": {"kind": "bytes", "model": "gpt2",
+                                             "config": {"mode": "rank", "rank": 4, "rank_route": "allreduce",
+                                                        "power_iterations": 2}},
         "nonfinite-gpt2-rank-allreduce": {"kind": "nonfinite", "model": "gpt2",
                                           "config": {"mode": "rank", "rank": 2, "rank_route": "allreduce",
                                                      "error_feedback": True}},
@@ -311,6 +321,16 @@ def test_auto_never_sends_more_than_allreduce_per_layer(two, case_id):
                 assert not excess, (i, excess, reps)
         if "lossless" in case_id:  # both routes in use, so the test covers the exact path too
             assert {"exact", "dense"} <= {rep for _, rep, _, _ in r["steps"][-1]["params"]}
+
+
+def test_power_iterations_multiply_the_all_reduce_routes_bytes(two):
+    """``power_iterations`` 2 runs two rounds of PowerSGD's P and Q all-reduce: the route's bytes
+    per step are twice those of one round, to the byte (the bias buckets' do not change)."""
+    for one, two_rounds in zip(result(two, "bytes-gpt2-rank-allreduce"), result(two, "bytes-gpt2-rank-allreduce-iters2")):
+        a, b = one["steps"][-1]["by_representation"], two_rounds["steps"][-1]["by_representation"]
+        assert a["rank_allreduce"]["sent_bytes"] > 0
+        assert b["rank_allreduce"]["sent_bytes"] == pytest.approx(2 * a["rank_allreduce"]["sent_bytes"], rel=1e-9)
+        assert b["dense"]["sent_bytes"] == pytest.approx(a["dense"]["sent_bytes"], rel=1e-9)
 
 
 def test_mismatched_models_raise_on_every_rank(two):

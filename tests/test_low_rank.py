@@ -2,7 +2,9 @@
 import pytest
 import torch
 
-from dad_integrations.low_rank import (LocalGradient, choose_method, reduce_rank, truncated_svd)
+from dad_integrations.codecs.finite import finite_flag
+from dad_integrations.low_rank import (LocalGradient, choose_method, orthonormalize, orthonormalize_flat, reduce_rank,
+                                       truncated_svd)
 
 
 def factors(n_rows=40, m=30, n=20, seed=0, decay=True):
@@ -72,3 +74,42 @@ def test_method_choice_follows_flops():
     assert choose_method(64, 768, 768, 4, 1, factors_available=True) == "factors"
     assert choose_method(8192, 768, 768, 4, 1, factors_available=True) == "dense"
     assert choose_method(4, 768, 768, 4, 1, factors_available=False) == "dense"
+
+
+def test_products_in_any_layout_and_buffer_equal_the_plain_ones():
+    """``mm`` (q row- or column-major, into a buffer) and ``rmm_t`` (``p^T M``) are ``M q`` and
+    ``(M^T p)^T``, dense and on factors (the layouts change the summation order only)."""
+    left, right = factors()
+    dense = left.t() @ right
+    q, p = torch.randn(20, 3, dtype=torch.float64), torch.randn(30, 3, dtype=torch.float64)
+    for m in (LocalGradient(dense=dense), LocalGradient(left=left, right=right)):
+        for q_layout in (q, q.t().contiguous().t()):
+            out = torch.empty(30, 3, dtype=torch.float64)
+            assert m.mm(q_layout, out=out) is out
+            torch.testing.assert_close(out, dense @ q, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(m.rmm_t(p), (dense.t() @ p).t(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(m.rmm(p), dense.t() @ p, rtol=1e-12, atol=1e-12)
+
+
+def test_orthonormalize_flat_is_one_qr_per_block():
+    """Runs of same-shape, same-dtype blocks go through one batched QR: the same bits as one QR per
+    block (CPU), shapes and dtypes interleaved."""
+    shapes = [(8, 2), (8, 2), (5, 3), (8, 2), (8, 2), (8, 2)]
+    dtypes = [torch.float64] * 4 + [torch.float32] * 2
+    blocks = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    flat = torch.cat([b.reshape(-1) for b in blocks])
+    got = orthonormalize_flat(flat, shapes, dtypes)
+    for g, b, dt in zip(got, blocks, dtypes):
+        assert g.dtype == dt and torch.equal(g, orthonormalize(b.to(dt)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_finite_flag_is_isfinite_all(dtype):
+    """One aminmax pass decides what ``isfinite(t).all()`` does: NaN, +Inf, -Inf anywhere, empty."""
+    t = torch.randn(7, 5).to(dtype)
+    assert bool(finite_flag(t)) and bool(finite_flag(t[:0]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        u = t.clone()
+        u[3, 2] = bad
+        assert not bool(finite_flag(u)) and not bool(finite_flag(u[:, 2]))
+    assert bool(finite_flag(torch.arange(4)))

@@ -11,9 +11,11 @@ step's Q, so one iteration suffices once training settles. Error feedback
 (`error_feedback.ErrorFeedback`): the local residual is added to the next step's gradient; the
 reduction then runs on the dense compensated gradient.
 
-Non-finite gradients: a rank whose local gradient holds NaN or Inf sends r rows of NaN (it skips
-the reduction, which could raise on that rank alone), so every rank rebuilds a non-finite
-gradient, as all-reduce gives. New warm starts and residuals are held back until the step is
+Non-finite gradients: a rank whose local gradient holds NaN or Inf sends a non-finite payload, so
+every rank rebuilds a non-finite gradient, as all-reduce gives: the power iteration spreads the NaN
+into P and Q by itself (no pass over the gradient to check it); where the reduction could raise on
+that rank alone (the exact SVD) or would drop components (adaptive tolerance), the input is checked
+and r rows of NaN go instead. New warm starts and residuals are held back until the step is
 over (`commit`): a step with any non-finite gradient (one a loss scaler will skip) keeps those of
 the step before, on every rank alike, so the next finite step trains as if it had not happened.
 """
@@ -30,6 +32,7 @@ from ..layers import Rows, compute_dtype
 from ..low_rank import LocalGradient, choose_method, reduce_rank
 from ..report import ParamReport
 from ..units import FactorUnit
+from .finite import finite_flag
 
 
 class WarmStart:
@@ -67,17 +70,17 @@ class RankCodec:
         self.wire_dtype = wire_dtype
         self.memory = memory
         self.warm = warm
-        self._pending: list = []  # (unit, low-rank factors, compensated gradient) of this step
+        self._pending: list = []  # (unit, low-rank factors, residual or None) of this step
 
     def commit(self, keep: bool) -> None:
         """End of step: keep this step's warm starts and residuals, or (a non-finite step) drop them."""
         pending, self._pending = self._pending, []
         if not keep:
             return
-        for unit, low, compensated in pending:
+        for unit, low, residual in pending:
             self.warm.update(unit, low.warm)
-            if compensated is not None:
-                self.memory.update(unit.name, compensated, low.p @ low.q.t())
+            if residual is not None:
+                self.memory.keep(unit.name, self.memory.pack(unit.name, residual))
 
     def encode(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor],
                entry: ParamReport, step: int) -> torch.Tensor:
@@ -89,23 +92,25 @@ class RankCodec:
         n_rows = sum(int(left.shape[0]) for left, _ in rows)
         method = "dense" if self.memory.enabled or unit.rows_unused else choose_method(
             n_rows, m, n, r, cfg.power_iterations, factors_available=unit.factors_only)
+        owned = False
         if method == "dense":
-            compensated = self.memory.compensate(unit.name, local_grad(p, cdt))
-            grad = LocalGradient(dense=compensated)
-            finite = bool(torch.isfinite(compensated).all())
+            local = local_grad(p, cdt)
+            grad = LocalGradient(dense=self.memory.compensate(unit.name, local))
+            owned = grad.dense is not local
         else:
-            left = _cat([left.to(cdt) for left, _ in rows])
-            right = _cat([right.to(cdt) for _, right in rows])
-            grad = LocalGradient(left=left, right=right)
-            finite = bool(torch.isfinite(left).all()) and bool(torch.isfinite(right).all())
+            grad = LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
+                                 right=_cat([right.to(cdt) for _, right in rows]))
         entry.method = method
         wire = self.wire_dtype or p.dtype
-        if not finite:
+        if not _reduction_is_safe(grad, method, cfg.adaptive_tolerance):
             entry.components = r
             return torch.full((r, m + n), float("nan"), dtype=wire, device=p.device)
         low = reduce_rank(grad, r, method=method, q_init=self.warm.initial(unit, n, r, cdt, step),
                           iterations=cfg.power_iterations, tolerance=cfg.adaptive_tolerance)
-        self._pending.append((unit, low, grad.dense if self.memory.enabled else None))
+        # the residual now, not at commit: without a residual yet, the compensated gradient is the
+        # local gradient itself, which may be .grad, and the decode overwrites .grad with the average
+        residual = residual_of(grad.dense, low.p, low.q, owned) if self.memory.enabled else None
+        self._pending.append((unit, low, residual))
         pq, qq = low.p, low.q
         if cfg.adaptive_tolerance is None and low.components < r:  # fixed sizes: no size exchange
             pq = torch.nn.functional.pad(pq, (0, r - low.components))
@@ -156,6 +161,33 @@ class RankBucket:
     def _front_run(self) -> int:
         dtype = self.items[0][1].dtype if self.items else None
         return next((i for i, (_, p, _) in enumerate(self.items) if p.dtype != dtype), len(self.items))
+
+
+def residual_of(compensated: torch.Tensor, p: torch.Tensor, q: torch.Tensor, owned: bool) -> torch.Tensor:
+    """``compensated - p q^T``, what a rank route left out: one fused ``addmm``, in place where
+    ``compensated`` is the codec's own copy (the local gradient plus the last residual) that neither
+    factor views (a full-rank reduction returns the gradient itself as a factor)."""
+    if owned and not _shares_storage(compensated, p) and not _shares_storage(compensated, q):
+        return compensated.addmm_(p, q.t(), alpha=-1)
+    return torch.addmm(compensated, p, q.t(), alpha=-1)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _reduction_is_safe(grad: LocalGradient, method: str, tolerance: Optional[float]) -> bool:
+    """May this rank reduce ``grad`` and send the result, finite or not?
+
+    A power iteration spreads a NaN or Inf of the gradient into P and Q by itself, and
+    `low_rank.reduce_rank` then keeps all r components, so every rank rebuilds a non-finite result
+    without a check (one pass and, on a GPU, one host sync per weight fewer). The exact SVD may raise
+    on non-finite input, on this rank alone, and an adaptive tolerance would send no component for
+    a NaN energy: those check the input first (the SVD's factor rows are few)."""
+    if method != "svd" and tolerance is None:
+        return True
+    tensors = (grad.dense,) if grad.dense is not None else (grad.left, grad.right)
+    return all(bool(finite_flag(t)) for t in tensors)
 
 
 def _cat(tensors: List[torch.Tensor]) -> torch.Tensor:

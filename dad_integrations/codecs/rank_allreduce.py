@@ -7,15 +7,21 @@ the last step's, which every rank holds alike):
     P = sum_s M_s Q            (all-reduce, m x r)      P <- orthonormal basis of P
     Q = sum_s M_s^T P          (all-reduce, n x r)      G ~= scale * P Q^T
 
-Bytes per rank and weight: ``2 (S-1)/S r (m+n)``, flat in the number of sites S, where rank-dAD's
-all-gather (`codecs.rank`) moves ``(S-1) r (m+n)``; the rebuild has rank r (of the average), not
-S r. Where rows are few and there is no residual, ``M_s Q = D^T (X Q)`` and ``M_s^T P = X^T (D P)``
-are computed from the factors (``N r (m+n)`` instead of ``m n r``).
+``power_iterations`` k repeats both rounds k times, each from the last round's all-reduced Q
+(subspace iteration on the average: its error falls towards the truncated SVD's). Bytes per rank
+and weight: ``k 2 (S-1)/S r (m+n)`` (`rank_allreduce_rounds`), flat in the number of sites S, where
+rank-dAD's all-gather (`codecs.rank`) moves ``(S-1) r (m+n)``; the rebuild has rank r (of the
+average), not S r. Where rows are few and there is no residual, ``M_s Q = D^T (X Q)`` and
+``M_s^T P = X^T (D P)`` are computed from the factors (``N r (m+n)`` instead of ``m n r``).
 
 Error feedback keeps ``M_s - P (P^T M_s)``, what this rank's own contribution lost; warm start keeps
 the all-reduced Q. Both are committed at the end of the step, and only if the step was finite
 (`RankCodec.commit`'s rule). Payloads of consecutive units share one all-reduce for P and one for Q
-(bucketed by ``bucket_cap_mb``), as PowerSGD's DDP hook does per bucket.
+per round (bucketed by ``bucket_cap_mb``), as PowerSGD's DDP hook does per bucket; their P's of one
+shape go through one batched QR. The residual is computed while the last Q all-reduce is on the
+wire, in place in the compensated gradient where that is this codec's own copy.
+
+`SharedPowerIteration` holds the rounds; `codecs.sharded_rank` runs the same under FSDP2 and ZeRO.
 """
 from __future__ import annotations
 
@@ -24,17 +30,99 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..aggregator import FactorAggregator, Traffic
+from ..aggregator import CommHandle, FactorAggregator, Traffic
 from ..config import DADConfig
 from ..error_feedback import ErrorFeedback
 from ..layers import Rows, compute_dtype
-from ..low_rank import LocalGradient, method_costs, orthonormalize
+from ..low_rank import LocalGradient, method_costs, orthonormalize_flat
 from ..report import ParamReport
 from ..sink import GradSink
 from ..units import FactorUnit
-from .rank import WarmStart, _cat
+from .rank import WarmStart, _cat, residual_of
 
 Item = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport]  # unit, M_s, Q, report entry
+Note = Callable[[torch.Tensor], torch.Tensor]
+
+
+def rank_allreduce_rounds(config: DADConfig) -> int:
+    """All-reduce rounds per step of PowerSGD's route, unsharded, FSDP2 and ZeRO alike: one of P
+    (m x r) and one of Q (n x r) per power iteration. Bytes per rank and weight:
+    ``rounds * 2 (S-1)/S * r (m+n) * wire itemsize`` (biases go through the dense buckets)."""
+    return config.power_iterations
+
+
+class SharedPowerIteration:
+    """PowerSGD's rounds for several weights at once, each round one all-reduce of their P's and
+    one of their Q's: ``P = sum_s M_s Q``, ``P^ = orth(P)``, ``Q = sum_s M_s^T P^``.
+
+    Buffers: the P's are written straight into one flat buffer (``(m, r)`` row-major blocks) and
+    the Q's into another (``(r, n)`` blocks, ``Q^T``): the products need no concatenation, and the
+    all-reduced Q's come out column-major, the layout the next ``M Q`` reads fastest.
+    """
+
+    def __init__(self, grads: Sequence[LocalGradient], dtypes: Sequence[torch.dtype], rank: Sequence[int],
+                 aggregator: FactorAggregator, wire: torch.dtype, name: str, rounds: int, note: Note):
+        self.grads, self.dtypes, self.rank = list(grads), list(dtypes), list(rank)
+        self.aggregator, self.wire, self.name, self.rounds, self.note = aggregator, wire, name, rounds, note
+        self.traffic = [Traffic() for _ in self.grads]  # each weight's share of every round
+        self._p: Optional[CommHandle] = None
+
+    def start(self, qs: Sequence[torch.Tensor]) -> None:
+        """The first round's P all-reduce, from ``qs`` (n x r each, the same on every rank)."""
+        self._p = self._p_round(qs)
+
+    def finish(self, before_last_wait: Optional[Callable[[List[torch.Tensor], List[torch.Tensor]], None]] = None
+               ) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
+        """The remaining rounds; returns per weight ``P^`` (m x r), this rank's own ``M_s^T P^`` and
+        the all-reduced Q (n x r each) of the last round. ``before_last_wait(bases, q_locals)``
+        runs while the last Q all-reduce is on the wire."""
+        for i in range(self.rounds):
+            shapes = [(g.shape[0], r) for g, r in zip(self.grads, self.rank)]
+            bases = orthonormalize_flat(self.note(self._p.wait()), shapes, self.dtypes)
+            q_flat, q_locals = self._products([(r, g.shape[1]) for g, r in zip(self.grads, self.rank)],
+                                              [lambda out, g=g, b=b: g.rmm_t(b, out=out)
+                                               for g, b in zip(self.grads, bases)])
+            # the all-reduce sums in place: the send buffer must not be this rank's own Q's
+            q_handle = self._all_reduce(q_flat.to(self.wire, copy=True), "q", [q.numel() for q in q_locals])
+            q_locals = [q.t() for q in q_locals]
+            if i + 1 == self.rounds and before_last_wait is not None:
+                before_last_wait(bases, q_locals)
+            q_sum, q_alls, offset = self.note(q_handle.wait()), [], 0
+            for q, dtype in zip(q_locals, self.dtypes):
+                q_alls.append(q_sum[offset:offset + q.numel()].view(q.shape[1], q.shape[0]).to(dtype).t())
+                offset += q.numel()
+            if i + 1 < self.rounds:
+                self._p = self._p_round(q_alls)
+        return bases, q_locals, q_alls
+
+    def _p_round(self, qs: Sequence[torch.Tensor]) -> CommHandle:
+        flat, ps = self._products([(g.shape[0], r) for g, r in zip(self.grads, self.rank)],
+                                  [lambda out, g=g, q=q: g.mm(q, out=out) for g, q in zip(self.grads, qs)])
+        return self._all_reduce(flat.to(self.wire), "p", [p.numel() for p in ps])
+
+    def _products(self, shapes: Sequence[Tuple[int, int]], products: Sequence[Callable]
+                  ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """One flat buffer (the first weight's dtype) holding every ``product(out)``, and each
+        product in its weight's dtype (a view of the buffer where that is the buffer's)."""
+        device = self.grads[0].device
+        flat = torch.empty(sum(a * b for a, b in shapes), dtype=self.dtypes[0], device=device)
+        views, offset = [], 0
+        for (a, b), product, dtype in zip(shapes, products, self.dtypes):
+            view = flat[offset:offset + a * b].view(a, b)
+            if dtype == flat.dtype:
+                views.append(product(view))
+            else:  # a weight of another compute dtype in the bucket: its product, then a copy
+                views.append(product(None))
+                view.copy_(views[-1])
+            offset += a * b
+        return flat, views
+
+    def _all_reduce(self, flat: torch.Tensor, kind: str, sizes: List[int]) -> CommHandle:
+        handle = self.aggregator.all_reduce(flat, name=f"{self.name}.{kind}", op="sum")
+        total = sum(sizes)
+        for i, k in enumerate(sizes):
+            self.traffic[i] = self.traffic[i] + handle.traffic.share(k / total)
+        return handle
 
 
 class RankAllReduceCodec:
@@ -48,6 +136,7 @@ class RankAllReduceCodec:
         # seed every rank shares
         self.warm = WarmStart(config.warm_start)
         self._pending: list = []
+        self._owned: set = set()  # unit names whose M_s is this codec's own copy (grad + residual)
 
     def local(self, unit: FactorUnit, rows: Sequence[Rows],
               local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor], entry: ParamReport) -> LocalGradient:
@@ -66,38 +155,41 @@ class RankAllReduceCodec:
         if use_factors:
             return LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
                                  right=_cat([right.to(cdt) for _, right in rows]))
-        return LocalGradient(dense=self.memory.compensate(unit.name, local_grad(p, cdt)))
+        grad = local_grad(p, cdt)
+        compensated = self.memory.compensate(unit.name, grad)
+        if compensated is not grad:
+            self._owned.add(unit.name)
+        return LocalGradient(dense=compensated)
 
     def start(self, items: List[Item], aggregator: FactorAggregator, sink: GradSink, scale: float,
-              note: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
-        """All-reduce the P's of ``items``; the returned finish does the Q round and writes results."""
+              note: Note) -> Callable[[], None]:
+        """All-reduce the P's of ``items``; the returned finish does the remaining rounds (Q, and
+        P and Q again per further power iteration) and writes the results."""
         wire = self.wire_dtype or items[0][0].param.dtype
-        ps = [m_s.mm(q) for _, m_s, q, _ in items]
-        flat = torch.cat([p.reshape(-1) for p in ps]).to(wire)
-        p_handle = aggregator.all_reduce(flat, name=f"dad.powersgd.p.{items[0][0].name}", op="sum")
-        _share(items, ps, p_handle.traffic)
+        rounds = SharedPowerIteration([m_s for _, m_s, _, _ in items],
+                                      [compute_dtype(u.param) for u, _, _, _ in items],
+                                      [q.shape[1] for _, _, q, _ in items], aggregator, wire,
+                                      f"dad.powersgd.{items[0][0].name}", rank_allreduce_rounds(self.config), note)
+        rounds.start([q for _, _, q, _ in items])
+        residuals: list = [None] * len(items)
+
+        def residual(bases: List[torch.Tensor], q_locals: List[torch.Tensor]) -> None:
+            """``M_s - P^ (M_s^T P^)^T``, what this rank's own contribution loses (while Q travels)."""
+            if not self.memory.enabled:
+                return
+            for i, ((unit, m_s, _, _), basis, q_local) in enumerate(zip(items, bases, q_locals)):
+                if m_s.dense is None:
+                    continue
+                residuals[i] = residual_of(m_s.dense, basis, q_local, unit.name in self._owned)
 
         def finish() -> None:
-            p_sum = note(p_handle.wait())
-            bases, q_locals = [], []
-            offset = 0
-            for (unit, m_s, _, _), p in zip(items, ps):
-                k = p.numel()
-                basis = orthonormalize(p_sum[offset:offset + k].view(p.shape).to(p.dtype))
-                offset += k
-                bases.append(basis)
-                q_locals.append(m_s.rmm(basis))
-            q_flat = torch.cat([q.reshape(-1) for q in q_locals]).to(wire)
-            q_handle = aggregator.all_reduce(q_flat, name=f"dad.powersgd.q.{items[0][0].name}", op="sum")
-            _share(items, q_locals, q_handle.traffic)
-            q_sum = note(q_handle.wait())
-            offset = 0
-            for (unit, m_s, _, _), basis, q_local in zip(items, bases, q_locals):
-                k = q_local.numel()
-                q_all = q_sum[offset:offset + k].view(q_local.shape).to(q_local.dtype)
-                offset += k
+            bases, _, q_alls = rounds.finish(residual)
+            for (unit, _, _, entry), basis, q_all, res, traffic in zip(items, bases, q_alls, residuals,
+                                                                       rounds.traffic):
+                entry.add_traffic(traffic)
                 sink.write_product(unit.param, basis * scale, q_all.t())
-                self._pending.append((unit, q_all, m_s, basis, q_local))
+                self._owned.discard(unit.name)
+                self._pending.append((unit, q_all, res))
 
         return finish
 
@@ -108,16 +200,17 @@ class RankAllReduceCodec:
     def commit(self, keep: bool) -> None:
         """End of step: keep the shared Q's and the residuals, or (a non-finite step) drop them."""
         pending, self._pending = self._pending, []
+        self._owned.clear()
         if not keep:
             return
-        for unit, q_all, m_s, basis, q_local in pending:
+        for unit, q_all, residual in pending:
             self.warm.update(unit, q_all)
-            if self.memory.enabled and m_s.dense is not None:
-                self.memory.update(unit.name, m_s.dense, basis @ q_local.t())
+            if residual is not None:
+                self.memory.keep(unit.name, self.memory.pack(unit.name, residual))
 
 
 class AllReduceBucket:
-    """Consecutive units of this route, waiting to share one P and one Q all-reduce."""
+    """Consecutive units of this route, waiting to share one P and one Q all-reduce per round."""
 
     def __init__(self, cap_bytes: float):
         self.cap_bytes = cap_bytes
@@ -136,10 +229,3 @@ class AllReduceBucket:
     def take(self) -> List[Item]:
         items, self.items, self._bytes = self.items, [], 0
         return items
-
-
-def _share(items: List[Item], parts: List[torch.Tensor], traffic: Traffic) -> None:
-    """Each unit's part of one collective's bytes."""
-    total = sum(p.numel() for p in parts)
-    for (_, _, _, entry), p in zip(items, parts):
-        entry.add_traffic(traffic.share(p.numel() / total))

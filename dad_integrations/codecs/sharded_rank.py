@@ -51,13 +51,14 @@ keeps its rank-q part instead (`error_feedback.LowRankErrorFeedback`, ``q (m+n)`
 as soon as the residual is computed, so no whole residual waits for `end_step` either);
 ``error_feedback: false`` frees it.
 
-**Non-finite steps.** A site whose local gradient holds NaN or Inf sends NaN in place of ``P_s``
-and ``Q_s`` (the all-gather route skips its reduction, which could raise on that rank alone), so
-every rank rebuilds a non-finite shard, as the reduce-scatter gives; the all-reduce route spreads a
-NaN by itself. New residuals and warm starts wait in the codec until the step is over (`end_step`):
-one all-reduce of one number tells every rank whether any rank's local gradients (all of FSDP's
-reduce-scatter inputs of the step, `note_local`) were non-finite, and such a step (one a loss scaler
-skips) keeps the state of the step before, on every rank alike.
+**Non-finite steps.** A site whose local gradient holds NaN or Inf sends a non-finite ``P_s`` and
+``Q_s``, so every rank rebuilds a non-finite shard, as the reduce-scatter gives: a power iteration
+spreads the NaN by itself (both routes); the all-gather route's exact SVD, which could raise on
+that rank alone, checks its factors first and sends NaN instead. New residuals and warm starts
+wait in the codec until the step is over (`end_step`): one all-reduce of one number tells every
+rank whether any rank's local gradients (all of FSDP's reduce-scatter inputs of the step,
+`note_local`) were non-finite, and such a step (one a loss scaler skips) keeps the state of the
+step before, on every rank alike.
 
 **Embeddings** (token ids, no linear factors) are reduced from their dense local gradient, which
 FSDP's reduce-scatter input holds whole, as the unsharded codecs reduce them (PowerSGD compresses
@@ -80,9 +81,11 @@ from ..aggregator import FactorAggregator, Traffic
 from ..config import DADConfig
 from ..error_feedback import error_feedback_for
 from ..layers import Rows, compute_dtype
-from ..low_rank import LocalGradient, choose_method, method_costs, orthonormalize, reduce_rank
+from ..low_rank import LocalGradient, choose_method, method_costs, reduce_rank
 from ..units import FactorUnit, param_shape
-from .rank import WarmStart, _cat
+from .finite import finite_flag
+from .rank import WarmStart, _cat, _reduction_is_safe
+from .rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
 from .sharded_exact import shard_span
 
 log = logging.getLogger(__name__)
@@ -175,7 +178,7 @@ class ShardedRankCodec:
         """Fold one of this rank's reduce-scatter inputs (its local gradients) into the step's
         finiteness; `end_step` agrees it over ranks."""
         self._device = inp.device
-        ok = torch.isfinite(inp).all()
+        ok = finite_flag(inp)
         self._local_ok = ok if self._local_ok is None else self._local_ok & ok
 
     def end_step(self, aggregator: FactorAggregator) -> Traffic:
@@ -226,9 +229,10 @@ class ShardedRankCodec:
         else:
             local = LocalGradient(left=_cat([left.to(cdt) for left, _ in rows]),
                                   right=_cat([right.to(cdt) for _, right in rows]))
-        # only the all-gather route reads it (a site's own reduction must not run on NaN); the
-        # all-reduce route spreads a NaN by itself, and the check is a host sync per weight on a GPU
-        finite = _finite(local) if representation == "rank" else True
+        # only the all-gather route reads it, and only for the exact SVD (which may raise on NaN on
+        # one site alone): power iterations spread a NaN by themselves (`codecs.rank`), and the check
+        # is a pass over the gradient and, on a GPU, a host sync per weight
+        finite = _reduction_is_safe(local, method, None) if representation == "rank" else True
         return RankItem(unit, representation, local, method, r, finite)
 
     # -- the collectives --------------------------------------------------------------------------
@@ -311,36 +315,32 @@ class ShardedRankCodec:
 
     def _shared_power_iteration(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
                                 wire: torch.dtype, rebuild: Optional[SharedRebuild]) -> List[RankShard]:
-        """PowerSGD's two rounds for ``items``: P all-reduced, orthonormalised, Q all-reduced."""
+        """PowerSGD's rounds for ``items`` (`rank_allreduce.SharedPowerIteration`): per power
+        iteration, P all-reduced, orthonormalised, Q all-reduced."""
         S, rank = agg.world_size, agg.rank
         if rebuild is None:
             def rebuild(it: RankItem, basis: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
                 return reduced_shard(basis, q, rank, S, scale)
-        ps = []
-        for it in items:
-            n = param_shape(it.unit.param)[1]  # ZeRO-3 empties p.data
-            q0 = self.shared.initial(it.unit, n, it.rank, compute_dtype(it.unit.param), step)
-            ps.append(it.local.mm(q0))
-        p_flat = torch.cat([p.reshape(-1) for p in ps]).to(wire)
-        p_handle = agg.all_reduce(p_flat, name=f"dad.sharded.powersgd.p.{items[0].unit.name}", op="sum")
-        p_sum = p_handle.wait()
-        bases, q_locals, off = [], [], 0
-        for it, p in zip(items, ps):
-            bases.append(orthonormalize(p_sum[off:off + p.numel()].view(p.shape).to(p.dtype)))
-            q_locals.append(it.local.rmm(bases[-1]))
-            off += p.numel()
-        q_flat = torch.cat([q.reshape(-1) for q in q_locals]).to(wire)
-        q_handle = agg.all_reduce(q_flat, name=f"dad.sharded.powersgd.q.{items[0].unit.name}", op="sum")
-        q_sum = q_handle.wait()
-        out, off = [], 0
-        for it, p, basis, q_local in zip(items, ps, bases, q_locals):
-            q_all = q_sum[off:off + q_local.numel()].view(q_local.shape).to(q_local.dtype)
-            off += q_local.numel()
-            residual = (self._residual(it.unit, it.local.dense, basis, q_local)
-                        if self.memory.enabled and it.local.dense is not None else None)
-            self._pending.append((self.shared, it.unit, q_all, residual))
-            traffic = (p_handle.traffic.share(p.numel() / p_flat.numel())
-                       + q_handle.traffic.share(q_local.numel() / q_flat.numel()))
+        dtypes = [compute_dtype(it.unit.param) for it in items]
+        rounds = SharedPowerIteration([it.local for it in items], dtypes, [it.rank for it in items], agg, wire,
+                                      f"dad.sharded.powersgd.{items[0].unit.name}",
+                                      rank_allreduce_rounds(self.config), lambda t: t)
+        # param_shape: ZeRO-3 empties p.data
+        rounds.start([self.shared.initial(it.unit, param_shape(it.unit.param)[1], it.rank, dtype, step)
+                      for it, dtype in zip(items, dtypes)])
+        residuals: list = [None] * len(items)
+
+        def residual(bases: List[torch.Tensor], q_locals: List[torch.Tensor]) -> None:
+            """While the last Q all-reduce is on the wire: ``M_s - P^ (M_s^T P^)^T`` as the memory keeps it."""
+            if self.memory.enabled:
+                for i, (it, basis, q_local) in enumerate(zip(items, bases, q_locals)):
+                    if it.local.dense is not None:
+                        residuals[i] = self._residual(it.unit, it.local.dense, basis, q_local)
+
+        bases, _, q_alls = rounds.finish(residual)
+        out = []
+        for it, basis, q_all, res, traffic in zip(items, bases, q_alls, residuals, rounds.traffic):
+            self._pending.append((self.shared, it.unit, q_all, res))
             out.append(RankShard(rebuild(it, basis, q_all), traffic, it.rank))
         return out
 
@@ -364,11 +364,6 @@ class ShardedRankCodec:
             self.warm.load(name, s.get("warm_q"), like)
             self.shared.load(name, s.get("shared_q"), like)
             self.memory.load(name, s.get("residual"), like)
-
-
-def _finite(local: LocalGradient) -> bool:
-    tensors = (local.dense,) if local.dense is not None else (local.left, local.right)
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def load_rank_route_state(codec: Optional[ShardedRankCodec], routes: Dict[str, dict],
