@@ -61,7 +61,9 @@ class NullAggregator(FactorAggregator):
         return CommHandle(lambda: out)
 
     def _all_reduce(self, tensor, name, op):
-        if op == "sum":
+        # a sum of equal contributions; not of the byte-packed broadcast at attach (rank 0's bytes,
+        # zeros elsewhere: its sum is rank 0's bytes, which world_size times would corrupt the weights)
+        if op == "sum" and tensor.is_floating_point():
             tensor.mul_(self._world)
         return CommHandle(lambda: tensor)
 

@@ -8,7 +8,8 @@ Bytes received by one rank, S ranks, weight m x n:
   dense all-reduce   2 (S-1)/S * m n * b
   exact factors      (S-1) * max_s rows_s * (m + n) * w      (gathers pad to the longest rank)
   rank-r factors     (S-1) * r (m + n) * w  + the bias, densely          (all-gather, rank-dAD)
-  rank-r all-reduce  2 (S-1)/S * r (m + n) * w  + the bias, densely      (PowerSGD's P and Q)
+  rank-r all-reduce  k 2 (S-1)/S * r (m + n) * w  + the bias, densely    (PowerSGD's P and Q, k power
+                                                                        iterations: k rounds of both)
 
 Sharded (FSDP2: each rank keeps rows ``[rank c, (rank+1) c)`` of the average, ``c = ceil(m/S)``):
   dense reduce-scatter   (S-1)/S * S c n * b = (S-1) * c n * b     (rows padded to S c)
@@ -52,8 +53,9 @@ def rank_block_specs(shape: Tuple[int, int], components: int, wire_dtype: torch.
 
 def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
                    bias_numel: int, rank: int, grad_dtype: torch.dtype, wire_dtype: torch.dtype,
-                   world_size: int) -> Dict[str, float]:
-    """Estimated bytes this rank receives for each representation of one unit."""
+                   world_size: int, rounds: int = 1) -> Dict[str, float]:
+    """Estimated bytes this rank receives for each representation of one unit; ``rounds``: the
+    rank-r all-reduce's P and Q rounds per step (`codecs.rank_allreduce.rank_allreduce_rounds`)."""
     m, n = shape
     s = world_size
     gb = torch.empty((), dtype=wire_dtype if wire_dtype is not None else grad_dtype).element_size()
@@ -64,7 +66,7 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
         r = min(rank, m, n)
         bias = ring_allreduce_bytes(bias_numel * gb, s)
         out["rank"] = (s - 1) * packed_size(rank_block_specs(shape, r, wire_dtype)) + bias
-        out["rank_allreduce"] = ring_allreduce_bytes(r * (m + n) * gb, s) + bias
+        out["rank_allreduce"] = rounds * ring_allreduce_bytes(r * (m + n) * gb, s) + bias
     return out
 
 
@@ -115,7 +117,7 @@ def sharded_rank_allreduce_bytes(shape: Tuple[int, int], rank: int, wire_dtype: 
 
 def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
                            bias_numel: int, grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
-                           world_size: int, rank: int = 0) -> Dict[str, float]:
+                           world_size: int, rank: int = 0, rounds: int = 1) -> Dict[str, float]:
     """Estimated bytes per rank of the sharded representations of one unit: ``"dense"`` (FSDP2's
     reduce-scatter of the weight and its biases, in the gradients' dtype), ``"exact"``, and with a
     ``rank``, ``"rank"`` and ``"rank_allreduce"`` (whose biases go through the reduce-scatter).
@@ -127,7 +129,7 @@ def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows
            "exact": sharded_exact_bytes(kinds, shape, rows_by_rank, wire, world_size)}
     if rank:
         out["rank"] = sharded_rank_bytes(shape, rank, wire, world_size) + bias
-        out["rank_allreduce"] = sharded_rank_allreduce_bytes(shape, rank, wire, world_size) + bias
+        out["rank_allreduce"] = rounds * sharded_rank_allreduce_bytes(shape, rank, wire, world_size) + bias
     return out
 
 

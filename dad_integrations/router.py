@@ -53,6 +53,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from .codecs.rank_allreduce import rank_allreduce_rounds
 from .config import DADConfig
 from .costs import estimate_bytes, sharded_estimate_bytes, size_exchange_bytes
 from .timing import StepTiming
@@ -165,13 +166,14 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
                    wire_dtype: torch.dtype, *, sharded: bool = False) -> Dict[str, float]:
     """`costs.estimate_bytes` for one unit under ``config``; `costs.sharded_estimate_bytes` when
     ``sharded`` (``unit.dtype`` is then FSDP's reduce dtype)."""
+    rounds = rank_allreduce_rounds(config)
     if sharded:
         return sharded_estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                                       bias_numel=unit.bias_numel, grad_dtype=unit.dtype, wire_dtype=wire_dtype,
-                                      world_size=world_size, rank=config.rank or 0)
+                                      world_size=world_size, rank=config.rank or 0, rounds=rounds)
     return estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                           bias_numel=unit.bias_numel, rank=config.rank or 0, grad_dtype=unit.dtype,
-                          wire_dtype=wire_dtype, world_size=world_size)
+                          wire_dtype=wire_dtype, world_size=world_size, rounds=rounds)
 
 
 def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
