@@ -114,6 +114,17 @@ def _timed(fn: Callable[[], None], device: torch.device, reps: int = REPS) -> fl
     return statistics.median(times)
 
 
+def _compensated_power_iteration(g: torch.Tensor, residual: Optional[torch.Tensor], q: torch.Tensor,
+                                 iterations: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rank routes' shared local work: error-feedback compensation and the power iteration."""
+    mat = g + residual if residual is not None else g
+    p = None
+    for _ in range(iterations):
+        p = orthonormalize(mat @ q)
+        q = mat.t() @ p
+    return mat, p, q
+
+
 def _rank_allreduce_seconds(m: int, n: int, rank: int, iterations: int, error_feedback: bool,
                             device: torch.device, dtype: torch.dtype) -> float:
     r = min(rank, m, n)
@@ -123,11 +134,7 @@ def _rank_allreduce_seconds(m: int, n: int, rank: int, iterations: int, error_fe
     out = torch.empty_like(g)
 
     def step() -> None:
-        mat = g + residual if residual is not None else g
-        qq = q
-        for _ in range(iterations):
-            p = orthonormalize(mat @ qq)
-            qq = mat.t() @ p
+        mat, p, qq = _compensated_power_iteration(g, residual, q, iterations)
         torch.mm(p, qq.t(), out=out)
         if residual is not None:
             torch.sub(mat, out, out=residual)
@@ -146,11 +153,7 @@ def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, e
     out = torch.empty_like(g)
 
     def step() -> None:
-        mat = g + residual if residual is not None else g
-        qq = q
-        for _ in range(iterations):
-            p = orthonormalize(mat @ qq)
-            qq = mat.t() @ p
+        mat, p, qq = _compensated_power_iteration(g, residual, q, iterations)
         if residual is not None:
             torch.sub(mat, p @ qq.t(), out=residual)
         torch.mm(gathered_p.t(), gathered_q, out=out)
