@@ -310,8 +310,9 @@ def _loss_at(rec: dict, step: int) -> float:
 def summarise(records: Sequence[dict], report_steps: Sequence[int] = ()) -> List[dict]:
     """One row per (workload, world size, method): the metric's mean and std over seeds, bytes per
     step (mean over seeds), the ratios to PowerSGD and all-reduce, and the dAD report's bytes;
-    with ``report_steps``, ``eval_loss_at``: the held-out loss's mean and std at each of them and
-    ``cum_bytes_at``: the bytes one rank sent up to then (mean over seeds)."""
+    with ``report_steps``, ``eval_loss_at``: the held-out loss's mean and std at each of them that
+    all its records reached (merged runs may have trained for fewer steps) and ``cum_bytes_at``:
+    the bytes one rank sent up to then (mean over seeds)."""
     groups: Dict[Tuple[str, int, str], List[dict]] = {}
     for r in records:
         groups.setdefault((r["workload"], r["world_size"], r["method"]), []).append(r)
@@ -319,6 +320,7 @@ def summarise(records: Sequence[dict], report_steps: Sequence[int] = ()) -> List
     for (workload, world, method), recs in groups.items():
         mean, std = _mean_std([r["metric"] for r in recs])
         rep = [r["bytes_per_step_report"] for r in recs if r["bytes_per_step_report"] is not None]
+        reached = [t for t in report_steps if all(0 < t <= r["steps"] for r in recs)]
         rows.append({
             "workload": workload, "world_size": world, "method": method, "metric_name": recs[0]["metric_name"],
             "metric_mean": mean, "metric_std": std, "n_seeds": len(recs), "seeds": [r["seed"] for r in recs],
@@ -329,8 +331,8 @@ def summarise(records: Sequence[dict], report_steps: Sequence[int] = ()) -> List
             "rank_divergence_max": max(r["rank_divergence"] for r in recs),
             "steps": recs[0]["steps"], "rank": recs[0]["rank"], "optimizer": recs[0]["optimizer"],
             "eval_loss_at": {str(t): dict(zip(("mean", "std"), _mean_std([_loss_at(r, t) for r in recs])))
-                             for t in report_steps},
-            "cum_bytes_at": {str(t): statistics.fmean(r["cum_bytes"][t - 1] for r in recs) for t in report_steps},
+                             for t in reached},
+            "cum_bytes_at": {str(t): statistics.fmean(r["cum_bytes"][t - 1] for r in recs) for t in reached},
         })
     for row in rows:
         key = (row["workload"], row["world_size"])
@@ -384,33 +386,34 @@ def _describe(workload: str, world: int, row: dict, plan: dict) -> str:
         return (f"MLP 64-256-256-10 on digits, {opt} lr {s['lr']:g}, {row['steps']} steps, "
                 f"batch {s['batch']} per rank, rank r = {row['rank']}")
     m = s["model"]
-    opt = "AdamW" if GPT2_WORKLOADS[workload] == "adamw" else sgd
+    opt = ("AdamW" if GPT2_WORKLOADS[workload] == "adamw" else sgd) + f" lr {s['lr']:g}"
     if s.get("clip_norm"):
         opt += f", gradient clipped to norm {s['clip_norm']:g}"
-    return (f"byte-level GPT-2 (n_embd {m['n_embd']}, {m['n_layer']} layers, seq {m['seq']}), {opt} lr {s['lr']:g}, "
+    return (f"byte-level GPT-2 (n_embd {m['n_embd']}, {m['n_layer']} layers, seq {m['seq']}), {opt}, "
             f"{row['steps']} steps, batch {gpt2_rank_batch(s, world)} sequences per rank, rank r = {row['rank']}; "
             f"held-out loss over {s['eval_batches']} x {s['eval_batch']} sequences")
 
 
 def early_table(rows: Sequence[dict], reference: str) -> List[str]:
     """Markdown lines: per workload and world size with ``eval_loss_at``, the held-out loss (mean ±
-    std over seeds) at each reported step, its ratio to ``reference``'s mean, and the bytes sent."""
+    std over seeds) at each reported step, its ratio to ``reference``'s mean, and the bytes one
+    rank sent up to each of them."""
     lines: List[str] = []
     for workload, world in sorted({(r["workload"], r["world_size"]) for r in rows if r.get("eval_loss_at")},
                                   key=lambda k: (WORKLOADS.index(k[0]), k[1])):
         mine = [r for r in rows if (r["workload"], r["world_size"]) == (workload, world)]
         ref = next((r for r in mine if r["method"] == reference), None)
-        steps = list(mine[0]["eval_loss_at"])
+        steps = sorted({t for r in mine for t in r["eval_loss_at"]}, key=int)
         head = ["method", "seeds"] + [f"held-out @{t}" for t in steps] + [f"x {reference} @{t}" for t in steps]
-        head += [f"bytes sent by {steps[-1]}"]
+        head += [f"bytes sent by step {' / '.join(steps)}"]
         lines += [f"#### {workload}, {world} ranks: held-out loss at steps {', '.join(steps)}", "",
                   "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in mine:
             cells = [r["method"], str(r["n_seeds"])]
-            cells += [f"{r['eval_loss_at'][t]['mean']:.4f} ± {r['eval_loss_at'][t]['std']:.4f}" for t in steps]
-            cells += ["-" if ref is None else f"{r['eval_loss_at'][t]['mean'] / ref['eval_loss_at'][t]['mean']:.4f}"
-                      for t in steps]
-            cells.append(fmt_bytes(r["cum_bytes_at"][steps[-1]]))
+            at, ref_at = r["eval_loss_at"], {} if ref is None else ref["eval_loss_at"]
+            cells += [f"{at[t]['mean']:.4f} ± {at[t]['std']:.4f}" if t in at else "-" for t in steps]
+            cells += [f"{at[t]['mean'] / ref_at[t]['mean']:.4f}" if t in at and t in ref_at else "-" for t in steps]
+            cells.append(" / ".join(fmt_bytes(r["cum_bytes_at"][t]) if t in at else "-" for t in steps))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     return lines
@@ -424,7 +427,9 @@ def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict, referenc
     for workload, world in settings:
         mine = [r for r in rows if (r["workload"], r["world_size"]) == (workload, world)]
         acc = workload in MLP_WORKLOADS
+        mixed = len({r["steps"] for r in mine}) > 1  # merged runs of different lengths: say whose is whose
         head = ["method", "test acc % (mean ± std)" if acc else "held-out loss (mean ± std)", "seeds"]
+        head += ["steps"] if mixed else []
         head += ["test loss"] if acc else []
         head += ["bytes/step/rank", "x PowerSGD", "x all-reduce", "dAD report bytes/step", "median step"]
         lines += [f"### {workload}, {world} ranks", "", _describe(workload, world, mine[0], plan) + ".", "",
@@ -432,7 +437,7 @@ def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict, referenc
         for r in mine:
             metric = (f"{r['metric_mean']:.2f} ± {r['metric_std']:.2f}" if acc
                       else f"{r['metric_mean']:.4f} ± {r['metric_std']:.4f}")
-            cells = [r["method"], metric, str(r["n_seeds"])]
+            cells = [r["method"], metric, str(r["n_seeds"])] + ([str(r["steps"])] if mixed else [])
             if acc:
                 cells.append(f"{r['final_eval_loss_mean']:.4f}")
             cells += [fmt_bytes(r["bytes_per_step"]),
@@ -544,14 +549,15 @@ def plots(records: Sequence[dict], out: Path, stem: str = "convergence") -> List
 
 def merge(paths: Sequence[str]) -> Tuple[List[dict], dict, dict]:
     """The records of earlier runs' JSON files together, their meta (per file), and a plan whose
-    per-workload settings are the runs' own (for the table's descriptions)."""
+    per-workload settings are the records' own (for the table's descriptions)."""
     records, metas, plan = [], {}, {"ranks": []}
     for path in paths:
         with open(path) as fh:
             got = json.load(fh)
         records += got["records"]
         metas[str(path)] = got["meta"]
-        plan.update({w: s for w, s in got["meta"]["plan"].items() if w in WORKLOADS})
+    for r in records:  # each workload's settings as its runs recorded them
+        plan.setdefault(r["workload"], r["settings"])
     plan["ranks"] = sorted({r["world_size"] for r in records})
     plan["workloads"] = [w for w in WORKLOADS if any(r["workload"] == w for r in records)]
     return records, metas, plan
