@@ -50,7 +50,12 @@ DAD_METHODS: Dict[str, dict] = {
     "dad-exact": {"mode": "exact"},
 }
 MLP_WORKLOADS = {"mlp-adam": "adam", "mlp-sgd": "sgd"}
-WORKLOADS = tuple(MLP_WORKLOADS) + ("gpt2",)
+GPT2_WORKLOADS = {"gpt2": "adamw", "gpt2-sgd": "sgd"}
+WORKLOADS = tuple(MLP_WORKLOADS) + tuple(GPT2_WORKLOADS)
+#: PowerSGD's settings here (PowerSGDState's keys); a ``--powersgd-variant`` overrides some of them
+POWERSGD_DEFAULTS = {"start_powerSGD_iter": 2, "use_error_feedback": True, "warm_start": True}
+#: SGD's momentum for every SGD workload
+SGD_MOMENTUM = 0.9
 
 
 def dad_method_config(method: str, rank: int, extra: Optional[dict] = None,
@@ -66,6 +71,14 @@ def dad_method_config(method: str, rank: int, extra: Optional[dict] = None,
 
 def is_dad(method: str, variants: Optional[Dict[str, dict]] = None) -> bool:
     return method in DAD_METHODS or method in (variants or {})
+
+
+def powersgd_method_config(method: str, rank: int, variants: Optional[Dict[str, dict]] = None) -> dict:
+    """`PowerSGDState` keys of ``powersgd`` or a PowerSGD variant: `POWERSGD_DEFAULTS`, the
+    variant's keys, and the workload's rank unless the variant sets its own."""
+    cfg = dict(POWERSGD_DEFAULTS, matrix_approximation_rank=rank)
+    cfg.update((variants or {}).get(method) or {})
+    return cfg
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -128,7 +141,7 @@ class DigitsMLP(Task):
     def optimizer(self, params) -> torch.optim.Optimizer:
         if self.s["optimizer"] == "adam":
             return torch.optim.Adam(params, lr=self.s["lr"])
-        return torch.optim.SGD(params, lr=self.s["lr"], momentum=0.9)
+        return torch.optim.SGD(params, lr=self.s["lr"], momentum=SGD_MOMENTUM)
 
     def batches(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         gen = torch.Generator().manual_seed(self.seed)  # same on every rank: one shared shuffle
@@ -188,6 +201,8 @@ class ByteGPT2(Task):
         return build_model(self.w)
 
     def optimizer(self, params) -> torch.optim.Optimizer:
+        if self.s.get("optimizer", "adamw") == "sgd":
+            return torch.optim.SGD(params, lr=self.s["lr"], momentum=SGD_MOMENTUM)
         return torch.optim.AdamW(params, lr=self.s["lr"])
 
     def batches(self) -> Iterator[torch.Tensor]:
@@ -211,11 +226,11 @@ class ByteGPT2(Task):
 
 
 def make_task(workload: str, settings: dict, seed: int, rank: int, world: int) -> Task:
-    """The `Task` of a workload name (``mlp-adam``, ``mlp-sgd``, ``gpt2``)."""
+    """The `Task` of a workload name (``mlp-adam``, ``mlp-sgd``, ``gpt2``, ``gpt2-sgd``)."""
     if workload in MLP_WORKLOADS:
         return DigitsMLP(dict(settings, optimizer=MLP_WORKLOADS[workload]), seed, rank, world)
-    if workload == "gpt2":
-        return ByteGPT2(settings, seed, rank, world)
+    if workload in GPT2_WORKLOADS:
+        return ByteGPT2(dict(settings, optimizer=GPT2_WORKLOADS[workload]), seed, rank, world)
     raise ValueError(f"unknown workload {workload!r}; known: {WORKLOADS}")
 
 
@@ -232,9 +247,10 @@ class Runner:
         model.train()
         self.model, self.fwd, self.sync = model, model, None
         variants = spec.get("dad_variants") or {}
+        ps_variants = spec.get("powersgd_variants") or {}
         r = task.s["rank"]
         self.config: dict = {}
-        if method in DDP_METHODS:
+        if method in DDP_METHODS or method in ps_variants:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
             ddp = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_MB)
@@ -244,12 +260,9 @@ class Runner:
             elif method == "fp16":
                 ddp.register_comm_hook(pg, default_hooks.fp16_compress_hook)
             else:
-                state = powerSGD_hook.PowerSGDState(
-                    process_group=pg, matrix_approximation_rank=r, start_powerSGD_iter=2,
-                    use_error_feedback=True, warm_start=True, random_seed=seed)
+                self.config = powersgd_method_config(method, r, ps_variants)
+                state = powerSGD_hook.PowerSGDState(process_group=pg, random_seed=seed, **self.config)
                 ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-                self.config = {"matrix_approximation_rank": r, "start_powerSGD_iter": 2,
-                               "use_error_feedback": True, "warm_start": True}
             self.config["bucket_cap_mb"] = DDP_BUCKET_MB
             self.fwd = ddp
         elif is_dad(method, variants):
@@ -278,6 +291,8 @@ class Runner:
             loss.backward()
             if self.sync is not None:
                 self.sync.synchronize()
+            if self.task.s.get("clip_norm"):  # of the synchronised gradient, as a user clips it
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.task.s["clip_norm"])
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             self.times.append(time.perf_counter() - start)
@@ -336,6 +351,9 @@ def run_seed(workload: str, spec: dict, seed: int, progress: Callable) -> List[d
         if step in evals_at:
             for r in runners:
                 r.evaluate()
+            if rank == 0:  # in the log as it happens: a run cut short still leaves its curves
+                log.info("%s seed %d step %d held-out loss: %s", workload, seed, step,
+                         ", ".join(f"{r.method} {r.evals[-1]['loss']:.4f}" for r in runners))
         if step == task.steps:
             break
         batch = next(batches)
@@ -357,7 +375,7 @@ def run_seed(workload: str, spec: dict, seed: int, progress: Callable) -> List[d
             cum.append(total)
         final = r.evals[-1]
         rec = {
-            "workload": workload, "optimizer": {"gpt2": "adamw"}.get(workload, MLP_WORKLOADS.get(workload)),
+            "workload": workload, "optimizer": {**GPT2_WORKLOADS, **MLP_WORKLOADS}[workload],
             "world_size": world, "seed": seed, "method": r.method, "config": r.config,
             "rank": task.s["rank"], "steps": task.steps, "settings": spec["settings"][workload],
             "metric_name": task.metric_name,

@@ -15,6 +15,8 @@ Workloads (each at every world size of ``--ranks``; gloo ranks on 127.0.0.1, one
              on the same batches); ``--gpt2-global-batch`` / ``--gpt2-batch`` change it; metric:
              held-out loss (mean over 8 fixed batches of 8 sequences of the held-out split); rank
              r = 4
+  gpt2-sgd   the same GPT-2 with SGD, momentum 0.9, lr GPT2_SGD_LR and the synchronised gradient
+             clipped to norm GPT2_SGD_CLIP (on request: not in the presets' workloads)
 
 Presets: the default is the full run (3 MLP seeds, 2 GPT-2 seeds, 2 and 4 ranks; its time is in
 ``benchmarks/README.md``); ``--quick`` (5 MLP epochs and 2 seeds, 60 GPT-2 steps of 4 sequences
@@ -25,7 +27,12 @@ Methods (``--methods``): ``allreduce`` (DDP, fp32 all-reduce), ``powersgd`` (DDP
 PowerSGD hook, rank r, error feedback, warm start, compression from step 2), ``dad-auto`` and
 ``dad-rank`` (`DADSynchronizer` over `TorchDistributedAggregator`, modes ``auto`` and ``rank`` with
 rank r and every other key at the config's defaults, so changed defaults are measured as they
-are); ``fp16`` and ``dad-exact`` on request, and dAD variants of one's own with ``--dad-variant``.
+are); ``fp16`` and ``dad-exact`` on request, dAD variants of one's own with ``--dad-variant`` and
+PowerSGD variants (e.g. a longer warm-up, ``start_powerSGD_iter``) with ``--powersgd-variant``.
+
+Early training (``--report-steps 30,60,300`` with ``--gpt2-eval-every 30``): the held-out loss at
+those steps, mean ± std over seeds, and its ratio to ``--loss-reference``'s, from the same runs.
+Runs made side by side (one seed each: ``--first-seed``) are summarised together with ``--merge``.
 
 What is measured, and how:
   * Every rank builds one model per method from the same initial weights (set by the seed, which
@@ -45,10 +52,11 @@ What is measured, and how:
   * Curves: the training loss of every step (mean over ranks), the held-out loss (and, for the
     MLP, accuracy) every epoch / every 50 steps, and the cumulative bytes sent per rank.
 
-Outputs in ``--out`` (default ``benchmarks/results``): ``convergence.json`` (every record, the
-per-setting summary and the targets), ``convergence.md`` (a table per workload and world size,
-mean ± std over seeds, with the targets met or missed) and the plots ``convergence_loss.png``
-(loss against step) and ``convergence_bytes.png`` (held-out loss against cumulative bytes sent).
+Outputs in ``--out`` (default ``benchmarks/results``), named by ``--stem`` (default ``convergence``):
+``convergence.json`` (every record, the per-setting summary and the targets), ``convergence.md``
+(a table per workload and world size, mean ± std over seeds, with the targets met or missed, and
+the --report-steps table) and the plots ``convergence_loss.png`` (loss against step) and
+``convergence_bytes.png`` (held-out loss against cumulative bytes sent).
 """
 from __future__ import annotations
 
@@ -65,7 +73,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from benchmarks._convergence_ranks import DAD_METHODS, DDP_METHODS, MLP_WORKLOADS, WORKLOADS, gpt2_rank_batch
+from benchmarks._convergence_ranks import (DAD_METHODS, DDP_METHODS, GPT2_WORKLOADS, MLP_WORKLOADS, SGD_MOMENTUM,
+                                           WORKLOADS, gpt2_rank_batch)
 from benchmarks.workload import fmt_bytes
 
 log = logging.getLogger("benchmarks.convergence")
@@ -76,31 +85,42 @@ KNOWN_METHODS = DDP_METHODS + tuple(DAD_METHODS)
 _MLP = {"batch": 32, "epochs": 10, "eval_every": None, "steps": None, "rank": 2}
 # batch None: the global batch (sequences per step, all ranks together) is split over the ranks
 _GPT2_MODEL = {"n_embd": 256, "n_layer": 2, "n_head": 4, "seq": 128, "batch": None}
+#: SGD for the GPT-2 (momentum `SGD_MOMENTUM`): lr and the gradient-norm clip. Measured alone
+#: (one process, batch 8, 60 steps, seed 0; held-out loss at 30 / 60): unclipped, lr 0.1 still
+#: sat at the byte unigram's loss (4.56 / 4.55) and lr 0.3 diverged (nan); clipped to norm 1,
+#: lr 0.3 learns (4.35 / 2.96) and lr 1.0 does not hold (3.27 / 4.79). AdamW lr 1e-3: 2.81 / 2.64
+GPT2_SGD_LR = 0.3
+GPT2_SGD_CLIP = 1.0
 PRESETS: Dict[str, dict] = {
     # the full spec: 3 MLP seeds x 30 epochs (at 10, the compressed methods have not caught up yet:
     # PowerSGD too ends 0.8 points below all-reduce at 4 ranks), 2 GPT-2 seeds x 300 steps of 8
     # sequences (4 per rank at 2 ranks, as the issue's measurement), at 2 and 4 ranks
     "default": {
-        "ranks": [2, 4], "workloads": list(WORKLOADS), "seeds": {"mlp-adam": 3, "mlp-sgd": 3, "gpt2": 2},
+        "ranks": [2, 4], "workloads": ["mlp-adam", "mlp-sgd", "gpt2"],
+        "seeds": {"mlp-adam": 3, "mlp-sgd": 3, "gpt2": 2, "gpt2-sgd": 2},
         "mlp-adam": dict(_MLP, lr=1e-3, epochs=30), "mlp-sgd": dict(_MLP, lr=0.05, epochs=30),
         "gpt2": {"model": dict(_GPT2_MODEL), "global_batch": 8, "lr": 1e-3, "steps": 300, "eval_every": 50,
                  "eval_batches": 8, "eval_batch": 8, "rank": 4},
     },
     # a few minutes at 2 ranks: fewer epochs, steps and seeds, same models
     "quick": {
-        "ranks": [2, 4], "workloads": list(WORKLOADS), "seeds": {"mlp-adam": 2, "mlp-sgd": 2, "gpt2": 1},
+        "ranks": [2, 4], "workloads": ["mlp-adam", "mlp-sgd", "gpt2"],
+        "seeds": {"mlp-adam": 2, "mlp-sgd": 2, "gpt2": 1, "gpt2-sgd": 1},
         "mlp-adam": dict(_MLP, lr=1e-3, epochs=5), "mlp-sgd": dict(_MLP, lr=0.05, epochs=5),
         "gpt2": {"model": dict(_GPT2_MODEL), "global_batch": 4, "lr": 1e-3, "steps": 60, "eval_every": 20,
                  "eval_batches": 4, "eval_batch": 8, "rank": 4},
     },
     # seconds: for tests (a tiny GPT-2 if asked for with --workloads)
     "smoke": {
-        "ranks": [2], "workloads": ["mlp-adam"], "seeds": {"mlp-adam": 1, "mlp-sgd": 1, "gpt2": 1},
+        "ranks": [2], "workloads": ["mlp-adam"], "seeds": {"mlp-adam": 1, "mlp-sgd": 1, "gpt2": 1, "gpt2-sgd": 1},
         "mlp-adam": dict(_MLP, lr=1e-3, steps=8, eval_every=4), "mlp-sgd": dict(_MLP, lr=0.05, steps=8, eval_every=4),
         "gpt2": {"model": {"n_embd": 32, "n_layer": 1, "n_head": 2, "seq": 16, "batch": 2}, "lr": 1e-3, "steps": 6,
                  "eval_every": 3, "eval_batches": 2, "eval_batch": 2, "rank": 2},
     },
 }
+# gpt2-sgd: the same GPT-2 with SGD (momentum 0.9) at GPT2_SGD_LR, in every preset
+for _p in PRESETS.values():
+    _p["gpt2-sgd"] = dict(copy.deepcopy(_p["gpt2"]), lr=GPT2_SGD_LR, clip_norm=GPT2_SGD_CLIP)
 #: targets per workload: (description, check(summary of one setting) -> (met, detail)) built below
 MLP_ACC_SLACK = 0.15   # points of test accuracy dad-auto may lose against all-reduce
 GPT2_LOSS_FACTOR = 1.01  # dad-auto's held-out loss at most this times PowerSGD's
@@ -128,12 +148,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated methods among {','.join(KNOWN_METHODS)} and --dad-variant names")
     p.add_argument("--seeds", type=int, help="seeds 0..N-1 for every workload (default: the preset's)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds from this one on (K..K+N-1): one seed per run, side by side, then --merge")
     p.add_argument("--dad-extra", default="{}", metavar="JSON",
                    help="DADConfig keys for every dAD method, e.g. '{\"error_feedback\": false}'")
     p.add_argument("--dad-variant", action="append", default=[], metavar="NAME=JSON",
                    help="an extra dAD method: name and its DADConfig keys, e.g. "
                         "'dad-auto-noef={\"mode\": \"auto\", \"error_feedback\": false}' (repeatable; "
                         "the workload's rank is added unless given; name it in --methods too, or it is appended)")
+    p.add_argument("--powersgd-variant", action="append", default=[], metavar="NAME=JSON",
+                   help="an extra PowerSGD method: name and the PowerSGDState keys it changes, e.g. "
+                        "'powersgd-w30={\"start_powerSGD_iter\": 30}' (repeatable; appended to --methods "
+                        "unless named there)")
+    p.add_argument("--report-steps", metavar="STEPS",
+                   help="comma-separated steps (among the evaluated ones) whose held-out loss the summary "
+                        "and table report, e.g. 30,60,300 with --gpt2-eval-every 30")
+    p.add_argument("--loss-reference", default="powersgd",
+                   help="the method the --report-steps table divides each held-out loss by (default powersgd)")
+    p.add_argument("--merge", metavar="JSON,JSON",
+                   help="run nothing: summarise the records of earlier runs' convergence.json files together "
+                        "(e.g. an AdamW and an SGD run made side by side) with this run's --report-steps")
+    p.add_argument("--stem", default="convergence",
+                   help="file name stem of the outputs: STEM.json, STEM.md, STEM_loss.png, STEM_bytes.png")
     p.add_argument("--mlp-epochs", type=int)
     p.add_argument("--mlp-steps", type=int, help="steps instead of epochs")
     p.add_argument("--mlp-batch", type=int, help="rows per rank and step")
@@ -161,40 +197,65 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         for key, v in (("epochs", args.mlp_epochs), ("steps", args.mlp_steps), ("batch", args.mlp_batch)):
             if v is not None:
                 plan[w][key] = v
-    for key, v in (("steps", args.gpt2_steps), ("eval_every", args.gpt2_eval_every)):
-        if v is not None:
-            plan["gpt2"][key] = v
-    if args.gpt2_batch is not None:
-        plan["gpt2"]["model"]["batch"] = args.gpt2_batch
-    if args.gpt2_global_batch is not None:
-        plan["gpt2"]["global_batch"] = args.gpt2_global_batch
-        plan["gpt2"]["model"]["batch"] = None
+    for w in GPT2_WORKLOADS:
+        for key, v in (("steps", args.gpt2_steps), ("eval_every", args.gpt2_eval_every)):
+            if v is not None:
+                plan[w][key] = v
+        if args.gpt2_batch is not None:
+            plan[w]["model"]["batch"] = args.gpt2_batch
+        if args.gpt2_global_batch is not None:
+            plan[w]["global_batch"] = args.gpt2_global_batch
+            plan[w]["model"]["batch"] = None
     try:
         args.dad_extra = json.loads(args.dad_extra)
-        variants = {}
-        for item in args.dad_variant:
-            name, _, text = item.partition("=")
-            variants[name.strip()] = json.loads(text)
+        variants = _variants(args.dad_variant)
+        ps_variants = _variants(args.powersgd_variant)
     except json.JSONDecodeError as e:
-        p.error(f"--dad-extra / --dad-variant: not JSON: {e}")
-    if not isinstance(args.dad_extra, dict) or not all(isinstance(v, dict) for v in variants.values()):
-        p.error("--dad-extra and --dad-variant take JSON objects")
-    args.dad_variants = variants
+        p.error(f"--dad-extra / --dad-variant / --powersgd-variant: not JSON: {e}")
+    if not isinstance(args.dad_extra, dict) or not all(isinstance(v, dict) for v in
+                                                       list(variants.values()) + list(ps_variants.values())):
+        p.error("--dad-extra, --dad-variant and --powersgd-variant take JSON objects")
+    if set(variants) & set(ps_variants) or set(ps_variants) & set(KNOWN_METHODS):
+        p.error("a --powersgd-variant needs a name of its own (not a dAD variant's or a built-in method's)")
+    args.dad_variants, args.powersgd_variants = variants, ps_variants
     args.methods = _csv(args.methods)
-    args.methods += [v for v in variants if v not in args.methods]
-    bad = [m for m in args.methods if m not in KNOWN_METHODS and m not in variants]
+    args.methods += [v for v in list(variants) + list(ps_variants) if v not in args.methods]
+    try:
+        args.report_steps = [int(t) for t in _csv(args.report_steps or "")]
+    except ValueError:
+        p.error(f"--report-steps: not comma-separated integers: {args.report_steps!r}")
+    args.merge = _csv(args.merge or "")
+    bad = [m for m in args.methods if m not in KNOWN_METHODS and m not in variants and m not in ps_variants]
     bad += [w for w in plan["workloads"] if w not in WORKLOADS]
     bad += [str(r) for r in plan["ranks"] if r < 2]
     if bad:
         p.error(f"unknown methods or workloads, or world sizes below 2: {bad}")
-    if "gpt2" in plan["workloads"]:
+    for w in set(plan["workloads"]) & set(GPT2_WORKLOADS):
         for world in plan["ranks"]:
             try:
-                gpt2_rank_batch(plan["gpt2"], world)
+                gpt2_rank_batch(plan[w], world)
             except ValueError as e:
-                p.error(f"gpt2: {e} (--gpt2-global-batch or --gpt2-batch)")
+                p.error(f"{w}: {e} (--gpt2-global-batch or --gpt2-batch)")
+        missing = [t for t in args.report_steps if t not in _eval_steps(plan[w])]
+        if missing and not args.merge:
+            p.error(f"--report-steps {missing} are not evaluated steps of {w} (every {plan[w]['eval_every']} "
+                    f"steps and the last, {plan[w]['steps']}): set --gpt2-eval-every")
     args.plan = plan
     return args
+
+
+def _variants(items: Sequence[str]) -> Dict[str, dict]:
+    """``NAME=JSON`` items as {name: parsed JSON}."""
+    out = {}
+    for item in items:
+        name, _, text = item.partition("=")
+        out[name.strip()] = json.loads(text)
+    return out
+
+
+def _eval_steps(settings: dict) -> List[int]:
+    """The steps a GPT-2 workload evaluates at (as `ByteGPT2.eval_steps`)."""
+    return sorted(set(range(0, settings["steps"], settings["eval_every"])) | {settings["steps"]})
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -214,10 +275,11 @@ def run_world(args: argparse.Namespace, world: int, workdir: str) -> Tuple[List[
 
     plan = args.plan
     spec = {"workloads": plan["workloads"], "methods": args.methods,
-            "seeds": {w: list(range(plan["seeds"][w])) for w in plan["workloads"]},
+            "seeds": {w: list(range(args.first_seed, args.first_seed + plan["seeds"][w])) for w in plan["workloads"]},
             "settings": {w: plan[w] for w in plan["workloads"]},
             "dad_extra": args.dad_extra, "dad_variants": args.dad_variants,
-            "out_dir": workdir, "timeout_s": args.timeout, "progress": not args.no_progress,
+            "powersgd_variants": args.powersgd_variants, "out_dir": workdir, "timeout_s": args.timeout,
+            "progress": not args.no_progress,
             "log_level": logging.DEBUG if args.verbose else logging.INFO}
     mp.spawn(rank_main, args=(world, _free_port(), spec), nprocs=world, join=True)
     log.debug("%d ranks joined", world)
@@ -236,9 +298,21 @@ def _mean_std(xs: Sequence[float]) -> Tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
-def summarise(records: Sequence[dict]) -> List[dict]:
+def _loss_at(rec: dict, step: int) -> float:
+    """The held-out loss of one record after ``step`` steps."""
+    try:
+        return rec["eval_loss"][rec["eval_steps"].index(step)]
+    except ValueError:
+        raise ValueError(f"{rec['workload']} {rec['method']} seed {rec['seed']}: no held-out loss at step {step} "
+                         f"(evaluated at {rec['eval_steps']})") from None
+
+
+def summarise(records: Sequence[dict], report_steps: Sequence[int] = ()) -> List[dict]:
     """One row per (workload, world size, method): the metric's mean and std over seeds, bytes per
-    step (mean over seeds), the ratios to PowerSGD and all-reduce, and the dAD report's bytes."""
+    step (mean over seeds), the ratios to PowerSGD and all-reduce, and the dAD report's bytes;
+    with ``report_steps``, ``eval_loss_at``: the held-out loss's mean and std at each of them that
+    all its records reached (merged runs may have trained for fewer steps) and ``cum_bytes_at``:
+    the bytes one rank sent up to then (mean over seeds)."""
     groups: Dict[Tuple[str, int, str], List[dict]] = {}
     for r in records:
         groups.setdefault((r["workload"], r["world_size"], r["method"]), []).append(r)
@@ -246,6 +320,7 @@ def summarise(records: Sequence[dict]) -> List[dict]:
     for (workload, world, method), recs in groups.items():
         mean, std = _mean_std([r["metric"] for r in recs])
         rep = [r["bytes_per_step_report"] for r in recs if r["bytes_per_step_report"] is not None]
+        reached = [t for t in report_steps if all(0 < t <= r["steps"] for r in recs)]
         rows.append({
             "workload": workload, "world_size": world, "method": method, "metric_name": recs[0]["metric_name"],
             "metric_mean": mean, "metric_std": std, "n_seeds": len(recs), "seeds": [r["seed"] for r in recs],
@@ -255,6 +330,9 @@ def summarise(records: Sequence[dict]) -> List[dict]:
             "step_s_median": statistics.fmean(r["step_s_median"] for r in recs),
             "rank_divergence_max": max(r["rank_divergence"] for r in recs),
             "steps": recs[0]["steps"], "rank": recs[0]["rank"], "optimizer": recs[0]["optimizer"],
+            "eval_loss_at": {str(t): dict(zip(("mean", "std"), _mean_std([_loss_at(r, t) for r in recs])))
+                             for t in reached},
+            "cum_bytes_at": {str(t): statistics.fmean(r["cum_bytes"][t - 1] for r in recs) for t in reached},
         })
     for row in rows:
         key = (row["workload"], row["world_size"])
@@ -289,7 +367,7 @@ def check_targets(rows: Sequence[dict]) -> List[dict]:
             add(f"dad-auto mean test accuracy >= all-reduce's - {MLP_ACC_SLACK} pts",
                 auto["metric_mean"] >= limit - 1e-9,
                 f"{auto['metric_mean']:.2f}% vs {ar['metric_mean']:.2f}% (limit {limit:.2f}%)")
-        if workload == "gpt2" and ps is not None:
+        if workload in GPT2_WORKLOADS and ps is not None:
             limit = GPT2_LOSS_FACTOR * ps["metric_mean"]
             add(f"dad-auto mean held-out loss <= {GPT2_LOSS_FACTOR} x PowerSGD's", auto["metric_mean"] <= limit,
                 f"{auto['metric_mean']:.4f} vs {ps['metric_mean']:.4f} (limit {limit:.4f})")
@@ -302,24 +380,56 @@ def check_targets(rows: Sequence[dict]) -> List[dict]:
 
 def _describe(workload: str, world: int, row: dict, plan: dict) -> str:
     s = plan[workload]
+    sgd = f"SGD (momentum {SGD_MOMENTUM:g})"
     if workload in MLP_WORKLOADS:
-        opt = "Adam" if MLP_WORKLOADS[workload] == "adam" else "SGD (momentum 0.9)"
+        opt = "Adam" if MLP_WORKLOADS[workload] == "adam" else sgd
         return (f"MLP 64-256-256-10 on digits, {opt} lr {s['lr']:g}, {row['steps']} steps, "
                 f"batch {s['batch']} per rank, rank r = {row['rank']}")
     m = s["model"]
-    return (f"byte-level GPT-2 (n_embd {m['n_embd']}, {m['n_layer']} layers, seq {m['seq']}), AdamW lr {s['lr']:g}, "
+    opt = ("AdamW" if GPT2_WORKLOADS[workload] == "adamw" else sgd) + f" lr {s['lr']:g}"
+    if s.get("clip_norm"):
+        opt += f", gradient clipped to norm {s['clip_norm']:g}"
+    return (f"byte-level GPT-2 (n_embd {m['n_embd']}, {m['n_layer']} layers, seq {m['seq']}), {opt}, "
             f"{row['steps']} steps, batch {gpt2_rank_batch(s, world)} sequences per rank, rank r = {row['rank']}; "
             f"held-out loss over {s['eval_batches']} x {s['eval_batch']} sequences")
 
 
-def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict) -> str:
-    """A table per workload and world size, then its targets."""
+def early_table(rows: Sequence[dict], reference: str) -> List[str]:
+    """Markdown lines: per workload and world size with ``eval_loss_at``, the held-out loss (mean ±
+    std over seeds) at each reported step, its ratio to ``reference``'s mean, and the bytes one
+    rank sent up to each of them."""
+    lines: List[str] = []
+    for workload, world in sorted({(r["workload"], r["world_size"]) for r in rows if r.get("eval_loss_at")},
+                                  key=lambda k: (WORKLOADS.index(k[0]), k[1])):
+        mine = [r for r in rows if (r["workload"], r["world_size"]) == (workload, world)]
+        ref = next((r for r in mine if r["method"] == reference), None)
+        steps = sorted({t for r in mine for t in r["eval_loss_at"]}, key=int)
+        head = ["method", "seeds"] + [f"held-out @{t}" for t in steps] + [f"x {reference} @{t}" for t in steps]
+        head += [f"bytes sent by step {' / '.join(steps)}"]
+        lines += [f"#### {workload}, {world} ranks: held-out loss at steps {', '.join(steps)}", "",
+                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in mine:
+            cells = [r["method"], str(r["n_seeds"])]
+            at, ref_at = r["eval_loss_at"], {} if ref is None else ref["eval_loss_at"]
+            cells += [f"{at[t]['mean']:.4f} ± {at[t]['std']:.4f}" if t in at else "-" for t in steps]
+            cells += [f"{at[t]['mean'] / ref_at[t]['mean']:.4f}" if t in at and t in ref_at else "-" for t in steps]
+            cells.append(" / ".join(fmt_bytes(r["cum_bytes_at"][t]) if t in at else "-" for t in steps))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict, reference: str = "powersgd") -> str:
+    """A table per workload and world size, then its targets; then the held-out loss at the
+    reported steps against ``reference`` where the rows have them (`early_table`)."""
     lines: List[str] = []
     settings = sorted({(r["workload"], r["world_size"]) for r in rows}, key=lambda k: (WORKLOADS.index(k[0]), k[1]))
     for workload, world in settings:
         mine = [r for r in rows if (r["workload"], r["world_size"]) == (workload, world)]
         acc = workload in MLP_WORKLOADS
+        mixed = len({r["steps"] for r in mine}) > 1  # merged runs of different lengths: say whose is whose
         head = ["method", "test acc % (mean ± std)" if acc else "held-out loss (mean ± std)", "seeds"]
+        head += ["steps"] if mixed else []
         head += ["test loss"] if acc else []
         head += ["bytes/step/rank", "x PowerSGD", "x all-reduce", "dAD report bytes/step", "median step"]
         lines += [f"### {workload}, {world} ranks", "", _describe(workload, world, mine[0], plan) + ".", "",
@@ -327,7 +437,7 @@ def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict) -> str:
         for r in mine:
             metric = (f"{r['metric_mean']:.2f} ± {r['metric_std']:.2f}" if acc
                       else f"{r['metric_mean']:.4f} ± {r['metric_std']:.4f}")
-            cells = [r["method"], metric, str(r["n_seeds"])]
+            cells = [r["method"], metric, str(r["n_seeds"])] + ([str(r["steps"])] if mixed else [])
             if acc:
                 cells.append(f"{r['final_eval_loss_mean']:.4f}")
             cells += [fmt_bytes(r["bytes_per_step"]),
@@ -343,6 +453,9 @@ def markdown(rows: Sequence[dict], targets: Sequence[dict], plan: dict) -> str:
     lines.append("bytes/step/rank: bytes one rank sends per step, counted at torch.distributed (ring model), "
                  "mean after the first 3 steps and over seeds; dAD report: `last_step_report()`'s own count. "
                  "median step: wall time of one step on a shared machine (methods take turns), for orientation only.")
+    early = early_table(rows, reference)
+    if early:
+        lines += ["", "### Held-out loss during training", ""] + early
     return "\n".join(lines) + "\n"
 
 
@@ -363,8 +476,8 @@ def _smooth(xs: Sequence[float], window: int) -> List[float]:
     return out
 
 
-def plots(records: Sequence[dict], out: Path) -> List[str]:
-    """``convergence_loss.png`` (loss against step) and ``convergence_bytes.png`` (loss against
+def plots(records: Sequence[dict], out: Path, stem: str = "convergence") -> List[str]:
+    """``STEM_loss.png`` (loss against step) and ``STEM_bytes.png`` (loss against
     cumulative bytes sent per rank, log scale), one panel per workload and world size: thin solid
     lines the training loss (mean over ranks and seeds, moving average), dashed lines with markers
     the held-out loss (mean over seeds). Methods that coincide (dad-auto choosing rank-r for every
@@ -388,8 +501,8 @@ def plots(records: Sequence[dict], out: Path) -> List[str]:
     sparse = FuncFormatter(lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5)
                            else "")
     files = []
-    for name, xlabel in (("convergence_loss.png", "step"), ("convergence_bytes.png", "cumulative bytes sent per rank")):
-        by_bytes = name == "convergence_bytes.png"
+    for name, xlabel in ((f"{stem}_loss.png", "step"), (f"{stem}_bytes.png", "cumulative bytes sent per rank")):
+        by_bytes = name.endswith("_bytes.png")
         fig, axes = plt.subplots(len(workloads), len(worlds), figsize=(4.8 * len(worlds), 3.4 * len(workloads)),
                                  squeeze=False)
         for i, w in enumerate(workloads):
@@ -434,6 +547,22 @@ def plots(records: Sequence[dict], out: Path) -> List[str]:
 
 # -- main --------------------------------------------------------------------------------------
 
+def merge(paths: Sequence[str]) -> Tuple[List[dict], dict, dict]:
+    """The records of earlier runs' JSON files together, their meta (per file), and a plan whose
+    per-workload settings are the records' own (for the table's descriptions)."""
+    records, metas, plan = [], {}, {"ranks": []}
+    for path in paths:
+        with open(path) as fh:
+            got = json.load(fh)
+        records += got["records"]
+        metas[str(path)] = got["meta"]
+    for r in records:  # each workload's settings as its runs recorded them
+        plan.setdefault(r["workload"], r["settings"])
+    plan["ranks"] = sorted({r["world_size"] for r in records})
+    plan["workloads"] = [w for w in WORKLOADS if any(r["workload"] == w for r in records)]
+    return records, metas, plan
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark; returns the exit status."""
     args = parse_args(argv)
@@ -441,6 +570,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        records, metas, plan = merge(args.merge)
+        meta = {"merged_from": metas, "argv": list(sys.argv[1:] if argv is None else argv)}
+        return write_outputs(args, out, records, meta, plan)
     plan = args.plan
     records: List[dict] = []
     walls: Dict[str, Dict[str, float]] = {}
@@ -455,7 +588,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             log.info("%d ranks done in %.0f s (%s)", world, walls[str(world)]["total"],
                      ", ".join(f"{w} {s:.0f} s" for w, s in wall.items()))
     meta = {"preset": args.preset, "plan": plan, "methods": args.methods, "dad_extra": args.dad_extra,
-            "dad_variants": args.dad_variants, "wall_s": walls, "total_wall_s": time.perf_counter() - started,
+            "dad_variants": args.dad_variants, "powersgd_variants": args.powersgd_variants, "wall_s": walls,
+            "total_wall_s": time.perf_counter() - started,
             "argv": list(sys.argv[1:] if argv is None else argv)}
     if args.keep_other_ranks:
         with open(args.keep_other_ranks) as fh:
@@ -464,19 +598,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         records += kept
         meta["kept_from_earlier_run"] = {"worlds": sorted({r["world_size"] for r in kept}), "meta": earlier["meta"]}
         plan = dict(plan, ranks=sorted({r["world_size"] for r in records}))
-    rows = summarise(records)
+    status = write_outputs(args, out, records, meta, plan)
+    log.info("total %.0f s; results in %s", time.perf_counter() - started, out)
+    return status
+
+
+def write_outputs(args: argparse.Namespace, out: Path, records: List[dict], meta: dict, plan: dict) -> int:
+    """Summary, targets, ``STEM.json``, ``STEM.md`` and the plots; prints the table."""
+    rows = summarise(records, args.report_steps)
     targets = check_targets(rows)
-    with open(out / "convergence.json", "w") as fh:
+    meta = dict(meta, report_steps=args.report_steps, loss_reference=args.loss_reference)
+    with open(out / f"{args.stem}.json", "w") as fh:
         json.dump({"meta": meta, "summary": rows, "targets": targets, "records": records}, fh, indent=1)
-    text = markdown(rows, targets, plan)
-    (out / "convergence.md").write_text(text)
+    text = markdown(rows, targets, plan, args.loss_reference)
+    (out / f"{args.stem}.md").write_text(text)
     if not args.no_plots:
-        plots(records, out)
+        plots(records, out, args.stem)
     bad = [r for r in records if not math.isfinite(r["metric"])]
     if bad:
         log.warning("non-finite metric in %d records", len(bad))
     print(text, flush=True)
-    log.info("total %.0f s; results in %s", time.perf_counter() - started, out)
     return 0
 
 

@@ -92,23 +92,30 @@ def test_compare_smallest_run_writes_every_key(tmp_path):
 
 
 def test_convergence_smoke_writes_every_method(tmp_path):
-    """`python -m benchmarks.convergence --smoke` at 2 ranks: every method has a finite metric and
-    sends bytes, dAD's own report matches the counter at torch.distributed, and the table and both
-    plots are written."""
+    """`python -m benchmarks.convergence --smoke` at 2 ranks, the MLP and the tiny GPT-2 with SGD:
+    every method (a PowerSGD variant with a longer warm-up among them) has a finite metric and
+    sends bytes, dAD's own report matches the counter at torch.distributed, the table and both
+    plots are written; the held-out loss at --report-steps is in the summary and its table, and
+    --merge of two runs' JSON re-summarises their records together."""
     import math
 
-    from benchmarks.convergence import DEFAULT_METHODS
+    from benchmarks.convergence import DEFAULT_METHODS, main
 
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.convergence", "--smoke", "--ranks", "2",
-                           "--out", str(tmp_path), "--no-progress"],
+                           "--workloads", "mlp-adam,gpt2-sgd", "--report-steps", "4,6", "--gpt2-eval-every", "2",
+                           "--powersgd-variant", 'powersgd-w4={"start_powerSGD_iter": 4}',
+                           "--mlp-steps", "6", "--out", str(tmp_path), "--no-progress"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     data = json.loads((tmp_path / "convergence.json").read_text())
     records = data["records"]
-    assert sorted(r["method"] for r in records) == sorted(DEFAULT_METHODS)
+    methods = sorted(DEFAULT_METHODS + ("powersgd-w4",))
+    for workload in ("mlp-adam", "gpt2-sgd"):
+        assert sorted(r["method"] for r in records if r["workload"] == workload) == methods
+    assert {r["optimizer"] for r in records if r["workload"] == "gpt2-sgd"} == {"sgd"}
     for r in records:
-        assert r["world_size"] == 2 and r["workload"] == "mlp-adam"
+        assert r["world_size"] == 2
         assert math.isfinite(r["metric"]) and 0 <= r["metric"] <= 100, r
         assert all(math.isfinite(x) for x in r["train_loss"] + r["eval_loss"])
         assert r["bytes_per_step"] > 0 and all(b > 0 for b in r["bytes_by_step"])
@@ -116,13 +123,30 @@ def test_convergence_smoke_writes_every_method(tmp_path):
         assert r["rank_divergence"] < 1e-6  # every rank holds the same model
         if r["method"].startswith("dad-"):
             assert r["bytes_by_step"] == pytest.approx(r["bytes_report_by_step"], rel=1e-9)
-    by = {r["method"]: r for r in records}
+    by = {r["method"]: r for r in records if r["workload"] == "mlp-adam"}
     assert by["powersgd"]["bytes_per_step"] < by["allreduce"]["bytes_per_step"] / 10
+    # the variant all-reduces its first 4 steps (PowerSGD's own warm-up), then compresses
+    ps4, ar = by["powersgd-w4"], by["allreduce"]
+    assert ps4["config"]["start_powerSGD_iter"] == 4 and by["powersgd"]["config"]["start_powerSGD_iter"] == 2
+    assert ps4["bytes_by_step"][:4] == pytest.approx(ar["bytes_by_step"][:4], rel=0.01)
+    assert ps4["bytes_by_step"][4] == pytest.approx(by["powersgd"]["bytes_by_step"][4], rel=1e-9)
     assert {t["target"] for t in data["targets"]}  # the targets were checked
+    for row in data["summary"]:
+        rec = next(r for r in records if (r["workload"], r["method"]) == (row["workload"], row["method"]))
+        assert row["eval_loss_at"]["6"]["mean"] == pytest.approx(rec["eval_loss"][rec["eval_steps"].index(6)])
+        assert row["cum_bytes_at"]["4"] == pytest.approx(rec["cum_bytes"][3])
     md = (tmp_path / "convergence.md").read_text()
-    assert "mlp-adam, 2 ranks" in md and "x PowerSGD" in md
+    assert "mlp-adam, 2 ranks" in md and "x PowerSGD" in md and "SGD (momentum 0.9)" in md
+    assert "gpt2-sgd, 2 ranks: held-out loss at steps 4, 6" in md and "x powersgd @6" in md
     for name in ("convergence_loss.png", "convergence_bytes.png"):
         assert (tmp_path / name).stat().st_size > 0
+    # --merge: the records of two files (here the same one twice: every seed counted twice) together
+    merged = tmp_path / "merged"
+    assert main(["--merge", f"{tmp_path / 'convergence.json'},{tmp_path / 'convergence.json'}", "--report-steps",
+                 "6", "--loss-reference", "powersgd-w4", "--stem", "m", "--out", str(merged), "--no-plots"]) == 0
+    rows = json.loads((merged / "m.json").read_text())["summary"]
+    assert all(r["n_seeds"] == 2 and list(r["eval_loss_at"]) == ["6"] for r in rows)
+    assert "x powersgd-w4 @6" in (merged / "m.md").read_text()
 
 
 def test_allocation_peak_sees_a_step_of_known_size():
