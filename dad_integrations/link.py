@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 KINDS = ("all_reduce", "all_gather", "all_to_all")
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 # probe sizes in bytes: one small call for the latency, one large enough for the bandwidth
-PROBE_BYTES = (4 * 2 ** 10, 1 * 2 ** 20)
+PROBE_BYTES = (4 * 2 ** 10, 64 * 2 ** 10, 1 * 2 ** 20)
 PROBE_REPS = 3
 
 
@@ -162,9 +162,13 @@ def fit_link_cost(samples: Sequence[Tuple[float, float]]) -> LinkCost:
     var = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
     alpha = my - slope * mx
-    if slope <= 0 or alpha < 0:  # noise: no latency, and the slowest rate any sample saw
-        alpha = 0.0
-        slope = max((y / x for x, y in zip(xs, ys) if x > 0), default=0.0)
+    # noise. Where in doubt the link is taken as fast, which routes weights dense: all-reduce's own
+    # step, never slower than the baseline (a slow guess would compress where it does not pay)
+    if slope <= 0:  # a larger call no slower: all latency
+        alpha, slope = max(min(ys), 0.0), 0.0
+    elif alpha < 0:  # a large call relatively slow: no latency, the largest call's rate
+        largest = max(range(len(xs)), key=lambda i: xs[i])
+        alpha, slope = 0.0, ys[largest] / xs[largest]
     slope = max(slope, 1e-15)  # at most a petabyte per second: never divide by zero
     return LinkCost(max(alpha, 0.0), 1.0 / slope)
 
