@@ -95,9 +95,10 @@ class DADConfig:
             ties (at two sites: it trained better there, see `router`).
         lossless_steps: the first this many synchronised steps take no rank route (auto without
             a rank: exact factors or dense, whichever is fewer bytes), as PowerSGD's hook
-            all-reduces its first ``start_powerSGD_iter`` steps. In the 60-step quick-start job 2
-            such steps brought dAD's final loss from 2.7880 to 2.7516 (PowerSGD's 2.7544, same
-            bytes); over 300 GPT-2 steps of the convergence benchmark they did not help. Default 0.
+            all-reduces its first ``start_powerSGD_iter`` steps. 10 kept dAD within 1 % of
+            PowerSGD with a 30-step warm-up at steps 30, 60 and 300 (3 seeds, AdamW and SGD); 0
+            missed by 4.1 % at step 60 (`benchmarks/results/convergence_early_training_2ranks.md`).
+            Default 0 for now; 10 is the recommended value.
         objective: what auto minimises per weight. ``"time"`` (the default; ``$DAD_OBJECTIVE``
             changes it for configs that do not name one): the predicted seconds of each route, its
             local compute (`compute_model`) plus its wire time on the job's link (`link`), so
