@@ -86,7 +86,8 @@ class Exchanger:
         changed in between: routes change together, at a refresh, on every rank)."""
         if self.timing is None or verify or self.refresh_due(step) or unit.dense_only:
             return None
-        return self.last_route.get(unit.index)
+        held = self.last_route.get(unit.index)
+        return None if held == "exact" and unit.rows_unused else held  # exact needs its rows
 
     def set_link(self, link) -> None:
         """Route by ``link`` (a `link.LinkModel`, the same on every rank) from the next refresh on."""
@@ -203,7 +204,7 @@ class Exchanger:
                                  dense_only=unit.dense_only, rows_by_rank=rows_by_rank, step=step,
                                  timing=self.timing, current=self.last_route.get(unit.index))
         rep = decision.representation
-        flush = self._flush_residual(unit, rep)
+        flush = self._flush_residual(unit, rep, sink)
         self.last_route[unit.index] = rep
         if flush:
             rep = "dense"  # it carries the residual this step; its route applies from the next
@@ -254,14 +255,16 @@ class Exchanger:
             # sticky prediction), and it reduces from the dense gradient: its rows are of no use,
             # so stop capturing them (saves the hooks' work; reports show 0 rows from then on)
             unit.stop_using_rows()
-        elif rep == "dense" and self.timing is not None and not unit.rows_unused and not verify:
+        elif (self.last_route[unit.index] == "dense" and self.timing is not None and not unit.rows_unused
+              and not verify):
             # routed by time and dense until the next refresh: capture nothing, so that a step whose
-            # every unit goes dense costs what DDP's does (rows come back before the refresh)
+            # every unit goes dense costs what DDP's does (rows come back before the refresh). Not a
+            # unit only flushing its residual through the dense buckets: its route may be exact
             unit.stop_using_rows()
         entry.add_traffic(traffic)
         return finish
 
-    def _flush_residual(self, unit: FactorUnit, rep: str) -> bool:
+    def _flush_residual(self, unit: FactorUnit, rep: str, sink: GradSink) -> bool:
         """A unit leaving a rank route: add its error-feedback residual to its local gradient, so
         that the next dense step sends it (the average then carries the mean residual, what the
         ranks still owed); returns whether it did. Every rank took the same last route, so every
@@ -272,11 +275,7 @@ class Exchanger:
         if residual is None:
             return False
         self._flushed.append((unit.name, self.memory.residuals.pop(unit.name)))
-        p = unit.param
-        if p.grad is None:
-            p.grad = residual.to(p.dtype).clone()
-        else:
-            p.grad.add_(residual.to(p.grad.dtype))
+        sink.add_local(unit.param, residual)
         return True
 
     def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> Tuple[List[List[int]], Traffic]:

@@ -29,6 +29,14 @@ class GradSink:
         """What a dense bucket reduces for ``p`` (None: this rank has no gradient of it)."""
         return p.grad
 
+    def add_local(self, p: nn.Parameter, value: torch.Tensor) -> None:
+        """Add ``value`` to this rank's gradient of ``p`` before a dense bucket reduces it (an
+        error-feedback residual flushed by a unit leaving a rank route)."""
+        if p.grad is None:
+            p.grad = value.to(p.dtype).clone()
+        else:
+            p.grad.add_(value.to(p.grad.dtype))
+
     def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """This rank's gradient of the current window (without any gradient left from before)."""
         g = self._current(p)
