@@ -189,3 +189,16 @@ def test_measured_link_agreed(time_job):
     _ranks_agree(per_rank)
     assert per_rank[0]["link"] == per_rank[1]["link"]
     assert all(v > 0 for v in per_rank[0]["link"][1::2])  # a finite bandwidth per kind
+
+
+def test_leaving_a_rank_route_for_exact_factors(time_job):
+    """Rows fall at a refresh and a weight moves from the rank-r all-reduce to exact factors: the
+    flush step sends its residual densely, and the next step's exact factors (rows captured again)
+    equal the all-reduce of the local gradients."""
+    per_rank = result(time_job, "flush-exact")
+    assert per_rank[0]["routes"] == per_rank[1]["routes"] and per_rank[0]["digest"] == per_rank[1]["digest"]
+    routes = per_rank[0]["routes"]
+    assert routes[2]["0.weight"] in ("rank", "rank_allreduce") and routes[3]["0.weight"] == "dense", routes
+    assert routes[4]["0.weight"] == "exact", routes
+    for r in per_rank:
+        assert max(r["errors"]) < 1e-5, r["errors"]  # step 3: local + residual; step 4: exact

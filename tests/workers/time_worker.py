@@ -34,12 +34,13 @@ def _digest(model: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum() * (i + 1) for i, p in enumerate(model.parameters())))
 
 
-def _reference_grads(model: torch.nn.Module, data: dict, residuals: Dict[str, torch.Tensor]) -> torch.nn.Module:
+def _reference_grads(model: torch.nn.Module, data: dict, residuals: Dict[str, torch.Tensor],
+                     name: str = MODEL) -> torch.nn.Module:
     """A copy of ``model`` whose gradients are the all-reduce mean of each rank's local gradient
     plus its residual (what a dense step that flushes the residuals must give)."""
-    ref = build(MODEL)  # not a deepcopy: the model's hooks hold the synchroniser
+    ref = build(name)  # not a deepcopy: the model's hooks hold the synchroniser
     ref.load_state_dict(model.state_dict())
-    loss_of(MODEL, ref, data).backward()
+    loss_of(name, ref, data).backward()
     for name, p in ref.named_parameters():
         if name in residuals:
             p.grad.add_(residuals[name].to(p.grad.dtype))
@@ -48,7 +49,50 @@ def _reference_grads(model: torch.nn.Module, data: dict, residuals: Dict[str, to
     return ref
 
 
+def _wide() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+
+def run_flush_to_exact(case: dict) -> dict:
+    """A 64 x 64 layer at rank 4 on the slow link: 8 rows per rank take the rank-r all-reduce (2 KB
+    against 4 KB of factors); at the refresh of step 3 rows fall to 1 and exact factors (0.5 KB) are
+    faster. Step 3 sends the residual densely; step 4 goes by exact factors, which need the rows
+    captured after the flush."""
+    model = _wide()
+    sync = DADSynchronizer(model, TorchDistributedAggregator(),
+                           DADConfig(mode="auto", rank=4, objective="time", link=SLOW, route_refresh_steps=3))
+    out = {"routes": [], "errors": []}
+    for step, size in enumerate([8, 8, 8, 1, 1]):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        x, y = torch.randn(size, 64, generator=g), torch.randn(size, 8, generator=g)
+        ref = None
+        if step >= 3:  # the all-reduce of the local gradient (plus, at the flush, the residual)
+            ref = _wide()
+            ref.load_state_dict(model.state_dict())
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            residuals = sync.state_dict()["units"] if step == 3 else {}
+            for name, p in ref.named_parameters():
+                r = residuals.get(name, {}).get("residual")
+                if r is not None:
+                    p.grad.add_(r)
+                dist.all_reduce(p.grad)
+                p.grad.div_(dist.get_world_size())
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        sync.synchronize()
+        report = sync.last_step_report()
+        out["routes"].append({p.name: p.representation for p in report.params if len(p.shape) == 2})
+        if ref is not None:
+            out["errors"].append(max(grad_errors(ref, model).values()))
+        model.zero_grad(set_to_none=True)
+    out["digest"] = _digest(model)
+    sync.close()
+    return out
+
+
 def run(case: dict) -> dict:
+    if case["name"] == "flush-exact":
+        return run_flush_to_exact(case)
     model = build(MODEL, seed=0)
     link = {"fast": FAST, "slow": SLOW, "flush": SLOW, "measured": None}[case["name"]]
     config = DADConfig(mode="auto", rank=4, objective="time", link=link, route_refresh_steps=3)
@@ -94,7 +138,7 @@ def _gather(case_id: str, mine: dict) -> list:
 def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]
-    cases = {name: {"name": name} for name in ("fast", "slow", "flush", "measured")}
+    cases = {name: {"name": name} for name in ("fast", "slow", "flush", "measured", "flush-exact")}
     write_and_exit(out_path, run_all(cases, run, _gather))
 
 
