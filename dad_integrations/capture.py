@@ -16,33 +16,79 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .layers import Rows, rows_of_call
+from .rows import Block, Rows
 
 if TYPE_CHECKING:  # units imports this module
     from .units import FactorUnit
 
+RowsOfCall = Callable[[nn.Module, torch.Tensor, torch.Tensor], Rows]
 
-class ModuleCapture:
-    """Collects ``(left, right)`` row pairs of one module's calls (see `layers`).
+
+def resolve(module: nn.Module, attr: str) -> torch.Tensor:
+    """The tensor at dotted path ``attr`` from ``module`` (``"out_proj.weight"``), looked up now:
+    under FSDP2 a module holds its unsharded parameters only while its forward runs."""
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class Use:
+    """The row pairs of one use of a weight: what one layer's calls add to its gradient.
+
+    ``kind`` is the pairs' row layout (`rows`: ``"linear"``, ``"conv1d"``, ``"embedding"``),
+    ``block`` the rows of the weight's matrix view they cover (None: all), ``module`` the module
+    whose forward runs the use, and ``attr`` the dotted path from it to the weight. A capture (the
+    hooks) feeds one or several uses; ``enabled`` switches a use's capture off, hooks left in place.
+    """
+
+    def __init__(self, name: str, module: nn.Module, kind: str, attr: str = "weight", block: Block = None):
+        self.name, self.module, self.kind, self.attr, self.block = name, module, kind, attr, block
+        self.enabled = True
+        self.pairs: List[Rows] = []
+
+    def param(self) -> torch.Tensor:
+        """The weight this use adds to, as the module holds it now."""
+        return resolve(self.module, self.attr)
+
+    def take(self) -> List[Rows]:
+        """The window's pairs; clears them."""
+        pairs, self.pairs = self.pairs, []
+        return pairs
+
+    def clear(self) -> None:
+        self.pairs = []
+
+    def __getstate__(self) -> dict:  # rows never travel with a pickled model
+        return dict(self.__dict__, pairs=[], enabled=False)
+
+
+class ModuleCapture(Use):
+    """Collects ``(left, right)`` row pairs of one module's calls: one use (see `layers`), its rows
+    from ``rows_of_call(module, input, output_grad)``.
 
     ``on_forward`` is called at every captured forward (the synchroniser opens a step's window
     there, enabled or not); ``enabled`` switches the capture of rows off without removing the hooks.
     """
 
-    def __init__(self, name: str, module: nn.Module, kind: str,
+    def __init__(self, name: str, module: nn.Module, kind: str, rows_of_call: RowsOfCall,
                  on_forward: Optional[Callable[[], None]] = None):
-        self.name, self.module, self.kind = name, module, kind
-        self.enabled = True
-        self.pairs: List[Rows] = []
+        super().__init__(name, module, kind)
+        self.rows_of_call = rows_of_call
         self._pending: Dict[int, torch.Tensor] = {}
         self._calls = 0
         self._on_forward = on_forward
         self._handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
 
+    @property
+    def uses(self) -> List[Use]:
+        """The uses this capture feeds: itself."""
+        return [self]
+
     def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
             return
-        if not module.weight.requires_grad:
+        if not self.param().requires_grad:
             # frozen for now (a GAN's other half): no gradient will take these rows, and kept they
             # would join the next step that trains the weight
             return
@@ -59,7 +105,7 @@ class ModuleCapture:
     def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
         inputs = self._pending.pop(key, None)
         if inputs is not None:
-            self.pairs.append(rows_of_call(self.kind, self.module, inputs, grad.detach()))
+            self.pairs.append(self.rows_of_call(self.module, inputs, grad.detach()))
 
     def take(self) -> List[Rows]:
         """The window's pairs; clears them and drops inputs that never got a gradient."""
@@ -88,16 +134,66 @@ class ModuleCapture:
         self.__dict__.update(state)
 
 
+class HookedCapture:
+    """Base of a capture whose hooks feed several uses (an attention module's projections, a
+    recurrent layer's weights, a grouped convolution's groups): a layer kind's capture subclasses
+    it, registers its hooks through `hook` and calls `opened` at every forward it captures.
+
+    Like `ModuleCapture` it pickles detached (hooks that do nothing, no synchroniser), and
+    `remove_detached_captures` removes it from a loaded model.
+    """
+
+    def __init__(self, name: str, module: nn.Module, uses: Sequence[Use],
+                 on_forward: Optional[Callable[[], None]] = None):
+        self.name, self.module, self.uses = name, module, list(uses)
+        self._on_forward = on_forward
+        self._handles: list = []
+        self.detached = False
+
+    def hook(self, handle) -> None:
+        """Keep a hook handle, removed with the capture."""
+        self._handles.append(handle)
+
+    def opened(self) -> None:
+        """A captured forward runs: the step's window opens (whether or not rows are kept)."""
+        if self._on_forward is not None and not self.detached:
+            self._on_forward()
+
+    def clear(self) -> None:
+        """Drop the rows of the window, and whatever waits for a gradient."""
+        for u in self.uses:
+            u.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.clear()
+
+    transient: tuple = ()  # names of per-step attributes (dicts) a subclass keeps: pickled empty
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__, _on_forward=None, detached=True)
+        state.update({k: {} for k in self.transient})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
 def remove_detached_captures(model: nn.Module) -> int:
     """Remove the hooks of the captures that came with a loaded (unpickled) ``model``; returns how many."""
-    removed = 0
+    removed = set()
     for module in model.modules():
-        for hook in list(module._forward_hooks.values()):
+        for hook in list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values()):
             capture = getattr(hook, "__self__", None)
-            if isinstance(capture, ModuleCapture) and getattr(capture, "detached", False):
+            if getattr(hook, "func", None) is not None:  # a functools.partial of a capture's method
+                capture = getattr(hook.func, "__self__", capture)
+            if (isinstance(capture, (ModuleCapture, HookedCapture)) and getattr(capture, "detached", False)
+                    and id(capture) not in removed):
                 capture.remove()
-                removed += 1
-    return removed
+                removed.add(id(capture))
+    return len(removed)
 
 
 class CommittedRows:
@@ -117,10 +213,10 @@ class CommittedRows:
     def __init__(self, units: Sequence["FactorUnit"]):
         self._committed: Dict[int, List[Rows]] = {}  # per capture
         self._watched: Dict[int, tuple] = {}         # per used parameter: (parameter, handle)
-        self._hooks = [c.module.register_forward_hook(functools.partial(self._watch, u), prepend=True)
+        self._hooks = [c.module.register_forward_hook(functools.partial(self._watch, u, c.attr), prepend=True)
                        for u in units for c in u.uses]
 
-    def take(self, capture: ModuleCapture) -> List[Rows]:
+    def take(self, capture: Use) -> List[Rows]:
         """The committed rows of ``capture`` since the last take."""
         return self._committed.pop(id(capture), [])
 
@@ -130,8 +226,8 @@ class CommittedRows:
         self._watched.clear()
         self._committed.clear()
 
-    def _watch(self, unit: "FactorUnit", module: nn.Module, args, output) -> None:
-        p = module.weight
+    def _watch(self, unit: "FactorUnit", attr: str, module: nn.Module, args, output) -> None:
+        p = resolve(module, attr)
         if id(p) not in self._watched and p.requires_grad:
             self._watched[id(p)] = (p, p.register_post_accumulate_grad_hook(functools.partial(self._commit, unit)))
 

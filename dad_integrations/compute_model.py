@@ -179,6 +179,7 @@ def _exact_seconds(m: int, n: int, world_size: int, device: torch.device, dtype:
 def _capture_seconds(device: torch.device, dtype: torch.dtype, calls: int = 20) -> float:
     """Per call: a small layer's forward and backward with dAD's capture hooks, minus without."""
     from .capture import ModuleCapture
+    from .layers.linear import linear_rows
 
     layer = nn.Linear(8, 8).to(device=device, dtype=dtype)
     x = torch.randn(4, 8, device=device, dtype=dtype)
@@ -188,7 +189,7 @@ def _capture_seconds(device: torch.device, dtype: torch.dtype, calls: int = 20) 
             layer(x).sum().backward()
 
     bare = _timed(run, device)
-    capture = ModuleCapture("dad.compute.probe", layer, "linear")
+    capture = ModuleCapture("dad.compute.probe", layer, "linear", linear_rows)
     try:
         hooked = _timed(lambda: (run(), capture.clear()), device)
     finally:

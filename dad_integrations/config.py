@@ -16,8 +16,9 @@ from typing import Any, Iterable, Mapping, Optional, Tuple
 MODES = ("exact", "rank", "auto")
 RANK_ROUTES = ("auto", "allgather", "allreduce")
 WIRE_DTYPES = (None, "float16", "bfloat16")
-LAYER_KINDS = ("linear", "conv1d", "embedding")
+LAYER_KINDS = ("linear", "conv1d", "embedding", "conv", "mha", "rnn")  # `layers`: one module each
 OBJECTIVES = ("time", "bytes")
+UNCAPTURED_MATRICES = ("rank", "dense")
 # the objective of a config that names none; a job (or a test suite whose assertions are about bytes)
 # can set it for every engine at once without editing configs
 OBJECTIVE_ENV = "DAD_OBJECTIVE"
@@ -82,8 +83,13 @@ class DADConfig:
             captured share of the local gradient's energy reaches it (each site's own factors: it
             makes the rank route the all-gather).
         wire_dtype: dtype of factors and dense buckets on the wire; None keeps the gradients' dtype.
-        layer_kinds: which layer kinds are captured as factors.
+        layer_kinds: which layer kinds are captured as factors (`layers`: ``linear``, ``conv1d``
+            (Hugging Face's), ``embedding``, ``conv``, ``mha``, ``rnn``).
         exclude: ``fnmatch`` patterns of module names whose parameters always go dense.
+        uncaptured_matrices: ``"rank"`` (the default): a parameter with two or more dimensions
+            that no captured layer covers (an uncaptured convolution, a class token) still takes
+            the rank routes, from its dense gradient viewed as ``(shape[0], -1)``, as PowerSGD
+            compresses every matrix; ``"dense"``: it goes dense, as before.
         bucket_cap_mb: size of the dense all-reduce buckets.
         verify_first_step: on the first synchronised step, check on every rank that the captured
             factors rebuild the local gradient autograd computed; parameters that fail (used outside
@@ -125,6 +131,7 @@ class DADConfig:
     wire_dtype: Optional[str] = None
     layer_kinds: Tuple[str, ...] = LAYER_KINDS
     exclude: Tuple[str, ...] = ()
+    uncaptured_matrices: str = "rank"
     bucket_cap_mb: float = 25.0
     verify_first_step: bool = True
     rank_route: str = "auto"
@@ -183,6 +190,9 @@ class DADConfig:
         bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"dad config key 'layer_kinds': unknown kind(s) {bad}; known: {LAYER_KINDS}")
+        if self.uncaptured_matrices not in UNCAPTURED_MATRICES:
+            raise ValueError(f"dad config key 'uncaptured_matrices': {self.uncaptured_matrices!r} is not one of "
+                             f"{UNCAPTURED_MATRICES}")
         if not _finite_number(self.bucket_cap_mb) or self.bucket_cap_mb <= 0:
             raise ValueError(
                 f"dad config key 'bucket_cap_mb': must be a finite positive number, got {self.bucket_cap_mb!r}")

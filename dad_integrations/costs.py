@@ -34,15 +34,18 @@ ID_DTYPE = torch.int32
 
 
 def exact_block_specs(kinds: Sequence[str], shape: Tuple[int, int], rows: Sequence[int],
-                      wire_dtype: torch.dtype) -> List[BlockSpec]:
-    """Block layout of a unit's exact factors for one rank with ``rows[u]`` rows in use u."""
+                      wire_dtype: torch.dtype, blocks: Optional[Sequence[Optional[Tuple[int, int]]]] = None
+                      ) -> List[BlockSpec]:
+    """Block layout of a unit's exact factors for one rank with ``rows[u]`` rows in use u; a use
+    with a row block ``(offset, height)`` (``blocks[u]``) has ``height`` columns on its left."""
     m, n = shape
     specs: List[BlockSpec] = []
-    for kind, r in zip(kinds, rows):
+    for u, (kind, r) in enumerate(zip(kinds, rows)):
         if kind == "embedding":
             specs += [(ID_DTYPE, (r,)), (wire_dtype, (r, n))]
         else:
-            specs += [(wire_dtype, (r, m)), (wire_dtype, (r, n))]
+            block = blocks[u] if blocks is not None else None
+            specs += [(wire_dtype, (r, m if block is None else block[1])), (wire_dtype, (r, n))]
     return specs
 
 
@@ -53,15 +56,20 @@ def rank_block_specs(shape: Tuple[int, int], components: int, wire_dtype: torch.
 
 def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
                    bias_numel: int, rank: int, grad_dtype: torch.dtype, wire_dtype: torch.dtype,
-                   world_size: int, rounds: int = 1) -> Dict[str, float]:
+                   world_size: int, rounds: int = 1,
+                   blocks: Optional[Sequence[Optional[Tuple[int, int]]]] = None) -> Dict[str, float]:
     """Estimated bytes this rank receives for each representation of one unit; ``rounds``: the
-    rank-r all-reduce's P and Q rounds per step (`codecs.rank_allreduce.rank_allreduce_rounds`)."""
+    rank-r all-reduce's P and Q rounds per step (`codecs.rank_allreduce.rank_allreduce_rounds`);
+    ``blocks``: the uses' row blocks (`exact_block_specs`). A unit without uses (no ``kinds``) has
+    no exact factors."""
     m, n = shape
     s = world_size
     gb = torch.empty((), dtype=wire_dtype if wire_dtype is not None else grad_dtype).element_size()
     dense = ring_allreduce_bytes((m * n + bias_numel) * gb, s)
-    longest = max(packed_size(exact_block_specs(kinds, shape, r, wire_dtype)) for r in rows_by_rank)
-    out = {"dense": dense, "exact": (s - 1) * longest}
+    out = {"dense": dense}
+    if kinds:
+        longest = max(packed_size(exact_block_specs(kinds, shape, r, wire_dtype, blocks)) for r in rows_by_rank)
+        out["exact"] = (s - 1) * longest
     if rank:
         r = min(rank, m, n)
         bias = ring_allreduce_bytes(bias_numel * gb, s)
@@ -117,16 +125,20 @@ def sharded_rank_allreduce_bytes(shape: Tuple[int, int], rank: int, wire_dtype: 
 
 def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
                            bias_numel: int, grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
-                           world_size: int, rank: int = 0, rounds: int = 1) -> Dict[str, float]:
+                           world_size: int, rank: int = 0, rounds: int = 1,
+                           blocks: Optional[Sequence[Optional[Tuple[int, int]]]] = None) -> Dict[str, float]:
     """Estimated bytes per rank of the sharded representations of one unit: ``"dense"`` (FSDP2's
     reduce-scatter of the weight and its biases, in the gradients' dtype), ``"exact"``, and with a
     ``rank``, ``"rank"`` and ``"rank_allreduce"`` (whose biases go through the reduce-scatter).
-    Several biases are counted as one of ``bias_numel`` (their padding may differ by a row each)."""
+    Several biases are counted as one of ``bias_numel`` (their padding may differ by a row each).
+    Sharded exact factors need uses over whole rows: a unit without uses, or with row ``blocks``,
+    has no ``"exact"`` here."""
     gb = torch.empty((), dtype=grad_dtype).element_size()
     wire = wire_dtype or grad_dtype
     bias = reduce_scatter_bytes((bias_numel,), world_size, gb) if bias_numel else 0.0
-    out = {"dense": reduce_scatter_bytes(shape, world_size, gb) + bias,
-           "exact": sharded_exact_bytes(kinds, shape, rows_by_rank, wire, world_size)}
+    out = {"dense": reduce_scatter_bytes(shape, world_size, gb) + bias}
+    if kinds and blocks is None:
+        out["exact"] = sharded_exact_bytes(kinds, shape, rows_by_rank, wire, world_size)
     if rank:
         out["rank"] = sharded_rank_bytes(shape, rank, wire, world_size) + bias
         out["rank_allreduce"] = rounds * sharded_rank_allreduce_bytes(shape, rank, wire, world_size) + bias

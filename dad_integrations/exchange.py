@@ -71,7 +71,7 @@ class Exchanger:
         self._flushed: List[Tuple[str, object]] = []  # residuals flushed this step (restored if it is not finite)
         # objective "time": the agreed link and compute models (measured at attach: a collective)
         self.timing: Optional[StepTiming] = (
-            build_timing(config, {tuple(u.param.shape) for u in plan.units}, aggregator, device,
+            build_timing(config, {u.shape for u in plan.units}, aggregator, device,
                          dtype=plan.units[0].param.dtype) if plan.units else None)
 
     def refresh_due(self, step: int) -> bool:
@@ -178,14 +178,14 @@ class Exchanger:
         """Route one unit and start its collective; returns what finishes it (or None)."""
         agg, cfg, p = self.aggregator, self.config, unit.param
         s = agg.world_size
-        m, n = p.shape
+        m, n = unit.shape
         overlapped = not window.flush.is_set()
-        rows = [concat_rows(pairs, kind, (m, n), p) for pairs, kind in zip(window.take_rows(unit), unit.kinds)]
+        rows = [concat_rows(pairs, use.kind, (m, n), p, use.block) for pairs, use in zip(window.take_rows(unit), unit.uses)]
         if unit.index in window.restarts:
             _rederive_priors(unit, rows, window)
         counts = [int(r[0].shape[0]) for r in rows]
         wire = self.wire_dtype or p.dtype
-        shape = UnitShape(tuple(unit.kinds), (m, n), unit.bias_numel, p.dtype)
+        shape = UnitShape(tuple(unit.kinds), (m, n), unit.bias_numel, p.dtype, unit.blocks)
         sticky = self._held_route(unit, step, verify)
         if sticky is not None:  # by time, between refreshes: the route chosen at the last one
             decision = Route(sticky, sticky == "exact")
@@ -196,7 +196,7 @@ class Exchanger:
         traffic = Traffic()
         rows_by_rank = None
         if decision.exchange_sizes:
-            ok = unit.dense_only or not verify or factors_rebuild_local_grad(unit, rows, sink)
+            ok = unit.dense_only or not verify or not unit.has_factors or factors_rebuild_local_grad(unit, rows, sink)
             rows_by_rank, traffic = self._agree(unit, ok, counts)
             self.last_rows[unit.index] = rows_by_rank
             if sticky is None or unit.dense_only:
@@ -209,7 +209,7 @@ class Exchanger:
         if flush:
             rep = "dense"  # it carries the residual this step; its route applies from the next
 
-        entry = ParamReport(unit.name, rep, (m, n), rows=sum(counts),
+        entry = ParamReport(unit.name, rep, tuple(p.shape), rows=sum(counts),
                             max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0,
                             allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s),
                             overlapped=overlapped)

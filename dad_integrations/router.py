@@ -73,6 +73,12 @@ class UnitShape:
     shape: Tuple[int, int]
     bias_numel: int
     dtype: torch.dtype
+    blocks: Optional[Tuple[Optional[Tuple[int, int]], ...]] = None  # the uses' row blocks (`rows`)
+
+    @property
+    def has_factors(self) -> bool:
+        """A unit without uses (PowerSGD's floor) has no exact factors: dense or a rank route."""
+        return bool(self.kinds)
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,10 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
     rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
     if dense_only:
         return Route("dense", first_step)
+    if not unit.has_factors:  # no rows: decided without counts, never a size exchange
+        if config.mode == "exact" or not rank_allowed:
+            return Route("dense", False)
+        config = dataclasses.replace(config, mode="rank" if config.mode == "rank" else "auto")
     timed = timing if config.objective == "time" else None
 
     def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], size_exchange: bool = False) -> str:
@@ -142,9 +152,9 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
                 return current  # still allowed, and not worth a switch
         return best
 
-    if config.mode == "rank" and rank_allowed:  # rank routes need no counts
+    if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size
-        return Route(decide("rank", no_rows, estimates), first_step)
+        return Route(decide(config.mode, no_rows, estimates), first_step and unit.has_factors)
     if rows_by_rank is not None:
         return Route(decide(config.mode, rows_by_rank, estimates), True)
     if first_step or refresh or config.mode == "exact" or last_rows is None:
@@ -170,10 +180,11 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
     if sharded:
         return sharded_estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                                       bias_numel=unit.bias_numel, grad_dtype=unit.dtype, wire_dtype=wire_dtype,
-                                      world_size=world_size, rank=config.rank or 0, rounds=rounds)
+                                      world_size=world_size, rank=config.rank or 0, rounds=rounds,
+                                      blocks=unit.blocks)
     return estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                           bias_numel=unit.bias_numel, rank=config.rank or 0, grad_dtype=unit.dtype,
-                          wire_dtype=wire_dtype, world_size=world_size, rounds=rounds)
+                          wire_dtype=wire_dtype, world_size=world_size, rounds=rounds, blocks=unit.blocks)
 
 
 def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
@@ -181,11 +192,11 @@ def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
     """The representation of one unit (see `REPRESENTATIONS`), given agreed byte estimates; equal
     estimates are decided by ``ties`` (where given), then by `REPRESENTATIONS`' order."""
     if mode == "exact":
-        return "exact"
+        return "exact" if "exact" in estimates else "dense"
     rank_routes = [k for k in RANK_ROUTES[rank_route] if k in estimates] if rank_allowed else []
     if mode == "rank" and rank_routes:
         allowed = rank_routes
     else:
-        allowed = ["dense", "exact"] + (rank_routes if mode == "auto" else [])
+        allowed = [k for k in ("dense", "exact") if k in estimates] + (rank_routes if mode == "auto" else [])
     ties = ties or {}
     return min(allowed, key=lambda k: (estimates[k], ties.get(k, 0.0), REPRESENTATIONS.index(k)))

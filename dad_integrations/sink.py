@@ -17,6 +17,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from .rows import as_matrix
 
 
 class GradSink:
@@ -32,22 +33,25 @@ class GradSink:
     def add_local(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Add ``value`` to this rank's gradient of ``p`` before a dense bucket reduces it (an
         error-feedback residual flushed by a unit leaving a rank route)."""
+        value = value.reshape(p.shape)
         if p.grad is None:
             p.grad = value.to(p.dtype).clone()
         else:
             p.grad.add_(value.to(p.grad.dtype))
 
     def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's gradient of the current window (without any gradient left from before)."""
+        """This rank's gradient of the current window (without any gradient left from before),
+        as a matrix (`rows.as_matrix`) where ``p`` has more than two dimensions."""
         g = self._current(p)
         if g is None:
-            return torch.zeros(p.shape, dtype=dtype, device=p.device)
+            return as_matrix(torch.zeros(p.shape, dtype=dtype, device=p.device))
         g = g.detach().to(dtype)
         prior = self.priors.get(id(p))
-        return g - prior.to(dtype) if prior is not None else g
+        return as_matrix(g - prior.to(dtype) if prior is not None else g)
 
     def write(self, p: nn.Parameter, average: torch.Tensor) -> None:
-        """The synchronised gradient is ``prior + average``."""
+        """The synchronised gradient is ``prior + average`` (``average`` shaped as ``p`` or as its matrix)."""
+        average = average.reshape(p.shape)
         prior = self.priors.get(id(p))
         self._store(p, average if prior is None else average + prior.to(average.dtype))
 
@@ -56,7 +60,7 @@ class GradSink:
         grad = p.grad
         if (grad is not None and id(p) not in self.priors and grad.dtype == left.dtype
                 and grad.is_contiguous()):
-            torch.mm(left, right, out=grad)
+            torch.mm(left, right, out=as_matrix(grad))
         else:
             self.write(p, left @ right)
 
@@ -98,6 +102,7 @@ class BucketViewSink(GradSink):
         self.prior_scale = 1.0
 
     def write(self, p: nn.Parameter, average: torch.Tensor) -> None:
+        average = average.reshape(p.shape)
         prior = self.priors.get(id(p))
         if prior is None:
             self._store(p, average)
@@ -106,7 +111,7 @@ class BucketViewSink(GradSink):
 
     def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         if self.shadow:
-            return torch.zeros(p.shape, dtype=dtype, device=p.device)
+            return as_matrix(torch.zeros(p.shape, dtype=dtype, device=p.device))
         return super().local_grad(p, dtype)
 
     def dense_grad(self, p: nn.Parameter) -> Optional[torch.Tensor]:
@@ -163,14 +168,16 @@ class ShardSink:
         """This rank's whole (unsharded) local gradient of ``p``, as autograd computed it."""
         s = self.slot(p)
         if s is None:
-            return torch.zeros(p.shape, dtype=dtype, device=self.inp.device)
+            return as_matrix(torch.zeros(p.shape, dtype=dtype, device=self.inp.device))
         block = self.inp.view(self.world_size, self.chunk)[:, s.offset:s.offset + s.numel]
-        return block.reshape((self.world_size * s.rows,) + s.shape[1:])[:s.shape[0]].to(dtype) * self.predivide
+        whole = block.reshape((self.world_size * s.rows,) + s.shape[1:])[:s.shape[0]].to(dtype) * self.predivide
+        return as_matrix(whole)
 
     def add_local(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Add ``value`` (``p``'s whole shape) to this rank's local gradient of ``p`` in the
         reduce-scatter input, so that FSDP's reduce-scatter sends it too."""
         s = self.slots[id(p)]
+        value = value.reshape(s.shape)
         block = self.inp.view(self.world_size, self.chunk)[:, s.offset:s.offset + s.numel]
         block = block.view((self.world_size, s.rows) + tuple(s.shape[1:]))
         for r in range(self.world_size):  # chunk r holds rows [r c, (r+1) c)
@@ -187,7 +194,7 @@ class ShardSink:
             view.zero_()
             return
         k = shard.shape[0]
-        view[:k].copy_(shard)
+        view[:k].copy_(shard.reshape((k,) + tuple(s.shape[1:])))
         view[k:].zero_()
 
     def dense_input(self, slots: Sequence[ShardSlot]) -> torch.Tensor:

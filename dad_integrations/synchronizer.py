@@ -278,7 +278,7 @@ class DADSynchronizer:
 
     def _end_step(self, window: StepWindow) -> List[str]:
         """Drop the step's window and rows; returns the weights whose rows arrived after their exchange."""
-        late = [c.name for c in self._plan.captures if c.pairs] + window.twice
+        late = [u.name for c in self._plan.captures for u in c.uses if u.pairs] + window.twice
         for c in self._plan.captures:
             c.clear()
         with self._lock:

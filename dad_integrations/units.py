@@ -1,23 +1,26 @@
 """Which parameters go through factors and which through dense all-reduce.
 
 A trainable parameter is a *factor unit* when every module that registers it is a captured layer
-(`layers.layer_kind`) holding it as ``weight``: then the gradient is the sum of what its uses'
+(a kind of `layers` claims it as a weight): then the gradient is the sum of what its uses'
 factors rebuild. GPT-2's tied ``wte``/``lm_head`` weight is one unit with an embedding use and a
-linear use. A bias rides with its layer when that layer is its only owner. Everything else —
-norms, parameters of other modules, layers excluded by name — is synchronised densely.
+linear use. A bias rides with its layer when that layer is its only owner. Every other parameter
+with two or more dimensions (convolutions no kind captures, raw ``nn.Parameter``s such as position
+embeddings and class tokens) is a unit *without uses*: no factors, but the rank routes from its
+dense gradient, viewed as PowerSGD views it (``view(shape[0], -1)``), so that no model sends more
+than PowerSGD. The rest — norms, other biases, layers excluded by name — is synchronised densely.
 """
 from __future__ import annotations
 
 import fnmatch
 import json
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .capture import ModuleCapture
+from .capture import Use
 from .config import DADConfig
-from .layers import layer_kind
+from .layers import Claim, LayerKind, kind_of, matrix_shape, registered_kinds
 
 
 def param_shape(p: nn.Parameter) -> Tuple[int, ...]:
@@ -28,11 +31,18 @@ def param_shape(p: nn.Parameter) -> Tuple[int, ...]:
 
 @dataclass
 class BiasUse:
-    """A bias whose gradient is the sum of one captured layer's output-gradient rows."""
+    """A bias whose gradient is the sum of one captured use's output-gradient rows (``capture``),
+    plus those of ``more`` uses of the same weight where the bias is split in row blocks as the
+    weight is (a packed attention projection called on q, k and v slices)."""
 
     name: str
     param: nn.Parameter
-    capture: ModuleCapture
+    capture: Use
+    more: Tuple[Use, ...] = ()
+
+    @property
+    def uses(self) -> Tuple[Use, ...]:
+        return (self.capture,) + tuple(self.more)
 
 
 @dataclass
@@ -46,15 +56,31 @@ class FactorUnit:
     index: int
     name: str
     param: nn.Parameter
-    uses: List[ModuleCapture]
+    uses: List[Use]
     biases: List[BiasUse]
     dense_only: bool = False          # failed the first-step check: dense from then on
     rows_unused: bool = False         # rank-reduced from its dense gradient: rows not captured
 
     @property
+    def shape(self) -> Tuple[int, int]:
+        """The weight's matrix view, ``(shape[0], prod(shape[1:]))`` (PowerSGD's)."""
+        return matrix_shape(param_shape(self.param))
+
+    @property
+    def has_factors(self) -> bool:
+        """Whether the unit has uses (without, its only routes are dense and the rank routes)."""
+        return bool(self.uses)
+
+    @property
+    def blocks(self) -> Optional[Tuple[Optional[Tuple[int, int]], ...]]:
+        """Per use, its row block of the matrix view; None where every use covers every row."""
+        blocks = tuple(c.block for c in self.uses)
+        return blocks if any(b is not None for b in blocks) else None
+
+    @property
     def factors_only(self) -> bool:
-        """All uses are linear-like, so rank reduction may run on the factors."""
-        return all(c.kind != "embedding" for c in self.uses)
+        """All uses are linear-like over whole rows, so rank reduction may run on the factors."""
+        return self.has_factors and self.blocks is None and all(c.kind != "embedding" for c in self.uses)
 
     @property
     def kinds(self) -> List[str]:
@@ -103,7 +129,14 @@ class SyncPlan:
 
 
 def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan:
-    """Assign every trainable parameter of ``model`` to a factor unit or to the dense path."""
+    """Assign every trainable parameter of ``model`` to a factor unit or to the dense path.
+
+    Kinds claim parameters by priority (`layers.registry`); a parameter is a factor unit when
+    every registration of it is claimed as a weight (GPT-2's tied ``wte``/``lm_head``: an embedding
+    use and a linear use). Other parameters with two or more dimensions become units without uses
+    (``uncaptured_matrices="rank"``): their dense gradient takes the rank routes, as PowerSGD's
+    does. A bias rides with its use's unit where that use covers the whole weight.
+    """
     names: Dict[int, str] = {}
     trainable: List[nn.Parameter] = []
     for name, p in model.named_parameters():
@@ -121,51 +154,86 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
                 if entry not in owners.setdefault(id(p), []):
                     owners[id(p)].append(entry)
 
-    def capturable(mod_name: str, module: nn.Module) -> Optional[str]:
-        kind = layer_kind(module)
-        if kind is None or kind not in config.layer_kinds:
-            return None
-        if any(fnmatch.fnmatchcase(mod_name, pat) for pat in config.exclude):
-            return None
-        return kind
+    def excluded(mod_name: str) -> bool:
+        return any(fnmatch.fnmatchcase(mod_name, pat) for pat in config.exclude)
 
     # refuse before any hook is installed, so that a refused model is left untouched
     for mod_name, module in model.named_modules():
-        if capturable(mod_name, module) == "embedding" and module.sparse and module.weight.requires_grad:
+        if (isinstance(module, nn.Embedding) and "embedding" in config.layer_kinds and not excluded(mod_name)
+                and kind_of(module, config.layer_kinds) is not None and module.sparse
+                and module.weight.requires_grad):
             raise ValueError(f"module {mod_name!r}: sparse embedding gradients are not supported by dAD; "
                              f"use sparse=False or exclude the module with the 'exclude' config key")
 
-    captures: Dict[int, ModuleCapture] = {}
+    # claims by priority: (id(owner module), attribute) -> (capturing module's name, module, kind, claim)
+    claimed: Dict[Tuple[int, str], Tuple[str, nn.Module, LayerKind, Claim]] = {}
+    for kind in registered_kinds():
+        if kind.name not in config.layer_kinds:
+            continue
+        for mod_name, module in model.named_modules():
+            if excluded(mod_name) or not kind.accepts(module):
+                continue
+            claims = kind.claims(module)
+            keys = [_registration(module, c.attr) for c in claims]
+            if any(k in claimed for k in keys):
+                continue  # a composite of higher priority claimed part of it
+            for k, c in zip(keys, claims):
+                claimed[k] = (mod_name, module, kind, c)
+
+    captures: Dict[int, Tuple[object, Dict[str, Use]]] = {}
+
+    def uses_of(mod_name: str, module: nn.Module, kind: LayerKind, keys: Sequence[str]) -> List[Use]:
+        if id(module) not in captures:
+            captures[id(module)] = kind.capture(mod_name, module, on_forward)
+        return [captures[id(module)][1][k] for k in keys]
+
     units: List[FactorUnit] = []
-    unit_params = set()
+    unit_of_use: Dict[int, FactorUnit] = {}
+    covered = set()
     for p in trainable:
         regs = owners.get(id(p), [])
-        if regs and all(attr == "weight" and capturable(n, m) for n, m, attr in regs) and len(param_shape(p)) == 2:
-            uses = []
-            for mod_name, module, _ in regs:
-                if id(module) not in captures:
-                    captures[id(module)] = ModuleCapture(mod_name, module, layer_kind(module), on_forward)
-                uses.append(captures[id(module)])
-            units.append(FactorUnit(0, names[id(p)], p, uses, []))
-            unit_params.add(id(p))
+        found = [claimed.get((id(m), attr)) for _, m, attr in regs]
+        if regs and all(f is not None and not f[3].bias for f in found) and len(param_shape(p)) >= 2:
+            uses = [u for mod_name, module, kind, claim in found for u in uses_of(mod_name, module, kind, claim.uses)]
+            unit = FactorUnit(0, names[id(p)], p, uses, [])
+            units.append(unit)
+            unit_of_use.update({id(u): unit for u in uses})
+            covered.add(id(p))
 
     dense: List[Tuple[str, nn.Parameter]] = []
-    by_module = {id(c.module): c for c in captures.values()}
-    unit_of_module = {id(c.module): u for u in units for c in u.uses}
     for p in trainable:
-        if id(p) in unit_params:
+        if id(p) in covered:
             continue
         regs = owners.get(id(p), [])
-        if (len(regs) == 1 and regs[0][2] == "bias" and id(regs[0][1]) in by_module
-                and by_module[id(regs[0][1])].kind != "embedding"):
-            unit_of_module[id(regs[0][1])].biases.append(
-                BiasUse(names[id(p)], p, by_module[id(regs[0][1])]))
-        else:
-            dense.append((names[id(p)], p))
+        found = claimed.get((id(regs[0][1]), regs[0][2])) if len(regs) == 1 else None
+        if found is not None and found[3].bias and id(found[1]) in captures:
+            by_key = captures[id(found[1])][1]
+            uses = [by_key.get(k) for k in found[3].uses]
+            unit = unit_of_use.get(id(uses[0]))
+            if (unit is not None and all(unit_of_use.get(id(u)) is unit and u.kind != "embedding" for u in uses)
+                    and (uses[0].block is None if len(uses) == 1 else all(u.block is not None for u in uses))):
+                # (several uses are blocks of one split bias; sharded exact factors never take blocked units)
+                unit.biases.append(BiasUse(names[id(p)], p, uses[0], tuple(uses[1:])))
+                continue
+        if (config.uncaptured_matrices == "rank" and len(param_shape(p)) >= 2
+                and not any(excluded(mod_name) for mod_name, _, _ in regs)):
+            units.append(FactorUnit(0, names[id(p)], p, [], []))  # PowerSGD's floor: rank routes
+            continue
+        dense.append((names[id(p)], p))
 
     # Backward visits layers roughly in reverse registration order; so does the exchange, so that
     # each layer's collective can start as soon as its gradient rows exist.
-    units.reverse()
+    order = {id(p): i for i, p in enumerate(trainable)}
+    units.sort(key=lambda u: order[id(u.param)], reverse=True)
     for i, u in enumerate(units):
         u.index = i
-    return SyncPlan(units, dense, list(captures.values()))
+    return SyncPlan(units, dense, [c for c, _ in captures.values()])
+
+
+def _registration(module: nn.Module, attr: str) -> Tuple[int, str]:
+    """The (id(owner module), attribute) of the parameter at dotted ``attr`` from ``module``."""
+    *path, leaf = attr.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    return id(owner), leaf

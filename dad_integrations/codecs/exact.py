@@ -1,7 +1,7 @@
 """Exact factors (lossless dAD): each rank's rows, all-gathered, rebuilt as a sum of outer products.
 
-For a weight with uses u (m x n), rank s holds rows ``(left_su, right_su)`` with
-``G_s = sum_u left_su^T right_su``; the ranks all-gather every block, and each rebuilds
+For a weight with uses u (m x n, its matrix view), rank s holds rows ``(left_su, right_su)`` with
+``G_s = sum_u left_su^T right_su`` (a use with a row block adds into its rows); the ranks all-gather every block, and each rebuilds
 ``G = scale * sum_s G_s`` with one matmul per use over all ranks' rows stacked, and each bias as
 the sum of its use's output-gradient rows. Cost per rank: ``N (m+n)`` numbers sent, one
 ``S N m n`` matmul. One packed buffer per unit and rank (float rows in the wire dtype, int32 ids
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..costs import ID_DTYPE, exact_block_specs
-from ..layers import Rows, add_rebuilt_grad, compute_dtype, output_grad_rows
+from ..layers import Rows, add_bias_grad, add_rebuilt_grad, compute_dtype
 from ..units import FactorUnit
 from ..wire import pack, packed_size, unpack
 
@@ -40,15 +40,14 @@ class ExactCodec:
 
     def sizes(self, unit: FactorUnit, rows_by_rank: Sequence[Sequence[int]]) -> List[int]:
         """Every rank's buffer length, from the agreed row counts (no size exchange needed)."""
-        shape = tuple(unit.param.shape)
-        return [packed_size(exact_block_specs(unit.kinds, shape, r, self.wire(unit))) for r in rows_by_rank]
+        return [packed_size(exact_block_specs(unit.kinds, unit.shape, r, self.wire(unit), unit.blocks))
+                for r in rows_by_rank]
 
     def stacked_rows(self, unit: FactorUnit, buffers: Sequence[torch.Tensor],
                      rows_by_rank: Sequence[Sequence[int]]) -> List[Rows]:
         """Per use, every rank's rows stacked in rank order (ids as int64, floats in the compute dtype)."""
-        shape = tuple(unit.param.shape)
         cdt = compute_dtype(unit.param)
-        per_rank = [unpack(buf, exact_block_specs(unit.kinds, shape, r, self.wire(unit)))
+        per_rank = [unpack(buf, exact_block_specs(unit.kinds, unit.shape, r, self.wire(unit), unit.blocks))
                     for buf, r in zip(buffers, rows_by_rank)]
         out = []
         for u, kind in enumerate(unit.kinds):
@@ -64,25 +63,30 @@ class ExactCodec:
         if not any(any(r) for r in rows_by_rank):
             return None
         p = unit.param
-        grad = torch.zeros(p.shape, dtype=compute_dtype(p), device=p.device)
+        grad = torch.zeros(unit.shape, dtype=compute_dtype(p), device=p.device)
         gathered = self.stacked_rows(unit, buffers, rows_by_rank)
-        for kind, rows in zip(unit.kinds, gathered):
-            add_rebuilt_grad(kind, grad, rows)
+        for use, rows in zip(unit.uses, gathered):
+            add_rebuilt_grad(use.kind, grad, rows, use.block)
         out = {p: grad.mul_(scale)}
         for b in unit.biases:
-            u = unit.uses.index(b.capture)
-            out[b.param] = output_grad_rows(b.capture.kind, gathered[u]).sum(0).mul_(scale)
+            bias = torch.zeros(b.param.shape, dtype=grad.dtype, device=p.device)
+            for use in b.uses:
+                add_bias_grad(use.kind, bias, gathered[unit.uses.index(use)], use.block)
+            out[b.param] = bias.mul_(scale)
         return out
 
 
 def local_rebuild(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype) -> Dict[nn.Parameter, torch.Tensor]:
     """This rank's gradients of the weight and its biases, rebuilt from its own rows."""
     p = unit.param
-    grad = torch.zeros(p.shape, dtype=dtype, device=p.device)
-    for kind, (left, right) in zip(unit.kinds, rows):
-        add_rebuilt_grad(kind, grad, (left if kind == "embedding" else left.to(dtype), right.to(dtype)))
+    grad = torch.zeros(unit.shape, dtype=dtype, device=p.device)  # the matrix view
+    for use, (left, right) in zip(unit.uses, rows):
+        add_rebuilt_grad(use.kind, grad, (left if use.kind == "embedding" else left.to(dtype), right.to(dtype)),
+                         use.block)
     out = {p: grad}
     for b in unit.biases:
-        d = output_grad_rows(b.capture.kind, rows[unit.uses.index(b.capture)])
-        out[b.param] = d.to(dtype).sum(0)
+        bias = torch.zeros(b.param.shape, dtype=dtype, device=p.device)
+        for use in b.uses:
+            add_bias_grad(use.kind, bias, rows[unit.uses.index(use)], use.block)
+        out[b.param] = bias
     return out

@@ -86,7 +86,7 @@ class RankCodec:
                entry: ParamReport, step: int) -> torch.Tensor:
         """This rank's payload (``r`` rows of ``m + n``; fewer with adaptive tolerance)."""
         cfg, p = self.config, unit.param
-        m, n = p.shape
+        m, n = unit.shape
         r = min(cfg.rank, m, n)
         cdt = compute_dtype(p)
         n_rows = sum(int(left.shape[0]) for left, _ in rows)
@@ -123,7 +123,7 @@ class RankCodec:
         """``(left, right)`` with ``left @ right = scale * sum_s P_s Q_s^T``, from every rank's
         ``[P^T | Q^T]`` rows, stacked."""
         p = unit.param
-        m = p.shape[0]
+        m = unit.shape[0]
         factors = factors.to(compute_dtype(p))
         # the scale goes on the (S r x m) block, not on the m x n result: one pass fewer
         return (factors[:, :m] * scale).t(), factors[:, m:]

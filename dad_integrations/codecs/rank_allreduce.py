@@ -142,7 +142,7 @@ class RankAllReduceCodec:
               local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor], entry: ParamReport) -> LocalGradient:
         """This rank's ``M_s``: from the factors where that is cheaper and nothing is added to them."""
         p = unit.param
-        m, n = p.shape
+        m, n = unit.shape
         r = min(self.config.rank, m, n)
         cdt = compute_dtype(p)
         n_rows = sum(int(left.shape[0]) for left, _ in rows)
@@ -194,7 +194,7 @@ class RankAllReduceCodec:
         return finish
 
     def initial_q(self, unit: FactorUnit, step: int) -> torch.Tensor:
-        m, n = unit.param.shape
+        m, n = unit.shape
         return self.warm.initial(unit, n, min(self.config.rank, m, n), compute_dtype(unit.param), step)
 
     def commit(self, keep: bool) -> None:
@@ -219,7 +219,7 @@ class AllReduceBucket:
 
     def add(self, item: Item) -> None:
         unit = item[0]
-        m, n = unit.param.shape
+        m, n = unit.shape
         self.items.append(item)
         self._bytes += item[2].shape[1] * (m + n) * unit.param.element_size()
 

@@ -82,7 +82,7 @@ from ..config import DADConfig
 from ..error_feedback import error_feedback_for
 from ..layers import Rows, compute_dtype
 from ..low_rank import LocalGradient, choose_method, method_costs, reduce_rank
-from ..units import FactorUnit, param_shape
+from ..units import FactorUnit
 from .finite import finite_flag
 from .rank import WarmStart, _cat, _reduction_is_safe
 from .rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
@@ -213,7 +213,7 @@ class ShardedRankCodec:
         if representation not in ROUTES:
             raise ValueError(f"not a rank route: {representation!r}")
         cfg, p = self.config, unit.param
-        m, n = param_shape(p)  # ZeRO-3 empties p.data; FSDP2's DTensor has the global shape
+        m, n = unit.shape  # (param_shape: ZeRO-3 empties p.data; FSDP2's DTensor has the global shape)
         r = min(cfg.rank, m, n)
         cdt = compute_dtype(p)
         method = "dense"
@@ -277,7 +277,7 @@ class ShardedRankCodec:
             qs, received = gather.wait(), to_all.wait()
             out, q0, p0 = [], 0, 0
             for it, q_part, p_part, k in zip(items, q_parts, p_parts, components):
-                m, n = it.unit.param.shape
+                m, n = it.unit.shape
                 cdt = compute_dtype(it.unit.param)
                 a, b, c = shard_span(rank, S, m)
                 q_ts = torch.stack([g[q0:q0 + q_part.numel()].view(it.rank, n) for g in qs]).to(cdt)
@@ -296,7 +296,7 @@ class ShardedRankCodec:
         gradient is not finite. The warm start and residual wait in `_pending` until `end_step`.
         (The all-gather route's local half; `deepspeed_dad.zero` sends the pair its own way.)"""
         unit, r = it.unit, it.rank
-        m, n = param_shape(unit.param)
+        m, n = unit.shape
         cdt = compute_dtype(unit.param)
         device = it.local.dense.device if it.local.dense is not None else it.local.left.device
         if not it.finite:  # every rank's rebuild turns non-finite, none raises alone
@@ -326,7 +326,7 @@ class ShardedRankCodec:
                                       f"dad.sharded.powersgd.{items[0].unit.name}",
                                       rank_allreduce_rounds(self.config), lambda t: t)
         # param_shape: ZeRO-3 empties p.data
-        rounds.start([self.shared.initial(it.unit, param_shape(it.unit.param)[1], it.rank, dtype, step)
+        rounds.start([self.shared.initial(it.unit, it.unit.shape[1], it.rank, dtype, step)
                       for it, dtype in zip(items, dtypes)])
         residuals: list = [None] * len(items)
 

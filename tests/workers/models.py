@@ -57,8 +57,16 @@ class DynamicMLP(nn.Module):
         return self.out(h)
 
 
+def _extra(name: str):
+    from layer_models import registry
+    return registry().get(name)
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    extra = _extra(name)
+    if extra is not None:
+        return extra.build()
     if name in ("mlp", "mlp_functional", "mlp_ckpt", "mlp_ckpt_shared"):
         return MLP(functional_reuse=name == "mlp_functional",
                    checkpoint={"mlp_ckpt": "head", "mlp_ckpt_shared": "shared"}.get(name, ""))
@@ -94,6 +102,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
 def batch(name: str, size: int, seed: int) -> dict:
     """A batch of ``size`` examples for model ``name``, deterministic in ``seed``."""
     g = torch.Generator().manual_seed(seed)
+    extra = _extra(name)
+    if extra is not None:
+        return extra.batch(size, g)
     if name == "embedding":  # few ids, so that they repeat; 0 is the padding id
         ids = torch.randint(0, 6, (size, 5), generator=g)
         return {"x": ids, "y": torch.randn(size, 5, 12, generator=g)}
@@ -112,6 +123,9 @@ def batch(name: str, size: int, seed: int) -> dict:
 
 
 def loss_of(name: str, model: nn.Module, data: dict) -> torch.Tensor:
+    extra = _extra(name)
+    if extra is not None:
+        return extra.loss(model, data)
     if name.startswith("mlp") or name == "embedding":
         return nn.functional.mse_loss(model(data["x"]), data["y"])
     return model(**data).loss

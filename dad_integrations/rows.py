@@ -1,14 +1,19 @@
-"""Layer kinds whose weight gradient is a sum of outer products, and how to rebuild it.
+"""Row layouts: how a captured use's ``(left, right)`` row blocks rebuild its weight's gradient.
 
-Every captured call yields a pair ``(left, right)`` of row blocks, oriented to the parameter:
+Every captured call yields a pair ``(left, right)`` of row blocks, oriented to the weight's matrix
+view (`matrix_shape`: PowerSGD's ``view(shape[0], -1)``). A use's *layout* says how they combine;
+the layer kinds (`layers`) map every module they capture onto one of three:
 
-| kind        | weight shape | left                        | right              | grad           |
+| layout      | weight view  | left                        | right              | grad           |
 |-------------|--------------|-----------------------------|--------------------|----------------|
 | `linear`    | (out, in)    | output-grad rows D (N, out) | input rows X (N,in)| ``left^T right`` |
 | `conv1d`    | (in, out)    | input rows X (N, in)        | D (N, out)         | ``left^T right`` |
 | `embedding` | (V, d)       | token ids (N,) int64        | D (N, d)           | ``index_add``  |
 
-Any leading dimensions (batch, time, tokens) are flattened into rows.
+Any leading dimensions (batch, time, tokens, output positions) are flattened into rows. A use may
+cover a *row block* ``(offset, height)`` of the weight's view (one group of a grouped convolution,
+the query slice of a packed attention projection): its left then has ``height`` columns and adds
+into rows ``offset : offset + height``.
 """
 from __future__ import annotations
 
@@ -19,15 +24,23 @@ from torch import nn
 
 Rows = Tuple[torch.Tensor, torch.Tensor]
 
-try:  # Hugging Face's transposed linear layer (GPT-2); transformers is optional.
-    from transformers.pytorch_utils import Conv1D as _HFConv1D
-except Exception:  # pragma: no cover - exercised only without transformers
-    _HFConv1D = None
+Block = Optional[Tuple[int, int]]  # (row offset, height) into the weight's matrix view; None: all rows
 
 
-def _runs_stock_forward(module: nn.Module, base: type) -> bool:
-    # A subclass with its own forward may use the weight differently: leave it to dense all-reduce.
-    return isinstance(module, base) and type(module).forward is base.forward
+def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
+    """A weight's matrix view, ``(shape[0], prod(shape[1:]))`` as PowerSGD views it (2-D unchanged)."""
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ValueError(f"a matrix view needs two or more dimensions, got shape {shape}")
+    n = 1
+    for d in shape[1:]:
+        n *= int(d)
+    return int(shape[0]), n
+
+
+def as_matrix(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as its matrix (`matrix_shape`) where it has more than two dimensions."""
+    return t.reshape(t.shape[0], -1) if t.dim() > 2 else t
 
 
 def compute_dtype(p: torch.Tensor) -> torch.dtype:
@@ -35,49 +48,29 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
     return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
 
 
-def layer_kind(module: nn.Module) -> Optional[str]:
-    """The kind name of a module whose weight gradient dAD can rebuild, else None."""
-    if _runs_stock_forward(module, nn.Linear):
-        return "linear"
-    if _runs_stock_forward(module, nn.Embedding):
-        return "embedding"
-    if _HFConv1D is not None and _runs_stock_forward(module, _HFConv1D):
-        return "conv1d"
-    return None
-
-
-def rows_of_call(kind: str, module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor) -> Rows:
-    """The (left, right) row blocks of one forward call and its output gradient."""
-    if kind == "linear":
-        return grad_out.reshape(-1, grad_out.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
-    if kind == "conv1d":
-        return inputs.reshape(-1, inputs.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])
-    if kind == "embedding":
-        ids = inputs.reshape(-1)
-        d = grad_out.reshape(-1, grad_out.shape[-1])
-        if module.padding_idx is not None:
-            # autograd gives the padding row no gradient: drop its rows before they cost bytes
-            keep = ids != module.padding_idx
-            ids, d = ids[keep], d[keep]
-        if module.scale_grad_by_freq:
-            # autograd divides each row by its id's count within this call
-            counts = torch.bincount(ids, minlength=1)[ids].to(d.dtype)
-            d = d / counts.unsqueeze(1)
-        return ids, d
-    raise ValueError(f"unknown layer kind {kind!r}")
-
-
-def concat_rows(pairs: Sequence[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter) -> Rows:
-    """One (left, right) block per use: all calls' rows, in call order of arrival."""
+def concat_rows(pairs: Sequence[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter,
+                block: Block = None) -> Rows:
+    """One (left, right) block per use: all calls' rows, in call order of arrival. ``shape`` is
+    the weight's matrix view; ``block`` the use's row block (its empty left has its height)."""
     if len(pairs) == 1:  # one call: no copy (the rows are only read from here on)
         return pairs[0][0].contiguous(), pairs[0][1].contiguous()
     if pairs:
         return torch.cat([a for a, _ in pairs]), torch.cat([b for _, b in pairs])
-    m, n = shape
+    m, n = shape[0], matrix_shape(shape)[1]
+    if block is not None:
+        m = block[1]
     if kind == "embedding":
         return (torch.zeros(0, dtype=torch.int64, device=p.device),
                 torch.zeros(0, n, dtype=p.dtype, device=p.device))
     return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)
+
+
+def add_bias_grad(kind: str, grad: torch.Tensor, rows: Rows, block: Block = None) -> None:
+    """Accumulate a bias gradient, the sum of the use's output-gradient rows, into ``grad``."""
+    d = output_grad_rows(kind, rows)
+    if block is not None:
+        grad = grad[block[0]:block[0] + block[1]]
+    grad.add_(d.to(grad.dtype).sum(0))
 
 
 def output_grad_rows(kind: str, rows: Rows) -> torch.Tensor:
@@ -86,11 +79,14 @@ def output_grad_rows(kind: str, rows: Rows) -> torch.Tensor:
     return left if kind == "linear" else right
 
 
-def add_rebuilt_grad(kind: str, grad: torch.Tensor, rows: Rows) -> None:
-    """Accumulate the weight gradient of ``rows`` into ``grad`` (weight-shaped, in place)."""
+def add_rebuilt_grad(kind: str, grad: torch.Tensor, rows: Rows, block: Block = None) -> None:
+    """Accumulate the weight gradient of ``rows`` into ``grad`` (the matrix view, in place); a
+    use's ``block`` adds into its rows only."""
     left, right = rows
     if left.shape[0] == 0:
         return
+    if block is not None:
+        grad = grad[block[0]:block[0] + block[1]]
     if kind == "embedding":
         deterministic_index_add(grad, left, right.to(grad.dtype))
     else:

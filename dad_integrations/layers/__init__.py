@@ -1,0 +1,19 @@
+"""Layer kinds: one module per kind, registered with `registry.register_kind`.
+
+| kind        | modules                          | module file   |
+|-------------|----------------------------------|---------------|
+| `linear`    | ``nn.Linear``                    | `linear`      |
+| `conv1d`    | Hugging Face ``Conv1D`` (GPT-2)  | `hf_conv1d`   |
+| `embedding` | ``nn.Embedding``                 | `embedding`   |
+
+A new kind is a new module here, imported below, plus its name in `config.LAYER_KINDS`. Row
+layouts and the rebuild are in `rows`; this package re-exports them for the codecs.
+"""
+from ..rows import (Block, Rows, add_bias_grad, add_rebuilt_grad, as_matrix, compute_dtype, concat_rows,
+                    deterministic_index_add, matrix_shape, output_grad_rows, sorted_segment_add)
+from .registry import Claim, LayerKind, get_kind, kind_of, layer_kind, register_kind, registered_kinds
+from . import linear, hf_conv1d, embedding  # noqa: E402,F401  (registration)
+
+__all__ = ["Block", "Rows", "add_bias_grad", "add_rebuilt_grad", "as_matrix", "compute_dtype", "concat_rows",
+           "deterministic_index_add", "matrix_shape", "output_grad_rows", "sorted_segment_add", "Claim",
+           "LayerKind", "get_kind", "kind_of", "layer_kind", "register_kind", "registered_kinds"]
