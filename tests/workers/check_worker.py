@@ -349,6 +349,57 @@ RUNNERS = {"grad": run_grad, "rank_quality": run_rank_quality, "train": run_trai
            "scaler_skip": run_scaler_skip, "vs_powersgd": run_vs_powersgd}
 
 
+def run_vs_powersgd_routes(case: dict) -> dict:
+    """`run_vs_powersgd`'s bytes, plus what carried each matrix: the route of every parameter in
+    dAD's last step, and which of them PyTorch's PowerSGD hook compresses (``powersgd_bytes``:
+    two or more dimensions viewed as ``(shape[0], rest)``, ``2 r (m + n) < m n``). Here PowerSGD's
+    DDP leaves buffers alone (``broadcast_buffers=False``): dAD does not send them either, so only
+    gradient bytes are compared."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from dad_integrations.costs import powersgd_bytes
+
+    name, rank, steps = case["model"], case["config"]["rank"], case.get("steps", 5)
+    init = models.build(name)
+    sent, params = {}, []
+    for method in ("powersgd", "dad"):
+        model = copy.deepcopy(init)
+        if method == "powersgd":
+            fwd = DDP(model, bucket_cap_mb=256, broadcast_buffers=False)  # one bucket: the hook on gloo
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                                start_powerSGD_iter=2, random_seed=0)
+            fwd.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            sync = None
+        else:
+            fwd = model
+            sync = DADSynchronizer(model, TorchDistributedAggregator(), config_of(case))
+        per_step = []
+        for step in range(steps):
+            with CollectiveCounter(dist) as counter:
+                models.loss_of(name, fwd, local_batch(case, step, 0)).backward()
+                if sync is not None:
+                    sync.synchronize()
+            per_step.append(counter.traffic().sent)
+            model.zero_grad(set_to_none=True)
+        if sync is not None:
+            last = sync.last_step_report().params
+            routes = {p.name: p.representation for p in last}
+            dad_sent = {p.name: p.sent_bytes for p in last}
+            dense_only = [u.name for u in sync.units if u.dense_only]
+            sync.close()
+        sent[method] = per_step[3:]
+    for pname, p in init.named_parameters():
+        if p.requires_grad:
+            theirs, compressed = powersgd_bytes(tuple(p.shape), rank, dist.get_world_size(), p.element_size())
+            params.append({"name": pname, "shape": list(p.shape), "numel": p.numel(), "route": routes.get(pname),
+                           "sent_bytes": dad_sent.get(pname, 0.0), "powersgd_bytes": theirs,
+                           "powersgd_compressed": compressed})
+    return {"sent": sent, "routes": sorted(set(routes.values())), "params": params, "dense_only": dense_only}
+
+
+RUNNERS["vs_powersgd_routes"] = run_vs_powersgd_routes
+
+
 def _gather(case_id: str, mine: dict) -> list:
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, mine)
