@@ -352,9 +352,9 @@ RUNNERS = {"grad": run_grad, "rank_quality": run_rank_quality, "train": run_trai
 def run_vs_powersgd_routes(case: dict) -> dict:
     """`run_vs_powersgd`'s bytes, plus what carried each matrix: the route of every parameter in
     dAD's last step, and which of them PyTorch's PowerSGD hook compresses (``powersgd_bytes``:
-    two or more dimensions viewed as ``(shape[0], rest)``, ``2 r (m + n) < m n``). Here PowerSGD's
-    DDP leaves buffers alone (``broadcast_buffers=False``): dAD does not send them either, so only
-    gradient bytes are compared."""
+    two or more dimensions viewed as ``(shape[0], rest)``, ``2 r (m + n) < m n``). Gradient bytes
+    only: DDP's broadcast of buffers (BatchNorm's running statistics) goes through C++
+    (``_broadcast_coalesced``), which the counter does not see, and dAD sends no buffers."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     from dad_integrations.costs import powersgd_bytes
@@ -365,7 +365,7 @@ def run_vs_powersgd_routes(case: dict) -> dict:
     for method in ("powersgd", "dad"):
         model = copy.deepcopy(init)
         if method == "powersgd":
-            fwd = DDP(model, bucket_cap_mb=256, broadcast_buffers=False)  # one bucket: the hook on gloo
+            fwd = DDP(model, bucket_cap_mb=256)  # one bucket, as the hook needs on gloo
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                                 start_powerSGD_iter=2, random_seed=0)
             fwd.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
