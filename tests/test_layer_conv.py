@@ -137,7 +137,13 @@ ROUND_OFF = {"small_cnn": {"c2.bias": 0.1}}
 def _cases() -> dict:
     cases = {f"grad-{m}-exact": {"kind": "grad", "model": m, "config": {"mode": "exact"}, "uneven": True,
                                  "batch": 2} for m in CONV_MODELS}
-    for m in ("small_cnn", "conv2d_net"):
+    # the same through DDP's communication hook, and over two accumulated micro-steps (no_sync)
+    cases["grad-conv2d_net-ddp-hook"] = dict(cases["grad-conv2d_net-exact"], ddp_hook=True)
+    cases["grad-conv3d_net-nosync"] = dict(cases["grad-conv3d_net-exact"], accumulate=2)
+    # lossless auto at one or three images per rank: exact for the late convs, dense for the stem
+    cases["grad-late_cnn-auto"] = {"kind": "grad", "model": "late_cnn", "config": {"mode": "auto"}, "uneven": True,
+                                   "batch": 1}
+    for m in ("small_cnn", "conv2d_net", "late_cnn"):
         cases[f"train-{m}-rank"] = {"kind": "train", "model": m, "config": {"mode": "rank", "rank": 2}, "steps": 4}
         cases[f"train-{m}-auto"] = {"kind": "train", "model": m, "config": {"mode": "auto", "rank": 2},
                                     "steps": 4, "batch": 1}
@@ -162,7 +168,24 @@ def test_exact_equals_ddp(two_ranks, model):
             assert r["routes"][name] == want, (name, r["routes"])
 
 
-@pytest.mark.parametrize("case", [f"train-{m}-{mode}" for m in ("small_cnn", "conv2d_net")
+@pytest.mark.parametrize("case", ["grad-conv2d_net-ddp-hook", "grad-conv3d_net-nosync"])
+def test_exact_under_ddp_hook_and_accumulation(two_ranks, case):
+    for r in result(two_ranks, case):
+        assert r["worst"] <= TOL, r["per_param"]
+        assert not r["dense_only"] and r["routes"]["b.weight"] == "exact", r["routes"]
+
+
+def test_auto_sends_exact_factors_for_late_convs_only(two_ranks):
+    """Rows = images x output positions: the stem's 36 positions x (32 + 72) columns outweigh its
+    32 x 72 gradient, the late convs' 4 (or 12) rows x (64 + 288) do not; lossless, so as DDP."""
+    for r in result(two_ranks, "grad-late_cnn-auto"):
+        assert r["worst"] <= TOL, r["per_param"]
+        routes = r["routes"]
+        assert routes["stem.weight"] == "dense", routes
+        assert routes["late.weight"] == routes["grouped.weight"] == routes["grouped.bias"] == "exact", routes
+
+
+@pytest.mark.parametrize("case", [f"train-{m}-{mode}" for m in ("small_cnn", "conv2d_net", "late_cnn")
                                   for mode in ("rank", "auto")])
 def test_lossy_modes_keep_ranks_identical(two_ranks, case):
     for r in result(two_ranks, case):

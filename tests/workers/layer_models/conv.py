@@ -86,6 +86,23 @@ class SmallCNN(nn.Module):
         return self.head(nn.functional.adaptive_avg_pool2d(h, 4).flatten(1))
 
 
+class LateCNN(nn.Module):
+    """Where exact factors pay: a wide stem over 36 positions (dense under auto), then late convs,
+    plain and grouped, over 4 positions with many channels (exact under auto at few images)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(8, 32, 3, padding=1)
+        self.late = nn.Conv2d(32, 64, 3, stride=2)
+        self.grouped = nn.Conv2d(64, 64, 3, padding=1, groups=2)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.stem(x))
+        h = torch.relu(self.grouped(torch.relu(self.late(h))))
+        return self.head(h.mean((-2, -1)))
+
+
 def _batch_of(shape, classes: int):
     def batch(size: int, g: torch.Generator) -> dict:
         return {"x": torch.randn(size, *shape, generator=g), "y": torch.randint(0, classes, (size,), generator=g)}
@@ -102,4 +119,5 @@ MODELS = {
     "conv3d_net": Model(Conv3dNet, _batch_of((2, 5, 6, 5), 4), _loss),
     "depthwise_net": Model(DepthwiseNet, _batch_of((6, 7, 7), 4), _loss),
     "small_cnn": Model(SmallCNN, _batch_of((3, 8, 8), 5), _loss),
+    "late_cnn": Model(LateCNN, _batch_of((8, 6, 6), 5), _loss),
 }
