@@ -211,8 +211,10 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
             uses = [by_key.get(k) for k in found[3].uses]
             unit = unit_of_use.get(id(uses[0]))
             if (unit is not None and all(unit_of_use.get(id(u)) is unit and u.kind != "embedding" for u in uses)
-                    and (uses[0].block is None if len(uses) == 1 else all(u.block is not None for u in uses))):
-                # (several uses are blocks of one split bias; sharded exact factors never take blocked units)
+                    and (len(uses) > 1 or uses[0].block is None)):
+                # one use covers the whole weight; several are a split bias, each adding into its
+                # use's block (a whole-height use into all of it: packed attention's self-attention
+                # call beside its sliced calls); sharded exact factors never take blocked units
                 unit.biases.append(BiasUse(names[id(p)], p, uses[0], tuple(uses[1:])))
                 continue
         if (config.uncaptured_matrices == "rank" and len(param_shape(p)) >= 2
