@@ -5,6 +5,7 @@ from typing import List
 
 import torch
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..capture import ModuleCapture
 from ..rows import Rows
@@ -21,7 +22,10 @@ class LinearKind(LayerKind):
     name = "linear"
 
     def accepts(self, module: nn.Module) -> bool:
-        return runs_stock_forward(module, nn.Linear)
+        # MultiheadAttention's out_proj has Linear's forward, but attention never calls it (it hands
+        # the weight to F.multi_head_attention_forward): its hooks would never fire. The "mha" kind
+        # claims it; without that kind it is left to the coverage floor.
+        return runs_stock_forward(module, nn.Linear) and not isinstance(module, NonDynamicallyQuantizableLinear)
 
     def claims(self, module: nn.Module) -> List[Claim]:
         return [Claim("weight")] + ([Claim("bias", bias=True)] if module.bias is not None else [])
