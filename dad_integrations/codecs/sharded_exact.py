@@ -175,11 +175,11 @@ class ShardedExactCodec:
                  aggregator: FactorAggregator, scale: float) -> ShardedResult:
         """``scale`` times this rank's shard of the sum over ranks, for the weight and its biases.
         Every rank calls this with the same unit and ``rows_by_rank``, in the same order."""
-        S, rank = aggregator.world_size, aggregator.rank
-        if not unit.has_factors or unit.blocks is not None:
+        if not unit.has_factors or unit.blocks is not None:  # refused before any collective
             # (the router never routes these here: `costs.sharded_estimate_bytes` gives them no "exact")
             raise ValueError(f"{unit.name}: sharded exact factors need uses over whole rows "
                              f"({'no uses' if not unit.has_factors else 'row blocks'})")
+        S, rank = aggregator.world_size, aggregator.rank
         shape = unit.shape  # the matrix view: Shard(0) cuts its rows
         cdt = compute_dtype(unit.param)
         biases = [(unit.uses.index(b.capture), b.param.shape[0]) for b in unit.biases]
