@@ -20,10 +20,17 @@ FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``Re
   ``error_feedback_rank``) and warm starts, kept at the end
   of each backward only if every rank's gradients were finite;
 * `router.route(..., sharded=True)`: per weight, factors, a rank route or FSDP's reduce-scatter (``auto``);
-* `sink.ShardSink`: FSDP's buffers (local gradients read, shards and padding written);
+* `sink.ShardSink`: FSDP's buffers (local gradients read as matrix views, shards and padding written);
 * `checks.factors_rebuild_local_grad`: the first call's check; `capture.CommittedRows`: rows are
   sent only once autograd has added them to the unsharded gradient (FSDP's post-backward can run
   before the weight's ``AccumulateGrad``).
+
+Weights are handled as their matrix view ``(shape[0], prod(shape[1:]))`` (`FactorUnit.shape`):
+FSDP2's ``Shard(0)`` cuts dim 0, the view's rows, so a shard of a conv's 4-D weight is a row block
+of its matrix. Units without uses (PowerSGD's coverage floor: raw ``nn.Parameter``s, convolutions
+no kind captures) have no rows: no size exchange, no first-call check, and their routes are FSDP's
+reduce-scatter or a rank route from the dense local gradient. Units whose uses cover row blocks
+never take sharded exact factors (`router` leaves "exact" out of their estimates).
 
 Here: finding FSDP's groups and the parameters each call reduces, FSDP's scaling (results are
 scaled as its reduce-scatter would scale them; FSDP then post-divides, casts and accumulates into
@@ -67,7 +74,7 @@ from .timing import EngineTiming
 from .sink import ShardSink, ShardSlot
 from .synchronizer import WIRE_DTYPES
 from .torch_distributed import TorchDistributedAggregator
-from .units import FactorUnit, build_plan, param_shape
+from .units import FactorUnit, build_plan
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +155,14 @@ class FSDPDADSynchronizer:
             self._unit_of[id(unit.param)] = unit
         self._committed = CommittedRows(list(self._unit_of.values()))  # see the module doc's last paragraph
         units = list(self._unit_of.values())
-        note = sharded_residual_note(self.config, [param_shape(u.param) for u in units], dist.get_world_size(),
+        # matrix views (`FactorUnit.shape`): a conv's (C_out, C_in, k, k) weight is reduced as
+        # (C_out, C_in k k), PowerSGD's view; FSDP2's Shard(0) cuts its rows
+        note = sharded_residual_note(self.config, [u.shape for u in units], dist.get_world_size(),
                                      units[0].param.element_size() if units else 4)
         if note is not None and dist.get_rank() == 0:  # said once, at attach: memory the user did not expect
             log.warning("dAD/FSDP2: %s", note)
         if units:  # objective "time": the link and compute models, measured here by every rank together
-            self._timing.start([param_shape(u.param) for u in units], TorchDistributedAggregator(),
+            self._timing.start([u.shape for u in units], TorchDistributedAggregator(),
                                units[0].param.device)
         self._installed = groups
         for module, pg in groups:
@@ -271,19 +280,23 @@ class FSDPDADSynchronizer:
         sink = ShardSink(slots, out, inp, S, predivide)
         agg = self._aggregators.setdefault(id(group), TorchDistributedAggregator(group))
         units = [u for u in (self._unit_of.get(id(s.param)) for s in slots) if u is not None and not u.dense_only]
-        rows = {u.index: [concat_rows(self._committed.take(c), c.kind, tuple(u.param.shape), u.param)
+        rows = {u.index: [concat_rows(self._committed.take(c), c.kind, u.shape, u.param, c.block)
                           for c in u.uses] for u in units}
+        # units without uses (PowerSGD's floor: raw parameters, uncaptured convolutions) have no rows:
+        # they take no part in the size exchange nor in the first call's check
+        factored = [u for u in units if u.has_factors]
         counts: Dict[int, List[List[int]]] = {}
-        if units and sharded_needs_counts(self.config, report.step - 1):
-            counts, traffic = exchange_row_counts(units, rows, agg)
-            report.params.append(_overhead("dad.fsdp.row_counts", sum(len(u.uses) for u in units), traffic))
-        if units and self.config.verify_first_step and id(pg) not in self._verified:
-            units, failed, traffic = agree_factors_rebuild(units, rows, sink, agg)
-            report.params.append(_overhead("dad.fsdp.verify", len(units) + len(failed), traffic))
+        if factored and sharded_needs_counts(self.config, report.step - 1):
+            counts, traffic = exchange_row_counts(factored, rows, agg)
+            report.params.append(_overhead("dad.fsdp.row_counts", sum(len(u.uses) for u in factored), traffic))
+        if factored and self.config.verify_first_step and id(pg) not in self._verified:
+            passed, failed, traffic = agree_factors_rebuild(factored, rows, sink, agg)
+            report.params.append(_overhead("dad.fsdp.verify", len(passed) + len(failed), traffic))
             for unit in failed:
                 self._log_once(f"{unit.name}: its factors do not rebuild its local gradient on some rank "
                                f"(a use outside the captured layers?): FSDP's reduce-scatter from now on")
                 unit.set_dense_only(True)
+            units = [u for u in units if not u.dense_only]
         self._verified.add(id(pg))
         # factors travel in FSDP's reduce dtype where the config names none, as the router counts
         # them and as the reduce-scatter and the rank routes send (not in the sharded parameters'
@@ -293,7 +306,8 @@ class FSDPDADSynchronizer:
         covered, ranked = set(), []
         for unit in units:
             biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]
-            shape = UnitShape(tuple(unit.kinds), tuple(unit.param.shape), sum(b.shape[0] for b in biases), inp.dtype)
+            # the matrix view; row blocks keep a unit off sharded exact factors (`costs.sharded_estimate_bytes`)
+            shape = UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in biases), inp.dtype, unit.blocks)
             decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts.get(unit.index),
                              sharded=True, step=report.step - 1, timing=timing)
             if decision.representation in RANK_ROUTES:

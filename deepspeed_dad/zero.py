@@ -31,6 +31,13 @@ all-gather of updated parameters) stays DeepSpeed's. Per call (`ZeroDAD.reduce`)
    not), P and Q all-reduced, ``2 (S-1)/S r (m+n)`` per rank, and each rank rebuilds the covering
    rows of its owned elements of ``P^ Q'^T`` (`sharded_rank.reduced_elements`).
 
+Weights are handled as their matrix view ``(shape[0], prod(shape[1:]))`` (`FactorUnit.shape`): a
+partition's row-major element range is the same in the weight and in the view. Units without uses
+(PowerSGD's coverage floor: raw ``nn.Parameter``s, convolutions no kind captures) skip steps 2 and
+3 and go by DeepSpeed's reduction or a rank route from their dense local gradient; units whose uses
+cover row blocks are checked by no rebuild and never take exact factors (`_takes_exact`: "exact" is
+left out of their estimates, so no mode picks it).
+
 Every rank makes the same calls with the same parameters in the same order (DeepSpeed's buckets
 agree across ranks), so the collectives of steps 2, 3, 6 and 7 match. The report of a backward
 (`last_step_report`) lists each parameter's bytes beside what DeepSpeed's reduce-scatter of it
@@ -137,7 +144,7 @@ class ZeroDAD(RankStateCheckpoints):
         self._rank = ShardedRankCodec(config, self._wire) if config.rank is not None else None
         self._rank_in_step = False
         self._timing = EngineTiming(config)
-        self._timing.start([param_shape(u.param) for u in self.plan.units], self.aggregator, device)
+        self._timing.start([u.shape for u in self.plan.units], self.aggregator, device)  # matrix views
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
         # which it reduces in place: the send and receive buffers add at most about half a bucket
         bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
@@ -169,7 +176,7 @@ class ZeroDAD(RankStateCheckpoints):
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
                      self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")
             units = self.plan.units
-            note = sharded_residual_note(config, [param_shape(u.param) for u in units], world_size,
+            note = sharded_residual_note(config, [u.shape for u in units], world_size,
                                          units[0].param.element_size() if units else 4)
             if note is not None:
                 log.warning("dAD/ZeRO-%d: %s", self.zero_stage, note)
@@ -254,16 +261,20 @@ class ZeroDAD(RankStateCheckpoints):
             unit = self._unit_of.get(id(p))
             if unit is None:
                 continue
-            shape = param_shape(p)
-            rows = [concat_rows(c.take(), c.kind, shape, p) for c in unit.uses]
+            # the matrix view (a conv's 4-D weight as (C_out, C_in k k)): ZeRO's flat partitions cut
+            # the row-major flattening, which is the view's, so covering rows are the view's rows
+            shape = unit.shape
+            rows = [concat_rows(c.take(), c.kind, shape, p, c.block) for c in unit.uses]
             if unit.dense_only:
                 continue
             items.append(PartitionItem(unit.index, tuple(unit.kinds), shape, list(r), rows))
             grads[unit.index] = g
         by_key = {u.index: u for u in self.plan.units}
-        if items and sharded_needs_counts(self.config, self._steps - 1):
-            traffic = self._codec.agree_counts(items, self.aggregator)
-            report.params.append(_overhead("dad.zero.counts", len(items), traffic))
+        # units without uses (PowerSGD's floor) have no rows: no counts, no check
+        factored = [it for it in items if it.kinds]
+        if factored and sharded_needs_counts(self.config, self._steps - 1):
+            traffic = self._codec.agree_counts(factored, self.aggregator)
+            report.params.append(_overhead("dad.zero.counts", len(factored), traffic))
         if items:
             items = self._verify(items, grads, by_key, report, dtype)
         routed: List[PartitionItem] = []   # exact factors, or (rank-dAD) P_s^T and Q_s^T as rows
@@ -271,8 +282,9 @@ class ZeroDAD(RankStateCheckpoints):
         shared: List[Tuple[PartitionItem, RankItem]] = []   # PowerSGD's all-reduce route
         timing = self._timing.get(self.aggregator, self._codec.device, self._steps - 1) if items else None
         for it in items:
-            busiest, mean = self._estimates(it, itemsize, self._wire or dtype)
-            decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype), world_size=S,
+            unit = by_key[it.key]
+            busiest, mean = self._estimates(it, itemsize, self._wire or dtype, _takes_exact(unit))
+            decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype, unit.blocks), world_size=S,
                              wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank() or None, sharded=True,
                              step=self._steps - 1, estimates=busiest, ties=mean, timing=timing)
             if decision.representation == "exact":
@@ -296,7 +308,8 @@ class ZeroDAD(RankStateCheckpoints):
             for it in chunk:
                 unit = by_key[it.key]
                 delivered.add(id(unit.param))
-                rep = _param_report(unit.name, "rank" if it.key in ranked else "exact", it.shape, S, itemsize)
+                rep = _param_report(unit.name, "rank" if it.key in ranked else "exact", param_shape(unit.param), S,
+                                    itemsize)
                 rep.rows = sum(left.shape[0] for left, _ in it.rows)
                 rep.max_rows = max(sum(k) for k in it.rows_by_rank())
                 rep.method = "partition"
@@ -310,19 +323,20 @@ class ZeroDAD(RankStateCheckpoints):
                                                    dense=True))
         return delivered
 
-    def _estimates(self, it: PartitionItem, itemsize: int, wire: torch.dtype
+    def _estimates(self, it: PartitionItem, itemsize: int, wire: torch.dtype, exact: bool = True
                    ) -> Tuple[Dict[str, float], Dict[str, float]]:
         """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
         breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
         while rank-dAD's other rank receives nothing), from the real partition ranges (the same on
         every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed, and with
         a ``rank``, rank-dAD's r rows (`partition_exact.exchange_bytes`) and PowerSGD's all-reduced
-        P and Q, once per power iteration (alike on every rank)."""
+        P and Q, once per power iteration (alike on every rank). ``exact`` False (a unit without
+        uses, or with row blocks: `_takes_exact`) leaves "exact" out, so that no mode picks it."""
         S = self._world
         numel = it.shape[0] * it.shape[1]
         dense = float((S - 1) * -(-numel // S) * itemsize)
         busiest, mean = {"dense": dense}, {"dense": dense}
-        if it.counts:
+        if exact and it.counts:
             busiest["exact"], mean["exact"] = exchange_bytes(it.kinds, it.shape, it.counts, it.ranges, wire)
         if self._rank is not None:
             r = min(self.config.rank, *it.shape)
@@ -374,7 +388,7 @@ class ZeroDAD(RankStateCheckpoints):
         for (it, ri), res in zip(shared, results):
             unit = by_key[it.key]
             deliver(unit.param, res.shard)
-            rep = _param_report(unit.name, "rank_allreduce", it.shape, S, itemsize)
+            rep = _param_report(unit.name, "rank_allreduce", param_shape(unit.param), S, itemsize)
             rep.rows = sum(left.shape[0] for left, _ in it.rows)
             rep.components, rep.method = res.components, ri.method
             rep.add_traffic(res.traffic)
@@ -396,7 +410,10 @@ class ZeroDAD(RankStateCheckpoints):
                 report: ShardedStepReport, dtype: torch.dtype) -> List[PartitionItem]:
         """The first call of each weight: do its factors rebuild this rank's owned part of its local
         gradient, on every rank? Those that fail go through DeepSpeed's reduction from now on."""
-        todo = [it for it in items if it.key not in self._verified] if self.config.verify_first_step else []
+        # only units that may take exact factors (whole-row uses) are checked: the others' routes
+        # (dense, rank from the dense gradient) never read their rows
+        todo = [it for it in items if it.key not in self._verified and _takes_exact(by_key[it.key])
+                ] if self.config.verify_first_step else []
         if not todo:
             return items
         me = self.aggregator.rank
@@ -427,6 +444,13 @@ class ZeroDAD(RankStateCheckpoints):
         if message not in self._logged:
             self._logged.add(message)
             log.warning("dAD/ZeRO: %s", message)
+
+
+def _takes_exact(unit: FactorUnit) -> bool:
+    """Whether the partition exchange of exact factors can carry ``unit``: uses over whole rows
+    (`codecs.partition_exact` slices every use's left by the covering rows of the matrix view).
+    Units without uses (PowerSGD's floor) and units with row blocks go dense or by a rank route."""
+    return unit.has_factors and unit.blocks is None
 
 
 def _param_report(name: str, representation: str, shape: tuple, world: int, itemsize: int,

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import WORKERS, result, run_torchrun
-from dad_integrations.costs import sharded_rank_allreduce_bytes
+from dad_integrations.costs import powersgd_bytes, sharded_rank_allreduce_bytes
+from dad_integrations.rows import matrix_shape
 
 deepspeed = pytest.importorskip("deepspeed")
 
@@ -28,6 +29,10 @@ TOL_BF16 = 2e-2    # bf16 gradients (DeepSpeed sums bf16 tensors; dAD rebuilds i
 TOL_FULL_ALLREDUCE = 1e-4
 EXACT = {"mode": "exact"}
 CLIP = {"gradient_clipping": 0.05}
+# PowerSGD's coverage floor (`layer_models.floor_sharded`): two Conv2d (4-D weights) and raw parameters
+# (class token, position embedding) that no kind captures ("conv" left out), beside two Linears
+NO_CONV = ["linear", "conv1d", "embedding"]
+STEM_EXACT = {"mode": "exact", "layer_kinds": NO_CONV}
 
 MATCH = {
     2: {
@@ -47,6 +52,7 @@ MATCH = {
         # PowerSGD's all-reduce route at full rank, from a fresh (full-rank) Q every step: lossless
         "z2-gpt2-rank-full-allreduce": {"model": "gpt2", "dad": {"mode": "rank", "rank": 4096, "rank_route": "allreduce",
                                                                   "error_feedback": False, "warm_start": False}},
+        "z2-stem-exact": {"model": "patch_stem", "dad": STEM_EXACT},
     },
     3: {
         "z3-gpt2": {"model": "gpt2", "overlap": True},
@@ -60,6 +66,7 @@ MATCH = {
                                                                 "error_feedback": False}},
         "z3-llama-rank-full-allreduce": {"model": "llama", "dad": {"mode": "rank", "rank": 4096, "rank_route": "allreduce",
                                                                     "error_feedback": False, "warm_start": False}},
+        "z3-stem-exact": {"model": "patch_stem", "dad": STEM_EXACT},
     },
 }
 # rank-dAD at rank 2 (`zero_worker.run_rank`): with lr 0 the error-feedback identity at every step, a NaN
@@ -78,6 +85,11 @@ RANK_CASES = {
         # residuals kept at rank 8 (`error_feedback_rank`): q (m+n) numbers per weight
         "z2-llama-rank2-train-ef-rank8": {"model": "llama", "dad": {**RANK2, "error_feedback_rank": 8},
                                           "fixed_batch": True, "steps": 6, "lr": 0.5},
+        # the coverage floor (`test_coverage_floor_under_zero`): mode rank, and auto at rank 2
+        "z2-stem-rank2": {"model": "patch_stem", "dad": {**RANK2, "layer_kinds": NO_CONV}, "lr": 0.0,
+                          "nonfinite_step": 2, "resume_step": 0},
+        "z2-stem-auto-rank2": {"model": "patch_stem", "dad": {"mode": "auto", "rank": 2, "layer_kinds": NO_CONV},
+                               "lr": 0.0, "nonfinite_step": 2, "resume_step": 0},
     },
     3: {
         "z3-gpt2-auto-rank2": {"model": "gpt2", "dad": {"mode": "auto", "rank": 2}, "lr": 0.0, "nonfinite_step": 2,
@@ -88,6 +100,10 @@ RANK_CASES = {
         # residuals kept at rank 64 >= every weight's smaller side: kept whole, the identity holds
         "z3-gpt2-rank2-ef-rank64": {"model": "gpt2", "dad": {**RANK2, "error_feedback_rank": 64}, "lr": 0.0,
                                     "nonfinite_step": 2, "resume_step": 0},
+        "z3-stem-rank2-allreduce": {"model": "patch_stem", "dad": {**ALLREDUCE2, "layer_kinds": NO_CONV}, "lr": 0.0,
+                                    "nonfinite_step": 2, "resume_step": 0},
+        "z3-stem-auto-rank2": {"model": "patch_stem", "dad": {"mode": "auto", "rank": 2, "layer_kinds": NO_CONV},
+                               "lr": 0.0, "nonfinite_step": 2, "resume_step": 0},
     },
 }
 NO_FORCE = {"zero_force_ds_cpu_optimizer": False}
@@ -288,3 +304,51 @@ def test_unsupported_settings_raise_naming_them(jobs, stage, cid):
     for r in result(jobs(stage), cid):
         assert r["error"] is not None, f"{cid} was accepted"
         assert r["error"].startswith("ValueError") and expected in r["error"], r["error"]
+
+
+FLOOR_WEIGHTS = ("stem.weight", "patch.weight", "cls", "pos")  # `layer_models.floor_sharded`
+RANK_REPS = ("rank", "rank_allreduce")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_coverage_floor_under_zero(jobs, stage):
+    """PowerSGD's coverage floor under ZeRO-2/3 (two Conv2d with 4-D weights, a class token and a
+    position embedding that no kind captures, beside two Linears). Mode exact: they go by DeepSpeed's
+    reduction and the Linears by exact factors (partitions equal DeepSpeed's, no weight failing the
+    check: `test_partitions_equal_deepspeed`). Mode rank: every one by the rank route the config
+    names, from its dense local gradient viewed as ``(shape[0], -1)`` (the error-feedback identity
+    holds: `test_rank_dad_error_feedback_identity`). Auto at rank 2: the 4-D weights by a rank route
+    (rank-dAD's r rows through the partition exchange), and every floor weight, on every rank, at most
+    what DeepSpeed's reduce-scatter or PyTorch's PowerSGD hook at rank 2 sends for it. The row counts
+    are the Linears' only. Every rank ends with the same parameters."""
+    ran = 0
+    for cid, case in {**MATCH[stage], **RANK_CASES[stage]}.items():
+        if case["model"] != "patch_stem":
+            continue
+        ran += 1
+        mode = case["dad"]["mode"]
+        for r in result(jobs(stage), cid):
+            assert r["identical"] and r["dense_only"] == [], (cid, r["dense_only"])
+            steps = [rep["params"] if isinstance(rep, dict) else rep for rep in r["reports"]]  # (match, rank)
+            if mode != "exact":
+                steps = steps[:case["nonfinite_step"]]  # the finite ones
+            for params in steps:
+                routes = {name: rep for name, rep, _, _, _ in params}
+                floor = {name: routes[name] for name in FLOOR_WEIGHTS}
+                counts = [p for p in params if p[0] == "dad.zero.counts"]
+                if mode == "exact":
+                    assert set(floor.values()) == {"dense"}, (cid, floor)
+                    assert routes["proj.weight"] == routes["head.weight"] == "exact", (cid, routes)
+                elif mode == "rank":
+                    assert set(floor.values()) == {_rank_representation(case["dad"])}, (cid, floor)
+                    assert not counts, counts
+                else:
+                    assert floor["stem.weight"] in RANK_REPS and floor["patch.weight"] in RANK_REPS, (cid, floor)
+                    for name, rep, sent, rs, shape in params:
+                        if name in FLOOR_WEIGHTS:
+                            psgd = powersgd_bytes(matrix_shape(shape), 2, 2, 4)[0]
+                            assert sent <= min(psgd, rs) * (1 + 1e-12), (cid, name, rep, sent, psgd, rs)
+                if counts:  # one int64 per use, all-gathered: proj's and head's, none of the floor's
+                    assert counts[0][2] == 8.0 * 2, (cid, counts)
+    assert ran == 3

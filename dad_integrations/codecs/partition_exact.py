@@ -143,8 +143,10 @@ def exchange_bytes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequenc
 
 @dataclass
 class PartitionItem:
-    """One unit in one exchange: its weight's (global) shape, every rank's owned range, this rank's
-    rows per use, and (after `PartitionExactCodec.agree_counts`) every rank's counts."""
+    """One unit in one exchange: its weight's (global) matrix view ``(shape[0], prod(shape[1:]))``
+    (`FactorUnit.shape`: ZeRO's owned ranges of the row-major flattening are the same in the view),
+    every rank's owned range, this rank's rows per use (uses over whole rows only: row blocks are
+    not sliced here), and (after `PartitionExactCodec.agree_counts`) every rank's counts."""
 
     key: int
     kinds: Tuple[str, ...]

@@ -29,6 +29,11 @@ Per layer kind (`layers`):
   keeps the rows whose id lies in ``[a, b)`` (and, for a linear use of the same weight, the
   columns ``a:b``). An all-to-all by id owner would cut this to ``~1/S``; not done yet.
 
+Shapes are the weight's matrix view ``(shape[0], prod(shape[1:]))`` (`FactorUnit.shape`); FSDP2's
+``Shard(0)`` of a 3-D or 4-D weight cuts that view's rows, so the algebra is the same. A unit
+needs uses over whole rows: units without uses (PowerSGD's floor) and units with row blocks
+never come here (`costs.sharded_estimate_bytes` gives them no "exact"; `exchange` refuses them).
+
 The pure functions (`shard_span`, `encode_sliced`, `decode_sliced`, `decode_whole`) hold the
 algebra; `ShardedExactCodec.exchange` runs the collectives through a `FactorAggregator`.
 """
@@ -170,8 +175,12 @@ class ShardedExactCodec:
                  aggregator: FactorAggregator, scale: float) -> ShardedResult:
         """``scale`` times this rank's shard of the sum over ranks, for the weight and its biases.
         Every rank calls this with the same unit and ``rows_by_rank``, in the same order."""
+        if not unit.has_factors or unit.blocks is not None:  # refused before any collective
+            # (the router never routes these here: `costs.sharded_estimate_bytes` gives them no "exact")
+            raise ValueError(f"{unit.name}: sharded exact factors need uses over whole rows "
+                             f"({'no uses' if not unit.has_factors else 'row blocks'})")
         S, rank = aggregator.world_size, aggregator.rank
-        shape = tuple(unit.param.shape)
+        shape = unit.shape  # the matrix view: Shard(0) cuts its rows
         cdt = compute_dtype(unit.param)
         biases = [(unit.uses.index(b.capture), b.param.shape[0]) for b in unit.biases]
         name = f"dad.sharded.{unit.name}"

@@ -64,6 +64,11 @@ step before, on every rank alike.
 FSDP's reduce-scatter input holds whole, as the unsharded codecs reduce them (PowerSGD compresses
 them too); the ids play no part, so both routes work for them unchanged.
 
+**Units without uses** (PowerSGD's coverage floor: raw ``nn.Parameter``s, convolutions no kind
+captures) and units whose uses cover row blocks are reduced from the dense local gradient too, as
+its matrix view ``(shape[0], prod(shape[1:]))`` (`FactorUnit.shape`; FSDP2's Shard(0) cuts its
+rows, ZeRO's flat partitions its row-major flattening, which is the view's).
+
 The pure functions (`row_blocks`, `gathered_shard`, `reduced_shard`) hold the algebra;
 `ShardedRankCodec` runs the collectives through a `FactorAggregator`, every rank calling it with
 the same units and routes in the same order.
@@ -209,7 +214,8 @@ class ShardedRankCodec:
     # -- one unit's local side ------------------------------------------------------------------
     def local(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, representation: str) -> RankItem:
         """``M_s`` for ``representation``: from the factors where that is cheaper and nothing is added
-        to them (no error feedback, no embedding use), else the dense local gradient plus the residual."""
+        to them (no error feedback, linear-like uses over whole rows: `FactorUnit.factors_only`), else
+        the dense local gradient (``local_grad``, the matrix view) plus the residual."""
         if representation not in ROUTES:
             raise ValueError(f"not a rank route: {representation!r}")
         cfg, p = self.config, unit.param

@@ -41,6 +41,7 @@ import models  # noqa: E402
 
 from dad_integrations.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes  # noqa: E402
 from dad_integrations.fsdp import enable_dad_fsdp  # noqa: E402
+from dad_integrations.rows import as_matrix, matrix_shape  # noqa: E402
 
 
 class Block(nn.Module):
@@ -71,11 +72,14 @@ class TinyMLP(nn.Module):
         return self.head(h)
 
 
+STEMS = ("patch_stem",)  # `layer_models.floor_sharded`: 4-D weights and raw parameters (the floor)
+
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "mlp":
         return TinyMLP()
-    if name in ("llama", "bert"):  # small configs from models.py (BERT: masked LM, padded batches)
+    if name in ("llama", "bert") + STEMS:  # small configs from models.py (BERT: masked LM, padded batches)
         return models.build(name)
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
@@ -86,6 +90,8 @@ def build(name: str) -> nn.Module:
 def blocks_of(name: str, model: nn.Module):
     if name == "mlp":
         return list(model.blocks)
+    if name in STEMS:  # each conv its own group; the raw parameters, proj and head in the root's
+        return [model.stem, model.patch]
     if name == "llama":
         return list(model.model.layers)
     if name == "bert":
@@ -94,7 +100,7 @@ def blocks_of(name: str, model: nn.Module):
 
 
 def batch(name: str, size: int, seed: int) -> dict:
-    if name in ("llama", "bert"):
+    if name in ("llama", "bert") + STEMS:
         return models.batch(name, size, seed)
     g = torch.Generator().manual_seed(seed)
     if name == "mlp":
@@ -106,6 +112,8 @@ def batch(name: str, size: int, seed: int) -> dict:
 def loss_of(name: str, model: nn.Module, data: dict) -> torch.Tensor:
     if name == "mlp":
         return nn.functional.mse_loss(model(data["x"]), data["y"])
+    if name in STEMS:
+        return models.loss_of(name, model, data)
     return model(**data).loss
 
 
@@ -200,10 +208,11 @@ def ef_identity(ref: nn.Module, mine: nn.Module, sync, before: dict, routed: lis
             continue
         old = before.get(name)
         new = sync.rank_codec.memory.dense(name)  # None: flushed into this step's reduce-scatter
-        delta = (torch.zeros(a.shape) if old is None else old) - (0 if new is None else new)
+        # residuals are the weight's matrix view (`FactorUnit.shape`): a 4-D weight's too
+        delta = (torch.zeros(matrix_shape(a.shape)) if old is None else old) - (0 if new is None else new)
         dist.all_reduce(delta)
-        expected = a.grad.full_tensor() + delta / world
-        got = params[name].grad.full_tensor()
+        expected = as_matrix(a.grad.full_tensor()) + delta / world
+        got = as_matrix(params[name].grad.full_tensor())
         worst = max(worst, float((got - expected).norm()) / max(float(expected.norm()), 1e-30))
     return worst
 
@@ -211,7 +220,7 @@ def ef_identity(ref: nn.Module, mine: nn.Module, sync, before: dict, routed: lis
 def predicted_bytes(entry, world: int, rank: int) -> float:
     """The cost model's bytes for a rank-routed weight (fp32 on the wire)."""
     fn = sharded_rank_bytes if entry.representation == "rank" else sharded_rank_allreduce_bytes
-    return fn(tuple(entry.shape), rank, torch.float32, world)
+    return fn(matrix_shape(entry.shape), rank, torch.float32, world)
 
 
 def resume(sync, model: nn.Module, config: dict):
@@ -307,7 +316,7 @@ def run_case(case: dict) -> dict:
         memory = sync.rank_codec.memory if sync.rank_codec is not None else None
         states.append({"numel": sum(v.numel() for v in state.values()),
                        "residual_numel": memory.numel() if memory is not None else 0,
-                       "routed_shapes": [list(p.shape) for p in rep.params if p.name in routed],
+                       "routed_shapes": [list(matrix_shape(p.shape)) for p in rep.params if p.name in routed],
                        "norm": float(sum(float(v.double().norm()) ** 2 for v in state.values()) ** 0.5),
                        "changed": before.keys() != state.keys() or any(not torch.equal(before[k], state[k])
                                                                        for k in before)})
@@ -317,6 +326,7 @@ def run_case(case: dict) -> dict:
                         "fsdp_reduce_scatter_bytes": (world - 1) / world * counter.input_bytes,
                         "params": [[p.name, p.representation, p.sent_bytes, p.reduce_scatter_bytes]
                                    for p in rep.params],
+                        "shapes": {p.name: list(p.shape) for p in rep.params if p.representation != "overhead"},
                         "predicted": {p.name: predicted_bytes(p, world, r) for p in rep.params
                                       if p.representation in ("rank", "rank_allreduce")}})
         if not bad_step:
@@ -352,7 +362,15 @@ class LogLines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+# PowerSGD's coverage floor: convolutions (4-D weights, one with a padded shard) and raw parameters
+# that no kind captures (the "conv" kind left out), beside captured Linears
+NO_CONV = ["linear", "conv1d", "embedding"]
 CASES = {
+    "stem-exact": {"model": "patch_stem", "config": {"mode": "exact", "layer_kinds": NO_CONV}, "uneven": True},
+    "stem-rank2": {"model": "patch_stem", "config": {"mode": "rank", "rank": 2, "layer_kinds": NO_CONV},
+                   "uneven": True, "steps": 4, "follow": True, "fixed_batch": True},
+    "stem-auto-rank2": {"model": "patch_stem", "config": {"mode": "auto", "rank": 2, "layer_kinds": NO_CONV},
+                        "uneven": True, "steps": 4, "follow": True, "fixed_batch": True},
     "mlp-exact": {"model": "mlp", "mode": "exact"},
     "mlp-exact-uneven": {"model": "mlp", "mode": "exact", "uneven": True},
     "mlp-auto-uneven": {"model": "mlp", "mode": "auto", "uneven": True, "batch": 1},

@@ -228,6 +228,7 @@ def run_rank(case: dict) -> dict:
     att = deepspeed_dad.get_attachment(mine)
     names = [n for n, _ in ref.module.named_parameters()]
     identity, losses, ref_losses, routes, changed, nonfinite, resumed = [], [], [], [], [], {}, {}
+    reports = []  # per step: [name, representation, sent, reduce-scatter bytes, shape] per parameter
 
     def run(engine, step: int, bad: bool = False) -> None:
         for m in range(gas):
@@ -249,6 +250,8 @@ def run_rank(case: dict) -> dict:
         after = rank_state(att)
         changed.append(any(k not in before or not torch.equal(before[k], after[k]) for k in after))
         routes.append(sorted({p.representation for p in att.last_step_report().params}))
+        reports.append([[p.name, p.representation, p.sent_bytes, p.reduce_scatter_bytes, list(p.shape)]
+                        for p in att.last_step_report().params])
         ranges: Dict[str, Tuple[int, int]] = {}
         ref_owned, mine_owned = owned_partitions(ref, ranges), owned_partitions(mine)
         if bad:
@@ -280,7 +283,8 @@ def run_rank(case: dict) -> dict:
                        "steps": [saved_steps, att.state_dict()["steps"]],
                        "files": sorted(f for f in os.listdir(os.path.join(folder, "resume")) if "dad" in f)}
     b = full_params(mine)
-    out = {"identity": identity, "losses": losses, "ref_losses": ref_losses, "routes": routes, "changed": changed, "nonfinite": nonfinite,
+    out = {"identity": identity, "losses": losses, "ref_losses": ref_losses, "routes": routes, "changed": changed,
+           "nonfinite": nonfinite, "reports": reports,
            "resumed": resumed, "identical": ranks_agree(torch.cat([b[n].reshape(-1) for n in names])),
            "finite": all(bool(torch.isfinite(b[n]).all()) for n in names),
            "dense_only": [u.name for u in att.units if u.dense_only]}

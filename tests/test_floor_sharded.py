@@ -1,0 +1,74 @@
+"""Units the sharded engines must keep off sharded exact factors, in one process (no collective).
+
+The multi-process checks of PowerSGD's coverage floor under FSDP2 and ZeRO-2/3 are in
+`test_fsdp2.py` (`test_coverage_floor_under_fsdp2`) and `test_zero.py` (`test_coverage_floor_under_zero`).
+Here: a unit whose uses cover row blocks of its weight (a packed projection called on slices) and
+a unit without uses (a raw 3-D parameter) have no sharded "exact" route in any mode (FSDP2's cost
+model, ZeRO's own estimates), the sharded exact codec refuses them, and the sharded rank routes
+reduce them from the dense local gradient's matrix view (never from blocked factors).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dad_integrations.capture import Use
+from dad_integrations.codecs.sharded_exact import ShardedExactCodec
+from dad_integrations.codecs.sharded_rank import ShardedRankCodec
+from dad_integrations.config import DADConfig
+from dad_integrations.router import UnitShape, route
+from dad_integrations.rows import as_matrix
+from dad_integrations.units import FactorUnit
+from deepspeed_dad.zero import _takes_exact
+
+F32 = dict(world_size=2, wire_dtype=torch.float32, sharded=True)
+
+
+def _units():
+    torch.manual_seed(0)
+    packed = nn.Linear(4, 6)  # rows 0:3 and 3:6 of its weight used by two calls (q and k slices)
+    blocked = FactorUnit(0, "packed.weight", packed.weight,
+                         [Use("packed.q", packed, "linear", block=(0, 3)), Use("packed.k", packed, "linear", block=(3, 3))], [])
+    whole = FactorUnit(1, "lin.weight", nn.Linear(4, 6).weight, [Use("lin", packed, "linear")], [])
+    floor = FactorUnit(2, "pos", nn.Parameter(torch.randn(5, 2, 3)), [], [])
+    return blocked, whole, floor
+
+
+def test_blocked_and_floor_units_take_no_sharded_exact_route():
+    blocked, whole, floor = _units()
+    assert [_takes_exact(u) for u in (blocked, whole, floor)] == [False, True, False]
+    assert not blocked.factors_only and not floor.factors_only and whole.factors_only
+    assert floor.shape == (5, 6)
+    rows = [[[2, 2]] * 2, [[2]] * 2]
+    for mode in ("exact", "auto"):
+        cfg = DADConfig(mode=mode, rank=2)
+        for unit, counts in ((blocked, rows[0]), (floor, None)):
+            shape = UnitShape(tuple(unit.kinds), unit.shape, 0, torch.float32, unit.blocks)
+            # FSDP2: the cost model's sharded estimates; ZeRO: its own, without "exact" for these
+            assert route(cfg, shape, rows_by_rank=counts, **F32).representation != "exact"
+            zero_like = {"dense": 1.0, "rank": 2.0, "rank_allreduce": 2.0}
+            assert route(cfg, shape, rows_by_rank=counts, estimates=zero_like, **F32).representation == "dense"
+    with pytest.raises(ValueError, match="row blocks"):
+        ShardedExactCodec(None, torch.device("cpu")).exchange(blocked, [], rows[0], None, 1.0)
+    with pytest.raises(ValueError, match="no uses"):
+        ShardedExactCodec(None, torch.device("cpu")).exchange(floor, [], [], None, 1.0)
+
+
+@pytest.mark.parametrize("representation", ["rank", "rank_allreduce"])
+def test_sharded_rank_routes_reduce_blocked_and_floor_units_from_the_dense_matrix(representation):
+    """Without error feedback the rank routes may reduce on the factors; a blocked unit's factors
+    cover only their block, so it (and a unit without uses) is reduced from the dense local
+    gradient, as the sink gives it: the matrix view."""
+    blocked, whole, floor = _units()
+    codec = ShardedRankCodec(DADConfig(mode="rank", rank=2, error_feedback=False), None)
+    few = [(torch.randn(1, 3), torch.randn(1, 4)), (torch.randn(1, 3), torch.randn(1, 4))]  # 2 rows: factors would win
+
+    def local_grad(p, dtype):
+        return as_matrix(torch.ones(p.shape, dtype=dtype))
+
+    for unit, rows in ((blocked, few), (floor, [])):
+        item = codec.local(unit, rows, local_grad, representation)
+        assert item.method == "dense" and tuple(item.local.dense.shape) == unit.shape, (unit.name, item.method)
+    # the same two rows over whole rows of the weight: reduced on the factors
+    assert codec.local(whole, [(torch.randn(2, 6), torch.randn(2, 4))], None, representation).method == "factors"
