@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,8 +41,6 @@ from .config import DADConfig
 from .costs import powersgd_bytes, reduce_scatter_bytes, size_exchange_bytes
 from .router import UnitShape, route, sharded_needs_counts, unit_estimates
 from .units import build_plan
-
-log = logging.getLogger(__name__)
 
 POSITION_EMBEDDINGS = ("wpe", "position_embeddings")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -243,7 +240,7 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
                     sharded=True).representation
         est = unit_estimates(config, shape, rows_by_rank, s, dtype, sharded=True)
         counts[rep] = counts.get(rep, 0) + 1
-        baseline = reduce_scatter_bytes(tuple(u.param.shape), s, item) + sum(reduce_scatter_bytes(tuple(b.param.shape), s, item)
+        baseline = reduce_scatter_bytes((m, n), s, item) + sum(reduce_scatter_bytes(tuple(b.param.shape), s, item)
                                                                for b in u.biases)
         counts_exchange = (s - 1) * 8.0 * len(u.uses) if exchanges_counts else 0.0  # whatever the route
         dad = (baseline if rep == "dense" else est[rep]) + counts_exchange
@@ -573,7 +570,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(e))
     if args.json:
         out = {"model": args.model, "task": task, "sites": args.sites, "tokens_per_rank": args.tokens_per_rank,
-               "batch_per_rank": args.batch_per_rank, "sharded": args.sharded, "rank": args.rank, "mode": args.mode, "rank_route": args.rank_route, "dtype": args.dtype,
+               "batch_per_rank": args.batch_per_rank, "sharded": args.sharded, "rank": args.rank, "mode": args.mode,
+               "rank_route": args.rank_route, "dtype": args.dtype,
                **asdict(step)}
         if timed is not None:
             out["time"] = asdict(timed[0])
