@@ -2,14 +2,28 @@
 
     python -m dad_integrations.plan --model gpt2-medium --sites 64 --tokens-per-rank 4096 --rank 4
 
+    python -m dad_integrations.plan --model vit-base --sites 16 --batch-per-rank 32 --rank 4
+
 ``--model`` is a preset (see `PRESETS`) or a local Hugging Face ``config.json`` (or its folder).
 The model is built on the meta device (no weights, no downloads); the units, routes and bytes come
 from the synchroniser's own plan (`units.build_plan`), router (`router.route`) and cost model
-(`costs`), beside dense all-reduce and PyTorch's PowerSGD hook at the same rank.
+(`costs`), beside dense all-reduce and PyTorch's PowerSGD hook at the same rank. Each layer shows
+its kind: the `layers` registry's kind that captures it (``linear``, ``conv1d``, ``embedding``,
+``conv``, ...), ``floor`` for a matrix no kind captures (PowerSGD's coverage floor: dense or the
+rank routes from its dense gradient), and ``dense`` for the parameters outside the units.
 
-Rows per step and rank: every captured call sees ``tokens_per_rank`` rows, except position
-embeddings, which Hugging Face looks up once for ``(1, seq)`` ids (``seq`` = the tokens, at most
-the model's positions). Figures are bytes one rank sends per step, after the first (checked) step.
+Rows per step and rank, two ways:
+
+- Text models (``--tokens-per-rank``), by formula: every captured call sees ``tokens_per_rank``
+  rows, except position embeddings, which Hugging Face looks up once for ``(1, seq)`` ids (``seq``
+  = the tokens, at most the model's positions).
+- Vision and speech models (``--batch-per-rank``: images or audio clips), by counting: one forward
+  and backward of a dummy batch on the meta device (shapes only, no arithmetic) with the plan's
+  captures enabled, each use's rows summed over its calls. A convolution's rows are images x
+  output positions, a ViT's linear layers see images x (patches + 1): the count needs no formula
+  per architecture, only the kinds' own captures.
+
+Figures are bytes one rank sends per step, after the first (checked) step.
 """
 from __future__ import annotations
 
@@ -47,6 +61,7 @@ class UnitRow:
     powersgd: Optional[float]
     dense_numel: int = 0
     dense_items: int = 0
+    kind: str = ""                # the layer kind (`unit_kind`)
 
 
 @dataclass
@@ -67,16 +82,45 @@ class StepPlan:
     counts: Dict[str, int] = field(default_factory=dict)   # units per route
 
 
+RowCounts = Dict[str, List[int]]   # unit name -> rows per use, one step on one rank
+
+
 def use_rows(capture, tokens: int, positions: int) -> int:
     """Rows one step gives a captured layer: ``positions`` for position embeddings, else ``tokens``."""
     return positions if capture.name.endswith(POSITION_EMBEDDINGS) else tokens
 
 
+def unit_rows(u, tokens: int, positions: int, counted: Optional[RowCounts]) -> List[int]:
+    """Rows per use of unit ``u``: counted by a dummy forward (`count_rows`) where given, else by
+    the text formula (`use_rows`)."""
+    if counted is not None:
+        return list(counted.get(u.name, [0] * len(u.uses)))
+    return [use_rows(c, tokens, positions) for c in u.uses]
+
+
+def unit_kind(u) -> str:
+    """The layer kind of a unit: the registry kinds of the modules that run its uses (``+``-joined
+    for a weight used by two kinds, GPT-2's tied ``wte``/``lm_head``: ``embedding+linear``), or
+    ``floor`` for a unit without uses (no kind captures it: its dense gradient takes dense or the
+    rank routes, as PowerSGD's hook compresses every matrix)."""
+    from .layers import layer_kind
+
+    if not u.uses:
+        return "floor"
+    names: List[str] = []
+    for c in u.uses:
+        name = layer_kind(c.module) or c.kind  # (a kind's use always has a registered module)
+        if name not in names:
+            names.append(name)
+    return "+".join(names)
+
+
 def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str, rank: Optional[int],
                  rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
-                 powersgd_rank: Optional[int] = None, timing=None) -> StepPlan:
+                 powersgd_rank: Optional[int] = None, timing=None, rows: Optional[RowCounts] = None) -> StepPlan:
     """Bytes one rank sends per unit in a steady-state step of ``mode`` (the router's decision from
-    the counts of the unit's last size exchange), with ``tokens`` rows per captured call.
+    the counts of the unit's last size exchange), with ``tokens`` rows per captured call, or the
+    counted ``rows`` per use (`count_rows`) where given.
 
     Size exchanges count where the route needs agreed rows; biases of rank-r and dense units go to
     the dense buckets, as the synchroniser sends them (a step where every rank has every gradient
@@ -96,15 +140,15 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         return sum(powersgd_bytes(tuple(p.shape), psgd_rank, s, item)[0] for p in params)
 
     counts = {"exact": 0, "rank": 0, "rank_allreduce": 0, "dense": 0}
-    rows: List[UnitRow] = []
+    units: List[UnitRow] = []
     sent = 0.0  # everything but the dense buckets
     dense_param_numel = sum(p.numel() for _, p in plan.dense)
     dense_numel, dense_items = dense_param_numel, len(plan.dense)
     for u in plan.units:
-        m, n = u.param.shape
+        m, n = u.shape  # the matrix view: a convolution's (out, in x kernel)
         bias_numel = u.bias_numel
-        shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype)
-        use = [use_rows(c, tokens, positions) for c in u.uses]
+        shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype, u.blocks)
+        use = unit_rows(u, tokens, positions, rows)
         rows_by_rank = [use] * s
         decision = route(config, shape, world_size=s, wire_dtype=dtype, last_rows=rows_by_rank, timing=timing)
         exchange = decision.exchange_sizes
@@ -126,22 +170,22 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         dense_numel += d_numel
         dense_items += d_items
         params = [u.param] + [b.param for b in u.biases]
-        rows.append(UnitRow(u.name, (m, n), use, rep, exchange,
-                            own + ring_allreduce_bytes(d_numel * item, s),
-                            ring_allreduce_bytes((m * n + bias_numel) * item, s), psgd(params),
-                            d_numel, d_items))
+        units.append(UnitRow(u.name, (m, n), use, rep, exchange,
+                             own + ring_allreduce_bytes(d_numel * item, s),
+                             ring_allreduce_bytes((m * n + bias_numel) * item, s), psgd(params),
+                             d_numel, d_items, unit_kind(u)))
     total = sent
     if dense_items:
         total += ring_allreduce_bytes(dense_numel * item, s)
     dense_params = [p for _, p in plan.dense]
     dense_psgd = psgd(dense_params)
-    unit_psgd = [r.powersgd for r in rows]
+    unit_psgd = [r.powersgd for r in units]
     return StepPlan(
-        units=rows, dense_params=len(plan.dense), dense_param_numel=dense_param_numel,
+        units=units, dense_params=len(plan.dense), dense_param_numel=dense_param_numel,
         dense_dad=ring_allreduce_bytes(dense_param_numel * item, s),
         dense_allreduce=ring_allreduce_bytes(dense_param_numel * item, s), dense_powersgd=dense_psgd,
         dense_numel=dense_numel, dense_items=dense_items, total=total,
-        allreduce=ring_allreduce_bytes((dense_param_numel + sum(m * n for m, n in (r.shape for r in rows))
+        allreduce=ring_allreduce_bytes((dense_param_numel + sum(m * n for m, n in (r.shape for r in units))
                                         + sum(u.bias_numel for u in plan.units)) * item, s),
         powersgd=None if dense_psgd is None else dense_psgd + sum(unit_psgd), counts=counts)
 
@@ -158,6 +202,7 @@ class ShardedUnitRow:
     route: str
     dad: float
     reduce_scatter: float
+    kind: str = ""
 
 
 @dataclass
@@ -175,7 +220,7 @@ class ShardedStepPlan:
 
 def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str,
                          rank: Optional[int], rank_route: str = DADConfig.rank_route,
-                         dtype: torch.dtype = torch.float32) -> ShardedStepPlan:
+                         dtype: torch.dtype = torch.float32, rows: Optional[RowCounts] = None) -> ShardedStepPlan:
     """Bytes one rank sends per unit in a steady-state FSDP2 step (`fsdp.enable_dad_fsdp`): every
     unit's rows are exchanged each backward (`codecs.sharded_exact.exchange_row_counts`; not in
     mode ``"rank"``, `router.sharded_needs_counts`), the router decides with ``sharded=True`` on
@@ -185,11 +230,11 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
     config = DADConfig(mode=mode, rank=rank, rank_route=rank_route)
     exchanges_counts = sharded_needs_counts(config, step=config.lossless_steps)  # a steady-state step
     counts: Dict[str, int] = {}
-    rows: List[ShardedUnitRow] = []
+    units: List[ShardedUnitRow] = []
     for u in plan.units:
-        m, n = u.param.shape
-        shape = UnitShape(tuple(u.kinds), (m, n), u.bias_numel, dtype)
-        use = [use_rows(c, tokens, positions) for c in u.uses]
+        m, n = u.shape
+        shape = UnitShape(tuple(u.kinds), (m, n), u.bias_numel, dtype, u.blocks)
+        use = unit_rows(u, tokens, positions, rows)
         rows_by_rank = [use] * s
         rep = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank,
                     sharded=True).representation
@@ -199,15 +244,16 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
                                                                for b in u.biases)
         counts_exchange = (s - 1) * 8.0 * len(u.uses) if exchanges_counts else 0.0  # whatever the route
         dad = (baseline if rep == "dense" else est[rep]) + counts_exchange
-        rows.append(ShardedUnitRow(u.name, (m, n), use, rep, dad, baseline))
+        units.append(ShardedUnitRow(u.name, (m, n), use, rep, dad, baseline, unit_kind(u)))
     dense = sum(reduce_scatter_bytes(tuple(p.shape), s, item) for _, p in plan.dense)
-    return ShardedStepPlan(units=rows, dense_params=len(plan.dense), dense_reduce_scatter=dense,
-                           total=dense + sum(r.dad for r in rows),
-                           reduce_scatter=dense + sum(r.reduce_scatter for r in rows), counts=counts)
+    return ShardedStepPlan(units=units, dense_params=len(plan.dense), dense_reduce_scatter=dense,
+                           total=dense + sum(r.dad for r in units),
+                           reduce_scatter=dense + sum(r.reduce_scatter for r in units), counts=counts)
 
 
 # -- Hugging Face models on the meta device ----------------------------------------------------------
-PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "bert-base", "llama-7b-geometry", "llama-small")
+PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "bert-base", "llama-7b-geometry", "llama-small",
+           "vit-tiny", "vit-base", "whisper-tiny", "whisper-base")
 
 
 def preset_config(name: str):
@@ -225,6 +271,17 @@ def preset_config(name: str):
     if name == "llama-small":
         return tf.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                               num_attention_heads=8, vocab_size=32000)
+    if name in ("vit-tiny", "vit-base"):  # ViT-Ti/16 and ViT-B/16 at 224 x 224, ImageNet's 1000 classes
+        d, heads = {"vit-tiny": (192, 3), "vit-base": (768, 12)}[name]
+        return tf.ViTConfig(hidden_size=d, num_hidden_layers=12, num_attention_heads=heads, intermediate_size=4 * d,
+                            image_size=224, patch_size=16, num_labels=1000,
+                            architectures=["ViTForImageClassification"])
+    if name in ("whisper-tiny", "whisper-base"):  # openai/whisper-tiny and -base geometry
+        d, layers, heads = {"whisper-tiny": (384, 4, 6), "whisper-base": (512, 6, 8)}[name]
+        return tf.WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=d, encoder_layers=layers,
+                                decoder_layers=layers, encoder_attention_heads=heads, decoder_attention_heads=heads,
+                                encoder_ffn_dim=4 * d, decoder_ffn_dim=4 * d,
+                                architectures=["WhisperForConditionalGeneration"])
     raise ValueError(f"unknown model preset {name!r}; presets: {PRESETS}, or a path to a config.json")
 
 
@@ -244,11 +301,45 @@ def load_config(model: str):
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
-def build_meta_model(config) -> torch.nn.Module:
-    """The model of ``config`` on the meta device: a masked LM where its architectures say so,
-    else a causal LM (falling back to a masked LM for encoder-only types)."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+def model_task(config) -> str:
+    """What ``config`` builds: ``"image"`` (image classification: ViT, ResNet, ...), ``"speech"``
+    (speech-to-text encoder-decoder: Whisper) or ``"text"`` (causal or masked LM, the rest).
+    By the config's ``architectures`` where they say, else by which auto class maps its type."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForSpeechSeq2Seq
 
+    archs = getattr(config, "architectures", None) or []
+    if any(a.endswith("ForImageClassification") for a in archs):
+        return "image"
+    if any(a.endswith("ForConditionalGeneration") for a in archs) and _maps(AutoModelForSpeechSeq2Seq, config):
+        return "speech"
+    if archs or _maps(AutoModelForCausalLM, config):
+        return "text"
+    if _maps(AutoModelForImageClassification, config):
+        return "image"
+    if _maps(AutoModelForSpeechSeq2Seq, config):
+        return "speech"
+    return "text"
+
+
+def _maps(auto, config) -> bool:
+    try:
+        return type(config) in auto._model_mapping
+    except Exception:  # a mapping entry whose module fails to import
+        return False
+
+
+def build_meta_model(config) -> torch.nn.Module:
+    """The model of ``config`` on the meta device: an image classifier or a speech-to-text model
+    where `model_task` says so; else a masked LM where its architectures say so, else a causal LM
+    (falling back to a masked LM for encoder-only types)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageClassification, AutoModelForMaskedLM
+    from transformers import AutoModelForSpeechSeq2Seq
+
+    task = model_task(config)
+    if task != "text":
+        auto = AutoModelForImageClassification if task == "image" else AutoModelForSpeechSeq2Seq
+        with torch.device("meta"):
+            return auto.from_config(config)
     archs = getattr(config, "architectures", None) or []
     masked = any("MaskedLM" in a for a in archs) or config.model_type == "bert"
     order = (AutoModelForMaskedLM, AutoModelForCausalLM) if masked else (AutoModelForCausalLM, AutoModelForMaskedLM)
@@ -268,11 +359,66 @@ def max_positions(config) -> Optional[int]:
     return None
 
 
+def dummy_batch(model: torch.nn.Module, config, batch: int, decoder_tokens: int) -> Dict[str, torch.Tensor]:
+    """Keyword inputs of one step of ``batch`` examples per rank, on the model's device: images
+    of the config's size, or Whisper's log-mel features (``2 x max_source_positions`` frames, the
+    30 s its encoder requires) with ``decoder_tokens`` decoder tokens per clip."""
+    device = next(model.parameters()).device
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        h, w = (size, size) if isinstance(size, int) else tuple(size)
+        return {"pixel_values": torch.zeros(batch, getattr(config, "num_channels", 3), h, w, device=device)}
+    if name == "input_features" and hasattr(config, "max_source_positions"):
+        feats = torch.zeros(batch, config.num_mel_bins, 2 * config.max_source_positions, device=device)
+        ids = torch.ones(batch, decoder_tokens, dtype=torch.long, device=device)
+        return {"input_features": feats, "decoder_input_ids": ids}
+    raise ValueError(f"no dummy batch known for {type(model).__name__} (input {name!r}); "
+                     f"give --tokens-per-rank for a text model")
+
+
+def count_rows(model: torch.nn.Module, plan, inputs: Dict[str, torch.Tensor]) -> RowCounts:
+    """Rows per use of every unit of ``plan`` in one step: one forward and backward of ``inputs``
+    with the plan's captures enabled, each use's rows summed over its calls (a pair's left block
+    has one row per row: output-gradient rows, input rows or token ids, whatever the layout).
+
+    On the meta device nothing is computed; where a capture drops rows by value (an embedding's
+    padding rows) the meta tensors count them all: the dummy batch holds no padding.
+    """
+    out = model(**inputs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    try:  # masks on meta tensors (embedding padding): assume every element is kept
+        import torch.fx.experimental._config as fx_config
+        keep_all = fx_config.patch(meta_nonzero_assume_all_nonzero=True)
+    except (ImportError, AttributeError):  # pragma: no cover - older torch
+        import contextlib
+        keep_all = contextlib.nullcontext()
+    with keep_all:
+        logits.float().sum().backward()
+    counted = {u.name: [sum(int(pair[0].shape[0]) for pair in c.pairs) for c in u.uses] for u in plan.units}
+    for p in model.parameters():
+        p.grad = None
+    for c in plan.captures:
+        c.clear()
+    return counted
+
+
+def forward_rows(model: torch.nn.Module, config, *, batch: int, decoder_tokens: int = 128) -> RowCounts:
+    """`count_rows` for a dummy batch (`dummy_batch`) of ``batch`` examples per rank, on a plan
+    built for it (which parameters are units does not depend on the mode); hooks removed after."""
+    plan = build_plan(model, DADConfig())
+    try:
+        return count_rows(model, plan, dummy_batch(model, config, batch, decoder_tokens))
+    finally:
+        for c in plan.captures:
+            c.remove()
+
+
 def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
                mode: str = "auto", rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
-               positions: Optional[int] = None, timing=None) -> StepPlan:
+               positions: Optional[int] = None, timing=None, rows: Optional[RowCounts] = None) -> StepPlan:
     """`steady_state` for ``model`` (its plan built, its capture hooks removed); by predicted time
-    with a ``timing``."""
+    with a ``timing``; with counted ``rows`` (`forward_rows`) instead of the text formula."""
     if mode == "rank" and not rank:
         raise ValueError("--mode rank needs a rank (--rank >= 1)")
     dad_rank = rank if rank and mode != "exact" else None
@@ -282,7 +428,7 @@ def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank
     seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
     return steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
                         rank=dad_rank, rank_route=rank_route, dtype=dtype, powersgd_rank=rank or None,
-                        timing=timing)
+                        timing=timing, rows=rows)
 
 
 # -- output -------------------------------------------------------------------------------------------
@@ -293,13 +439,13 @@ def _mb(b: Optional[float]) -> str:
 def _table(header: str, columns: Sequence[Tuple[str, int]], units: Sequence[Sequence[str]],
            other: Sequence[str], total: Sequence[str], footer: Sequence[str]) -> str:
     """A plan as text: the name column, then ``columns`` (title, width; right-aligned but for the
-    route), one line per factor unit, the other parameters, a rule and the totals."""
+    kind and the route), one line per factor unit, the other parameters, a rule and the totals."""
     name_w = max([len(u[0]) for u in units] + [len(other[0])])
 
     def line(cells: Sequence[str]) -> str:
         out = [f"{cells[0]:<{name_w}}"]
         for (title, width), cell in zip(columns, cells[1:]):
-            out.append(f"{cell:<{width}}" if title == "route" else f"{cell:>{width}}")
+            out.append(f"{cell:<{width}}" if title in ("route", "kind") else f"{cell:>{width}}")
         return "  ".join(out)
 
     head = line(["layer"] + [title for title, _ in columns])
@@ -308,14 +454,24 @@ def _table(header: str, columns: Sequence[Tuple[str, int]], units: Sequence[Sequ
                      + list(footer))
 
 
+def _kind_width(units) -> int:
+    return max([len(r.kind) for r in units] + [5])
+
+
+def _rows(rows: Sequence[int]) -> str:
+    """Rows per use, ``+``-joined; ``-`` for a unit without uses (its dense gradient is routed)."""
+    return "+".join(map(str, rows)) if rows else "-"
+
+
 def render(step: StepPlan, header: str) -> str:
     """The plan as a text table, one line per factor unit, then the dense parameters and totals."""
-    columns = [("shape", 12), ("rows", 11), ("route", 14), ("dAD MB", 10), ("all-reduce MB", 13), ("PowerSGD MB", 11)]
-    units = [[r.name, "x".join(map(str, r.shape)), "+".join(map(str, r.rows)), r.route, _mb(r.dad), _mb(r.allreduce),
+    columns = [("kind", _kind_width(step.units)), ("shape", 12), ("rows", 11), ("route", 14), ("dAD MB", 10),
+               ("all-reduce MB", 13), ("PowerSGD MB", 11)]
+    units = [[r.name, r.kind, "x".join(map(str, r.shape)), _rows(r.rows), r.route, _mb(r.dad), _mb(r.allreduce),
               _mb(r.powersgd)] for r in step.units]
-    other = [f"dense parameters ({step.dense_params})", f"{step.dense_param_numel:,} el", "", "dense",
+    other = [f"dense parameters ({step.dense_params})", "dense", f"{step.dense_param_numel:,} el", "", "dense",
              _mb(step.dense_dad), _mb(step.dense_allreduce), _mb(step.dense_powersgd)]
-    total = ["total", "", "", "", _mb(step.total), _mb(step.allreduce), _mb(step.powersgd)]
+    total = ["total", "", "", "", "", _mb(step.total), _mb(step.allreduce), _mb(step.powersgd)]
     c = step.counts
     footer = [f"routes: {c['exact']} exact, {c['rank']} rank (all-gather), "
               f"{c['rank_allreduce']} rank (all-reduce), {c['dense']} dense",
@@ -327,12 +483,13 @@ def render(step: StepPlan, header: str) -> str:
 def render_sharded(step: ShardedStepPlan, header: str) -> str:
     """The sharded plan as a text table: per factor unit, dAD's route and bytes beside FSDP2's
     reduce-scatter; then the other parameters and the totals."""
-    columns = [("shape", 12), ("rows", 11), ("route", 14), ("dAD MB", 10), ("reduce-scatter MB", 17)]
-    units = [[r.name, "x".join(map(str, r.shape)), "+".join(map(str, r.rows)), r.route, _mb(r.dad),
+    columns = [("kind", _kind_width(step.units)), ("shape", 12), ("rows", 11), ("route", 14), ("dAD MB", 10),
+               ("reduce-scatter MB", 17)]
+    units = [[r.name, r.kind, "x".join(map(str, r.shape)), _rows(r.rows), r.route, _mb(r.dad),
               _mb(r.reduce_scatter)] for r in step.units]
-    other = [f"other parameters ({step.dense_params})", "", "", "dense", _mb(step.dense_reduce_scatter),
+    other = [f"other parameters ({step.dense_params})", "dense", "", "", "dense", _mb(step.dense_reduce_scatter),
              _mb(step.dense_reduce_scatter)]
-    total = ["total", "", "", "", _mb(step.total), _mb(step.reduce_scatter)]
+    total = ["total", "", "", "", "", _mb(step.total), _mb(step.reduce_scatter)]
     footer = ["routes: " + ", ".join(f"{v} {k}" for k, v in sorted(step.counts.items())),
               f"dAD / reduce-scatter: {step.total / step.reduce_scatter:.4f}"]
     return _table(header, columns, units, other, total, footer)
@@ -340,7 +497,8 @@ def render_sharded(step: ShardedStepPlan, header: str) -> str:
 
 def plan_sharded_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
                        mode: str = "auto", rank_route: str = DADConfig.rank_route,
-                       dtype: torch.dtype = torch.float32, positions: Optional[int] = None) -> ShardedStepPlan:
+                       dtype: torch.dtype = torch.float32, positions: Optional[int] = None,
+                       rows: Optional[RowCounts] = None) -> ShardedStepPlan:
     """`sharded_steady_state` for ``model`` (its plan built, its capture hooks removed)."""
     dad_rank = rank if rank and mode != "exact" else None
     plan = build_plan(model, DADConfig(mode=mode, rank=dad_rank, rank_route=rank_route))
@@ -348,7 +506,7 @@ def plan_sharded_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: i
         c.remove()
     seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
     return sharded_steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
-                                rank=dad_rank, rank_route=rank_route, dtype=dtype)
+                                rank=dad_rank, rank_route=rank_route, dtype=dtype, rows=rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -356,7 +514,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dad_integrations.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help=f"a preset {PRESETS} or a path to a config.json")
     p.add_argument("--sites", type=int, required=True, help="number of ranks (S)")
-    p.add_argument("--tokens-per-rank", type=int, required=True, help="tokens per rank per step")
+    p.add_argument("--tokens-per-rank", type=int, help="text models: tokens per rank per step")
+    p.add_argument("--batch-per-rank", type=int,
+                   help="vision and speech models: images (or audio clips) per rank per step; rows are "
+                        "counted by a forward and backward of such a dummy batch on the meta device")
+    p.add_argument("--decoder-tokens", type=int, default=128,
+                   help="speech models (Whisper): decoder tokens per clip (default 128)")
     p.add_argument("--rank", type=int, default=4, help="rank of rank-dAD and PowerSGD (0: none)")
     p.add_argument("--mode", choices=("auto", "exact", "rank"), default="auto")
     # the synchroniser's own default, so that the plan shows what a default config does
@@ -372,34 +535,52 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="where the routes' local compute is measured for the model's weight shapes "
                         "(cpu, cuda, ...), or none to count no compute")
     args = p.parse_args(argv)
-    if args.sites < 2 or args.tokens_per_rank < 1 or args.rank < 0:
-        p.error("need --sites >= 2, --tokens-per-rank >= 1, --rank >= 0")
+    if args.sites < 2 or args.rank < 0 or args.decoder_tokens < 1:
+        p.error("need --sites >= 2, --rank >= 0, --decoder-tokens >= 1")
+    if (args.tokens_per_rank is not None and args.tokens_per_rank < 1) or (
+            args.batch_per_rank is not None and args.batch_per_rank < 1):
+        p.error("need --tokens-per-rank >= 1 and --batch-per-rank >= 1")
     if args.mode == "rank" and not args.rank:
         p.error("--mode rank needs a rank (--rank >= 1)")
     try:
         cfg = load_config(args.model)
+        task = model_task(cfg)
         model = build_meta_model(cfg)
+        rows = None
+        if task == "text":
+            if args.tokens_per_rank is None or args.batch_per_rank is not None:
+                raise ValueError(f"--model {args.model!r} is a text model: give --tokens-per-rank "
+                                 f"(not --batch-per-rank)")
+        else:
+            if args.batch_per_rank is None or args.tokens_per_rank is not None:
+                raise ValueError(f"--model {args.model!r} is a {task} model: give --batch-per-rank (its rows "
+                                 f"are counted by a forward pass), not --tokens-per-rank")
+            rows = forward_rows(model, cfg, batch=args.batch_per_rank, decoder_tokens=args.decoder_tokens)
+            args.tokens_per_rank = 0  # (the formula is not used)
         planner = plan_sharded_model if args.sharded else plan_model
         step = planner(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
-                          mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
-                          positions=max_positions(cfg))
+                       mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
+                       positions=max_positions(cfg), rows=rows)
         timed = None
         if args.bandwidth is not None:
             if args.sharded:
                 raise ValueError("--bandwidth: the step-time prediction covers unsharded plans only")
-            timed = _time_plan(args, model, cfg, step)
+            timed = _time_plan(args, model, cfg, step, rows)
     except ValueError as e:
         p.error(str(e))
     if args.json:
-        out = {"model": args.model, "sites": args.sites, "tokens_per_rank": args.tokens_per_rank,
-               "sharded": args.sharded, "rank": args.rank, "mode": args.mode, "rank_route": args.rank_route, "dtype": args.dtype,
+        out = {"model": args.model, "task": task, "sites": args.sites, "tokens_per_rank": args.tokens_per_rank,
+               "batch_per_rank": args.batch_per_rank, "sharded": args.sharded, "rank": args.rank, "mode": args.mode,
+               "rank_route": args.rank_route, "dtype": args.dtype,
                **asdict(step)}
         if timed is not None:
             out["time"] = asdict(timed[0])
             out["time"]["by_time"] = asdict(timed[1])
         print(json.dumps(out, indent=1))
     else:
-        header = (f"{args.model}: {args.sites} sites, {args.tokens_per_rank} tokens per rank, mode {args.mode}, "
+        per_rank = (f"{args.tokens_per_rank} tokens per rank" if task == "text" else
+                    f"{args.batch_per_rank} {'images' if task == 'image' else 'clips'} per rank (rows counted)")
+        header = (f"{args.model}: {args.sites} sites, {per_rank}, mode {args.mode}, "
                   f"rank {args.rank or '-'}, rank route {args.rank_route}, {args.dtype}"
                   f"{', sharded (FSDP2)' if args.sharded else ''}; MB one rank sends per steady-state step")
         print((render_sharded if args.sharded else render)(step, header))
@@ -410,7 +591,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan):
+def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Optional[RowCounts] = None):
     """The plan by predicted time on the stated link: (time plan, the steady state by time, link, note)."""
     from .compute_model import ComputeModel, measure_compute
     from .link import LinkModel, parse_bandwidth
@@ -430,7 +611,7 @@ def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan):
     timing = StepTiming(link, compute)
     by_time = plan_model(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
                          mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
-                         positions=max_positions(cfg), timing=timing)
+                         positions=max_positions(cfg), timing=timing, rows=rows)
     return time_plan(by_time, timing, sites=args.sites, compressed=by_bytes), by_time, link, note
 
 

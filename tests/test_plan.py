@@ -2,6 +2,7 @@
 against the router and the all-reduce formula. Meta-device models only: fast, no processes but one."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -233,3 +234,148 @@ def test_bandwidth_prints_step_time_and_break_even(capsys, tmp_path):
     assert 0 < be["dad"] < float("inf") and 0 < be["powersgd"] < float("inf")
     with pytest.raises(SystemExit):
         main(small + ["--bandwidth", "fast"])
+
+
+# -- vision and speech: rows counted by a forward pass on the meta device ---------------------------------
+def test_kind_column_names_the_registry_kinds(capsys):
+    """Per layer the registry's kind: GPT-2's ``Conv1D`` weights ``conv1d``, the tied ``wte`` /
+    ``lm_head`` weight ``embedding+linear``, ``wpe`` ``embedding``; the other parameters ``dense``."""
+    out = run_json(capsys, "--model", "gpt2", "--sites", "8", "--tokens-per-rank", "512", "--rank", "4")
+    kinds = {u["name"]: u["kind"] for u in out["units"]}
+    assert kinds["transformer.h.0.mlp.c_fc.weight"] == "conv1d"
+    assert kinds["transformer.wte.weight"] == "embedding+linear"
+    assert kinds["transformer.wpe.weight"] == "embedding"
+    assert main(["--model", "gpt2", "--sites", "8", "--tokens-per-rank", "512"]) == 0
+    text = capsys.readouterr().out
+    assert " kind " in text.splitlines()[2]
+    assert re.search(r"dense parameters \(50\) +dense +38,400 el", text), text
+
+
+def test_counted_rows_equal_the_text_formula_on_gpt2():
+    """The forward count and the text formula agree where the formula holds: on GPT-2 every use
+    sees batch x seq rows, ``wpe`` seq (looked up once for ``(1, seq)`` ids)."""
+    from dad_integrations.plan import count_rows, use_rows
+    from dad_integrations.units import build_plan
+
+    model = build_meta_model(load_config("gpt2"))
+    plan = build_plan(model, DADConfig())
+    batch, seq = 3, 40
+    try:
+        counted = count_rows(model, plan, {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta")})
+    finally:
+        for c in plan.captures:
+            c.remove()
+    assert len(counted) == len(plan.units)
+    for u in plan.units:
+        assert counted[u.name] == [use_rows(c, batch * seq, seq) for c in u.uses], u.name
+
+
+def test_counted_rows_of_a_cnn_are_images_times_output_positions():
+    """A CNN on the meta device: a convolution captured by a layer kind counts images x output
+    positions rows per use (a grouped one per group's block); one no kind captures is ``floor``
+    (no uses: its dense gradient is routed), either way; the linear head counts images."""
+    from torch import nn
+
+    from dad_integrations.plan import count_rows, steady_state, unit_kind
+    from dad_integrations.units import build_plan
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, groups=2),
+                              nn.ReLU(), nn.Flatten(), nn.Linear(16 * 7 * 7, 10))
+    plan = build_plan(model, DADConfig())
+    images = 5
+    try:
+        counted = count_rows(model, plan, {"input": torch.zeros(images, 3, 16, 16, device="meta")})
+    finally:
+        for c in plan.captures:
+            c.remove()
+    positions = {"0.weight": 16 * 16, "2.weight": 7 * 7}
+    by = {u.name: u for u in plan.units}
+    assert set(by) == {"0.weight", "2.weight", "5.weight"}
+    assert counted["5.weight"] == [images] and unit_kind(by["5.weight"]) == "linear"
+    for name, per_image in positions.items():
+        u = by[name]
+        if u.uses:
+            assert unit_kind(u) != "floor"
+            assert counted[name] == [images * per_image] * len(u.uses), (name, counted[name])
+        else:
+            assert unit_kind(u) == "floor" and counted[name] == []
+    step = steady_state(plan, tokens=0, positions=0, world_size=4, mode="auto", rank=2, rows=counted)
+    assert step.total <= step.powersgd
+    assert [r.shape for r in step.units if r.name == "2.weight"] == [(16, 4 * 9)]  # the matrix view
+
+
+@pytest.mark.parametrize("preset", ["vit-tiny", "whisper-tiny"])
+def test_vision_and_speech_presets_count_rows(capsys, preset):
+    """ViT: images x (patches + 1) rows per linear layer, images for the classifier; the patch
+    convolution is a unit (a kind's or the floor). Whisper: encoder layers and the decoder's
+    cross-attention keys and values see clips x 1500 frames, the decoder clips x decoder tokens;
+    its two encoder convolutions are units. Totals add up to all-reduce of every parameter, and
+    auto sends at most PowerSGD's bytes."""
+    batch, sites = 3, 8
+    out = run_json(capsys, "--model", preset, "--sites", str(sites), "--batch-per-rank", str(batch), "--rank", "4")
+    model = build_meta_model(load_config(preset))
+    check_sums(out, sites, param_bytes(model))
+    assert out["task"] == ("image" if preset.startswith("vit") else "speech")
+    assert out["total"] <= out["powersgd"] * (1 + 1e-12)
+    by = {u["name"]: u for u in out["units"]}
+    if preset == "vit-tiny":
+        tokens = batch * ((224 // 16) ** 2 + 1)
+        assert by["vit.layers.0.mlp.fc1.weight"]["rows"] == [tokens]
+        assert by["classifier.weight"]["rows"] == [batch]
+        conv = by["vit.embeddings.patch_embeddings.projection.weight"]
+        assert conv["shape"] == [192, 3 * 16 * 16]
+        assert conv["kind"] == "floor" or conv["rows"] == [batch * (224 // 16) ** 2]
+        assert by["vit.embeddings.position_embeddings"]["kind"] == "floor"
+    else:
+        assert by["model.encoder.layers.0.fc1.weight"]["rows"] == [batch * 1500]
+        assert by["model.decoder.layers.0.fc1.weight"]["rows"] == [batch * 128]
+        assert by["model.decoder.layers.0.encoder_attn.k_proj.weight"]["rows"] == [batch * 1500]
+        assert by["model.decoder.layers.0.encoder_attn.q_proj.weight"]["rows"] == [batch * 128]
+        assert by["model.decoder.embed_tokens.weight"]["kind"] == "embedding+linear"  # tied to proj_out
+        assert {"model.encoder.conv1.weight", "model.encoder.conv2.weight"} <= set(by)
+
+
+def test_vision_and_speech_auto_never_sends_more_than_powersgd():
+    """Auto at rank r on ViT and Whisper, rows counted, few to many images and 2 to 256 sites: at
+    most PowerSGD's bytes, in total and weight by weight (floor units included)."""
+    from dad_integrations.plan import forward_rows, steady_state
+    from dad_integrations.units import build_plan
+
+    for preset in ("vit-tiny", "whisper-tiny"):
+        cfg = load_config(preset)
+        model = build_meta_model(cfg)
+        plan = build_plan(model, DADConfig(mode="auto", rank=4))
+        for c in plan.captures:
+            c.remove()
+        for batch in (1, 32):
+            rows = forward_rows(model, cfg, batch=batch, decoder_tokens=16)
+            for sites in (2, 16, 256):
+                step = steady_state(plan, tokens=0, positions=0, world_size=sites, mode="auto", rank=4, rows=rows)
+                assert step.total <= step.powersgd, (preset, batch, sites)
+                for u in step.units:
+                    assert u.dad <= u.powersgd * (1 + 1e-12) + 1e-9, (preset, u.name, batch, sites, u.route)
+
+
+def test_local_whisper_config_json_builds_the_speech_model(capsys, tmp_path):
+    """A local Whisper config.json plans the encoder-decoder (not WhisperForCausalLM, the decoder
+    alone), by its architectures; the sharded plan counts the same rows."""
+    cfg = load_config("whisper-tiny").to_dict()
+    cfg.update(encoder_layers=1, decoder_layers=1, max_source_positions=100)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = run_json(capsys, "--model", str(tmp_path), "--sites", "4", "--batch-per-rank", "2", "--rank", "4")
+    names = {u["name"] for u in out["units"]}
+    assert "model.encoder.layers.0.fc1.weight" in names and "model.encoder.conv1.weight" in names
+    assert next(u for u in out["units"] if u["name"] == "model.encoder.layers.0.fc1.weight")["rows"] == [200]
+    sharded = run_json(capsys, "--model", str(tmp_path), "--sites", "4", "--batch-per-rank", "2", "--rank", "4",
+                       "--sharded")
+    assert {u["name"]: u["rows"] for u in sharded["units"]} == {u["name"]: u["rows"] for u in out["units"]}
+
+
+def test_rows_arguments_follow_the_model(capsys):
+    with pytest.raises(SystemExit):  # a vision model's rows are counted: images, not tokens
+        main(["--model", "vit-tiny", "--sites", "4", "--tokens-per-rank", "8"])
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt2", "--sites", "4", "--batch-per-rank", "8"])
+    with pytest.raises(SystemExit):
+        main(["--model", "gpt2", "--sites", "4"])
