@@ -5,6 +5,7 @@
 | `linear`    | ``nn.Linear``                    | `linear`      |
 | `conv1d`    | Hugging Face ``Conv1D`` (GPT-2)  | `hf_conv1d`   |
 | `embedding` | ``nn.Embedding``                 | `embedding`   |
+| `rnn`       | ``nn.GRU``, ``LSTM``, ``RNN``    | `rnn`         |
 
 A new kind is a new module here, imported below, plus its name in `config.LAYER_KINDS`. Row
 layouts and the rebuild are in `rows`; this package re-exports them for the codecs.
@@ -13,6 +14,7 @@ from ..rows import (Block, Rows, add_bias_grad, add_rebuilt_grad, as_matrix, com
                     deterministic_index_add, matrix_shape, output_grad_rows, sorted_segment_add)
 from .registry import Claim, LayerKind, get_kind, kind_of, layer_kind, register_kind, registered_kinds
 from . import linear, hf_conv1d, embedding  # noqa: E402,F401  (registration)
+from . import rnn  # noqa: E402,F401  (registration)
 
 __all__ = ["Block", "Rows", "add_bias_grad", "add_rebuilt_grad", "as_matrix", "compute_dtype", "concat_rows",
            "deterministic_index_add", "matrix_shape", "output_grad_rows", "sorted_segment_add", "Claim",

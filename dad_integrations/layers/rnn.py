@@ -1,0 +1,315 @@
+"""``nn.GRU``, ``nn.LSTM`` and ``nn.RNN``: each weight's gradient is a sum over time steps of outer products.
+
+Layer ``l`` of a recurrent network computes, per time step ``t``, the gate pre-activations
+``gi_t = W_ih x_t + b_ih`` and ``gh_t = W_hh h_{t-1} + b_hh`` and a cell of them; so
+
+    dW_ih = sum_t G_t^T x_t        dW_hh = sum_t G'_t^T h_{t-1}        db_ih = sum_t G_t   db_hh = sum_t G'_t
+
+with ``G = dL/dgi`` and ``G' = dL/dgh``: every time step is a row, exactly a linear layer's
+``D^T X`` (layout "linear"). Layer ``l > 0`` reads layer ``l-1``'s output as its ``x``. For the LSTM
+and the plain RNN the gates add, ``gi + gh``, so ``G' = G``. For the GRU the candidate gate
+``n = tanh(gi_n + r * gh_n)`` scales the hidden side by the reset gate: ``G' = [G_r, G_z, r * G_n]``.
+
+The fused kernels (cuDNN, oneDNN) never expose ``G``. So the capture keeps the call's input
+(and ``h0`` / ``(h0, c0)``) and weights, which autograd keeps alive anyway, and when the outputs'
+gradients arrive (one `torch.autograd.graph.register_multi_grad_hook` on ``(output, h_n[, c_n])``;
+an output outside the loss has no gradient) it *replays* the recurrence on the detached weights in
+Python and asks autograd (a nested backward, which hooks may run) for the gradients of the gate
+pre-activations. The hook runs before the module's own backward node, so the rows exist before
+the weights' gradients are accumulated.
+
+Rows per weight: ``N * T`` (batch times steps; a ``PackedSequence`` gives its ``sum(lengths)``),
+``gates * H`` wide on the left (``gates``: GRU 3, LSTM 4, RNN 1) and ``in`` or ``H`` on the right.
+
+Cost: the replay is a second forward of the recurrence (``T`` small matrix products per layer, in a
+Python loop) plus its backward without the weight gradients: on CPU about the module's own
+forward and backward again; on a GPU, where cuDNN fuses the recurrence, the loop of small kernels
+is many times slower than the fused call. Exact factors pay for few rows only (short sequences,
+small batches) anyway.
+
+Not captured (the weights fall to the coverage floor: rank routes from their dense gradient, or
+dense), each logged once: ``bidirectional``, ``proj_size > 0`` (LSTM projections) and ``dropout > 0``
+between layers (its masks are drawn inside the fused kernel; the replay could not repeat them).
+``PackedSequence`` inputs are replayed exactly (per step the first ``batch_sizes[t]`` sequences).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.nn.utils.rnn import PackedSequence
+
+from ..capture import HookedCapture, Use
+from .registry import Claim, LayerKind, register_kind, runs_stock_forward
+
+log = logging.getLogger(__name__)
+
+GATES = {"GRU": 3, "LSTM": 4, "RNN_TANH": 1, "RNN_RELU": 1}
+STOCK = (nn.GRU, nn.LSTM, nn.RNN)
+
+Weights = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]  # w_ih, w_hh, b_ih, b_hh
+LayerRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # G, X, G', H_prev
+
+_logged: set = set()
+
+
+def _log_once(reason: str, name: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.info("dAD: recurrent layers with %s (first: %r) are not captured as factors; their weights "
+                 "take the routes of uncaptured matrices (rank routes from the dense gradient, or dense)",
+                 reason, name)
+
+
+def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: Optional[torch.Tensor]
+          ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """One step of PyTorch's cells from the pre-activations: ``(h', c', r)`` (``r`` the GRU's
+    reset gate, detached, for ``G'_n = r * G_n``)."""
+    if mode == "GRU":
+        ir, iz, i_n = gi.chunk(3, 1)
+        hr, hz, h_n = gh.chunk(3, 1)
+        r = torch.sigmoid(ir + hr)
+        z = torch.sigmoid(iz + hz)
+        n = torch.tanh(i_n + r * h_n)
+        return n + z * (h - n), None, r.detach()
+    if mode == "LSTM":
+        i, f, g, o = (gi + gh).chunk(4, 1)
+        c2 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c2), c2, None
+    pre = gi + gh
+    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None, None
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.addmm(b, x, w.t()) if b is not None else x @ w.t()
+
+
+def replay_rows(mode: str, weights: Sequence[Weights], x: torch.Tensor, h0: torch.Tensor,
+                c0: Optional[torch.Tensor], batch_sizes: Sequence[int],
+                grad_out: Optional[torch.Tensor], grad_hn: Optional[torch.Tensor],
+                grad_cn: Optional[torch.Tensor]) -> List[LayerRows]:
+    """Per layer, the rows ``(G, X, G', H_prev)`` of one call, replayed on detached weights.
+
+    ``x`` is the time-major packed input ``(sum(batch_sizes), in)`` (for an unpacked batch of
+    ``B`` sequences of ``T`` steps: ``x.reshape(T * B, in)``, ``batch_sizes = [B] * T``), step
+    ``t``'s rows the first ``batch_sizes[t]`` sequences (sorted by length, longest first, as
+    ``PackedSequence`` keeps them). ``h0``, ``c0`` are ``(layers, B, H)``; ``grad_out`` is the
+    gradient of the last layer's output rows ``(sum(batch_sizes), H)``, ``grad_hn`` / ``grad_cn``
+    of the final states ``(layers, B, H)`` (None: not in the loss).
+    """
+    sizes = [int(s) for s in batch_sizes]
+    full = sizes[0]
+    with torch.enable_grad():  # hooks run in backward with grad mode off
+        inputs, pre, layer_out, finals, finals_c, prevs, resets = [], [], None, [], [], [], []
+        layer_in = x.detach()
+        for k, (w_ih, w_hh, b_ih, b_hh) in enumerate(weights):
+            inputs.append(layer_in.detach())
+            gi = _linear(layer_in, w_ih, b_ih)
+            if not gi.requires_grad:  # layer 0: the input is a constant
+                gi.requires_grad_()
+            pre.append(gi)
+            h, c = h0[k], (c0[k] if c0 is not None else None)
+            outs, hp, rs = [], [], []
+            for gi_t, bs in zip(gi.split(sizes), sizes):
+                h_prev = h[:bs]
+                h_new, c_new, r = _cell(mode, gi_t, _linear(h_prev, w_hh, b_hh), h_prev,
+                                        c[:bs] if c is not None else None)
+                outs.append(h_new)
+                hp.append(h_prev.detach())
+                rs.append(r)
+                # sequences that ended keep their last state (rows bs: of a packed batch)
+                h = h_new if bs == full else torch.cat([h_new, h[bs:]])
+                if c is not None:
+                    c = c_new if bs == full else torch.cat([c_new, c[bs:]])
+            finals.append(h)
+            finals_c.append(c)
+            prevs.append(torch.cat(hp))
+            resets.append(torch.cat(rs) if mode == "GRU" else None)
+            layer_out = torch.cat(outs)
+            layer_in = layer_out
+
+        outputs, grads = [], []
+        if grad_out is not None:
+            outputs.append(layer_out)
+            grads.append(grad_out)
+        for k in range(len(weights)):
+            if grad_hn is not None:
+                outputs.append(finals[k])
+                grads.append(grad_hn[k])
+            if grad_cn is not None and finals_c[k] is not None:
+                outputs.append(finals_c[k])
+                grads.append(grad_cn[k])
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+        if pairs:
+            got = torch.autograd.grad([o for o, _ in pairs], pre, [g.to(o.dtype) for o, g in pairs],
+                                      allow_unused=True)
+        else:
+            got = [None] * len(pre)
+    rows = []
+    for k, g in enumerate(got):
+        if g is None:  # nothing in the loss depends on this layer
+            g = torch.zeros_like(pre[k]).detach()
+        if mode == "GRU":
+            hidden = g.shape[1] // 3
+            g_hh = torch.cat([g[:, :2 * hidden], resets[k] * g[:, 2 * hidden:]], 1)
+        else:
+            g_hh = g  # the gates add: the same rows (one tensor, no copy)
+        rows.append((g, inputs[k], g_hh, prevs[k]))
+    return rows
+
+
+def layer_weights(module: nn.RNNBase, k: int) -> Weights:
+    """Layer ``k``'s (w_ih, w_hh, b_ih, b_hh), detached (biases None without ``bias``)."""
+    def get(name: str) -> Optional[torch.Tensor]:
+        t = getattr(module, f"{name}_l{k}", None)
+        return t.detach() if t is not None else None
+    return get("weight_ih"), get("weight_hh"), get("bias_ih"), get("bias_hh")
+
+
+class RNNCapture(HookedCapture):
+    """Forward hook: keep the call's input, initial state and weights; the outputs' multi-grad
+    hook replays the recurrence (`replay_rows`) and appends each layer's rows to its two uses,
+    ``ih_l{k}`` (``(G, X)``) and ``hh_l{k}`` (``(G', H_prev)``).
+
+    A call's saved state lives in the hook's closure, which the autograd graph holds: it goes
+    with the graph (after backward, or when a forward is never back-propagated). `clear` moves
+    an epoch on, so that a gradient arriving after it adds nothing.
+    """
+
+    def __init__(self, name: str, module: nn.RNNBase, on_forward=None):
+        self.keys = [f"{side}_l{k}" for k in range(module.num_layers) for side in ("ih", "hh")]
+        self.by_key: Dict[str, Use] = {key: Use(f"{name}.{key}", module, "linear", attr=f"weight_{key}")
+                                       for key in self.keys}
+        super().__init__(name, module, list(self.by_key.values()), on_forward)
+        self._epoch = 0
+        self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
+
+    def clear(self) -> None:
+        self._epoch += 1
+        super().clear()
+
+    def _wanted(self) -> bool:
+        return any(u.enabled and u.param().requires_grad for u in self.uses)
+
+    def _forward_hook(self, module: nn.RNNBase, args: tuple, kwargs: dict, output) -> None:
+        if self.detached or not torch.is_grad_enabled():
+            return
+        out, state = output
+        out_t = out.data if isinstance(out, PackedSequence) else out
+        if not out_t.requires_grad or not any(p.requires_grad for p in module.parameters()):
+            return
+        self.opened()  # also when disabled: the step's window opens here
+        if not self._wanted():
+            return
+        x = args[0] if args else kwargs["input"]
+        hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        h_n, c_n = state if isinstance(state, tuple) else (state, None)
+        saved = self._saved_call(module, x, hx)
+        epoch = self._epoch
+        watched = [t for t in (out_t, h_n, c_n) if t is not None]
+
+        def arrived(grads: Sequence[Optional[torch.Tensor]]) -> None:
+            if epoch == self._epoch and not self.detached:
+                self._append(module, saved, *(list(grads) + [None])[:3])
+
+        torch.autograd.graph.register_multi_grad_hook(watched, arrived, mode="all")
+
+    def _saved_call(self, module: nn.RNNBase, x, hx) -> dict:
+        """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H)."""
+        layers, hidden = module.num_layers, module.hidden_size
+        sorted_idx = None
+        if isinstance(x, PackedSequence):
+            rows, sizes, sorted_idx = x.data, x.batch_sizes.tolist(), x.sorted_indices
+            batch, unbatched = sizes[0], False
+        else:
+            unbatched = x.dim() == 2
+            seq = x.unsqueeze(0 if module.batch_first else 1) if unbatched else x
+            if module.batch_first:
+                seq = seq.transpose(0, 1)
+            steps, batch = seq.shape[0], seq.shape[1]
+            rows, sizes = seq.reshape(steps * batch, seq.shape[2]), [batch] * steps
+        h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
+        states = []
+        for s in (h0, c0) if module.mode == "LSTM" else (h0,):
+            if s is None:
+                s = rows.new_zeros(layers, batch, hidden)
+            else:
+                s = s.detach()
+                if unbatched:
+                    s = s.unsqueeze(1)
+                if sorted_idx is not None:
+                    s = s.index_select(1, sorted_idx)
+            states.append(s)
+        return {"rows": rows.detach(), "sizes": sizes, "sorted": sorted_idx, "unbatched": unbatched,
+                "h0": states[0], "c0": states[1] if len(states) > 1 else None,
+                "weights": [layer_weights(module, k) for k in range(layers)]}
+
+    def _append(self, module: nn.RNNBase, saved: dict, g_out, g_hn, g_cn) -> None:
+        if not self._wanted():
+            return
+        sizes, sorted_idx, unbatched = saved["sizes"], saved["sorted"], saved["unbatched"]
+        if g_out is not None and sorted_idx is None:  # back to time-major rows
+            if unbatched:
+                g_out = g_out.unsqueeze(0 if module.batch_first else 1)
+            if module.batch_first:
+                g_out = g_out.transpose(0, 1)
+            g_out = g_out.reshape(-1, g_out.shape[-1])
+        finals = []
+        for g in (g_hn, g_cn):
+            if g is not None:
+                if unbatched:
+                    g = g.unsqueeze(1)
+                if sorted_idx is not None:  # the module returned the states in the caller's order
+                    g = g.index_select(1, sorted_idx)
+            finals.append(g)
+        rows = replay_rows(module.mode, saved["weights"], saved["rows"], saved["h0"], saved["c0"], sizes,
+                           g_out.detach() if g_out is not None else None,
+                           *(g.detach() if g is not None else None for g in finals))
+        for k, (g, x, g_hh, h_prev) in enumerate(rows):
+            for key, pair in ((f"ih_l{k}", (g, x)), (f"hh_l{k}", (g_hh, h_prev))):
+                use = self.by_key[key]
+                if use.enabled and use.param().requires_grad:
+                    use.pairs.append(pair)
+
+
+def _refusal(module: nn.RNNBase) -> Optional[str]:
+    """Why a stock recurrent module is not captured (None: it is)."""
+    if module.mode not in GATES:
+        return f"mode {module.mode}"
+    if module.bidirectional:
+        return "bidirectional=True"
+    if getattr(module, "proj_size", 0) > 0:
+        return "proj_size > 0"
+    if module.dropout > 0 and module.num_layers > 1:
+        return "dropout > 0 between layers"
+    return None
+
+
+@register_kind
+class RNNKind(LayerKind):
+    name = "rnn"
+
+    def accepts(self, module: nn.Module) -> bool:
+        if not any(runs_stock_forward(module, base) for base in STOCK):
+            return False
+        reason = _refusal(module)
+        if reason is not None:
+            _log_once(reason, type(module).__name__)
+            return False
+        return True
+
+    def claims(self, module: nn.Module) -> List[Claim]:
+        out = []
+        for k in range(module.num_layers):
+            for side in ("ih", "hh"):
+                key = f"{side}_l{k}"
+                out.append(Claim(f"weight_{key}", uses=(key,)))
+                if module.bias:
+                    out.append(Claim(f"bias_{key}", uses=(key,), bias=True))
+        return out
+
+    def capture(self, name, module, on_forward):
+        c = RNNCapture(name, module, on_forward)
+        return c, dict(c.by_key)
