@@ -12,8 +12,8 @@ and the plain RNN the gates add, ``gi + gh``, so ``G' = G``. For the GRU the can
 
 The fused kernels (cuDNN, oneDNN) never expose ``G``. So the capture keeps the call's input
 (and ``h0`` / ``(h0, c0)``) and weights, which autograd keeps alive anyway, and when the outputs'
-gradients arrive (one `torch.autograd.graph.register_multi_grad_hook` on ``(output, h_n[, c_n])``;
-an output outside the loss has no gradient) it *replays* the recurrence on the detached weights in
+gradients arrive (`when_all_grads` on ``(output, h_n[, c_n])``, PyTorch's multi-grad hook made
+to fire also where the output is backward's root; an output outside the loss has no gradient) it *replays* the recurrence on the detached weights in
 Python and asks autograd (a nested backward, which hooks may run) for the gradients of the gate
 pre-activations. The hook runs before the module's own backward node, so the rows exist before
 the weights' gradients are accumulated.
@@ -27,6 +27,9 @@ forward and backward again; on a GPU, where cuDNN fuses the recurrence, the loop
 is many times slower than the fused call. Exact factors pay for few rows only (short sequences,
 small batches) anyway.
 
+Under autocast the fused call runs in the autocast dtype throughout (weights cast); the replay
+does the same, so the rows are bf16/fp16 then.
+
 Not captured (the weights fall to the coverage floor: rank routes from their dense gradient, or
 dense), each logged once: ``bidirectional``, ``proj_size > 0`` (LSTM projections) and ``dropout > 0``
 between layers (its masks are drawn inside the fused kernel; the replay could not repeat them).
@@ -34,7 +37,9 @@ between layers (its masks are drawn inside the fused kernel; the replay could no
 """
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -160,6 +165,40 @@ def replay_rows(mode: str, weights: Sequence[Weights], x: torch.Tensor, h0: torc
     return rows
 
 
+def when_all_grads(tensors: Sequence[torch.Tensor], fn) -> None:
+    """Call ``fn(grads)`` once per backward pass, when every tensor of ``tensors`` that the pass
+    reaches has its gradient (None for the others): the counting of
+    ``torch.autograd.graph.register_multi_grad_hook(mode="all")``, which expects a gradient from
+    each tensor whose node the engine will execute. That misses one case: the node of a single
+    root of ``backward()`` does not count as executed, so the hook never fires (reentrant
+    activation checkpointing back-propagates from the module's output itself). Here the node
+    whose hook fires first counts, and so do the tensors that share it."""
+    grad_fns = [t.grad_fn for t in tensors]  # (a tensor without one gets no gradient: None)
+    pending: Dict[int, list] = {}  # per graph task: [gradients seen, gradients expected, gradients]
+    lock = threading.Lock()
+
+    def inner(idx: int, grad: Optional[torch.Tensor]) -> None:
+        task = torch._C._current_graph_task_id()
+        with lock:
+            state = pending.get(task)
+            if state is None:
+                first = grad_fns[idx]
+                expected = sum(1 for g in grad_fns
+                               if g is not None and (g is first or torch._C._will_engine_execute_node(g)))
+                state = pending[task] = [0, expected, [None] * len(tensors)]
+            state[2][idx] = grad
+            state[0] += 1
+            done = state[0] >= state[1]
+            if done:
+                del pending[task]
+        if done:
+            fn(state[2])
+
+    for i, t in enumerate(tensors):
+        if t.grad_fn is not None:
+            t.register_hook(functools.partial(inner, i))
+
+
 def layer_weights(module: nn.RNNBase, k: int) -> Weights:
     """Layer ``k``'s (w_ih, w_hh, b_ih, b_hh), detached (biases None without ``bias``)."""
     def get(name: str) -> Optional[torch.Tensor]:
@@ -169,8 +208,8 @@ def layer_weights(module: nn.RNNBase, k: int) -> Weights:
 
 
 class RNNCapture(HookedCapture):
-    """Forward hook: keep the call's input, initial state and weights; the outputs' multi-grad
-    hook replays the recurrence (`replay_rows`) and appends each layer's rows to its two uses,
+    """Forward hook: keep the call's input, initial state and weights; the outputs' gradient
+    hook (`when_all_grads`) replays the recurrence (`replay_rows`) and appends each layer's rows to its two uses,
     ``ih_l{k}`` (``(G, X)``) and ``hh_l{k}`` (``(G', H_prev)``).
 
     A call's saved state lives in the hook's closure, which the autograd graph holds: it goes
@@ -207,6 +246,7 @@ class RNNCapture(HookedCapture):
         hx = args[1] if len(args) > 1 else kwargs.get("hx")
         h_n, c_n = state if isinstance(state, tuple) else (state, None)
         saved = self._saved_call(module, x, hx)
+        saved["dtype"] = out_t.dtype  # under autocast the module ran in bf16/fp16: so does the replay
         epoch = self._epoch
         watched = [t for t in (out_t, h_n, c_n) if t is not None]
 
@@ -214,7 +254,7 @@ class RNNCapture(HookedCapture):
             if epoch == self._epoch and not self.detached:
                 self._append(module, saved, *(list(grads) + [None])[:3])
 
-        torch.autograd.graph.register_multi_grad_hook(watched, arrived, mode="all")
+        when_all_grads(watched, arrived)
 
     def _saved_call(self, module: nn.RNNBase, x, hx) -> dict:
         """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H)."""
@@ -264,7 +304,10 @@ class RNNCapture(HookedCapture):
                 if sorted_idx is not None:  # the module returned the states in the caller's order
                     g = g.index_select(1, sorted_idx)
             finals.append(g)
-        rows = replay_rows(module.mode, saved["weights"], saved["rows"], saved["h0"], saved["c0"], sizes,
+        dt = saved["dtype"]
+        weights = [tuple(w.to(dt) if w is not None else None for w in ws) for ws in saved["weights"]]
+        c0 = saved["c0"].to(dt) if saved["c0"] is not None else None
+        rows = replay_rows(module.mode, weights, saved["rows"].to(dt), saved["h0"].to(dt), c0, sizes,
                            g_out.detach() if g_out is not None else None,
                            *(g.detach() if g is not None else None for g in finals))
         for k, (g, x, g_hh, h_prev) in enumerate(rows):

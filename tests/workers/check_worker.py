@@ -105,6 +105,7 @@ def run_grad(case: dict) -> dict:
     sync.close()
     return {"worst": worst, "per_param": per_param, "components": components, "representations": reps,
             "dense_only": [u.name for u in sync.units if u.dense_only],
+            "routes": {p.name: p.representation for p in report.params},  # the last step's, per parameter
             "overlapped": overlapped, "units": [u.name for u in sync.units]}
 
 
