@@ -13,10 +13,10 @@ and the plain RNN the gates add, ``gi + gh``, so ``G' = G``. For the GRU the can
 The fused kernels (cuDNN, oneDNN) never expose ``G``. So the capture keeps the call's input
 (and ``h0`` / ``(h0, c0)``) and weights, which autograd keeps alive anyway, and when the outputs'
 gradients arrive (`when_all_grads` on ``(output, h_n[, c_n])``, PyTorch's multi-grad hook made
-to fire also where the output is backward's root; an output outside the loss has no gradient) it *replays* the recurrence on the detached weights in
-Python and asks autograd (a nested backward, which hooks may run) for the gradients of the gate
-pre-activations. The hook runs before the module's own backward node, so the rows exist before
-the weights' gradients are accumulated.
+to fire also where the output is backward's root; an output outside the loss has no gradient) it
+*replays* the recurrence on the detached weights and back-propagates through time by hand
+(`replay_rows`), layer by layer from the top, keeping ``G`` and ``G'``. The hook runs before the
+module's own backward node, so the rows exist before the weights' gradients are accumulated.
 
 Rows per weight: ``N * T`` (batch times steps; a ``PackedSequence`` gives its ``sum(lengths)``),
 ``gates * H`` wide on the left (``gates``: GRU 3, LSTM 4, RNN 1) and ``in`` or ``H`` on the right.
@@ -68,101 +68,123 @@ def _log_once(reason: str, name: str) -> None:
                  reason, name)
 
 
-def _cell(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: Optional[torch.Tensor]
-          ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """One step of PyTorch's cells from the pre-activations: ``(h', c', r)`` (``r`` the GRU's
-    reset gate, detached, for ``G'_n = r * G_n``)."""
-    if mode == "GRU":
-        ir, iz, i_n = gi.chunk(3, 1)
-        hr, hz, h_n = gh.chunk(3, 1)
-        r = torch.sigmoid(ir + hr)
-        z = torch.sigmoid(iz + hz)
-        n = torch.tanh(i_n + r * h_n)
-        return n + z * (h - n), None, r.detach()
-    if mode == "LSTM":
-        i, f, g, o = (gi + gh).chunk(4, 1)
-        c2 = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c2), c2, None
-    pre = gi + gh
-    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None, None
-
-
 def _linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
     return torch.addmm(b, x, w.t()) if b is not None else x @ w.t()
+
+
+def _step(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: Optional[torch.Tensor]
+          ) -> Tuple[torch.Tensor, Optional[torch.Tensor], tuple]:
+    """One step of PyTorch's cell from the pre-activations: ``(h', c', saved for backward)``."""
+    if mode == "GRU":
+        hidden = h.shape[1]
+        rz = torch.sigmoid(gi[:, :2 * hidden] + gh[:, :2 * hidden])
+        r, z = rz[:, :hidden], rz[:, hidden:]
+        gh_n = gh[:, 2 * hidden:]
+        n = torch.tanh(torch.addcmul(gi[:, 2 * hidden:], r, gh_n))
+        return n + z * (h - n), None, (rz, n, gh_n, h)
+    if mode == "LSTM":
+        hidden = h.shape[1]
+        act = (gi + gh).sigmoid_()  # i, f, o sigmoids; g's slice is redone as tanh
+        i, f, o = act[:, :hidden], act[:, hidden:2 * hidden], act[:, 3 * hidden:]
+        g = torch.tanh(gi[:, 2 * hidden:3 * hidden] + gh[:, 2 * hidden:3 * hidden])
+        c2 = torch.addcmul(f * c, i, g)
+        tc = torch.tanh(c2)
+        return o * tc, c2, (i, f, g, o, c, tc)
+    out = torch.tanh(gi + gh) if mode == "RNN_TANH" else torch.relu(gi + gh)
+    return out, None, (out,)
+
+
+def _step_back(mode: str, saved: tuple, dh: torch.Tensor, dc: Optional[torch.Tensor]
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One step back: ``(G, G', dL/dh_prev without the W_hh product, dL/dc_prev)``; the caller
+    adds ``G' W_hh`` to the third."""
+    if mode == "GRU":
+        rz, n, gh_n, h = saved
+        hidden = n.shape[1]
+        r, z = rz[:, :hidden], rz[:, hidden:]
+        g_n = dh * (1 - z) * (1 - n * n)
+        d_rz = torch.cat([g_n * gh_n, dh * (h - n)], 1) * rz * (1 - rz)  # G_r, G_z
+        return torch.cat([d_rz, g_n], 1), torch.cat([d_rz, r * g_n], 1), dh * z, None
+    if mode == "LSTM":
+        i, f, g, o, c, tc = saved
+        dc = dh * o * (1 - tc * tc) + (dc if dc is not None else 0)
+        d = torch.cat([dc * g * i * (1 - i), dc * c * f * (1 - f), dc * i * (1 - g * g), dh * tc * o * (1 - o)], 1)
+        return d, d, None, dc * f
+    out, = saved
+    d = dh * (1 - out * out) if mode == "RNN_TANH" else dh * (out > 0).to(dh.dtype)
+    return d, d, None, None
 
 
 def replay_rows(mode: str, weights: Sequence[Weights], x: torch.Tensor, h0: torch.Tensor,
                 c0: Optional[torch.Tensor], batch_sizes: Sequence[int],
                 grad_out: Optional[torch.Tensor], grad_hn: Optional[torch.Tensor],
                 grad_cn: Optional[torch.Tensor]) -> List[LayerRows]:
-    """Per layer, the rows ``(G, X, G', H_prev)`` of one call, replayed on detached weights.
+    """Per layer, the rows ``(G, X, G', H_prev)`` of one call: the recurrence replayed on the
+    detached weights, then back-propagated through time by hand (no autograd: a recurrence of
+    small products pays autograd's per-operation cost many times over).
 
     ``x`` is the time-major packed input ``(sum(batch_sizes), in)`` (for an unpacked batch of
     ``B`` sequences of ``T`` steps: ``x.reshape(T * B, in)``, ``batch_sizes = [B] * T``), step
     ``t``'s rows the first ``batch_sizes[t]`` sequences (sorted by length, longest first, as
-    ``PackedSequence`` keeps them). ``h0``, ``c0`` are ``(layers, B, H)``; ``grad_out`` is the
-    gradient of the last layer's output rows ``(sum(batch_sizes), H)``, ``grad_hn`` / ``grad_cn``
-    of the final states ``(layers, B, H)`` (None: not in the loss).
+    ``PackedSequence`` keeps them; a sequence that ended keeps its last state). ``h0``, ``c0``
+    are ``(layers, B, H)``; ``grad_out`` is the gradient of the last layer's output rows
+    ``(sum(batch_sizes), H)``, ``grad_hn`` / ``grad_cn`` of the final states (None: not in the loss).
     """
     sizes = [int(s) for s in batch_sizes]
+    offsets = [0]
+    for s in sizes:
+        offsets.append(offsets[-1] + s)
     full = sizes[0]
-    with torch.enable_grad():  # hooks run in backward with grad mode off
-        inputs, pre, layer_out, finals, finals_c, prevs, resets = [], [], None, [], [], [], []
-        layer_in = x.detach()
+    with torch.no_grad():
+        # forward, layer by layer: inputs, hidden-state rows and what each step's backward needs
+        inputs, prevs, saved = [], [], []
+        layer_in = x
         for k, (w_ih, w_hh, b_ih, b_hh) in enumerate(weights):
-            inputs.append(layer_in.detach())
+            inputs.append(layer_in)
             gi = _linear(layer_in, w_ih, b_ih)
-            if not gi.requires_grad:  # layer 0: the input is a constant
-                gi.requires_grad_()
-            pre.append(gi)
             h, c = h0[k], (c0[k] if c0 is not None else None)
-            outs, hp, rs = [], [], []
-            for gi_t, bs in zip(gi.split(sizes), sizes):
+            outs, hp, steps = [], [], []
+            for t, bs in enumerate(sizes):
                 h_prev = h[:bs]
-                h_new, c_new, r = _cell(mode, gi_t, _linear(h_prev, w_hh, b_hh), h_prev,
-                                        c[:bs] if c is not None else None)
+                h_new, c_new, keep = _step(mode, gi[offsets[t]:offsets[t + 1]], _linear(h_prev, w_hh, b_hh),
+                                           h_prev, c[:bs] if c is not None else None)
                 outs.append(h_new)
-                hp.append(h_prev.detach())
-                rs.append(r)
-                # sequences that ended keep their last state (rows bs: of a packed batch)
+                hp.append(h_prev)
+                steps.append(keep)
                 h = h_new if bs == full else torch.cat([h_new, h[bs:]])
                 if c is not None:
                     c = c_new if bs == full else torch.cat([c_new, c[bs:]])
-            finals.append(h)
-            finals_c.append(c)
             prevs.append(torch.cat(hp))
-            resets.append(torch.cat(rs) if mode == "GRU" else None)
-            layer_out = torch.cat(outs)
-            layer_in = layer_out
+            saved.append(steps)
+            layer_in = torch.cat(outs)
 
-        outputs, grads = [], []
-        if grad_out is not None:
-            outputs.append(layer_out)
-            grads.append(grad_out)
-        for k in range(len(weights)):
-            if grad_hn is not None:
-                outputs.append(finals[k])
-                grads.append(grad_hn[k])
-            if grad_cn is not None and finals_c[k] is not None:
-                outputs.append(finals_c[k])
-                grads.append(grad_cn[k])
-        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-        if pairs:
-            got = torch.autograd.grad([o for o, _ in pairs], pre, [g.to(o.dtype) for o, g in pairs],
-                                      allow_unused=True)
-        else:
-            got = [None] * len(pre)
-    rows = []
-    for k, g in enumerate(got):
-        if g is None:  # nothing in the loss depends on this layer
-            g = torch.zeros_like(pre[k]).detach()
-        if mode == "GRU":
-            hidden = g.shape[1] // 3
-            g_hh = torch.cat([g[:, :2 * hidden], resets[k] * g[:, 2 * hidden:]], 1)
-        else:
-            g_hh = g  # the gates add: the same rows (one tensor, no copy)
-        rows.append((g, inputs[k], g_hh, prevs[k]))
-    return rows
+        # backward, from the last layer down; a layer's output gradient is the next one's G W_ih
+        rows: List[LayerRows] = []
+        d_out = grad_out
+        hidden = h0.shape[2]
+        for k in reversed(range(len(weights))):
+            w_ih, w_hh = weights[k][0], weights[k][1]
+            g_all = x.new_empty(offsets[-1], w_hh.shape[0])  # every step writes its rows
+            g_hh = x.new_empty(g_all.shape) if mode == "GRU" else g_all  # (the gates add: the same rows)
+            # the running gradients of the state (B, H); rows bs: belong to sequences already ended
+            dh = grad_hn[k].clone() if grad_hn is not None else x.new_zeros(full, hidden)
+            dc = None
+            if mode == "LSTM":
+                dc = grad_cn[k].clone() if grad_cn is not None else x.new_zeros(full, hidden)
+            for t in reversed(range(len(sizes))):
+                bs, lo, hi = sizes[t], offsets[t], offsets[t + 1]
+                dh_t = dh[:bs] + d_out[lo:hi] if d_out is not None else dh[:bs]
+                g, g2, dh_prev, dc_prev = _step_back(mode, saved[k][t], dh_t, dc[:bs] if dc is not None else None)
+                g_all[lo:hi] = g
+                if mode == "GRU":
+                    g_hh[lo:hi] = g2
+                back = g2 @ w_hh
+                dh[:bs] = back + dh_prev if dh_prev is not None else back
+                if dc is not None:
+                    dc[:bs] = dc_prev
+            rows.append((g_all, inputs[k], g_hh, prevs[k]))
+            d_out = g_all @ w_ih if k > 0 else None
+    return rows[::-1]
 
 
 def when_all_grads(tensors: Sequence[torch.Tensor], fn) -> None:
@@ -208,9 +230,9 @@ def layer_weights(module: nn.RNNBase, k: int) -> Weights:
 
 
 class RNNCapture(HookedCapture):
-    """Forward hook: keep the call's input, initial state and weights; the outputs' gradient
-    hook (`when_all_grads`) replays the recurrence (`replay_rows`) and appends each layer's rows to its two uses,
-    ``ih_l{k}`` (``(G, X)``) and ``hh_l{k}`` (``(G', H_prev)``).
+    """Forward hook: keep the call's input, initial state and weights; the outputs' gradient hook
+    (`when_all_grads`) replays the recurrence (`replay_rows`) and appends each layer's rows to its
+    two uses, ``ih_l{k}`` (``(G, X)``) and ``hh_l{k}`` (``(G', H_prev)``).
 
     A call's saved state lives in the hook's closure, which the autograd graph holds: it goes
     with the graph (after backward, or when a forward is never back-propagated). `clear` moves
@@ -263,13 +285,15 @@ class RNNCapture(HookedCapture):
         if isinstance(x, PackedSequence):
             rows, sizes, sorted_idx = x.data, x.batch_sizes.tolist(), x.sorted_indices
             batch, unbatched = sizes[0], False
-        else:
-            unbatched = x.dim() == 2
-            seq = x.unsqueeze(0 if module.batch_first else 1) if unbatched else x
-            if module.batch_first:
-                seq = seq.transpose(0, 1)
-            steps, batch = seq.shape[0], seq.shape[1]
-            rows, sizes = seq.reshape(steps * batch, seq.shape[2]), [batch] * steps
+        else:  # the input as given (a reference, no copy until backward); steps and batch from its shape
+            rows, unbatched = x, x.dim() == 2
+            if unbatched:
+                steps, batch = x.shape[0], 1
+            elif module.batch_first:
+                batch, steps = x.shape[0], x.shape[1]
+            else:
+                steps, batch = x.shape[0], x.shape[1]
+            sizes = [batch] * steps
         h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
         states = []
         for s in (h0, c0) if module.mode == "LSTM" else (h0,):
@@ -282,20 +306,29 @@ class RNNCapture(HookedCapture):
                 if sorted_idx is not None:
                     s = s.index_select(1, sorted_idx)
             states.append(s)
-        return {"rows": rows.detach(), "sizes": sizes, "sorted": sorted_idx, "unbatched": unbatched,
+        return {"rows": rows.detach(), "packed": isinstance(x, PackedSequence), "sizes": sizes,
+                "sorted": sorted_idx, "unbatched": unbatched,
                 "h0": states[0], "c0": states[1] if len(states) > 1 else None,
                 "weights": [layer_weights(module, k) for k in range(layers)]}
+
+    @staticmethod
+    def _time_major(module: nn.RNNBase, t: Optional[torch.Tensor], unbatched: bool) -> Optional[torch.Tensor]:
+        """A (batch, steps, .) or (steps, batch, .) tensor as time-major rows (steps * batch, .)."""
+        if t is None:
+            return None
+        if unbatched:
+            return t
+        if module.batch_first:
+            t = t.transpose(0, 1)
+        return t.reshape(-1, t.shape[-1])
 
     def _append(self, module: nn.RNNBase, saved: dict, g_out, g_hn, g_cn) -> None:
         if not self._wanted():
             return
         sizes, sorted_idx, unbatched = saved["sizes"], saved["sorted"], saved["unbatched"]
-        if g_out is not None and sorted_idx is None:  # back to time-major rows
-            if unbatched:
-                g_out = g_out.unsqueeze(0 if module.batch_first else 1)
-            if module.batch_first:
-                g_out = g_out.transpose(0, 1)
-            g_out = g_out.reshape(-1, g_out.shape[-1])
+        x = saved["rows"]
+        if not saved["packed"]:  # input and output gradient as time-major rows
+            x, g_out = (self._time_major(module, t, unbatched) for t in (x, g_out))
         finals = []
         for g in (g_hn, g_cn):
             if g is not None:
@@ -307,7 +340,7 @@ class RNNCapture(HookedCapture):
         dt = saved["dtype"]
         weights = [tuple(w.to(dt) if w is not None else None for w in ws) for ws in saved["weights"]]
         c0 = saved["c0"].to(dt) if saved["c0"] is not None else None
-        rows = replay_rows(module.mode, weights, saved["rows"].to(dt), saved["h0"].to(dt), c0, sizes,
+        rows = replay_rows(module.mode, weights, x.to(dt), saved["h0"].to(dt), c0, sizes,
                            g_out.detach() if g_out is not None else None,
                            *(g.detach() if g is not None else None for g in finals))
         for k, (g, x, g_hh, h_prev) in enumerate(rows):
