@@ -154,3 +154,21 @@ def test_when_all_grads_fires_at_a_single_root():
         outs = {"y": [y], "z": [z], "both": [y, z], "w": [w]}[roots]
         torch.autograd.backward(outs, [torch.ones(3)] * len(outs))
     assert seen == [[True, False, False], [False, True, False], [True, True, False], [True, True, False]]
+
+
+@pytest.mark.parametrize("cls", [nn.GRU, nn.LSTM])
+def test_rows_exist_before_the_weights_accumulate(cls):
+    """The outputs' gradient hook runs before the module's backward: when autograd adds to a
+    weight's gradient, its rows of every call (here two, the second from the first's state) are in."""
+    torch.manual_seed(0)
+    m = cls(5, 7, num_layers=2)
+    capture, uses = get_kind("rnn").capture("m", m, None)
+    seen = {}
+    for key, use in uses.items():
+        use.param().register_post_accumulate_grad_hook(
+            lambda p, key=key, use=use: seen.setdefault(key, len(use.pairs)) and None)
+    out, state = m(torch.randn(4, 3, 5))
+    out2, _ = m(torch.randn(2, 3, 5), state)
+    (out2.pow(2).sum() + out.sum()).backward()
+    assert seen == {key: 2 for key in uses}
+    capture.remove()
