@@ -1,9 +1,12 @@
 """The layer kind "rnn": GRU, LSTM and RNN weights rebuilt from replayed gate gradients.
 
-One torchrun job (2 ranks) runs every case: mode exact against DDP (the recurrent weights must
-take "exact", none may fail the first-step check), training with the rank routes (ranks end
-bit-identical), and a bidirectional GRU, which is not captured and still equals DDP. A
-single-process test checks the replay's rows against autograd's gradients.
+One torchrun job (2 ranks) runs every case: mode exact against DDP (the recurrent weights and
+biases must take "exact", none may fail the first-step check) for GRUs and LSTMs of 1 and 2
+layers, batch_first both ways, with and without h0; ReLU/bias-free RNNs, unbatched and packed
+inputs; a GRU language model, also under activation checkpointing (both kinds), as DDP's comm
+hook, and with accumulation micro-steps; bf16 autocast; training with the rank routes (ranks end
+bit-identical); and a bidirectional GRU, which is not captured and still equals DDP.
+Single-process tests check the replay's rows against autograd's gradients.
 """
 from __future__ import annotations
 
