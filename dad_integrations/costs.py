@@ -104,6 +104,20 @@ def sharded_exact_bytes(kinds: Sequence[str], shape: Tuple[int, int], rows_by_ra
     return (s - 1) * longest * (n + -(-m // s)) * w
 
 
+def sharded_exact_covers(kinds: Sequence[str], blocks: Optional[Sequence[Optional[Tuple[int, int]]]] = None) -> bool:
+    """Whether the sharded exchanges of exact factors (FSDP2's column slices, `codecs.sharded_exact`;
+    ZeRO's covering rows, `codecs.partition_exact`) carry a unit with uses ``kinds`` and row
+    ``blocks``: it needs uses, and a use with a row block ``(offset, height)`` must be ``linear``
+    (its left's ``height`` columns are rows ``offset:offset+height`` of the matrix view, and its D
+    columns are those rows of a split bias), as a packed attention projection's q/k/v slices are.
+    Embedding uses take whole factors there, which place no blocks."""
+    if not kinds:
+        return False
+    if blocks is None:
+        return True
+    return "embedding" not in kinds and all(b is None or k == "linear" for k, b in zip(kinds, blocks))
+
+
 def sharded_rank_bytes(shape: Tuple[int, int], rank: int, wire_dtype: torch.dtype, world_size: int) -> float:
     """Bytes one rank sends (and receives) in `codecs.sharded_rank`'s all-gather route for one weight
     (m x n, dim 0 sharded): every site's ``Q_s^T`` (r x n) all-gathered, ``(S-1) r n``, and each
@@ -131,13 +145,13 @@ def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows
     reduce-scatter of the weight and its biases, in the gradients' dtype), ``"exact"``, and with a
     ``rank``, ``"rank"`` and ``"rank_allreduce"`` (whose biases go through the reduce-scatter).
     Several biases are counted as one of ``bias_numel`` (their padding may differ by a row each).
-    Sharded exact factors need uses over whole rows: a unit without uses, or with row ``blocks``,
+    A unit without uses, or with row ``blocks`` on a use other than ``linear`` (`sharded_exact_covers`),
     has no ``"exact"`` here."""
     gb = torch.empty((), dtype=grad_dtype).element_size()
     wire = wire_dtype or grad_dtype
     bias = reduce_scatter_bytes((bias_numel,), world_size, gb) if bias_numel else 0.0
     out = {"dense": reduce_scatter_bytes(shape, world_size, gb) + bias}
-    if kinds and blocks is None:
+    if sharded_exact_covers(kinds, blocks):
         out["exact"] = sharded_exact_bytes(kinds, shape, rows_by_rank, wire, world_size)
     if rank:
         out["rank"] = sharded_rank_bytes(shape, rank, wire, world_size) + bias

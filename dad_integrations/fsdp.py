@@ -29,8 +29,9 @@ Weights are handled as their matrix view ``(shape[0], prod(shape[1:]))`` (`Facto
 FSDP2's ``Shard(0)`` cuts dim 0, the view's rows, so a shard of a conv's 4-D weight is a row block
 of its matrix. Units without uses (PowerSGD's coverage floor: raw ``nn.Parameter``s, convolutions
 no kind captures) have no rows: no size exchange, no first-call check, and their routes are FSDP's
-reduce-scatter or a rank route from the dense local gradient. Units whose uses cover row blocks
-never take sharded exact factors (`router` leaves "exact" out of their estimates).
+reduce-scatter or a rank route from the dense local gradient. Linear uses over row blocks (MHA's
+packed ``in_proj_weight`` and its q/k/v slices) take sharded exact factors as whole-row uses do
+(`codecs.sharded_exact`: each block's columns land in the ranks whose rows they are).
 
 Here: finding FSDP's groups and the parameters each call reduces, FSDP's scaling (results are
 scaled as its reduce-scatter would scale them; FSDP then post-divides, casts and accumulates into
@@ -306,7 +307,8 @@ class FSDPDADSynchronizer:
         covered, ranked = set(), []
         for unit in units:
             biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]
-            # the matrix view; row blocks keep a unit off sharded exact factors (`costs.sharded_estimate_bytes`)
+            # the matrix view; row blocks on non-linear uses keep a unit off sharded exact factors
+            # (`costs.sharded_exact_covers`)
             shape = UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in biases), inp.dtype, unit.blocks)
             decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts.get(unit.index),
                              sharded=True, step=report.step - 1, timing=timing)

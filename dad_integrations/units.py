@@ -214,7 +214,7 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
                     and (len(uses) > 1 or uses[0].block is None)):
                 # one use covers the whole weight; several are a split bias, each adding into its
                 # use's block (a whole-height use into all of it: packed attention's self-attention
-                # call beside its sliced calls); sharded exact factors never take blocked units
+                # call beside its sliced calls); sharded exact factors sum such a bias over its uses
                 unit.biases.append(BiasUse(names[id(p)], p, uses[0], tuple(uses[1:])))
                 continue
         if (config.uncaptured_matrices == "rank" and len(param_shape(p)) >= 2

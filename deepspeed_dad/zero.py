@@ -34,9 +34,11 @@ all-gather of updated parameters) stays DeepSpeed's. Per call (`ZeroDAD.reduce`)
 Weights are handled as their matrix view ``(shape[0], prod(shape[1:]))`` (`FactorUnit.shape`): a
 partition's row-major element range is the same in the weight and in the view. Units without uses
 (PowerSGD's coverage floor: raw ``nn.Parameter``s, convolutions no kind captures) skip steps 2 and
-3 and go by DeepSpeed's reduction or a rank route from their dense local gradient; units whose uses
-cover row blocks are checked by no rebuild and never take exact factors (`_takes_exact`: "exact" is
-left out of their estimates, so no mode picks it).
+3 and go by DeepSpeed's reduction or a rank route from their dense local gradient. Linear uses over
+row blocks (MHA's packed ``in_proj_weight`` called on its q/k/v slices) take exact factors as
+whole-row uses do: each block's left columns go to the ranks whose covering rows they meet
+(`codecs.partition_exact.use_span`); blocks on other uses keep a unit off them (`_takes_exact`:
+"exact" is left out of its estimates, so no mode picks it, and no rebuild checks it).
 
 Every rank makes the same calls with the same parameters in the same order (DeepSpeed's buckets
 agree across ranks), so the collectives of steps 2, 3, 6 and 7 match. The report of a backward
@@ -63,7 +65,7 @@ from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECI
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.sharded_rank import RankItem, ShardedRankCodec, load_rank_route_state, reduced_elements
-from dad_integrations.costs import sharded_rank_allreduce_bytes
+from dad_integrations.costs import sharded_exact_covers, sharded_rank_allreduce_bytes
 from dad_integrations.error_feedback import sharded_residual_note
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
@@ -267,7 +269,7 @@ class ZeroDAD(RankStateCheckpoints):
             rows = [concat_rows(c.take(), c.kind, shape, p, c.block) for c in unit.uses]
             if unit.dense_only:
                 continue
-            items.append(PartitionItem(unit.index, tuple(unit.kinds), shape, list(r), rows))
+            items.append(PartitionItem(unit.index, tuple(unit.kinds), shape, list(r), rows, blocks=unit.blocks))
             grads[unit.index] = g
         by_key = {u.index: u for u in self.plan.units}
         # units without uses (PowerSGD's floor) have no rows: no counts, no check
@@ -331,13 +333,13 @@ class ZeroDAD(RankStateCheckpoints):
         every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed, and with
         a ``rank``, rank-dAD's r rows (`partition_exact.exchange_bytes`) and PowerSGD's all-reduced
         P and Q, once per power iteration (alike on every rank). ``exact`` False (a unit without
-        uses, or with row blocks: `_takes_exact`) leaves "exact" out, so that no mode picks it."""
+        uses, or with row blocks on a non-linear use: `_takes_exact`) leaves "exact" out, so that no mode picks it."""
         S = self._world
         numel = it.shape[0] * it.shape[1]
         dense = float((S - 1) * -(-numel // S) * itemsize)
         busiest, mean = {"dense": dense}, {"dense": dense}
         if exact and it.counts:
-            busiest["exact"], mean["exact"] = exchange_bytes(it.kinds, it.shape, it.counts, it.ranges, wire)
+            busiest["exact"], mean["exact"] = exchange_bytes(it.kinds, it.shape, it.counts, it.ranges, wire, it.blocks)
         if self._rank is not None:
             r = min(self.config.rank, *it.shape)
             busiest["rank"], mean["rank"] = exchange_bytes(("linear",), it.shape, [[[r]]] * S, it.ranges, wire)
@@ -410,7 +412,7 @@ class ZeroDAD(RankStateCheckpoints):
                 report: ShardedStepReport, dtype: torch.dtype) -> List[PartitionItem]:
         """The first call of each weight: do its factors rebuild this rank's owned part of its local
         gradient, on every rank? Those that fail go through DeepSpeed's reduction from now on."""
-        # only units that may take exact factors (whole-row uses) are checked: the others' routes
+        # only units that may take exact factors (`_takes_exact`) are checked: the others' routes
         # (dense, rank from the dense gradient) never read their rows
         todo = [it for it in items if it.key not in self._verified and _takes_exact(by_key[it.key])
                 ] if self.config.verify_first_step else []
@@ -447,10 +449,11 @@ class ZeroDAD(RankStateCheckpoints):
 
 
 def _takes_exact(unit: FactorUnit) -> bool:
-    """Whether the partition exchange of exact factors can carry ``unit``: uses over whole rows
-    (`codecs.partition_exact` slices every use's left by the covering rows of the matrix view).
-    Units without uses (PowerSGD's floor) and units with row blocks go dense or by a rank route."""
-    return unit.has_factors and unit.blocks is None
+    """Whether the partition exchange of exact factors can carry ``unit``: uses over whole rows or
+    linear uses over row blocks (`codecs.partition_exact` slices every use's left by the covering
+    rows of the matrix view it meets; `costs.sharded_exact_covers`). Units without uses (PowerSGD's
+    floor) go dense or by a rank route."""
+    return sharded_exact_covers(unit.kinds, unit.blocks)
 
 
 def _param_report(name: str, representation: str, shape: tuple, world: int, itemsize: int,

@@ -2,10 +2,13 @@
 
 The multi-process checks of PowerSGD's coverage floor under FSDP2 and ZeRO-2/3 are in
 `test_fsdp2.py` (`test_coverage_floor_under_fsdp2`) and `test_zero.py` (`test_coverage_floor_under_zero`).
-Here: a unit whose uses cover row blocks of its weight (a packed projection called on slices) and
-a unit without uses (a raw 3-D parameter) have no sharded "exact" route in any mode (FSDP2's cost
-model, ZeRO's own estimates), the sharded exact codec refuses them, and the sharded rank routes
-reduce them from the dense local gradient's matrix view (never from blocked factors).
+Here: a unit without uses (a raw 3-D parameter), and one whose row blocks lie on a non-linear use,
+have no sharded "exact" route in any mode (FSDP2's cost model, ZeRO's own estimates) and the sharded
+exact codec refuses them; a unit whose linear uses cover row blocks of its weight (a packed
+projection called on slices: MHA's ``in_proj_weight``) takes sharded exact factors as a whole-row
+unit does (its algebra: `test_sharded_exact`, `test_partition_exact`). The sharded rank routes
+reduce blocked units and units without uses from the dense local gradient's matrix view (never
+from blocked factors).
 """
 from __future__ import annotations
 
@@ -35,22 +38,33 @@ def _units():
     return blocked, whole, floor
 
 
-def test_blocked_and_floor_units_take_no_sharded_exact_route():
+def _conv1d_blocked():
+    """Row blocks on a conv1d-layout use (whose left is X, its bias along the other side): no kind
+    makes one, and sharded exact factors do not take it."""
+    packed = nn.Linear(4, 6)
+    return FactorUnit(3, "c.weight", packed.weight, [Use("c.q", packed, "conv1d", block=(0, 3))], [])
+
+
+def test_sharded_exact_routes_by_uses_and_blocks():
     blocked, whole, floor = _units()
-    assert [_takes_exact(u) for u in (blocked, whole, floor)] == [False, True, False]
-    assert not blocked.factors_only and not floor.factors_only and whole.factors_only
+    odd = _conv1d_blocked()
+    assert [_takes_exact(u) for u in (blocked, whole, floor, odd)] == [True, True, False, False]
+    assert not blocked.factors_only and not floor.factors_only and whole.factors_only  # rank: dense matrix
     assert floor.shape == (5, 6)
     rows = [[[2, 2]] * 2, [[2]] * 2]
     for mode in ("exact", "auto"):
         cfg = DADConfig(mode=mode, rank=2)
-        for unit, counts in ((blocked, rows[0]), (floor, None)):
+        for unit, counts in ((floor, None), (odd, rows[1])):
             shape = UnitShape(tuple(unit.kinds), unit.shape, 0, torch.float32, unit.blocks)
             # FSDP2: the cost model's sharded estimates; ZeRO: its own, without "exact" for these
             assert route(cfg, shape, rows_by_rank=counts, **F32).representation != "exact"
             zero_like = {"dense": 1.0, "rank": 2.0, "rank_allreduce": 2.0}
             assert route(cfg, shape, rows_by_rank=counts, estimates=zero_like, **F32).representation == "dense"
+    # linear uses over row blocks (a packed projection's q and k slices): sharded exact factors
+    shape = UnitShape(tuple(blocked.kinds), blocked.shape, 0, torch.float32, blocked.blocks)
+    assert route(DADConfig(mode="exact"), shape, rows_by_rank=rows[0], **F32).representation == "exact"
     with pytest.raises(ValueError, match="row blocks"):
-        ShardedExactCodec(None, torch.device("cpu")).exchange(blocked, [], rows[0], None, 1.0)
+        ShardedExactCodec(None, torch.device("cpu")).exchange(odd, [], rows[1], None, 1.0)
     with pytest.raises(ValueError, match="no uses"):
         ShardedExactCodec(None, torch.device("cpu")).exchange(floor, [], [], None, 1.0)
 

@@ -146,3 +146,37 @@ def test_all_to_all_v_checks_sizes():
         agg.all_to_all_v(torch.zeros(2), [3], [3], name="t")
     handle = agg.all_to_all_v(torch.arange(3.0), [3], [3], name="t")
     assert torch.equal(handle.wait(), torch.arange(3.0)) and handle.traffic.sent == 0
+
+
+@pytest.mark.parametrize("layout", ["zero3", [5, 17], [0, 13], [36]])
+def test_row_blocked_linear_uses_rebuild_the_owned_elements(layout):
+    """MHA's packed ``in_proj_weight`` (9 x 4): a whole-height use beside q, kv and v row blocks
+    (lefts of 3, 6, 3 columns). Each destination gets, per use, only the columns of its covering
+    rows that the use's block meets (two empty blocks where it meets none: the sizes `block_specs`
+    gives), and every rank's owned elements equal its range of the full sum (cuts inside rows and
+    blocks; a rank owning nothing)."""
+    E, n, world = 3, 4, 3 if layout != [36] else 2
+    m = 3 * E
+    blocks = (None, (0, E), (E, 2 * E), (2 * E, E))
+    kinds = ("linear",) * 4
+    counts = [[2 + s, s, 1, (s + 1) % 2] for s in range(world)]
+    g = torch.Generator().manual_seed(1)
+    rows = [[(torch.randn(k, m if b is None else b[1], generator=g, dtype=F64), torch.randn(k, n, generator=g, dtype=F64))
+             for k, b in zip(per_rank, blocks)] for per_rank in counts]
+    full = torch.zeros(m, n, dtype=F64)
+    for per_rank in rows:
+        for pair, b in zip(per_rank, blocks):
+            add_rebuilt_grad("linear", full, pair, b)
+    numel = m * n
+    ranges = _zero3(numel, world) if layout == "zero3" else _cuts(numel, world, layout)
+    agreed = [use_counts(kinds, r, ranges, n) for r in rows]
+    for d in range(world):
+        received = []
+        for s in range(world):
+            (parts,) = encode(kinds, (m, n), rows[s], [ranges[d]], F64, blocks)
+            specs = block_specs(kinds, (m, n), agreed[s], d, ranges[d], F64, blocks)
+            assert [tuple(p.shape) for p in parts] == [shape for _, shape in specs]
+            received.append(parts)
+        lo, hi = ranges[d]
+        torch.testing.assert_close(decode(kinds, (m, n), received, ranges[d], F64, blocks), full.reshape(-1)[lo:hi],
+                                   rtol=1e-12, atol=1e-12)

@@ -166,3 +166,37 @@ def test_all_to_all_counts_what_leaves_the_rank():
     assert (handle.traffic.handed, handle.traffic.sent, handle.traffic.received) == (48, 32, 32)
     with pytest.raises(ValueError, match="3 blocks"):
         agg.all_to_all(torch.zeros(2, 4), name="t")
+
+
+def _blocked_rows(blocks, m, n, counts, seed):
+    """Per rank, per use: (left, right) with ``height`` columns on a blocked use's left."""
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(k, m if b is None else b[1], generator=g, dtype=F64), torch.randn(k, n, generator=g, dtype=F64))
+             for k, b in zip(per_rank, blocks)] for per_rank in counts]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_row_blocked_linear_uses_land_in_their_rows(world):
+    """MHA's packed ``in_proj_weight`` (3E x E): the whole-height self-attention call beside its
+    q, kv and v slices (row blocks), with the split ``in_proj_bias`` over all four uses: each
+    block's left columns go to the ranks whose rows they are, and every rank's shard of the weight
+    and the bias equals its rows of the full sum (shards of 9 rows cut inside blocks at 2 and 4 ranks)."""
+    E, n = 3, 4
+    m = 3 * E
+    blocks = (None, (0, E), (E, 2 * E), (2 * E, E))
+    kinds = ("linear",) * 4
+    counts = [[2 + s, s, 1, (s + 1) % 2] for s in range(world)]
+    rows = _blocked_rows(blocks, m, n, counts, seed=world)
+    full, bias = torch.zeros(m, n, dtype=F64), torch.zeros(m, dtype=F64)
+    for per_rank in rows:
+        for (left, right), b in zip(per_rank, blocks):
+            off, h = b if b is not None else (0, m)
+            add_rebuilt_grad("linear", full, (left, right), b)
+            bias[off:off + h] += left.sum(0)
+    payloads = [encode_sliced(r, counts, m, world, F64, blocks) for r in rows]
+    rights = [right for right, _ in payloads]
+    for rank in range(world):
+        received = torch.stack([send[rank] for _, send in payloads])
+        shard, (b_shard,) = decode_sliced(kinds, (m, n), rights, received, counts, rank, [((0, 1, 2, 3), m)], F64)
+        _check_shard(shard, full, rank, world)
+        _check_shard(b_shard, bias, rank, world)

@@ -5,7 +5,8 @@ stage once; the tests read its JSON. Each match case trains a reference engine a
 from the same initial model on the same batches (uneven across ranks) and compares, after every
 boundary backward, the fp32 gradient partition each rank owns; small ``reduce_bucket_size`` (3000
 elements) makes ZeRO-2 cut weights between partitions and buckets, and sends the larger weights
-through its oversized-gradient path.
+through its oversized-gradient path. The model zoo (`layer_models.zoo`: a torchvision-style ViT
+and a ResNet-like CNN under BatchNorm) runs in both stages, exact and auto at rank 2.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ MATCH = {
         "z2-gpt2-rank-full-allreduce": {"model": "gpt2", "dad": {"mode": "rank", "rank": 4096, "rank_route": "allreduce",
                                                                   "error_feedback": False, "warm_start": False}},
         "z2-stem-exact": {"model": "patch_stem", "dad": STEM_EXACT},
+        # the model zoo (`test_zoo_under_zero`): conv and mha kinds by exact factors, BatchNorm
+        "z2-vit-exact": {"model": "zoo_vit", "batch": 1},
+        "z2-cnn-exact": {"model": "zoo_cnn", "batch": 1},
     },
     3: {
         "z3-gpt2": {"model": "gpt2", "overlap": True},
@@ -67,12 +71,15 @@ MATCH = {
         "z3-llama-rank-full-allreduce": {"model": "llama", "dad": {"mode": "rank", "rank": 4096, "rank_route": "allreduce",
                                                                     "error_feedback": False, "warm_start": False}},
         "z3-stem-exact": {"model": "patch_stem", "dad": STEM_EXACT},
+        "z3-vit-exact": {"model": "zoo_vit", "batch": 1},
+        "z3-cnn-exact": {"model": "zoo_cnn", "batch": 1},
     },
 }
 # rank-dAD at rank 2 (`zero_worker.run_rank`): with lr 0 the error-feedback identity at every step, a NaN
 # loss on rank 1 at the last step, the state through save_checkpoint / load_checkpoint; with lr > 0 training
 RANK2 = {"mode": "rank", "rank": 2, "rank_route": "allgather"}   # rank-dAD's own factors
 ALLREDUCE2 = {**RANK2, "rank_route": "allreduce"}                 # PowerSGD's all-reduced P and Q
+AUTO2 = {"mode": "auto", "rank": 2}
 RANK_CASES = {
     2: {
         "z2-gpt2-rank2": {"model": "gpt2", "dad": RANK2, "lr": 0.0, "nonfinite_step": 2, "resume_step": 0},
@@ -90,6 +97,10 @@ RANK_CASES = {
                           "nonfinite_step": 2, "resume_step": 0},
         "z2-stem-auto-rank2": {"model": "patch_stem", "dad": {"mode": "auto", "rank": 2, "layer_kinds": NO_CONV},
                                "lr": 0.0, "nonfinite_step": 2, "resume_step": 0},
+        "z2-vit-auto-rank2": {"model": "zoo_vit", "dad": AUTO2, "batch": 1, "lr": 0.0, "nonfinite_step": 2,
+                              "resume_step": 0},
+        "z2-cnn-auto-rank2": {"model": "zoo_cnn", "dad": AUTO2, "batch": 1, "lr": 0.0, "nonfinite_step": 2,
+                              "resume_step": 0},
     },
     3: {
         "z3-gpt2-auto-rank2": {"model": "gpt2", "dad": {"mode": "auto", "rank": 2}, "lr": 0.0, "nonfinite_step": 2,
@@ -104,6 +115,10 @@ RANK_CASES = {
                                     "nonfinite_step": 2, "resume_step": 0},
         "z3-stem-auto-rank2": {"model": "patch_stem", "dad": {"mode": "auto", "rank": 2, "layer_kinds": NO_CONV},
                                "lr": 0.0, "nonfinite_step": 2, "resume_step": 0},
+        "z3-vit-auto-rank2": {"model": "zoo_vit", "dad": AUTO2, "batch": 1, "lr": 0.0, "nonfinite_step": 2,
+                              "resume_step": 0},
+        "z3-cnn-auto-rank2": {"model": "zoo_cnn", "dad": AUTO2, "batch": 1, "lr": 0.0, "nonfinite_step": 2,
+                              "resume_step": 0},
     },
 }
 NO_FORCE = {"zero_force_ds_cpu_optimizer": False}
@@ -174,14 +189,14 @@ def test_parameters_equal_and_identical_on_every_rank(jobs, stage, cid):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,cid", EXACT_IDS)
 def test_factors_replace_deepspeed_reduction(jobs, stage, cid):
-    """In mode exact every weight goes by factors, on dAD's group; DeepSpeed's own gradient
-    collectives carry only what factors do not cover (biases, norms)."""
+    """In mode exact every weight with uses goes by factors, on dAD's group; DeepSpeed's own gradient
+    collectives carry only what factors do not cover (biases, norms, raw parameters without uses)."""
     grad_ops = ("reduce", "reduce_scatter_tensor", "all_reduce", "reduce_scatter_fn")
     for r in result(jobs(stage), cid):
         assert r["units"] > 0
         for rep in r["reports"]:
             exact = [p for p in rep["params"] if p[1] == "exact"]
-            assert len(exact) == r["units"], (len(exact), r["units"])
+            assert len(exact) == r["factor_units"], (len(exact), r["factor_units"], r["units"])
             assert rep["totals"]["reduce_scatter_bytes"] > 0
         for ref, mine in zip(r["ref_bytes"], r["dad_bytes"]):
             ref_grads = sum(v for k, v in ref["engine_ops"].items() if k in grad_ops)
@@ -352,3 +367,50 @@ def test_coverage_floor_under_zero(jobs, stage):
                 if counts:  # one int64 per use, all-gathered: proj's and head's, none of the floor's
                     assert counts[0][2] == 8.0 * 2, (cid, counts)
     assert ran == 3
+
+
+ZOO_MUST = {"zoo_vit": ("conv_proj.weight", "encoder.layers.0.self_attn.in_proj_weight",
+                        "encoder.layers.1.self_attn.out_proj.weight"),
+            "zoo_cnn": ("stem.0.weight", "blocks.0.conv1.weight", "blocks.1.shortcut.0.weight")}
+ZOO_FLOOR = ("class_token", "pos_embedding")  # raw parameters: no uses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zoo_under_zero(jobs, stage):
+    """The model zoo under ZeRO-2/3 (`layer_models.zoo`: the ViT's Conv2d patchify and
+    MultiheadAttention, whose packed ``in_proj_weight`` has row-blocked uses and whose projections
+    ZeRO-3 would run through its own ``F.linear``; the CNN's convs under BatchNorm2d). Mode exact:
+    partitions equal DeepSpeed's (`test_partitions_equal_deepspeed`), and every weight but the raw
+    class token and position embedding goes by exact factors at every step, none failing the check.
+    Auto at rank 2: on every rank and finite step, every parameter sends at most what DeepSpeed's
+    reduce-scatter or PyTorch's PowerSGD hook at rank 2 sends for it, the convolutions and attention
+    projections never go by DeepSpeed's reduction (the error-feedback identity, a non-finite step
+    and a checkpoint: the rank tests above), and every rank ends with the same parameters."""
+    ran = 0
+    for cid, case in {**MATCH[stage], **RANK_CASES[stage]}.items():
+        if case["model"] not in ZOO_MUST:
+            continue
+        ran += 1
+        exact = case.get("dad", EXACT)["mode"] == "exact"
+        for r in result(jobs(stage), cid):
+            assert r["identical"] and r["dense_only"] == [], (cid, r["dense_only"])
+            steps = [rep["params"] if isinstance(rep, dict) else rep for rep in r["reports"]]  # (match, rank)
+            if not exact:
+                steps = steps[:case["nonfinite_step"]]  # the finite ones
+            for params in steps:
+                routes = {name: rep for name, rep, _, _, _ in params}
+                assert all(name in routes for name in ZOO_MUST[case["model"]]), (cid, sorted(routes))
+                matrices = {name: rep for name, rep, _, _, shape in params if len(shape) >= 2}
+                if exact:
+                    assert {n: rep for n, rep in matrices.items() if rep != "exact"} == {
+                        n: "dense" for n in matrices if n in ZOO_FLOOR}, (cid, matrices)
+                    continue
+                for name, rep, sent, rs, shape in params:
+                    if rep == "overhead":
+                        continue
+                    psgd = powersgd_bytes(tuple(shape), 2, 2, 4)[0]  # (the hook's own (shape[0], -1) view)
+                    assert sent <= min(psgd, rs) * (1 + 1e-12), (cid, name, rep, sent, psgd, rs)
+                    if len(shape) == 4 or name.endswith(("in_proj_weight", "out_proj.weight")):
+                        assert rep in RANK_REPS + ("exact",), (cid, name, rep)
+    assert ran == 4

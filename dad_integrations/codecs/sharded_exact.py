@@ -30,9 +30,17 @@ Per layer kind (`layers`):
   columns ``a:b``). An all-to-all by id owner would cut this to ``~1/S``; not done yet.
 
 Shapes are the weight's matrix view ``(shape[0], prod(shape[1:]))`` (`FactorUnit.shape`); FSDP2's
-``Shard(0)`` of a 3-D or 4-D weight cuts that view's rows, so the algebra is the same. A unit
-needs uses over whole rows: units without uses (PowerSGD's floor) and units with row blocks
-never come here (`costs.sharded_estimate_bytes` gives them no "exact"; `exchange` refuses them).
+``Shard(0)`` of a 3-D or 4-D weight cuts that view's rows (a conv's output channels), so the
+algebra is the same.
+
+Row blocks (a packed attention projection's q/k/v slices, `layers.mha`; a grouped conv's groups):
+a ``linear`` use with block ``(o, h)`` has ``h`` columns on its left, rows ``o:o+h`` of the view.
+Its part of rank d's rows ``[a, b)`` is the overlap ``[max(a, o), min(b, o+h))``: those columns of
+its left go, at their place in d's ``c`` columns, into the same slice (zero elsewhere), so the
+decode and the bytes are those of a whole-row use; a split bias (``in_proj_bias`` over the
+whole-height call and the slices) is the sum of its uses' D columns, each already in its rows.
+Units without uses (PowerSGD's floor), and blocks on a non-linear use, never come here
+(`costs.sharded_exact_covers`; `exchange` refuses them).
 
 The pure functions (`shard_span`, `encode_sliced`, `decode_sliced`, `decode_whole`) hold the
 algebra; `ShardedExactCodec.exchange` runs the collectives through a `FactorAggregator`.
@@ -40,18 +48,21 @@ algebra; `ShardedExactCodec.exchange` runs the collectives through a `FactorAggr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from ..aggregator import FactorAggregator, Traffic
+from ..costs import sharded_exact_covers
 from ..layers import Rows, compute_dtype, deterministic_index_add, output_grad_rows
 from ..units import FactorUnit
 from .exact import ExactCodec
 
 RowCounts = Sequence[Sequence[int]]   # by rank, by use
-BiasUses = Sequence[Tuple[int, int]]  # per riding bias: (its use's index, its length)
+Block = Optional[Tuple[int, int]]     # a use's row block (offset, height) of the matrix view
+# per riding bias: (its use's index, or the indices of the uses of a split bias, its length)
+BiasUses = Sequence[Tuple[Union[int, Sequence[int]], int]]
 
 
 def shard_span(rank: int, world_size: int, m: int) -> Tuple[int, int, int]:
@@ -62,19 +73,24 @@ def shard_span(rank: int, world_size: int, m: int) -> Tuple[int, int, int]:
 
 
 def encode_sliced(rows: Sequence[Rows], rows_by_rank: RowCounts, m: int, world_size: int,
-                  wire: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+                  wire: torch.dtype, blocks: Optional[Sequence[Block]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """This rank's two payloads: ``right`` of every use flattened (for the all-gather), and
     ``send`` ``(S, sum_u longest_u, c)``: block d holds columns ``[d c, (d+1) c)`` of every use's
-    ``left``, each use's rows padded to its longest rank, columns zero-padded past ``m``."""
+    ``left``, each use's rows padded to its longest rank, columns zero-padded past ``m``. A use
+    with a row block ``(o, h)`` (``blocks[u]``) fills only its rows ``o:o+h`` there (module doc)."""
     longest = [max(r[u] for r in rows_by_rank) for u in range(len(rows))]
     _, _, c = shard_span(0, world_size, m)
     device = rows[0][1].device if rows else None
     send = torch.zeros(world_size, sum(longest), c, dtype=wire, device=device)
     row0 = 0
-    for (left, _), pad in zip(rows, longest):
+    for u, ((left, _), pad) in enumerate(zip(rows, longest)):
+        block = blocks[u] if blocks is not None else None
+        off, height = block if block is not None else (0, m)
         for d in range(world_size):
             lo, hi, _ = shard_span(d, world_size, m)
-            send[d, row0:row0 + left.shape[0], :hi - lo] = left[:, lo:hi]
+            a, b = max(lo, off), min(hi, off + height)  # the use's rows among rank d's
+            if b > a:
+                send[d, row0:row0 + left.shape[0], a - lo:b - lo] = left[:, a - off:b - off]
         row0 += pad
     right = torch.cat([r.to(wire).reshape(-1) for _, r in rows]) if rows else torch.zeros(0, dtype=wire)
     return right, send
@@ -103,17 +119,23 @@ def decode_sliced(kinds: Sequence[str], shape: Tuple[int, int], rights: Sequence
                 d = (left if kind == "linear" else right).sum(0)
                 d_sums[u] = d if d_sums[u] is None else d_sums[u] + d
     values = []
-    for u, length in biases:
+    for uses, length in biases:
         _, _, cb = shard_span(rank, world, length)
         value = torch.zeros(cb, dtype=dtype, device=received.device)
-        if d_sums[u] is not None:
+        for u in _bias_uses(uses):  # a split bias: each use's D columns lie in its own rows
+            if d_sums[u] is None:
+                continue
             if kinds[u] == "linear":  # D's columns a:b: the bias' shard, padded as the weight's rows
-                value.copy_(d_sums[u])
+                value.add_(d_sums[u])
             else:                     # conv1d: D arrived whole; the bias is sharded along its own length
                 ab, bb, _ = shard_span(rank, world, length)
-                value[:bb - ab] = d_sums[u][ab:bb]
+                value[:bb - ab] += d_sums[u][ab:bb]
         values.append(value)
     return shard, values
+
+
+def _bias_uses(uses: Union[int, Sequence[int]]) -> Sequence[int]:
+    return (uses,) if isinstance(uses, int) else tuple(uses)
 
 
 def decode_whole(kinds: Sequence[str], shape: Tuple[int, int], gathered: Sequence[Rows], rank: int,
@@ -130,10 +152,11 @@ def decode_whole(kinds: Sequence[str], shape: Tuple[int, int], gathered: Sequenc
         elif b > a and left.shape[0]:
             shard[:b - a].addmm_(left[:, a:b].t().to(dtype), right.to(dtype))
     values = []
-    for u, length in biases:
+    for uses, length in biases:  # (whole factors take no row blocks: every use covers the bias)
         ab, bb, cb = shard_span(rank, world_size, length)
         value = torch.zeros(cb, dtype=dtype, device=shard.device)
-        value[:bb - ab] = output_grad_rows(kinds[u], gathered[u])[:, ab:bb].to(dtype).sum(0)
+        for u in _bias_uses(uses):
+            value[:bb - ab] += output_grad_rows(kinds[u], gathered[u])[:, ab:bb].to(dtype).sum(0)
         values.append(value)
     return shard, values
 
@@ -175,17 +198,18 @@ class ShardedExactCodec:
                  aggregator: FactorAggregator, scale: float) -> ShardedResult:
         """``scale`` times this rank's shard of the sum over ranks, for the weight and its biases.
         Every rank calls this with the same unit and ``rows_by_rank``, in the same order."""
-        if not unit.has_factors or unit.blocks is not None:  # refused before any collective
+        if not sharded_exact_covers(unit.kinds, unit.blocks):  # refused before any collective
             # (the router never routes these here: `costs.sharded_estimate_bytes` gives them no "exact")
-            raise ValueError(f"{unit.name}: sharded exact factors need uses over whole rows "
+            raise ValueError(f"{unit.name}: sharded exact factors need uses, and row blocks on linear uses only "
                              f"({'no uses' if not unit.has_factors else 'row blocks'})")
         S, rank = aggregator.world_size, aggregator.rank
         shape = unit.shape  # the matrix view: Shard(0) cuts its rows
         cdt = compute_dtype(unit.param)
-        biases = [(unit.uses.index(b.capture), b.param.shape[0]) for b in unit.biases]
+        # a split bias (in_proj_bias over in_proj's whole call and its q/k/v slices) sums its uses'
+        biases = [(tuple(unit.uses.index(u) for u in b.uses), b.param.shape[0]) for b in unit.biases]
         name = f"dad.sharded.{unit.name}"
-        if unit.factors_only:
-            right, send = encode_sliced(rows, rows_by_rank, shape[0], S, self.whole.wire(unit))
+        if "embedding" not in unit.kinds:  # linear-like uses, whole or row-blocked: column slices
+            right, send = encode_sliced(rows, rows_by_rank, shape[0], S, self.whole.wire(unit), unit.blocks)
             gather = aggregator.all_gather(right, name=f"{name}.right",
                                            first_dims=[sum(r) * shape[1] for r in rows_by_rank])
             to_all = aggregator.all_to_all(send, name=f"{name}.left")

@@ -13,6 +13,13 @@ rows, and the first-step check sent it dense for good). This kind claims both, w
   runs that one function as a copy whose check is off (`_unchecked`), with the mode pushed again,
   and the nested ``F.linear`` calls (``torch._C._nn.linear``) reach the mode with the very
   parameter objects (and their views), so each call is told apart by identity;
+- that copy, and copies of the projection helpers it calls (``_in_projection_packed``,
+  ``_in_projection``), call the stock ``torch._C._nn.linear`` whatever ``F.linear`` has been
+  replaced by: DeepSpeed ZeRO-3 sets ``torch.nn.functional.linear`` to its memory-efficient
+  ``zero3_linear_wrap`` (an autograd Function doing ``addmm``/``matmul``, which the mode cannot
+  tell from any other product), and the projections then reached the mode as no linear call (no
+  rows: both weights failed the first-step check). The stock op is the same product; ZeRO-3
+  re-gathers the parameters it saves for backward as it does for any other op;
 - each call's rows are ``D`` (the gradient of that call's output, from a hook on the output
   tensor: one hook per call, so several calls per step pair right) and ``X`` (its input), every
   leading dimension (``L, N`` or ``N, L`` with ``batch_first``) flattened.
@@ -74,6 +81,15 @@ def _packed_blocks(e: int) -> Dict[str, Optional[Tuple[int, int]]]:
     return {"in_proj": None, "q": (0, e), "k": (e, e), "v": (2 * e, e), "kv": (e, 2 * e)}
 
 
+_PROJECTIONS = ("_in_projection_packed", "_in_projection")  # the helpers that call ``linear``
+
+
+def _with_globals(fn: Callable, g: dict) -> Callable:
+    copy = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 @functools.lru_cache(maxsize=None)
 def _unchecked(fn: Callable) -> Callable:
     """A copy of the Python function ``fn`` whose own ``has_torch_function`` check is always False.
@@ -81,13 +97,17 @@ def _unchecked(fn: Callable) -> Callable:
     Called from the mode's handler with the mode pushed again, it runs ``fn``'s body (instead of
     dispatching ``fn`` to the mode once more, forever); every call inside still reaches the mode.
     Its globals are a snapshot of ``fn``'s module taken at first use (the functions it calls are
-    the module's own objects, with their own checks).
+    the module's own objects, with their own checks), with ``linear`` the stock op, here and in
+    copies of the projection helpers (`_PROJECTIONS`): an engine may have replaced
+    ``F.linear`` (DeepSpeed ZeRO-3's ``zero3_linear_wrap``; see the module doc).
     """
     g = dict(fn.__globals__)
     g["has_torch_function"] = lambda *_: False
-    copy = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
+    g["linear"] = _LINEAR
+    for name in _PROJECTIONS:
+        if callable(g.get(name)):
+            g[name] = _with_globals(g[name], dict(g[name].__globals__, linear=_LINEAR))
+    return _with_globals(fn, g)
 
 
 class _LinearCalls(TorchFunctionMode):

@@ -73,13 +73,16 @@ class TinyMLP(nn.Module):
 
 
 STEMS = ("patch_stem",)  # `layer_models.floor_sharded`: 4-D weights and raw parameters (the floor)
+# `layer_models.zoo`: a torchvision-style ViT (Conv2d patchify, nn.TransformerEncoder), a ResNet-like
+# CNN (convs under BatchNorm2d), Hugging Face's ViT
+ZOO = ("zoo_vit", "zoo_cnn", "zoo_hf_vit")
 
 
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "mlp":
         return TinyMLP()
-    if name in ("llama", "bert") + STEMS:  # small configs from models.py (BERT: masked LM, padded batches)
+    if name in ("llama", "bert") + STEMS + ZOO:  # small configs from models.py (BERT: masked LM, padded batches)
         return models.build(name)
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
@@ -92,6 +95,13 @@ def blocks_of(name: str, model: nn.Module):
         return list(model.blocks)
     if name in STEMS:  # each conv its own group; the raw parameters, proj and head in the root's
         return [model.stem, model.patch]
+    if name == "zoo_vit":  # each encoder layer (its MultiheadAttention inside); the patchify conv in the root's
+        return list(model.encoder.layers)
+    if name == "zoo_cnn":  # the stem and each residual block; the head in the root's
+        return [model.stem, *model.blocks]
+    if name == "zoo_hf_vit":
+        vit = model.vit  # (`layers` in recent transformers, `encoder.layer` before)
+        return list(vit.layers if hasattr(vit, "layers") else vit.encoder.layer)
     if name == "llama":
         return list(model.model.layers)
     if name == "bert":
@@ -100,7 +110,7 @@ def blocks_of(name: str, model: nn.Module):
 
 
 def batch(name: str, size: int, seed: int) -> dict:
-    if name in ("llama", "bert") + STEMS:
+    if name in ("llama", "bert") + STEMS + ZOO:
         return models.batch(name, size, seed)
     g = torch.Generator().manual_seed(seed)
     if name == "mlp":
@@ -112,7 +122,7 @@ def batch(name: str, size: int, seed: int) -> dict:
 def loss_of(name: str, model: nn.Module, data: dict) -> torch.Tensor:
     if name == "mlp":
         return nn.functional.mse_loss(model(data["x"]), data["y"])
-    if name in STEMS:
+    if name in STEMS + ZOO:
         return models.loss_of(name, model, data)
     return model(**data).loss
 
@@ -371,6 +381,14 @@ CASES = {
                    "uneven": True, "steps": 4, "follow": True, "fixed_batch": True},
     "stem-auto-rank2": {"model": "patch_stem", "config": {"mode": "auto", "rank": 2, "layer_kinds": NO_CONV},
                         "uneven": True, "steps": 4, "follow": True, "fixed_batch": True},
+    # the model zoo: convolutions (conv kind) and attention (mha kind) by sharded exact factors
+    "vit-exact": {"model": "zoo_vit", "mode": "exact", "uneven": True, "batch": 1},
+    "cnn-exact": {"model": "zoo_cnn", "mode": "exact", "uneven": True, "batch": 1},
+    "hf-vit-exact": {"model": "zoo_hf_vit", "mode": "exact", "uneven": True, "batch": 1},
+    "vit-auto-rank2": {"model": "zoo_vit", "config": {"mode": "auto", "rank": 2}, "batch": 1, "steps": 4,
+                       "follow": True, "fixed_batch": True},
+    "cnn-auto-rank2": {"model": "zoo_cnn", "config": {"mode": "auto", "rank": 2}, "batch": 1, "steps": 4,
+                       "follow": True, "fixed_batch": True},
     "mlp-exact": {"model": "mlp", "mode": "exact"},
     "mlp-exact-uneven": {"model": "mlp", "mode": "exact", "uneven": True},
     "mlp-auto-uneven": {"model": "mlp", "mode": "auto", "uneven": True, "batch": 1},

@@ -172,7 +172,7 @@ def run_match(case: dict) -> dict:
            "ref_identical": ranks_agree(torch.cat([a[n].reshape(-1) for n in names])),
            "dense_only": [u.name for u in att.units if u.dense_only], "reports": reports,
            "ref_bytes": ref_bytes, "dad_bytes": dad_bytes, "losses": losses,
-           "units": len(att.units)}
+           "units": len(att.units), "factor_units": sum(1 for u in att.units if u.has_factors)}
     att.detach()
     return out
 
