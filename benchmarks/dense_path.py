@@ -13,9 +13,13 @@ quick preset: 2 layers of 256) from the same weights on the same batches, one st
   dad       `DADSynchronizer` over `TorchDistributedAggregator`, mode auto, objective time
   baseline  with ``--baseline DIR``: the same, from the ``dad_integrations`` of the source tree DIR
 
+``--nocomm`` measures what `benchmarks.compare` calls compute overhead instead: DDP over a one-rank
+group, dAD over `benchmarks.workload.NullAggregator` (every computation of a step, nothing on a wire).
+
 Prints per runner (slowest rank of each step) the median step, the median per-step difference to
-``local``, the main thread's CPU time per step and, for dAD, its worker thread's CPU time per step
-(the exchange), and dAD's collectives per step. ``--profile`` adds cProfile listings (rank 0) of
+``local``, the main thread's and the whole process's CPU time per step (the process's includes
+gloo's threads) and, for dAD, its worker thread's CPU time per step (the exchange) and its
+collectives per step. ``--profile`` adds cProfile listings (rank 0) of
 dAD's steps on the main thread and of its exchanges on the worker thread. Timing on a shared
 machine is noisy: read the per-step differences as an ordering, the CPU times and counts as the
 profile.
@@ -40,7 +44,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from benchmarks.workload import Workload, build_model, median
+from benchmarks.workload import NullAggregator, Workload, build_model, median
 
 FAST_LINK = {"bandwidth": "400gbit", "latency_us": 1.0}
 
@@ -81,16 +85,19 @@ class _WorkerClock:
         mod.Exchanger.run = timed
 
 
-def _runner(kind: str, package: Optional[str], w: Workload, init_state: dict, link: dict):
+def _runner(kind: str, package: Optional[str], w: Workload, init_state: dict, link: dict, solo=None):
     model = build_model(w)
     model.load_state_dict(init_state)
     model.train()
     fwd, sync = model, None
     if kind == "ddp":
-        fwd = torch.nn.parallel.DistributedDataParallel(model)
+        fwd = torch.nn.parallel.DistributedDataParallel(model, process_group=solo)
     elif package is not None:
         pkg = importlib.import_module(package)
-        agg = importlib.import_module(f"{package}.torch_distributed").TorchDistributedAggregator()
+        if solo is None:
+            agg = importlib.import_module(f"{package}.torch_distributed").TorchDistributedAggregator()
+        else:
+            agg = _null_aggregator(package)
         sync = pkg.DADSynchronizer(model, agg, pkg.DADConfig.from_dict(
             {"mode": "auto", "rank": 4, "objective": "time", "link": link}))
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
@@ -104,7 +111,23 @@ def _runner(kind: str, package: Optional[str], w: Workload, init_state: dict, li
         opt.zero_grad(set_to_none=True)
 
     step.sync, step.model = sync, model
+    if solo is not None and sync is not None:
+        # the attach-time broadcast summed rank 0's bytes times the world size: put the weights back
+        model.load_state_dict(init_state)
     return step
+
+
+def _null_aggregator(package: str):
+    """`NullAggregator` as a subclass of ``package``'s own `FactorAggregator`."""
+    base = importlib.import_module(f"{package}.aggregator").FactorAggregator
+
+    def init(self) -> None:
+        base.__init__(self)
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+
+    cls = type("NullAggregator", (base,), {"__init__": init, "_all_gather": NullAggregator._all_gather,
+                                           "_all_reduce": NullAggregator._all_reduce})
+    return cls()
 
 
 def rank_main(rank: int, world: int, port: int, args: dict) -> None:
@@ -132,9 +155,13 @@ def _run(rank: int, args: dict) -> None:
         packages["baseline"] = _package(args["baseline"])
     clocks = {k: _WorkerClock(p, args["profile"] and rank == 0) for k, p in packages.items()
               if p is not None}
-    runners = {k: _runner(k, p, w, init_state, args["link"]) for k, p in packages.items()}
+    solo = None
+    if args["nocomm"]:
+        solo = [dist.new_group([i]) for i in range(dist.get_world_size())][rank]
+    runners = {k: _runner(k, p, w, init_state, args["link"], solo) for k, p in packages.items()}
     wall: Dict[str, List[float]] = {k: [] for k in runners}
     cpu: Dict[str, List[float]] = {k: [] for k in runners}
+    proc: Dict[str, List[float]] = {k: [] for k in runners}
     calls: Dict[str, List[int]] = {k: [] for k in runners}
     prof = cProfile.Profile() if args["profile"] and rank == 0 else None
     warm = args["warmup"]
@@ -148,10 +175,11 @@ def _run(rank: int, args: dict) -> None:
                 prof.enable()
             sync = runners[k].sync
             before = sync.aggregator.traffic().calls if sync is not None else 0
-            c, t = time.thread_time(), time.perf_counter()
+            c, pc, t = time.thread_time(), time.process_time(), time.perf_counter()
             runners[k](x)
             wall[k].append(time.perf_counter() - t)
             cpu[k].append(time.thread_time() - c)
+            proc[k].append(time.process_time() - pc)
             if on:
                 prof.disable()
             if sync is not None:
@@ -164,13 +192,14 @@ def _run(rank: int, args: dict) -> None:
         load = open("/proc/loadavg").read().split()[0]
         rep = runners["dad"].sync.last_step_report()
         routes = sorted({q.representation for q in rep.params if q.representation != "overhead"})
-        print(f"2 gloo ranks, {args['steps'] - warm} timed steps; dAD's routes {routes}; load {load}")
+        what = "no communication (--nocomm)" if args["nocomm"] else "loopback"
+        print(f"2 gloo ranks, {what}, {args['steps'] - warm} timed steps; dAD's routes {routes}; load {load}")
         for k in runners:
             d = median([a - b for a, b in zip(slow[k], slow["local"])]) * 1e3
             line = (f"{k:9s} step {median(slow[k]) * 1e3:7.2f} ms  over local {d:+7.2f} ms  "
-                    f"main-thread CPU {median(cpu[k][warm:]) * 1e3:6.2f} ms")
+                    f"CPU main {median(cpu[k][warm:]) * 1e3:6.2f} ms, process {median(proc[k][warm:]) * 1e3:6.2f} ms")
             if k in clocks:
-                line += (f"  worker CPU {median(clocks[k].cpu[warm:]) * 1e3:6.2f} ms"
+                line += (f", worker {median(clocks[k].cpu[warm:]) * 1e3:6.2f} ms"
                          f"  collectives {median(calls[k][warm:]):.0f}")
             print(line)
         if "baseline" in slow:
@@ -182,7 +211,7 @@ def _run(rank: int, args: dict) -> None:
     if prof is not None:
         print("\ndAD steps, main thread (rank 0):")
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
-        pstats.Stats(prof).sort_stats("cumtime").print_stats("dad_integrations|synchronizer|window", 20)
+        pstats.Stats(prof).sort_stats("tottime").print_stats("dad_integrations", 25)
         print("dAD exchanges, worker thread (rank 0):")
         pstats.Stats(clocks["dad"].prof).sort_stats("tottime").print_stats(30)
 
@@ -194,6 +223,7 @@ def main(argv=None) -> int:
     p.add_argument("--link", default=json.dumps(FAST_LINK), help="dAD's stated link (config key 'link')")
     p.add_argument("--baseline", help="a source tree whose dad_integrations runs beside this one")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--nocomm", action="store_true", help="DDP on a one-rank group, dAD over NullAggregator")
     a = p.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -201,7 +231,7 @@ def main(argv=None) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = {"steps": a.steps, "warmup": a.warmup, "link": json.loads(a.link), "baseline": a.baseline,
-            "profile": a.profile}
+            "profile": a.profile, "nocomm": a.nocomm}
     mp.spawn(rank_main, args=(2, port, args), nprocs=2, join=True)
     return 0
 

@@ -94,6 +94,30 @@ class Exchanger:
         held = self.last_route.get(unit.index)
         return None if held == "exact" and unit.rows_unused else held  # exact needs its rows
 
+    def dense_for_sure(self, unit: FactorUnit, step: int, verify: bool) -> bool:
+        """Whether ``unit`` goes through the dense buckets in step ``step`` whatever its rows say: a
+        held dense route (objective "time", between refreshes) or dense for good. Such a step needs
+        none of the unit's rows, priors or restart marks (the all-reduce carries what ``.grad``
+        holds), so the hooks skip that bookkeeping, and routing it needs no early wake-up."""
+        return not verify and (unit.dense_only or self._held_route(unit, step, verify) == "dense")
+
+    def _await(self, window: StepWindow, i: int, sure: List[bool], dense: DenseBuckets) -> None:
+        """Wait until unit ``i`` is ready. Units sure to go dense that do not fill the open dense
+        bucket need nothing done before the unit that fills it: wait for that one first (then most
+        of those before it are ready too), so that the worker wakes about once per bucket, not once
+        per unit (each wake takes the GIL from the autograd thread). Order and results are
+        unchanged: every unit is still routed in exchange order, once it is ready."""
+        units = self.plan.units
+        j, room = i, dense.room()
+        while j + 1 < len(units) and sure[j]:
+            room -= dense.nbytes(units[j].params)
+            if room <= 0:
+                break
+            j += 1
+        if j > i:
+            window.ready[units[j].index].wait()
+        window.ready[units[i].index].wait()
+
     def set_link(self, link) -> None:
         """Route by ``link`` (a `link.LinkModel`, the same on every rank) from the next refresh on."""
         if self.timing is not None:
@@ -133,8 +157,9 @@ class Exchanger:
         bucket = RankBucket(self.config.bucket_cap_mb * 2 ** 20)
         shared = AllReduceBucket(self.config.bucket_cap_mb * 2 ** 20)
         previous: List[Finish] = []
-        for unit in self.plan.units:
-            window.ready[unit.index].wait()
+        sure = [self.dense_for_sure(u, step, verify) for u in self.plan.units]
+        for i, unit in enumerate(self.plan.units):
+            self._await(window, i, sure, dense)
             self._check_open()
             current: List[Finish] = []
             finish = self._unit(unit, window, sink, scale, step, verify, report, dense, bucket, shared)

@@ -80,6 +80,14 @@ class DenseBuckets:
         self._open_bytes = 0
         self._sent: List[Tuple[List[DenseItem], CommHandle]] = []
 
+    def room(self) -> float:
+        """Bytes the open bucket takes before it is full."""
+        return (self.cap if self._sent else self.first_cap) - self._open_bytes
+
+    def nbytes(self, params: Iterable[nn.Parameter]) -> int:
+        """Bytes ``params`` take in a bucket."""
+        return sum(p.numel() for p in params) * self.itemsize
+
     def add(self, name: str, p: nn.Parameter) -> None:
         """Append one parameter (its gradient final on this rank) to the open bucket; a full
         bucket goes on the wire."""
