@@ -12,9 +12,11 @@ output keeps its output-gradient rows (`capture`). When backward first reaches a
 parameter, the step's `window.StepWindow` opens and keeps what ``.grad`` already held (the
 prior); when autograd has finished a weight and all its biases, their unit is ready, and the
 `exchange.Exchanger` on a background thread (`worker`) exchanges the units in an order every rank
-shares, each through the codec its route (`router`) picks. `synchronize()` releases units that
-never got a gradient, lets the dense buckets go and waits; the results land in the step's sink
-(`.grad`, or DDP's buckets when DDP drives the step through `ddp_hook`).
+shares, each through the codec its route (`router`) picks; a dense bucket is all-reduced as soon
+as it is full. `synchronize()` releases units that never got a gradient, lets the last dense
+buckets go and waits; the results land in the step's sink (`.grad`, or DDP's buckets when DDP
+drives the step through `ddp_hook`). A unit sure to go dense in a step (a held dense route, or
+dense for good) skips the window's bookkeeping in its hooks: it needs no prior and no marks.
 
 This class is the facade over those pieces: it wires the hooks, holds the step's lifecycle
 (open, dispatch, finish), and carries what survives a checkpoint (`state_dict`).
