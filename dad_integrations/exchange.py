@@ -71,10 +71,10 @@ class Exchanger:
         self.closed = False
         self._finite = True  # every synchronised result of the step so far is finite
         self._flushed: List[Tuple[str, object]] = []  # residuals flushed this step (restored if it is not finite)
-        # objective "time": the agreed link and compute models (measured at attach: a collective)
         # one dtype for every dense bucket, whatever goes dense in a step (as one call over all of them)
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
+        # objective "time": the agreed link and compute models (measured at attach: a collective)
         self.timing: Optional[StepTiming] = (
             build_timing(config, {u.shape for u in plan.units}, aggregator, device,
                          dtype=plan.units[0].param.dtype) if plan.units else None)

@@ -50,3 +50,39 @@ def test_ranks_bit_identical_and_equal_to_ddp(job):
         # two ranks: DDP's pre-divided sum and dAD's divided sum are the same numbers
         for r in ranks:
             assert all(s["equal"] for s in r["steps"]), (case, [s["worst"] for s in r["steps"]])
+
+
+def test_buckets_go_on_the_wire_as_they_fill(group):
+    """A bucket is all-reduced when it is full (the first at its own, smaller cap), not at
+    `finish`; the results are ``postscale * sum(prescale * g)`` written into ``.grad``, also
+    for a parameter whose gradient is not in the buckets' dtype."""
+    import torch
+    from torch import nn
+
+    from dad_integrations import TorchDistributedAggregator
+    from dad_integrations.codecs.dense import DenseBuckets
+    from dad_integrations.sink import GradSink
+
+    agg = TorchDistributedAggregator()
+    # 1 KB each in the buckets' fp32; the last one fp64 (cast on the way back, not written in one pass)
+    params = [nn.Parameter(torch.zeros(256, dtype=torch.float64 if i == 4 else torch.float32)) for i in range(5)]
+    for i, p in enumerate(params):
+        p.grad = torch.full((256,), float(i + 1), dtype=p.dtype)
+    names = []
+    buckets = DenseBuckets(agg, GradSink({}), bucket_cap_mb=2 / 1024, dtype=torch.float32,
+                           account=lambda name, p, traffic: names.append(name), prescale=2.0,
+                           postscale=0.25, first_bucket_mb=1 / 1024, early=lambda: True)
+    calls = agg.traffic().calls
+    buckets.add("p0", params[0])  # fills the 1 KB first bucket: sent now
+    assert agg.traffic().calls == calls + 1
+    buckets.add("p1", params[1])
+    assert agg.traffic().calls == calls + 1  # 1 of 2 KB
+    buckets.add("p2", params[2])  # fills the second bucket
+    assert agg.traffic().calls == calls + 2
+    buckets.add("p3", params[3])
+    buckets.add("p4", params[4])
+    assert buckets.finish(check_finite=True)
+    assert agg.traffic().calls == calls + 3 and names == ["p0", "p1", "p2", "p3", "p4"]
+    assert buckets.overlapped == {"p0", "p1", "p2", "p3", "p4"}
+    for i, p in enumerate(params):
+        assert torch.equal(p.grad, torch.full((256,), 0.5 * (i + 1), dtype=p.grad.dtype)), i
