@@ -4,9 +4,11 @@ Units go in reverse registration order (the order backward finishes them). For e
 its weight and biases are final (`StepWindow.ready`): the router's decision, a size exchange if
 the route needs agreed row counts (with the first-step check riding along), then its codec's
 collective: one all-gather of exact factors, or a place in the rank-r bucket (one all-gather per
-``bucket_cap_mb``), or a place in the dense buckets. The rebuild of one unit overlaps the next
-unit's collective, and collectives started before backward ends overlap the rest of backward.
-When backward is over (`StepWindow.flush`), the dense buckets are all-reduced.
+``bucket_cap_mb``), or a place in the dense buckets (`codecs.dense.DenseBuckets`: a full bucket is
+all-reduced at once, the last one when the last unit is routed). The rebuild of one unit overlaps
+the next unit's collective, and collectives started before backward ends overlap the rest of
+backward. When backward is over (`StepWindow.flush`), the parameters that are always dense
+(norms, excluded parameters) follow in the last buckets, and the step waits for every bucket.
 
 Costs per weight (m x n), S ranks, N local rows: exact factors gather ``N (m+n)`` numbers per rank
 and rebuild with one ``S N m n`` matmul; rank-r factors gather ``r (m+n)`` per rank and rebuild with
@@ -22,7 +24,7 @@ from torch import nn
 
 from .aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
 from .checks import factors_rebuild_local_grad
-from .codecs.dense import allreduce_dense
+from .codecs.dense import DenseBuckets, bucket_dtype
 from .codecs.exact import ExactCodec, local_rebuild
 from .codecs.finite import finite_flag
 from .codecs.rank import RankBucket, RankCodec, WarmStart
@@ -69,6 +71,9 @@ class Exchanger:
         self.closed = False
         self._finite = True  # every synchronised result of the step so far is finite
         self._flushed: List[Tuple[str, object]] = []  # residuals flushed this step (restored if it is not finite)
+        # one dtype for every dense bucket, whatever goes dense in a step (as one call over all of them)
+        self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
+                                        wire_dtype) or torch.float32
         # objective "time": the agreed link and compute models (measured at attach: a collective)
         self.timing: Optional[StepTiming] = (
             build_timing(config, {u.shape for u in plan.units}, aggregator, device,
@@ -88,6 +93,30 @@ class Exchanger:
             return None
         held = self.last_route.get(unit.index)
         return None if held == "exact" and unit.rows_unused else held  # exact needs its rows
+
+    def dense_for_sure(self, unit: FactorUnit, step: int, verify: bool) -> bool:
+        """Whether ``unit`` goes through the dense buckets in step ``step`` whatever its rows say: a
+        held dense route (objective "time", between refreshes) or dense for good. Such a step needs
+        none of the unit's rows, priors or restart marks (the all-reduce carries what ``.grad``
+        holds), so the hooks skip that bookkeeping, and routing it needs no early wake-up."""
+        return not verify and (unit.dense_only or self._held_route(unit, step, verify) == "dense")
+
+    def _await(self, window: StepWindow, i: int, sure: List[bool], dense: DenseBuckets) -> None:
+        """Wait until unit ``i`` is ready. Units sure to go dense that do not fill the open dense
+        bucket need nothing done before the unit that fills it: wait for that one first (then most
+        of those before it are ready too), so that the worker wakes about once per bucket, not once
+        per unit (each wake takes the GIL from the autograd thread). Order and results are
+        unchanged: every unit is still routed in exchange order, once it is ready."""
+        units = self.plan.units
+        j, room = i, dense.room()
+        while j + 1 < len(units) and sure[j]:
+            room -= dense.nbytes(units[j].params)
+            if room <= 0:
+                break
+            j += 1
+        if j > i:
+            window.ready[units[j].index].wait()
+        window.ready[units[i].index].wait()
 
     def set_link(self, link) -> None:
         """Route by ``link`` (a `link.LinkModel`, the same on every rank) from the next refresh on."""
@@ -112,13 +141,25 @@ class Exchanger:
         s = self.aggregator.world_size
         scale = prescale * (1.0 / s if postscale is None else postscale)
         report: Dict[str, ParamReport] = {}
-        dense: List[Tuple[str, nn.Parameter]] = []
+
+        def account(name: str, p: Optional[nn.Parameter], traffic: Traffic) -> None:
+            if name not in report:
+                shape = tuple(p.shape) if p is not None else ()
+                ar = ring_allreduce_bytes(p.numel() * p.element_size(), s) if p is not None else 0.0
+                report[name] = ParamReport(name, "dense" if p is not None else "overhead", shape,
+                                           allreduce_bytes=ar)
+            report[name].add_traffic(traffic)
+
+        dense = DenseBuckets(self.aggregator, sink, bucket_cap_mb=self.config.bucket_cap_mb, dtype=self.dense_dtype,
+                             account=account, prescale=prescale, postscale=postscale,
+                             early=lambda: not window.flush.is_set())
         self._finite = True
         bucket = RankBucket(self.config.bucket_cap_mb * 2 ** 20)
         shared = AllReduceBucket(self.config.bucket_cap_mb * 2 ** 20)
         previous: List[Finish] = []
-        for unit in self.plan.units:
-            window.ready[unit.index].wait()
+        sure = [self.dense_for_sure(u, step, verify) for u in self.plan.units]
+        for i, unit in enumerate(self.plan.units):
+            self._await(window, i, sure, dense)
             self._check_open()
             current: List[Finish] = []
             finish = self._unit(unit, window, sink, scale, step, verify, report, dense, bucket, shared)
@@ -135,22 +176,18 @@ class Exchanger:
             previous.append(self._send_rank_bucket(bucket, window, sink, scale))
         if shared.items:
             previous.append(self.rank_allreduce.start(shared.take(), self.aggregator, sink, scale, self._note))
+        dense.send()  # every unit is routed: the last units' bucket need not wait for backward's end
         for f in previous:
             f()
         window.flush.wait()  # backward is over: every dense gradient is final
         self._check_open()
-
-        def account(name: str, p: Optional[nn.Parameter], traffic: Traffic) -> None:
-            if name not in report:
-                shape = tuple(p.shape) if p is not None else ()
-                ar = ring_allreduce_bytes(p.numel() * p.element_size(), s) if p is not None else 0.0
-                report[name] = ParamReport(name, "dense" if p is not None else "overhead", shape,
-                                           allreduce_bytes=ar)
-            report[name].add_traffic(traffic)
-
-        finite = allreduce_dense(self.plan.dense + dense, self.aggregator, sink,
-                                 bucket_cap_mb=self.config.bucket_cap_mb, wire_dtype=self.wire_dtype,
-                                 account=account, prescale=prescale, postscale=postscale)
+        for name, q in self.plan.dense:
+            dense.add(name, q)
+        # whether the results are finite only decides whether rank-route state is kept
+        finite = dense.finish(check_finite=self._state_pending())
+        for name, entry in report.items():
+            if entry.representation == "dense":
+                entry.overlapped = name in dense.overlapped  # its all-reduce began during backward
         keep = finite and self._finite
         if self.rank is not None:
             self.rank.commit(keep=keep)
@@ -161,6 +198,11 @@ class Exchanger:
                 self.memory.keep(name, residual)
         self._prepare_refresh(step + 1)
         return StepReport(step, s, list(report.values()))
+
+    def _state_pending(self) -> bool:
+        """Whether a non-finite step would drop something: this step's rank-route state (warm
+        starts, residuals) or residuals it flushed."""
+        return bool(self._flushed) or any(c is not None and c.has_pending for c in (self.rank, self.rank_allreduce))
 
     def _note(self, tensor: torch.Tensor) -> torch.Tensor:
         """Remember whether a synchronised result is finite (the same on every rank: all see it)."""
@@ -173,7 +215,7 @@ class Exchanger:
             raise StepClosed("dAD synchroniser closed with a step in flight")
 
     def _unit(self, unit: FactorUnit, window: StepWindow, sink: GradSink, scale: float, step: int,
-              verify: bool, report: Dict[str, ParamReport], dense: List[Tuple[str, nn.Parameter]],
+              verify: bool, report: Dict[str, ParamReport], dense: DenseBuckets,
               bucket: RankBucket, shared: AllReduceBucket) -> Optional[Finish]:
         """Route one unit and start its collective; returns what finishes it (or None)."""
         agg, cfg, p = self.aggregator, self.config, unit.param
@@ -220,8 +262,9 @@ class Exchanger:
                                              b.param.numel() * b.param.element_size(), s))
         finish = None
         if rep == "dense":
-            dense.append((unit.name, p))
-            dense.extend((b.name, b.param) for b in unit.biases)
+            dense.add(unit.name, p)
+            for b in unit.biases:
+                dense.add(b.name, b.param)
         elif rep == "exact":
             handle = agg.all_gather(self.exact.encode(unit, rows), name=f"dad.exact.{unit.name}",
                                     first_dims=self.exact.sizes(unit, rows_by_rank))
@@ -235,11 +278,13 @@ class Exchanger:
                 for q, g in grads.items():
                     sink.write(q, self._note(g))
         elif rep == "rank_allreduce":
-            dense.extend((b.name, b.param) for b in unit.biases)
+            for b in unit.biases:
+                dense.add(b.name, b.param)
             m_s = self.rank_allreduce.local(unit, rows, sink.local_grad, entry)
             shared.add((unit, m_s, self.rank_allreduce.initial_q(unit, step), entry))
         else:
-            dense.extend((b.name, b.param) for b in unit.biases)
+            for b in unit.biases:
+                dense.add(b.name, b.param)
             payload = self.rank.encode(unit, rows, sink.local_grad, entry, step)
             if cfg.adaptive_tolerance is None:  # r rows on every rank: it can share a bucket's all-gather
                 bucket.add(unit, payload, entry)

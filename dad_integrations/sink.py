@@ -74,6 +74,20 @@ class GradSink:
         elif any_rank_had_grad:
             p.grad = average.clone()
 
+    def write_dense_scaled(self, p: nn.Parameter, total: torch.Tensor, scale: float,
+                           any_rank_had_grad: bool) -> None:
+        """`write_dense` of ``scale * total`` (``total`` shaped as ``p``, a view of its bucket):
+        one pass straight into the destination where it has ``total``'s dtype, not a scaling
+        pass over the bucket and then a copy."""
+        out = self._dense_target(p)
+        if out is not None and out.dtype == total.dtype and not out.requires_grad:  # (create_graph: copy_)
+            torch.mul(total.view_as(out), scale, out=out)
+        else:
+            self.write_dense(p, total.to(p.dtype).mul_(scale), any_rank_had_grad)
+
+    def _dense_target(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        return p.grad
+
     def _current(self, p: nn.Parameter) -> Optional[torch.Tensor]:
         return p.grad
 
@@ -122,6 +136,9 @@ class BucketViewSink(GradSink):
 
     def write_dense(self, p: nn.Parameter, average: torch.Tensor, any_rank_had_grad: bool) -> None:
         self._store(p, average)
+
+    def _dense_target(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+        return self.views.get(id(p))
 
     def write_unused(self, p: nn.Parameter) -> None:
         """No rank used ``p``: DDP keeps what its bucket holds, the average, zeros here."""

@@ -12,9 +12,11 @@ output keeps its output-gradient rows (`capture`). When backward first reaches a
 parameter, the step's `window.StepWindow` opens and keeps what ``.grad`` already held (the
 prior); when autograd has finished a weight and all its biases, their unit is ready, and the
 `exchange.Exchanger` on a background thread (`worker`) exchanges the units in an order every rank
-shares, each through the codec its route (`router`) picks. `synchronize()` releases units that
-never got a gradient, lets the dense buckets go and waits; the results land in the step's sink
-(`.grad`, or DDP's buckets when DDP drives the step through `ddp_hook`).
+shares, each through the codec its route (`router`) picks; a dense bucket is all-reduced as soon
+as it is full. `synchronize()` releases units that never got a gradient, lets the last dense
+buckets go and waits; the results land in the step's sink (`.grad`, or DDP's buckets when DDP
+drives the step through `ddp_hook`). A unit sure to go dense in a step (a held dense route, or
+dense for good) skips the window's bookkeeping in its hooks: it needs no prior and no marks.
 
 This class is the facade over those pieces: it wires the hooks, holds the step's lifecycle
 (open, dispatch, finish), and carries what survives a checkpoint (`state_dict`).
@@ -117,6 +119,10 @@ class DADSynchronizer:
         self._verified = not self.config.verify_first_step
         self._report: Optional[StepReport] = None
         self._unit_of = {id(q): u for u in self._plan.units for q in u.params}
+        self._param_ids = {u.index: tuple(id(q) for q in u.params) for u in self._plan.units}
+        # units the next step sends dense whatever their rows (`Exchanger.dense_for_sure`): their
+        # hooks skip the window's bookkeeping (priors, marks); refreshed after every step
+        self._bookless: frozenset = frozenset()
         self._hooks = [p.register_hook(functools.partial(self._before_accumulate, u, p))
                        for u in self._plan.units for p in u.params]
         self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(self._after_accumulate, u))
@@ -241,6 +247,7 @@ class DADSynchronizer:
         if state.get("version") == STATE_VERSION:
             self._steps = int(state["steps"])
             self._verified = bool(state["verified"]) or not self.config.verify_first_step
+        self._plan_next_step()
 
     def close(self) -> None:
         """Remove every hook; the model trains as if dAD had never been attached.
@@ -300,11 +307,17 @@ class DADSynchronizer:
         # max_rows is agreed by all ranks, so they keep or drop the check together
         if any(p.max_rows for p in report.params):
             self._verified = True
+        self._plan_next_step()
         if late:
             raise RuntimeError(f"the gradients of {sorted(set(late))} came in twice in one step, after their "
                                f"exchange had started: a weight used in several reentrant-checkpointed "
                                f"segments (exclude it with the 'exclude' config key, or use "
                                f"use_reentrant=False), or backward run twice without no_sync()")
+
+    def _plan_next_step(self) -> None:
+        """Note which units the next step sends dense whatever their rows (see `_bookless`)."""
+        ex, step, verify = self._exchanger, self._steps, not self._verified
+        self._bookless = frozenset(u.index for u in self._plan.units if ex.dense_for_sure(u, step, verify))
 
     def _release(self) -> None:
         """Stop the worker thread, abandoning a step in flight (its waits return at once)."""
@@ -327,18 +340,25 @@ class DADSynchronizer:
                 f"backward_passes_per_step")
 
     def _before_accumulate(self, unit: FactorUnit, p: nn.Parameter, grad: torch.Tensor) -> None:
-        self._current_window().before_accumulate(p, unit)
+        window = self._current_window()
+        if unit.index in self._bookless:  # dense whatever .grad held before: no prior to keep
+            window.touch(p)
+        else:
+            window.before_accumulate(p, unit)
 
     def _after_accumulate(self, unit: FactorUnit, p: nn.Parameter) -> None:
         window = self._current_window()
-        window.after_accumulate(p, unit)
+        if unit.index in self._bookless:  # no rows to mark; other gradients' marks still move
+            window.note_accumulated(p)
+        else:
+            window.after_accumulate(p, unit)
         if self._accumulating or self._driven_by_ddp:  # DDP says when a unit is ready (ddp_hook)
             return
         passes = window.count_pass(p)
         if passes > self.backward_passes_per_step:  # its rows may be on the wire: fail at synchronize()
             window.twice.append(unit.name)
         k = self.backward_passes_per_step
-        if passes >= k and all(window.passes.get(id(q), 0) >= k for q in unit.params):
+        if passes >= k and all(window.passes.get(q, 0) >= k for q in self._param_ids[unit.index]):
             window.ready[unit.index].set()
             self._dispatch(window, self._exchange)
 

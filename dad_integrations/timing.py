@@ -11,11 +11,13 @@ issues alone (exact factors and their size exchange: one all-gather each), which
 latency per call. The bucketed routes (dense buckets, the rank routes' shared buckets) pay it once
 per bucket, shared by many units, and count none here.
 
-No route is credited with overlap: dAD's dense buckets are all-reduced when backward ends, and its
-compressed routes' compute runs on a thread beside backward that, on a device with no spare core
-or stream, delays the step by that compute; measured on two CPU cores there is no overlap to
-count (`benchmarks/README.md`). So dense all-reduce's predicted time is its wire time, and since
-dense is always a candidate, auto's predicted step is never slower than all-reduce's.
+No route is credited with overlap. dAD's dense buckets go on the wire as they fill during
+backward, as DDP's do (`codecs.dense`), but with DDP's bucket sizes most bytes of a small model sit
+in the last bucket, sent when backward ends; the compressed routes' compute runs on a thread beside
+backward that, on a device with no spare core or stream, delays the step by that compute; measured
+on two CPU cores there is no overlap to count (`benchmarks/README.md`). So dense all-reduce's
+predicted time is its wire time, and since dense is always a candidate, auto's predicted step is
+never slower than all-reduce's.
 
 `StepTiming` carries the two models every rank agreed on; `build_timing` measures them (or takes
 the config's stated link) for a synchroniser's units.

@@ -3,6 +3,16 @@
 Gradients are flattened into buckets of at most ``bucket_cap_mb``, reduced with one all-reduce
 each, and scaled. Bytes per rank: ``2 (S-1)/S`` of the bucket, like a ring all-reduce, and no more.
 
+Streaming (`DenseBuckets`). Items join the open bucket in an order every rank shares (the
+exchange order: the units' weights and biases as each unit is routed, then the parameters that
+are always dense), and a bucket goes on the wire as soon as it is full, not when backward ends:
+its items' gradients are final by then (a unit is routed only once autograd has finished it), so
+the all-reduce runs while backward computes the rest, as DDP's buckets do. The first bucket is
+capped at `FIRST_BUCKET_MB` (DDP's first bucket too) so that the wire starts early. Every rank
+fills and sends the same buckets in the same order (the routes are agreed), so the collectives
+match. Packing a bucket is its one copy (``torch.cat``); the result is written back with the
+postscale folded into that write (one pass, `sink.GradSink.write_dense_scaled`).
+
 Unused parameters. A parameter whose gradient is None on a rank must keep ``grad = None`` when no
 rank used it (as with DDP), so the ranks have to learn who had a gradient. Instead of a flag per
 parameter on every step (DDP's ``find_unused_parameters`` map: a number per parameter), a rank
@@ -11,37 +21,125 @@ the sum means every rank had a gradient (the common case: nothing extra on the w
 non-finite one (a mark, or a gradient that really is not finite) is resolved by one more small
 all-reduce of, per such parameter, how many ranks had a gradient and the true first elements.
 Every rank sees the same sums, so all agree on whether that round runs.
+
+Finiteness. Whether every reduced gradient is finite costs one more pass over every bucket; it is
+read only where the caller asks (`DenseBuckets.finish` with ``check_finite``): the exchange needs
+it only to decide whether a step's rank-route state (residuals, warm starts) is kept.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
-from ..aggregator import FactorAggregator, Traffic
+from ..aggregator import CommHandle, FactorAggregator, Traffic
 from ..sink import GradSink
 
 DenseItem = Tuple[str, nn.Parameter]
 FLAGS = "[dense flags]"  # the report's name for the resolving round's bytes
+FIRST_BUCKET_MB = 1.0    # DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``)
+Account = Callable[[str, Optional[nn.Parameter], Traffic], None]
 
 
-def _buckets(items: Sequence[DenseItem], cap_bytes: float, itemsize: int) -> List[List[DenseItem]]:
-    out: List[List[DenseItem]] = [[]]
-    size = 0
-    for item in items:
-        nbytes = item[1].numel() * itemsize
-        if out[-1] and size + nbytes > cap_bytes:
-            out.append([])
-            size = 0
-        out[-1].append(item)
-        size += nbytes
-    return out
+def bucket_dtype(params: Iterable[nn.Parameter], wire_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype of the dense buckets for ``params``: ``wire_dtype``, else their common dtype, and
+    fp32 where their dtypes differ (None where there are none)."""
+    if wire_dtype is not None:
+        return wire_dtype
+    dtypes = {p.dtype for p in params}
+    if not dtypes:
+        return None
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
+class DenseBuckets:
+    """One step's dense buckets, sent as they fill (see the module doc).
+
+    ``add`` items in the shared order once their gradients are final; `send` puts the open
+    bucket on the wire early (when nothing more will join it before the caller waits for
+    something else); `finish` sends the rest, waits, resolves unused parameters and writes
+    ``postscale * sum(prescale * g)`` into ``sink`` (``postscale`` None averages).
+    ``early()`` says whether a bucket sent now overlaps backward; the names of items whose bucket
+    did are in ``overlapped``.
+    """
+
+    def __init__(self, aggregator: FactorAggregator, sink: GradSink, *, bucket_cap_mb: float,
+                 dtype: torch.dtype, account: Account, prescale: float = 1.0,
+                 postscale: Optional[float] = None, first_bucket_mb: Optional[float] = FIRST_BUCKET_MB,
+                 early: Callable[[], bool] = lambda: False):
+        self.aggregator, self.sink, self.account = aggregator, sink, account
+        self.dtype, self.prescale = dtype, prescale
+        self.postscale = 1.0 / aggregator.world_size if postscale is None else postscale
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.cap = bucket_cap_mb * 2 ** 20
+        self.first_cap = self.cap if first_bucket_mb is None else min(self.cap, first_bucket_mb * 2 ** 20)
+        self.early = early
+        self.overlapped: Set[str] = set()
+        self._open: List[DenseItem] = []
+        self._open_bytes = 0
+        self._sent: List[Tuple[List[DenseItem], CommHandle]] = []
+
+    def room(self) -> float:
+        """Bytes the open bucket takes before it is full."""
+        return (self.cap if self._sent else self.first_cap) - self._open_bytes
+
+    def nbytes(self, params: Iterable[nn.Parameter]) -> int:
+        """Bytes ``params`` take in a bucket."""
+        return sum(p.numel() for p in params) * self.itemsize
+
+    def add(self, name: str, p: nn.Parameter) -> None:
+        """Append one parameter (its gradient final on this rank) to the open bucket; a full
+        bucket goes on the wire."""
+        nbytes = p.numel() * self.itemsize
+        cap = self.cap if self._sent else self.first_cap
+        if self._open and self._open_bytes + nbytes > cap:
+            self.send()
+            cap = self.cap
+        self._open.append((name, p))
+        self._open_bytes += nbytes
+        if self._open_bytes >= cap:
+            self.send()
+
+    def send(self) -> None:
+        """Put the open bucket on the wire (nothing where it is empty)."""
+        if not self._open:
+            return
+        bucket, self._open, self._open_bytes = self._open, [], 0
+        flat = torch.cat([_local(self.sink.dense_grad(p), p, self.prescale, self.dtype) for _, p in bucket])
+        handle = self.aggregator.all_reduce(flat, name=f"dad.dense.{len(self._sent)}", op="sum")
+        if self.early():
+            self.overlapped.update(name for name, _ in bucket)
+        self._sent.append((bucket, handle))
+
+    def finish(self, check_finite: bool = True) -> bool:
+        """Send what is left, wait for every bucket and write the results; returns whether every
+        reduced gradient is finite (True without looking, where ``check_finite`` is False)."""
+        self.send()
+        if not self._sent:
+            return True
+        sums: List[Tuple[DenseItem, torch.Tensor]] = []
+        flats: List[torch.Tensor] = []
+        for bucket, handle in self._sent:
+            flat = handle.wait()
+            flats.append(flat)
+            offset = 0
+            for name, p in bucket:
+                self.account(name, p, handle.traffic.share(p.numel() / max(flat.numel(), 1)))
+                sums.append(((name, p), flat[offset:offset + p.numel()]))
+                offset += p.numel()
+        self._sent = []
+        device = flats[0].device
+        had_grad = _resolve(sums, self.sink, self.aggregator, self.prescale, self.dtype, device, self.account)
+        # marks resolved: one check a bucket
+        finite = not check_finite or all(bool(torch.isfinite(flat).all()) for flat in flats)
+        for (name, p), total in sums:
+            self.sink.write_dense_scaled(p, total.view_as(p), self.postscale, had_grad.get(id(p), True))
+        return finite
 
 
 def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, sink: GradSink, *,
-                    bucket_cap_mb: float, wire_dtype: Optional[torch.dtype],
-                    account: Callable[[str, Optional[nn.Parameter], Traffic], None],
+                    bucket_cap_mb: float, wire_dtype: Optional[torch.dtype], account: Account,
                     prescale: float = 1.0, postscale: Optional[float] = None) -> bool:
     """Reduce the gradients of ``items`` over ranks: ``postscale * sum(prescale * g)``, into ``sink``.
 
@@ -49,39 +147,16 @@ def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, si
     as Horovod's and DeepSpeed's gradient pre-division is, to keep fp16 sums in range.
     ``account`` gets each parameter's share of its bucket's traffic (and the resolving round's,
     under the name `FLAGS` with no parameter). Returns whether every reduced gradient is finite.
+    All at once (every gradient final): `DenseBuckets` without a smaller first bucket.
     """
     if not items:
         return True
-    s = aggregator.world_size
-    postscale = 1.0 / s if postscale is None else postscale
-    device = items[0][1].device
-    dtype = wire_dtype or items[0][1].dtype
-    if any((wire_dtype or p.dtype) != dtype for _, p in items):
-        dtype = torch.float32  # mixed gradient dtypes share fp32 buckets
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    buckets = _buckets(items, bucket_cap_mb * 2 ** 20, itemsize)
-
-    pending = []
-    for b, bucket in enumerate(buckets):
-        flat = torch.cat([_local(sink.dense_grad(p), p, prescale, dtype) for _, p in bucket])
-        pending.append((bucket, aggregator.all_reduce(flat, name=f"dad.dense.{b}", op="sum")))
-
-    sums: List[Tuple[DenseItem, torch.Tensor]] = []
-    flats: List[torch.Tensor] = []
-    for bucket, handle in pending:
-        flat = handle.wait()
-        flats.append(flat)
-        offset = 0
-        for name, p in bucket:
-            account(name, p, handle.traffic.share(p.numel() / max(flat.numel(), 1)))
-            sums.append(((name, p), flat[offset:offset + p.numel()]))
-            offset += p.numel()
-    had_grad = _resolve(sums, sink, aggregator, prescale, dtype, device, account)
-    finite = all(bool(torch.isfinite(flat).all()) for flat in flats)  # marks resolved: one check a bucket
-    for (name, p), total in sums:
-        avg = total.view_as(p).to(p.dtype).mul_(postscale)
-        sink.write_dense(p, avg, had_grad.get(id(p), True))
-    return finite
+    buckets = DenseBuckets(aggregator, sink, bucket_cap_mb=bucket_cap_mb,
+                           dtype=bucket_dtype((p for _, p in items), wire_dtype), account=account,
+                           prescale=prescale, postscale=postscale, first_bucket_mb=None)
+    for name, p in items:
+        buckets.add(name, p)
+    return buckets.finish()
 
 
 def _local(grad: Optional[torch.Tensor], p: nn.Parameter, prescale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -96,8 +171,7 @@ def _local(grad: Optional[torch.Tensor], p: nn.Parameter, prescale: float, dtype
 
 
 def _resolve(sums: List[Tuple[DenseItem, torch.Tensor]], sink: GradSink, aggregator: FactorAggregator,
-             prescale: float, dtype: torch.dtype, device: torch.device,
-             account: Callable[[str, Optional[nn.Parameter], Traffic], None]) -> Dict[int, bool]:
+             prescale: float, dtype: torch.dtype, device: torch.device, account: Account) -> Dict[int, bool]:
     """For each parameter whose summed first element is not finite (a rank without a gradient, or a
     gradient that is not finite) or that has no elements: whether any rank had a gradient; its
     first element is replaced by the true sum. One all-reduce, only when there is such a parameter."""

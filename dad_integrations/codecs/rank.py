@@ -72,6 +72,11 @@ class RankCodec:
         self.warm = warm
         self._pending: list = []  # (unit, low-rank factors, residual or None) of this step
 
+    @property
+    def has_pending(self) -> bool:
+        """This step holds state that `commit` keeps or drops."""
+        return bool(self._pending)
+
     def commit(self, keep: bool) -> None:
         """End of step: keep this step's warm starts and residuals, or (a non-finite step) drop them."""
         pending, self._pending = self._pending, []

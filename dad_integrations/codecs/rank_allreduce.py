@@ -197,6 +197,11 @@ class RankAllReduceCodec:
         m, n = unit.shape
         return self.warm.initial(unit, n, min(self.config.rank, m, n), compute_dtype(unit.param), step)
 
+    @property
+    def has_pending(self) -> bool:
+        """This step holds state that `commit` keeps or drops."""
+        return bool(self._pending)
+
     def commit(self, keep: bool) -> None:
         """End of step: keep the shared Q's and the residuals, or (a non-finite step) drop them."""
         pending, self._pending = self._pending, []
