@@ -266,10 +266,11 @@ def run_scaler_skip(case: dict) -> dict:
             "identical": all(torch.equal(gathered[0], g) for g in gathered)}
 
 
-def run_vs_powersgd(case: dict) -> dict:
-    """Bytes per step that reach torch.distributed: dAD against DDP with PyTorch's PowerSGD hook at
-    the same rank (error feedback, warm start, compressing from step 2; one DDP bucket, as the hook
-    needs on gloo), the same model and batches, in steady state (steps 3 on)."""
+def _bytes_against_powersgd(case: dict) -> tuple:
+    """Bytes per steady-state step (3 on) that reach torch.distributed, dAD against DDP with
+    PyTorch's PowerSGD hook at the same rank (error feedback, warm start, compressing from step 2;
+    one DDP bucket, as the hook needs on gloo), the same model and batches; returns
+    ``(sent by method, the model's initial copy, dAD's last step report, dAD's dense_only units)``."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     name, rank, steps = case["model"], case["config"]["rank"], case.get("steps", 5)
@@ -295,10 +296,17 @@ def run_vs_powersgd(case: dict) -> dict:
             per_step.append(counter.traffic().sent)
             model.zero_grad(set_to_none=True)
         if sync is not None:
-            routes = sorted({p.representation for p in sync.last_step_report().params})
+            last = sync.last_step_report().params
+            dense_only = [u.name for u in sync.units if u.dense_only]
             sync.close()
         sent[method] = per_step[3:]
-    return {"sent": sent, "routes": routes}
+    return sent, init, last, dense_only
+
+
+def run_vs_powersgd(case: dict) -> dict:
+    """`_bytes_against_powersgd`, with the routes dAD's last step took."""
+    sent, _, last, _ = _bytes_against_powersgd(case)
+    return {"sent": sent, "routes": sorted({p.representation for p in last})}
 
 
 def _tensors(state: dict) -> dict:
@@ -356,39 +364,13 @@ def run_vs_powersgd_routes(case: dict) -> dict:
     two or more dimensions viewed as ``(shape[0], rest)``, ``2 r (m + n) < m n``). Gradient bytes
     only: DDP's broadcast of buffers (BatchNorm's running statistics) goes through C++
     (``_broadcast_coalesced``), which the counter does not see, and dAD sends no buffers."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
     from dad_integrations.costs import powersgd_bytes
 
-    name, rank, steps = case["model"], case["config"]["rank"], case.get("steps", 5)
-    init = models.build(name)
-    sent, params = {}, []
-    for method in ("powersgd", "dad"):
-        model = copy.deepcopy(init)
-        if method == "powersgd":
-            fwd = DDP(model, bucket_cap_mb=256)  # one bucket, as the hook needs on gloo
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                                start_powerSGD_iter=2, random_seed=0)
-            fwd.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-            sync = None
-        else:
-            fwd = model
-            sync = DADSynchronizer(model, TorchDistributedAggregator(), config_of(case))
-        per_step = []
-        for step in range(steps):
-            with CollectiveCounter(dist) as counter:
-                models.loss_of(name, fwd, local_batch(case, step, 0)).backward()
-                if sync is not None:
-                    sync.synchronize()
-            per_step.append(counter.traffic().sent)
-            model.zero_grad(set_to_none=True)
-        if sync is not None:
-            last = sync.last_step_report().params
-            routes = {p.name: p.representation for p in last}
-            dad_sent = {p.name: p.sent_bytes for p in last}
-            dense_only = [u.name for u in sync.units if u.dense_only]
-            sync.close()
-        sent[method] = per_step[3:]
+    sent, init, last, dense_only = _bytes_against_powersgd(case)
+    rank = case["config"]["rank"]
+    routes = {p.name: p.representation for p in last}
+    dad_sent = {p.name: p.sent_bytes for p in last}
+    params = []
     for pname, p in init.named_parameters():
         if p.requires_grad:
             theirs, compressed = powersgd_bytes(tuple(p.shape), rank, dist.get_world_size(), p.element_size())
