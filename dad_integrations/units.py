@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -21,6 +22,8 @@ from torch import nn
 from .capture import Use
 from .config import DADConfig
 from .layers import Claim, LayerKind, kind_of, matrix_shape, registered_kinds
+
+log = logging.getLogger(__name__)
 
 
 def param_shape(p: nn.Parameter) -> Tuple[int, ...]:
@@ -174,6 +177,16 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
             if excluded(mod_name) or not kind.accepts(module):
                 continue
             claims = kind.claims(module)
+            computed = [c.attr for c in claims if not _is_parameter(module, c.attr)]
+            if computed:
+                # a parametrization (weight norm: wav2vec2's positional conv) computes the weight
+                # from other parameters in forward: rows would rebuild that product's gradient, not
+                # theirs. They take the routes of any uncaptured parameter.
+                _log_once(f"computed-{kind.name}-{type(module).__name__}",
+                          "dAD: %s of %r (%s) is computed from other parameters (a parametrization such as "
+                          "weight norm), not captured: its parameters go dense or by the rank routes of "
+                          "uncaptured matrices", computed, mod_name, kind.name)
+                continue
             keys = [_registration(module, c.attr) for c in claims]
             if any(k in claimed for k in keys):
                 continue  # a composite of higher priority claimed part of it
@@ -230,6 +243,27 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
     for i, u in enumerate(units):
         u.index = i
     return SyncPlan(units, dense, [c for c, _ in captures.values()])
+
+
+_logged: set = set()
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.info(msg, *args)
+
+
+def _is_parameter(module: nn.Module, attr: str) -> bool:
+    """Whether dotted ``attr`` from ``module`` names a registered parameter (not one computed in
+    forward by a parametrization or a hook, as ``weight_norm`` does)."""
+    *path, leaf = attr.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return False
+    return isinstance(owner, nn.Module) and owner._parameters.get(leaf) is not None
 
 
 def _registration(module: nn.Module, attr: str) -> Tuple[int, str]:

@@ -143,6 +143,10 @@ def _cases() -> dict:
     # lossless auto at one or three images per rank: exact for the late convs, dense for the stem
     cases["grad-late_cnn-auto"] = {"kind": "grad", "model": "late_cnn", "config": {"mode": "auto"}, "uneven": True,
                                    "batch": 1}
+    cases["grad-weightnorm_net-exact"] = {"kind": "grad", "model": "weightnorm_net", "config": {"mode": "exact"},
+                                          "uneven": True, "batch": 2}
+    cases["vs-weightnorm_net-auto"] = {"kind": "vs_powersgd_routes", "model": "weightnorm_net", "batch": 2,
+                                       "config": {"mode": "auto", "rank": 2}}
     for m in ("small_cnn", "conv2d_net", "late_cnn"):
         cases[f"train-{m}-rank"] = {"kind": "train", "model": m, "config": {"mode": "rank", "rank": 2}, "steps": 4}
         cases[f"train-{m}-auto"] = {"kind": "train", "model": m, "config": {"mode": "auto", "rank": 2},
@@ -173,6 +177,44 @@ def test_exact_under_ddp_hook_and_accumulation(two_ranks, case):
     for r in result(two_ranks, case):
         assert r["worst"] <= TOL, r["per_param"]
         assert not r["dense_only"] and r["routes"]["b.weight"] == "exact", r["routes"]
+
+
+def test_weight_norm_is_not_captured(two_ranks):
+    """A weight computed by a parametrization (weight norm) is not a parameter: its kind does not
+    claim the module (its rows would rebuild the computed weight's gradient). The parameters it is
+    computed from are uncaptured matrices (dense in mode exact, rank routes in auto), so mode exact
+    still equals DDP and auto r=2 sends at most PowerSGD's bytes; the plain conv keeps its factors."""
+    for r in result(two_ranks, "grad-weightnorm_net-exact"):
+        assert r["worst"] <= TOL, r["per_param"]
+        assert not r["dense_only"]
+        routes = r["routes"]
+        assert routes["conv.weight"] == routes["head.weight"] == "exact", routes
+        assert routes["pos.parametrizations.weight.original1"] == "dense", routes
+    for r in result(two_ranks, "vs-weightnorm_net-auto"):
+        assert max(r["sent"]["dad"]) <= min(r["sent"]["powersgd"]), r["sent"]
+        routes = {p["name"]: p["route"] for p in r["params"]}
+        assert routes["pos.parametrizations.weight.original1"].startswith("rank"), routes
+
+
+def test_weight_norm_plan_logs_once(caplog):
+    """The plan of a weight-normed conv: no unit with uses for it, its ``original0``/``original1``
+    (and old-style ``weight_g``/``weight_v``) are units without uses, and one log line says why."""
+    import logging
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent / "workers"))
+    from layer_models.conv import WeightNormConvNet
+
+    with caplog.at_level(logging.INFO, logger="dad_integrations.units"):
+        plan = build_plan(WeightNormConvNet(old=True), DADConfig())
+    for c in plan.captures:
+        c.remove()
+    uses = {u.name: len(u.uses) for u in plan.units}
+    assert uses["conv.weight"] == 1 and uses["head.weight"] == 1
+    for name in ("pos.parametrizations.weight.original0", "pos.parametrizations.weight.original1",
+                 "old.weight_g", "old.weight_v"):
+        assert uses[name] == 0, uses
+    assert "computed from other parameters" in caplog.text
 
 
 def test_auto_sends_exact_factors_for_late_convs_only(two_ranks):

@@ -103,6 +103,28 @@ class LateCNN(nn.Module):
         return self.head(h.mean((-2, -1)))
 
 
+class WeightNormConvNet(nn.Module):
+    """wav2vec2's positional convolution: a grouped Conv1d under weight norm (a parametrization
+    computes its weight from ``original0``/``original1`` in every forward), beside a plain conv;
+    with ``old``, also ``torch.nn.utils.weight_norm``'s ``weight_g``/``weight_v`` (its model does
+    not deepcopy, so only the plan test builds it)."""
+
+    def __init__(self, old: bool = False):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3, padding=1)
+        self.pos = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 8, 3, padding=1, groups=2), dim=2)
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the old API is deprecated, still used
+            self.old = nn.utils.weight_norm(nn.Linear(8, 8)) if old else nn.Identity()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.conv(x))
+        h = h + self.pos(h)
+        return self.head(self.old(h.mean(-1)))
+
+
 def _batch_of(shape, classes: int):
     def batch(size: int, g: torch.Generator) -> dict:
         return {"x": torch.randn(size, *shape, generator=g), "y": torch.randint(0, classes, (size,), generator=g)}
@@ -120,4 +142,5 @@ MODELS = {
     "depthwise_net": Model(DepthwiseNet, _batch_of((6, 7, 7), 4), _loss),
     "small_cnn": Model(SmallCNN, _batch_of((3, 8, 8), 5), _loss),
     "late_cnn": Model(LateCNN, _batch_of((8, 6, 6), 5), _loss),
+    "weightnorm_net": Model(WeightNormConvNet, _batch_of((4, 9), 4), _loss),
 }
