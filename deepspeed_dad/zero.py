@@ -289,6 +289,9 @@ class ZeroDAD(RankStateCheckpoints):
             decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype, unit.blocks), world_size=S,
                              wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank() or None, sharded=True,
                              step=self._steps - 1, estimates=busiest, ties=mean, timing=timing)
+            if decision.representation not in ("rank", "rank_allreduce") and self._flush_residual(
+                    unit, grads[it.key]):
+                continue  # its residual rides DeepSpeed's own reduction this step
             if decision.representation == "exact":
                 routed.append(it)
             elif decision.representation == "rank":
@@ -324,6 +327,20 @@ class ZeroDAD(RankStateCheckpoints):
                 report.params.append(_param_report(self._names.get(id(p), "?"), "dense", param_shape(p), S, itemsize,
                                                    dense=True))
         return delivered
+
+    def _flush_residual(self, unit: FactorUnit, local: torch.Tensor) -> bool:
+        """A weight off the rank routes with an error-feedback residual left (its route changed:
+        rows fell, or objective "time" chose again): add the residual to its flattened local
+        gradient, which DeepSpeed's own reduction then averages, so that the average carries the
+        mean residual, what the ranks still owed (`fsdp.FSDPDADSynchronizer._flush_residual`'s rule). Every
+        rank took the same routes, so every rank holds a residual for the same weights."""
+        memory = self._rank.memory if self._rank is not None else None
+        residual = memory.dense(unit.name) if memory is not None and memory.enabled else None
+        if residual is None:
+            return False
+        local.add_(residual.reshape(-1).to(local.dtype))
+        memory.residuals.pop(unit.name)
+        return True
 
     def _estimates(self, it: PartitionItem, itemsize: int, wire: torch.dtype, exact: bool = True
                    ) -> Tuple[Dict[str, float], Dict[str, float]]:

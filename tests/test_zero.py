@@ -137,9 +137,16 @@ ERRORS = {
 }
 
 
+# a weight that leaves its rank route when rows fall (8 rows a rank, then 1 or 2: exact factors are
+# fewer bytes): its residual goes with that step's dense reduction (`zero.ZeroDAD._flush_residual`)
+FLUSH = {stage: {f"z{stage}-wide-auto-rank8-flush": {"model": "wide_rows", "dad": {"mode": "auto", "rank": 8},
+                                                     "lr": 0.0, "batch_by_step": [8, 8, 1], "steps": 3}}
+         for stage in (2, 3)}
+
+
 def _cases(stage: int) -> dict:
     cases = {cid: {"kind": "match", "stage": stage, "dad": EXACT, **extra} for cid, extra in MATCH[stage].items()}
-    for cid, extra in RANK_CASES[stage].items():
+    for cid, extra in {**RANK_CASES[stage], **FLUSH[stage]}.items():
         cases[cid] = {"kind": "rank", "stage": stage, **extra}
     for cid, (extra, _) in ERRORS[stage].items():
         cases[cid] = {"kind": "error", "stage": stage, "model": "mlp", "dad": EXACT, **extra}
@@ -414,3 +421,19 @@ def test_zoo_under_zero(jobs, stage):
                     if len(shape) == 4 or name.endswith(("in_proj_weight", "out_proj.weight")):
                         assert rep in RANK_REPS + ("exact",), (cid, name, rep)
     assert ran == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_leaving_a_rank_route_flushes_the_residual(jobs, stage):
+    """A weight that leaves its rank route sends its error-feedback residual with that step's
+    reduction by DeepSpeed: the partitions are DeepSpeed's plus the mean residual (the identity with
+    the new residual zero), none is left owed, and the flush step goes dense. Before, the residual
+    stayed in memory, owed and never sent while the weight went by other routes."""
+    (cid,) = FLUSH[stage]
+    for r in result(jobs(stage), cid):
+        assert r["flushed"], r["routes"]
+        assert max(r["identity"]) < 1e-5, r["identity"]
+        last = {name: rep for name, rep, *_ in r["reports"][-1]}
+        assert all(last[name] == "dense" for name in r["flushed"]), last
+        assert r["identical"]

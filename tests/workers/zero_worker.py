@@ -207,8 +207,10 @@ def ef_expected(ref_owned: Dict[str, torch.Tensor], ranges: Dict[str, Tuple[int,
     ``1/S sum_s (e_old_s - e_new_s)`` over this rank's owned elements (every rank-routed weight)."""
     S = dist.get_world_size()
     out = dict(ref_owned)
-    for name in sorted(after):
-        diff = (before.get(name, torch.zeros_like(after[name])) - after[name]).double().reshape(-1)
+    for name in sorted(set(before) | set(after)):  # a weight in before only flushed its residual
+        old = before[name] if name in before else torch.zeros_like(after[name])
+        new = after[name] if name in after else torch.zeros_like(old)
+        diff = (old - new).double().reshape(-1)
         torch.distributed.all_reduce(diff)
         if name in ranges:  # (ZeRO-2: a rank may own nothing of a weight)
             lo, hi = ranges[name]
@@ -228,12 +230,14 @@ def run_rank(case: dict) -> dict:
     att = deepspeed_dad.get_attachment(mine)
     names = [n for n, _ in ref.module.named_parameters()]
     identity, losses, ref_losses, routes, changed, nonfinite, resumed = [], [], [], [], [], {}, {}
+    flushed: list = []  # weights whose residual left with a step's dense reduction
     reports = []  # per step: [name, representation, sent, reduce-scatter bytes, shape] per parameter
 
     def run(engine, step: int, bad: bool = False) -> None:
+        size = case["batch_by_step"][step] if "batch_by_step" in case else micro  # rows may fall
         for m in range(gas):
             seed = 7 + rank if case.get("fixed_batch") else 10_000 * step + 100 * m + rank
-            loss = models.loss_of(name, engine, models.batch(name, micro + rank, seed=seed))
+            loss = models.loss_of(name, engine, models.batch(name, size + rank, seed=seed))
             if bad and rank == 1:
                 loss = loss * float("nan")
             engine.backward(loss)
@@ -262,8 +266,10 @@ def run_rank(case: dict) -> dict:
                                                                   & torch.isfinite(mine_owned[n])).any())],
                          "nonfinite_params": sum(not bool(torch.isfinite(t).all()) for t in mine_owned.values())}
             break
+        after_residuals = dense_residuals(att)
+        flushed += [n for n in before_residuals if n not in after_residuals]  # sent with this step
         if case.get("lr", 0.1) == 0 and gas == 1:
-            expected = ef_expected(ref_owned, ranges, before_residuals, dense_residuals(att))
+            expected = ef_expected(ref_owned, ranges, before_residuals, after_residuals)
             identity.append(max(partition_errors(expected, mine_owned, names).values()))
         ref.step()
         mine.step()
@@ -284,7 +290,7 @@ def run_rank(case: dict) -> dict:
                        "files": sorted(f for f in os.listdir(os.path.join(folder, "resume")) if "dad" in f)}
     b = full_params(mine)
     out = {"identity": identity, "losses": losses, "ref_losses": ref_losses, "routes": routes, "changed": changed,
-           "nonfinite": nonfinite, "reports": reports,
+           "nonfinite": nonfinite, "reports": reports, "flushed": flushed,
            "resumed": resumed, "identical": ranks_agree(torch.cat([b[n].reshape(-1) for n in names])),
            "finite": all(bool(torch.isfinite(b[n]).all()) for n in names),
            "dense_only": [u.name for u in att.units if u.dense_only]}

@@ -44,4 +44,18 @@ def _loss(model: nn.Module, data: dict) -> torch.Tensor:
 FLOOR_WEIGHTS = ("stem.weight", "patch.weight", "cls", "pos")
 KINDS_WITHOUT_CONV = ["linear", "conv1d", "embedding"]
 
-MODELS = {"patch_stem": Model(PatchStem, _batch, _loss)}
+def _wide() -> nn.Module:
+    """Two 64 x 64 Linears on one row per example: a rank-8 route beats exact factors at 8 rows a
+    rank and loses to them at 1 or 2 (a weight that leaves its rank route when rows fall)."""
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+
+def _wide_batch(size: int, g: torch.Generator) -> dict:
+    return {"x": torch.randn(size, 64, generator=g), "y": torch.randn(size, 64, generator=g)}
+
+
+def _wide_loss(model: nn.Module, data: dict) -> torch.Tensor:
+    return nn.functional.mse_loss(model(data["x"]), data["y"])
+
+
+MODELS = {"patch_stem": Model(PatchStem, _batch, _loss), "wide_rows": Model(_wide, _wide_batch, _wide_loss)}
