@@ -94,8 +94,9 @@ def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Uni
         unit.param.dtype, VERIFY_TOLERANCE_LOW_PRECISION)
     rebuilt = local_rebuild(unit, rows, cdt)
     autograd = {p: sink.local_grad(p, cdt) for p in rebuilt}
-    # each tensor's error against its own norm, floored at the unit's whole: a bias whose gradient
-    # is round-off (a conv bias before batch norm, VGG-BN's) must not send its weight dense
+    # each tensor's error against its own norm, floored at tol x the unit's whole norm (so the
+    # error bound is at least tol^2 = 1e-6 of it in fp32): a bias whose gradient is round-off (a conv
+    # bias before batch norm, VGG-BN's) must not send its weight dense
     whole = sum(float(g.norm()) ** 2 for g in autograd.values()) ** 0.5
     for p, mine in rebuilt.items():
         err = float((mine - autograd[p]).norm())

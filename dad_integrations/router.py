@@ -135,7 +135,6 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
     if not unit.has_factors:  # no rows: decided without counts, never a size exchange
         if config.mode == "exact" or not rank_allowed:
             return Route("dense", False)
-        config = dataclasses.replace(config, mode="rank" if config.mode == "rank" else "auto")
     timed = timing if config.objective == "time" else None
 
     def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], size_exchange: bool = False) -> str:

@@ -154,9 +154,6 @@ class ConvCapture(HookedCapture):
         if not any(u.enabled for u in self.uses):
             return
         x = args[0] if args else next(iter(kwargs.values()))
-        nd = len(module.kernel_size)
-        for u in self.uses:  # for the planner: output positions per image of the last call
-            u.positions = math.prod(output.shape[-nd:])
         key = self._calls
         self._calls += 1
         self._pending[key] = x.detach()
@@ -203,8 +200,3 @@ class ConvKind(LayerKind):
         c = ConvCapture(name, module, on_forward)
         return c, dict(c.by_key)
 
-    def planned_rows(self, use, tokens, positions):
-        """``tokens`` images per step times the output positions per image: those of the last
-        captured call where there was one, else ``positions``."""
-        seen = getattr(use, "positions", None)
-        return tokens * (seen if seen else positions)

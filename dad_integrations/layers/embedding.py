@@ -10,7 +10,6 @@ from ..capture import ModuleCapture
 from ..rows import Rows
 from .registry import Claim, LayerKind, register_kind, runs_stock_forward
 
-POSITION_EMBEDDINGS = ("wpe", "position_embeddings")  # names of embeddings indexed by position
 
 
 def embedding_rows(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor) -> Rows:
@@ -42,5 +41,3 @@ class EmbeddingKind(LayerKind):
         c = ModuleCapture(name, module, "embedding", embedding_rows, on_forward)
         return c, {"weight": c}
 
-    def planned_rows(self, use, tokens, positions):
-        return positions if use.name.endswith(POSITION_EMBEDDINGS) else tokens

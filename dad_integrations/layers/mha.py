@@ -256,7 +256,3 @@ class MHAKind(LayerKind):
         c = MHACapture(name, module, on_forward)
         return c, c.by_key
 
-    def planned_rows(self, use, tokens, positions):
-        """Self-attention, the common case: the whole-height call and ``out_proj`` take every token;
-        the slices (cross-attention) none."""
-        return 0 if use.block is not None else tokens

@@ -10,7 +10,6 @@ A kind is one module in this package holding one `LayerKind` subclass, registere
 - ``capture(...)``: the hooks, and the `capture.Use` objects they feed: each use's row layout
   (`rows`), its row block of the weight's matrix view (packed q/k/v, convolution groups), and the
   module whose forward runs it;
-- ``planned_rows(...)``: rows one step gives a use, for the planner.
 
 Byte costs follow from the uses' layouts and blocks (`costs.exact_block_specs`), so the router,
 the cost model and the planner need nothing per kind. A parameter no kind claims (or claimed by
@@ -61,11 +60,6 @@ class LayerKind:
         """Install the hooks on ``module``: ``(capture, uses by key)``. The capture has ``name``,
         ``uses``, ``clear()`` and ``remove()`` (`capture.ModuleCapture`, `capture.HookedCapture`)."""
         raise NotImplementedError
-
-    def planned_rows(self, use: Use, tokens: int, positions: int) -> int:
-        """Rows one step gives ``use``, for the planner, with ``tokens`` rows (tokens or images)
-        per call and ``positions`` positions per sequence: ``tokens`` by default."""
-        return tokens
 
 
 _KINDS: Dict[str, LayerKind] = {}
