@@ -310,11 +310,12 @@ class Exchanger:
         return finish
 
     def _flush_residual(self, unit: FactorUnit, rep: str, sink: GradSink) -> bool:
-        """A unit leaving a rank route: add its error-feedback residual to its local gradient, so
-        that the next dense step sends it (the average then carries the mean residual, what the
-        ranks still owed); returns whether it did. Every rank took the same last route, so every
-        rank flushes alike."""
-        if rep in ("rank", "rank_allreduce") or self.last_route.get(unit.index) not in ("rank", "rank_allreduce"):
+        """A unit off the rank routes with a residual left (it left a rank route; or a skipped step
+        put the residual back, or a checkpoint brought one): add it to the local gradient, so that
+        this dense step sends it (the average then carries the mean residual, what the ranks still
+        owed); returns whether it did. Every rank holds residuals for the same units (they took
+        the same routes), so every rank flushes alike, as `fsdp` and `deepspeed_dad.zero` do."""
+        if rep in ("rank", "rank_allreduce"):
             return False
         residual = self.memory.dense(unit.name) if self.memory.enabled else None
         if residual is None:

@@ -184,6 +184,22 @@ def test_leaving_a_rank_route_flushes_the_residual(time_job):
         assert r["residuals_after"] == 0       # nothing is owed any more
 
 
+def test_residual_put_back_by_a_skipped_step_goes_with_the_next_dense_step(time_job):
+    """The flush step is not finite (a NaN on one rank, skipped as a loss scaler skips it): its
+    residuals are put back, and the next step, dense too, sends them (local gradient + residual,
+    as the all-reduce gives it); nothing is owed after. Before, the residual stayed owed, unsent,
+    because the unit's last route was already dense."""
+    per_rank = result(time_job, "flush-skip")
+    _ranks_agree(per_rank)
+    routes = per_rank[0]["routes"]
+    assert "rank_allreduce" in routes[2] and routes[3] == ["skipped"] and routes[4] == ["dense"], routes
+    for r in per_rank:
+        assert r["kept_after_skip"] > 0
+        assert r["flushed"] == r["kept_after_skip"]
+        assert r["errors"][-1] < 1e-5, r["errors"]
+        assert r["residuals_after"] == 0
+
+
 def test_measured_link_agreed(time_job):
     per_rank = result(time_job, "measured")
     _ranks_agree(per_rank)

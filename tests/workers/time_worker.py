@@ -94,27 +94,40 @@ def run(case: dict) -> dict:
     if case["name"] == "flush-exact":
         return run_flush_to_exact(case)
     model = build(MODEL, seed=0)
-    link = {"fast": FAST, "slow": SLOW, "flush": SLOW, "measured": None}[case["name"]]
+    link = {"fast": FAST, "slow": SLOW, "flush": SLOW, "flush-skip": SLOW, "measured": None}[case["name"]]
+    flushing = case["name"] in ("flush", "flush-skip")
+    # flush-skip: the flush step (3) is not finite (rank 1's loss is NaN, the step skipped as a loss
+    # scaler skips it), so its residuals are put back; the next dense step (4) must send them
+    flush_step = 4 if case["name"] == "flush-skip" else 3
     config = DADConfig(mode="auto", rank=4, objective="time", link=link, route_refresh_steps=3)
     sync = DADSynchronizer(model, TorchDistributedAggregator(), config)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out = {"routes": [], "errors": [], "captured": []}
     for step in range(5):
         data = batch(MODEL, 2, seed=100 * step + dist.get_rank())
-        if case["name"] == "flush" and step == 1:
+        if flushing and step == 1:
             sync.set_link(FAST)  # from the refresh at step 3 on
         ref = None
-        if case["name"] in ("fast", "flush") and step >= 1:
+        skipped = case["name"] == "flush-skip" and step == 3
+        if (case["name"] == "fast" or flushing) and step >= 1 and not skipped:
             residuals = {}
-            if case["name"] == "flush" and step == 3:
+            if flushing and step == flush_step:
                 for name, s in sync.state_dict()["units"].items():
                     if s["residual"] is not None:
                         residuals[name] = s["residual"]
                 out["flushed"] = len(residuals)
-            if case["name"] == "fast" or step == 3:
+            if case["name"] == "fast" or step == flush_step:
                 ref = _reference_grads(model, data, residuals)
-        loss_of(MODEL, model, data).backward()
+        loss = loss_of(MODEL, model, data)
+        if skipped and dist.get_rank() == 1:
+            loss = loss * float("nan")
+        loss.backward()
         sync.synchronize()
+        if skipped:  # skipped as a loss scaler skips it: no optimizer step; residuals still owed
+            out["kept_after_skip"] = sum(s["residual"] is not None for s in sync.state_dict()["units"].values())
+            opt.zero_grad(set_to_none=True)
+            out["routes"].append(["skipped"])
+            continue
         if ref is not None:
             out["errors"].append(max(grad_errors(ref, model).values()))
         report = sync.last_step_report()
@@ -138,7 +151,7 @@ def _gather(case_id: str, mine: dict) -> list:
 def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]
-    cases = {name: {"name": name} for name in ("fast", "slow", "flush", "measured", "flush-exact")}
+    cases = {name: {"name": name} for name in ("fast", "slow", "flush", "flush-skip", "measured", "flush-exact")}
     write_and_exit(out_path, run_all(cases, run, _gather))
 
 
