@@ -295,11 +295,8 @@ def test_counted_rows_of_a_cnn_are_images_times_output_positions():
     assert counted["5.weight"] == [images] and unit_kind(by["5.weight"]) == "linear"
     for name, per_image in positions.items():
         u = by[name]
-        if u.uses:
-            assert unit_kind(u) != "floor"
-            assert counted[name] == [images * per_image] * len(u.uses), (name, counted[name])
-        else:
-            assert unit_kind(u) == "floor" and counted[name] == []
+        assert u.uses and unit_kind(u) == "conv", (name, unit_kind(u))
+        assert counted[name] == [images * per_image] * len(u.uses), (name, counted[name])
     step = steady_state(plan, tokens=0, positions=0, world_size=4, mode="auto", rank=2, rows=counted)
     assert step.total <= step.powersgd
     assert [r.shape for r in step.units if r.name == "2.weight"] == [(16, 4 * 9)]  # the matrix view
@@ -325,7 +322,7 @@ def test_vision_and_speech_presets_count_rows(capsys, preset):
         assert by["classifier.weight"]["rows"] == [batch]
         conv = by["vit.embeddings.patch_embeddings.projection.weight"]
         assert conv["shape"] == [192, 3 * 16 * 16]
-        assert conv["kind"] == "floor" or conv["rows"] == [batch * (224 // 16) ** 2]
+        assert conv["kind"] == "conv" and conv["rows"] == [batch * (224 // 16) ** 2], conv
         assert by["vit.embeddings.position_embeddings"]["kind"] == "floor"
     else:
         assert by["model.encoder.layers.0.fc1.weight"]["rows"] == [batch * 1500]
