@@ -76,7 +76,8 @@ class Runner:
                 ddp.register_comm_hook(pg, default_hooks.fp16_compress_hook)
             elif method == "powersgd":
                 state = powerSGD_hook.PowerSGDState(
-                    process_group=pg, matrix_approximation_rank=opts["rank"], start_powerSGD_iter=2,
+                    process_group=pg, matrix_approximation_rank=opts["rank"],
+                    start_powerSGD_iter=opts.get("powersgd_warmup", 2),
                     use_error_feedback=True, warm_start=True, random_seed=w.seed)
                 ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             else:

@@ -22,11 +22,26 @@ UNCAPTURED_MATRICES = ("rank", "dense")
 # the objective of a config that names none; a job (or a test suite whose assertions are about bytes)
 # can set it for every engine at once without editing configs
 OBJECTIVE_ENV = "DAD_OBJECTIVE"
+# the same for lossless_steps (a suite that checks compressed routes from the first step sets it to 0)
+LOSSLESS_STEPS_ENV = "DAD_LOSSLESS_STEPS"
+DEFAULT_LOSSLESS_STEPS = 10
 
 
 def default_objective() -> str:
     """``$DAD_OBJECTIVE`` where it is set (checked in `DADConfig.validate`), else ``"time"``."""
     return os.environ.get(OBJECTIVE_ENV, "time")
+
+
+def default_lossless_steps() -> Any:
+    """``$DAD_LOSSLESS_STEPS`` where it is set (an integer; anything else is reported by
+    `DADConfig.validate`), else `DEFAULT_LOSSLESS_STEPS`."""
+    value = os.environ.get(LOSSLESS_STEPS_ENV)
+    if value is None:
+        return DEFAULT_LOSSLESS_STEPS
+    try:
+        return int(value)
+    except ValueError:
+        return value
 
 
 def _reject_unknown_keys(cls: type) -> type:
@@ -100,11 +115,12 @@ class DADConfig:
             average), or ``"auto"`` (the default): per weight the fewer bytes, the all-reduce on
             ties (at two sites: it trained better there, see `router`).
         lossless_steps: the first this many synchronised steps take no rank route (auto without
-            a rank: exact factors or dense, whichever is fewer bytes), as PowerSGD's hook
-            all-reduces its first ``start_powerSGD_iter`` steps. 10 kept dAD within 1 % of
-            PowerSGD with a 30-step warm-up at steps 30, 60 and 300 (3 seeds, AdamW and SGD); 0
-            missed by 4.1 % at step 60 (`benchmarks/results/convergence_early_training_2ranks.md`).
-            Default 0 for now; 10 is the recommended value.
+            a rank: exact factors or dense, whichever is cheaper), as PowerSGD's hook all-reduces
+            its first ``start_powerSGD_iter`` steps. Default 10 (``$DAD_LOSSLESS_STEPS`` changes
+            it for configs that do not name it): it kept dAD within 1 % of PowerSGD with a 30-step
+            warm-up at steps 30, 60 and 300 (3 seeds, AdamW and SGD), where 0 missed by 4.1 % at
+            step 60 and 2 by 3.3 % (`benchmarks/results/convergence_early_training_2ranks.md`).
+            It costs 10 dense steps once. Modes ``"rank"`` and ``"auto"`` with a rank only.
         objective: what auto minimises per weight. ``"time"`` (the default; ``$DAD_OBJECTIVE``
             changes it for configs that do not name one): the predicted seconds of each route, its
             local compute (`compute_model`) plus its wire time on the job's link (`link`), so
@@ -135,7 +151,7 @@ class DADConfig:
     bucket_cap_mb: float = 25.0
     verify_first_step: bool = True
     rank_route: str = "auto"
-    lossless_steps: int = 0
+    lossless_steps: int = dataclasses.field(default_factory=default_lossless_steps)
     objective: str = dataclasses.field(default_factory=default_objective)
     link: Optional[Mapping[str, Any]] = None
     route_refresh_steps: int = 200
@@ -158,8 +174,10 @@ class DADConfig:
         if efr is not None and (_not_int(efr) or efr < 1):
             raise ValueError(f"dad config key 'error_feedback_rank': must be a positive integer or None, got {efr!r}")
         if _not_int(self.lossless_steps) or self.lossless_steps < 0:
-            raise ValueError(
-                f"dad config key 'lossless_steps': must be an integer >= 0, got {self.lossless_steps!r}")
+            from_env = os.environ.get(LOSSLESS_STEPS_ENV) == str(self.lossless_steps)
+            source = f" (from ${LOSSLESS_STEPS_ENV})" if from_env else ""
+            raise ValueError(f"dad config key 'lossless_steps': must be an integer >= 0, got "
+                             f"{self.lossless_steps!r}{source}")
         if _not_int(self.power_iterations) or self.power_iterations < 1:
             raise ValueError(
                 f"dad config key 'power_iterations': must be an integer >= 1, got {self.power_iterations!r}")

@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # objective "bytes"; a config that names no objective takes $DAD_OBJECTIVE, here and in every job
 # the tests launch. Tests of objective "time" name it (tests/test_time_routing.py).
 os.environ.setdefault("DAD_OBJECTIVE", "bytes")
+# Likewise the suite checks rank routes, their bytes and error feedback from the first steps of
+# short runs: configs that name no lossless_steps take 0 here, not the default 10
+# (tests/test_config.py checks the default itself).
+os.environ.setdefault("DAD_LOSSLESS_STEPS", "0")
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 

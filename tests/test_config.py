@@ -11,6 +11,24 @@ def test_defaults_are_lossless_auto():
     assert cfg.mode == "auto" and cfg.rank is None
 
 
+def test_lossless_steps_default_and_its_environment_variable(monkeypatch):
+    """10 lossless steps by default (the early-training study); $DAD_LOSSLESS_STEPS sets it for
+    configs that do not name it (this suite sets 0); a bad value is an error naming both."""
+    from dad_integrations.config import DEFAULT_LOSSLESS_STEPS, LOSSLESS_STEPS_ENV
+
+    monkeypatch.delenv(LOSSLESS_STEPS_ENV, raising=False)
+    assert DEFAULT_LOSSLESS_STEPS == 10 and DADConfig().lossless_steps == 10
+    assert DADConfig.from_dict({"mode": "rank", "rank": 2}).lossless_steps == 10
+    monkeypatch.setenv(LOSSLESS_STEPS_ENV, "3")
+    assert DADConfig().lossless_steps == 3 and DADConfig(lossless_steps=0).lossless_steps == 0
+    monkeypatch.setenv(LOSSLESS_STEPS_ENV, "ten")
+    with pytest.raises(ValueError, match=r"lossless_steps.*DAD_LOSSLESS_STEPS"):
+        DADConfig()
+    monkeypatch.setenv(LOSSLESS_STEPS_ENV, "-2")
+    with pytest.raises(ValueError, match=r"lossless_steps.*-2.*DAD_LOSSLESS_STEPS"):
+        DADConfig()
+
+
 def test_round_trip():
     cfg = DADConfig(mode="rank", rank=4, power_iterations=2, warm_start=False, error_feedback=True,
                     adaptive_tolerance=0.9, wire_dtype="bfloat16", layer_kinds=("linear",),

@@ -48,6 +48,7 @@ from dad_integrations.comm_counter import CollectiveCounter
 # Under DeepSpeed (examples/accelerate/deepspeed.yaml) nothing here switches dAD on: DeepSpeed builds
 # its engine inside accelerator.prepare(), and the installed package's import hook attaches dAD
 # to it because ds_config.json holds an enabled "dad" block (README, DeepSpeed section).
+from dad_examples.powersgd_baseline import register_powersgd, warmup_steps
 from dad_examples.text_data import VOCAB_SIZE, stdlib_package_snippets, stdlib_source_bytes
 
 log = logging.getLogger("finetune")
@@ -73,8 +74,8 @@ class RunResult:
         tail = self.losses[-window:]
         timed = self.step_seconds[1:] or self.step_seconds  # the first step pays one-off costs
         sent = sum(self.sent_bytes) / max(len(self.sent_bytes), 1)
-        # the median is the steady state: PowerSGD's hook all-reduces its first two steps, dAD
-        # checks its factors on the first
+        # the median is the steady state: dAD's lossless steps (10 by default) and PowerSGD's as
+        # many warm-up steps all-reduce uncompressed, dAD checks its factors on the first
         steady = sorted(self.sent_bytes)[len(self.sent_bytes) // 2] if self.sent_bytes else 0.0
         return {"final_loss": sum(tail) / len(tail), "sent_bytes_per_step": sent,
                 "steady_sent_bytes_per_step": steady,
@@ -95,7 +96,8 @@ def parse_args() -> argparse.Namespace:
                    help="turn off error feedback (on by default: rank routes keep what they left out "
                         "of each weight for the next step; memory: one gradient per rank-routed weight)")
     p.add_argument("--lossless-steps", type=int, default=None,
-                   help="dAD's first N steps take no rank route (as PowerSGD's hook all-reduces its first 2)")
+                   help="dAD's first N steps take no rank route (default: the config's, 10); PowerSGD's "
+                        "hook all-reduces as many first steps (at least 2)")
     p.add_argument("--objective", choices=("time", "bytes"), default="time",
                    help="what dAD's auto minimises per weight: predicted step time (on the link measured "
                         "on this job's group) or bytes")
@@ -203,7 +205,7 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
     else:
         sync = enable_dad(accelerator, model, dad_config) if dad_config is not None else None  # <- dAD
     if powersgd_rank is not None:
-        _register_powersgd(model, powersgd_rank, args.seed)
+        register_powersgd(model, powersgd_rank, args.seed, args.powersgd_warmup)
     # the hook's collectives go through torch.distributed's Python API, where a counter sees them
     # (DDP's own all-reduce does not: that run is accounted as a ring all-reduce of the gradients)
     counter = CollectiveCounter(torch.distributed) if powersgd_rank is not None else None
@@ -256,19 +258,6 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
         result.link = f"{link['bandwidth']} (stated)" if link else "measured"
     accelerator.free_memory()
     return result
-
-
-def _register_powersgd(model, rank: int, seed: int) -> None:
-    """PyTorch's PowerSGD hook on the prepared DDP model: rank ``rank``, error feedback and warm
-    start, compressing from the second step (its default waits 1000 steps)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-    if not hasattr(model, "register_comm_hook"):
-        raise SystemExit("the PowerSGD baseline needs DDP (a multi-process launch without DeepSpeed)")
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
-                                        random_seed=seed)
-    model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
 def _deepspeed(accelerator: Accelerator) -> bool:
@@ -366,6 +355,7 @@ def main() -> None:
         dad_config["error_feedback"] = False
     if args.lossless_steps is not None:
         dad_config["lossless_steps"] = args.lossless_steps
+    args.powersgd_warmup = warmup_steps(dad_config)  # PowerSGD warms up as long as dAD
     runs = []
     fsdp2 = _fsdp2(accelerator)  # the baseline is FSDP2's reduce-scatter; PowerSGD is a DDP hook
     if not args.no_baseline:

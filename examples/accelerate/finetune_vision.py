@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dad_integrations.accelerate import enable_dad
 from dad_integrations.comm_counter import CollectiveCounter
+from dad_examples.powersgd_baseline import register_powersgd, warmup_steps
 
 log = logging.getLogger("finetune_vision")
 
@@ -183,13 +184,7 @@ def train(name: str, args: argparse.Namespace, accelerator: Accelerator, init_st
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     sync = enable_dad(accelerator, model, dad_config) if dad_config is not None else None  # <- dAD
     if powersgd_rank is not None:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-        # rank r, error feedback and warm start, compressing from the second step (default: 1000)
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank,
-                                            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
-                                            random_seed=args.seed)
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        register_powersgd(model, powersgd_rank, args.seed, args.powersgd_warmup)
     # the hook's collectives go through torch.distributed's Python API, where a counter sees them
     # (DDP's own all-reduce does not: that run is accounted as a ring all-reduce of the gradients)
     counter = CollectiveCounter(torch.distributed) if powersgd_rank is not None else None
@@ -275,6 +270,7 @@ def main() -> None:
     train_set, heldout = digits(args.image_size, args.seed)
     rank = None if args.dad_mode == "exact" or not args.rank else args.rank
     dad_config = {"mode": args.dad_mode, "rank": rank, "objective": args.objective}
+    args.powersgd_warmup = warmup_steps(dad_config)  # PowerSGD warms up as long as dAD
     runs = [train("allreduce", args, accelerator, init_state, train_set, heldout, None)]
     if not args.no_powersgd and args.rank and accelerator.num_processes > 1:
         runs.append(train("powersgd", args, accelerator, init_state, train_set, heldout, None, powersgd_rank=args.rank))
