@@ -135,6 +135,11 @@ class DADConfig:
         route_refresh_steps: under ``objective="time"``, every this many steps the link is measured
             again (where it is not stated), every weight's row counts are exchanged and its route
             is chosen again, identically on every rank.
+        route_trial_steps: under ``objective="time"`` on a measured link, after a refresh that
+            compresses any weight, its routes and then every weight dense each run this many timed
+            steps (plus one to settle, `route_trial`); the refresh's routes are kept only where
+            their median step beats all-dense's, and the difference calibrates the compute model.
+            0 trusts the models without a trial.
     """
 
     mode: str = "auto"
@@ -155,6 +160,7 @@ class DADConfig:
     objective: str = dataclasses.field(default_factory=default_objective)
     link: Optional[Mapping[str, Any]] = None
     route_refresh_steps: int = 200
+    route_trial_steps: int = 5
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
@@ -198,6 +204,9 @@ class DADConfig:
         if _not_int(self.route_refresh_steps) or self.route_refresh_steps < 1:
             raise ValueError("dad config key 'route_refresh_steps': must be an integer >= 1, "
                              f"got {self.route_refresh_steps!r}")
+        if _not_int(self.route_trial_steps) or self.route_trial_steps < 0:
+            raise ValueError("dad config key 'route_trial_steps': must be an integer >= 0, "
+                             f"got {self.route_trial_steps!r}")
         if self.link is not None:
             from .link import LinkModel  # validates and names the bad sub-key
             LinkModel.from_spec(self.link)

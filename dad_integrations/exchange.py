@@ -16,7 +16,9 @@ one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like all-reduce.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -35,7 +37,8 @@ from .layers import Rows, compute_dtype, concat_rows
 from .report import ParamReport, StepReport
 from .router import Route, RowCounts, UnitShape, route
 from .sink import GradSink
-from .link import probe_link
+from .link import agree_max, probe_link
+from .route_trial import RouteTrial
 from .timing import StepTiming, build_timing
 from .units import FactorUnit, SyncPlan
 from .window import StepWindow
@@ -78,6 +81,13 @@ class Exchanger:
         self.timing: Optional[StepTiming] = (
             build_timing(config, {u.shape for u in plan.units}, aggregator, device,
                          dtype=plan.units[0].param.dtype) if plan.units else None)
+        # on a measured link, routes that compress are checked against all-dense on the job's steps
+        self.trial: Optional[RouteTrial] = (
+            RouteTrial(config.route_trial_steps)
+            if self.timing is not None and config.link is None and config.mode == "auto" else None)
+        self.clock: Callable[[], float] = time.perf_counter
+        self._step_start: Optional[Tuple[int, float]] = None  # (step, time) of the last exchange's start
+        self._saved: Dict[int, float] = {}  # unit index -> predicted seconds its route saves (by time)
 
     def refresh_due(self, step: int) -> bool:
         """Whether step ``step`` chooses every route again (objective ``"time"``): every
@@ -89,7 +99,11 @@ class Exchanger:
     def _held_route(self, unit: FactorUnit, step: int, verify: bool) -> Optional[str]:
         """By time, a unit keeps the route of the last refresh until the next (the models may have
         changed in between: routes change together, at a refresh, on every rank)."""
-        if self.timing is None or verify or self.refresh_due(step) or unit.dense_only:
+        if self.timing is None or verify or unit.dense_only:
+            return None
+        if self.trial is not None and self.trial.forces_dense(step):
+            return "dense"  # the all-dense half of a route trial
+        if self.refresh_due(step):
             return None
         held = self.last_route.get(unit.index)
         return None if held == "exact" and unit.rows_unused else held  # exact needs its rows
@@ -121,7 +135,7 @@ class Exchanger:
     def set_link(self, link) -> None:
         """Route by ``link`` (a `link.LinkModel`, the same on every rank) from the next refresh on."""
         if self.timing is not None:
-            self.timing = StepTiming(link, self.timing.compute)
+            self.timing = dataclasses.replace(self.timing, link=link)
 
     def _prepare_refresh(self, next_step: int) -> None:
         """Before a refresh step: measure the link again (where it is not stated) and capture every
@@ -135,9 +149,50 @@ class Exchanger:
                 u.rows_unused = False
                 u.update_capture()
 
+    def _next_refresh(self, step: int) -> int:
+        """The first step after ``step`` that chooses every route again."""
+        following = (step // self.config.route_refresh_steps + 1) * self.config.route_refresh_steps
+        lossless = self.config.lossless_steps
+        return min(following, lossless) if lossless > step else following
+
+    def _time_step(self, step: int) -> None:
+        """A step's exchange starts: the last one's whole iteration is over (a route trial's clock)."""
+        now = self.clock()
+        if self.trial is not None and self._step_start is not None:
+            self.trial.observe(self._step_start[0], now - self._step_start[1])
+        self._step_start = (step, now)
+
+    def _run_trial(self, step: int) -> None:
+        """End of step ``step``: start a route trial after routes were chosen anew, or decide one."""
+        trial = self.trial
+        if trial is None:
+            return
+        if trial.decides_at(step):
+            routes_s, dense_s = agree_max(self.aggregator, trial.medians(), self.device, name="dad.trial.agree")
+            outcome = trial.decide(routes_s, dense_s)
+            self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
+            if outcome.kept:
+                self.last_route.update(trial.routes)
+                for u in self.plan.units:  # exact factors need their rows from the next step on
+                    if trial.routes.get(u.index) == "exact" and u.rows_unused and not u.dense_only:
+                        u.rows_unused = False
+                        u.update_capture()
+            if self.aggregator.rank == 0:
+                log.info("dAD route trial of step %d: %d weights compressed %.1f ms/step, all dense %.1f ms/step "
+                         "(predicted saving %.1f ms): %s; overhead per compressed weight now %.2f ms",
+                         outcome.step, outcome.compressed, routes_s * 1e3, dense_s * 1e3,
+                         outcome.predicted_saving_s * 1e3, "routes kept" if outcome.kept else "all dense",
+                         outcome.overhead_s * 1e3)
+        elif not trial.active and (step == 0 or self.refresh_due(step)):
+            compressed = [u.index for u in self.plan.units if self.last_route.get(u.index, "dense") != "dense"]
+            if compressed and trial.fits(step, self._next_refresh(step)):
+                trial.begin(step, {u.index: self.last_route.get(u.index, "dense") for u in self.plan.units},
+                            sum(self._saved.get(i, 0.0) for i in compressed))
+
     def run(self, window: StepWindow, sink: GradSink, *, step: int, verify: bool, prescale: float,
             postscale: Optional[float]) -> StepReport:
         """Exchange every unit and the dense buckets of one step; returns its report."""
+        self._time_step(step)
         s = self.aggregator.world_size
         scale = prescale * (1.0 / s if postscale is None else postscale)
         report: Dict[str, ParamReport] = {}
@@ -196,6 +251,7 @@ class Exchanger:
         if not keep:  # a skipped step: the residuals it flushed are still owed
             for name, residual in flushed:
                 self.memory.keep(name, residual)
+        self._run_trial(step)
         self._prepare_refresh(step + 1)
         return StepReport(step, s, list(report.values()))
 
@@ -245,6 +301,8 @@ class Exchanger:
                 decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify,
                                  dense_only=unit.dense_only, rows_by_rank=rows_by_rank, step=step,
                                  timing=self.timing, current=self.last_route.get(unit.index))
+        if sticky is None:
+            self._saved[unit.index] = decision.saved_s
         rep = decision.representation
         flush = self._flush_residual(unit, rep, sink)
         self.last_route[unit.index] = rep

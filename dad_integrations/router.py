@@ -86,11 +86,14 @@ class Route:
     """A unit's route this step.
 
     ``representation`` is None when it is decided on this step's row counts (after the size
-    exchange); ``exchange_sizes`` says whether the unit's size exchange runs.
+    exchange); ``exchange_sizes`` says whether the unit's size exchange runs. ``saved_s``: by
+    time, the seconds per step the representation is predicted to save against dense (what a
+    route trial checks, `route_trial`).
     """
 
     representation: Optional[str]
     exchange_sizes: bool
+    saved_s: float = 0.0
 
 
 def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
@@ -137,30 +140,31 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
             return Route("dense", False)
     timed = timing if config.objective == "time" else None
 
-    def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], size_exchange: bool = False) -> str:
+    def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], exchange: bool,
+               size_exchange: bool = False) -> Route:
         est = given if given is not None else unit_estimates(config, unit, rows, world_size, wire_dtype, sharded=sharded)
         if size_exchange:
             est = dict(est, exact=est["exact"] + size_exchange_bytes(len(unit.kinds), world_size))
         if timed is None:
-            return choose(mode, est, rank_allowed=rank_allowed, rank_route=rank_route, ties=ties)
+            return Route(choose(mode, est, rank_allowed=rank_allowed, rank_route=rank_route, ties=ties), exchange)
         seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
                                       world_size=world_size, sharded=sharded, size_exchange=size_exchange)
         best = choose(mode, seconds, rank_allowed=rank_allowed, rank_route=rank_route, ties=est)
         if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
             if choose(mode, {**seconds, current: -1.0}, rank_allowed=rank_allowed, rank_route=rank_route) == current:
-                return current  # still allowed, and not worth a switch
-        return best
+                best = current  # still allowed, and not worth a switch
+        return Route(best, exchange, seconds.get("dense", seconds[best]) - seconds[best])
 
     if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size
-        return Route(decide(config.mode, no_rows, estimates), first_step and unit.has_factors)
+        return decide(config.mode, no_rows, estimates, first_step and unit.has_factors)
     if rows_by_rank is not None:
-        return Route(decide(config.mode, rows_by_rank, estimates), True)
+        return decide(config.mode, rows_by_rank, estimates, True)
     if first_step or refresh or config.mode == "exact" or last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)
-    predicted = decide(config.mode, last_rows, None, size_exchange=True)
-    if predicted != "exact":
-        return Route(predicted, False)  # no counts needed
+    predicted = decide(config.mode, last_rows, None, False, size_exchange=True)
+    if predicted.representation != "exact":
+        return predicted                # no counts needed
     return Route(None, True)            # exact predicted: refresh the counts, decide on them
 
 

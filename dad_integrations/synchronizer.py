@@ -203,6 +203,14 @@ class DADSynchronizer:
         return self._exchanger.timing
 
     @property
+    def route_trials(self) -> list:
+        """The route trials so far (`route_trial.TrialOutcome`: the measured steps on a refresh's
+        routes and all dense, and what was kept); empty where routes are not chosen by time on a
+        measured link."""
+        trial = self._exchanger.trial
+        return list(trial.outcomes) if trial is not None else []
+
+    @property
     def units(self) -> List[FactorUnit]:
         """The weights synchronised through factors, in exchange order."""
         return list(self._plan.units)

@@ -19,11 +19,16 @@ on two CPU cores there is no overlap to count (`benchmarks/README.md`). So dense
 predicted time is its wire time, and since dense is always a candidate, auto's predicted step is
 never slower than all-reduce's.
 
+What the models miss, a real step shows: on a measured link, a refresh that compresses is
+checked against all-dense on the job's own steps, and the difference calibrates
+``StepTiming.overhead_s`` (`route_trial`).
+
 `StepTiming` carries the two models every rank agreed on; `build_timing` measures them (or takes
 the config's stated link) for a synchroniser's units.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Dict, Iterable, Optional, Sequence, Tuple
@@ -47,10 +52,13 @@ SHARDED_COLLECTIVES = {"dense": "all_to_all", "exact": "all_gather", "rank": "al
 
 @dataclass(frozen=True)
 class StepTiming:
-    """The link and compute models every rank agreed on."""
+    """The link and compute models every rank agreed on; ``overhead_s``: seconds per step charged
+    to each non-dense route of a weight on top of the models, calibrated by the job's own steps
+    (`route_trial`)."""
 
     link: LinkModel
     compute: ComputeModel
+    overhead_s: float = 0.0
 
     def route_seconds(self, estimates: Dict[str, float], *, shape: Tuple[int, int], uses: int,
                       rows_by_rank: Sequence[Sequence[int]], world_size: int, sharded: bool = False,
@@ -62,7 +70,8 @@ class StepTiming:
             calls = (1 + int(size_exchange)) if rep == "exact" else 0
             out[rep] = (self.link.seconds(kinds[rep], nbytes, calls)
                         + self.compute.seconds(rep, shape, rows_by_rank=rows_by_rank, world_size=world_size,
-                                               calls=uses))
+                                               calls=uses)
+                        + (self.overhead_s if rep != "dense" else 0.0))
         return out
 
 
@@ -111,6 +120,6 @@ class EngineTiming:
         if self.timing is None:
             return None
         if self.config.link is None and step > self._probed_step and step % self.config.route_refresh_steps == 0:
-            self.timing = StepTiming(probe_link(aggregator, device), self.timing.compute)
+            self.timing = dataclasses.replace(self.timing, link=probe_link(aggregator, device))
             self._probed_step = step
         return self.timing

@@ -218,3 +218,86 @@ def test_leaving_a_rank_route_for_exact_factors(time_job):
     assert routes[4]["0.weight"] == "exact", routes
     for r in per_rank:
         assert max(r["errors"]) < 1e-5, r["errors"]  # step 3: local + residual; step 4: exact
+
+
+def test_trial_all_dense_wins_and_stays(time_job):
+    """The models misjudge the link and compress; the job's own steps say all-dense is faster
+    (the rank routes' collectives made slow): after the trial every weight stays dense, capture off,
+    every gradient the all-reduce's, and the miss is charged to the compressed routes."""
+    per_rank = result(time_job, "trial-dense")
+    _ranks_agree(per_rank)
+    routes = per_rank[0]["routes"]
+    rank_routes = {"rank", "rank_allreduce"}
+    assert all(r and set(r) <= rank_routes for r in routes[:3]), routes  # the refresh's: 0 settles, 1-2 timed
+    assert all(r == ["dense"] for r in routes[3:]), routes                # the dense half, then kept
+    for r in per_rank:
+        (trial,) = r["trials"]
+        assert trial["step"] == 0 and trial["compressed"] > 0 and not trial["kept"]
+        assert trial["routes_s"] > trial["dense_s"] + 0.1                # the slowed P all-reduce
+        assert r["overhead_s"] == trial["overhead_s"] > 0                # calibrated: routes cost more
+        assert max(r["errors"].values()) < 1e-5, r["errors"]
+        assert r["captured"][-1] == 0 and r["residuals_after"] == 0
+    assert per_rank[0]["trials"] == per_rank[1]["trials"]               # agreed medians, one decision
+
+
+def test_trial_keeps_routes_that_measure_faster(time_job):
+    """Dense buckets made slow: the trial's rank routes measure faster, so they come back after
+    the dense half (step 7) and stay; the gradients of the dense half are the all-reduce's."""
+    per_rank = result(time_job, "trial-keep")
+    _ranks_agree(per_rank)
+    routes = per_rank[0]["routes"]
+    assert all(r and set(r) <= {"rank", "rank_allreduce"} for r in routes[:3]), routes
+    assert all(r == ["dense"] for r in routes[3:7]), routes
+    assert all(r == routes[0] for r in routes[7:]), routes  # the refresh's routes, restored
+    for r in per_rank:
+        (trial,) = r["trials"]
+        assert trial["kept"] and trial["dense_s"] > trial["routes_s"] + 0.1
+        assert r["errors"]["4"] < 1e-5 and r["errors"]["5"] < 1e-5, r["errors"]
+
+
+def test_route_trial_phases_and_calibration():
+    """`RouteTrial` as a pure state machine: T timed steps on the routes after a settling step, T
+    all dense after one, the decision at the end of the step after; kept only beyond the margin;
+    the overhead moves by (predicted - measured saving) per compressed weight, never below 0."""
+    from dad_integrations.route_trial import KEEP_MARGIN, RouteTrial
+
+    trial = RouteTrial(steps=3)
+    assert trial.fits(10, 19) and not trial.fits(10, 18) and not RouteTrial(steps=0).fits(0, 1000)
+    trial.begin(10, {0: "rank_allreduce", 1: "dense", 2: "exact"}, predicted_saving_s=0.05)
+    assert [k for k in range(9, 20) if trial.forces_dense(k)] == list(range(14, 19))
+    assert [k for k in range(9, 20) if trial.decides_at(k)] == [18]
+    for k, t in zip(range(10, 19), (9, 0.10, 0.12, 0.11, 7, 0.08, 0.09, 0.07, 0.5)):
+        trial.observe(k, t)
+    assert trial.medians() == (0.11, 0.08)     # steps 11-13 and 15-17: settling and deciding steps left out
+    out = trial.decide(0.11, 0.08)
+    assert not out.kept and not trial.active
+    # predicted to save 50 ms, measured to lose 30: 80 ms unmodelled over 2 compressed weights
+    assert out.compressed == 2 and out.overhead_s == pytest.approx(0.04)
+    trial.begin(50, {0: "rank"}, predicted_saving_s=0.01)
+    kept = trial.decide(0.05, 0.09)             # measured 40 ms faster than predicted: overhead falls
+    assert kept.kept and kept.overhead_s == pytest.approx(0.01)
+    trial.begin(90, {0: "rank"}, predicted_saving_s=0.0)
+    assert not trial.decide(0.1 * (1 - KEEP_MARGIN / 2), 0.1).kept  # inside the margin: dense
+    assert trial.overhead_s == pytest.approx(0.009)  # 1 ms faster than the predicted 0 ms
+    trial.begin(120, {0: "rank"}, predicted_saving_s=0.0)
+    assert trial.decide(0.05, 0.1).overhead_s == 0.0  # never below 0
+
+
+def test_calibrated_overhead_charges_non_dense_routes():
+    """`StepTiming.overhead_s` is added to every route but dense, and `Route.saved_s` reports the
+    chosen route's predicted saving against dense: a slow link's rank route stops paying once the
+    overhead exceeds what it saves."""
+    import dataclasses
+
+    timing = _timing("100mbit")
+    cfg = DADConfig(mode="auto", rank=4, objective="time")
+    decided = route(cfg, SHAPE, world_size=2, wire_dtype=torch.float32, rows_by_rank=[[4096]] * 2, timing=timing)
+    assert decided.representation in ("rank", "rank_allreduce") and decided.saved_s > 0
+    est = unit_estimates(cfg, SHAPE, [[4096]] * 2, 2, torch.float32)
+    plain = timing.route_seconds(est, shape=SHAPE.shape, uses=1, rows_by_rank=[[4096]] * 2, world_size=2)
+    assert decided.saved_s == pytest.approx(plain["dense"] - plain[decided.representation])
+    charged = dataclasses.replace(timing, overhead_s=decided.saved_s * 2)
+    again = charged.route_seconds(est, shape=SHAPE.shape, uses=1, rows_by_rank=[[4096]] * 2, world_size=2)
+    assert again["dense"] == plain["dense"]
+    assert all(again[k] == pytest.approx(plain[k] + decided.saved_s * 2) for k in plain if k != "dense")
+    assert _route(charged) == "dense"

@@ -8,13 +8,16 @@ Cases (each rank trains the small GPT-2 of `models` on its own batches):
   route, and that step's gradient is the all-reduce of the local gradient plus each rank's
   residual.
 - ``measured``: no link stated: measured at attach on this group, every rank routes alike.
+- ``trial-dense``, ``trial-keep``: route trials on a measured link (`run_trial`).
 Every case reports the routes per step and a digest of the final parameters.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+import time
 from typing import Dict
 
 import torch
@@ -90,9 +93,69 @@ def run_flush_to_exact(case: dict) -> dict:
     return out
 
 
+class SlowedAggregator(TorchDistributedAggregator):
+    """Real gloo collectives, one kind made slower (each call sleeps first): what a step costs on a
+    link or device where that kind is slow, whatever the models predicted."""
+
+    def __init__(self, slow_prefixes: tuple, min_numel: int = 0, seconds: float = 0.15):
+        super().__init__()
+        self.slow_prefixes, self.min_numel, self.seconds = slow_prefixes, min_numel, seconds
+
+    def _slow(self, tensor, name) -> None:
+        if name.startswith(self.slow_prefixes) and tensor.numel() >= self.min_numel:
+            time.sleep(self.seconds)
+
+    def _all_reduce(self, tensor, name, op):
+        self._slow(tensor, name)
+        return super()._all_reduce(tensor, name, op)
+
+    def _all_gather(self, tensor, name, first_dims):
+        self._slow(tensor, name)
+        return super()._all_gather(tensor, name, first_dims)
+
+
+def run_trial(case: dict) -> dict:
+    """A measured link that the models misjudge (`set_link` to 1 Mbit/s right after attach, as a
+    noisy probe could), so step 0 routes every weight by a rank route; route trials of 2
+    steps: steps 0-2 on those routes (1, 2 timed), 3-6 all dense (3 flushes the residuals; 4, 5
+    timed; 6 decides), then what measured faster. ``trial-dense``: the rank routes' collectives made
+    0.15 s slower, so all-dense wins and stays; ``trial-keep``: the dense buckets' all-reduce of
+    the weights made slower, so the rank routes come back at step 7."""
+    model = build(MODEL, seed=0)
+    keep = case["name"] == "trial-keep"
+    agg = (SlowedAggregator(("dad.dense.",), min_numel=10_000) if keep
+           else SlowedAggregator(("dad.powersgd.", "dad.rank.")))
+    config = DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0, route_trial_steps=2,
+                       route_refresh_steps=100)
+    sync = DADSynchronizer(model, agg, config)
+    sync.set_link(SLOW)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = {"routes": [], "errors": {}, "captured": []}
+    for step in range(10):
+        data = batch(MODEL, 2, seed=100 * step + dist.get_rank())
+        ref = _reference_grads(model, data, {}) if step in (4, 5, 8) else None
+        loss_of(MODEL, model, data).backward()
+        sync.synchronize()
+        if ref is not None:
+            out["errors"][step] = max(grad_errors(ref, model).values())
+        report = sync.last_step_report()
+        out["routes"].append(sorted({p.representation for p in report.params if p.shape and len(p.shape) == 2}))
+        out["captured"].append(sum(c.enabled for c in sync._plan.captures))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["trials"] = [dataclasses.asdict(t) for t in sync.route_trials]
+    out["overhead_s"] = sync.timing.overhead_s
+    out["digest"] = _digest(model)
+    out["residuals_after"] = sum(s["residual"] is not None for s in sync.state_dict()["units"].values())
+    sync.close()
+    return out
+
+
 def run(case: dict) -> dict:
     if case["name"] == "flush-exact":
         return run_flush_to_exact(case)
+    if case["name"].startswith("trial-"):
+        return run_trial(case)
     model = build(MODEL, seed=0)
     link = {"fast": FAST, "slow": SLOW, "flush": SLOW, "flush-skip": SLOW, "measured": None}[case["name"]]
     flushing = case["name"] in ("flush", "flush-skip")
@@ -151,7 +214,8 @@ def _gather(case_id: str, mine: dict) -> list:
 def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]
-    cases = {name: {"name": name} for name in ("fast", "slow", "flush", "flush-skip", "measured", "flush-exact")}
+    cases = {name: {"name": name} for name in ("fast", "slow", "flush", "flush-skip", "measured", "flush-exact",
+                                               "trial-dense", "trial-keep")}
     write_and_exit(out_path, run_all(cases, run, _gather))
 
 
