@@ -42,6 +42,7 @@ from benchmarks import net_shaping
 from benchmarks._ranks import METHODS, dad_config
 from benchmarks.workload import Workload, fmt_bytes
 from dad_examples.powersgd_baseline import warmup_steps
+from dad_integrations import DADConfig
 
 NETS = ("loopback", "10gbit", "1gbit", "100mbit")
 SHAPED = NETS[1:]
@@ -50,10 +51,11 @@ KEYS = ("method", "bytes_per_step", "step_s_loopback", "step_s_10gbit", "step_s_
         "compute_overhead_s", "peak_mem_mb", "final_loss")
 
 PRESETS = {
-    # ~3-4 minutes on 2 shared CPU cores
-    "quick": dict(n_embd=256, n_layer=2, n_head=4, seq=64, batch=4, steps=30, shaped_steps=20,
-                  local_steps=30, nocomm_steps=30, mem_steps=3, warmup=2, rounds=30, rank=4),
-    "default": dict(n_embd=256, n_layer=4, n_head=4, seq=128, batch=4, steps=80, shaped_steps=24,
+    # ~8-9 minutes on 2 shared CPU cores (the shaped links run 32 steps: 10 lossless, a route
+    # trial of 13, then 9 timed)
+    "quick": dict(n_embd=256, n_layer=2, n_head=4, seq=64, batch=4, steps=40, shaped_steps=32,
+                  local_steps=40, nocomm_steps=40, mem_steps=3, warmup=2, rounds=40, rank=4),
+    "default": dict(n_embd=256, n_layer=4, n_head=4, seq=128, batch=4, steps=80, shaped_steps=40,
                     local_steps=80, nocomm_steps=80, mem_steps=3, warmup=3, rounds=80, rank=4),
     # seconds: for tests
     "smoke": dict(n_embd=32, n_layer=1, n_head=2, seq=16, batch=2, steps=4, shaped_steps=3,
@@ -127,7 +129,8 @@ def _phase_spec(args, net: str, out_file: str) -> dict:
                  lr=args.lr, seed=args.seed)
     # PowerSGD warms up as long as dAD's lossless steps (the config's default, 10); medians and
     # byte means start after both (`warm_steps`)
-    powersgd_warmup = warmup_steps(dad_config("dad-auto", s["rank"], not args.dad_no_error_feedback))
+    auto = DADConfig.from_dict(dad_config("dad-auto", s["rank"], not args.dad_no_error_feedback))
+    powersgd_warmup = warmup_steps(auto.to_dict())
     return {"net": net, "out": out_file, "methods": args.methods, "workload": asdict(w),
             "namespace": shaped or args.namespace_ok,
             "opts": {"rank": s["rank"], "dad_error_feedback": not args.dad_no_error_feedback,
@@ -136,15 +139,16 @@ def _phase_spec(args, net: str, out_file: str) -> dict:
             "local_steps": min(s["local_steps"], s["shaped_steps"]) if shaped else s["local_steps"],
             "nocomm_steps": 0 if shaped else s["nocomm_steps"],
             "mem_steps": 0 if shaped else s["mem_steps"],
-            "warmup": warm_steps(s["warmup"], powersgd_warmup), "rounds": min(s["rounds"], s["shaped_steps"]) if shaped else s["rounds"],
+            "warmup": warm_steps(s["warmup"], powersgd_warmup, auto.route_trial_steps), "rounds": min(s["rounds"], s["shaped_steps"]) if shaped else s["rounds"],
             "timeout_s": args.phase_timeout}
 
 
-def warm_steps(warmup: int, lossless: int) -> int:
+def warm_steps(warmup: int, lossless: int, trial: int) -> int:
     """Steps left out of the step-time medians and byte means: the preset's ``warmup`` (one-off
-    costs, dAD's checked first step) or the lossless / uncompressed warm-up and its first
-    compressed step (PowerSGD builds its state there), whichever is longer."""
-    return max(warmup, lossless + 1)
+    costs, dAD's checked first step), or the lossless / uncompressed warm-up and its first
+    compressed step (PowerSGD builds its state there), or dad-auto's route trial after the
+    lossless steps (``2 trial + 3`` steps: `dad_integrations.route_trial`), whichever is longest."""
+    return max(warmup, lossless + 1, lossless + 2 * trial + 3 if trial else 0)
 
 
 def run_phase(args, net: str, workdir: str) -> dict:
