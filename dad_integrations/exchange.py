@@ -231,7 +231,11 @@ class Exchanger:
             previous.append(self._send_rank_bucket(bucket, window, sink, scale))
         if shared.items:
             previous.append(self.rank_allreduce.start(shared.take(), self.aggregator, sink, scale, self._note))
-        dense.send()  # every unit is routed: the last units' bucket need not wait for backward's end
+        if not self.plan.dense:
+            dense.send()  # every unit is routed: the last units' bucket need not wait for backward's end
+        # else the always-dense parameters (norms, biases of dense layers) join it when backward
+        # ends, which follows the last unit closely: one collective fewer (a gloo call's latency,
+        # 0.5-2.5 ms here) instead of a small bucket of their own
         for f in previous:
             f()
         window.flush.wait()  # backward is over: every dense gradient is final
