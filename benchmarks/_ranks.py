@@ -24,7 +24,7 @@ from benchmarks.workload import (NullAggregator, Workload, build_model, current_
 from dad_integrations.comm_counter import CollectiveCounter
 
 DDP_METHODS = ("allreduce", "fp16", "powersgd", "atomo")
-DAD_METHODS = ("dad-exact", "dad-rank", "dad-auto", "dad-auto-bytes")
+DAD_METHODS = ("dad-exact", "dad-rank", "dad-auto", "dad-auto-fp16", "dad-auto-bytes")
 METHODS = DDP_METHODS + DAD_METHODS
 EVAL_BATCHES = 4
 DDP_BUCKET_MB = 25
@@ -33,15 +33,19 @@ DDP_BUCKET_MB = 25
 def dad_config(method: str, rank: int, error_feedback: bool, link: Optional[dict] = None) -> dict:
     """The method's config: the mode and rank, every other key at the config's defaults (error
     feedback on, objective "time" for dad-auto), except error feedback where
-    ``--dad-no-error-feedback`` turns it off; dad-auto-bytes is auto by bytes. ``link`` states
-    dad-auto's link (its communication-free variant routes by the real run's measured one)."""
+    ``--dad-no-error-feedback`` turns it off; dad-auto-fp16 is dad-auto with fp16 on the wire (what
+    a user who accepts fp16 compression sets: ``wire_dtype``); dad-auto-bytes is auto by bytes.
+    ``link`` states dad-auto's link (its communication-free variant routes by the real run's
+    measured one)."""
     if method == "dad-exact":
         return {"mode": "exact"}
     extra = {} if error_feedback else {"error_feedback": False}
-    if method == "dad-auto":
+    if method in ("dad-auto", "dad-auto-fp16"):
         extra["objective"] = "time"
         if link is not None:
             extra["link"] = link
+        if method == "dad-auto-fp16":
+            extra["wire_dtype"] = "float16"
     else:
         extra["objective"] = "bytes"
     return {"mode": "rank" if method == "dad-rank" else "auto", "rank": rank, **extra}
