@@ -71,8 +71,8 @@ class RunResult:
     def summary(self) -> Dict[str, float]:
         timed = self.step_seconds[1:] or self.step_seconds  # the first step pays one-off costs
         sent = sum(self.sent_bytes) / max(len(self.sent_bytes), 1)
-        # the median is the steady state: PowerSGD's hook all-reduces its first two steps, dAD
-        # checks its factors on the first
+        # the median is the steady state: dAD's lossless steps (10 by default) and PowerSGD's as
+        # many warm-up steps all-reduce uncompressed, dAD checks its factors on the first
         steady = sorted(self.sent_bytes)[len(self.sent_bytes) // 2] if self.sent_bytes else 0.0
         return {"heldout_loss": self.heldout_loss, "heldout_accuracy": self.heldout_accuracy,
                 "sent_bytes_per_step": sent, "steady_sent_bytes_per_step": steady,
