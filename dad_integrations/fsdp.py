@@ -315,7 +315,7 @@ class FSDPDADSynchronizer:
             if decision.representation in RANK_ROUTES:
                 ranked.append(self.rank_codec.local(unit, rows[unit.index], sink.local_grad, decision.representation))
                 continue  # exchanged together below; biases stay on FSDP's reduce-scatter
-            if self._flush_residual(unit, sink):
+            if self._flush_residual(unit, sink, agg, report):
                 continue  # its residual rides FSDP's reduce-scatter this step
             if decision.representation != "exact":
                 continue  # FSDP's reduce-scatter moves no more bytes
@@ -334,17 +334,17 @@ class FSDPDADSynchronizer:
             self._rank_routes(ranked, sink, agg, scale, report, covered)
         self._dense([s for s in slots if id(s.param) not in covered], sink, group, op, report)
 
-    def _flush_residual(self, unit: FactorUnit, sink: ShardSink) -> bool:
+    def _flush_residual(self, unit: FactorUnit, sink: ShardSink, agg: TorchDistributedAggregator,
+                        report: ShardedStepReport) -> bool:
         """A weight off the rank routes with an error-feedback residual left (its route changed:
         rows fell, or objective "time" chose again): add the residual to its local gradient in
         FSDP's reduce-scatter input, which then carries the mean residual, what the ranks still owed.
         Every rank holds a residual for the same weights (they took the same routes)."""
-        memory = self.rank_codec.memory if self.rank_codec is not None else None
-        residual = memory.dense(unit.name) if memory is not None and memory.enabled else None
+        residual = self.rank_codec.flush(unit.name) if self.rank_codec is not None else None
         if residual is None:
             return False
         sink.add_local(unit.param, residual)
-        memory.residuals.pop(unit.name)
+        self._queue_rank_end(agg, report)  # put back if the step turns out not finite
         return True
 
     def _rank_routes(self, items: List[RankItem], sink: ShardSink, agg: TorchDistributedAggregator, scale: float,
@@ -362,6 +362,10 @@ class FSDPDADSynchronizer:
             entry.components, entry.method = result.components, item.method
             entry.add_traffic(result.traffic)
             report.params.append(entry)
+        self._queue_rank_end(agg, report)
+
+    def _queue_rank_end(self, agg: TorchDistributedAggregator, report: ShardedStepReport) -> None:
+        """Once per step: agree on its finiteness when backward is over (`_end_rank_step`)."""
         if not self._rank_end_queued:
             self._rank_end_queued = True
             end = functools.partial(self._end_rank_step, agg, report)

@@ -334,12 +334,13 @@ class ZeroDAD(RankStateCheckpoints):
         gradient, which DeepSpeed's own reduction then averages, so that the average carries the
         mean residual, what the ranks still owed (`fsdp.FSDPDADSynchronizer._flush_residual`'s rule). Every
         rank took the same routes, so every rank holds a residual for the same weights."""
-        memory = self._rank.memory if self._rank is not None else None
-        residual = memory.dense(unit.name) if memory is not None and memory.enabled else None
+        residual = self._rank.flush(unit.name) if self._rank is not None else None
         if residual is None:
             return False
+        # the step's finiteness decides whether the flushed residual was sent or is owed again
+        self._rank_in_step = True
+        self._rank.note_local(local)
         local.add_(residual.reshape(-1).to(local.dtype))
-        memory.residuals.pop(unit.name)
         return True
 
     def _estimates(self, it: PartitionItem, itemsize: int, wire: torch.dtype, exact: bool = True
@@ -415,7 +416,7 @@ class ZeroDAD(RankStateCheckpoints):
         return out
 
     def _end_rank_step(self) -> None:
-        """After a backward whose reductions took rank routes: keep its residuals and warm starts
+        """After a backward whose reductions took rank routes (or flushed a residual): keep its residuals and warm starts
         if every rank's local gradients were finite (one all-reduce of one number), else keep the
         backward before's, on every rank alike (a step a loss scaler skips leaves no trace)."""
         if self._rank is None or not self._rank_in_step:

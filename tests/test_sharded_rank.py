@@ -306,3 +306,32 @@ def test_a_non_finite_step_leaves_residuals_and_warm_starts_untouched(route, ef_
         assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])     # step 1 left no trace
         assert any(not torch.equal(states[1][k], states[2][k]) for k in states[1])  # step 2 moved on
 
+
+
+@pytest.mark.parametrize("ef_rank", [None, 2])
+def test_a_flushed_residual_is_owed_again_after_a_non_finite_step(ef_rank):
+    """FSDP2 and ZeRO add the residual of a weight leaving the rank routes to that step's dense
+    reduction (`ShardedRankCodec.flush`); a step that is not finite sends nothing, so `end_step`'s
+    verdict (here `commit`) puts the residual back, as does a step that never ended (the next
+    `start_step`); a finite step leaves it sent, owed no more."""
+    codec = ShardedRankCodec(DADConfig(mode="rank", rank=2, error_feedback_rank=ef_rank), None)
+    residual = codec.memory.pack("w", torch.randn(6, 4, dtype=F64))
+    expected = None
+    for verdict in ("not finite", "never ended", "finite"):
+        codec.memory.keep("w", residual)
+        expected = codec.memory.dense("w").clone()
+        codec.start_step()
+        assert torch.equal(codec.flush("w"), expected)
+        assert codec.memory.dense("w") is None and codec.flush("w") is None  # flushed once
+        if verdict == "not finite":
+            codec.commit(keep=False)
+            assert torch.equal(codec.memory.dense("w"), expected)
+            codec.memory.residuals.pop("w")
+        elif verdict == "never ended":
+            codec.start_step()
+            assert torch.equal(codec.memory.dense("w"), expected)
+            codec.memory.residuals.pop("w")
+        else:
+            codec.commit(keep=True)
+            codec.start_step()
+            assert codec.memory.dense("w") is None
