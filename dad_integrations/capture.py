@@ -48,8 +48,10 @@ class Use:
         self.pairs: List[Rows] = []
 
     def param(self) -> torch.Tensor:
-        """The weight this use adds to, as the module holds it now."""
-        return resolve(self.module, self.attr)
+        """The weight this use adds to, as the module holds it now (read at every captured forward:
+        a plain attribute without `resolve`'s split)."""
+        attr = self.attr
+        return resolve(self.module, attr) if "." in attr else getattr(self.module, attr)
 
     def take(self) -> List[Rows]:
         """The window's pairs; clears them."""

@@ -17,7 +17,7 @@ into rows ``offset : offset + height``.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -51,7 +51,8 @@ def compute_dtype(p: torch.Tensor) -> torch.dtype:
 def concat_rows(pairs: Sequence[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter,
                 block: Block = None) -> Rows:
     """One (left, right) block per use: all calls' rows, in call order of arrival. ``shape`` is
-    the weight's matrix view; ``block`` the use's row block (its empty left has its height)."""
+    the weight's matrix view; ``block`` the use's row block (its empty left has its height; the
+    empty rows of no calls are made once and shared)."""
     if len(pairs) == 1:  # one call: no copy (the rows are only read from here on)
         return pairs[0][0].contiguous(), pairs[0][1].contiguous()
     if pairs:
@@ -59,10 +60,16 @@ def concat_rows(pairs: Sequence[Rows], kind: str, shape: Tuple[int, int], p: nn.
     m, n = shape[0], matrix_shape(shape)[1]
     if block is not None:
         m = block[1]
-    if kind == "embedding":
-        return (torch.zeros(0, dtype=torch.int64, device=p.device),
-                torch.zeros(0, n, dtype=p.dtype, device=p.device))
-    return torch.zeros(0, m, dtype=p.dtype, device=p.device), torch.zeros(0, n, dtype=p.dtype, device=p.device)
+    key = (kind == "embedding", m, n, p.dtype, p.device)
+    empty = _EMPTY.get(key)
+    if empty is None:  # made once: a use whose rows go uncaptured asks every step (they hold no data)
+        left = (torch.zeros(0, dtype=torch.int64, device=p.device) if key[0]
+                else torch.zeros(0, m, dtype=p.dtype, device=p.device))
+        empty = _EMPTY[key] = (left, torch.zeros(0, n, dtype=p.dtype, device=p.device))
+    return empty
+
+
+_EMPTY: Dict[tuple, Rows] = {}  # concat_rows' rows of no calls, by (embedding?, m, n, dtype, device)
 
 
 def add_bias_grad(kind: str, grad: torch.Tensor, rows: Rows, block: Block = None) -> None:

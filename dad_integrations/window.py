@@ -115,26 +115,27 @@ class StepWindow:
 
     def after_accumulate(self, p: torch.Tensor, unit: FactorUnit) -> None:
         """Backward has added to ``p.grad``: mark it, and the unit's rows so far."""
-        self.note_accumulated(p)
-        self._set_mark(id(p), grad_mark(p.grad))
+        self._set_mark(id(p), self.note_accumulated(p))
         task, counts, before = self._pair_marks.get(unit.index, (None, None, None))
         now = _graph_task()
         if task != now:  # the first of the unit's parameters in this backward
             before = counts
         self._pair_marks[unit.index] = (now, [len(c.pairs) for c in unit.uses], before)
 
-    def note_accumulated(self, p: torch.Tensor) -> None:
+    def note_accumulated(self, p: torch.Tensor) -> Optional[GradMark]:
         """Backward has just added into ``p.grad`` (any synchronised parameter). In place, that
         bumped the version counter ``p.grad`` shares with the other views of its base: a mark
-        in that storage that was current just before moves on with it."""
+        in that storage that was current just before moves on with it. Returns ``p.grad``'s
+        mark (`after_accumulate` sets it: read once)."""
         mark = grad_mark(p.grad)
         if mark is None:
-            return
+            return None
         storage, _, version = mark
         for key in self._marked_in.get(storage, ()):
             m = self._marks[key]
             if key != id(p) and m is not None and m[2] == version - 1:
                 self._marks[key] = (m[0], m[1], version)
+        return mark
 
     def _set_mark(self, key: int, mark: Optional[GradMark]) -> None:
         old = self._marks.get(key)

@@ -25,7 +25,7 @@ wire, in place in the compensated gradient where that is this codec's own copy.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from ..units import FactorUnit
 from .rank import WarmStart, _cat, residual_of
 
 Item = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport]  # unit, M_s, Q, report entry
+Queued = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport, torch.Tensor]  # ... and M_s Q
 Note = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -67,9 +68,10 @@ class SharedPowerIteration:
         self.traffic = [Traffic() for _ in self.grads]  # each weight's share of every round
         self._p: Optional[CommHandle] = None
 
-    def start(self, qs: Sequence[torch.Tensor]) -> None:
-        """The first round's P all-reduce, from ``qs`` (n x r each, the same on every rank)."""
-        self._p = self._p_round(qs)
+    def start(self, qs: Sequence[torch.Tensor], ps: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+        """The first round's P all-reduce, from ``qs`` (n x r each, the same on every rank); ``ps``
+        holds each weight's ``M_s Q`` where already computed (None: computed here)."""
+        self._p = self._p_round(qs, ps)
 
     def finish(self, before_last_wait: Optional[Callable[[List[torch.Tensor], List[torch.Tensor]], None]] = None
                ) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
@@ -95,9 +97,12 @@ class SharedPowerIteration:
                 self._p = self._p_round(q_alls)
         return bases, q_locals, q_alls
 
-    def _p_round(self, qs: Sequence[torch.Tensor]) -> CommHandle:
+    def _p_round(self, qs: Sequence[torch.Tensor], done: Optional[Sequence[Optional[torch.Tensor]]] = None
+                 ) -> CommHandle:
+        done = done or [None] * len(qs)
         flat, ps = self._products([(g.shape[0], r) for g, r in zip(self.grads, self.rank)],
-                                  [lambda out, g=g, q=q: g.mm(q, out=out) for g, q in zip(self.grads, qs)])
+                                  [(lambda out, g=g, q=q: g.mm(q, out=out)) if p is None else (lambda out, p=p: p)
+                                   for g, q, p in zip(self.grads, qs, done)])
         return self._all_reduce(flat.to(self.wire), "p", [p.numel() for p in ps])
 
     def _products(self, shapes: Sequence[Tuple[int, int]], products: Sequence[Callable]
@@ -109,11 +114,10 @@ class SharedPowerIteration:
         views, offset = [], 0
         for (a, b), product, dtype in zip(shapes, products, self.dtypes):
             view = flat[offset:offset + a * b].view(a, b)
-            if dtype == flat.dtype:
-                views.append(product(view))
-            else:  # a weight of another compute dtype in the bucket: its product, then a copy
-                views.append(product(None))
-                view.copy_(views[-1])
+            result = product(view) if dtype == flat.dtype else product(None)
+            if result is not view:  # computed before, or of another compute dtype than the buffer's
+                view.copy_(result)
+            views.append(result)
             offset += a * b
         return flat, views
 
@@ -161,16 +165,19 @@ class RankAllReduceCodec:
             self._owned.add(unit.name)
         return LocalGradient(dense=compensated)
 
-    def start(self, items: List[Item], aggregator: FactorAggregator, sink: GradSink, scale: float,
-              note: Note) -> Callable[[], None]:
-        """All-reduce the P's of ``items``; the returned finish does the remaining rounds (Q, and
-        P and Q again per further power iteration) and writes the results."""
+    def start(self, items: Sequence[Union[Item, Queued]], aggregator: FactorAggregator, sink: GradSink,
+              scale: float, note: Note) -> Callable[[], None]:
+        """All-reduce the P's of ``items`` (those from `AllReduceBucket` bring their ``M_s Q``);
+        the returned finish does the remaining rounds (Q, and P and Q again per further power
+        iteration) and writes the results."""
+        done = [it[4] if len(it) > 4 else None for it in items]
+        items = [it[:4] for it in items]
         wire = self.wire_dtype or items[0][0].param.dtype
         rounds = SharedPowerIteration([m_s for _, m_s, _, _ in items],
                                       [compute_dtype(u.param) for u, _, _, _ in items],
                                       [q.shape[1] for _, _, q, _ in items], aggregator, wire,
                                       f"dad.powersgd.{items[0][0].name}", rank_allreduce_rounds(self.config), note)
-        rounds.start([q for _, _, q, _ in items])
+        rounds.start([q for _, _, q, _ in items], done)
         residuals: list = [None] * len(items)
 
         def residual(bases: List[torch.Tensor], q_locals: List[torch.Tensor]) -> None:
@@ -215,22 +222,26 @@ class RankAllReduceCodec:
 
 
 class AllReduceBucket:
-    """Consecutive units of this route, waiting to share one P and one Q all-reduce per round."""
+    """Consecutive units of this route, waiting to share one P and one Q all-reduce per round.
+
+    Each unit's first product ``M_s Q`` is computed as it joins: while backward still runs,
+    not after the bucket's last unit, when the step waits for the all-reduce (the same product
+    and bits, `SharedPowerIteration.start`)."""
 
     def __init__(self, cap_bytes: float):
         self.cap_bytes = cap_bytes
-        self.items: List[Item] = []
+        self.items: List[Queued] = []
         self._bytes = 0
 
     def add(self, item: Item) -> None:
-        unit = item[0]
+        unit, m_s, q, _ = item
         m, n = unit.shape
-        self.items.append(item)
-        self._bytes += item[2].shape[1] * (m + n) * unit.param.element_size()
+        self.items.append(tuple(item) + (m_s.mm(q),))
+        self._bytes += q.shape[1] * (m + n) * unit.param.element_size()
 
     def full(self) -> bool:
         return self._bytes >= self.cap_bytes
 
-    def take(self) -> List[Item]:
+    def take(self) -> List[Queued]:
         items, self.items, self._bytes = self.items, [], 0
         return items
