@@ -64,7 +64,7 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
     no exact factors."""
     m, n = shape
     s = world_size
-    gb = torch.empty((), dtype=wire_dtype if wire_dtype is not None else grad_dtype).element_size()
+    gb = (wire_dtype if wire_dtype is not None else grad_dtype).itemsize
     dense = ring_allreduce_bytes((m * n + bias_numel) * gb, s)
     out = {"dense": dense}
     if kinds:
@@ -99,7 +99,7 @@ def sharded_exact_bytes(kinds: Sequence[str], shape: Tuple[int, int], rows_by_ra
     if "embedding" in kinds:  # whole factors, all-gathered
         return (s - 1) * max(packed_size(exact_block_specs(kinds, shape, r, wire_dtype)) for r in rows_by_rank)
     m, n = shape
-    w = torch.empty((), dtype=wire_dtype).element_size()
+    w = wire_dtype.itemsize
     longest = sum(max(r[u] for r in rows_by_rank) for u in range(len(kinds)))
     return (s - 1) * longest * (n + -(-m // s)) * w
 
@@ -124,7 +124,7 @@ def sharded_rank_bytes(shape: Tuple[int, int], rank: int, wire_dtype: torch.dtyp
     rank's ``c = ceil(m/S)`` rows of every ``P_s`` by all-to-all, ``(S-1) c r``."""
     m, n = shape
     s, r = world_size, min(rank, m, n)
-    w = torch.empty((), dtype=wire_dtype).element_size()
+    w = wire_dtype.itemsize
     return (s - 1) * r * (n + -(-m // s)) * w
 
 
@@ -133,7 +133,7 @@ def sharded_rank_allreduce_bytes(shape: Tuple[int, int], rank: int, wire_dtype: 
     """Bytes one rank sends in `codecs.sharded_rank`'s all-reduce route for one weight: PowerSGD's
     ``P`` (m x r) and ``Q`` (n x r) all-reduced whole, ``2 (S-1)/S r (m+n)``, as without sharding."""
     m, n = shape
-    w = torch.empty((), dtype=wire_dtype).element_size()
+    w = wire_dtype.itemsize
     return ring_allreduce_bytes(min(rank, m, n) * (m + n) * w, world_size)
 
 
@@ -147,7 +147,7 @@ def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows
     Several biases are counted as one of ``bias_numel`` (their padding may differ by a row each).
     A unit without uses, or with row ``blocks`` on a use other than ``linear`` (`sharded_exact_covers`),
     has no ``"exact"`` here."""
-    gb = torch.empty((), dtype=grad_dtype).element_size()
+    gb = grad_dtype.itemsize
     wire = wire_dtype or grad_dtype
     bias = reduce_scatter_bytes((bias_numel,), world_size, gb) if bias_numel else 0.0
     out = {"dense": reduce_scatter_bytes(shape, world_size, gb) + bias}

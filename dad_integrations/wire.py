@@ -18,7 +18,7 @@ def _nbytes(spec: BlockSpec) -> int:
     n = 1
     for d in shape:
         n *= d
-    size = n * torch.empty((), dtype=dtype).element_size()
+    size = n * dtype.itemsize
     return -(-size // ALIGN) * ALIGN
 
 
@@ -56,7 +56,7 @@ def unpack(buffer: torch.Tensor, specs: Sequence[BlockSpec]) -> List[torch.Tenso
     out, offset = [], 0
     for dtype, shape in specs:
         size = _nbytes((dtype, shape))
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         n = 1
         for d in shape:
             n *= d

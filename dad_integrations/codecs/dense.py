@@ -71,7 +71,7 @@ class DenseBuckets:
         self.aggregator, self.sink, self.account = aggregator, sink, account
         self.dtype, self.prescale = dtype, prescale
         self.postscale = 1.0 / aggregator.world_size if postscale is None else postscale
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.itemsize = dtype.itemsize
         self.cap = bucket_cap_mb * 2 ** 20
         self.first_cap = self.cap if first_bucket_mb is None else min(self.cap, first_bucket_mb * 2 ** 20)
         self.early = early
