@@ -125,7 +125,8 @@ class DADConfig:
             changes it for configs that do not name one): the predicted seconds of each route, its
             local compute (`compute_model`) plus its wire time on the job's link (`link`), so
             that on a fast link weights go dense (and stop being captured) and the predicted step
-            is never slower than all-reduce's. ``"bytes"``: the fewest bytes, with the guarantee
+            is never slower than all-reduce's; on a measured link a route trial checks that on
+            the job's own steps (``route_trial_steps``). ``"bytes"``: the fewest bytes, with the guarantee
             of never sending more than PyTorch's PowerSGD hook at rank ``rank``.
         link: the link model for ``objective="time"``: None measures it on the job's own group at
             attach (and again every ``route_refresh_steps``); a dict states it, for planning and
