@@ -63,6 +63,10 @@ REPRESENTATIONS = ("dense", "exact", "rank_allreduce", "rank")
 RANK_ROUTES = {"allgather": ("rank",), "allreduce": ("rank_allreduce",), "auto": ("rank", "rank_allreduce")}
 RowCounts = Sequence[Sequence[int]]           # by rank, by use
 SWITCH_MARGIN = 0.25  # by time, a unit changes route only for a predicted gain above this share
+# by time, routes predicted within this share of the fastest tie, and ties go by REPRESENTATIONS'
+# order: a difference that small is the compute model's noise (rank-dAD's all-gather and PowerSGD's
+# all-reduce tie in bytes at two sites; their measured compute would otherwise pick one at random)
+TIE_BAND = 0.05
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,9 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
                                       world_size=world_size, sharded=sharded, size_exchange=size_exchange)
         best = choose(mode, seconds, rank_allowed=rank_allowed, rank_route=rank_route, ties=est)
+        if mode == "auto":
+            tied = {k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]}
+            best = choose(mode, tied, rank_allowed=rank_allowed, rank_route=rank_route)
         if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
             if choose(mode, {**seconds, current: -1.0}, rank_allowed=rank_allowed, rank_route=rank_route) == current:
                 best = current  # still allowed, and not worth a switch

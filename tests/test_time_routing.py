@@ -301,3 +301,18 @@ def test_calibrated_overhead_charges_non_dense_routes():
     assert again["dense"] == plain["dense"]
     assert all(again[k] == pytest.approx(plain[k] + decided.saved_s * 2) for k in plain if k != "dense")
     assert _route(charged) == "dense"
+
+
+def test_near_ties_go_by_the_safe_order():
+    """Routes predicted within `TIE_BAND` of the fastest tie, and ties go dense first, then exact,
+    then PowerSGD's all-reduce: at two sites rank-dAD's all-gather and the all-reduce move the
+    same bytes, and a few percent of measured compute between them is noise (it made the README's
+    stated-link run pick either, run to run)."""
+    from dad_integrations.router import TIE_BAND
+
+    link = LinkModel.from_spec({"bandwidth": "100mbit", "latency_us": 0})
+    def timing(allreduce_s, rank_s):
+        return StepTiming(link, ComputeModel({SHAPE.shape: ShapeCosts(allreduce_s, rank_s, 1e-7)}, 0.0))
+    assert _route(timing(1.03e-3, 1.0e-3)) == "rank_allreduce"     # 3 % of compute apart: a tie
+    assert _route(timing(40e-3, 1.0e-3)) == "rank"                 # far apart: the faster
+    assert 0 < TIE_BAND < SWITCH_MARGIN
