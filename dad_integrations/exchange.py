@@ -168,7 +168,8 @@ class Exchanger:
         if trial is None:
             return
         if trial.decides_at(step):
-            routes_s, dense_s = agree_max(self.aggregator, trial.medians(), self.device, name="dad.trial.agree")
+            routes_s, dense_s = agree_max(self.aggregator, trial.step_times(), self.device,
+                                         name="dad.trial.agree")
             outcome = trial.decide(routes_s, dense_s)
             self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
             if outcome.kept:

@@ -15,9 +15,11 @@ So after a refresh that sends any weight by factors or a rank route, on a link t
 
 with ``T = route_trial_steps``. A step's time runs from the start of its exchange to the start of
 the next (a whole iteration: the rest of backward, the exchange, the optimizer, data, forward).
-Every rank takes the slowest rank's medians (one all-gather of two numbers at the end of step
-s+2T+2), so all decide alike: the refresh's routes are kept from step s+2T+3 only where their
-median beats all-dense's by `KEEP_MARGIN`; otherwise every weight stays dense, capture off, until
+Each half is summarised by its lower quartile (load from elsewhere on a shared machine only adds
+time, so the low end is the routes' own cost; the halves run one after the other and see
+different bursts). Every rank takes the slowest rank's figures (one all-gather of two numbers at
+the end of step s+2T+2), so all decide alike: the refresh's routes are kept from step s+2T+3 only
+where their figure beats all-dense's by `KEEP_MARGIN`; otherwise every weight stays dense, capture off, until
 the next refresh, and the step costs what all-reduce's does.
 
 The measurement also calibrates the model: ``predicted - measured`` saving of the trialled routes,
@@ -29,21 +31,20 @@ a trial that does not end before the next refresh is not started.
 """
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-KEEP_MARGIN = 0.02  # compressed routes must beat all-dense's median step by this share to stay
+KEEP_MARGIN = 0.02  # compressed routes must beat all-dense's step time by this share to stay
 
 
 @dataclass(frozen=True)
 class TrialOutcome:
-    """One trial: the medians every rank agreed on, and what was kept."""
+    """One trial: the step times every rank agreed on, and what was kept."""
 
     step: int                 # the refresh step whose routes were tried
     compressed: int           # weights the refresh sent by factors or a rank route
-    routes_s: float           # agreed median step on those routes
-    dense_s: float            # agreed median step with every weight dense
+    routes_s: float           # agreed step time (lower quartile) on those routes
+    dense_s: float            # agreed step time (lower quartile) with every weight dense
     predicted_saving_s: float  # what the models predicted the routes would save per step
     kept: bool                # the refresh's routes were kept (else every weight stays dense)
     overhead_s: float         # the per-weight overhead charged to non-dense routes from now on
@@ -87,14 +88,15 @@ class RouteTrial:
         if self.active and step > self.start:
             self.durations[step] = seconds
 
-    def medians(self) -> Sequence[float]:
-        """This rank's median step on the refresh's routes and with every weight dense."""
+    def step_times(self) -> Sequence[float]:
+        """This rank's step time (lower quartile of the timed steps) on the refresh's routes and
+        with every weight dense."""
         s, t = self.start, self.steps
-        return (_median([self.durations.get(k) for k in range(s + 1, s + t + 1)]),
-                _median([self.durations.get(k) for k in range(s + t + 2, s + 2 * t + 2)]))
+        return (_lower_quartile([self.durations.get(k) for k in range(s + 1, s + t + 1)]),
+                _lower_quartile([self.durations.get(k) for k in range(s + t + 2, s + 2 * t + 2)]))
 
     def decide(self, routes_s: float, dense_s: float) -> TrialOutcome:
-        """Close the trial on the agreed medians: whether to keep its routes, and the new overhead."""
+        """Close the trial on the agreed step times: whether to keep its routes, and the new overhead."""
         compressed = sum(rep != "dense" for rep in self.routes.values())
         kept = routes_s < (1.0 - KEEP_MARGIN) * dense_s
         if compressed:
@@ -107,6 +109,6 @@ class RouteTrial:
         return outcome
 
 
-def _median(values: Sequence[Optional[float]]) -> float:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else 0.0
+def _lower_quartile(values: Sequence[Optional[float]]) -> float:
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 4] if known else 0.0
