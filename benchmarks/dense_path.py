@@ -44,7 +44,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from benchmarks.workload import NullAggregator, Workload, build_model, median
+from benchmarks.workload import NullAggregator, Workload, build_model, lm_step, median
 
 FAST_LINK = {"bandwidth": "400gbit", "latency_us": 1.0}
 
@@ -102,14 +102,7 @@ def _runner(kind: str, package: Optional[str], w: Workload, init_state: dict, li
             {"mode": "auto", "rank": 4, "objective": "time", "link": link}))
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
 
-    def step(x: torch.Tensor) -> None:
-        loss = fwd(input_ids=x, labels=x).loss
-        loss.backward()
-        if sync is not None:
-            sync.synchronize()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = lm_step(fwd, opt, sync)
     step.sync, step.model = sync, model
     if solo is not None and sync is not None:
         # the attach-time broadcast summed rank 0's bytes times the world size: put the weights back

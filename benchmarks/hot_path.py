@@ -1,6 +1,6 @@
 """dAD's compute overhead against PowerSGD's hook (and against another version of dAD), in one process.
 
-    python -m benchmarks.hot_path --steps 150 --config '{"mode": "auto", "rank": 4}'
+    python -m benchmarks.hot_path --steps 150 --config '{"mode": "auto", "rank": 4, "objective": "bytes", "lossless_steps": 0}'
     git archive 980aa64 | tar -x -C /tmp/base && python -m benchmarks.hot_path --baseline /tmp/base
 
 One process, one-rank gloo group. The runners train the same byte-level GPT-2 (`benchmarks.workload`,
@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from benchmarks.workload import NullAggregator, Workload, build_model, median
+from benchmarks.workload import NullAggregator, Workload, build_model, lm_step, median
 
 
 def _null_aggregator(package: str, world: int):
@@ -77,15 +77,7 @@ def _runner(kind: str, package: Optional[str], w: Workload, init_state: dict, wo
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
     losses: List[float] = []
 
-    def step(x: torch.Tensor) -> None:
-        loss = fwd(input_ids=x, labels=x).loss
-        loss.backward()
-        if sync is not None:
-            sync.synchronize()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-
+    step = lm_step(fwd, opt, sync, losses)
     step.sync, step.losses = sync, losses
     return step
 
@@ -138,7 +130,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--world", type=int, default=2, help="ranks dAD's aggregator behaves as")
-    p.add_argument("--config", default='{"mode": "auto", "rank": 4}')
+    # the rank routes' steady state: by bytes (over the communication-free aggregator a measured
+    # link is instant, and auto by time would send every weight dense), from the first step
+    p.add_argument("--config", default='{"mode": "auto", "rank": 4, "objective": "bytes", "lossless_steps": 0}')
     p.add_argument("--baseline", help="a source tree whose dad_integrations runs beside this one")
     p.add_argument("--profile", action="store_true")
     args = p.parse_args(argv)

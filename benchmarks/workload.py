@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -66,6 +66,25 @@ class NullAggregator(FactorAggregator):
         if op == "sum" and tensor.is_floating_point():
             tensor.mul_(self._world)
         return CommHandle(lambda: tensor)
+
+
+def lm_step(fwd, opt: torch.optim.Optimizer, sync=None,
+            losses: Optional[List[float]] = None) -> Callable[[torch.Tensor], None]:
+    """One training step of the byte LM on a batch ``x``: forward (``fwd``, the model or its DDP
+    wrapper), backward, dAD's ``sync.synchronize()`` where there is one, the optimizer; the loss
+    is appended to ``losses`` where given."""
+
+    def step(x: torch.Tensor) -> None:
+        loss = fwd(input_ids=x, labels=x).loss
+        loss.backward()
+        if sync is not None:
+            sync.synchronize()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if losses is not None:
+            losses.append(float(loss.detach()))
+
+    return step
 
 
 def _status_kb(key: str) -> int:

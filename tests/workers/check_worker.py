@@ -383,12 +383,6 @@ def run_vs_powersgd_routes(case: dict) -> dict:
 RUNNERS["vs_powersgd_routes"] = run_vs_powersgd_routes
 
 
-def _gather(case_id: str, mine: dict) -> list:
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, mine)
-    return per_rank
-
-
 def main() -> None:
     out_path, cases_path = sys.argv[1], sys.argv[2]
     # a rank stuck in a collective fails after this long instead of hanging the test run
@@ -396,7 +390,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with open(cases_path) as f:
         cases = json.load(f)
-    models.write_and_exit(out_path, models.run_all(cases, lambda case: RUNNERS[case["kind"]](case), _gather))
+    models.write_and_exit(out_path, models.run_all(cases, lambda case: RUNNERS[case["kind"]](case),
+                                                   models.gather_per_rank))
 
 
 if __name__ == "__main__":

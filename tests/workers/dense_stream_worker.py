@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import grad_errors, run_all, write_and_exit  # noqa: E402
+from models import gather_per_rank, grad_errors, run_all, write_and_exit  # noqa: E402
 
 from dad_integrations import (DADConfig, DADSynchronizer, TorchDistributedAggregator,  # noqa: E402
                               register_dad_comm_hook)
@@ -130,16 +130,10 @@ class _null:
         return False
 
 
-def _gather(case_id: str, mine: dict) -> list:
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
-
-
 def main() -> None:
     dist.init_process_group("gloo")
     cases = {name: {"name": name} for name in ("plain", "accumulate", "ddp_hook")}
-    write_and_exit(sys.argv[1], run_all(cases, run, _gather))
+    write_and_exit(sys.argv[1], run_all(cases, run, gather_per_rank))
 
 
 if __name__ == "__main__":

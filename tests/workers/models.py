@@ -149,6 +149,16 @@ def grad_errors(ref: nn.Module, mine: nn.Module) -> Dict[str, float]:
             for (name, a), b in zip(ref.named_parameters(), mine.parameters())}
 
 
+def gather_per_rank(case_id: str, mine: dict) -> list:
+    """`run_all`'s usual ``gather``: every rank's result of one case, by rank (torch.distributed's
+    ``all_gather_object`` on the default group)."""
+    import torch.distributed as dist
+
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, mine)
+    return per_rank
+
+
 def run_all(cases: Dict[str, dict], run: Callable[[dict], dict],
             gather: Callable[[str, dict], Any]) -> Dict[str, Any]:
     """Run every case (one that raises gives its traceback) and gather every rank's result with

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from models import batch, build, grad_errors, loss_of, run_all, write_and_exit  # noqa: E402
+from models import batch, build, gather_per_rank, grad_errors, loss_of, run_all, write_and_exit  # noqa: E402
 
 from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator  # noqa: E402
 
@@ -205,18 +205,12 @@ def run(case: dict) -> dict:
     return out
 
 
-def _gather(case_id: str, mine: dict) -> list:
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return everyone
-
-
 def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]
     cases = {name: {"name": name} for name in ("fast", "slow", "flush", "flush-skip", "measured", "flush-exact",
                                                "trial-dense", "trial-keep")}
-    write_and_exit(out_path, run_all(cases, run, _gather))
+    write_and_exit(out_path, run_all(cases, run, gather_per_rank))
 
 
 if __name__ == "__main__":
