@@ -75,6 +75,10 @@ class RouteTrial:
         self.predicted_saving_s = float(predicted_saving_s)
         self.durations = {}
 
+    def cancel(self) -> None:
+        """Drop a trial in progress (a checkpoint was loaded: its steps are not this trial's)."""
+        self.start, self.durations = None, {}
+
     def forces_dense(self, step: int) -> bool:
         """Step ``step`` belongs to the all-dense half of the trial."""
         return self.active and self.start + self.steps < step <= self.start + 2 * self.steps + 2

@@ -255,6 +255,9 @@ class DADSynchronizer:
         if state.get("version") == STATE_VERSION:
             self._steps = int(state["steps"])
             self._verified = bool(state["verified"]) or not self.config.verify_first_step
+        if ex.trial is not None:  # every rank loads alike: a trial in progress ends on all of them
+            ex.trial.cancel()
+            ex._step_start = None
         self._plan_next_step()
 
     def close(self) -> None:

@@ -282,6 +282,9 @@ def test_route_trial_phases_and_calibration():
     assert trial.overhead_s == pytest.approx(0.009)  # 1 ms faster than the predicted 0 ms
     trial.begin(120, {0: "rank"}, predicted_saving_s=0.0)
     assert trial.decide(0.05, 0.1).overhead_s == 0.0  # never below 0
+    trial.begin(150, {0: "rank"}, predicted_saving_s=0.0)
+    trial.cancel()                                     # a checkpoint loaded mid-trial
+    assert not trial.active and not trial.forces_dense(155) and not trial.decides_at(158)
 
 
 def test_calibrated_overhead_charges_non_dense_routes():
@@ -317,3 +320,17 @@ def test_near_ties_go_by_the_safe_order():
     assert _route(timing(1.03e-3, 1.0e-3)) == "rank_allreduce"     # 3 % of compute apart: a tie
     assert _route(timing(40e-3, 1.0e-3)) == "rank"                 # far apart: the faster
     assert 0 < TIE_BAND < SWITCH_MARGIN
+
+
+@pytest.mark.parametrize("objective", ["bytes", "time"])
+def test_lossless_steps_then_rank_routes(time_job, objective):
+    """A real job's first `lossless_steps` (3 here; 10 by default) go exact or dense, every gradient
+    the all-reduce's; then the weights take rank routes (by time: at the refresh where the
+    lossless steps end), on every rank alike."""
+    per_rank = result(time_job, f"lossless-{objective}")
+    _ranks_agree(per_rank)
+    routes = per_rank[0]["routes"]
+    assert all(r and set(r) <= {"exact", "dense"} for r in routes[:3]), routes
+    assert all({"rank", "rank_allreduce"} & set(r) for r in routes[3:]), routes
+    for r in per_rank:
+        assert len(r["errors"]) == 3 and max(r["errors"]) < 1e-5, r["errors"]

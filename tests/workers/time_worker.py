@@ -9,6 +9,7 @@ Cases (each rank trains the small GPT-2 of `models` on its own batches):
   residual.
 - ``measured``: no link stated: measured at attach on this group, every rank routes alike.
 - ``trial-dense``, ``trial-keep``: route trials on a measured link (`run_trial`).
+- ``lossless-bytes``, ``lossless-time``: 3 lossless steps, then rank routes (`run_lossless`).
 Every case reports the routes per step and a digest of the final parameters.
 """
 from __future__ import annotations
@@ -151,9 +152,38 @@ def run_trial(case: dict) -> dict:
     return out
 
 
+def run_lossless(case: dict) -> dict:
+    """Auto at rank 4 with 3 lossless steps (the default is 10; this suite pins 0): steps 0-2 take
+    no rank route and every gradient equals the all-reduce's; from step 3 (by time on the slow
+    link: the refresh at the lossless steps' end) the weights take rank routes."""
+    model = build(MODEL, seed=0)
+    objective = case["name"].split("-")[1]
+    config = DADConfig(mode="auto", rank=4, objective=objective, lossless_steps=3,
+                       link=SLOW if objective == "time" else None)
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = {"routes": [], "errors": []}
+    for step in range(5):
+        data = batch(MODEL, 2, seed=100 * step + dist.get_rank())
+        ref = _reference_grads(model, data, {}) if step < 3 else None
+        loss_of(MODEL, model, data).backward()
+        sync.synchronize()
+        if ref is not None:
+            out["errors"].append(max(grad_errors(ref, model).values()))
+        report = sync.last_step_report()
+        out["routes"].append(sorted({p.representation for p in report.params if p.shape and len(p.shape) == 2}))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out["digest"] = _digest(model)
+    sync.close()
+    return out
+
+
 def run(case: dict) -> dict:
     if case["name"] == "flush-exact":
         return run_flush_to_exact(case)
+    if case["name"].startswith("lossless-"):
+        return run_lossless(case)
     if case["name"].startswith("trial-"):
         return run_trial(case)
     model = build(MODEL, seed=0)
@@ -209,7 +239,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]
     cases = {name: {"name": name} for name in ("fast", "slow", "flush", "flush-skip", "measured", "flush-exact",
-                                               "trial-dense", "trial-keep")}
+                                               "trial-dense", "trial-keep", "lossless-bytes", "lossless-time")}
     write_and_exit(out_path, run_all(cases, run, gather_per_rank))
 
 
