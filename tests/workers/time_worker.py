@@ -15,7 +15,6 @@ Every case reports the routes per step and a digest of the final parameters.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
