@@ -137,10 +137,12 @@ class DADConfig:
             again (where it is not stated), every weight's row counts are exchanged and its route
             is chosen again, identically on every rank.
         route_trial_steps: under ``objective="time"`` on a measured link, after a refresh that
-            compresses any weight, its routes and then every weight dense each run this many timed
-            steps (plus one to settle, `route_trial`); the refresh's routes are kept only where
-            their median step beats all-dense's, and the difference calibrates the compute model.
-            0 trusts the models without a trial.
+            compresses any weight, steps on its routes and with every weight dense alternate in
+            pairs (``R D D R ...``) for rounds of this many steps (an even number >= 2; up to 3
+            rounds while the evidence is split, `route_trial`); a step is timed from its forward
+            to the end of its exchange. The routes are kept where they beat all-dense in 3 of 4
+            pairs; the difference calibrates the compute model, and the chosen steps are watched
+            so that a sustained miss tries again at once. 0 trusts the models without a trial.
     """
 
     mode: str = "auto"
@@ -161,7 +163,7 @@ class DADConfig:
     objective: str = dataclasses.field(default_factory=default_objective)
     link: Optional[Mapping[str, Any]] = None
     route_refresh_steps: int = 200
-    route_trial_steps: int = 5
+    route_trial_steps: int = 8
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
@@ -205,9 +207,9 @@ class DADConfig:
         if _not_int(self.route_refresh_steps) or self.route_refresh_steps < 1:
             raise ValueError("dad config key 'route_refresh_steps': must be an integer >= 1, "
                              f"got {self.route_refresh_steps!r}")
-        if _not_int(self.route_trial_steps) or self.route_trial_steps < 0:
-            raise ValueError("dad config key 'route_trial_steps': must be an integer >= 0, "
-                             f"got {self.route_trial_steps!r}")
+        if _not_int(self.route_trial_steps) or self.route_trial_steps < 0 or self.route_trial_steps % 2:
+            raise ValueError("dad config key 'route_trial_steps': must be an even integer >= 0 (pairs of "
+                             f"steps; 0: no trial), got {self.route_trial_steps!r}")
         if self.link is not None:
             from .link import LinkModel  # validates and names the bad sub-key
             LinkModel.from_spec(self.link)

@@ -85,8 +85,7 @@ class Exchanger:
         self.trial: Optional[RouteTrial] = (
             RouteTrial(config.route_trial_steps)
             if self.timing is not None and config.link is None and config.mode == "auto" else None)
-        self.clock: Callable[[], float] = time.perf_counter
-        self._step_start: Optional[Tuple[int, float]] = None  # (step, time) of the last exchange's start
+        self.clock: Callable[[], float] = time.perf_counter  # the end of a step's span (`StepClock`)
         self._saved: Dict[int, float] = {}  # unit index -> predicted seconds its route saves (by time)
 
     def refresh_due(self, step: int) -> bool:
@@ -101,8 +100,9 @@ class Exchanger:
         changed in between: routes change together, at a refresh, on every rank)."""
         if self.timing is None or verify or unit.dense_only:
             return None
-        if self.trial is not None and self.trial.forces_dense(step):
-            return "dense"  # the all-dense half of a route trial
+        arm = self.trial.arm(step) if self.trial is not None else None
+        if arm is not None:  # a route trial's step: all dense, or the routes it tries
+            return "dense" if arm == "dense" else self.trial.routes.get(unit.index, "dense")
         if self.refresh_due(step):
             return None
         held = self.last_route.get(unit.index)
@@ -139,13 +139,33 @@ class Exchanger:
 
     def _prepare_refresh(self, next_step: int) -> None:
         """Before a refresh step: measure the link again (where it is not stated) and capture every
-        unit's rows in that step, so that exact factors are a candidate again."""
+        unit's rows in that step, so that exact factors are a candidate again. Before a route
+        trial's step on the routes it tries: capture the rows of the units it sends by exact
+        factors (its dense steps switched capture off)."""
+        arm = self.trial.arm(next_step) if self.trial is not None else None
+        if arm == "routes":
+            self._use_rows(i for i, rep in self.trial.routes.items() if rep == "exact")
+        elif arm == "dense":
+            self._drop_rows()
         if not self.refresh_due(next_step):
             return
+        if self.trial is not None:
+            self.trial.stop_watching()
         if self.config.link is None:
             self.set_link(probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather")))
+        self._use_rows(u.index for u in self.plan.units)
+
+    def _drop_rows(self) -> None:
+        """Every unit goes dense next step: capture nothing (a step that costs what DDP's does)."""
         for u in self.plan.units:
-            if u.rows_unused and not u.dense_only:
+            if not u.rows_unused and not u.dense_only:
+                u.stop_using_rows()
+
+    def _use_rows(self, indices) -> None:
+        """Capture the rows of the units of ``indices`` again (where some route can use them)."""
+        wanted = set(indices)
+        for u in self.plan.units:
+            if u.index in wanted and u.rows_unused and not u.dense_only:
                 u.rows_unused = False
                 u.update_capture()
 
@@ -155,45 +175,40 @@ class Exchanger:
         lossless = self.config.lossless_steps
         return min(following, lossless) if lossless > step else following
 
-    def _time_step(self, step: int) -> None:
-        """A step's exchange starts: the last one's whole iteration is over (a route trial's clock)."""
-        now = self.clock()
-        if self.trial is not None and self._step_start is not None:
-            self.trial.observe(self._step_start[0], now - self._step_start[1])
-        self._step_start = (step, now)
-
-    def _run_trial(self, step: int) -> None:
-        """End of step ``step``: start a route trial after routes were chosen anew, or decide one."""
+    def _run_trial(self, step: int, seconds: Optional[float]) -> None:
+        """End of step ``step`` (``seconds``: its span on this rank): start a route trial after
+        routes were chosen anew, judge one, or watch the last decision (`route_trial`)."""
         trial = self.trial
         if trial is None:
             return
-        if trial.decides_at(step):
-            routes_s, dense_s = agree_max(self.aggregator, trial.step_times(), self.device,
-                                         name="dad.trial.agree")
-            outcome = trial.decide(routes_s, dense_s)
-            self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
-            if outcome.kept:
-                self.last_route.update(trial.routes)
-                for u in self.plan.units:  # exact factors need their rows from the next step on
-                    if trial.routes.get(u.index) == "exact" and u.rows_unused and not u.dense_only:
-                        u.rows_unused = False
-                        u.update_capture()
-            if self.aggregator.rank == 0:
-                log.info("dAD route trial of step %d: %d weights compressed %.1f ms/step, all dense %.1f ms/step "
-                         "(predicted saving %.1f ms): %s; overhead per compressed weight now %.2f ms",
-                         outcome.step, outcome.compressed, routes_s * 1e3, dense_s * 1e3,
-                         outcome.predicted_saving_s * 1e3, "routes kept" if outcome.kept else "all dense",
-                         outcome.overhead_s * 1e3)
-        elif not trial.active and (step == 0 or self.refresh_due(step)):
+        if not trial.active and (step == 0 or self.refresh_due(step)):
             compressed = [u.index for u in self.plan.units if self.last_route.get(u.index, "dense") != "dense"]
             if compressed and trial.fits(step, self._next_refresh(step)):
                 trial.begin(step, {u.index: self.last_route.get(u.index, "dense") for u in self.plan.units},
                             sum(self._saved.get(i, 0.0) for i in compressed))
+            return
+
+        def agree(values):
+            return agree_max(self.aggregator, values, self.device, name="dad.trial.agree")
+
+        outcome = trial.end_of_step(step, seconds, agree, self._next_refresh(step))
+        if outcome is None:
+            return
+        self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
+        for u in self.plan.units:  # what the next steps take until the next refresh
+            self.last_route[u.index] = trial.routes.get(u.index, "dense") if outcome.kept else "dense"
+        if outcome.kept:  # exact factors need their rows from the next step on
+            self._use_rows(i for i, rep in trial.routes.items() if rep == "exact")
+        else:
+            self._drop_rows()
+        if self.aggregator.rank == 0:
+            log.info("dAD route trial after step %d (%s): %s; overhead per compressed weight now %.2f ms",
+                     outcome.step, outcome.cause, outcome.describe(), outcome.overhead_s * 1e3)
 
     def run(self, window: StepWindow, sink: GradSink, *, step: int, verify: bool, prescale: float,
             postscale: Optional[float]) -> StepReport:
-        """Exchange every unit and the dense buckets of one step; returns its report."""
-        self._time_step(step)
+        """Exchange every unit and the dense buckets of one step; returns its report. ``window.started``
+        (`route_trial.StepClock`) to the end of this call is the step's span a route trial times."""
         s = self.aggregator.world_size
         scale = prescale * (1.0 / s if postscale is None else postscale)
         report: Dict[str, ParamReport] = {}
@@ -256,7 +271,8 @@ class Exchanger:
         if not keep:  # a skipped step: the residuals it flushed are still owed
             for name, residual in flushed:
                 self.memory.keep(name, residual)
-        self._run_trial(step)
+        started = getattr(window, "started", None)
+        self._run_trial(step, None if started is None else self.clock() - started)
         self._prepare_refresh(step + 1)
         return StepReport(step, s, list(report.values()))
 

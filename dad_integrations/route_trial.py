@@ -4,113 +4,277 @@ Objective ``"time"`` predicts each route's seconds from micro-benchmarks (`link`
 They miss what a real step adds around a compressed route (per-weight Python in the hooks and on
 the worker, the capture's memory traffic, compressed-route compute contending with backward for the
 same cores) and what it saves (dense buckets overlapping backward). Where they err, auto compresses
-on a link where all-reduce is faster: the one thing objective "time" promises not to do.
+on a link where all-reduce is faster, or stays dense where compression pays.
 
-So after a refresh that sends any weight by factors or a rank route, on a link the job measures
-(a stated ``link`` is the user's word and is trusted), the job times its own steps::
+**What is timed** (`StepClock`): per step and rank, the span the choice of route changes, from the
+step's first forward (or, without one, its first gradient hook) to the end of its exchange. Time
+the loop spends between steps (evaluation, logging, checkpoints, a data-loader stall, another
+job's steps) never counts.
 
-    steps s .. s+T          the refresh's routes      (s: settling; s+1 .. s+T timed)
-    steps s+T+1 .. s+2T+2   every weight dense, capture off (s+T+1: settling, residuals flushed;
-                            s+T+2 .. s+2T+1 timed; s+2T+2 runs while the decision is taken)
+**How** (`RouteTrial`). After a refresh that sends any weight by factors or a rank route, on a link
+the job measures (a stated ``link`` is the user's word and is trusted), the next steps alternate
+the refresh's routes (R) and every weight dense with capture off (D) in pairs, ``R D  D R  R D  D R``
+(ABBA: a load that drifts over the trial moves both arms alike). A round is ``route_trial_steps``
+steps (``route_trial_steps // 2`` pairs). At the end of a round every rank takes each step's
+slowest-rank time (one all-gather), so all decide alike, and per pair the difference
+``routes - dense``:
 
-with ``T = route_trial_steps``. A step's time runs from the start of its exchange to the start of
-the next (a whole iteration: the rest of backward, the exchange, the optimizer, data, forward).
-Each half is summarised by its lower quartile (load from elsewhere on a shared machine only adds
-time, so the low end is the routes' own cost; the halves run one after the other and see
-different bursts). Every rank takes the slowest rank's figures (one all-gather of two numbers at
-the end of step s+2T+2), so all decide alike: the refresh's routes are kept from step s+2T+3 only
-where their figure beats all-dense's by `KEEP_MARGIN`; otherwise every weight stays dense, capture off, until
-the next refresh, and the step costs what all-reduce's does.
+* the routes win a pair when they beat dense by `KEEP_MARGIN`; dense wins it otherwise;
+* a side that wins at least `CONSISTENT` (3 in 4) of the pairs so far decides;
+* else the trial runs another round, up to `MAX_ROUNDS`; still split, the models' prediction
+  (the refresh's routes) is kept, and the outcome says the evidence was inconclusive.
 
-The measurement also calibrates the model: ``predicted - measured`` saving of the trialled routes,
-spread over their weights, is added to a per-weight overhead that every later decision charges to
-each non-dense route (`timing.StepTiming.overhead_s`), so that the next refresh compresses only
-weights whose predicted saving pays for what the micro-benchmarks missed. Cost: at most ``2T + 3``
-steps per refresh (every ``route_refresh_steps``, 200 by default) run the slower of the two plans;
-a trial that does not end before the next refresh is not started.
+A burst of load from elsewhere lands in one or two steps: it spoils a pair, not the decision.
+
+**Catching a wrong choice** (`Watch`). After a decision the chosen arm's steps are watched: every
+``route_trial_steps`` steps the ranks agree on their lower quartile, and where it exceeds the slower
+of the two arms' trial medians by `WATCH_MARGIN` (the choice's steps now take longer than either
+route measured; a link that slowed, a trial a burst misled) a new trial starts at once instead of
+at the next refresh. Each such trial that confirms the choice doubles the watch's interval (a
+machine under lasting load does not re-trial every few steps).
+
+**Calibration.** The miss between the predicted and the measured saving (median of the pairs),
+spread over the compressed weights, is added to a per-weight overhead that every later decision
+charges to each non-dense route (`timing.StepTiming.overhead_s`).
+
+Costs: a trial runs half its steps on the slower arm: ``route_trial_steps / 2`` to
+``MAX_ROUNDS * route_trial_steps / 2`` steps per refresh (every ``route_refresh_steps``, 200 by
+default); a trial that would not end before the next refresh is not started. The watch costs one
+all-gather of one number every ``route_trial_steps`` steps. Nothing here draws random numbers.
 """
 from __future__ import annotations
 
+import logging
+import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
-KEEP_MARGIN = 0.02  # compressed routes must beat all-dense's step time by this share to stay
+log = logging.getLogger(__name__)
+
+KEEP_MARGIN = 0.02   # compressed routes must beat all-dense by this share of the step to win a pair
+CONSISTENT = 0.75    # share of the pairs one side must win to decide
+MAX_ROUNDS = 3       # rounds of route_trial_steps before the models' prediction is kept
+WATCH_MARGIN = 0.10  # the chosen arm's steps may exceed both arms' trial medians by this share
+
+Agree = Callable[[Sequence[float]], List[float]]  # element-wise maximum over ranks (a collective)
+
+
+class StepClock:
+    """The span of one step that the choice of route changes (see the module doc).
+
+    `forward` runs in a forward pre-hook of the model's root module, `open` when the step's window
+    opens (its first gradient hook), `close` when its exchange ends. A forward counts only with
+    gradients enabled, outside backward (checkpointing's recomputation) and while no step is open:
+    an evaluation pass under ``no_grad`` starts nothing, and the last training forward before the
+    step's backward starts it (micro-steps of one step are in its span)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self._forward: Optional[float] = None
+
+    def forward(self) -> None:
+        self._forward = self.clock()
+
+    def open(self) -> float:
+        """A step opens: its start (its forward's, where one was seen)."""
+        start, self._forward = self._forward, None
+        return self.clock() if start is None else start
+
+    def cancel(self) -> None:
+        """Forget a forward seen (a step abandoned, a checkpoint loaded)."""
+        self._forward = None
 
 
 @dataclass(frozen=True)
 class TrialOutcome:
-    """One trial: the step times every rank agreed on, and what was kept."""
+    """One trial: the evidence every rank agreed on, and what was kept."""
 
-    step: int                 # the refresh step whose routes were tried
-    compressed: int           # weights the refresh sent by factors or a rank route
-    routes_s: float           # agreed step time (lower quartile) on those routes
-    dense_s: float            # agreed step time (lower quartile) with every weight dense
+    step: int                  # the step after which the trial began (a refresh, or a missed watch)
+    compressed: int            # weights the tried routes send by factors or a rank route
+    routes_s: float            # agreed median step time on those routes
+    dense_s: float             # agreed median step time with every weight dense
     predicted_saving_s: float  # what the models predicted the routes would save per step
-    kept: bool                # the refresh's routes were kept (else every weight stays dense)
-    overhead_s: float         # the per-weight overhead charged to non-dense routes from now on
+    kept: bool                 # the tried routes were kept (else every weight stays dense)
+    overhead_s: float          # the per-weight overhead charged to non-dense routes from now on
+    pairs: int = 0             # paired steps measured
+    routes_won: int = 0        # pairs in which the routes beat dense by KEEP_MARGIN
+    median_difference_s: float = 0.0  # median over pairs of routes - dense
+    conclusive: bool = True    # a side won CONSISTENT of the pairs (else the prediction was kept)
+    cause: str = "refresh"     # "refresh": routes chosen anew; "watch": the last choice missed
+
+    def describe(self) -> str:
+        verdict = "routes kept" if self.kept else "all dense"
+        why = (f"routes faster in {self.routes_won} of {self.pairs} pairs" if self.conclusive else
+               f"inconclusive ({self.routes_won} of {self.pairs} pairs for the routes): the models' prediction kept")
+        return (f"{verdict}: {self.compressed} weights compressed {self.routes_s * 1e3:.1f} ms/step, all dense "
+                f"{self.dense_s * 1e3:.1f} ms/step (median difference {self.median_difference_s * 1e3:+.1f} ms, "
+                f"predicted saving {self.predicted_saving_s * 1e3:.1f} ms); {why}")
+
+
+def judge(routes: Sequence[float], dense: Sequence[float], margin: float = KEEP_MARGIN,
+          consistent: float = CONSISTENT) -> Optional[bool]:
+    """The decision rule on paired step times: True (the routes win), False (dense wins) or None
+    (neither side won ``consistent`` of the pairs)."""
+    pairs = len(routes)
+    if not pairs:
+        return None
+    won = sum(r < (1.0 - margin) * d for r, d in zip(routes, dense))
+    if won >= consistent * pairs:
+        return True
+    if pairs - won >= consistent * pairs:
+        return False
+    return None
+
+
+@dataclass
+class Watch:
+    """The chosen arm's steps after a decision, checked against the trial (see the module doc)."""
+
+    arm: str             # "routes" or "dense"
+    limit_s: float       # a sustained step time above this is a miss
+    interval: int        # steps per check
+    since: int           # the first watched step
+    durations: Dict[int, float] = field(default_factory=dict)
+
+    def due(self, step: int) -> bool:
+        return step >= self.since and (step - self.since + 1) % self.interval == 0
+
+    def summary(self, step: int) -> float:
+        """This rank's lower quartile of the last ``interval`` steps (load only adds time)."""
+        return _lower_quartile([self.durations.pop(k, None) for k in range(step - self.interval + 1, step + 1)])
 
 
 @dataclass
 class RouteTrial:
-    """The state of the trial in progress (if any) and the calibrated overhead; see the module doc."""
+    """The trial in progress (if any), the watch after it, and the calibrated overhead; see the
+    module doc. Every rank drives it alike: the same steps, the same agreed figures."""
 
-    steps: int
-    start: Optional[int] = None                 # the refresh step being tried
-    routes: Dict[int, str] = field(default_factory=dict)  # unit index -> the refresh's route
+    steps: int                                   # steps per round (route_trial_steps)
+    start: Optional[int] = None                  # the step after which the trial began
+    rounds: int = 0                              # rounds begun
+    cause: str = "refresh"
+    routes: Dict[int, str] = field(default_factory=dict)  # unit index -> the tried route
     predicted_saving_s: float = 0.0
     overhead_s: float = 0.0
-    durations: Dict[int, float] = field(default_factory=dict)  # step -> seconds
+    durations: Dict[int, float] = field(default_factory=dict)  # step -> this rank's seconds
+    agreed: List[float] = field(default_factory=list)          # trial steps' agreed seconds, in order
     outcomes: List[TrialOutcome] = field(default_factory=list)
+    watch: Optional[Watch] = None
+    watch_interval: int = 0                      # grows while watch-started trials confirm the choice
 
     @property
     def active(self) -> bool:
         return self.start is not None
 
-    def fits(self, step: int, next_refresh: int) -> bool:
-        """Whether a trial of refresh ``step`` ends before the refresh at ``next_refresh``."""
-        return self.steps > 0 and step + 2 * self.steps + 2 < next_refresh
+    @property
+    def pairs_per_round(self) -> int:
+        return self.steps // 2
 
-    def begin(self, step: int, routes: Dict[int, str], predicted_saving_s: float) -> None:
-        self.start, self.routes = step, dict(routes)
+    def fits(self, step: int, next_refresh: int) -> bool:
+        """Whether a trial begun after step ``step`` ends, at its longest, before ``next_refresh``."""
+        return self.pairs_per_round > 0 and step + MAX_ROUNDS * 2 * self.pairs_per_round < next_refresh
+
+    def begin(self, step: int, routes: Dict[int, str], predicted_saving_s: float, cause: str = "refresh") -> None:
+        """Try ``routes`` against all-dense from step ``step + 1``."""
+        self.start, self.rounds, self.cause = step, 1, cause
+        self.routes = dict(routes)
         self.predicted_saving_s = float(predicted_saving_s)
-        self.durations = {}
+        self.durations, self.agreed, self.watch = {}, [], None
+        if cause == "refresh":
+            self.watch_interval = self.steps
 
     def cancel(self) -> None:
-        """Drop a trial in progress (a checkpoint was loaded: its steps are not this trial's)."""
-        self.start, self.durations = None, {}
+        """Drop a trial in progress and the watch (a checkpoint was loaded: its steps are not these)."""
+        self.start, self.durations, self.agreed, self.watch = None, {}, [], None
+
+    def arm(self, step: int) -> Optional[str]:
+        """``"routes"`` or ``"dense"`` for a step of the trial (``R D D R`` per two pairs), else None."""
+        if self.start is None:
+            return None
+        k = step - self.start - 1
+        if not 0 <= k < self.rounds * 2 * self.pairs_per_round:
+            return None
+        pair, second = divmod(k, 2)
+        first = "routes" if pair % 2 == 0 else "dense"
+        return first if not second else ("dense" if first == "routes" else "routes")
 
     def forces_dense(self, step: int) -> bool:
-        """Step ``step`` belongs to the all-dense half of the trial."""
-        return self.active and self.start + self.steps < step <= self.start + 2 * self.steps + 2
+        """Step ``step`` belongs to the all-dense arm of the trial."""
+        return self.arm(step) == "dense"
 
-    def decides_at(self, step: int) -> bool:
-        """The trial is decided at the end of step ``step`` (its last dense step)."""
-        return self.active and step == self.start + 2 * self.steps + 2
+    def end_of_step(self, step: int, seconds: Optional[float], agree: Agree,
+                    next_refresh: int) -> Optional[TrialOutcome]:
+        """Step ``step`` took ``seconds`` on this rank: note it; at the end of a round, agree and
+        judge (a collective on every rank alike); returns the outcome when the trial is decided. A
+        watched step may start a new trial (`begin`, cause ``"watch"``) where it ends before
+        ``next_refresh`` (which chooses routes anew anyway)."""
+        if self.active:
+            if seconds is not None and self.arm(step) is not None:
+                self.durations[step] = seconds
+            if step != self.start + self.rounds * 2 * self.pairs_per_round:
+                return None
+            return self._end_round(step, agree)
+        watch = self.watch
+        if watch is None:
+            return None
+        if seconds is not None:
+            watch.durations[step] = seconds
+        if not watch.due(step):
+            return None
+        (observed,) = agree([watch.summary(step)])
+        if observed > watch.limit_s and self.fits(step, next_refresh):
+            log.info("dAD: the %s steps now take %.1f ms (lower quartile of %d), above the trial's %.1f ms: "
+                     "a new route trial", watch.arm, observed * 1e3, watch.interval, watch.limit_s * 1e3)
+            previous = self.outcomes[-1]
+            self.begin(step, self.routes, previous.predicted_saving_s, cause="watch")
+        return None
 
-    def observe(self, step: int, seconds: float) -> None:
-        """The duration of step ``step`` (known when step ``step + 1`` starts)."""
-        if self.active and step > self.start:
-            self.durations[step] = seconds
+    def _end_round(self, step: int, agree: Agree) -> Optional[TrialOutcome]:
+        first = step - 2 * self.pairs_per_round + 1
+        local = [self.durations.get(k, 0.0) for k in range(first, step + 1)]
+        self.agreed += agree(local)
+        routes, dense = self._paired()
+        verdict = judge(routes, dense)
+        if verdict is None and self.rounds < MAX_ROUNDS:
+            self.rounds += 1
+            return None
+        return self._decide(step, routes, dense, verdict)
 
-    def step_times(self) -> Sequence[float]:
-        """This rank's step time (lower quartile of the timed steps) on the refresh's routes and
-        with every weight dense."""
-        s, t = self.start, self.steps
-        return (_lower_quartile([self.durations.get(k) for k in range(s + 1, s + t + 1)]),
-                _lower_quartile([self.durations.get(k) for k in range(s + t + 2, s + 2 * t + 2)]))
+    def _paired(self) -> Sequence[List[float]]:
+        """The agreed times as (routes, dense) per pair."""
+        routes, dense = [], []
+        for pair in range(len(self.agreed) // 2):
+            a, b = self.agreed[2 * pair], self.agreed[2 * pair + 1]
+            r, d = (a, b) if pair % 2 == 0 else (b, a)
+            routes.append(r)
+            dense.append(d)
+        return routes, dense
 
-    def decide(self, routes_s: float, dense_s: float) -> TrialOutcome:
-        """Close the trial on the agreed step times: whether to keep its routes, and the new overhead."""
+    def _decide(self, step: int, routes: List[float], dense: List[float], verdict: Optional[bool]) -> TrialOutcome:
         compressed = sum(rep != "dense" for rep in self.routes.values())
-        kept = routes_s < (1.0 - KEEP_MARGIN) * dense_s
+        kept = True if verdict is None else verdict  # split evidence: the models chose the routes
+        difference = statistics.median([r - d for r, d in zip(routes, dense)]) if routes else 0.0
         if compressed:
-            measured_saving = dense_s - routes_s
-            self.overhead_s = max(0.0, self.overhead_s + (self.predicted_saving_s - measured_saving) / compressed)
+            self.overhead_s = max(0.0, self.overhead_s + (self.predicted_saving_s + difference) / compressed)
+        routes_s = statistics.median(routes) if routes else 0.0
+        dense_s = statistics.median(dense) if dense else 0.0
         outcome = TrialOutcome(self.start, compressed, routes_s, dense_s, self.predicted_saving_s, kept,
-                               self.overhead_s)
+                               self.overhead_s, pairs=len(routes),
+                               routes_won=sum(r < (1.0 - KEEP_MARGIN) * d for r, d in zip(routes, dense)),
+                               median_difference_s=difference, conclusive=verdict is not None, cause=self.cause)
+        if (self.cause == "watch" and self.outcomes and self.outcomes[-1].kept == kept
+                and self.watch_interval > 0):
+            self.watch_interval *= 2  # the choice confirmed: a lasting load need not re-trial as often
         self.outcomes.append(outcome)
         self.start = None
+        self.watch = Watch("routes" if kept else "dense", max(routes_s, dense_s) * (1.0 + WATCH_MARGIN),
+                           max(self.watch_interval, 1), step + 1) if self.steps else None
         return outcome
+
+    def stop_watching(self) -> None:
+        """Routes are chosen anew (a refresh): the last trial's figures no longer apply."""
+        self.watch = None
 
 
 def _lower_quartile(values: Sequence[Optional[float]]) -> float:

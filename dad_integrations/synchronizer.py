@@ -40,6 +40,7 @@ from .checks import broadcast_model, check_same_model
 from .config import DADConfig
 from .exchange import Exchanger
 from .report import StepReport
+from .route_trial import StepClock
 from .sink import BucketViewSink, GradSink
 from .units import FactorUnit, build_plan
 from .window import StepWindow
@@ -129,6 +130,9 @@ class DADSynchronizer:
                         for u in self._plan.units for p in u.params]
         self._hooks += [p.register_post_accumulate_grad_hook(self._after_dense_accumulate)
                         for _, p in self._plan.dense]
+        # a step's span for route trials starts at its forward (what capture adds counts too)
+        self._clock = StepClock()
+        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
         self._worker = Worker("dad-sync")
         self._closed = False
         # at exit, release a step left in flight (an error before synchronize()), so that its
@@ -257,7 +261,7 @@ class DADSynchronizer:
             self._verified = bool(state["verified"]) or not self.config.verify_first_step
         if ex.trial is not None:  # every rank loads alike: a trial in progress ends on all of them
             ex.trial.cancel()
-            ex._step_start = None
+        self._clock.cancel()
         self._plan_next_step()
 
     def close(self) -> None:
@@ -280,6 +284,7 @@ class DADSynchronizer:
         with self._lock:
             if self._window is None:
                 self._window = StepWindow(self._plan.units, self._sink_type)
+                self._window.started = self._clock.open()
             return self._window
 
     def _dispatch(self, window: StepWindow, job: Callable[[StepWindow], StepReport]) -> None:
@@ -340,6 +345,12 @@ class DADSynchronizer:
         self._worker.stop()
 
     # -- hooks ----------------------------------------------------------------------------------
+    def _on_root_forward(self, module: nn.Module, args) -> None:
+        """The model's forward: a training step may start here (`route_trial.StepClock`); an
+        evaluation under ``no_grad``, a recomputation in backward or a micro-step does not."""
+        if self._window is None and torch.is_grad_enabled() and not in_backward():
+            self._clock.forward()
+
     def _on_forward(self) -> None:
         """A captured layer's forward: refused while the last backward's exchange is pending."""
         window = self._window

@@ -79,6 +79,7 @@ class StepWindow:
         # per unit index: (backward pass, pairs per use after it, pairs per use after the pass before)
         self._pair_marks: Dict[int, tuple] = {}
         self.future = None
+        self.started: Optional[float] = None        # the step's start (`route_trial.StepClock`)
         self.done: List[Callable[[Optional[BaseException]], None]] = []  # DDP futures to complete
         self.lock = threading.Lock()
         self.sink = sink_type(self.priors)

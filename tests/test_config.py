@@ -55,6 +55,7 @@ def test_round_trip():
     ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
     ({"route_trial_steps": -1}, "route_trial_steps"),
     ({"route_trial_steps": 2.5}, "route_trial_steps"),
+    ({"route_trial_steps": 3}, "route_trial_steps"),
 ])
 def test_bad_values_name_the_key(values, key):
     with pytest.raises(ValueError, match=key):

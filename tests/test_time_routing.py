@@ -220,6 +220,16 @@ def test_leaving_a_rank_route_for_exact_factors(time_job):
         assert max(r["errors"]) < 1e-5, r["errors"]  # step 3: local + residual; step 4: exact
 
 
+RANK_ROUTES = {"rank", "rank_allreduce"}
+TRIAL_ARMS = ["R", "D", "D", "R"]  # steps 1-4: R D D R, decided at the end of step 4
+
+
+def _check_trial_arms(routes):
+    assert routes[0] and set(routes[0]) <= RANK_ROUTES, routes       # step 0: the models' routes
+    for arm, r in zip(TRIAL_ARMS, routes[1:5]):
+        assert (r == ["dense"]) == (arm == "D") and (arm == "D" or set(r) <= RANK_ROUTES), routes
+
+
 def test_trial_all_dense_wins_and_stays(time_job):
     """The models misjudge the link and compress; the job's own steps say all-dense is faster
     (the rank routes' collectives made slow): after the trial every weight stays dense, capture off,
@@ -227,64 +237,155 @@ def test_trial_all_dense_wins_and_stays(time_job):
     per_rank = result(time_job, "trial-dense")
     _ranks_agree(per_rank)
     routes = per_rank[0]["routes"]
-    rank_routes = {"rank", "rank_allreduce"}
-    assert all(r and set(r) <= rank_routes for r in routes[:3]), routes  # the refresh's: 0 settles, 1-2 timed
-    assert all(r == ["dense"] for r in routes[3:]), routes                # the dense half, then kept
+    _check_trial_arms(routes)
+    assert all(r == ["dense"] for r in routes[5:]), routes
     for r in per_rank:
         (trial,) = r["trials"]
-        assert trial["step"] == 0 and trial["compressed"] > 0 and not trial["kept"]
+        assert trial["step"] == 0 and trial["compressed"] > 0 and not trial["kept"] and trial["conclusive"]
+        assert trial["pairs"] == 2 and trial["routes_won"] == 0
         assert trial["routes_s"] > trial["dense_s"] + 0.1                # the slowed P all-reduce
         assert r["overhead_s"] == trial["overhead_s"] > 0                # calibrated: routes cost more
-        assert max(r["errors"].values()) < 1e-5, r["errors"]
+        assert max(r["errors"].values()) < 1e-5, r["errors"]              # steps 3 (D after D), 6, 9
         assert r["captured"][-1] == 0 and r["residuals_after"] == 0
-    assert per_rank[0]["trials"] == per_rank[1]["trials"]               # agreed medians, one decision
+    assert per_rank[0]["trials"] == per_rank[1]["trials"]               # agreed figures, one decision
+
+
+def _check_kept(per_rank):
+    _ranks_agree(per_rank)
+    routes = per_rank[0]["routes"]
+    _check_trial_arms(routes)
+    assert all(r == routes[0] for r in routes[5:]), routes  # the refresh's routes, restored
+    for r in per_rank:
+        (trial,) = r["trials"]
+        assert trial["kept"] and trial["conclusive"] and trial["routes_won"] == trial["pairs"] == 2
+        assert trial["dense_s"] > trial["routes_s"] + 0.1
+        assert r["errors"]["3"] < 1e-5, r["errors"]                       # a dense step after a dense one
+    assert per_rank[0]["trials"] == per_rank[1]["trials"]
 
 
 def test_trial_keeps_routes_that_measure_faster(time_job):
-    """Dense buckets made slow: the trial's rank routes measure faster, so they come back after
-    the dense half (step 7) and stay; the gradients of the dense half are the all-reduce's."""
-    per_rank = result(time_job, "trial-keep")
-    _ranks_agree(per_rank)
-    routes = per_rank[0]["routes"]
-    assert all(r and set(r) <= {"rank", "rank_allreduce"} for r in routes[:3]), routes
-    assert all(r == ["dense"] for r in routes[3:7]), routes
-    assert all(r == routes[0] for r in routes[7:]), routes  # the refresh's routes, restored
+    """Dense buckets made slow: the trial's rank routes measure faster, so they are kept from
+    step 5 on; the gradient of a dense step of the trial is the all-reduce's."""
+    _check_kept(result(time_job, "trial-keep"))
+
+
+def test_trial_ignores_time_between_steps(time_job):
+    """The loop sleeps 0.5 s and evaluates after every step on the rank routes: timed from one
+    exchange to the next, those steps would look 0.5 s slower and all-dense would win; timed from
+    the forward to the end of the exchange, the routes still win."""
+    per_rank = result(time_job, "trial-sleep")
+    _check_kept(per_rank)
     for r in per_rank:
-        (trial,) = r["trials"]
-        assert trial["kept"] and trial["dense_s"] > trial["routes_s"] + 0.1
-        assert r["errors"]["4"] < 1e-5 and r["errors"]["5"] < 1e-5, r["errors"]
+        assert r["trials"][0]["routes_s"] < 0.4
 
 
-def test_route_trial_phases_and_calibration():
-    """`RouteTrial` as a pure state machine: T timed steps on the routes after a settling step, T
-    all dense after one, the decision at the end of the step after; kept only beyond the margin;
-    the overhead moves by (predicted - measured saving) per compressed weight, never below 0."""
-    from dad_integrations.route_trial import KEEP_MARGIN, RouteTrial
+def test_trial_through_ddp(time_job):
+    """The same trial through DDP's communication hook: the step's span starts at DDP's forward."""
+    _check_kept(result(time_job, "trial-ddp"))
 
-    trial = RouteTrial(steps=3)
-    assert trial.fits(10, 19) and not trial.fits(10, 18) and not RouteTrial(steps=0).fits(0, 1000)
+
+def _agree_identity(values):
+    return list(values)
+
+
+def _run_trial(trial, start, times, next_refresh=1000):
+    """Feed ``times`` as the steps after ``start``; returns the outcomes seen."""
+    out = []
+    for k, t in enumerate(times, start=start + 1):
+        o = trial.end_of_step(k, t, _agree_identity, next_refresh)
+        if o is not None:
+            out.append(o)
+    return out
+
+
+def test_trial_schedule_pairs_and_decision():
+    """`RouteTrial` as a pure state machine: R D D R ... per round, the decision at a round's end
+    from per-pair differences; kept only beyond the margin; the overhead moves by (predicted +
+    measured difference) per compressed weight, never below 0."""
+    from dad_integrations.route_trial import KEEP_MARGIN, MAX_ROUNDS, RouteTrial
+
+    trial = RouteTrial(steps=4)
+    assert trial.fits(10, 10 + 4 * MAX_ROUNDS + 1) and not trial.fits(10, 10 + 4 * MAX_ROUNDS)
+    assert not RouteTrial(steps=0).fits(0, 1000)
     trial.begin(10, {0: "rank_allreduce", 1: "dense", 2: "exact"}, predicted_saving_s=0.05)
-    assert [k for k in range(9, 20) if trial.forces_dense(k)] == list(range(14, 19))
-    assert [k for k in range(9, 20) if trial.decides_at(k)] == [18]
-    for k, t in zip(range(10, 19), (9, 0.10, 0.12, 0.11, 7, 0.08, 0.09, 0.07, 0.5)):
-        trial.observe(k, t)
-    # steps 11-13 and 15-17 (settling and deciding steps left out), each half's lower quartile
-    assert trial.step_times() == (0.10, 0.07)
-    out = trial.decide(0.11, 0.08)
-    assert not out.kept and not trial.active
-    # predicted to save 50 ms, measured to lose 30: 80 ms unmodelled over 2 compressed weights
-    assert out.compressed == 2 and out.overhead_s == pytest.approx(0.04)
+    assert [trial.arm(k) for k in range(10, 16)] == [None, "routes", "dense", "dense", "routes", None]
+    # routes slower in both pairs (0.11 vs 0.08, 0.12 vs 0.08): dense, conclusive
+    (out,) = _run_trial(trial, 10, [0.11, 0.08, 0.08, 0.12])
+    assert not out.kept and out.conclusive and out.pairs == 2 and out.routes_won == 0 and not trial.active
+    assert out.routes_s == pytest.approx(0.115) and out.dense_s == pytest.approx(0.08)
+    # predicted to save 50 ms, measured to lose 35 (median difference): 85 ms over 2 compressed weights
+    assert out.compressed == 2 and out.overhead_s == pytest.approx(0.0425)
     trial.begin(50, {0: "rank"}, predicted_saving_s=0.01)
-    kept = trial.decide(0.05, 0.09)             # measured 40 ms faster than predicted: overhead falls
-    assert kept.kept and kept.overhead_s == pytest.approx(0.01)
+    (kept,) = _run_trial(trial, 50, [0.05, 0.09, 0.09, 0.05])  # 40 ms faster than dense
+    assert kept.kept and kept.overhead_s == pytest.approx(0.0425 + 0.01 - 0.04)  # overhead falls
     trial.begin(90, {0: "rank"}, predicted_saving_s=0.0)
-    assert not trial.decide(0.1 * (1 - KEEP_MARGIN / 2), 0.1).kept  # inside the margin: dense
-    assert trial.overhead_s == pytest.approx(0.009)  # 1 ms faster than the predicted 0 ms
+    inside = 0.1 * (1 - KEEP_MARGIN / 2)  # faster, but inside the margin: dense wins the pairs
+    (out,) = _run_trial(trial, 90, [inside, 0.1, 0.1, inside])
+    assert not out.kept and out.conclusive
     trial.begin(120, {0: "rank"}, predicted_saving_s=0.0)
-    assert trial.decide(0.05, 0.1).overhead_s == 0.0  # never below 0
+    (out,) = _run_trial(trial, 120, [0.05, 0.1, 0.1, 0.05])
+    assert out.overhead_s == 0.0  # never below 0
     trial.begin(150, {0: "rank"}, predicted_saving_s=0.0)
     trial.cancel()                                     # a checkpoint loaded mid-trial
-    assert not trial.active and not trial.forces_dense(155) and not trial.decides_at(158)
+    assert not trial.active and trial.arm(151) is None and trial.watch is None
+
+
+def test_trial_burst_spoils_a_pair_not_the_decision():
+    """A burst of load in one step (a 1 s dense step) loses one pair of four: 3 of 4 pairs still
+    favour the routes, so they are kept; sequential halves summarised by their medians would have
+    been misled as easily as a pair."""
+    from dad_integrations.route_trial import RouteTrial
+
+    trial = RouteTrial(steps=8)
+    # R D D R R D D R; the burst hits the first routes step
+    times = [1.0, 0.10, 0.10, 0.05, 0.05, 0.10, 0.10, 0.05]
+    trial.begin(0, {0: "rank"}, 0.0)
+    (out,) = _run_trial(trial, 0, times)
+    assert out.kept and out.conclusive and (out.routes_won, out.pairs) == (3, 4)
+
+
+def test_inconclusive_trial_extends_then_keeps_the_prediction():
+    """Split evidence (2 of 4 pairs each way) runs another round, up to MAX_ROUNDS; still split,
+    the models' routes are kept and the outcome says it was inconclusive."""
+    from dad_integrations.route_trial import MAX_ROUNDS, RouteTrial
+
+    trial = RouteTrial(steps=4)
+    trial.begin(0, {0: "rank", 1: "exact"}, predicted_saving_s=0.01)
+    split = [0.05, 0.10, 0.05, 0.10]  # pair 1 (R D): routes win; pair 2 (D R): dense wins
+    assert _run_trial(trial, 0, split) == [] and trial.active and trial.rounds == 2
+    assert [trial.arm(k) for k in range(5, 9)] == ["routes", "dense", "dense", "routes"]
+    outcomes = _run_trial(trial, 4, split * (MAX_ROUNDS - 1))
+    assert len(outcomes) == 1 and not trial.active
+    (out,) = outcomes
+    assert out.kept and not out.conclusive and out.pairs == 2 * MAX_ROUNDS and out.routes_won == MAX_ROUNDS
+    assert "inconclusive" in out.describe()
+    # a round that decides ends the trial early: routes faster in all pairs of the second round
+    trial.begin(100, {0: "rank"}, 0.0)
+    assert _run_trial(trial, 100, split) == []
+    (out,) = _run_trial(trial, 104, [0.05, 0.10, 0.10, 0.05])
+    assert out.kept and out.conclusive and out.pairs == 4 and out.routes_won == 3
+
+
+def test_sustained_miss_starts_a_new_trial():
+    """After a decision the chosen steps are watched: their lower quartile over a watch interval
+    above both arms' trial medians (by WATCH_MARGIN) starts a new trial at once; a single slow step
+    does not; a trial that would not end before the next refresh is not started; a watch-started
+    trial that confirms the choice doubles the interval."""
+    from dad_integrations.route_trial import RouteTrial
+
+    trial = RouteTrial(steps=4)
+    trial.begin(0, {0: "rank"}, predicted_saving_s=0.01)
+    (out,) = _run_trial(trial, 0, [0.05, 0.10, 0.10, 0.05])
+    assert out.kept and trial.watch is not None and trial.watch.interval == 4
+    assert _run_trial(trial, 4, [0.05, 2.0, 0.05, 0.05]) == [] and not trial.active  # one burst: no miss
+    assert _run_trial(trial, 8, [0.2, 0.2, 0.2, 0.2]) == [] and trial.active      # the link slowed
+    assert trial.cause == "watch" and trial.start == 12 and trial.routes == {0: "rank"}
+    (again,) = _run_trial(trial, 12, [0.2, 0.4, 0.4, 0.2])  # routes still faster: confirmed
+    assert again.kept and again.cause == "watch" and trial.watch.interval == 8
+    # near the next refresh (step 30): no room for a trial; the refresh chooses anew anyway
+    assert _run_trial(trial, 16, [0.9] * 8, next_refresh=30) == [] and not trial.active
+    trial.stop_watching()
+    assert trial.watch is None and _run_trial(trial, 24, [5.0] * 8) == [] and not trial.active
 
 
 def test_calibrated_overhead_charges_non_dense_routes():

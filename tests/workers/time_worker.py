@@ -8,7 +8,8 @@ Cases (each rank trains the small GPT-2 of `models` on its own batches):
   route, and that step's gradient is the all-reduce of the local gradient plus each rank's
   residual.
 - ``measured``: no link stated: measured at attach on this group, every rank routes alike.
-- ``trial-dense``, ``trial-keep``: route trials on a measured link (`run_trial`).
+- ``trial-dense``, ``trial-keep``, ``trial-sleep``, ``trial-ddp``: route trials on a measured
+  link (`run_trial`).
 - ``lossless-bytes``, ``lossless-time``: 3 lossless steps, then rank routes (`run_lossless`).
 Every case reports the routes per step and a digest of the final parameters.
 """
@@ -116,38 +117,55 @@ class SlowedAggregator(TorchDistributedAggregator):
 
 def run_trial(case: dict) -> dict:
     """A measured link that the models misjudge (`set_link` to 1 Mbit/s right after attach, as a
-    noisy probe could), so step 0 routes every weight by a rank route; route trials of 2
-    steps: steps 0-2 on those routes (1, 2 timed), 3-6 all dense (3 flushes the residuals; 4, 5
-    timed; 6 decides), then what measured faster. ``trial-dense``: the rank routes' collectives made
+    noisy probe could), so step 0 routes every weight by a rank route; route trials of rounds of 4
+    steps: steps 1-4 alternate the rank routes and all dense (R D D R: two pairs), decided at the
+    end of step 4, then what measured faster. ``trial-dense``: the rank routes' collectives made
     0.15 s slower, so all-dense wins and stays; ``trial-keep``: the dense buckets' all-reduce of
-    the weights made slower, so the rank routes come back at step 7."""
+    the weights made slower, so the rank routes come back at step 5. ``trial-sleep``: as
+    ``trial-keep``, but the loop sleeps 0.5 s after each step on the routes (an evaluation, a
+    checkpoint): time between steps does not count, so the routes still win. ``trial-ddp``: the
+    same through DDP's communication hook (the step starts at DDP's forward)."""
+    name = case["name"]
     model = build(MODEL, seed=0)
-    keep = case["name"] == "trial-keep"
+    keep = name != "trial-dense"
     agg = (SlowedAggregator(("dad.dense.",), min_numel=10_000) if keep
            else SlowedAggregator(("dad.powersgd.", "dad.rank.")))
-    config = DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0, route_trial_steps=2,
+    config = DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0, route_trial_steps=4,
                        route_refresh_steps=100)
-    sync = DADSynchronizer(model, agg, config)
+    if name == "trial-ddp":
+        from dad_integrations.ddp_hook import register_dad_comm_hook
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1000)
+        sync = register_dad_comm_hook(net, config, agg)
+    else:
+        net = model
+        sync = DADSynchronizer(model, agg, config)
     sync.set_link(SLOW)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out = {"routes": [], "errors": {}, "captured": []}
-    for step in range(10):
+    for step in range(12):
         data = batch(MODEL, 2, seed=100 * step + dist.get_rank())
-        ref = _reference_grads(model, data, {}) if step in (4, 5, 8) else None
-        loss_of(MODEL, model, data).backward()
-        sync.synchronize()
+        ref = _reference_grads(model, data, {}) if step in (3, 6, 9) else None
+        loss_of(MODEL, net, data).backward()
+        if net is model:
+            sync.synchronize()
         if ref is not None:
             out["errors"][step] = max(grad_errors(ref, model).values())
         report = sync.last_step_report()
-        out["routes"].append(sorted({p.representation for p in report.params if p.shape and len(p.shape) == 2}))
+        routes = sorted({p.representation for p in report.params if p.shape and len(p.shape) == 2})
+        out["routes"].append(routes)
         out["captured"].append(sum(c.enabled for c in sync._plan.captures))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if name == "trial-sleep" and routes != ["dense"]:
+            with torch.no_grad():  # an evaluation pass: starts no step
+                loss_of(MODEL, net, data)
+            time.sleep(0.5)
     out["trials"] = [dataclasses.asdict(t) for t in sync.route_trials]
     out["overhead_s"] = sync.timing.overhead_s
     out["digest"] = _digest(model)
     out["residuals_after"] = sum(s["residual"] is not None for s in sync.state_dict()["units"].values())
-    sync.close()
+    if net is model:
+        sync.close()
     return out
 
 
@@ -238,7 +256,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]
     cases = {name: {"name": name} for name in ("fast", "slow", "flush", "flush-skip", "measured", "flush-exact",
-                                               "trial-dense", "trial-keep", "lossless-bytes", "lossless-time")}
+                                               "trial-dense", "trial-keep", "trial-sleep", "trial-ddp",
+                                               "lossless-bytes", "lossless-time")}
     write_and_exit(out_path, run_all(cases, run, gather_per_rank))
 
 
