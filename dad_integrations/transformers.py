@@ -155,7 +155,10 @@ def _wrapper_of(model: Optional[nn.Module]) -> tuple[Any, Optional[EngineAdapter
         return None, None
     others = []
     for obj in gc.get_objects():
-        if isinstance(obj, nn.Module) and obj is not model and getattr(obj, "module", None) is model:
+        # type(obj), not isinstance: isinstance falls back to reading ``obj.__class__``, which on
+        # ``torch.distributed.reduce_op`` (a deprecated object whose every attribute read warns)
+        # printed a FutureWarning from this scan
+        if issubclass(type(obj), nn.Module) and obj is not model and getattr(obj, "module", None) is model:
             if isinstance(obj, DistributedDataParallel):
                 return obj, None
             others.append(obj)
