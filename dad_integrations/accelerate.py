@@ -43,6 +43,7 @@ from typing import List, Mapping, Optional, Union
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import banner
 from .checkpoint import keeps_state, load_rank_state, save_rank_state
 from .config import DADConfig
 from .ddp_hook import register_dad_comm_hook
@@ -57,6 +58,7 @@ _DDP_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "
 _said_single_process = False
 
 
+@banner.engine("Accelerate")  # the attach below announces itself by this name
 def enable_dad(accelerator, model: nn.Module,
                config: Union[DADConfig, Mapping, None] = None):
     """Synchronise ``model``'s gradients with dAD; call once, after ``accelerator.prepare(...)``

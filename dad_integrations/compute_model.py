@@ -31,6 +31,7 @@ from torch import nn
 from .aggregator import FactorAggregator
 from .link import agree_max
 from .low_rank import orthonormalize
+from .rng import isolated, private_generator
 
 Shape = Tuple[int, int]
 EXACT_REFERENCE_ROWS = 256   # rows per site at which the exact rebuild is timed
@@ -128,9 +129,10 @@ def _compensated_power_iteration(g: torch.Tensor, residual: Optional[torch.Tenso
 def _rank_allreduce_seconds(m: int, n: int, rank: int, iterations: int, error_feedback: bool,
                             device: torch.device, dtype: torch.dtype) -> float:
     r = min(rank, m, n)
-    g = torch.randn(m, n, device=device, dtype=dtype)
+    gen = private_generator(device)  # test matrices from dAD's own generator: the caller's stay put
+    g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
     residual = torch.zeros_like(g) if error_feedback else None
-    q = torch.randn(n, r, device=device, dtype=dtype)
+    q = torch.randn(n, r, device=device, dtype=dtype, generator=gen)
     out = torch.empty_like(g)
 
     def step() -> None:
@@ -145,11 +147,12 @@ def _rank_allreduce_seconds(m: int, n: int, rank: int, iterations: int, error_fe
 def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, error_feedback: bool,
                   device: torch.device, dtype: torch.dtype) -> float:
     r = min(rank, m, n)
-    g = torch.randn(m, n, device=device, dtype=dtype)
+    gen = private_generator(device)
+    g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
     residual = torch.zeros_like(g) if error_feedback else None
-    q = torch.randn(n, r, device=device, dtype=dtype)
-    gathered_p = torch.randn(world_size * r, m, device=device, dtype=dtype)
-    gathered_q = torch.randn(world_size * r, n, device=device, dtype=dtype)
+    q = torch.randn(n, r, device=device, dtype=dtype, generator=gen)
+    gathered_p = torch.randn(world_size * r, m, device=device, dtype=dtype, generator=gen)
+    gathered_q = torch.randn(world_size * r, n, device=device, dtype=dtype, generator=gen)
     out = torch.empty_like(g)
 
     def step() -> None:
@@ -163,10 +166,11 @@ def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, e
 
 def _exact_seconds(m: int, n: int, world_size: int, device: torch.device, dtype: torch.dtype) -> float:
     rows = world_size * EXACT_REFERENCE_ROWS
-    left = torch.randn(EXACT_REFERENCE_ROWS, m, device=device, dtype=dtype)
-    right = torch.randn(EXACT_REFERENCE_ROWS, n, device=device, dtype=dtype)
-    gl = torch.randn(rows, m, device=device, dtype=dtype)
-    gr = torch.randn(rows, n, device=device, dtype=dtype)
+    gen = private_generator(device)
+    left = torch.randn(EXACT_REFERENCE_ROWS, m, device=device, dtype=dtype, generator=gen)
+    right = torch.randn(EXACT_REFERENCE_ROWS, n, device=device, dtype=dtype, generator=gen)
+    gl = torch.randn(rows, m, device=device, dtype=dtype, generator=gen)
+    gr = torch.randn(rows, n, device=device, dtype=dtype, generator=gen)
     out = torch.empty(m, n, device=device, dtype=dtype)
 
     def step() -> None:
@@ -181,8 +185,9 @@ def _capture_seconds(device: torch.device, dtype: torch.dtype, calls: int = 20) 
     from .capture import ModuleCapture
     from .layers.linear import linear_rows
 
-    layer = nn.Linear(8, 8).to(device=device, dtype=dtype)
-    x = torch.randn(4, 8, device=device, dtype=dtype)
+    with isolated(torch.device("cpu")):  # the layer initialises itself from the global CPU generator
+        layer = nn.Linear(8, 8).to(device=device, dtype=dtype)
+    x = torch.randn(4, 8, device=device, dtype=dtype, generator=private_generator(device))
 
     def run() -> None:
         for _ in range(calls):

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import banner
 from .aggregator import FactorAggregator
 from .capture import remove_detached_captures
 from .config import DADConfig
@@ -99,7 +100,8 @@ def _attach(ddp: nn.parallel.DistributedDataParallel, config: Union[DADConfig, M
         from .torch_distributed import TorchDistributedAggregator
         aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group, timeout))
     # DDP broadcast rank 0's parameters and buffers when it wrapped the model
-    return DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, _driven_by_ddp=True)
+    with banner.engine("DDP (comm hook)"):
+        return DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, _driven_by_ddp=True)
 
 
 class DDPDriver:

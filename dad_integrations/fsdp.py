@@ -60,6 +60,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllocM
                                                                     _get_gradient_divide_factors)
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
+from . import banner
 from .aggregator import Traffic
 from .capture import CommittedRows
 from .checks import agree_factors_rebuild
@@ -168,6 +169,9 @@ class FSDPDADSynchronizer:
         self._installed = groups
         for module, pg in groups:
             self._install(module, pg)
+        banner.announce("FSDP2", process_rank=dist.get_rank(), world_size=dist.get_world_size(),
+                        mode=self.config.mode, rank=self.config.rank, objective=self.config.objective,
+                        factor_weights=len(units), dense_params=banner.dense_count(model, units))
 
     # -- set-up -----------------------------------------------------------------------------------
     def _groups_of(self, module: FSDPModule) -> list:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional, T
 import torch
 from torch import nn
 
+from . import banner
 from .aggregator import FactorAggregator
 from .checks import broadcast_model, check_same_model
 from .config import DADConfig
@@ -139,9 +140,9 @@ class DADSynchronizer:
         # thread ends cleanly instead of being torn down while it waits
         self._atexit = functools.partial(_abandon, weakref.ref(self))
         atexit.register(self._atexit)
-        if aggregator.rank == 0:
-            log.info("dAD attached: %d weights through factors, %d parameters dense, mode %s, %d ranks",
-                     len(self._plan.units), len(self._plan.dense), self.config.mode, aggregator.world_size)
+        banner.announce("DADSynchronizer", process_rank=aggregator.rank, world_size=aggregator.world_size,
+                        mode=self.config.mode, rank=self.config.rank, objective=self.config.objective,
+                        factor_weights=len(self._plan.units), dense_params=len(self._plan.dense))
 
     # -- public API -----------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -39,6 +39,7 @@ from .aggregator import FactorAggregator
 from .compute_model import ComputeModel, measure_compute
 from .config import DADConfig
 from .link import LinkModel, probe_link
+from .rng import isolated
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +88,17 @@ def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregato
     the config does not choose by time. A collective: every rank calls it at the same point."""
     if not wants_timing(config):
         return None
-    if config.link is not None:
-        link = LinkModel.from_spec(config.link)
-    else:
-        link = probe_link(aggregator, device, kinds=link_kinds)
-    compute = measure_compute(shapes, rank=config.rank, world_size=aggregator.world_size,
-                              iterations=config.power_iterations, error_feedback=config.error_feedback,
-                              device=device, dtype=dtype, aggregator=aggregator)
+    # the measurement draws from dAD's own generators; whatever draws from the global ones (a
+    # probe layer's initialisation, a kernel's) runs on a copy: the caller's dropout masks stay
+    # those of the run without dAD (`rng`)
+    with isolated(device):
+        if config.link is not None:
+            link = LinkModel.from_spec(config.link)
+        else:
+            link = probe_link(aggregator, device, kinds=link_kinds)
+        compute = measure_compute(shapes, rank=config.rank, world_size=aggregator.world_size,
+                                  iterations=config.power_iterations, error_feedback=config.error_feedback,
+                                  device=device, dtype=dtype, aggregator=aggregator)
     if aggregator.rank == 0:
         log.info("dAD: routes by predicted time; link %s (%s); capture %.1f us per call",
                  link.describe(), "measured" if link.measured else "stated", compute.capture_per_call * 1e6)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
+from . import banner
 from .checkpoint import keeps_state, load_rank_state, save_rank_state
 from .config import DADConfig
 from .ddp_hook import register_dad_comm_hook
@@ -61,6 +62,7 @@ class DADCallback(TrainerCallback):
         self._sent = self._allreduce = self._reduce_scatter = 0.0
         self._steps = 0
 
+    @banner.engine("Transformers Trainer")  # the attach below announces itself by this name
     def on_train_begin(self, args, state, control, model: Optional[nn.Module] = None, **kwargs) -> None:
         """Install dAD on the DDP wrapper (or find the DeepSpeed engine's) around ``model``, or inside
         FSDP2's reduce-scatter of the sharded ``model``; when resuming from a checkpoint, load this
@@ -153,7 +155,10 @@ def _wrapper_of(model: Optional[nn.Module]) -> tuple[Any, Optional[EngineAdapter
         return None, None
     others = []
     for obj in gc.get_objects():
-        if isinstance(obj, nn.Module) and obj is not model and getattr(obj, "module", None) is model:
+        # type(obj), not isinstance: isinstance falls back to reading ``obj.__class__``, which on
+        # ``torch.distributed.reduce_op`` (a deprecated object whose every attribute read warns)
+        # printed a FutureWarning from this scan
+        if issubclass(type(obj), nn.Module) and obj is not model and getattr(obj, "module", None) is model:
             if isinstance(obj, DistributedDataParallel):
                 return obj, None
             others.append(obj)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, 
 
 import torch
 
-from dad_integrations import DADConfig, DADSynchronizer, StepReport
+from dad_integrations import DADConfig, DADSynchronizer, StepReport, banner
 
 from .aggregator import DeepSpeedAggregator
 from .checkpointing import RankStateCheckpoints
@@ -68,9 +68,10 @@ class DeepSpeedDAD(RankStateCheckpoints):
         prescale, postscale = reduction_scales(engine, world)
         self.aggregator = DeepSpeedAggregator()
         # DeepSpeed broadcast rank 0's parameters when it built the engine
-        self.synchronizer = DADSynchronizer(engine.module, self.aggregator, config,
-                                            prescale_factor=prescale, postscale_factor=postscale,
-                                            broadcast_parameters=False)
+        with banner.engine(f"DeepSpeed ZeRO-{stage}"):
+            self.synchronizer = DADSynchronizer(engine.module, self.aggregator, config,
+                                                prescale_factor=prescale, postscale_factor=postscale,
+                                                broadcast_parameters=False)
         self.config = self.synchronizer.config
         self._accumulating: Optional[contextlib.AbstractContextManager] = None
         self._originals: Dict[str, Callable] = {}

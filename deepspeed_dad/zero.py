@@ -60,7 +60,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from dad_integrations import DADConfig
+from dad_integrations import DADConfig, banner
 from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
@@ -174,6 +174,10 @@ class ZeroDAD(RankStateCheckpoints):
             self._patch_checkpoints()
         seam = Zero2Seam if self.zero_stage == 2 else Zero3Seam
         self._seam = seam(self, engine.optimizer)
+        units = list(self._unit_of.values())
+        banner.announce(f"DeepSpeed ZeRO-{self.zero_stage}", process_rank=self.aggregator.rank, world_size=world_size,
+                        mode=config.mode, rank=config.rank, objective=config.objective,
+                        factor_weights=len(units), dense_params=banner.dense_count(engine.module, units))
         if self.aggregator.rank == 0:
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
                      self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from dad_integrations import banner
 from dad_integrations.synchronizer import DADSynchronizer
 
 from ._horovod import hvd
@@ -45,7 +46,7 @@ def reattach(optimizer: Any) -> Optional[DADSynchronizer]:
 
     prescale, postscale = optimizer._scale_factors()  # by the current size
     aggregator = HorovodAggregator(optimizer.process_set, prefix=prefix)
-    with _requiring_grad_only(model, optimizer._requires_update):  # the optimizer's parameters, as at attach
+    with _requiring_grad_only(model, optimizer._requires_update), banner.engine("Horovod (elastic)"):
         new = DADSynchronizer(model, aggregator, config, prescale_factor=prescale, postscale_factor=postscale,
                               backward_passes_per_step=optimizer.backward_passes_per_step,
                               broadcast_parameters=False)

@@ -52,7 +52,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from dad_integrations import DADConfig, DADSynchronizer, StepReport
+from dad_integrations import DADConfig, DADSynchronizer, StepReport, banner
 
 from ._horovod import Compression, hvd
 from .aggregator import HorovodAggregator
@@ -244,7 +244,7 @@ class _DADOptimizerMixin(torch.optim.Optimizer):
             # required grad when it was built, also if switched off now (a GAN's other half); the
             # model's other parameters keep their local gradients (another optimizer's, say).
             # Horovod users broadcast explicitly (hvd.broadcast_parameters), as with Horovod's optimizer.
-            with _requiring_grad_only(model, self._requires_update):
+            with _requiring_grad_only(model, self._requires_update), banner.engine("Horovod"):
                 self._dad_sync = DADSynchronizer(model, HorovodAggregator(process_set), config,
                                                  prescale_factor=prescale, postscale_factor=postscale,
                                                  backward_passes_per_step=self.backward_passes_per_step,
