@@ -3,7 +3,8 @@
 Each rank builds one model per method from the same initial weights and trains it on the same
 batches; methods take turns in rounds of a few steps, so that the load of a shared machine falls
 on all of them alike. Each method has its own process group, and the ranks meet at a barrier
-(untimed) before every step, so that no method's step or route trial is charged for another's. Results go to rank 0, which writes them as JSON.
+(untimed) before every step, so that no method's step or route trial is charged for another's.
+Results go to rank 0, which writes them as JSON.
 """
 from __future__ import annotations
 

@@ -21,7 +21,8 @@ Per method (one JSON record each):
   final_loss          held-out loss after the run's steps (loopback run)
 
 dad-auto routes by predicted time (the default objective: the link measured on each condition's
-group at attach), dad-auto-bytes by bytes.
+group at attach), dad-auto-bytes by bytes. Plots: bytes, step time by link, loss by step, and loss
+against wall-clock time on each link (time-to-loss).
 
 Each method's decisions see only its own steps: every method has its own process group (DDP's
 hooks one each, dAD one per synchroniser), and before each step the ranks meet at a barrier on a
@@ -31,8 +32,8 @@ trial's steps, and dAD's link probes at attach and at a refresh, run inside the 
 the trials' outcomes are recorded per method (`compare_details.json`, ``trials``).
 
 ``--load`` runs a bursty CPU hog (`benchmarks.cpu_load`: one core, busy 0.2-2 s, idle 0.2-2 s,
-seeded) inside each condition's namespace for the whole phase, as another job on a shared machine. Plots: bytes, step time by link, loss by step, and loss
-against wall-clock time on each link (time-to-loss).
+seeded) inside each condition's namespace for the whole phase, as another job on a shared
+machine.
 """
 from __future__ import annotations
 
