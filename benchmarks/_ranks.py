@@ -2,7 +2,9 @@
 
 Each rank builds one model per method from the same initial weights and trains it on the same
 batches; methods take turns in rounds of a few steps, so that the load of a shared machine falls
-on all of them alike. Results go to rank 0, which writes them as JSON.
+on all of them alike. Each method has its own process group, and the ranks meet at a barrier
+(untimed) before every step, so that no method's step or route trial is charged for another's.
+Results go to rank 0, which writes them as JSON.
 """
 from __future__ import annotations
 
@@ -67,7 +69,9 @@ class Runner:
         if method in DDP_METHODS and variant != "local":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-            group = None if variant == "real" else solo_group
+            # a group of its own (every rank builds the runners in the same order): no method's
+            # collectives share a group with another's
+            group = dist.new_group(list(range(world))) if variant == "real" else solo_group
             # bucket_cap_mb given explicitly, so that the first bucket is 25 MB too (not 1 MB): the
             # benchmark's models fit one bucket. PowerSGD's hook issues collectives from future
             # callbacks; with several buckets on gloo those can reach the ranks' queues in different
@@ -101,6 +105,13 @@ class Runner:
         self.received: List[float] = []
         self.counted: List[float] = []
         self.last_report = None
+
+    def trials(self) -> List[dict]:
+        """dAD's route trials so far (`route_trial.TrialOutcome` as dicts); empty for the others."""
+        if self.sync is None:
+            return []
+        return [{k: getattr(t, k) for k in ("step", "compressed", "routes_s", "dense_s", "predicted_saving_s",
+                                            "kept") if hasattr(t, k)} for t in self.sync.route_trials]
 
     def step(self) -> None:
         x = next(self.batches)
@@ -152,6 +163,9 @@ def link_check(nbytes: int = 1 << 20, reps: int = 2) -> float:
 
 
 def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
+    from benchmarks.cpu_load import die_with_parent
+
+    die_with_parent()  # a rank never outlives its phase
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -216,10 +230,14 @@ def _run_phase(spec: dict) -> None:
             targets.append(spec["nocomm_steps"])
     # round i takes each runner to round(i * total / rounds) steps: the runners' steps are spread
     # evenly over the run, so a burst of load from elsewhere falls on all of them alike
+    # Before each step the ranks meet (untimed, on a group of their own): the step, and any route
+    # trial's clock in it, starts with both ranks free of the previous method's work.
+    turns = dist.new_group(list(range(world)))
     rounds = spec["rounds"]
     for rnd in range(1, rounds + 1):
         for r, total in zip(runners, targets):
             while len(r.times) < (rnd * total) // rounds:
+                dist.barrier(group=turns)
                 r.step()
     warm = spec["warmup"]
     for r in runners:
@@ -235,6 +253,7 @@ def _run_phase(spec: dict) -> None:
                        sent_by_step=r.sent, eval_loss=r.eval_loss(eval_batches))
             if r.sync is not None and r.sync.timing is not None:
                 rec["link"] = r.sync.timing.link.describe()
+            rec["trials"] = r.trials()
             if r.last_report is not None:
                 rec["report"] = [{"name": p.name, "representation": p.representation, "sent": p.sent_bytes,
                                   "allreduce": p.allreduce_bytes, "rows": p.rows, "method": p.method}

@@ -23,6 +23,17 @@ Per method (one JSON record each):
 dad-auto routes by predicted time (the default objective: the link measured on each condition's
 group at attach), dad-auto-bytes by bytes. Plots: bytes, step time by link, loss by step, and loss
 against wall-clock time on each link (time-to-loss).
+
+Each method's decisions see only its own steps: every method has its own process group (DDP's
+hooks one each, dAD one per synchroniser), and before each step the ranks meet at a barrier on a
+group of their own (outside the timed span), so that neither a method's step time nor a route
+trial's clock includes the other rank still finishing the previous method's step. A route
+trial's steps, and dAD's link probes at attach and at a refresh, run inside the method's own turn;
+the trials' outcomes are recorded per method (`compare_details.json`, ``trials``).
+
+``--load`` runs a bursty CPU hog (`benchmarks.cpu_load`: one core, busy 0.2-2 s, idle 0.2-2 s,
+seeded) inside each condition's namespace for the whole phase, as another job on a shared
+machine.
 """
 from __future__ import annotations
 
@@ -85,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dad-rank and dad-auto without error feedback (on by default)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--phase-timeout", type=float, default=900, help="seconds per network condition")
+    p.add_argument("--load", action="store_true",
+                   help="a bursty CPU hog (benchmarks.cpu_load) runs beside the ranks in every condition")
     # internal: run one phase (inside the namespace for shaped links)
     p.add_argument("--_phase", help=argparse.SUPPRESS)
     p.add_argument("--_spec", help=argparse.SUPPRESS)
@@ -114,12 +127,23 @@ def run_phase_inside(spec_path: str) -> None:
     import torch.multiprocessing as mp
 
     from benchmarks._ranks import rank_main
+    from benchmarks.cpu_load import bursty_load, read_stats
 
     with open(spec_path) as fh:
         spec = json.load(fh)
     if spec.get("namespace"):
         net_shaping.setup_inside(None if spec["net"] == "loopback" else spec["net"])
-    mp.spawn(rank_main, args=(2, _free_port(), spec), nprocs=2, join=True)
+    load = spec.get("load")
+    stats = spec["out"] + ".load.json"
+    # the hog starts inside the namespace (same conditions as the ranks) and ends with the phase
+    with bursty_load(load["seed"] if load else 0, spec["timeout_s"], enabled=bool(load), stats_path=stats):
+        mp.spawn(rank_main, args=(2, _free_port(), spec), nprocs=2, join=True)
+    if load:
+        with open(spec["out"]) as fh:
+            result = json.load(fh)
+        result["load"] = read_stats(stats)
+        with open(spec["out"], "w") as fh:
+            json.dump(result, fh)
 
 
 def _phase_spec(args, net: str, out_file: str) -> dict:
@@ -140,7 +164,8 @@ def _phase_spec(args, net: str, out_file: str) -> dict:
             "nocomm_steps": 0 if shaped else s["nocomm_steps"],
             "mem_steps": 0 if shaped else s["mem_steps"],
             "warmup": warm_steps(s["warmup"], powersgd_warmup, auto.route_trial_steps), "rounds": min(s["rounds"], s["shaped_steps"]) if shaped else s["rounds"],
-            "timeout_s": args.phase_timeout}
+            "timeout_s": args.phase_timeout,
+            "load": {"seed": args.seed + NETS.index(net)} if args.load else None}
 
 
 def warm_steps(warmup: int, lossless: int, trial: int) -> int:
@@ -162,7 +187,11 @@ def run_phase(args, net: str, workdir: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.phase_timeout)
+    from benchmarks.cpu_load import die_with_parent
+
+    # the phase (its ranks and the hog of --load with it) dies with this process
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.phase_timeout,
+                          preexec_fn=die_with_parent)
     if proc.returncode != 0:
         raise RuntimeError(f"phase {net} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     with open(out_file) as fh:
@@ -229,6 +258,20 @@ def auto_targets(records: List[dict]) -> List[dict]:
             ratio = by[method][key] / times[best]
             out.append({"target": f"{method} step on {net} <= 1.02 x the fastest peer's", "value": ratio,
                         "limit": 1.02, "met": ratio <= 1.02,
+                        "detail": f"{by[method][key] * 1e3:.1f} ms vs {best} {times[best] * 1e3:.1f} ms"})
+    # issue 25's targets (with the background load, `--load`): each auto against its like-for-like peers
+    for method, like in (("dad-auto", ("allreduce", "powersgd")), ("dad-auto-fp16", ("fp16", "powersgd"))):
+        if method not in by:
+            continue
+        for net in NETS:
+            key = f"step_s_{net}"
+            times = {m: by[m][key] for m in like if m in by and by[m].get(key) is not None}
+            if by[method].get(key) is None or not times:
+                continue
+            best = min(times, key=times.get)
+            ratio = by[method][key] / times[best]
+            out.append({"target": f"{method} step on {net} <= 1.05 x the best of {' and '.join(like)}",
+                        "value": ratio, "limit": 1.05, "met": ratio <= 1.05,
                         "detail": f"{by[method][key] * 1e3:.1f} ms vs {best} {times[best] * 1e3:.1f} ms"})
     local = auto.get("step_s_local_1gbit")
     if auto.get("step_s_1gbit") is not None and local:
@@ -416,7 +459,7 @@ def main(argv=None) -> int:
     records = assemble(args, phases, skipped)
     targets = check_targets(records, phases)
     table = markdown_table(records)
-    meta = {"settings": args.settings, "preset": args.preset, "lr": args.lr, "seed": args.seed,
+    meta = {"settings": args.settings, "preset": args.preset, "lr": args.lr, "seed": args.seed, "load": args.load,
             "dad_error_feedback": not args.dad_no_error_feedback, "skipped": skipped,
             "link_bytes_per_s": {n: p["link_bytes_per_s"] for n, p in phases.items() if p},
             "phase_wall_s": {n: p["wall_s"] for n, p in phases.items() if p},
@@ -427,6 +470,17 @@ def main(argv=None) -> int:
     lines = [table, ""]
     for net, why in skipped.items():
         lines.append(f"- column {net}: skipped ({why})")
+    if args.load:
+        for net, p in phases.items():
+            if p and p.get("load"):
+                lines.append(f"- background load on {net}: bursty CPU hog, {p['load']['bursts']} bursts, busy "
+                             f"{p['load']['busy_s']:.0f} s of {p['load']['total_s']:.0f} s")
+    for net, p in phases.items():
+        for m in args.methods:
+            for t in (_per_rank(p, m)[0].get("trials", []) if p else []):
+                lines.append(f"- {m} route trial on {net} (refresh step {t['step']}): {t['compressed']} weights "
+                             f"compressed {t['routes_s'] * 1e3:.1f} ms/step, all dense {t['dense_s'] * 1e3:.1f} "
+                             f"ms/step: {'routes kept' if t['kept'] else 'all dense'}")
     for t in targets:
         lines.append(f"- {'MET ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.4g} (limit {t['limit']}); "
                      f"{t['detail']}")

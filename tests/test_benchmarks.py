@@ -206,3 +206,37 @@ def test_gpu_check_runs_on_cpu_and_skips_without_cuda(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check"], env=env, cwd=root,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "skipped" in proc.stdout
+
+
+def test_robustness_smoke_writes_every_key(tmp_path):
+    """`python -m benchmarks.robustness --smoke`: one run on loopback (in a network namespace where
+    `unshare -rn` works here) with the bursty CPU hog on; the JSON and the table have their
+    structure (auto's choice, its trials and representations, the two references), not timings."""
+    from benchmarks.robustness import METHODS
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.robustness", "--smoke", "--nets", "loopback",
+                           "--runs", "1", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    data = json.loads((tmp_path / "robustness.json").read_text())
+    assert list(data["summary"]) == ["loopback"] and data["meta"]["lossless_steps"] == 0
+    summary = data["summary"]["loopback"]
+    assert summary["runs"] == 1 and 0 <= summary["matched"] <= 1
+    (run,) = data["runs"]["loopback"]
+    settings = data["meta"]["settings"]
+    assert run["auto_choice"] in ("dense", "compressed") and run["faster"] in ("dense", "compressed")
+    assert run["matched"] == (run["auto_choice"] == run["faster"])
+    assert run["dense_s"] > 0 and run["compressed_s"] > 0 and run["auto_steady_s"] > 0
+    assert {m: len(run["times"][m]) for m in METHODS} == {"auto": settings["steps"], "dense": settings["ref_steps"],
+                                                          "compressed": settings["ref_steps"]}
+    assert len(run["eval_loss"]) == (settings["steps"] - 1) // settings["eval_every"]
+    for t in run["auto_trials"]:
+        assert {"step", "routes_s", "dense_s", "kept"} <= set(t)
+    # the references route as stated: all dense, and every weight off the dense route
+    refs = run["reference_representations"]
+    assert set(refs["dense"]) == {"dense"} and sum(run["auto_representations"].values()) > 0
+    assert sum(n for rep, n in refs["compressed"].items() if rep != "dense") > 0
+    stats = data["meta"]["load_stats"]["loopback"]
+    assert stats["bursts"] >= 1 and stats["busy_s"] > 0   # the hog ran, and stopped
+    assert "| loopback | 1 |" in (tmp_path / "robustness.md").read_text()
