@@ -20,6 +20,11 @@ FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``Re
   ``error_feedback_rank``) and warm starts, kept at the end
   of each backward only if every rank's gradients were finite;
 * `router.route(..., sharded=True)`: per weight, factors, a rank route or FSDP's reduce-scatter (``auto``);
+* `sharded_trial.ShardedTrial`: by time on a measured link, route trials against all dense (a step's
+  span: from the root's forward, a forward pre-hook, to a callback queued on autograd's engine at the
+  step's first reduce-scatter, which runs after FSDP's own final callback, queued at backward's start;
+  the ranks agree there). Dense steps and all dense decided: every weight by FSDP's reduce-scatter,
+  residuals flushed into it, capture off;
 * `sink.ShardSink`: FSDP's buffers (local gradients read as matrix views, shards and padding written);
 * `checks.factors_rebuild_local_grad`: the first call's check; `capture.CommittedRows`: rows are
   sent only once autograd has added them to the unsharded gradient (FSDP's post-backward can run

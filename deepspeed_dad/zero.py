@@ -45,6 +45,13 @@ agree across ranks), so the collectives of steps 2, 3, 6 and 7 match. The report
 (`last_step_report`) lists each parameter's bytes beside what DeepSpeed's reduce-scatter of it
 would move.
 
+Route trials (`dad_integrations.sharded_trial`: by time, on a measured link, in mode auto): a step's
+span runs from the module's forward (a forward pre-hook) to the end of the engine's backward
+epilogue (ZeRO's last bucket is reduced there), where every rank agrees; a step is a backward that
+reduces (with gradient accumulation, a micro-step). On a dense step, and after all dense is decided
+until the next refresh, every weight goes by DeepSpeed's reduction (residuals flushed into it,
+capture off).
+
 Rank-dAD's residuals and warm starts are kept only once the backward is over and every rank's local
 gradients were finite (the wrapped ``_backward_epilogue``: one all-reduce of one number), as under
 FSDP2; they are per rank, so ``save_checkpoint`` / ``load_checkpoint`` write and read one file per
