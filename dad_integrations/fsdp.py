@@ -20,6 +20,11 @@ FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``Re
   ``error_feedback_rank``) and warm starts, kept at the end
   of each backward only if every rank's gradients were finite;
 * `router.route(..., sharded=True)`: per weight, factors, a rank route or FSDP's reduce-scatter (``auto``);
+* `sharded_trial.ShardedTrial`: by time on a measured link, route trials against all dense (a step's
+  span: from the root's forward, a forward pre-hook, to a callback queued on autograd's engine at the
+  step's first reduce-scatter, which runs after FSDP's own final callback, queued at backward's start;
+  the ranks agree there). Dense steps and all dense decided: every weight by FSDP's reduce-scatter,
+  residuals flushed into it, capture off;
 * `sink.ShardSink`: FSDP's buffers (local gradients read as matrix views, shards and padding written);
 * `checks.factors_rebuild_local_grad`: the first call's check; `capture.CommittedRows`: rows are
   sent only once autograd has added them to the unsharded gradient (FSDP's post-backward can run
@@ -47,7 +52,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -72,7 +77,7 @@ from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
 from .router import UnitShape, route, sharded_needs_counts
-from .timing import EngineTiming
+from .sharded_trial import ShardedTrial, agree_on
 from .sink import ShardSink, ShardSlot
 from .synchronizer import WIRE_DTYPES
 from .torch_distributed import TorchDistributedAggregator
@@ -141,7 +146,9 @@ class FSDPDADSynchronizer:
         self._fp_of = {id(fp.sharded_param): (pg, fp) for _, pg in groups for fp in pg.fsdp_params}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self.plan = build_plan(model, self.config)
-        self._timing = EngineTiming(self.config)
+        # objective "time": the models, and route trials on a measured link (`sharded_trial`)
+        self._trial = ShardedTrial(self.config, "dAD/FSDP2", log_decisions=dist.get_rank() == 0)
+        self._trial_end: Optional[Callable[[], None]] = None  # a step's end outside backward
         self._unit_of: Dict[int, FactorUnit] = {}
         for unit in self.plan.units:
             reason = self._unsupported(unit.param)
@@ -164,8 +171,10 @@ class FSDPDADSynchronizer:
         if note is not None and dist.get_rank() == 0:  # said once, at attach: memory the user did not expect
             log.warning("dAD/FSDP2: %s", note)
         if units:  # objective "time": the link and compute models, measured here by every rank together
-            self._timing.start([u.shape for u in units], TorchDistributedAggregator(),
-                               units[0].param.device)
+            self._trial.start(units, TorchDistributedAggregator(), units[0].param.device)
+        # a step's span for route trials starts at the root's forward (FSDP's all-gathers included)
+        self._forward_hook = model.register_forward_pre_hook(lambda module, args: self._trial.forward(),
+                                                             prepend=True)
         self._installed = groups
         for module, pg in groups:
             self._install(module, pg)
@@ -220,6 +229,7 @@ class FSDPDADSynchronizer:
         if self._closed:
             return
         self._closed = True
+        self._forward_hook.remove()
         for module, pg in self._installed:
             pg.__dict__.pop("post_backward", None)
             module.set_custom_reduce_scatter(DefaultReduceScatter())
@@ -230,6 +240,24 @@ class FSDPDADSynchronizer:
     def last_step_report(self) -> Optional[ShardedStepReport]:
         """The report of the latest backward that reduced gradients (None before the first)."""
         return self._report
+
+    def set_link(self, link) -> None:
+        """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; the same on every rank)
+        in place of the measured one, until it is measured again (every ``route_refresh_steps``);
+        with ``objective="bytes"`` it has no effect."""
+        from .link import LinkModel
+        self._trial.set_link(LinkModel.from_spec(link))
+
+    @property
+    def timing(self):
+        """The link and compute models routes are chosen by; None where the objective is bytes."""
+        return self._trial.timing
+
+    @property
+    def route_trials(self) -> list:
+        """The route trials so far (`route_trial.TrialOutcome`); empty where routes are not chosen
+        by time on a measured link in mode auto."""
+        return self._trial.outcomes
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -256,6 +284,7 @@ class FSDPDADSynchronizer:
         # the next backward is step steps + 1 (as `_reduce` counts), and its report replaces this one
         self._report = ShardedStepReport(steps, dist.get_world_size()) if steps else None
         self._task = None
+        self._trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
 
     def _log_once(self, message: str) -> None:
         if message not in self._logged:
@@ -264,6 +293,26 @@ class FSDPDADSynchronizer:
 
     # -- the reduce-scatter -----------------------------------------------------------------------
     def _reduce(self, pg, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op) -> None:
+        self._reduce_call(pg, out, inp, group, op)
+        end, self._trial_end = self._trial_end, None
+        if end is not None:  # not inside a backward: this call is the step
+            end()
+
+    def _open_trial_step(self, step: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        """The step's first reduction: its span is timed to the end of its last one, where every
+        rank agrees (`sharded_trial`): a callback queued on autograd's engine now runs after every
+        group's reduce-scatter, FSDP's final callback (queued at backward's start) included."""
+        if self._trial.trial is None or self._trial.step == step:
+            return
+        self._trial.open(step)
+        agg = self._aggregators.setdefault(id(group), TorchDistributedAggregator(group))
+        end = functools.partial(self._trial.end, step, agree_on(agg, device))
+        if torch._C._current_graph_task_id() < 0:
+            self._trial_end = end
+        else:
+            Variable._execution_engine.queue_callback(end)
+
+    def _reduce_call(self, pg, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op) -> None:
         S = group.size()
         task = torch._C._current_graph_task_id()  # every group's call of one backward shares it
         if self._report is None or task != self._task or task < 0:
@@ -273,6 +322,8 @@ class FSDPDADSynchronizer:
                 self.rank_codec.start_step()
                 self._rank_end_queued = False
         report = self._report
+        step = report.step - 1  # 0-based, as the router counts
+        self._open_trial_step(step, group, inp.device)
         if self.rank_codec is not None:
             self.rank_codec.note_local(inp)  # the step's finiteness, agreed when it ends
         slots = self._slots(pg, inp, S)
@@ -285,6 +336,12 @@ class FSDPDADSynchronizer:
         sink = ShardSink(slots, out, inp, S, predivide)
         agg = self._aggregators.setdefault(id(group), TorchDistributedAggregator(group))
         units = [u for u in (self._unit_of.get(id(s.param)) for s in slots) if u is not None and not u.dense_only]
+        if self._trial.dense(step):  # a route trial's dense step, or all dense decided: FSDP's reduce-scatter
+            for unit in units:
+                for c in unit.uses:
+                    self._committed.take(c)  # (capture is off from the step after the decision)
+                self._flush_residual(unit, sink, agg, report)
+            return self._dense(slots, sink, group, op, report)
         rows = {u.index: [concat_rows(self._committed.take(c), c.kind, u.shape, u.param, c.block)
                           for c in u.uses] for u in units}
         # units without uses (PowerSGD's floor: raw parameters, uncaptured convolutions) have no rows:
@@ -307,7 +364,7 @@ class FSDPDADSynchronizer:
         # them and as the reduce-scatter and the rank routes send (not in the sharded parameters'
         # dtype: fp32 factors on the wire under a bf16 policy, counted as bf16 by auto)
         codec = ShardedExactCodec(self._wire or inp.dtype, inp.device)
-        timing = self._timing.get(agg, inp.device, report.step - 1) if units else None
+        timing = self._trial.models(agg, inp.device, step) if units else None
         covered, ranked = set(), []
         for unit in units:
             biases = [b.param for b in unit.biases if sink.slot(b.param) is not None]
@@ -315,7 +372,8 @@ class FSDPDADSynchronizer:
             # (`costs.sharded_exact_covers`)
             shape = UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in biases), inp.dtype, unit.blocks)
             decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts.get(unit.index),
-                             sharded=True, step=report.step - 1, timing=timing)
+                             sharded=True, step=step, timing=timing)
+            self._trial.note(unit, decision)
             if decision.representation in RANK_ROUTES:
                 ranked.append(self.rank_codec.local(unit, rows[unit.index], sink.local_grad, decision.representation))
                 continue  # exchanged together below; biases stay on FSDP's reduce-scatter

@@ -109,7 +109,9 @@ class EngineTiming:
     """`StepTiming` for engines whose reductions run inside the engine's own hooks (FSDP2, ZeRO):
     measured at attach (`start`: every rank attaches together; not inside backward, where the
     compute model's timed backward of a probe layer could not run), the link measured again at the
-    first reduction of every ``route_refresh_steps``-th step (where the config states none)."""
+    first reduction of every ``route_refresh_steps``-th step (where the config states none).
+    `sharded_trial.ShardedTrial` owns one, and checks the routes it predicts against all dense on
+    the job's steps (route trials, as `route_trial` under the unsharded engines)."""
 
     def __init__(self, config: DADConfig):
         self.config = config

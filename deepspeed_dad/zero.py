@@ -45,6 +45,13 @@ agree across ranks), so the collectives of steps 2, 3, 6 and 7 match. The report
 (`last_step_report`) lists each parameter's bytes beside what DeepSpeed's reduce-scatter of it
 would move.
 
+Route trials (`dad_integrations.sharded_trial`: by time, on a measured link, in mode auto): a step's
+span runs from the module's forward (a forward pre-hook) to the end of the engine's backward
+epilogue (ZeRO's last bucket is reduced there), where every rank agrees; a step is a backward that
+reduces (with gradient accumulation, a micro-step). On a dense step, and after all dense is decided
+until the next refresh, every weight goes by DeepSpeed's reduction (residuals flushed into it,
+capture off).
+
 Rank-dAD's residuals and warm starts are kept only once the backward is over and every rank's local
 gradients were finite (the wrapped ``_backward_epilogue``: one all-reduce of one number), as under
 FSDP2; they are per rank, so ``save_checkpoint`` / ``load_checkpoint`` write and read one file per
@@ -70,7 +77,7 @@ from dad_integrations.error_feedback import sharded_residual_note
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.router import UnitShape, route, sharded_needs_counts
-from dad_integrations.timing import EngineTiming
+from dad_integrations.sharded_trial import ShardedTrial, agree_on
 from dad_integrations.synchronizer import WIRE_DTYPES
 from dad_integrations.units import FactorUnit, build_plan, param_shape
 
@@ -145,8 +152,12 @@ class ZeroDAD(RankStateCheckpoints):
         # all-reduced P and Q rebuilt over each rank's owned elements (`_reduce_shared`)
         self._rank = ShardedRankCodec(config, self._wire) if config.rank is not None else None
         self._rank_in_step = False
-        self._timing = EngineTiming(config)
-        self._timing.start([u.shape for u in self.plan.units], self.aggregator, device)  # matrix views
+        # objective "time": the models (matrix views), and route trials on a measured link
+        self._trial = ShardedTrial(config, f"dAD/ZeRO-{self.zero_stage}", log_decisions=self.aggregator.rank == 0)
+        self._trial.start(self.plan.units, self.aggregator, device)
+        # a step's span for route trials starts at the module's forward (ZeRO-3's all-gathers included)
+        self._forward_hook = engine.module.register_forward_pre_hook(lambda module, args: self._trial.forward(),
+                                                                     prepend=True)
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
         # which it reduces in place: the send and receive buffers add at most about half a bucket
         bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
@@ -166,6 +177,8 @@ class ZeroDAD(RankStateCheckpoints):
         def backward_epilogue(*args: Any, **kwargs: Any) -> Any:
             out = epilogue(*args, **kwargs)  # ZeRO reduces its last bucket in here
             self._end_rank_step()            # not after a raise: a collective then could hang
+            # the step's reductions are over, on every rank: its span ends, a trial agrees here
+            self._trial.end(self._steps - 1, agree_on(self.aggregator, self._codec.device))
             return out
 
         self._patch("_backward_prologue", backward_prologue)
@@ -202,6 +215,24 @@ class ZeroDAD(RankStateCheckpoints):
         per parameter its bytes, beside DeepSpeed's reduce-scatter (``reduce_scatter_bytes``)."""
         return self._report
 
+    def set_link(self, link) -> None:
+        """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; the same on every rank)
+        in place of the measured one, until it is measured again (every ``route_refresh_steps``);
+        with ``objective="bytes"`` it has no effect."""
+        from dad_integrations.link import LinkModel
+        self._trial.set_link(LinkModel.from_spec(link))
+
+    @property
+    def timing(self):
+        """The link and compute models routes are chosen by; None where the objective is bytes."""
+        return self._trial.timing
+
+    @property
+    def route_trials(self) -> list:
+        """The route trials so far (`route_trial.TrialOutcome`); empty where routes are not chosen
+        by time on a measured link in mode auto."""
+        return self._trial.outcomes
+
     @property
     def keeps_state(self) -> bool:
         """Whether `state_dict` holds anything between steps: only the rank route does (error-feedback
@@ -222,10 +253,12 @@ class ZeroDAD(RankStateCheckpoints):
         load_rank_route_state(self._rank, dict(state.get("rank_routes") or {}),
                               {u.name: u.param for u in self.plan.units})
         self._steps = int(state.get("steps", 0))
+        self._trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
 
     def detach(self) -> None:
         """Give the engine its own reduction back and remove dAD's hooks."""
         self._seam.remove()
+        self._forward_hook.remove()
         for name in self._originals:
             self.engine.__dict__.pop(name, None)
         self._originals.clear()
@@ -260,7 +293,18 @@ class ZeroDAD(RankStateCheckpoints):
             self._report = ShardedStepReport(self._steps, S)
             if self._rank is not None:
                 self._rank.start_step()
+            self._trial.open(self._steps - 1)
         report = self._report
+        if self._trial.dense(self._steps - 1):  # a route trial's dense step, or all dense decided
+            for p, g in zip(params, local):
+                unit = self._unit_of.get(id(p))
+                if unit is not None and not unit.dense_only:
+                    for c in unit.uses:
+                        c.take()  # (capture is off from the step after the decision)
+                    self._flush_residual(unit, g)  # it rides DeepSpeed's own reduction
+                report.params.append(_param_report(self._names.get(id(p), "?"), "dense", param_shape(p), S,
+                                                   itemsize, dense=True))
+            return set()
         items: List[PartitionItem] = []
         grads: Dict[int, torch.Tensor] = {}
         for p, g, r in zip(params, local, ranges):
@@ -286,13 +330,14 @@ class ZeroDAD(RankStateCheckpoints):
         routed: List[PartitionItem] = []   # exact factors, or (rank-dAD) P_s^T and Q_s^T as rows
         ranked: Dict[int, Tuple[int, str]] = {}   # components sent, how M_s was reduced
         shared: List[Tuple[PartitionItem, RankItem]] = []   # PowerSGD's all-reduce route
-        timing = self._timing.get(self.aggregator, self._codec.device, self._steps - 1) if items else None
+        timing = self._trial.models(self.aggregator, self._codec.device, self._steps - 1) if items else None
         for it in items:
             unit = by_key[it.key]
             busiest, mean = self._estimates(it, itemsize, self._wire or dtype, _takes_exact(unit))
             decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype, unit.blocks), world_size=S,
                              wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank() or None, sharded=True,
                              step=self._steps - 1, estimates=busiest, ties=mean, timing=timing)
+            self._trial.note(unit, decision)
             if decision.representation not in ("rank", "rank_allreduce") and self._flush_residual(
                     unit, grads[it.key]):
                 continue  # its residual rides DeepSpeed's own reduction this step

@@ -69,6 +69,7 @@ EF_LOSSY = ["gpt2-auto-rank4-ef-rank1"]  # a residual kept at rank 1 drops its t
 NONFINITE = ["mlp-rank2-nonfinite", "mlp-rank2-allreduce-nonfinite"]    # rank 1's loss NaN at step 1
 TIMED = ["gpt2-time-slow"]  # objective "time" on a stated slow link (the fast one is in CASES)
 FLUSH = ["mlp-auto-rank8-flush"]  # a weight leaves its rank route when rows fall
+TRIAL = ["mlp-trial-dense"]  # a route trial whose compressed routes are slowed (`fsdp2_worker.run_trial`)
 RANKED = ["mlp-rank-full-allgather", "mlp-rank-full-allreduce"] + LOSSY + NONFINITE
 RANK_REPS = ("rank", "rank_allreduce")
 # mode rank sends every weight by a rank route, even a class token (1 x d), whose r = 1 factors
@@ -85,7 +86,7 @@ def jobs(tmp_path_factory):
         if nproc not in done:
             out = tmp_path_factory.mktemp(f"fsdp2_{nproc}") / "out.json"
             run_torchrun(WORKERS / "fsdp2_worker.py", nproc,
-                         [out, *(CASES + LOSSY + NONFINITE + TIMED + FLUSH if nproc == 2 else CASES_4)], timeout=900)
+                         [out, *(CASES + LOSSY + NONFINITE + TIMED + FLUSH + TRIAL if nproc == 2 else CASES_4)], timeout=900)
             done[nproc] = json.loads(out.read_text())
         return done[nproc]
 
@@ -147,6 +148,27 @@ def test_objective_time_routes_by_the_link(results):
         assert {r for _, r, _, _ in rep["params"]} & set(RANK_REPS), rep["params"]
         assert rep["totals"]["sent_bytes"] < 0.5 * rep["fsdp_reduce_scatter_bytes"]  # 32-wide layers, rank 4
     assert len(set(slow["checksums"])) == 1
+
+
+def test_route_trial_under_fsdp2(results):
+    """A measured link the models misjudge (every weight compressed at step 0) and compressed routes
+    slowed by a real sleep: steps 1-4 alternate the routes and FSDP's own reduce-scatter (R D D R),
+    every rank decides all dense at step 4, and from step 5 every weight takes FSDP's reduce-scatter
+    with capture off. Dense steps' gradients equal FSDP's own (where no residual is flushed into
+    them: the step after a rank-routed one carries its residual), and the ranks end bit-identical."""
+    res = _case(results, "mlp-trial-dense")
+    assert res["arms"][:5] == [None, "routes", "dense", "dense", "routes"], res["arms"]
+    compressed = [r != ["dense"] for r in res["routes"]]
+    assert compressed == [True, True, False, False, True, False, False, False], res["routes"]
+    (trial,) = res["trials"]
+    assert (trial["step"], trial["kept"], trial["conclusive"], trial["pairs"]) == (0, False, True, 2), trial
+    assert trial["routes_s"] > trial["dense_s"] and trial["compressed"] > 0
+    assert res["captured"][1:3] == [0, 0] and res["captured"][0] > 0 and res["captured"][4:] == [0] * 4
+    for step in ("3", "6", "7"):  # dense steps with no residual to flush: FSDP's own reduction
+        assert res["errors"][step] <= TOL, (step, res["errors"][step])
+    ranks = res["ranks"]
+    assert all(r["trials"] == ranks[0]["trials"] for r in ranks)
+    assert all(r["checksum"] == ranks[0]["checksum"] for r in ranks)
 
 
 def test_leaving_a_rank_route_flushes_the_residual(results):

@@ -435,3 +435,37 @@ def test_lossless_steps_then_rank_routes(time_job, objective):
     assert all({"rank", "rank_allreduce"} & set(r) for r in routes[3:]), routes
     for r in per_rank:
         assert len(r["errors"]) == 3 and max(r["errors"]) < 1e-5, r["errors"]
+
+
+def test_sharded_trial_holds_all_dense_until_the_next_refresh():
+    """`sharded_trial.ShardedTrial` (FSDP2, ZeRO) driven as the adapters drive it, no processes: a
+    refresh that compresses begins a trial, its dense arm and then all dense (decided) force the
+    engine's reduce-scatter until the next refresh, which routes anew; a refresh that compresses
+    nothing begins none. The real engines' trials: tests/test_fsdp2.py, tests/test_zero.py."""
+    from dad_integrations.route_trial import RouteTrial
+    from dad_integrations.router import Route
+    from dad_integrations.sharded_trial import ShardedTrial
+
+    pieces = ShardedTrial(DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0,
+                                    route_trial_steps=4, route_refresh_steps=20))
+    pieces.trial = RouteTrial(4)  # (`start` measures the models: a collective)
+    units = [type("Unit", (), {"index": i})() for i in range(3)]
+    now = [0.0]
+    pieces.clock.clock = lambda: now[0]
+    forced = []
+    for step in range(25):
+        pieces.forward()
+        pieces.open(step)
+        dense = pieces.dense(step)
+        forced.append(dense)
+        compress = not dense and step not in (20,)  # step 20: the refresh's routes are all dense
+        for unit in units:
+            pieces.note(unit, Route("rank" if compress else "dense", False, 0.01))
+        now[0] += 1.0 if compress else 0.1  # the routes are slower
+        pieces.end(step, lambda values: list(values))
+    (outcome,) = pieces.outcomes
+    assert not outcome.kept and outcome.pairs == 2
+    assert forced[:5] == [False, False, True, True, False]    # refresh, then R D D R
+    assert all(forced[5:20])                                  # all dense until the refresh at 20
+    assert not any(forced[20:])                               # routed anew: nothing compressed, no trial
+    assert pieces.next_refresh(3) == 20 and pieces.refresh(20) and not pieces.refresh(19)

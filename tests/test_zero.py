@@ -144,10 +144,18 @@ FLUSH = {stage: {f"z{stage}-wide-auto-rank8-flush": {"model": "wide_rows", "dad"
          for stage in (2, 3)}
 
 
+# a route trial (`zero_worker.run_trial`): a measured link the models misjudge, compressed routes slowed
+TRIAL_DAD = {"mode": "auto", "rank": 4, "objective": "time", "lossless_steps": 0, "route_trial_steps": 4,
+             "route_refresh_steps": 100}
+TRIAL = {2: {"z2-gpt2-trial-dense": {"model": "gpt2", "steps": 8, "lr": 0.1, "dad": TRIAL_DAD}}}
+
+
 def _cases(stage: int) -> dict:
     cases = {cid: {"kind": "match", "stage": stage, "dad": EXACT, **extra} for cid, extra in MATCH[stage].items()}
     for cid, extra in {**RANK_CASES[stage], **FLUSH[stage]}.items():
         cases[cid] = {"kind": "rank", "stage": stage, **extra}
+    for cid, extra in TRIAL.get(stage, {}).items():
+        cases[cid] = {"kind": "trial", "stage": stage, **extra}
     for cid, (extra, _) in ERRORS[stage].items():
         cases[cid] = {"kind": "error", "stage": stage, "model": "mlp", "dad": EXACT, **extra}
     return cases
@@ -437,3 +445,25 @@ def test_leaving_a_rank_route_flushes_the_residual(jobs, stage):
         last = {name: rep for name, rep, *_ in r["reports"][-1]}
         assert all(last[name] == "dense" for name in r["flushed"]), last
         assert r["identical"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,cid", [(s, c) for s in TRIAL for c in TRIAL[s]])
+def test_route_trial_under_zero(jobs, stage, cid):
+    """A measured link the models misjudge (every weight compressed at step 0) and compressed routes
+    slowed by a real sleep: steps 1-4 alternate the routes and DeepSpeed's own reduction (R D D R),
+    every rank decides all dense at step 4, and from step 5 every weight takes DeepSpeed's reduction
+    with capture off. Dense steps' partitions equal DeepSpeed's own (where no residual is flushed
+    into them: the step after a rank-routed one carries its residual); the ranks end bit-identical."""
+    ranks = result(jobs(stage), cid)
+    res = ranks[0]
+    assert res["arms"][:5] == [None, "routes", "dense", "dense", "routes"], res["arms"]
+    compressed = [r != ["dense"] for r in res["routes"]]
+    assert compressed == [True, True, False, False, True, False, False, False], res["routes"]
+    (trial,) = res["trials"]
+    assert (trial["step"], trial["kept"], trial["conclusive"], trial["pairs"]) == (0, False, True, 2), trial
+    assert trial["routes_s"] > trial["dense_s"] and trial["compressed"] > 0
+    assert res["captured"][1:3] == [0, 0] and res["captured"][0] > 0 and res["captured"][4:] == [0] * 4
+    for step in ("3", "6", "7"):  # dense steps with no residual to flush: DeepSpeed's own reduction
+        assert res["errors"][step] <= TOL, (step, res["errors"][step])
+    assert all(r["trials"] == res["trials"] and r["digest"] == res["digest"] for r in ranks)

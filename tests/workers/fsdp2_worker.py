@@ -250,7 +250,53 @@ def resume(sync, model: nn.Module, config: dict):
         torch.equal(saved[k], loaded[k]) for k in saved)}
 
 
+def run_trial(case: dict) -> dict:
+    """A route trial under FSDP2: a measured link the models misjudge (`set_link` to 1 Mbit/s after
+    attach, so every weight compresses at step 0) and compressed routes slowed by a real sleep
+    (`models.slow_compressed_routes`), route trials of rounds of 4 steps: steps 1-4 alternate the
+    routes and all dense (R D D R), all dense decided at the end of step 4, then all dense until
+    the next refresh (100). FSDP's own reduction runs beside it on the same parameters (``follow``)
+    and data: dense steps' gradients must equal it."""
+    name, rank = case["model"], dist.get_rank()
+    ref = build(name)
+    mine = copy.deepcopy(ref)
+    shard(name, ref, case)
+    shard(name, mine, case)
+    sync = enable_dad_fsdp(mine, case["config"])
+    group = sync._installed[0][1].mesh_info.shard_process_group
+    from dad_integrations.torch_distributed import TorchDistributedAggregator
+    sync._aggregators[id(group)] = models.slow_compressed_routes(TorchDistributedAggregator(group), 0.05)
+    sync.set_link({"bandwidth": "1mbit", "latency_us": 100})
+    opt = torch.optim.SGD(mine.parameters(), lr=0.05)
+    out = {"routes": [], "arms": [], "errors": {}, "captured": []}
+    for step in range(case["steps"]):
+        with torch.no_grad():
+            for a, b in zip(ref.parameters(), mine.parameters()):
+                a.to_local().copy_(b.to_local())
+        data = batch(name, 2, seed=1000 * step + rank)
+        out["arms"].append(sync._trial.arm(step))  # (before the step: a decision ends the trial)
+        loss_of(name, ref, data).backward()
+        loss_of(name, mine, data).backward()
+        rep = sync.last_step_report()
+        out["routes"].append(sorted({p.representation for p in rep.params if p.representation != "overhead"}))
+        out["captured"].append(sum(c.enabled for c in sync.plan.captures))  # (for the next step)
+        out["errors"][step] = max(grad_errors(ref, mine).values())
+        opt.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    import dataclasses
+    trials = [dataclasses.asdict(t) for t in sync.route_trials]
+    import hashlib
+    checksum = hashlib.sha1(b"".join(p.detach().full_tensor().numpy().tobytes() for p in mine.parameters())).hexdigest()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"trials": trials, "checksum": checksum})
+    sync.close()
+    return {**out, "trials": trials, "ranks": every}
+
+
 def run_case(case: dict) -> dict:
+    if case.get("trial"):
+        return run_trial(case)
     name = case["model"]
     rank = dist.get_rank()
     started = time.perf_counter()
@@ -406,6 +452,10 @@ CASES = {
                                                    "link": {"bandwidth": "1000gbit"}}, "batch": 1},
     "gpt2-time-slow": {"model": "gpt2", "config": {"mode": "auto", "rank": 4, "objective": "time",
                                                    "link": {"bandwidth": "1mbit", "latency_us": 100}}, "batch": 1},
+    # a route trial on a measured link the models misjudge, compressed routes slowed (`run_trial`)
+    "mlp-trial-dense": {"model": "mlp", "trial": True, "steps": 8,
+                        "config": {"mode": "auto", "rank": 4, "objective": "time", "lossless_steps": 0,
+                                   "route_trial_steps": 4, "route_refresh_steps": 100}},
     "llama-exact-uneven": {"model": "llama", "mode": "exact", "uneven": True, "batch": 1},
     "bert-exact-noreshard": {"model": "bert", "mode": "exact", "batch": 1, "reshard": False},
     "llama-exact-groups": {"model": "llama", "mode": "exact", "batch": 1, "reshard": True, "groups": True},

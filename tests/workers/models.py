@@ -197,3 +197,24 @@ def write_and_exit(out_path: str, results: Dict[str, Any]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+SLOWED = ("dad.sharded.", "dad.partition.factors")  # the sharded engines' compressed routes' collectives
+
+
+def slow_compressed_routes(aggregator, seconds: float = 0.15):
+    """Make ``aggregator``'s (a real one: its collectives still run) compressed-route collectives
+    sleep ``seconds`` first: what a step costs where they are slow, whatever the models predict.
+    The size exchange, finiteness flags, link probes and route-trial agreement are left alone."""
+    import time
+
+    def slowed(call):
+        def run(tensor, *args, name, **kwargs):
+            if name.startswith(SLOWED) and not name.endswith(("finite", ".rows")):
+                time.sleep(seconds)
+            return call(tensor, *args, name=name, **kwargs)
+        return run
+
+    for method in ("all_gather", "all_reduce", "all_to_all", "all_to_all_v"):
+        setattr(aggregator, method, slowed(getattr(aggregator, method)))
+    return aggregator

@@ -298,6 +298,45 @@ def run_rank(case: dict) -> dict:
     return out
 
 
+def run_trial(case: dict) -> dict:
+    """A route trial under ZeRO (`zero.ZeroDAD`, `sharded_trial`): a measured link the models
+    misjudge (`set_link` to 1 Mbit/s after attach: every weight compressed at step 0), compressed
+    routes slowed by a real sleep (`models.slow_compressed_routes`), rounds of 4 steps (R D D R at
+    steps 1-4), all dense decided at step 4 and kept until the next refresh. A reference engine
+    (learning rate 0) takes dAD's parameters before every step: dense steps' partitions equal
+    DeepSpeed's own reduction."""
+    import dataclasses
+    import hashlib
+    name, micro = case["model"], case.get("batch", 2)
+    ref = build_engine({**case, "lr": 0.0}, micro, None)
+    mine = build_engine(case, micro, case["dad"])
+    att = deepspeed_dad.get_attachment(mine)
+    models.slow_compressed_routes(att.aggregator, 0.05)
+    att.set_link({"bandwidth": "1mbit", "latency_us": 100})
+    names = [n for n, _ in ref.module.named_parameters()]
+    out = {"routes": [], "arms": [], "errors": {}, "captured": []}
+    for step in range(case["steps"]):
+        with torch.no_grad():
+            for a, b in zip(ref.module.parameters(), mine.module.parameters()):
+                a.data.copy_(b.data)
+        data = models.batch(name, micro, seed=10_000 * step + dist.get_rank())
+        out["arms"].append(att._trial.arm(step))  # (before the step: a decision ends the trial)
+        for engine in (ref, mine):
+            engine.backward(models.loss_of(name, engine, data))
+        errors = partition_errors(owned_partitions(ref), owned_partitions(mine), names)
+        out["errors"][step] = max(errors.values())
+        rep = att.last_step_report()
+        out["routes"].append(sorted({p.representation for p in rep.params if p.representation != "overhead"}))
+        out["captured"].append(sum(c.enabled for c in att.plan.captures))  # (for the next step)
+        ref.step()
+        mine.step()
+    params = full_params(mine)
+    digest = hashlib.sha1(b"".join(params[n].float().numpy().tobytes() for n in names)).hexdigest()
+    trials = [dataclasses.asdict(t) for t in att.route_trials]
+    att.detach()
+    return {**out, "trials": trials, "digest": digest}
+
+
 def run_error(case: dict) -> dict:
     try:
         engine = build_engine(case, 2, case["dad"])
@@ -319,7 +358,7 @@ def main() -> None:
     COUNTER = CollectiveCounter(dist).install()
     with open(cases_path) as f:
         cases = json.load(f)
-    run_cases({"match": run_match, "rank": run_rank, "error": run_error}, cases, out_path, "zero_worker")
+    run_cases({"match": run_match, "rank": run_rank, "error": run_error, "trial": run_trial}, cases, out_path, "zero_worker")
 
 if __name__ == "__main__":
     main()
