@@ -77,10 +77,11 @@ class Exchanger:
         # one dtype for every dense bucket, whatever goes dense in a step (as one call over all of them)
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
-        # objective "time": the agreed link and compute models (measured at attach: a collective)
+        # objective "time": the agreed link and compute models (measured at attach: a collective),
+        # timed in the dtype the rank codecs compute in (fp32 for fp16/bf16 weights)
         self.timing: Optional[StepTiming] = (
             build_timing(config, {u.shape for u in plan.units}, aggregator, device,
-                         dtype=plan.units[0].param.dtype) if plan.units else None)
+                         dtype=compute_dtype(plan.units[0].param)) if plan.units else None)
         # on a measured link, routes that compress are checked against all-dense on the job's steps
         self.trial: Optional[RouteTrial] = (
             RouteTrial(config.route_trial_steps)

@@ -85,9 +85,36 @@ class LowRank:
     warm: Optional[torch.Tensor]
 
 
+# no QR or SVD kernel takes these: neither LAPACK on CPU ("geqrf_cpu" not implemented for
+# 'BFloat16') nor cuSOLVER / MAGMA on CUDA
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def qr(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Thin QR ``a = Q R`` (batched over leading dims), in ``a``'s dtype, for any float dtype.
+
+    fp16/bf16 are factorised in fp32 and the factors cast back: Q is then orthonormal to the half
+    dtype's rounding, whatever the conditioning, where Gram-Schmidt in half precision (PowerSGD's
+    hook's way) loses orthogonality on ill-conditioned inputs; the casts copy the thin ``a`` twice.
+    Every QR and SVD of the rank routes comes through here, so callers need no casts of their own.
+    fp32 and fp64 go to the kernel unchanged (the same bits as ``torch.linalg.qr``)."""
+    if a.dtype in _HALF:
+        q, r = torch.linalg.qr(a.float(), mode="reduced")
+        return q.to(a.dtype), r.to(a.dtype)
+    return torch.linalg.qr(a, mode="reduced")
+
+
+def svd(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD ``a = U diag(S) Vh``, for any float dtype (fp16/bf16 in fp32, as `qr`)."""
+    if a.dtype in _HALF:
+        return tuple(t.to(a.dtype) for t in torch.linalg.svd(a.float(), full_matrices=False))
+    return torch.linalg.svd(a, full_matrices=False)
+
+
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``p`` (thin QR; rank-deficient inputs stay finite)."""
-    return torch.linalg.qr(p, mode="reduced")[0]
+    """Orthonormal columns spanning ``p`` (thin QR; rank-deficient inputs stay finite), in ``p``'s
+    dtype: orthonormal to that dtype's precision (see `qr`)."""
+    return qr(p)[0]
 
 
 def orthonormalize_flat(flat: torch.Tensor, shapes: Sequence[Tuple[int, int]],
@@ -105,7 +132,7 @@ def orthonormalize_flat(flat: torch.Tensor, shapes: Sequence[Tuple[int, int]],
             j += 1
         m, r = shapes[i]
         block = flat[offset:offset + (j - i) * m * r].view(j - i, m, r).to(dtypes[i])
-        out.extend(torch.linalg.qr(block, mode="reduced")[0].unbind(0))
+        out.extend(qr(block)[0].unbind(0))
         offset += (j - i) * m * r
         i = j
     return out
@@ -131,9 +158,9 @@ def truncated_svd(left: torch.Tensor, right: torch.Tensor, rank: int) -> tuple:
     ``left^T = A_L B_L`` and ``right^T = A_R B_R`` give ``M = A_L (B_L B_R^T) A_R^T``; the SVD of
     the small core ``B_L B_R^T`` is the SVD of M, rotated.
     """
-    a_l, b_l = torch.linalg.qr(left.t(), mode="reduced")
-    a_r, b_r = torch.linalg.qr(right.t(), mode="reduced")
-    u, s, vh = torch.linalg.svd(b_l @ b_r.t(), full_matrices=False)
+    a_l, b_l = qr(left.t())
+    a_r, b_r = qr(right.t())
+    u, s, vh = svd(b_l @ b_r.t())
     r = min(rank, s.shape[0])
     return a_l @ (u[:, :r] * s[:r]), a_r @ vh[:r].t()
 

@@ -596,6 +596,7 @@ def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Opti
     from .compute_model import ComputeModel, measure_compute
     from .link import LinkModel, parse_bandwidth
     from .plan_time import time_plan
+    from .rows import compute_dtype
     from .timing import StepTiming
 
     link = LinkModel.uniform(parse_bandwidth(args.bandwidth), args.latency_us * 1e-6)
@@ -606,7 +607,7 @@ def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Opti
         shapes = {tuple(r.shape) for r in by_bytes.units}
         compute = measure_compute(shapes, rank=rank, world_size=args.sites, iterations=DADConfig.power_iterations,
                                   error_feedback=DADConfig.error_feedback, device=torch.device(args.compute_device),
-                                  dtype=DTYPES[args.dtype])
+                                  dtype=compute_dtype(DTYPES[args.dtype]))  # as the codecs compute
         note = f"compute measured on {args.compute_device}"
     timing = StepTiming(link, compute)
     by_time = plan_model(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,

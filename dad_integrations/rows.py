@@ -17,7 +17,7 @@ into rows ``offset : offset + height``.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -43,9 +43,11 @@ def as_matrix(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1) if t.dim() > 2 else t
 
 
-def compute_dtype(p: torch.Tensor) -> torch.dtype:
-    """Rebuilds and reductions run in fp32 for fp16/bf16 parameters, in the parameter's dtype otherwise."""
-    return torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+def compute_dtype(p: Union[torch.Tensor, torch.dtype]) -> torch.dtype:
+    """Rebuilds and reductions run in fp32 for fp16/bf16 parameters, in the parameter's dtype
+    otherwise; ``p`` is the parameter or its dtype."""
+    dtype = p if isinstance(p, torch.dtype) else p.dtype
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def concat_rows(pairs: Sequence[Rows], kind: str, shape: Tuple[int, int], p: nn.Parameter,
