@@ -9,6 +9,7 @@ Results go to rank 0, which writes them as JSON.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -110,8 +111,12 @@ class Runner:
         """dAD's route trials so far (`route_trial.TrialOutcome` as dicts); empty for the others."""
         if self.sync is None:
             return []
-        return [{k: getattr(t, k) for k in ("step", "compressed", "routes_s", "dense_s", "predicted_saving_s",
-                                            "kept") if hasattr(t, k)} for t in self.sync.route_trials]
+        return [dataclasses.asdict(t) for t in self.sync.route_trials]
+
+    def settled(self) -> int:
+        """The first step after dAD's last route trial was decided (0: none ran)."""
+        trials = self.sync.route_trials if self.sync is not None else []
+        return max((t.step + 2 * t.pairs + 1 for t in trials), default=0)
 
     def step(self) -> None:
         x = next(self.batches)
@@ -239,7 +244,10 @@ def _run_phase(spec: dict) -> None:
             while len(r.times) < (rnd * total) // rounds:
                 dist.barrier(group=turns)
                 r.step()
-    warm = spec["warmup"]
+    # steady state: after the warm-up and after every dAD runner's last route trial (agreed, so the
+    # same on every rank), for every method alike
+    warm = max([spec["warmup"]] + [r.settled() for r in runners])
+    out["warm_steps"] = warm
     for r in runners:
         key = r.method if r.variant != "nocomm" else f"{r.method}:nocomm"
         rec = mine.setdefault(key, {})

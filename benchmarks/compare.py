@@ -62,11 +62,12 @@ KEYS = ("method", "bytes_per_step", "step_s_loopback", "step_s_10gbit", "step_s_
         "compute_overhead_s", "peak_mem_mb", "final_loss")
 
 PRESETS = {
-    # ~8-9 minutes on 2 shared CPU cores (the shaped links run 32 steps: 10 lossless, a route
-    # trial of 13, then 9 timed)
-    "quick": dict(n_embd=256, n_layer=2, n_head=4, seq=64, batch=4, steps=40, shaped_steps=32,
-                  local_steps=40, nocomm_steps=40, mem_steps=3, warmup=2, rounds=40, rank=4),
-    "default": dict(n_embd=256, n_layer=4, n_head=4, seq=128, batch=4, steps=80, shaped_steps=40,
+    # ~10-12 minutes on 2 shared CPU cores (10 lossless steps, dad-auto's route trial of 8 steps,
+    # or up to 24 where the evidence is split; the medians start after it: 23-33 steady steps where
+    # it decides in one round)
+    "quick": dict(n_embd=256, n_layer=2, n_head=4, seq=64, batch=4, steps=52, shaped_steps=44,
+                  local_steps=40, nocomm_steps=40, mem_steps=3, warmup=2, rounds=52, rank=4),
+    "default": dict(n_embd=256, n_layer=4, n_head=4, seq=128, batch=4, steps=80, shaped_steps=60,
                     local_steps=80, nocomm_steps=80, mem_steps=3, warmup=3, rounds=80, rank=4),
     # seconds: for tests
     "smoke": dict(n_embd=32, n_layer=1, n_head=2, seq=16, batch=2, steps=4, shaped_steps=3,
@@ -163,17 +164,18 @@ def _phase_spec(args, net: str, out_file: str) -> dict:
             "local_steps": min(s["local_steps"], s["shaped_steps"]) if shaped else s["local_steps"],
             "nocomm_steps": 0 if shaped else s["nocomm_steps"],
             "mem_steps": 0 if shaped else s["mem_steps"],
-            "warmup": warm_steps(s["warmup"], powersgd_warmup, auto.route_trial_steps), "rounds": min(s["rounds"], s["shaped_steps"]) if shaped else s["rounds"],
+            "warmup": warm_steps(s["warmup"], powersgd_warmup),
+            "rounds": min(s["rounds"], s["shaped_steps"]) if shaped else s["rounds"],
             "timeout_s": args.phase_timeout,
             "load": {"seed": args.seed + NETS.index(net)} if args.load else None}
 
 
-def warm_steps(warmup: int, lossless: int, trial: int) -> int:
-    """Steps left out of the step-time medians and byte means: the preset's ``warmup`` (one-off
-    costs, dAD's checked first step), or the lossless / uncompressed warm-up and its first
-    compressed step (PowerSGD builds its state there), or dad-auto's route trial after the
-    lossless steps (``2 trial + 3`` steps: `dad_integrations.route_trial`), whichever is longest."""
-    return max(warmup, lossless + 1, lossless + 2 * trial + 3 if trial else 0)
+def warm_steps(warmup: int, lossless: int) -> int:
+    """Steps left out of the step-time medians and byte means, at least: the preset's ``warmup``
+    (one-off costs, dAD's checked first step), or the lossless / uncompressed warm-up and its first
+    compressed step (PowerSGD builds its state there). The ranks also leave out every step up to
+    the end of dad-auto's last route trial (its length depends on the evidence: `_ranks.Runner.settled`)."""
+    return max(warmup, lossless + 1)
 
 
 def run_phase(args, net: str, workdir: str) -> dict:

@@ -316,7 +316,6 @@ def summarise_run(i: int, seed: int, per_rank: List[dict], s: dict) -> dict:
     faster = "compressed" if paired > 0 else "dense"
     best = min(dense_s, comp_s)
     steady = median(times["auto"][-s["steady"]:])
-    chosen_s = comp_s if choice == "compressed" else dense_s
     window_best = min(median(window["dense"]), median(window["compressed"]))
     return {"run": i, "seed": seed, "auto_choice": choice, "auto_trials": trials,
             "auto_representations": reps, "auto_representations_compressed": routed > 0,

@@ -38,7 +38,7 @@ from .report import ParamReport, StepReport
 from .router import Route, RowCounts, UnitShape, route
 from .sink import GradSink
 from .link import agree_max, probe_link
-from .route_trial import RouteTrial
+from .route_trial import RouteTrial, next_refresh, refresh_due
 from .timing import StepTiming, build_timing
 from .units import FactorUnit, SyncPlan
 from .window import StepWindow
@@ -93,8 +93,8 @@ class Exchanger:
         """Whether step ``step`` chooses every route again (objective ``"time"``): every
         ``route_refresh_steps``, and when the lossless steps end (not step 0, which exchanges
         every unit's sizes anyway)."""
-        return self.timing is not None and step > 0 and (step % self.config.route_refresh_steps == 0
-                                                         or step == self.config.lossless_steps)
+        return self.timing is not None and refresh_due(step, self.config.route_refresh_steps,
+                                                       self.config.lossless_steps)
 
     def _held_route(self, unit: FactorUnit, step: int, verify: bool) -> Optional[str]:
         """By time, a unit keeps the route of the last refresh until the next (the models may have
@@ -172,9 +172,7 @@ class Exchanger:
 
     def _next_refresh(self, step: int) -> int:
         """The first step after ``step`` that chooses every route again."""
-        following = (step // self.config.route_refresh_steps + 1) * self.config.route_refresh_steps
-        lossless = self.config.lossless_steps
-        return min(following, lossless) if lossless > step else following
+        return next_refresh(step, self.config.route_refresh_steps, self.config.lossless_steps)
 
     def _run_trial(self, step: int, seconds: Optional[float]) -> None:
         """End of step ``step`` (``seconds``: its span on this rank): start a route trial after

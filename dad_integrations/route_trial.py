@@ -55,12 +55,32 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
+import torch
+
 log = logging.getLogger(__name__)
 
 KEEP_MARGIN = 0.02   # compressed routes must beat all-dense by this share of the step to win a pair
 CONSISTENT = 0.75    # share of the pairs one side must win to decide
 MAX_ROUNDS = 3       # rounds of route_trial_steps before the models' prediction is kept
 WATCH_MARGIN = 0.10  # the chosen arm's steps may exceed both arms' trial medians by this share
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (checkpointing recomputes forwards there)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+def refresh_due(step: int, every: int, lossless_steps: int) -> bool:
+    """Whether step ``step`` chooses every route anew: every ``every`` steps (``route_refresh_steps``)
+    and when the lossless steps end (step 0 chooses them anyway)."""
+    return step > 0 and (step % every == 0 or step == lossless_steps)
+
+
+def next_refresh(step: int, every: int, lossless_steps: int) -> int:
+    """The first step after ``step`` that chooses every route anew."""
+    following = (step // every + 1) * every
+    return min(following, lossless_steps) if lossless_steps > step else following
+
 
 Agree = Callable[[Sequence[float]], List[float]]  # element-wise maximum over ranks (a collective)
 
@@ -69,7 +89,7 @@ class StepClock:
     """The span of one step that the choice of route changes (see the module doc).
 
     `forward` runs in a forward pre-hook of the model's root module, `open` when the step's window
-    opens (its first gradient hook), `close` when its exchange ends. A forward counts only with
+    opens (its first gradient hook or reduction); the caller reads the end when its exchange ends. A forward counts only with
     gradients enabled, outside backward (checkpointing's recomputation) and while no step is open:
     an evaluation pass under ``no_grad`` starts nothing, and the last training forward before the
     step's backward starts it (micro-steps of one step are in its span)."""
@@ -79,7 +99,9 @@ class StepClock:
         self._forward: Optional[float] = None
 
     def forward(self) -> None:
-        self._forward = self.clock()
+        """The root's forward, while no step is open (the caller knows): a step may start here."""
+        if torch.is_grad_enabled() and not in_backward():
+            self._forward = self.clock()
 
     def open(self) -> float:
         """A step opens: its start (its forward's, where one was seen)."""

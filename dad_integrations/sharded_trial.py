@@ -32,17 +32,12 @@ import torch
 from .aggregator import FactorAggregator
 from .config import DADConfig
 from .link import LinkModel, agree_max
-from .route_trial import RouteTrial, StepClock, TrialOutcome
+from .route_trial import RouteTrial, StepClock, TrialOutcome, next_refresh, refresh_due
 from .router import Route
 from .timing import EngineTiming, StepTiming
 from .units import FactorUnit
 
 log = logging.getLogger(__name__)
-
-
-def _in_backward() -> bool:
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
 
 
 class ShardedTrial:
@@ -97,20 +92,19 @@ class ShardedTrial:
     # -- refreshes --------------------------------------------------------------------------------
     def refresh(self, step: int) -> bool:
         """Whether step ``step`` chooses routes anew (the exchanger's rule, step 0 included)."""
-        cfg = self.config
-        return step == 0 or step % cfg.route_refresh_steps == 0 or (
-            cfg.rank is not None and step == cfg.lossless_steps)
+        return step == 0 or refresh_due(step, self.config.route_refresh_steps, self._lossless)
 
     def next_refresh(self, step: int) -> int:
-        cfg = self.config
-        following = (step // cfg.route_refresh_steps + 1) * cfg.route_refresh_steps
-        lossless = cfg.lossless_steps if cfg.rank is not None else 0
-        return min(following, lossless) if lossless > step else following
+        return next_refresh(step, self.config.route_refresh_steps, self._lossless)
+
+    @property
+    def _lossless(self) -> int:
+        return self.config.lossless_steps if self.config.rank is not None else 0
 
     # -- per step ---------------------------------------------------------------------------------
     def forward(self) -> None:
         """The root module's forward (`route_trial.StepClock`)."""
-        if self.trial is not None and self.step is None and torch.is_grad_enabled() and not _in_backward():
+        if self.trial is not None and self.step is None:
             self.clock.forward()
 
     def open(self, step: int) -> None:

@@ -41,7 +41,7 @@ from .checks import broadcast_model, check_same_model
 from .config import DADConfig
 from .exchange import Exchanger
 from .report import StepReport
-from .route_trial import StepClock
+from .route_trial import StepClock, in_backward
 from .sink import BucketViewSink, GradSink
 from .units import FactorUnit, build_plan
 from .window import StepWindow
@@ -349,7 +349,7 @@ class DADSynchronizer:
     def _on_root_forward(self, module: nn.Module, args) -> None:
         """The model's forward: a training step may start here (`route_trial.StepClock`); an
         evaluation under ``no_grad``, a recomputation in backward or a micro-step does not."""
-        if self._window is None and torch.is_grad_enabled() and not in_backward():
+        if self._window is None:
             self._clock.forward()
 
     def _on_forward(self) -> None:
@@ -403,9 +403,3 @@ def _abandon(ref: "weakref.ref[DADSynchronizer]") -> None:
         # taking the GIL ends the thread inside a noexcept destructor (std::terminate). Hand the
         # GIL over briefly so those threads finish while they still can.
         time.sleep(_ENGINE_DRAIN_S)
-
-
-def in_backward() -> bool:
-    """True while autograd runs a backward pass (checkpointing recomputes forwards there)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1

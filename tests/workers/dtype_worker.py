@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
