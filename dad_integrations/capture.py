@@ -183,6 +183,30 @@ class HookedCapture:
         self.__dict__.update(state)
 
 
+class ForwardStartHook:
+    """A forward pre-hook on the model's root that tells its owner a forward starts (a route
+    trial's step clock: `route_trial.StepClock`). Like the captures it pickles detached (a hook
+    that does nothing, no owner), and `remove_detached_captures` removes it from a loaded model."""
+
+    def __init__(self, module: nn.Module, on_forward: Callable[[], None]):
+        self._on_forward = on_forward
+        self.detached = False
+        self._handle = module.register_forward_pre_hook(self, prepend=True)
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if self._on_forward is not None:
+            self._on_forward()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _on_forward=None, detached=True)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
 def remove_detached_captures(model: nn.Module) -> int:
     """Remove the hooks of the captures that came with a loaded (unpickled) ``model``; returns how many."""
     removed = set()
@@ -191,7 +215,10 @@ def remove_detached_captures(model: nn.Module) -> int:
             capture = getattr(hook, "__self__", None)
             if getattr(hook, "func", None) is not None:  # a functools.partial of a capture's method
                 capture = getattr(hook.func, "__self__", capture)
-            if (isinstance(capture, (ModuleCapture, HookedCapture)) and getattr(capture, "detached", False)
+            if isinstance(hook, ForwardStartHook):
+                capture = hook
+            if (isinstance(capture, (ModuleCapture, HookedCapture, ForwardStartHook))
+                    and getattr(capture, "detached", False)
                     and id(capture) not in removed):
                 capture.remove()
                 removed.add(id(capture))

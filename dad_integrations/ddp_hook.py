@@ -163,7 +163,7 @@ class DDPDriver:
         _DRIVERS[ddp.module] = self
 
     def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
-                  on_done: Callable[[Optional[BaseException]], None]) -> None:
+                  on_done: Callable[[Optional[BaseException]], None], buffer: Optional[torch.Tensor] = None) -> None:
         """DDP handed over a bucket of finished local gradients; results are written into ``views``."""
         sync = self.sync
         if sync is None:  # DDP's unpickled reducer has no hook: this cannot be reached from DDP
@@ -171,6 +171,16 @@ class DDPDriver:
         if sync._closed:
             raise RuntimeError("the dAD communication hook was used after close()")
         window = sync._current_window()
+        if window.native is None:  # the step's first bucket decides
+            window.native = [] if buffer is not None and self._native(window) else False
+        if window.native is not False:
+            # every weight dense this step: DDP's bucket goes on the wire as it is, now
+            with window.lock:
+                window.native.append(sync._exchanger.start_native(buffer, sync.prescale_factor) + (params,))
+                window.done.append(on_done)
+            if last:
+                self._run_step(window)
+            return
         if not window.sink.views and self._joined():  # the step's first bucket, shadowed by join
             window.sink.shadow = True
             for c in sync._plan.captures:  # rows of no_sync micro-steps before joining: DDP sends zeros
@@ -189,8 +199,25 @@ class DDPDriver:
         if last:
             window.release_all()  # after on_done is in: the step may end from here on
             if serial:
-                window.future = Future()
-                window.future.set_result(self._step(window))
+                self._run_step(window)
+
+    def _run_step(self, window) -> None:
+        """The step's last bucket is in: end the step on the worker, or inline (`_serialised`)."""
+        if self._serialised():
+            window.future = Future()
+            window.future.set_result(self._step(window))
+        else:
+            self.sync._dispatch(window, self._step)
+
+    def _native(self, window) -> bool:
+        """Whether this step goes by DDP's buckets as they are (`Exchanger.native_dense`); not in a
+        ``join`` (its shadow and divisor are dAD's to apply)."""
+        ddp = self.ddp() if self.ddp is not None else None
+        config = getattr(ddp, "_join_config", None)
+        if config is not None and config.enable:
+            return False
+        sync = self.sync
+        return sync._exchanger.native_dense(sync._steps, not sync._verified)
 
     def _serialised(self) -> bool:
         """Whether this step's exchange runs inline, in the last bucket's hook: on NCCL, a DDP with
@@ -240,8 +267,13 @@ class DDPDriver:
         error: Optional[BaseException] = None
         report = None
         try:
-            postscale, counted = self._join_postscale(window)
-            report = sync._exchange(window, postscale)
+            if window.native:
+                report = sync._exchanger.run_native(window, window.native, sync._names, step=sync._steps,
+                                                    postscale=sync.postscale_factor)
+                counted = None
+            else:
+                postscale, counted = self._join_postscale(window)
+                report = sync._exchange(window, postscale)
             if counted is not None:
                 report.params.append(counted)
         except BaseException as e:
@@ -278,7 +310,7 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
         else:
             future.set_exception(error)
 
-    driver.on_bucket(params, views, bucket.is_last(), done)
+    driver.on_bucket(params, views, bucket.is_last(), done, buffer)
     return future
 
 

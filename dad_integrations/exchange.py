@@ -270,10 +270,56 @@ class Exchanger:
         if not keep:  # a skipped step: the residuals it flushed are still owed
             for name, residual in flushed:
                 self.memory.keep(name, residual)
+        self._close_step(window, step)
+        return StepReport(step, s, list(report.values()))
+
+    def _close_step(self, window: StepWindow, step: int) -> None:
+        """The step's exchange is over: its span to the route trial, the next step's preparation."""
         started = getattr(window, "started", None)
         self._run_trial(step, None if started is None else self.clock() - started)
         self._prepare_refresh(step + 1)
-        return StepReport(step, s, list(report.values()))
+
+    def native_dense(self, step: int, verify: bool) -> bool:
+        """Whether step ``step`` can go by the engine's own bucket all-reduce, untouched (DDP's
+        buckets, `ddp_hook`): every unit dense whatever its rows (held dense between refreshes, a
+        route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
+        what DDP's is, with no per-parameter packing on dAD's worker (`run_native`)."""
+        if verify or self._flushed or not all(self.dense_for_sure(u, step, verify) for u in self.plan.units):
+            return False
+        return not (self.memory.enabled and any(self.memory.dense(u.name) is not None for u in self.plan.units))
+
+    def start_native(self, buffer: torch.Tensor, prescale: float):
+        """Put one of DDP's buckets on the wire as it is (`native_dense`), in the dense buckets' wire
+        dtype; returns what `run_native` finishes."""
+        send = buffer if buffer.dtype == self.dense_dtype else buffer.to(self.dense_dtype)
+        if prescale != 1.0:
+            send.mul_(prescale)  # in place, as DDP's own hook divides its bucket
+        return buffer, send, self.aggregator.all_reduce(send, name="dad.dense.native", op="sum")
+
+    def run_native(self, window: StepWindow, buckets: List[tuple], names: Dict[int, str], *, step: int,
+                   postscale: Optional[float]) -> StepReport:
+        """Finish a step of DDP's own buckets (`start_native`): wait, scale in place, report."""
+        s = self.aggregator.world_size
+        scale = 1.0 / s if postscale is None else postscale
+        report: List[ParamReport] = []
+        for buffer, send, handle, params in buckets:
+            total = handle.wait()
+            if total is buffer:
+                buffer.mul_(scale)
+            else:
+                torch.mul(total, scale, out=total)
+                buffer.copy_(total)
+            numel = max(buffer.numel(), 1)
+            for p in params:
+                entry = ParamReport(names.get(id(p), "?"), "dense", tuple(p.shape), overlapped=True,
+                                    allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s))
+                entry.add_traffic(handle.traffic.share(p.numel() / numel))
+                report.append(entry)
+        for u in self.plan.units:  # rows a forward still captured (after the checked first step) are
+            window.take_rows(u)    # of no use: dense until the next refresh, capture off, as `_unit` does
+        self._drop_rows()
+        self._close_step(window, step)
+        return StepReport(step, s, report)
 
     def _state_pending(self) -> bool:
         """Whether a non-finite step would drop something: this step's rank-route state (warm

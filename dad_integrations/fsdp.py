@@ -67,7 +67,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
 from . import banner
 from .aggregator import Traffic
-from .capture import CommittedRows
+from .capture import CommittedRows, ForwardStartHook
 from .checks import agree_factors_rebuild
 from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
 from .codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec, load_rank_route_state
@@ -77,7 +77,7 @@ from .fsdp_detect import reject_fsdp1
 from .layers import concat_rows
 from .report import ShardedParamReport, ShardedStepReport
 from .router import UnitShape, route, sharded_needs_counts
-from .sharded_trial import ShardedTrial, agree_on
+from .sharded_trial import ShardedTrial, TimedRoutes, agree_on
 from .sink import ShardSink, ShardSlot
 from .synchronizer import WIRE_DTYPES
 from .torch_distributed import TorchDistributedAggregator
@@ -111,7 +111,7 @@ class DADReduceScatter(DefaultAllocMixin, ReduceScatter):
         self.sync._reduce(self.param_group, output_tensor, input_tensor, group, op)
 
 
-class FSDPDADSynchronizer:
+class FSDPDADSynchronizer(TimedRoutes):
     """dAD driven from FSDP2's reduce-scatter (see the module doc)."""
 
     def __init__(self, model: nn.Module, config: Union[DADConfig, Mapping, None] = None):
@@ -173,8 +173,7 @@ class FSDPDADSynchronizer:
         if units:  # objective "time": the link and compute models, measured here by every rank together
             self._trial.start(units, TorchDistributedAggregator(), units[0].param.device)
         # a step's span for route trials starts at the root's forward (FSDP's all-gathers included)
-        self._forward_hook = model.register_forward_pre_hook(lambda module, args: self._trial.forward(),
-                                                             prepend=True)
+        self._forward_hook = ForwardStartHook(model, self._trial.forward)
         self._installed = groups
         for module, pg in groups:
             self._install(module, pg)
@@ -240,24 +239,6 @@ class FSDPDADSynchronizer:
     def last_step_report(self) -> Optional[ShardedStepReport]:
         """The report of the latest backward that reduced gradients (None before the first)."""
         return self._report
-
-    def set_link(self, link) -> None:
-        """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; the same on every rank)
-        in place of the measured one, until it is measured again (every ``route_refresh_steps``);
-        with ``objective="bytes"`` it has no effect."""
-        from .link import LinkModel
-        self._trial.set_link(LinkModel.from_spec(link))
-
-    @property
-    def timing(self):
-        """The link and compute models routes are chosen by; None where the objective is bytes."""
-        return self._trial.timing
-
-    @property
-    def route_trials(self) -> list:
-        """The route trials so far (`route_trial.TrialOutcome`); empty where routes are not chosen
-        by time on a measured link in mode auto."""
-        return self._trial.outcomes
 
     # -- state ------------------------------------------------------------------------------------
     @property

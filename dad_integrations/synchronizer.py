@@ -38,6 +38,7 @@ from torch import nn
 from . import banner
 from .aggregator import FactorAggregator
 from .checks import broadcast_model, check_same_model
+from .capture import ForwardStartHook
 from .config import DADConfig
 from .exchange import Exchanger
 from .report import StepReport
@@ -122,6 +123,7 @@ class DADSynchronizer:
         self._report: Optional[StepReport] = None
         self._unit_of = {id(q): u for u in self._plan.units for q in u.params}
         self._param_ids = {u.index: tuple(id(q) for q in u.params) for u in self._plan.units}
+        self._names = {id(p): n for n, p in model.named_parameters()}  # for reports
         # units the next step sends dense whatever their rows (`Exchanger.dense_for_sure`): their
         # hooks skip the window's bookkeeping (priors, marks); refreshed after every step
         self._bookless: frozenset = frozenset()
@@ -133,7 +135,7 @@ class DADSynchronizer:
                         for _, p in self._plan.dense]
         # a step's span for route trials starts at its forward (what capture adds counts too)
         self._clock = StepClock()
-        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
+        self._hooks.append(ForwardStartHook(model, self._on_root_forward))
         self._worker = Worker("dad-sync")
         self._closed = False
         # at exit, release a step left in flight (an error before synchronize()), so that its
@@ -346,7 +348,7 @@ class DADSynchronizer:
         self._worker.stop()
 
     # -- hooks ----------------------------------------------------------------------------------
-    def _on_root_forward(self, module: nn.Module, args) -> None:
+    def _on_root_forward(self) -> None:
         """The model's forward: a training step may start here (`route_trial.StepClock`); an
         evaluation under ``no_grad``, a recomputation in backward or a micro-step does not."""
         if self._window is None:

@@ -80,6 +80,7 @@ class StepWindow:
         self._pair_marks: Dict[int, tuple] = {}
         self.future = None
         self.started: Optional[float] = None        # the step's start (`route_trial.StepClock`)
+        self.native = None  # DDP's buckets on the wire as they are (`ddp_hook`): a list; False: not; None: undecided
         self.done: List[Callable[[Optional[BaseException]], None]] = []  # DDP futures to complete
         self.lock = threading.Lock()
         self.sink = sink_type(self.priors)

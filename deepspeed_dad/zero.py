@@ -68,6 +68,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from dad_integrations import DADConfig, banner
+from dad_integrations.capture import ForwardStartHook
 from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
@@ -77,7 +78,7 @@ from dad_integrations.error_feedback import sharded_residual_note
 from dad_integrations.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.router import UnitShape, route, sharded_needs_counts
-from dad_integrations.sharded_trial import ShardedTrial, agree_on
+from dad_integrations.sharded_trial import ShardedTrial, TimedRoutes, agree_on
 from dad_integrations.synchronizer import WIRE_DTYPES
 from dad_integrations.units import FactorUnit, build_plan, param_shape
 
@@ -124,7 +125,7 @@ def check_zero(engine: Any, config: DADConfig) -> List[str]:
     return problems
 
 
-class ZeroDAD(RankStateCheckpoints):
+class ZeroDAD(RankStateCheckpoints, TimedRoutes):
     """dAD attached to one ZeRO-2/3 engine; made by `deepspeed_dad.attach`.
 
     Attributes:
@@ -156,8 +157,7 @@ class ZeroDAD(RankStateCheckpoints):
         self._trial = ShardedTrial(config, f"dAD/ZeRO-{self.zero_stage}", log_decisions=self.aggregator.rank == 0)
         self._trial.start(self.plan.units, self.aggregator, device)
         # a step's span for route trials starts at the module's forward (ZeRO-3's all-gathers included)
-        self._forward_hook = engine.module.register_forward_pre_hook(lambda module, args: self._trial.forward(),
-                                                                     prepend=True)
+        self._forward_hook = ForwardStartHook(engine.module, self._trial.forward)
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
         # which it reduces in place: the send and receive buffers add at most about half a bucket
         bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
@@ -214,24 +214,6 @@ class ZeroDAD(RankStateCheckpoints):
         """The report of the latest backward that reduced gradients (None before the first):
         per parameter its bytes, beside DeepSpeed's reduce-scatter (``reduce_scatter_bytes``)."""
         return self._report
-
-    def set_link(self, link) -> None:
-        """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; the same on every rank)
-        in place of the measured one, until it is measured again (every ``route_refresh_steps``);
-        with ``objective="bytes"`` it has no effect."""
-        from dad_integrations.link import LinkModel
-        self._trial.set_link(LinkModel.from_spec(link))
-
-    @property
-    def timing(self):
-        """The link and compute models routes are chosen by; None where the objective is bytes."""
-        return self._trial.timing
-
-    @property
-    def route_trials(self) -> list:
-        """The route trials so far (`route_trial.TrialOutcome`); empty where routes are not chosen
-        by time on a measured link in mode auto."""
-        return self._trial.outcomes
 
     @property
     def keeps_state(self) -> bool:

@@ -22,7 +22,7 @@ import math
 
 import pytest
 
-from conftest import WORKERS, run_torchrun
+from conftest import WORKERS, check_sharded_trial_all_dense, run_torchrun
 from dad_integrations.costs import powersgd_bytes
 
 TOL = 1e-5        # fp32 round-off, per parameter (floored at 1e-6 of the whole gradient's norm)
@@ -157,15 +157,7 @@ def test_route_trial_under_fsdp2(results):
     with capture off. Dense steps' gradients equal FSDP's own (where no residual is flushed into
     them: the step after a rank-routed one carries its residual), and the ranks end bit-identical."""
     res = _case(results, "mlp-trial-dense")
-    assert res["arms"][:5] == [None, "routes", "dense", "dense", "routes"], res["arms"]
-    compressed = [r != ["dense"] for r in res["routes"]]
-    assert compressed == [True, True, False, False, True, False, False, False], res["routes"]
-    (trial,) = res["trials"]
-    assert (trial["step"], trial["kept"], trial["conclusive"], trial["pairs"]) == (0, False, True, 2), trial
-    assert trial["routes_s"] > trial["dense_s"] and trial["compressed"] > 0
-    assert res["captured"][1:3] == [0, 0] and res["captured"][0] > 0 and res["captured"][4:] == [0] * 4
-    for step in ("3", "6", "7"):  # dense steps with no residual to flush: FSDP's own reduction
-        assert res["errors"][step] <= TOL, (step, res["errors"][step])
+    check_sharded_trial_all_dense(res, TOL)
     ranks = res["ranks"]
     assert all(r["trials"] == ranks[0]["trials"] for r in ranks)
     assert all(r["checksum"] == ranks[0]["checksum"] for r in ranks)

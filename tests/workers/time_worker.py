@@ -7,6 +7,7 @@ Cases (each rank trains the small GPT-2 of `models` on its own batches):
 - ``flush``: 1 Mbit/s, then `set_link` to 1 Tbit/s: at the refresh the weights leave the rank
   route, and that step's gradient is the all-reduce of the local gradient plus each rank's
   residual.
+- ``fast-ddp``: the fast link through DDP's hook: DDP's buckets as they are (`run_fast_ddp`).
 - ``measured``: no link stated: measured at attach on this group, every rank routes alike.
 - ``trial-dense``, ``trial-keep``, ``trial-sleep``, ``trial-ddp``: route trials on a measured
   link (`run_trial`).
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import batch, build, gather_per_rank, grad_errors, loss_of, run_all, write_and_exit  # noqa: E402
 
 from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator  # noqa: E402
+from dad_integrations.ddp_hook import register_dad_comm_hook  # noqa: E402
 
 FAST = {"bandwidth": "1000gbit", "latency_us": 0}
 SLOW = {"bandwidth": "1mbit", "latency_us": 100}
@@ -133,7 +135,6 @@ def run_trial(case: dict) -> dict:
     config = DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0, route_trial_steps=4,
                        route_refresh_steps=100)
     if name == "trial-ddp":
-        from dad_integrations.ddp_hook import register_dad_comm_hook
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1000)
         sync = register_dad_comm_hook(net, config, agg)
     else:
@@ -166,6 +167,46 @@ def run_trial(case: dict) -> dict:
     out["residuals_after"] = sum(s["residual"] is not None for s in sync.state_dict()["units"].values())
     if net is model:
         sync.close()
+    return out
+
+
+class RecordingAggregator(TorchDistributedAggregator):
+    """Real gloo collectives; remembers each one's name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def _all_reduce(self, tensor, name, op):
+        self.names.append(name)
+        return super()._all_reduce(tensor, name, op)
+
+
+def run_fast_ddp(case: dict) -> dict:
+    """DDP's hook on a stated fast link: after the checked first step every weight goes dense, and
+    DDP's buckets go on the wire as they are (`Exchanger.native_dense`): every gradient equals a
+    plain DDP's on the same weights and batches, bit for bit, step after step."""
+    model = build(MODEL, seed=0)
+    ref = build(MODEL, seed=0)
+    agg = RecordingAggregator()
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    plain = torch.nn.parallel.DistributedDataParallel(ref)
+    sync = register_dad_comm_hook(net, DADConfig(mode="auto", rank=4, objective="time", link=FAST), agg)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref)]
+    out = {"routes": [], "equal": [], "native_calls": []}
+    for step in range(5):
+        data = batch(MODEL, 2, seed=100 * step + dist.get_rank())
+        before = len(agg.names)
+        loss_of(MODEL, net, data).backward()
+        loss_of(MODEL, plain, data).backward()
+        out["native_calls"].append(sum(n == "dad.dense.native" for n in agg.names[before:]))
+        out["equal"].append(all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), ref.parameters())))
+        report = sync.last_step_report()
+        out["routes"].append(sorted({p.representation for p in report.params}))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    out["digest"] = _digest(model)
     return out
 
 
@@ -203,6 +244,8 @@ def run(case: dict) -> dict:
         return run_lossless(case)
     if case["name"].startswith("trial-"):
         return run_trial(case)
+    if case["name"] == "fast-ddp":
+        return run_fast_ddp(case)
     model = build(MODEL, seed=0)
     link = {"fast": FAST, "slow": SLOW, "flush": SLOW, "flush-skip": SLOW, "measured": None}[case["name"]]
     flushing = case["name"] in ("flush", "flush-skip")
@@ -256,7 +299,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]
     cases = {name: {"name": name} for name in ("fast", "slow", "flush", "flush-skip", "measured", "flush-exact",
-                                               "trial-dense", "trial-keep", "trial-sleep", "trial-ddp",
+                                               "trial-dense", "trial-keep", "trial-sleep", "trial-ddp", "fast-ddp",
                                                "lossless-bytes", "lossless-time")}
     write_and_exit(out_path, run_all(cases, run, gather_per_rank))
 
