@@ -36,10 +36,13 @@ def test_dense_buckets_start_during_backward_and_equal_ddp(job, case):
             assert s["routes"] == ["dense"], (rank, step, s["routes"])
             assert s["captured"] == 0, (rank, step)
             # the layers after the slow one fill three or more buckets of 10 KB, each all-reduced
-            # before the slow backward (and so backward) ended; the first layer's after it
+            # before the slow backward (and so backward) ended; the first layer's after it. As DDP's
+            # hook an all-dense step sends DDP's own buckets (its first one has a larger cap): every
+            # one but the first layer's leads
             leads = s["lead"]
-            assert sum(lead > 0 for lead in leads) >= 3, (rank, step, leads)
-            assert all(lead > 0 for lead in s["backward_end_lead"][:3]), (rank, step, s["backward_end_lead"])
+            early = len(leads) - 1 if case == "ddp_hook" else 3
+            assert len(leads) >= 2 and sum(lead > 0 for lead in leads) >= early, (rank, step, leads)
+            assert all(lead > 0 for lead in s["backward_end_lead"][:early]), (rank, step, s["backward_end_lead"])
             assert EARLY <= set(s["overlapped"]), (rank, step, s["overlapped"])
 
 

@@ -32,7 +32,9 @@ rows only (short sequences, small batches) anyway; a unit routed from its dense 
 capturing, and then nothing is replayed.
 
 Under autocast the fused call runs in the autocast dtype throughout (weights cast); the replay
-does the same, so the rows are bf16/fp16 then.
+does the same, so the rows are bf16/fp16 then. Where oneDNN has no bf16 LSTM (AVX2-only CPUs, where
+torch's own call raises unless oneDNN is off) torch mixes bf16 products into fp32 gates; no replay
+follows that, and the first-step check sends those weights dense.
 
 Not captured (the weights fall to the coverage floor: rank routes from their dense gradient, or
 dense), each logged once: ``bidirectional``, ``proj_size > 0`` (LSTM projections) and ``dropout > 0``

@@ -14,7 +14,7 @@ VARIANTS = ((1, False, False), (1, True, True), (2, False, True), (2, True, Fals
 
 
 class Recurrent(nn.Module):
-    """Four GRUs (or LSTMs), one per `VARIANTS` entry, on the same sequences; a given ``h0``
+    """Four GRUs (or LSTMs, or tanh RNNs), one per `VARIANTS` entry, on the same sequences; a given ``h0``
     (and ``c0``) comes from a Linear of the sequence's mean, so that its gradient flows on."""
 
     def __init__(self, cell: type):
@@ -131,6 +131,7 @@ def _lm_loss(model: nn.Module, data: dict) -> torch.Tensor:
 MODELS = {
     "rnn_gru": Model(lambda: Recurrent(nn.GRU), _sequences, _mse),
     "rnn_lstm": Model(lambda: Recurrent(nn.LSTM), _sequences, _mse),
+    "rnn_tanh": Model(lambda: Recurrent(nn.RNN), _sequences, _mse),
     "rnn_varied": Model(Varied, _varied, _varied_loss),
     "rnn_bidirectional": Model(Bidirectional, _sequences, _mse),
     "rnn_gru_lm": Model(GRULanguageModel, _tokens, _lm_loss),
