@@ -92,11 +92,21 @@ class Runner:
             else:
                 ddp.register_comm_hook(AtomoState(pg, budget=opts["rank"], seed=w.seed), atomo_hook)
             self.fwd = ddp
-        elif method in DAD_METHODS and variant != "local":
-            from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
+        elif method in DAD_METHODS and variant == "real":
+            from dad_integrations import DADConfig, register_dad_comm_hook
 
-            agg = TorchDistributedAggregator() if variant == "real" else NullAggregator(rank, world)
-            self.sync = DADSynchronizer(model, agg, DADConfig.from_dict(
+            # as users meet it through Accelerate and the Trainer: DDP's communication hook (on a
+            # group of its own, made by the hook), DDP's buckets as the other methods have them
+            ddp = DistributedDataParallel(model, process_group=dist.new_group(list(range(world))),
+                                          bucket_cap_mb=DDP_BUCKET_MB)
+            self.sync = register_dad_comm_hook(ddp, DADConfig.from_dict(
+                dad_config(method, opts["rank"], opts["dad_error_feedback"], link)))
+            self.fwd = ddp
+        elif method in DAD_METHODS and variant != "local":
+            from dad_integrations import DADConfig, DADSynchronizer
+
+            # every computation of a step, nothing on a wire (`workload.NullAggregator`)
+            self.sync = DADSynchronizer(model, NullAggregator(rank, world), DADConfig.from_dict(
                 dad_config(method, opts["rank"], opts["dad_error_feedback"], link)))
         self.opt = torch.optim.AdamW(model.parameters(), lr=w.lr)
         self.batches = byte_lm_batches(data, w.batch, w.seq, rank=rank, world_size=world, seed=w.seed)
@@ -126,7 +136,7 @@ class Runner:
             start = time.perf_counter()
             loss = self.fwd(input_ids=x, labels=x).loss
             loss.backward()
-            if self.sync is not None:
+            if self.sync is not None and self.fwd is self.model:  # (DDP's hook: synchronised in backward)
                 self.sync.synchronize()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)

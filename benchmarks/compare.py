@@ -20,8 +20,10 @@ Per method (one JSON record each):
   peak_mem_mb         peak RSS of a rank process while the method trains (torch runtime included)
   final_loss          held-out loss after the run's steps (loopback run)
 
-dad-auto routes by predicted time (the default objective: the link measured on each condition's
-group at attach), dad-auto-bytes by bytes. Plots: bytes, step time by link, loss by step, and loss
+Every dAD method runs as DDP's communication hook (`register_dad_comm_hook`, as Accelerate and the
+Trainer attach it), with the DDP bucket the other methods have. dad-auto routes by predicted time
+(the default objective: the link measured on each condition's group at attach), dad-auto-bytes by
+bytes. Plots: bytes, step time by link, loss by step, and loss
 against wall-clock time on each link (time-to-loss).
 
 Each method's decisions see only its own steps: every method has its own process group (DDP's
