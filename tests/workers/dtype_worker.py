@@ -58,6 +58,19 @@ def _train(step_fn: Callable[[dict], torch.Tensor], report: Callable[[], object]
     return {"losses": losses, "routes": sorted(routes)}
 
 
+def _sgd_step(fwd: nn.Module, opt: torch.optim.Optimizer, backward: Callable = torch.Tensor.backward,
+              after_backward: Callable = lambda: None) -> Callable[[dict], torch.Tensor]:
+    """One training step through ``fwd``: loss, backward, (``after_backward``), optimizer step."""
+    def step(data):
+        loss = models.loss_of(MODEL, fwd, data)
+        backward(loss)
+        after_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
 def _finish(out: dict, initial: torch.Tensor, final: torch.Tensor, all_gather: Callable) -> dict:
     gathered = all_gather(final)
     out["identical"] = all(torch.equal(gathered[0], g) for g in gathered)
@@ -81,14 +94,7 @@ def run_plain(case: dict) -> dict:
     sync = DADSynchronizer(model, TorchDistributedAggregator(), case["config"])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
-    def step(data):
-        loss = models.loss_of(MODEL, model, data)
-        loss.backward()
-        sync.synchronize()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step = _sgd_step(model, opt, after_backward=sync.synchronize)
     out = _train(step, sync.last_step_report, dist.get_rank())
     sync.close()
     return _finish(out, initial, _flat(model.parameters()), _torch_all_gather)
@@ -103,13 +109,7 @@ def run_ddp(case: dict) -> dict:
     sync = register_dad_comm_hook(ddp, case["config"])
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
 
-    def step(data):
-        loss = models.loss_of(MODEL, ddp, data)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step = _sgd_step(ddp, opt)
     out = _train(step, sync.last_step_report, dist.get_rank())
     sync.close()
     return _finish(out, initial, _flat(model.parameters()), _torch_all_gather)
@@ -130,13 +130,7 @@ def run_accelerate(case: dict) -> dict:
     prepared, opt = accelerator.prepare(model, opt)
     sync = enable_dad(accelerator, prepared, case["config"])
 
-    def step(data):
-        loss = models.loss_of(MODEL, prepared, data)
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step = _sgd_step(prepared, opt, backward=accelerator.backward)
     out = _train(step, sync.last_step_report, accelerator.process_index)
     sync.close()
     final = _flat(accelerator.unwrap_model(prepared).parameters())
@@ -156,13 +150,7 @@ def run_fsdp2(case: dict) -> dict:
     sync = enable_dad_fsdp(model, case["config"])
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 
-    def step(data):
-        loss = models.loss_of(MODEL, model, data)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
+    step = _sgd_step(model, opt)
     out = _train(step, sync.last_step_report, dist.get_rank())
     sync.close()
     return _finish(out, initial, _flat(model.parameters()), _torch_all_gather)

@@ -99,19 +99,24 @@ def attach_sync(model: nn.Module, dad: Optional[dict]):
     return step, sync
 
 
+def _sgd_step(fwd: nn.Module, opt: torch.optim.Optimizer):
+    """A plain step through ``fwd`` (the engine synchronises in backward)."""
+    def step(x, y) -> float:
+        loss = nn.functional.mse_loss(fwd(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
 def attach_ddp(model: nn.Module, dad: Optional[dict]):
     from dad_integrations.ddp_hook import register_dad_comm_hook
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     sync = register_dad_comm_hook(ddp, dad) if dad is not None else None
 
-    def step(x, y) -> float:
-        loss = nn.functional.mse_loss(ddp(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return step, sync
+    return _sgd_step(ddp, opt), sync
 
 
 def attach_deepspeed(model: nn.Module, dad: Optional[dict], stage: int = 0):
@@ -144,13 +149,7 @@ def attach_fsdp2(model: nn.Module, dad: Optional[dict]):
     if dad is not None:
         enable_dad_fsdp(model, dad)
 
-    def step(x, y) -> float:
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-    return step, None
+    return _sgd_step(model, opt), None
 
 
 def attach_horovod(model: nn.Module, dad: Optional[dict]):
