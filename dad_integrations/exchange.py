@@ -286,7 +286,16 @@ class Exchanger:
         what DDP's is, with no per-parameter packing on dAD's worker (`run_native`)."""
         if verify or self._flushed or not all(self.dense_for_sure(u, step, verify) for u in self.plan.units):
             return False
+        if self._holds_residuals(step):
+            return True
         return not (self.memory.enabled and any(self.memory.dense(u.name) is not None for u in self.plan.units))
+
+    def _holds_residuals(self, step: int) -> bool:
+        """Step ``step`` is a route trial's dense step: error-feedback residuals wait for the next
+        routes step instead of being flushed, so the step goes as a steady dense step does (DDP's
+        own buckets, `native_dense`). Flushed, every D after an R in ``R D D R`` paid the packed
+        path (about 20 ms more on the benchmark's model) and split the trial."""
+        return self.trial is not None and self.trial.arm(step) == "dense"
 
     def start_native(self, buffer: torch.Tensor, prescale: float):
         """Put one of DDP's buckets on the wire as it is (`native_dense`), in the dense buckets' wire
@@ -370,7 +379,7 @@ class Exchanger:
         if sticky is None:
             self._saved[unit.index] = decision.saved_s
         rep = decision.representation
-        flush = self._flush_residual(unit, rep, sink)
+        flush = not self._holds_residuals(step) and self._flush_residual(unit, rep, sink)
         self.last_route[unit.index] = rep
         if flush:
             rep = "dense"  # it carries the residual this step; its route applies from the next

@@ -24,7 +24,7 @@ FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``Re
   span: from the root's forward, a forward pre-hook, to a callback queued on autograd's engine at the
   step's first reduce-scatter, which runs after FSDP's own final callback, queued at backward's start;
   the ranks agree there). Dense steps and all dense decided: every weight by FSDP's reduce-scatter,
-  residuals flushed into it, capture off;
+  capture off (a trial's dense steps hold the residuals; all dense decided flushes them into it);
 * `sink.ShardSink`: FSDP's buffers (local gradients read as matrix views, shards and padding written);
 * `checks.factors_rebuild_local_grad`: the first call's check; `capture.CommittedRows`: rows are
   sent only once autograd has added them to the unsharded gradient (FSDP's post-backward can run
@@ -318,10 +318,12 @@ class FSDPDADSynchronizer(TimedRoutes):
         agg = self._aggregators.setdefault(id(group), TorchDistributedAggregator(group))
         units = [u for u in (self._unit_of.get(id(s.param)) for s in slots) if u is not None and not u.dense_only]
         if self._trial.dense(step):  # a route trial's dense step, or all dense decided: FSDP's reduce-scatter
+            hold = self._trial.holds_residuals(step)
             for unit in units:
                 for c in unit.uses:
                     self._committed.take(c)  # (capture is off from the step after the decision)
-                self._flush_residual(unit, sink, agg, report)
+                if not hold:
+                    self._flush_residual(unit, sink, agg, report)
             return self._dense(slots, sink, group, op, report)
         rows = {u.index: [concat_rows(self._committed.take(c), c.kind, u.shape, u.param, c.block)
                           for c in u.uses] for u in units}

@@ -14,7 +14,9 @@ job's steps) never counts.
 **How** (`RouteTrial`). After a refresh that sends any weight by factors or a rank route, on a link
 the job measures (a stated ``link`` is the user's word and is trusted), the next steps alternate
 the refresh's routes (R) and every weight dense with capture off (D) in pairs, ``R D  D R  R D  D R``
-(ABBA: a load that drifts over the trial moves both arms alike). A round is ``route_trial_steps``
+(ABBA: a load that drifts over the trial moves both arms alike). A D step holds the routes'
+error-feedback residuals for the next R step instead of flushing them: each arm then costs what
+its steady steps cost (under DDP a D step is DDP's own buckets), not what leaving the other does. A round is ``route_trial_steps``
 steps (``route_trial_steps // 2`` pairs). At the end of a round every rank takes each step's
 slowest-rank time (one all-gather), so all decide alike, and per pair the difference
 ``routes - dense``:

@@ -49,8 +49,8 @@ Route trials (`dad_integrations.sharded_trial`: by time, on a measured link, in 
 span runs from the module's forward (a forward pre-hook) to the end of the engine's backward
 epilogue (ZeRO's last bucket is reduced there), where every rank agrees; a step is a backward that
 reduces (with gradient accumulation, a micro-step). On a dense step, and after all dense is decided
-until the next refresh, every weight goes by DeepSpeed's reduction (residuals flushed into it,
-capture off).
+until the next refresh, every weight goes by DeepSpeed's reduction, capture off (a trial's dense
+steps hold the residuals for its routes steps; all dense decided flushes them into it).
 
 Rank-dAD's residuals and warm starts are kept only once the backward is over and every rank's local
 gradients were finite (the wrapped ``_backward_epilogue``: one all-reduce of one number), as under
@@ -278,12 +278,14 @@ class ZeroDAD(RankStateCheckpoints, TimedRoutes):
             self._trial.open(self._steps - 1)
         report = self._report
         if self._trial.dense(self._steps - 1):  # a route trial's dense step, or all dense decided
+            hold = self._trial.holds_residuals(self._steps - 1)
             for p, g in zip(params, local):
                 unit = self._unit_of.get(id(p))
                 if unit is not None and not unit.dense_only:
                     for c in unit.uses:
                         c.take()  # (capture is off from the step after the decision)
-                    self._flush_residual(unit, g)  # it rides DeepSpeed's own reduction
+                    if not hold:
+                        self._flush_residual(unit, g)  # it rides DeepSpeed's own reduction
                 report.params.append(_param_report(self._names.get(id(p), "?"), "dense", param_shape(p), S,
                                                    itemsize, dense=True))
             return set()

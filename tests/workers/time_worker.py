@@ -103,16 +103,19 @@ class SlowedAggregator(TorchDistributedAggregator):
     def __init__(self, slow_prefixes: tuple, min_numel: int = 0, seconds: float = 0.15):
         super().__init__()
         self.slow_prefixes, self.min_numel, self.seconds = slow_prefixes, min_numel, seconds
+        self.names = []
 
     def _slow(self, tensor, name) -> None:
         if name.startswith(self.slow_prefixes) and tensor.numel() >= self.min_numel:
             time.sleep(self.seconds)
 
     def _all_reduce(self, tensor, name, op):
+        self.names.append(name)
         self._slow(tensor, name)
         return super()._all_reduce(tensor, name, op)
 
     def _all_gather(self, tensor, name, first_dims):
+        self.names.append(name)
         self._slow(tensor, name)
         return super()._all_gather(tensor, name, first_dims)
 
@@ -126,7 +129,9 @@ def run_trial(case: dict) -> dict:
     the weights made slower, so the rank routes come back at step 5. ``trial-sleep``: as
     ``trial-keep``, but the loop sleeps 0.5 s after each step on the routes (an evaluation, a
     checkpoint): time between steps does not count, so the routes still win. ``trial-ddp``: the
-    same through DDP's communication hook (the step starts at DDP's forward)."""
+    same through DDP's communication hook (the step starts at DDP's forward). The trial's dense
+    steps hold the rank routes' error-feedback residuals (``held``) and send the all-reduce's
+    gradient, through DDP's hook as DDP's own buckets (``native``)."""
     name = case["name"]
     model = build(MODEL, seed=0)
     keep = name != "trial-dense"
@@ -142,10 +147,11 @@ def run_trial(case: dict) -> dict:
         sync = DADSynchronizer(model, agg, config)
     sync.set_link(SLOW)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    out = {"routes": [], "errors": {}, "captured": []}
+    out = {"routes": [], "errors": {}, "captured": [], "held": [], "native": []}
     for step in range(12):
         data = batch(MODEL, 2, seed=100 * step + dist.get_rank())
-        ref = _reference_grads(model, data, {}) if step in (3, 6, 9) else None
+        ref = _reference_grads(model, data, {}) if step in (2, 3, 6, 9) else None
+        before = len(agg.names)
         loss_of(MODEL, net, data).backward()
         if net is model:
             sync.synchronize()
@@ -155,6 +161,8 @@ def run_trial(case: dict) -> dict:
         routes = sorted({p.representation for p in report.params if p.shape and len(p.shape) == 2})
         out["routes"].append(routes)
         out["captured"].append(sum(c.enabled for c in sync._plan.captures))
+        out["held"].append(len(sync._exchanger.memory.residuals))
+        out["native"].append(sum(n == "dad.dense.native" for n in agg.names[before:]))
         opt.step()
         opt.zero_grad(set_to_none=True)
         if name == "trial-sleep" and routes != ["dense"]:
