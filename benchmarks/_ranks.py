@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.atomo import AtomoState, atomo_hook
-from benchmarks.workload import (NullAggregator, Workload, build_model, current_rss_mb, median, peak_memory_mb,
-                                 reset_peak_memory)
+from benchmarks.workload import (NullAggregator, Workload, build_model, current_rss_mb, lower_quartile, median,
+                                 peak_memory_mb, reset_peak_memory)
 from dad_integrations.comm_counter import CollectiveCounter
 
 DDP_METHODS = ("allreduce", "fp16", "powersgd", "atomo")
@@ -262,7 +262,7 @@ def _run_phase(spec: dict) -> None:
         key = r.method if r.variant != "nocomm" else f"{r.method}:nocomm"
         rec = mine.setdefault(key, {})
         timed = r.times[warm:] or r.times
-        rec.update(step_s=median(timed), times=r.times, losses=r.losses)
+        rec.update(step_s=median(timed), step_lq_s=lower_quartile(timed), times=r.times, losses=r.losses)
         if r.variant == "real":
             counted = r.sent[warm:] or r.sent
             rec.update(sent_per_step=sum(counted) / len(counted),

@@ -140,3 +140,14 @@ def median(xs: List[float]) -> float:
     s = sorted(xs)
     n = len(s)
     return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def lower_quartile(xs: List[float]) -> float:
+    """The 25th percentile (linear between order statistics). Under an on/off background load a
+    step's time has two modes; the median lands in either by chance where the load is on about
+    half the time, the lower quartile stays in the unloaded one (load only adds time)."""
+    s = sorted(xs)
+    pos = 0.25 * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
