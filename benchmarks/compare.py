@@ -501,7 +501,8 @@ def main(argv=None) -> int:
             for t in (_per_rank(p, m)[0].get("trials", []) if p else []):
                 lines.append(f"- {m} route trial on {net} (refresh step {t['step']}): {t['compressed']} weights "
                              f"compressed {t['routes_s'] * 1e3:.1f} ms/step, all dense {t['dense_s'] * 1e3:.1f} "
-                             f"ms/step: {'routes kept' if t['kept'] else 'all dense'}")
+                             f"ms/step (routes faster in {t.get('routes_won', '?')} of {t.get('pairs', '?')} pairs): "
+                             f"{'routes kept' if t['kept'] else 'all dense'}")
     for t in targets:
         lines.append(f"- {'MET ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.4g} (limit {t['limit']}); "
                      f"{t['detail']}")
