@@ -154,8 +154,8 @@ def test_route_trial_under_fsdp2(results):
     """A measured link the models misjudge (every weight compressed at step 0) and compressed routes
     slowed by a real sleep: steps 1-4 alternate the routes and FSDP's own reduce-scatter (R D D R),
     every rank decides all dense at step 4, and from step 5 every weight takes FSDP's reduce-scatter
-    with capture off. Dense steps' gradients equal FSDP's own (where no residual is flushed into
-    them: the step after a rank-routed one carries its residual), and the ranks end bit-identical."""
+    with capture off. Dense steps' gradients equal FSDP's own (the trial's hold the residuals;
+    step 5, the first after the decision, carries them), and the ranks end bit-identical."""
     res = _case(results, "mlp-trial-dense")
     check_sharded_trial_all_dense(res, TOL)
     ranks = res["ranks"]

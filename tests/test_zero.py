@@ -453,8 +453,8 @@ def test_route_trial_under_zero(jobs, stage, cid):
     """A measured link the models misjudge (every weight compressed at step 0) and compressed routes
     slowed by a real sleep: steps 1-4 alternate the routes and DeepSpeed's own reduction (R D D R),
     every rank decides all dense at step 4, and from step 5 every weight takes DeepSpeed's reduction
-    with capture off. Dense steps' partitions equal DeepSpeed's own (where no residual is flushed
-    into them: the step after a rank-routed one carries its residual); the ranks end bit-identical."""
+    with capture off. Dense steps' partitions equal DeepSpeed's own (the trial's hold the residuals;
+    step 5, the first after the decision, carries them); the ranks end bit-identical."""
     ranks = result(jobs(stage), cid)
     res = ranks[0]
     check_sharded_trial_all_dense(res, TOL)
