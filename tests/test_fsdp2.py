@@ -69,7 +69,9 @@ EF_LOSSY = ["gpt2-auto-rank4-ef-rank1"]  # a residual kept at rank 1 drops its t
 NONFINITE = ["mlp-rank2-nonfinite", "mlp-rank2-allreduce-nonfinite"]    # rank 1's loss NaN at step 1
 TIMED = ["gpt2-time-slow"]  # objective "time" on a stated slow link (the fast one is in CASES)
 FLUSH = ["mlp-auto-rank8-flush"]  # a weight leaves its rank route when rows fall
-TRIAL = ["mlp-trial-dense"]  # a route trial whose compressed routes are slowed (`fsdp2_worker.run_trial`)
+# route trials (`fsdp2_worker.run_trial`): compressed routes slowed (all dense wins), or FSDP's
+# reduce-scatter of the whole buffer slowed (the routes win)
+TRIAL = ["mlp-trial-dense", "mlp-trial-keep"]
 RANKED = ["mlp-rank-full-allgather", "mlp-rank-full-allreduce"] + LOSSY + NONFINITE
 RANK_REPS = ("rank", "rank_allreduce")
 # mode rank sends every weight by a rank route, even a class token (1 x d), whose r = 1 factors
@@ -158,6 +160,25 @@ def test_route_trial_under_fsdp2(results):
     step 5, the first after the decision, carries them), and the ranks end bit-identical."""
     res = _case(results, "mlp-trial-dense")
     check_sharded_trial_all_dense(res, TOL)
+    ranks = res["ranks"]
+    assert all(r["trials"] == ranks[0]["trials"] for r in ranks)
+    assert all(r["checksum"] == ranks[0]["checksum"] for r in ranks)
+
+
+def test_route_trial_under_fsdp2_keeps_faster_routes(results):
+    """FSDP's reduce-scatter of the whole buffer slowed: the trial's routes measure faster in both
+    pairs, every rank keeps them, and from step 5 each weight takes step 0's route again; the trial's
+    dense steps equal FSDP's own (the residuals held), and the ranks end bit-identical."""
+    res = _case(results, "mlp-trial-keep")
+    assert res["arms"][:5] == [None, "routes", "dense", "dense", "routes"], res["arms"]
+    routes = res["routes"]
+    assert routes[0] != ["dense"] and routes[2] == routes[3] == ["dense"], routes
+    assert all(r == routes[0] for r in routes[4:]), routes
+    (trial,) = res["trials"]
+    assert (trial["step"], trial["kept"], trial["conclusive"], trial["pairs"], trial["routes_won"]) == (0, True, True, 2, 2)
+    assert trial["dense_s"] > trial["routes_s"] and trial["compressed"] > 0
+    for step in ("2", "3"):
+        assert res["errors"][step] <= TOL, (step, res["errors"][step])
     ranks = res["ranks"]
     assert all(r["trials"] == ranks[0]["trials"] for r in ranks)
     assert all(r["checksum"] == ranks[0]["checksum"] for r in ranks)

@@ -255,7 +255,8 @@ def run_trial(case: dict) -> dict:
     attach, so every weight compresses at step 0) and compressed routes slowed by a real sleep
     (`models.slow_compressed_routes`), route trials of rounds of 4 steps: steps 1-4 alternate the
     routes and all dense (R D D R), all dense decided at the end of step 4, then all dense until
-    the next refresh (100). FSDP's own reduction runs beside it on the same parameters (``follow``)
+    the next refresh (100). ``trial: "keep"``: FSDP's reduce-scatter of the whole buffer slowed
+    instead, so the routes are kept from step 5. FSDP's own reduction runs beside it on the same parameters (``follow``)
     and data: dense steps' gradients must equal it."""
     name, rank = case["model"], dist.get_rank()
     ref = build(name)
@@ -265,8 +266,24 @@ def run_trial(case: dict) -> dict:
     sync = enable_dad_fsdp(mine, case["config"])
     group = sync._installed[0][1].mesh_info.shard_process_group
     from dad_integrations.torch_distributed import TorchDistributedAggregator
-    sync._aggregators[id(group)] = models.slow_compressed_routes(TorchDistributedAggregator(group), 0.05)
+    keep = case["trial"] == "keep"
+    aggregator = TorchDistributedAggregator(group)
+    sync._aggregators[id(group)] = aggregator if keep else models.slow_compressed_routes(aggregator, 0.05)
     sync.set_link({"bandwidth": "1mbit", "latency_us": 100})
+    reduce_scatter = dist.reduce_scatter_tensor
+    if keep:  # FSDP's reduce-scatter of the whole buffer made slow; the routes' small remainder is not
+        def slow_reduce_scatter(output, input, *args, **kwargs):
+            if input.numel() >= 600:
+                time.sleep(0.05)
+            return reduce_scatter(output, input, *args, **kwargs)
+        dist.reduce_scatter_tensor = slow_reduce_scatter
+    try:
+        return _trial_steps(case, name, rank, ref, mine, sync)
+    finally:
+        dist.reduce_scatter_tensor = reduce_scatter
+
+
+def _trial_steps(case: dict, name: str, rank: int, ref, mine, sync) -> dict:
     opt = torch.optim.SGD(mine.parameters(), lr=0.05)
     out = {"routes": [], "arms": [], "errors": {}, "captured": []}
     for step in range(case["steps"]):
@@ -453,9 +470,13 @@ CASES = {
     "gpt2-time-slow": {"model": "gpt2", "config": {"mode": "auto", "rank": 4, "objective": "time",
                                                    "link": {"bandwidth": "1mbit", "latency_us": 100}}, "batch": 1},
     # a route trial on a measured link the models misjudge, compressed routes slowed (`run_trial`)
-    "mlp-trial-dense": {"model": "mlp", "trial": True, "steps": 8,
+    "mlp-trial-dense": {"model": "mlp", "trial": "dense", "steps": 8,
                         "config": {"mode": "auto", "rank": 4, "objective": "time", "lossless_steps": 0,
                                    "route_trial_steps": 4, "route_refresh_steps": 100}},
+    # ... and one whose all-dense steps are slowed (FSDP's reduce-scatter of the whole buffer)
+    "mlp-trial-keep": {"model": "mlp", "trial": "keep", "steps": 8,
+                       "config": {"mode": "auto", "rank": 4, "objective": "time", "lossless_steps": 0,
+                                  "route_trial_steps": 4, "route_refresh_steps": 100}},
     "llama-exact-uneven": {"model": "llama", "mode": "exact", "uneven": True, "batch": 1},
     "bert-exact-noreshard": {"model": "bert", "mode": "exact", "batch": 1, "reshard": False},
     "llama-exact-groups": {"model": "llama", "mode": "exact", "batch": 1, "reshard": True, "groups": True},
