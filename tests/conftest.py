@@ -135,3 +135,20 @@ def check_sharded_trial_all_dense(res: dict, tol: float) -> None:
     assert res["captured"][1:3] == [0, 0] and res["captured"][0] > 0 and res["captured"][4:] == [0] * 4
     for step in ("2", "3", "6", "7"):
         assert res["errors"][step] <= tol, (step, res["errors"][step])
+
+
+def check_sharded_trial_kept(res: dict, tol: float) -> None:
+    """A sharded engine's route trial where the routes win (the engine's whole-buffer reduction
+    slowed): steps 1-4 alternate (R D D R), every rank keeps the routes at step 4 (2 of 2 pairs),
+    from step 5 the models' routes compress again (they route each step, as at step 0), and the
+    trial's dense steps (2, 3: residuals held) equal the engine's own reduction to ``tol``."""
+    assert res["arms"][:5] == [None, "routes", "dense", "dense", "routes"], res["arms"]
+    routes = res["routes"]
+    assert routes[0] != ["dense"] and routes[2] == routes[3] == ["dense"], routes
+    assert all(r != ["dense"] for r in routes[4:]), routes
+    (trial,) = res["trials"]
+    outcome = (trial["step"], trial["kept"], trial["conclusive"], trial["pairs"], trial["routes_won"])
+    assert outcome == (0, True, True, 2, 2), trial
+    assert trial["dense_s"] > trial["routes_s"] and trial["compressed"] > 0
+    for step in ("2", "3"):
+        assert res["errors"][step] <= tol, (step, res["errors"][step])

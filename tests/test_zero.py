@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from conftest import WORKERS, check_sharded_trial_all_dense, result, run_torchrun
+from conftest import WORKERS, check_sharded_trial_all_dense, check_sharded_trial_kept, result, run_torchrun
 from dad_integrations.costs import powersgd_bytes, sharded_rank_allreduce_bytes
 from dad_integrations.rows import matrix_shape
 
@@ -148,13 +148,16 @@ FLUSH = {stage: {f"z{stage}-wide-auto-rank8-flush": {"model": "wide_rows", "dad"
 TRIAL_DAD = {"mode": "auto", "rank": 4, "objective": "time", "lossless_steps": 0, "route_trial_steps": 4,
              "route_refresh_steps": 100}
 TRIAL = {2: {"z2-gpt2-trial-dense": {"model": "gpt2", "steps": 8, "lr": 0.1, "dad": TRIAL_DAD}}}
+# ... and one whose all-dense steps are slowed (DeepSpeed's reduction of a whole bucket): routes kept
+TRIAL_KEEP = {2: {"z2-gpt2-trial-keep": {"model": "gpt2", "steps": 8, "lr": 0.1, "dad": TRIAL_DAD,
+                                         "slow": "dense"}}}
 
 
 def _cases(stage: int) -> dict:
     cases = {cid: {"kind": "match", "stage": stage, "dad": EXACT, **extra} for cid, extra in MATCH[stage].items()}
     for cid, extra in {**RANK_CASES[stage], **FLUSH[stage]}.items():
         cases[cid] = {"kind": "rank", "stage": stage, **extra}
-    for cid, extra in TRIAL.get(stage, {}).items():
+    for cid, extra in {**TRIAL.get(stage, {}), **TRIAL_KEEP.get(stage, {})}.items():
         cases[cid] = {"kind": "trial", "stage": stage, **extra}
     for cid, (extra, _) in ERRORS[stage].items():
         cases[cid] = {"kind": "error", "stage": stage, "model": "mlp", "dad": EXACT, **extra}
@@ -458,4 +461,15 @@ def test_route_trial_under_zero(jobs, stage, cid):
     ranks = result(jobs(stage), cid)
     res = ranks[0]
     check_sharded_trial_all_dense(res, TOL)
+    assert all(r["trials"] == res["trials"] and r["digest"] == res["digest"] for r in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,cid", [(s, c) for s in TRIAL_KEEP for c in TRIAL_KEEP[s]])
+def test_route_trial_under_zero_keeps_faster_routes(jobs, stage, cid):
+    """DeepSpeed's reduction of a whole bucket slowed: the routes are kept
+    (`conftest.check_sharded_trial_kept`); the ranks end bit-identical."""
+    ranks = result(jobs(stage), cid)
+    res = ranks[0]
+    check_sharded_trial_kept(res, TOL)
     assert all(r["trials"] == res["trials"] and r["digest"] == res["digest"] for r in ranks)

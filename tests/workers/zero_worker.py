@@ -302,16 +302,28 @@ def run_trial(case: dict) -> dict:
     """A route trial under ZeRO (`zero.ZeroDAD`, `sharded_trial`): a measured link the models
     misjudge (`set_link` to 1 Mbit/s after attach: every weight compressed at step 0), compressed
     routes slowed by a real sleep (`models.slow_compressed_routes`), rounds of 4 steps (R D D R at
-    steps 1-4), all dense decided at step 4 and kept until the next refresh. A reference engine
+    steps 1-4), all dense decided at step 4 and kept until the next refresh. ``slow: "dense"``:
+    DeepSpeed's reduction of a whole bucket slowed instead, so the routes are kept from step 5. A reference engine
     (learning rate 0) takes dAD's parameters before every step: dense steps' partitions equal
     DeepSpeed's own reduction."""
     import dataclasses
     import hashlib
+    import time
     name, micro = case["model"], case.get("batch", 2)
     ref = build_engine({**case, "lr": 0.0}, micro, None)
     mine = build_engine(case, micro, case["dad"])
     att = deepspeed_dad.get_attachment(mine)
-    models.slow_compressed_routes(att.aggregator, 0.05)
+    if case.get("slow") == "dense":  # DeepSpeed's reduction of a whole bucket slowed, not its small runs
+        seam = att._seam
+        original = seam._originals["average_tensor"]
+
+        def slow_average_tensor(tensor, *args, **kwargs):
+            if tensor.numel() >= 1000:
+                time.sleep(0.05)
+            return original(tensor, *args, **kwargs)
+        seam._originals["average_tensor"] = slow_average_tensor
+    else:
+        models.slow_compressed_routes(att.aggregator, 0.05)
     att.set_link({"bandwidth": "1mbit", "latency_us": 100})
     names = [n for n, _ in ref.module.named_parameters()]
     out = {"routes": [], "arms": [], "errors": {}, "captured": []}
