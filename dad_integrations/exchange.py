@@ -291,11 +291,9 @@ class Exchanger:
         return not (self.memory.enabled and any(self.memory.dense(u.name) is not None for u in self.plan.units))
 
     def _holds_residuals(self, step: int) -> bool:
-        """Step ``step`` is a route trial's dense step: error-feedback residuals wait for the next
-        routes step instead of being flushed, so the step goes as a steady dense step does (DDP's
-        own buckets, `native_dense`). Flushed, every D after an R in ``R D D R`` paid the packed
-        path (about 20 ms more on the benchmark's model) and split the trial."""
-        return self.trial is not None and self.trial.arm(step) == "dense"
+        """A route trial's dense step (`RouteTrial.holds_residuals`): residuals wait, and the step
+        goes as a steady dense step does (DDP's own buckets, `native_dense`)."""
+        return self.trial is not None and self.trial.holds_residuals(step)
 
     def start_native(self, buffer: torch.Tensor, prescale: float):
         """Put one of DDP's buckets on the wire as it is (`native_dense`), in the dense buckets' wire

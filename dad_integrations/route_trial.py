@@ -15,9 +15,11 @@ job's steps) never counts.
 the job measures (a stated ``link`` is the user's word and is trusted), the next steps alternate
 the refresh's routes (R) and every weight dense with capture off (D) in pairs, ``R D  D R  R D  D R``
 (ABBA: a load that drifts over the trial moves both arms alike). A D step holds the routes'
-error-feedback residuals for the next R step instead of flushing them: each arm then costs what
-its steady steps cost (under DDP a D step is DDP's own buckets), not what leaving the other does. A round is ``route_trial_steps``
-steps (``route_trial_steps // 2`` pairs). At the end of a round every rank takes each step's
+error-feedback residuals for the next R step instead of flushing them (`RouteTrial.holds_residuals`):
+each arm then costs what its steady steps cost (under DDP a D step is DDP's own buckets), not what
+leaving the other arm costs; flushed, each D after an R left DDP's buckets for dAD's packed path
+(about 20 ms more on the benchmark's model) and split the loopback trial. A round is
+``route_trial_steps`` steps (``route_trial_steps // 2`` pairs). At the end of a round every rank takes each step's
 slowest-rank time (one all-gather), so all decide alike, and per pair the difference
 ``routes - dense``:
 
@@ -231,6 +233,11 @@ class RouteTrial:
     def forces_dense(self, step: int) -> bool:
         """Step ``step`` belongs to the all-dense arm of the trial."""
         return self.arm(step) == "dense"
+
+    def holds_residuals(self, step: int) -> bool:
+        """Step ``step`` keeps error-feedback residuals for the trial's next routes step instead of
+        flushing them (a dense-arm step: see the module doc). Every engine's adapter asks this."""
+        return self.forces_dense(step)
 
     def end_of_step(self, step: int, seconds: Optional[float], agree: Agree,
                     next_refresh: int) -> Optional[TrialOutcome]:

@@ -5,10 +5,11 @@ Under FSDP2 and ZeRO each reduction call routes its weights by the models (`rout
 link again every ``route_refresh_steps``). `ShardedTrial` adds what `route_trial` does for the
 unsharded engines: on a measured link (config ``link`` None), objective ``"time"`` and mode
 ``"auto"``, a refresh step (step 0, every ``route_refresh_steps``, the end of the lossless steps)
-whose routes compress any weight begins a `route_trial.RouteTrial`; its dense-arm steps send every
-weight by the engine's own reduce-scatter (capture off; residuals wait for the routes), its routes-arm
-steps route as the models say. All dense decided: every weight takes the engine's reduce-scatter
-(its first step carries the residuals), capture off, until the next refresh. The decision's `route_trial.Watch` runs as under DDP.
+whose routes compress any weight begins a `route_trial.RouteTrial`; its dense-arm steps send
+every weight by the engine's own reduce-scatter (capture off; residuals wait for the routes), its
+routes-arm steps route as the models say. All dense decided: every weight takes the engine's
+reduce-scatter (its first step carries the residuals), capture off, until the next refresh. The
+decision's `route_trial.Watch` runs as under DDP.
 
 The adapter calls, per step and on every rank alike:
 
@@ -129,9 +130,9 @@ class ShardedTrial:
         return self.trial.arm(step) if self.trial is not None else None
 
     def holds_residuals(self, step: int) -> bool:
-        """A trial's dense-arm step: error-feedback residuals wait for the next routes step (as under
-        DDP, `exchange.Exchanger._holds_residuals`); once all dense is decided they are flushed."""
-        return self.arm(step) == "dense"
+        """A trial's dense-arm step: residuals wait for its next routes step
+        (`route_trial.RouteTrial.holds_residuals`); once all dense is decided they are flushed."""
+        return self.trial is not None and self.trial.holds_residuals(step)
 
     def note(self, unit: FactorUnit, decision: Route) -> None:
         """One weight's route this step."""

@@ -329,6 +329,8 @@ def test_trial_schedule_pairs_and_decision():
     assert not RouteTrial(steps=0).fits(0, 1000)
     trial.begin(10, {0: "rank_allreduce", 1: "dense", 2: "exact"}, predicted_saving_s=0.05)
     assert [trial.arm(k) for k in range(10, 16)] == [None, "routes", "dense", "dense", "routes", None]
+    # only the dense arm holds error-feedback residuals (for the next routes step)
+    assert [trial.holds_residuals(k) for k in range(10, 16)] == [False, False, True, True, False, False]
     # routes slower in both pairs (0.11 vs 0.08, 0.12 vs 0.08): dense, conclusive
     (out,) = _run_trial(trial, 10, [0.11, 0.08, 0.08, 0.12])
     assert not out.kept and out.conclusive and out.pairs == 2 and out.routes_won == 0 and not trial.active

@@ -256,8 +256,8 @@ def run_trial(case: dict) -> dict:
     (`models.slow_compressed_routes`), route trials of rounds of 4 steps: steps 1-4 alternate the
     routes and all dense (R D D R), all dense decided at the end of step 4, then all dense until
     the next refresh (100). ``trial: "keep"``: FSDP's reduce-scatter of the whole buffer slowed
-    instead, so the routes are kept from step 5. FSDP's own reduction runs beside it on the same parameters (``follow``)
-    and data: dense steps' gradients must equal it."""
+    instead, so the routes are kept from step 5. FSDP's own reduction runs beside it on the same
+    parameters (``follow``) and data: dense steps' gradients must equal it."""
     name, rank = case["model"], dist.get_rank()
     ref = build(name)
     mine = copy.deepcopy(ref)
