@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in <repo>/.venv and install the package
-# with its test, example and engine extras (Accelerate, DeepSpeed; Horovod built from source by
-# scripts/build_horovod.sh). Safe to run again: existing pieces are kept.
+# with its test, example, engine (Accelerate, DeepSpeed; Horovod built from source by
+# scripts/build_horovod.sh) and docs extras. Safe to run again: existing pieces are kept.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ fi
 echo "setup_env: installing torch==2.13.0"
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 
-EXTRAS=${DAD_EXTRAS:-test,examples,accelerate,deepspeed}
+EXTRAS=${DAD_EXTRAS:-test,examples,accelerate,deepspeed,docs}
 echo "setup_env: installing dad-integrations (editable) with extras [$EXTRAS]"
 "$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
 
