@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 if TYPE_CHECKING:  # imported where used: the launching process needs none of dad_integrations
-    from dad_integrations.comm_counter import CollectiveCounter
+    from dad_integrations.comm.counter import CollectiveCounter
 
 log = logging.getLogger("benchmarks.convergence")
 
@@ -339,7 +339,7 @@ def run_seed(workload: str, spec: dict, seed: int, progress: Callable) -> List[d
     task = make_task(workload, spec["settings"][workload], seed, rank, world)
     torch.manual_seed(seed)
     init_state = {k: v.clone() for k, v in task.build_model().state_dict().items()}
-    from dad_integrations.comm_counter import CollectiveCounter
+    from dad_integrations.comm.counter import CollectiveCounter
 
     counter = CollectiveCounter(dist)
     runners = [Runner(m, task, init_state, spec, seed, counter) for m in spec["methods"]]

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.atomo import AtomoState, atomo_hook
 from benchmarks.workload import (NullAggregator, Workload, build_model, current_rss_mb, lower_quartile, median,
                                  peak_memory_mb, reset_peak_memory)
-from dad_integrations.comm_counter import CollectiveCounter
+from dad_integrations.comm.counter import CollectiveCounter
 
 DDP_METHODS = ("allreduce", "fp16", "powersgd", "atomo")
 DAD_METHODS = ("dad-exact", "dad-rank", "dad-auto", "dad-auto-fp16", "dad-auto-bytes")

@@ -39,7 +39,7 @@ What is measured, and how:
     also sets the batch order) and feeds every method the same batch at each step. The methods
     take turns step by step, so the load of a shared machine falls on all of them alike; only the
     numbers below are compared, never wall-clock times across machines.
-  * Bytes: a `dad_integrations.comm_counter.CollectiveCounter` wraps ``torch.distributed`` for
+  * Bytes: a `dad_integrations.comm.counter.CollectiveCounter` wraps ``torch.distributed`` for
     one method's step at a time, so it counts exactly that method's collectives (ring model:
     an all-reduce of b bytes sends 2 (S-1)/S b per rank, an all-gather (S-1) b). ``bytes/step`` is
     the mean bytes one rank sends per step after the first 3 steps (PowerSGD compresses from step

@@ -93,7 +93,7 @@ def _baseline_package(tree: str) -> str:
 def _profile_exchanges() -> cProfile.Profile:
     """Profile every exchange (they run on the synchroniser's worker thread, which cProfile on the
     main thread does not see)."""
-    from dad_integrations.exchange import Exchanger
+    from dad_integrations.exchange.exchanger import Exchanger
 
     prof, run = cProfile.Profile(), Exchanger.run
 

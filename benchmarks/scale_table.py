@@ -4,9 +4,9 @@
 
 For GPT-2 small/medium/large and BERT-base (masked LM) geometries, batch x sequence from 1x128 to
 32x1024 and 2 to 256 sites, the bytes one rank sends per step in steady state (after the first,
-verifying step), from the synchroniser's own plan (`dad_integrations.units.build_plan`, on a
+verifying step), from the synchroniser's own plan (`dad_integrations.capture.units.build_plan`, on a
 model built on the meta device: no memory, no weights) and its own cost model
-(`dad_integrations.router.route`, the decision each unit takes), plus the size exchanges the
+(`dad_integrations.routing.router.route`, the decision each unit takes), plus the size exchanges the
 synchroniser sends besides. ``--check`` runs small real configs on 2 ranks
 and compares these figures with `last_step_report()`'s accounting, byte for byte.
 
@@ -25,10 +25,10 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from dad_integrations.aggregator import ring_allreduce_bytes
+from dad_integrations.comm.aggregator import ring_allreduce_bytes
 from dad_integrations.config import DADConfig
-from dad_integrations.plan import steady_state
-from dad_integrations.units import build_plan
+from dad_integrations.routing.planner import steady_state
+from dad_integrations.capture.units import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GEOMETRIES = ("gpt2-small", "gpt2-medium", "gpt2-large", "bert-base")

@@ -1,6 +1,6 @@
 """The benchmark's workload and measuring tools: a small byte-level GPT-2 on stdlib source,
 a communication-free aggregator, and peak-memory readings. (Bytes of collectives that do not
-report their own are counted by `dad_integrations.comm_counter.CollectiveCounter`.)"""
+report their own are counted by `dad_integrations.comm.counter.CollectiveCounter`.)"""
 from __future__ import annotations
 
 import gc
@@ -9,7 +9,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from dad_integrations.aggregator import CommHandle, FactorAggregator
+from dad_integrations.comm.aggregator import CommHandle, FactorAggregator
 
 
 @dataclass

@@ -26,7 +26,7 @@ What it does, by Accelerate's distributed type:
   writes no dAD file; with a rank, the rank routes' residuals and warm starts get the DDP path's
   per-rank files (``dad_state_rank{r}.pt``).
 * FSDP1 (``fsdp_version: 1``): rejected with an error that says why and to use FSDP2
-  (`dad_integrations.fsdp_detect`).
+  (`dad_integrations.engines.fsdp_detect`).
 * A single process: nothing to synchronise; returns None and says so once in the log. But where
   the launcher started several processes and Accelerate still runs this one alone
   (``DistributedType.NO``: a plain ``Accelerator()`` on CPUs without ``ACCELERATE_USE_CPU=1``),
@@ -43,13 +43,13 @@ from typing import List, Mapping, Optional, Union
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import banner
-from .checkpoint import keeps_state, load_rank_state, save_rank_state
-from .config import DADConfig
-from .ddp_hook import register_dad_comm_hook
-from .engines import get_engine
-from .fsdp_detect import FSDP1_MESSAGE, fsdp2_modules
-from .synchronizer import DADSynchronizer
+from dad_integrations.engines import banner
+from dad_integrations.engines.checkpoint import keeps_state, load_rank_state, save_rank_state
+from dad_integrations.config import DADConfig
+from dad_integrations.ddp_hook import register_dad_comm_hook
+from dad_integrations.engines.registry import get_engine
+from dad_integrations.engines.fsdp_detect import FSDP1_MESSAGE, fsdp2_modules
+from dad_integrations.synchronizer import DADSynchronizer
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def _find_ddp(accelerator, model: nn.Module) -> DistributedDataParallel:
 
 def _enable_on_fsdp(accelerator, model: nn.Module, config: Union[DADConfig, Mapping, None]):
     """FSDP2: dAD inside the prepared model's reduce-scatter; FSDP1: an error saying why not."""
-    from .fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
+    from dad_integrations.fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
 
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     version = getattr(plugin, "fsdp_version", 1)
@@ -214,6 +214,6 @@ def _enable_on_deepspeed(accelerator, model: nn.Module,
     if sync is None:
         if config is None:
             raise ValueError("dAD is not enabled on this DeepSpeed engine: add a \"dad\" block to the "
-                             "DeepSpeed config (README, DeepSpeed section), or pass config= to enable_dad()")
+                             "DeepSpeed config (docs/guides/deepspeed.md), or pass config= to enable_dad()")
         sync = adapter.attach(engine, config)
     return sync

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Tuple
 
+from dad_integrations.comm.link_spec import parse_link_spec
+
 MODES = ("exact", "rank", "auto")
 RANK_ROUTES = ("auto", "allgather", "allreduce")
 WIRE_DTYPES = (None, "float16", "bfloat16")
@@ -104,7 +106,7 @@ class DADConfig:
         uncaptured_matrices: ``"rank"`` (the default): a parameter with two or more dimensions
             that no captured layer covers (an uncaptured convolution, a class token) still takes
             the rank routes, from its dense gradient viewed as ``(shape[0], -1)``, as PowerSGD
-            compresses every matrix; ``"dense"``: it goes dense, as before.
+            compresses every matrix; ``"dense"``: it goes dense.
         bucket_cap_mb: size of the dense all-reduce buckets.
         verify_first_step: on the first synchronised step, check on every rank that the captured
             factors rebuild the local gradient autograd computed; parameters that fail (used outside
@@ -211,8 +213,7 @@ class DADConfig:
             raise ValueError("dad config key 'route_trial_steps': must be an even integer >= 0 (pairs of "
                              f"steps; 0: no trial), got {self.route_trial_steps!r}")
         if self.link is not None:
-            from .link import LinkModel  # validates and names the bad sub-key
-            LinkModel.from_spec(self.link)
+            parse_link_spec(self.link)  # names the bad sub-key
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
         for key in ("layer_kinds", "exclude"):

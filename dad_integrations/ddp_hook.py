@@ -43,13 +43,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import banner
-from .aggregator import FactorAggregator
-from .capture import remove_detached_captures
-from .config import DADConfig
-from .groups import new_group_like
-from .report import ParamReport, StepReport
-from .synchronizer import DADSynchronizer, in_backward
+from dad_integrations.engines import banner
+from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.capture.hooks import remove_detached_captures
+from dad_integrations.config import DADConfig
+from dad_integrations.comm.groups import new_group_like
+from dad_integrations.report import ParamReport, StepReport
+from dad_integrations.synchronizer import DADSynchronizer, in_backward
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _close_previous(module: nn.Module) -> None:
 def _attach(ddp: nn.parallel.DistributedDataParallel, config: Union[DADConfig, Mapping, None],
             aggregator: Optional[FactorAggregator], timeout: Optional[timedelta]) -> DADSynchronizer:
     if aggregator is None:
-        from .torch_distributed import TorchDistributedAggregator
+        from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
         aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group, timeout))
     # DDP broadcast rank 0's parameters and buffers when it wrapped the model
     with banner.engine("DDP (comm hook)"):

@@ -9,7 +9,7 @@
     sync.last_step_report()  # bytes, beside what FSDP2's reduce-scatter would move
 
 FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``ReduceScatter``
-(`FSDPModule.set_custom_reduce_scatter`; layout, scaling and call order in ``docs/fsdp2_notes.md``).
+(`FSDPModule.set_custom_reduce_scatter`; layout, scaling and call order in ``docs/internals/fsdp2_notes.md``).
 `DADReduceScatter` fills this rank's output chunk from the core's pieces:
 
 * `codecs.sharded_exact`: the algebra and its collectives (rows ``a:b`` of the average from exact
@@ -65,23 +65,24 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllocM
                                                                     _get_gradient_divide_factors)
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 
-from . import banner
-from .aggregator import Traffic
-from .capture import CommittedRows, ForwardStartHook
-from .checks import agree_factors_rebuild
-from .codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
-from .codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec, load_rank_route_state
-from .config import DADConfig
-from .error_feedback import sharded_residual_note
-from .fsdp_detect import reject_fsdp1
-from .layers import concat_rows
-from .report import ShardedParamReport, ShardedStepReport
-from .router import UnitShape, route, sharded_needs_counts
-from .sharded_trial import ShardedTrial, TimedRoutes, agree_on
-from .sink import ShardSink, ShardSlot
-from .synchronizer import WIRE_DTYPES
-from .torch_distributed import TorchDistributedAggregator
-from .units import FactorUnit, build_plan
+from dad_integrations.engines import banner
+from dad_integrations.comm.aggregator import Traffic
+from dad_integrations.capture.committed import CommittedRows
+from dad_integrations.capture.hooks import ForwardStartHook
+from dad_integrations.exchange.checks import agree_factors_rebuild
+from dad_integrations.codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
+from dad_integrations.codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec, load_rank_route_state
+from dad_integrations.config import DADConfig
+from dad_integrations.codecs.error_feedback import sharded_residual_note
+from dad_integrations.engines.fsdp_detect import reject_fsdp1
+from dad_integrations.capture.layers import concat_rows
+from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.routing.router import UnitShape, route, sharded_needs_counts
+from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
+from dad_integrations.capture.sink import ShardSink, ShardSlot
+from dad_integrations.synchronizer import WIRE_DTYPES
+from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
+from dad_integrations.capture.units import FactorUnit, build_plan
 
 log = logging.getLogger(__name__)
 

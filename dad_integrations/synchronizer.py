@@ -35,21 +35,21 @@ from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional, T
 import torch
 from torch import nn
 
-from . import banner
-from .aggregator import FactorAggregator
-from .checks import broadcast_model, check_same_model
-from .capture import ForwardStartHook
-from .config import DADConfig
-from .exchange import Exchanger
-from .report import StepReport
-from .route_trial import StepClock, in_backward
-from .sink import BucketViewSink, GradSink
-from .units import FactorUnit, build_plan
-from .window import StepWindow
-from .worker import Worker
+from dad_integrations.engines import banner
+from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.exchange.checks import broadcast_model, check_same_model
+from dad_integrations.capture.hooks import ForwardStartHook
+from dad_integrations.config import DADConfig
+from dad_integrations.exchange.exchanger import Exchanger
+from dad_integrations.report import StepReport
+from dad_integrations.routing.trial import StepClock, in_backward
+from dad_integrations.capture.sink import BucketViewSink, GradSink
+from dad_integrations.capture.units import FactorUnit, build_plan
+from dad_integrations.exchange.window import StepWindow
+from dad_integrations.exchange.worker import Worker
 
 if TYPE_CHECKING:
-    from .link import LinkModel
+    from dad_integrations.routing.link import LinkModel
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class DADSynchronizer:
                  broadcast_parameters: bool = True, _driven_by_ddp: bool = False):
         self.config = DADConfig() if config is None else DADConfig.from_dict(config)
         if aggregator is None:
-            from .torch_distributed import TorchDistributedAggregator
+            from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
             aggregator = TorchDistributedAggregator()
         if not isinstance(aggregator, FactorAggregator):
             raise TypeError(f"aggregator must be a FactorAggregator, got {type(aggregator).__name__}")
@@ -200,7 +200,7 @@ class DADSynchronizer:
         """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; pass the same on every
         rank) from the next route refresh on (every ``route_refresh_steps``), in place of the
         measured or configured one; with ``objective="bytes"`` it has no effect."""
-        from .link import LinkModel
+        from dad_integrations.routing.link import LinkModel
         self._exchanger.set_link(LinkModel.from_spec(link))
 
     @property

@@ -36,13 +36,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from transformers import TrainerCallback
 
-from . import banner
-from .checkpoint import keeps_state, load_rank_state, save_rank_state
-from .config import DADConfig
-from .ddp_hook import register_dad_comm_hook
-from .engines import EngineAdapter, registered_engines
-from .fsdp_detect import fsdp2_modules, reject_fsdp1
-from .synchronizer import DADSynchronizer
+from dad_integrations.engines import banner
+from dad_integrations.engines.checkpoint import keeps_state, load_rank_state, save_rank_state
+from dad_integrations.config import DADConfig
+from dad_integrations.ddp_hook import register_dad_comm_hook
+from dad_integrations.engines.registry import EngineAdapter, registered_engines
+from dad_integrations.engines.fsdp_detect import fsdp2_modules, reject_fsdp1
+from dad_integrations.synchronizer import DADSynchronizer
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class DADCallback(TrainerCallback):
         reject_fsdp1(model, "DADCallback")
         resume = _resume_checkpoint(args, state)
         if fsdp2_modules(model):
-            from .fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
+            from dad_integrations.fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
             self.sync = enable_dad_fsdp(getattr(model, "_orig_mod", model), self.config)
             if resume is not None and keeps_state(self.sync):  # exact/auto under FSDP2 keep none
                 self._load_rank_state(resume, state, world)

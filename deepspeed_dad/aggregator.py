@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Sequence
 
 import torch
 
-from dad_integrations.aggregator import EqualSizeAggregator
+from dad_integrations.comm.aggregator import EqualSizeAggregator
 
 
 class DeepSpeedAggregator(EqualSizeAggregator):
@@ -84,7 +84,7 @@ def _new_group(ds_dist: Any, ranks: List[int], timeout: Optional[timedelta]) -> 
     from deepspeed.comm.torch import TorchBackend
     cdb = getattr(ds_comm, "cdb", None)
     if isinstance(cdb, TorchBackend) and torch.distributed.is_initialized():
-        from dad_integrations.groups import new_group_like
+        from dad_integrations.comm.groups import new_group_like
         return new_group_like(ranks, timeout=timeout)
     if timeout is not None:
         raise ValueError(f"timeout= needs DeepSpeed's torch.distributed backend, not {type(cdb).__name__}")

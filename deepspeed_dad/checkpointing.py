@@ -13,7 +13,7 @@ import inspect
 import os
 from typing import Any, Callable, Optional
 
-from dad_integrations.checkpoint import load_rank_state, save_rank_state
+from dad_integrations.engines.checkpoint import load_rank_state, save_rank_state
 
 
 class RankStateCheckpoints:
@@ -31,7 +31,7 @@ class RankStateCheckpoints:
     def load_state(self, directory: str) -> bool:
         """Load this rank's dAD state from ``directory``; False when it holds none (saved without
         dAD). Saved by another number of processes, every rank loads the old ranks' merged state
-        (`dad_integrations.checkpoint.load_rank_state`)."""
+        (`dad_integrations.engines.checkpoint.load_rank_state`)."""
         payload = load_rank_state(self.synchronizer, directory, self.aggregator.rank,
                                   self.aggregator.world_size)
         return payload is not None

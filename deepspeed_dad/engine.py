@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, 
 
 import torch
 
-from dad_integrations import DADConfig, DADSynchronizer, StepReport, banner
+from dad_integrations import DADConfig, DADSynchronizer, StepReport
+from dad_integrations.engines import banner
 
 from .aggregator import DeepSpeedAggregator
 from .checkpointing import RankStateCheckpoints

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Mapping, Optional, Union
 
 from dad_integrations import DADConfig, DADSynchronizer
-from dad_integrations.engines import register_engine
+from dad_integrations.engines.registry import register_engine
 
 from .engine import attach, get_attachment
 

@@ -45,7 +45,7 @@ agree across ranks), so the collectives of steps 2, 3, 6 and 7 match. The report
 (`last_step_report`) lists each parameter's bytes beside what DeepSpeed's reduce-scatter of it
 would move.
 
-Route trials (`dad_integrations.sharded_trial`: by time, on a measured link, in mode auto): a step's
+Route trials (`dad_integrations.routing.sharded_trial`: by time, on a measured link, in mode auto): a step's
 span runs from the module's forward (a forward pre-hook) to the end of the engine's backward
 epilogue (ZeRO's last bucket is reduced there), where every rank agrees; a step is a backward that
 reduces (with gradient accumulation, a micro-step). On a dense step, and after all dense is decided
@@ -67,20 +67,22 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from dad_integrations import DADConfig, banner
-from dad_integrations.capture import ForwardStartHook
-from dad_integrations.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
+from dad_integrations import DADConfig
+from dad_integrations.engines import banner
+from dad_integrations.capture.hooks import ForwardStartHook
+from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.sharded_rank import RankItem, ShardedRankCodec, load_rank_route_state, reduced_elements
-from dad_integrations.costs import sharded_exact_covers, sharded_rank_allreduce_bytes
-from dad_integrations.error_feedback import sharded_residual_note
-from dad_integrations.layers import compute_dtype, concat_rows
+from dad_integrations.codecs.sharded_exact import sharded_exact_covers
+from dad_integrations.routing.costs import sharded_rank_allreduce_bytes
+from dad_integrations.codecs.error_feedback import sharded_residual_note
+from dad_integrations.capture.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.router import UnitShape, route, sharded_needs_counts
-from dad_integrations.sharded_trial import ShardedTrial, TimedRoutes, agree_on
+from dad_integrations.routing.router import UnitShape, route, sharded_needs_counts
+from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
 from dad_integrations.synchronizer import WIRE_DTYPES
-from dad_integrations.units import FactorUnit, build_plan, param_shape
+from dad_integrations.capture.units import FactorUnit, build_plan, param_shape
 
 from .aggregator import DeepSpeedAggregator
 from .checkpointing import RankStateCheckpoints

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from dad_integrations.aggregator import CommHandle, FactorAggregator, Traffic
+from dad_integrations.comm.aggregator import CommHandle, FactorAggregator, Traffic
 
 from ._horovod import HorovodInternalError, hvd
 

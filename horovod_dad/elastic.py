@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from dad_integrations import banner
+from dad_integrations.engines import banner
 from dad_integrations.synchronizer import DADSynchronizer
 
 from ._horovod import hvd

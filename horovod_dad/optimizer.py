@@ -52,7 +52,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from dad_integrations import DADConfig, DADSynchronizer, StepReport, banner
+from dad_integrations import DADConfig, DADSynchronizer, StepReport
+from dad_integrations.engines import banner
 
 from ._horovod import Compression, hvd
 from .aggregator import HorovodAggregator

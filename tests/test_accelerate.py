@@ -249,7 +249,7 @@ def test_plain_accelerator_on_cpu_launch_raises_in_enable_dad(tmp_path):
         assert "started 2 processes" in line and "ACCELERATE_USE_CPU=1" in line and "cpu=True" in line
 
 
-# test_sync's functions that fail with plain DDP too on this model (see the README: Accelerate)
+# test_sync's functions that fail with plain DDP too on this model (see docs/guides/accelerate.md)
 TEST_SYNC_EXCLUDED = [f"gradient_accumulation_with_opt_and_scheduler[split=True,dispatch={d},sync_each_batch={e}]"
                       for d in (True, False) for e in (True, False)]
 

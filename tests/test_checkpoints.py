@@ -1,4 +1,4 @@
-"""Per-rank dAD state files (dad_integrations.checkpoint) and the engine-adapter registry, in one
+"""Per-rank dAD state files (dad_integrations.engines.checkpoint) and the engine-adapter registry, in one
 process. The engines' save/resume runs are in test_accelerate.py, test_deepspeed.py, test_horovod.py.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from dad_integrations.checkpoint import load_rank_state, save_rank_state, state_file
+from dad_integrations.engines.checkpoint import load_rank_state, save_rank_state, state_file
 
 
 class FakeSync:
@@ -68,7 +68,7 @@ def test_resumes_at_another_world_size_with_the_mean_residual(tmp_path, caplog):
         loaded = []
         for rank in range(new_world):
             sync = StateSync({})
-            with caplog.at_level(logging.INFO, logger="dad_integrations.checkpoint"):
+            with caplog.at_level(logging.INFO, logger="dad_integrations.engines.checkpoint"):
                 payload = load_rank_state(sync, str(tmp_path), rank, new_world)
             assert payload["global_step"] == 7 and payload["resized_from"] == 4 and payload["rank"] == rank
             loaded.append(sync.state)
@@ -88,7 +88,7 @@ def test_resumes_at_another_world_size_with_the_mean_residual(tmp_path, caplog):
 def test_low_rank_residuals_merge_to_the_means_best_rank_q():
     """Rank-q residuals (U, V): the merge keeps rank q, as the config asked, and is the best
     rank-q part of the old mean (Eckart-Young: the SVD's), equal to the mean when that has rank q."""
-    from dad_integrations.checkpoint import merge_rank_states
+    from dad_integrations.engines.checkpoint import merge_rank_states
     g = torch.Generator().manual_seed(0)
     m, n, q = 12, 9, 2
     pairs = [(torch.linalg.qr(torch.randn(m, q, generator=g))[0], torch.randn(n, q, generator=g)) for _ in range(3)]
@@ -110,7 +110,7 @@ def test_low_rank_residuals_merge_to_the_means_best_rank_q():
 
 def test_sharded_states_and_version_1_merge_too():
     """FSDP2's and ZeRO-2/3's states (``rank_routes``) and version 1 (the units' table alone)."""
-    from dad_integrations.checkpoint import merge_rank_states
+    from dad_integrations.engines.checkpoint import merge_rank_states
     routes = [{"version": 1, "steps": 4, "rank_routes": {"w": {"warm_q": torch.ones(2, 1), "shared_q": None,
                                                                 "residual": torch.full((3, 2), float(r))}}}
               for r in range(2)]
@@ -124,7 +124,7 @@ def test_sharded_states_and_version_1_merge_too():
 
 def test_resized_resume_refuses_incomplete_or_mixed_checkpoints(tmp_path):
     """A missing old rank's file, a file of another job, unknown keys: errors naming the cause."""
-    from dad_integrations.checkpoint import merge_rank_states
+    from dad_integrations.engines.checkpoint import merge_rank_states
     for rank in range(3):
         save_rank_state(StateSync(_v2_state(rank, torch.ones(3, 5))), str(tmp_path), rank, 3)
     os.remove(state_file(str(tmp_path), 1))
@@ -147,7 +147,7 @@ def test_resized_resume_refuses_incomplete_or_mixed_checkpoints(tmp_path):
 
 def test_checkpoint_without_dad_loads_with_a_note(tmp_path, caplog):
     sync = FakeSync(5.0)
-    with caplog.at_level(logging.INFO, logger="dad_integrations.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="dad_integrations.engines.checkpoint"):
         assert load_rank_state(sync, str(tmp_path), 0, 2) is None
     assert "holds no dAD state" in caplog.text
     assert torch.equal(sync.state["h.weight"]["warm_q"], torch.full((3, 2), 5.0))
@@ -186,6 +186,6 @@ def test_deepspeed_adapter_found_through_entry_point():
 
 
 def test_unknown_engine_says_what_to_install():
-    from dad_integrations.engines import get_engine
+    from dad_integrations.engines.registry import get_engine
     with pytest.raises(LookupError, match="no dAD adapter for engine 'nosuch'"):
         get_engine("nosuch")

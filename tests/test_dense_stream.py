@@ -64,7 +64,7 @@ def test_buckets_go_on_the_wire_as_they_fill(group):
 
     from dad_integrations import TorchDistributedAggregator
     from dad_integrations.codecs.dense import DenseBuckets
-    from dad_integrations.sink import GradSink
+    from dad_integrations.capture.sink import GradSink
 
     agg = TorchDistributedAggregator()
     # 1 KB each in the buckets' fp32; the last one fp64 (cast on the way back, not written in one pass)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import WORKERS, result, run_torchrun
-from dad_integrations.low_rank import LocalGradient, orthonormalize, orthonormalize_flat, qr, reduce_rank
+from dad_integrations.codecs.low_rank import LocalGradient, orthonormalize, orthonormalize_flat, qr, reduce_rank
 from dad_integrations.plan import main as plan_main
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,7 +75,7 @@ def test_reduce_rank_in_half_precision(name, method):
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_compute_model_times_every_dtype(name):
     """The compute model (what objective "time" measures at attach) runs for every dtype."""
-    from dad_integrations.compute_model import measure_compute
+    from dad_integrations.routing.compute_model import measure_compute
     model = measure_compute([(32, 24)], rank=4, world_size=2, iterations=1, error_feedback=True,
                             device=torch.device("cpu"), dtype=DTYPES[name])
     costs = model.shapes[(32, 24)]

@@ -1,10 +1,10 @@
-"""Error-feedback memories on one process (`dad_integrations.error_feedback`): the whole residual,
+"""Error-feedback memories on one process (`dad_integrations.codecs.error_feedback`): the whole residual,
 and the residual kept at rank q (`error_feedback_rank`)."""
 import pytest
 import torch
 
 from dad_integrations.config import DADConfig
-from dad_integrations.error_feedback import (ErrorFeedback, LowRankErrorFeedback, error_feedback_for,
+from dad_integrations.codecs.error_feedback import (ErrorFeedback, LowRankErrorFeedback, error_feedback_for,
                                               sharded_residual_note)
 
 F64 = torch.float64

@@ -16,13 +16,13 @@ import pytest
 import torch
 from torch import nn
 
-from dad_integrations.capture import Use
+from dad_integrations.capture.hooks import Use
 from dad_integrations.codecs.sharded_exact import ShardedExactCodec
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.config import DADConfig
-from dad_integrations.router import UnitShape, route
-from dad_integrations.rows import as_matrix
-from dad_integrations.units import FactorUnit
+from dad_integrations.routing.router import UnitShape, route
+from dad_integrations.capture.rows import as_matrix
+from dad_integrations.capture.units import FactorUnit
 from deepspeed_dad.zero import _takes_exact
 
 F32 = dict(world_size=2, wire_dtype=torch.float32, sharded=True)

@@ -23,7 +23,7 @@ import math
 import pytest
 
 from conftest import WORKERS, check_sharded_trial_all_dense, check_sharded_trial_kept, run_torchrun
-from dad_integrations.costs import powersgd_bytes
+from dad_integrations.routing.costs import powersgd_bytes
 
 TOL = 1e-5        # fp32 round-off, per parameter (floored at 1e-6 of the whole gradient's norm)
 PARAM_TOL = 1e-4  # parameters after 3 AdamW steps, relative to each parameter's largest entry

@@ -10,9 +10,9 @@ from torch import nn
 
 from conftest import result, run_cases
 from dad_integrations import DADConfig
-from dad_integrations.layers import add_bias_grad, add_rebuilt_grad, kind_of
-from dad_integrations.layers.conv import conv_rows, output_positions
-from dad_integrations.units import build_plan
+from dad_integrations.capture.layers import add_bias_grad, add_rebuilt_grad, kind_of
+from dad_integrations.capture.layers.conv import conv_rows, output_positions
+from dad_integrations.capture.units import build_plan
 
 TOL = 1e-5  # fp32 round-off, relative per parameter (floored at 1e-6 of the whole gradient's norm)
 
@@ -110,7 +110,7 @@ def test_capture_pairs_rebuild_autograd_with_reuse():
 def test_pickled_capture_is_detached_and_removable():
     """A copied model's conv hooks do nothing and are removed when dAD attaches again; the input
     may come as a keyword."""
-    from dad_integrations.capture import remove_detached_captures
+    from dad_integrations.capture.hooks import remove_detached_captures
 
     m = nn.Conv2d(4, 4, 3, stride=2, groups=2)
     plan = build_plan(nn.Sequential(m), DADConfig())
@@ -203,7 +203,7 @@ def test_weight_norm_plan_logs_once(caplog):
     sys.path.insert(0, str(Path(__file__).parent / "workers"))
     from layer_models.conv import WeightNormConvNet
 
-    with caplog.at_level(logging.INFO, logger="dad_integrations.units"):
+    with caplog.at_level(logging.INFO, logger="dad_integrations.capture.units"):
         plan = build_plan(WeightNormConvNet(old=True), DADConfig())
     for c in plan.captures:
         c.remove()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from dad_integrations.codecs.finite import finite_flag
-from dad_integrations.low_rank import (LocalGradient, choose_method, orthonormalize, orthonormalize_flat, reduce_rank,
+from dad_integrations.codecs.low_rank import (LocalGradient, choose_method, orthonormalize, orthonormalize_flat, reduce_rank,
                                        truncated_svd)
 
 

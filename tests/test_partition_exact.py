@@ -8,11 +8,11 @@ wholly in one rank's partition, or spanning several, boundaries inside a row).
 import pytest
 import torch
 
-from dad_integrations.aggregator import EqualSizeAggregator
+from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.partition_exact import (PartitionExactCodec, PartitionItem, block_specs,
                                                      counts_length, covering_rows, decode, encode, use_counts)
-from dad_integrations.layers import add_rebuilt_grad
-from dad_integrations.wire import packed_size
+from dad_integrations.capture.layers import add_rebuilt_grad
+from dad_integrations.codecs.wire import packed_size
 
 F64 = torch.float64
 

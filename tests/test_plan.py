@@ -13,8 +13,9 @@ import torch
 pytest.importorskip("transformers")
 
 from dad_integrations.config import DADConfig
-from dad_integrations.plan import PRESETS, build_meta_model, load_config, main, max_positions, plan_model
-from dad_integrations.router import UnitShape, route
+from dad_integrations.plan import PRESETS, build_meta_model, load_config, main, max_positions
+from dad_integrations.routing.planner import plan_model
+from dad_integrations.routing.router import UnitShape, route
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,8 +137,8 @@ def test_auto_never_sends_more_than_powersgd(preset):
     """Auto at rank r, on models with position embeddings (GPT-2: ``wpe``; BERT: position and
     token-type embeddings) and without (Llama), in steady state: at most PowerSGD's bytes at rank r,
     from 2 to 256 sites and few to many rows, in total and weight by weight."""
-    from dad_integrations.plan import steady_state
-    from dad_integrations.units import build_plan
+    from dad_integrations.routing.planner import steady_state
+    from dad_integrations.capture.units import build_plan
 
     model = build_meta_model(load_config(preset))
     plan = build_plan(model, DADConfig(mode="auto", rank=4))
@@ -156,7 +157,7 @@ def test_sharded_plan_against_reduce_scatter(model_name, capsys):
     """`--sharded`: the baseline is FSDP2's reduce-scatter of every parameter (dim 0 padded to the
     sites), every unit's figures add up, mode exact routes every unit exact, and auto (lossless)
     never sends more than the reduce-scatter beyond its row-count exchange."""
-    from dad_integrations.costs import reduce_scatter_bytes
+    from dad_integrations.routing.costs import reduce_scatter_bytes
 
     sites, tokens = 8, 128
     cfg = load_config(model_name)
@@ -186,9 +187,9 @@ def test_sharded_plan_prices_rank_routes_with_the_routers_costs():
     table share one formula. At 4 sites the tall weight takes the all-gather, the wide one the all-reduce."""
     from torch import nn
 
-    from dad_integrations.costs import reduce_scatter_bytes, sharded_rank_allreduce_bytes, sharded_rank_bytes
-    from dad_integrations.plan import sharded_steady_state
-    from dad_integrations.units import build_plan
+    from dad_integrations.routing.costs import reduce_scatter_bytes, sharded_rank_allreduce_bytes, sharded_rank_bytes
+    from dad_integrations.routing.planner import sharded_steady_state
+    from dad_integrations.capture.units import build_plan
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     plan = build_plan(model, DADConfig(mode="auto", rank=4))
     for c in plan.captures:
@@ -254,8 +255,8 @@ def test_kind_column_names_the_registry_kinds(capsys):
 def test_counted_rows_equal_the_text_formula_on_gpt2():
     """The forward count and the text formula agree where the formula holds: on GPT-2 every use
     sees batch x seq rows, ``wpe`` seq (looked up once for ``(1, seq)`` ids)."""
-    from dad_integrations.plan import count_rows, use_rows
-    from dad_integrations.units import build_plan
+    from dad_integrations.routing.planner import count_rows, use_rows
+    from dad_integrations.capture.units import build_plan
 
     model = build_meta_model(load_config("gpt2"))
     plan = build_plan(model, DADConfig())
@@ -276,8 +277,8 @@ def test_counted_rows_of_a_cnn_are_images_times_output_positions():
     (no uses: its dense gradient is routed), either way; the linear head counts images."""
     from torch import nn
 
-    from dad_integrations.plan import count_rows, steady_state, unit_kind
-    from dad_integrations.units import build_plan
+    from dad_integrations.routing.planner import count_rows, steady_state, unit_kind
+    from dad_integrations.capture.units import build_plan
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, groups=2),
@@ -336,8 +337,9 @@ def test_vision_and_speech_presets_count_rows(capsys, preset):
 def test_vision_and_speech_auto_never_sends_more_than_powersgd():
     """Auto at rank r on ViT and Whisper, rows counted, few to many images and 2 to 256 sites: at
     most PowerSGD's bytes, in total and weight by weight (floor units included)."""
-    from dad_integrations.plan import forward_rows, steady_state
-    from dad_integrations.units import build_plan
+    from dad_integrations.plan import forward_rows
+    from dad_integrations.routing.planner import steady_state
+    from dad_integrations.capture.units import build_plan
 
     for preset in ("vit-tiny", "whisper-tiny"):
         cfg = load_config(preset)

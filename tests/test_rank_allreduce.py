@@ -6,10 +6,10 @@ from torch import nn
 
 from dad_integrations import DADSynchronizer, TorchDistributedAggregator
 from dad_integrations.config import DADConfig
-from dad_integrations.error_feedback import ErrorFeedback
+from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.report import ParamReport
-from dad_integrations.units import build_plan
+from dad_integrations.capture.units import build_plan
 
 
 def test_factor_products_equal_dense_products():

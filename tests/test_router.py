@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dad_integrations.config import DADConfig
-from dad_integrations.router import Route, UnitShape, route, sharded_needs_counts
+from dad_integrations.routing.router import Route, UnitShape, route, sharded_needs_counts
 
 WIDE = UnitShape(("linear",), (768, 768), 768, torch.float32)
 EMBEDDING = UnitShape(("embedding",), (1024, 768), 0, torch.float32)
@@ -67,8 +67,8 @@ def test_dense_only_is_dense_for_good():
 @pytest.mark.parametrize("rows", [1, 100, 383, 384, 385, 10 ** 4])
 def test_predicted_route_never_costs_more_than_all_reduce(rows):
     """Auto's choice, size exchange included, is never above dense all-reduce's bytes."""
-    from dad_integrations.costs import size_exchange_bytes
-    from dad_integrations.router import unit_estimates
+    from dad_integrations.routing.costs import size_exchange_bytes
+    from dad_integrations.routing.router import unit_estimates
     cfg = DADConfig(mode="auto")
     decision = route(cfg, WIDE, last_rows=_rows(rows), **F32)
     est = unit_estimates(cfg, WIDE, _rows(rows), 8, torch.float32)
@@ -97,8 +97,8 @@ def test_rank_route_by_bytes():
 
 def _auto_choice(unit, rows, sites, rank=4):
     """Auto's steady-state route for ``unit`` with ``rows`` rows per rank, and its bytes."""
-    from dad_integrations.costs import size_exchange_bytes
-    from dad_integrations.router import unit_estimates
+    from dad_integrations.routing.costs import size_exchange_bytes
+    from dad_integrations.routing.router import unit_estimates
     cfg = DADConfig(mode="auto", rank=rank)
     counts = [[rows] * len(unit.kinds)] * sites
     kw = dict(world_size=sites, wire_dtype=torch.float32)
@@ -119,7 +119,7 @@ def test_auto_takes_each_of_the_four_routes_where_it_is_fewest_bytes():
     assert _auto_choice(UnitShape(("linear",), (4, 4), 4, torch.float32), 4096, 8)[0] == "dense"
     assert _auto_choice(WIDE, 4096, 2)[0] == "rank_allreduce"   # a tie with the all-gather
     assert _auto_choice(WIDE, 4096, 8)[0] == "rank_allreduce"
-    from dad_integrations.router import choose
+    from dad_integrations.routing.router import choose
     assert choose("auto", {"dense": 9.0, "exact": 8.0, "rank": 1.0, "rank_allreduce": 2.0},
                   rank_allowed=True) == "rank"
     assert _auto_choice(EMBEDDING, 4096, 64)[0] == "rank_allreduce"   # position embeddings compress
@@ -129,7 +129,7 @@ def test_auto_takes_each_of_the_four_routes_where_it_is_fewest_bytes():
 def test_auto_never_sends_more_than_powersgd_per_weight(sites):
     """With rank=r, auto's bytes for every weight (its biases included, size exchange included)
     are at most what PyTorch's PowerSGD hook at rank r sends for the same parameters."""
-    from dad_integrations.costs import powersgd_bytes
+    from dad_integrations.routing.costs import powersgd_bytes
     shapes = [((768, 768), 768), ((2304, 768), 2304), ((1024, 768), 0), ((50257, 768), 0), ((4, 4), 4),
               ((10, 256), 10), ((64, 8), 0), ((3, 3000), 3)]
     for (m, n), bias in shapes:
@@ -155,8 +155,8 @@ def test_sharded_auto_weighs_reduce_scatter_against_sharded_factors():
     """Under FSDP2 the baseline is a reduce-scatter ((S-1)/S of the padded gradient, half an
     all-reduce) and exact factors send ``right`` whole and ``left``'s columns sliced: at 8 ranks a
     768 x 768 layer with its bias crosses over near 85 rows per rank, not 96."""
-    from dad_integrations.costs import reduce_scatter_bytes, sharded_exact_bytes
-    from dad_integrations.router import unit_estimates
+    from dad_integrations.routing.costs import reduce_scatter_bytes, sharded_exact_bytes
+    from dad_integrations.routing.router import unit_estimates
     cfg = DADConfig(mode="auto")
     est = unit_estimates(cfg, WIDE, _rows(90), 8, torch.float32, sharded=True)
     assert est["dense"] == 7 * 96 * 768 * 4 + 7 * 96 * 4 == reduce_scatter_bytes((768, 768), 8, 4) + 7 * 96 * 4
@@ -174,8 +174,8 @@ def test_sharded_auto_weighs_reduce_scatter_against_sharded_factors():
 def test_sharded_embeddings_send_whole_factors_and_take_rank_routes():
     """Exact factors of an embedding are gathered whole (ids); its rank routes reduce the dense local
     gradient, as without sharding."""
-    from dad_integrations.costs import estimate_bytes
-    from dad_integrations.router import unit_estimates
+    from dad_integrations.routing.costs import estimate_bytes
+    from dad_integrations.routing.router import unit_estimates
     rows = _rows(10)
     whole = estimate_bytes(kinds=EMBEDDING.kinds, shape=EMBEDDING.shape, rows_by_rank=rows, bias_numel=0, rank=0,
                            grad_dtype=torch.float32, wire_dtype=torch.float32, world_size=8)["exact"]
@@ -195,8 +195,8 @@ def test_sharded_rank_routes_bytes_and_choice():
     """Sharded, the all-gather route sends every Q_s whole and only this rank's rows of every P_s:
     ``(S-1) r (n + c)``; the all-reduce route ``2 (S-1)/S r (m+n)``. The all-gather is fewer bytes when
     ``n (S-2) < m``: always at two sites (unsharded they tie there), for tall weights at a few more."""
-    from dad_integrations.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes
-    from dad_integrations.router import unit_estimates
+    from dad_integrations.routing.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes
+    from dad_integrations.routing.router import unit_estimates
     cfg = DADConfig(mode="rank", rank=4)
     est = unit_estimates(cfg, WIDE, _rows(0), 8, torch.float32, sharded=True)
     bias_rs = 7 * 96 * 4
@@ -229,8 +229,8 @@ def test_sharded_auto_never_sends_more_than_the_reduce_scatter(sites):
     hook at rank r wherever every shard holds at least half a row on average (m >= S/2; below, the
     reduce-scatter's padding to ``S ceil(m/S)`` rows can exceed an all-reduce of the unpadded matrix).
     The row-count exchange (8 bytes per use and rank) is not a weight's: the report books it as overhead."""
-    from dad_integrations.costs import powersgd_bytes
-    from dad_integrations.router import choose, unit_estimates
+    from dad_integrations.routing.costs import powersgd_bytes
+    from dad_integrations.routing.router import choose, unit_estimates
     shapes = [((768, 768), 768), ((2304, 768), 2304), ((50257, 768), 0), ((4, 4), 4), ((10, 256), 10),
               ((64, 8), 0), ((3, 3000), 3), ((3072, 768), 3072)]
     for (m, n), bias in shapes:

@@ -14,17 +14,17 @@ import pytest
 import torch
 from torch import nn
 
-from dad_integrations.aggregator import EqualSizeAggregator
+from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.rank import RankCodec, WarmStart
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.codecs.sharded_exact import shard_span
 from dad_integrations.codecs.sharded_rank import (ShardedRankCodec, gathered_shard, reduced_elements, reduced_shard,
                                                    row_blocks)
 from dad_integrations.config import DADConfig
-from dad_integrations.error_feedback import error_feedback_for
+from dad_integrations.codecs.error_feedback import error_feedback_for
 from dad_integrations.report import ParamReport
-from dad_integrations.sink import GradSink
-from dad_integrations.units import build_plan
+from dad_integrations.capture.sink import GradSink
+from dad_integrations.capture.units import build_plan
 
 F64 = torch.float64
 # (m, n, S): even shards, ragged ones, an empty last shard (3 rows over 4 ranks: 1/1/1/0; 5: 2/2/1/0)

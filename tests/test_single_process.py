@@ -11,7 +11,7 @@ from torch import nn
 
 from dad_integrations import (CommHandle, DADConfig, DADSynchronizer, EqualSizeAggregator, TorchDistributedAggregator,
                               Traffic, register_dad_comm_hook)
-from dad_integrations.comm_counter import CollectiveCounter
+from dad_integrations.comm.counter import CollectiveCounter
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dad_integrations"
 
@@ -381,7 +381,7 @@ def test_state_loads_onto_the_parameters_dtype(group):
 
 def test_broadcast_in_chunks_keeps_every_dtype(group):
     """The attach broadcast copies parameters and buffers of every dtype bit for bit, in chunks."""
-    from dad_integrations.checks import broadcast_model
+    from dad_integrations.exchange.checks import broadcast_model
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).to(torch.float64)
     model.register_buffer("flag", torch.tensor([True, False]))
     model.register_buffer("low", torch.randn(5).to(torch.bfloat16))
@@ -395,7 +395,7 @@ def test_dense_marks_keep_unused_none_and_real_nan(group):
     """The dense buckets' NaN marks: a parameter without a gradient stays None, a gradient whose
     first element really is NaN stays a (non-finite) gradient, the others are untouched."""
     from dad_integrations.codecs.dense import allreduce_dense
-    from dad_integrations.sink import GradSink
+    from dad_integrations.capture.sink import GradSink
 
     used, unused, nan_first = (nn.Parameter(torch.ones(3)) for _ in range(3))
     used.grad = torch.tensor([1.0, 2.0, 3.0])

@@ -11,10 +11,11 @@ import torch
 
 from conftest import WORKERS, result, run_torchrun
 from dad_integrations import DADConfig
-from dad_integrations.compute_model import ComputeModel, ShapeCosts
-from dad_integrations.link import LinkCost, LinkModel, fit_link_cost, parse_bandwidth
-from dad_integrations.router import SWITCH_MARGIN, UnitShape, route, unit_estimates
-from dad_integrations.timing import StepTiming
+from dad_integrations.routing.compute_model import ComputeModel, ShapeCosts
+from dad_integrations.comm.link_spec import LinkCost, parse_bandwidth
+from dad_integrations.routing.link import LinkModel, fit_link_cost
+from dad_integrations.routing.router import SWITCH_MARGIN, UnitShape, route, unit_estimates
+from dad_integrations.routing.timing import StepTiming
 
 SHAPE = UnitShape(("linear",), (768, 768), 768, torch.float32)
 
@@ -134,7 +135,7 @@ def test_predicted_never_slower_than_allreduce(bandwidth, sites):
 
 
 def test_compute_model_measures_every_shape():
-    from dad_integrations.compute_model import measure_compute
+    from dad_integrations.routing.compute_model import measure_compute
     model = measure_compute([(32, 48), (48, 32), (32, 48)], rank=4, world_size=2, iterations=1,
                             error_feedback=True, device=torch.device("cpu"))
     assert set(model.shapes) == {(32, 48), (48, 32)}
@@ -322,7 +323,7 @@ def test_trial_schedule_pairs_and_decision():
     """`RouteTrial` as a pure state machine: R D D R ... per round, the decision at a round's end
     from per-pair differences; kept only beyond the margin; the overhead moves by (predicted +
     measured difference) per compressed weight, never below 0."""
-    from dad_integrations.route_trial import KEEP_MARGIN, MAX_ROUNDS, RouteTrial
+    from dad_integrations.routing.trial import KEEP_MARGIN, MAX_ROUNDS, RouteTrial
 
     trial = RouteTrial(steps=4)
     assert trial.fits(10, 10 + 4 * MAX_ROUNDS + 1) and not trial.fits(10, 10 + 4 * MAX_ROUNDS)
@@ -356,7 +357,7 @@ def test_trial_burst_spoils_a_pair_not_the_decision():
     """A burst of load in one step (a 1 s dense step) loses one pair of four: 3 of 4 pairs still
     favour the routes, so they are kept; sequential halves summarised by their medians would have
     been misled as easily as a pair."""
-    from dad_integrations.route_trial import RouteTrial
+    from dad_integrations.routing.trial import RouteTrial
 
     trial = RouteTrial(steps=8)
     # R D D R R D D R; the burst hits the first routes step
@@ -369,7 +370,7 @@ def test_trial_burst_spoils_a_pair_not_the_decision():
 def test_inconclusive_trial_extends_then_keeps_the_prediction():
     """Split evidence (2 of 4 pairs each way) runs another round, up to MAX_ROUNDS; still split,
     the models' routes are kept and the outcome says it was inconclusive."""
-    from dad_integrations.route_trial import MAX_ROUNDS, RouteTrial
+    from dad_integrations.routing.trial import MAX_ROUNDS, RouteTrial
 
     trial = RouteTrial(steps=4)
     trial.begin(0, {0: "rank", 1: "exact"}, predicted_saving_s=0.01)
@@ -393,7 +394,7 @@ def test_sustained_miss_starts_a_new_trial():
     above both arms' trial medians (by WATCH_MARGIN) starts a new trial at once; a single slow step
     does not; a trial that would not end before the next refresh is not started; a watch-started
     trial that confirms the choice doubles the interval."""
-    from dad_integrations.route_trial import RouteTrial
+    from dad_integrations.routing.trial import RouteTrial
 
     trial = RouteTrial(steps=4)
     trial.begin(0, {0: "rank"}, predicted_saving_s=0.01)
@@ -435,7 +436,7 @@ def test_near_ties_go_by_the_safe_order():
     then PowerSGD's all-reduce: at two sites rank-dAD's all-gather and the all-reduce move the
     same bytes, and a few percent of measured compute between them is noise (it made the README's
     stated-link run pick either, run to run)."""
-    from dad_integrations.router import TIE_BAND
+    from dad_integrations.routing.router import TIE_BAND
 
     link = LinkModel.from_spec({"bandwidth": "100mbit", "latency_us": 0})
     def timing(allreduce_s, rank_s):
@@ -464,9 +465,9 @@ def test_sharded_trial_holds_all_dense_until_the_next_refresh():
     refresh that compresses begins a trial, its dense arm and then all dense (decided) force the
     engine's reduce-scatter until the next refresh, which routes anew; a refresh that compresses
     nothing begins none. The real engines' trials: tests/test_fsdp2.py, tests/test_zero.py."""
-    from dad_integrations.route_trial import RouteTrial
-    from dad_integrations.router import Route
-    from dad_integrations.sharded_trial import ShardedTrial
+    from dad_integrations.routing.trial import RouteTrial
+    from dad_integrations.routing.router import Route
+    from dad_integrations.routing.sharded_trial import ShardedTrial
 
     pieces = ShardedTrial(DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0,
                                     route_trial_steps=4, route_refresh_steps=20))

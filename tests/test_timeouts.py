@@ -1,5 +1,5 @@
 """A stalled rank fails dAD within the user's timeout, as it fails DDP, instead of after torch's
-30-minute default for new groups (`dad_integrations.groups.new_group_like`).
+30-minute default for new groups (`dad_integrations.comm.groups.new_group_like`).
 
 Each stall case is a 2-process `torchrun` job (`workers/timeout_worker.py`): rank 1 sets up and
 then does no step, rank 0 times its step. The jobs mostly wait on timeouts, so they run
@@ -18,7 +18,7 @@ from torch import nn
 
 from conftest import WORKERS, run_torchrun
 from dad_integrations import TorchDistributedAggregator, register_dad_comm_hook
-from dad_integrations.groups import _group_timeout, new_group_like
+from dad_integrations.comm.groups import _group_timeout, new_group_like
 
 JOB_TIMEOUT_S = 15.0       # init_process_group(timeout=...) in the worker's default-timeout cases
 EXPLICIT_S = 5.0           # the aggregator's own timeout in the explicit cases (the job keeps 30 min)

@@ -1,9 +1,9 @@
 """Packing rows into bytes, and the per-unit choice of representation."""
 import torch
 
-from dad_integrations.costs import estimate_bytes, exact_block_specs
-from dad_integrations.router import choose as choose_representation
-from dad_integrations.wire import pack, packed_size, unpack
+from dad_integrations.routing.costs import estimate_bytes
+from dad_integrations.routing.router import choose as choose_representation
+from dad_integrations.codecs.wire import exact_block_specs, pack, packed_size, unpack
 
 
 def test_pack_round_trip_mixed_dtypes():
@@ -37,7 +37,7 @@ def test_exact_estimate_matches_packed_layout():
 
 def test_sorted_segment_add_matches_index_add():
     """The atomics-free embedding rebuild used on CUDA gives what index_add_ gives."""
-    from dad_integrations.layers import sorted_segment_add
+    from dad_integrations.capture.layers import sorted_segment_add
     ids = torch.randint(0, 7, (50,))
     rows = torch.randn(50, 3, dtype=torch.float64)
     a = torch.zeros(7, 3, dtype=torch.float64).index_add_(0, ids, rows)

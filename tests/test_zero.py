@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import WORKERS, check_sharded_trial_all_dense, check_sharded_trial_kept, result, run_torchrun
-from dad_integrations.costs import powersgd_bytes, sharded_rank_allreduce_bytes
-from dad_integrations.rows import matrix_shape
+from dad_integrations.routing.costs import powersgd_bytes, sharded_rank_allreduce_bytes
+from dad_integrations.capture.rows import matrix_shape
 
 deepspeed = pytest.importorskip("deepspeed")
 

@@ -33,8 +33,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 import torch
 from torch import nn
 
-from ..aggregator import CommHandle, FactorAggregator, Traffic
-from ..sink import GradSink
+from dad_integrations.comm.aggregator import CommHandle, FactorAggregator, Traffic
+from dad_integrations.capture.sink import GradSink
 
 DenseItem = Tuple[str, nn.Parameter]
 FLAGS = "[dense flags]"  # the report's name for the resolving round's bytes

@@ -14,10 +14,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..costs import ID_DTYPE, exact_block_specs
-from ..layers import Rows, add_bias_grad, add_rebuilt_grad, compute_dtype
-from ..units import FactorUnit
-from ..wire import pack, packed_size, unpack
+from dad_integrations.capture.layers import Rows, add_bias_grad, add_rebuilt_grad, compute_dtype
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.codecs.wire import ID_DTYPE, exact_block_specs, pack, packed_size, unpack
 
 
 class ExactCodec:

@@ -33,10 +33,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..aggregator import FactorAggregator, Traffic
-from ..costs import ID_DTYPE
-from ..layers import Rows, deterministic_index_add
-from ..wire import BlockSpec, pack_into, packed_size, unpack
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.capture.layers import Rows, deterministic_index_add
+from dad_integrations.codecs.wire import ID_DTYPE, BlockSpec, pack_into, packed_size, unpack
 
 Range = Tuple[int, int]          # [lo, hi) of the flattened weight; lo >= hi: nothing
 Block = Optional[Tuple[int, int]]  # a use's row block (offset, height) of the matrix view; None: all rows

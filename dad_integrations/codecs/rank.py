@@ -26,13 +26,13 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..config import DADConfig
-from ..error_feedback import ErrorFeedback
-from ..layers import Rows, compute_dtype
-from ..low_rank import LocalGradient, choose_method, reduce_rank
-from ..report import ParamReport
-from ..units import FactorUnit
-from .finite import finite_flag
+from dad_integrations.config import DADConfig
+from dad_integrations.codecs.error_feedback import ErrorFeedback
+from dad_integrations.capture.layers import Rows, compute_dtype
+from dad_integrations.codecs.low_rank import LocalGradient, choose_method, reduce_rank
+from dad_integrations.report import ParamReport
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.codecs.finite import finite_flag
 
 
 class WarmStart:

@@ -30,15 +30,15 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..aggregator import CommHandle, FactorAggregator, Traffic
-from ..config import DADConfig
-from ..error_feedback import ErrorFeedback
-from ..layers import Rows, compute_dtype
-from ..low_rank import LocalGradient, method_costs, orthonormalize_flat
-from ..report import ParamReport
-from ..sink import GradSink
-from ..units import FactorUnit
-from .rank import WarmStart, _cat, residual_of
+from dad_integrations.comm.aggregator import CommHandle, FactorAggregator, Traffic
+from dad_integrations.config import DADConfig
+from dad_integrations.codecs.error_feedback import ErrorFeedback
+from dad_integrations.capture.layers import Rows, compute_dtype
+from dad_integrations.codecs.low_rank import LocalGradient, method_costs, orthonormalize_flat
+from dad_integrations.report import ParamReport
+from dad_integrations.capture.sink import GradSink
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.codecs.rank import WarmStart, _cat, residual_of
 
 Item = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport]  # unit, M_s, Q, report entry
 Queued = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport, torch.Tensor]  # ... and M_s Q

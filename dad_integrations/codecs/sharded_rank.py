@@ -82,16 +82,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..aggregator import FactorAggregator, Traffic
-from ..config import DADConfig
-from ..error_feedback import error_feedback_for
-from ..layers import Rows, compute_dtype
-from ..low_rank import LocalGradient, choose_method, method_costs, reduce_rank
-from ..units import FactorUnit
-from .finite import finite_flag
-from .rank import WarmStart, _cat, _reduction_is_safe
-from .rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
-from .sharded_exact import shard_span
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.config import DADConfig
+from dad_integrations.codecs.error_feedback import error_feedback_for
+from dad_integrations.capture.layers import Rows, compute_dtype
+from dad_integrations.codecs.low_rank import LocalGradient, choose_method, method_costs, reduce_rank
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.codecs.finite import finite_flag
+from dad_integrations.codecs.rank import WarmStart, _cat, _reduction_is_safe
+from dad_integrations.codecs.rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
+from dad_integrations.codecs.sharded_exact import shard_span
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import models  # noqa: E402
 
 from dad_integrations import (DADConfig, DADSynchronizer, TorchDistributedAggregator,  # noqa: E402
                               register_dad_comm_hook)
-from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402
+from dad_integrations.comm.counter import CollectiveCounter  # noqa: E402
 
 
 def local_batch(case: dict, step: int, micro: int) -> dict:
@@ -380,7 +380,7 @@ def run_vs_powersgd_routes(case: dict) -> dict:
     two or more dimensions viewed as ``(shape[0], rest)``, ``2 r (m + n) < m n``). Gradient bytes
     only: DDP's broadcast of buffers (BatchNorm's running statistics) goes through C++
     (``_broadcast_coalesced``), which the counter does not see, and dAD sends no buffers."""
-    from dad_integrations.costs import powersgd_bytes
+    from dad_integrations.routing.costs import powersgd_bytes
 
     sent, init, last, dense_only = _bytes_against_powersgd(case)
     rank = case["config"]["rank"]

@@ -27,7 +27,7 @@ import deepspeed  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 import deepspeed_dad  # noqa: E402
-from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402
+from dad_integrations.comm.counter import CollectiveCounter  # noqa: E402
 from dad_examples.text_data import VOCAB_SIZE, byte_lm_batches, stdlib_source_bytes  # noqa: E402
 
 # bytes handed to deepspeed.comm's collectives; dAD's own group told apart from DeepSpeed's

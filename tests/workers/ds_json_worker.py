@@ -29,7 +29,7 @@ from case_loop import run_cases  # noqa: E402
 import deepspeed  # noqa: E402  the script's only engine import: no deepspeed_dad anywhere
 from deepspeed import comm as dist  # noqa: E402
 
-from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402  (counting bytes only)
+from dad_integrations.comm.counter import CollectiveCounter  # noqa: E402  (counting bytes only)
 
 MODEL, MICRO, STEPS = "gpt2", 2, 3
 COUNTER = None

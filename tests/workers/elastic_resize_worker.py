@@ -194,7 +194,7 @@ RUN = {"accelerate": accelerate, "trainer": trainer,
 def main() -> None:
     out_path, work, actions = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("dad_integrations.checkpoint").setLevel(logging.INFO)
+    logging.getLogger("dad_integrations.engines.checkpoint").setLevel(logging.INFO)
     torch.set_num_threads(1)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import datetime

@@ -38,7 +38,7 @@ def latest(ckpt: str) -> Optional[int]:
 def save(ckpt: str, step: int, ddp, opt, sync) -> None:
     """Every rank its dAD state; rank 0 the model and optimizer (the same on every rank), then
     ``latest`` once all are on disk: a rank killed mid-save leaves the last whole checkpoint named."""
-    from dad_integrations.checkpoint import save_rank_state
+    from dad_integrations.engines.checkpoint import save_rank_state
     folder = os.path.join(ckpt, f"step{step}")
     rank, world = dist.get_rank(), dist.get_world_size()
     save_rank_state(sync, folder, rank, world, step=step)
@@ -56,7 +56,7 @@ def train(ckpt: str, kill: bool) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """Train to STEPS from ``ckpt``'s latest checkpoint (or from scratch); returns parameters,
     dAD state and the step resumed from."""
     from dad_integrations import register_dad_comm_hook
-    from dad_integrations.checkpoint import load_rank_state
+    from dad_integrations.engines.checkpoint import load_rank_state
     rank = dist.get_rank()
     model = models.build(MODEL)
     ddp = torch.nn.parallel.DistributedDataParallel(model)

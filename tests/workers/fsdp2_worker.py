@@ -39,9 +39,9 @@ from torch.distributed.tensor import Shard
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 
-from dad_integrations.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes  # noqa: E402
+from dad_integrations.routing.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes  # noqa: E402
 from dad_integrations.fsdp import enable_dad_fsdp  # noqa: E402
-from dad_integrations.rows import as_matrix, matrix_shape  # noqa: E402
+from dad_integrations.capture.rows import as_matrix, matrix_shape  # noqa: E402
 
 
 class Block(nn.Module):
@@ -265,7 +265,7 @@ def run_trial(case: dict) -> dict:
     shard(name, mine, case)
     sync = enable_dad_fsdp(mine, case["config"])
     group = sync._installed[0][1].mesh_info.shard_process_group
-    from dad_integrations.torch_distributed import TorchDistributedAggregator
+    from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
     keep = case["trial"] == "keep"
     aggregator = TorchDistributedAggregator(group)
     sync._aggregators[id(group)] = aggregator if keep else models.slow_compressed_routes(aggregator, 0.05)

@@ -21,7 +21,7 @@ import horovod.torch as hvd
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 
-from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402
+from dad_integrations.comm.counter import CollectiveCounter  # noqa: E402
 from horovod_dad import DADOptimizer  # noqa: E402
 
 OPS = {"average": hvd.Average, "sum": hvd.Sum}

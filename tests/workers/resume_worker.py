@@ -300,7 +300,7 @@ def run_horovod(work: str) -> list:
 def main() -> None:
     engine, out_path, work = sys.argv[1], sys.argv[2], sys.argv[3]
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("dad_integrations.checkpoint").setLevel(logging.INFO)
+    logging.getLogger("dad_integrations.engines.checkpoint").setLevel(logging.INFO)
     torch.set_num_threads(1)
     if engine == "horovod":
         import horovod.torch as hvd

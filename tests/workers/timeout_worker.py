@@ -122,7 +122,7 @@ def main() -> None:
             time.sleep(0.1)
         os._exit(0)
 
-    from dad_integrations.groups import _group_timeout
+    from dad_integrations.comm.groups import _group_timeout
     timeout = _group_timeout(group)
     base = {"case": case, "group_timeout_s": None if timeout is None else timeout.total_seconds()}
     start = time.monotonic()

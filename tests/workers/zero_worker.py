@@ -31,7 +31,7 @@ import deepspeed  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 import deepspeed_dad  # noqa: E402
-from dad_integrations.comm_counter import CollectiveCounter  # noqa: E402
+from dad_integrations.comm.counter import CollectiveCounter  # noqa: E402
 
 COUNTER: Optional[CollectiveCounter] = None
 OUT_DIR = "."

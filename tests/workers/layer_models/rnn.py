@@ -1,4 +1,4 @@
-"""Recurrent models for the layer kind "rnn" (`dad_integrations.layers.rnn`)."""
+"""Recurrent models for the layer kind "rnn" (`dad_integrations.capture.layers.rnn`)."""
 from __future__ import annotations
 
 import torch

@@ -1,0 +1,54 @@
+"""Rows that autograd has already added to a weight's gradient (FSDP2's post-backward order)."""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Sequence
+
+import torch
+from torch import nn
+
+from dad_integrations.capture.hooks import Use, resolve
+from dad_integrations.capture.rows import Rows
+from dad_integrations.capture.units import FactorUnit
+
+
+class CommittedRows:
+    """The captured rows of each unit that autograd has already added to the weight's gradient.
+
+    Under FSDP2 a module's post-backward (where its gradient is reduced) is triggered by the
+    gradients of the module's *inputs*, and can run before the weight's ``AccumulateGrad``: with a
+    module called twice after a no-sync micro-step, FSDP reduces the old accumulated gradient while
+    the capture already holds this micro-step's rows. So rows move here only from a
+    post-accumulate-grad hook on the parameter the module used in forward (FSDP's unsharded one,
+    which exists only during forward: the hook is registered from a forward hook, once). That
+    forward hook runs before the module's other forward hooks: when the module is itself
+    ``fully_shard``-ed (Accelerate shards an untied embedding on its own), FSDP's post-forward
+    hook reshards it and puts the sharded parameter back into ``module.weight``.
+    """
+
+    def __init__(self, units: Sequence[FactorUnit]):
+        self._committed: Dict[int, List[Rows]] = {}  # per capture
+        self._watched: Dict[int, tuple] = {}         # per used parameter: (parameter, handle)
+        self._hooks = [c.module.register_forward_hook(functools.partial(self._watch, u, c.attr), prepend=True)
+                       for u in units for c in u.uses]
+
+    def take(self, capture: Use) -> List[Rows]:
+        """The committed rows of ``capture`` since the last take."""
+        return self._committed.pop(id(capture), [])
+
+    def remove(self) -> None:
+        for handle in self._hooks + [h for _, h in self._watched.values()]:
+            handle.remove()
+        self._watched.clear()
+        self._committed.clear()
+
+    def _watch(self, unit: FactorUnit, attr: str, module: nn.Module, args, output) -> None:
+        p = resolve(module, attr)
+        if id(p) not in self._watched and p.requires_grad:
+            self._watched[id(p)] = (p, p.register_post_accumulate_grad_hook(functools.partial(self._commit, unit)))
+
+    def _commit(self, unit: FactorUnit, param: torch.Tensor) -> None:
+        """Autograd has added every call's contribution captured so far to the gradient."""
+        for capture in unit.uses:  # (not `take()`: inputs still waiting for their gradient stay)
+            self._committed.setdefault(id(capture), []).extend(capture.pairs)
+            capture.pairs = []

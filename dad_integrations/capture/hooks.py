@@ -1,0 +1,222 @@
+"""Capture of factors: hooks that pair each forward call's input rows with its output gradient.
+
+A forward hook keeps a reference to the call's input (autograd keeps the same tensor alive for the
+weight gradient, so this costs no memory) and registers a hook on the call's output tensor; that
+hook receives exactly this call's output gradient. Pairing through the output tensor, not through
+call order, makes several calls per step (weight reuse, recurrence, accumulation micro-steps) and
+activation checkpointing come out right: a forward that autograd never back-propagates through
+(non-reentrant checkpointing's recomputation) gets no gradient and its input is dropped at the
+end of the step; a reentrant recomputation's first forward runs without grad and is not captured.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from dad_integrations.capture.rows import Block, Rows
+
+RowsOfCall = Callable[[nn.Module, torch.Tensor, torch.Tensor], Rows]
+
+
+def resolve(module: nn.Module, attr: str) -> torch.Tensor:
+    """The tensor at dotted path ``attr`` from ``module`` (``"out_proj.weight"``), looked up now:
+    under FSDP2 a module holds its unsharded parameters only while its forward runs."""
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class Use:
+    """The row pairs of one use of a weight: what one layer's calls add to its gradient.
+
+    ``kind`` is the pairs' row layout (`rows`: ``"linear"``, ``"conv1d"``, ``"embedding"``),
+    ``block`` the rows of the weight's matrix view they cover (None: all), ``module`` the module
+    whose forward runs the use, and ``attr`` the dotted path from it to the weight. A capture (the
+    hooks) feeds one or several uses; ``enabled`` switches a use's capture off, hooks left in place.
+    """
+
+    def __init__(self, name: str, module: nn.Module, kind: str, attr: str = "weight", block: Block = None):
+        self.name, self.module, self.kind, self.attr, self.block = name, module, kind, attr, block
+        self.enabled = True
+        self.pairs: List[Rows] = []
+
+    def param(self) -> torch.Tensor:
+        """The weight this use adds to, as the module holds it now (read at every captured forward:
+        a plain attribute without `resolve`'s split)."""
+        attr = self.attr
+        return resolve(self.module, attr) if "." in attr else getattr(self.module, attr)
+
+    def take(self) -> List[Rows]:
+        """The window's pairs; clears them."""
+        pairs, self.pairs = self.pairs, []
+        return pairs
+
+    def clear(self) -> None:
+        self.pairs = []
+
+    def __getstate__(self) -> dict:  # rows never travel with a pickled model
+        return dict(self.__dict__, pairs=[], enabled=False)
+
+
+class ModuleCapture(Use):
+    """Collects ``(left, right)`` row pairs of one module's calls: one use (see `layers`), its rows
+    from ``rows_of_call(module, input, output_grad)``.
+
+    ``on_forward`` is called at every captured forward (the synchroniser opens a step's window
+    there, enabled or not); ``enabled`` switches the capture of rows off without removing the hooks.
+    """
+
+    def __init__(self, name: str, module: nn.Module, kind: str, rows_of_call: RowsOfCall,
+                 on_forward: Optional[Callable[[], None]] = None):
+        super().__init__(name, module, kind)
+        self.rows_of_call = rows_of_call
+        self._pending: Dict[int, torch.Tensor] = {}
+        self._calls = 0
+        self._on_forward = on_forward
+        self._handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
+
+    @property
+    def uses(self) -> List[Use]:
+        """The uses this capture feeds: itself."""
+        return [self]
+
+    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        if not self.param().requires_grad:
+            # frozen for now (a GAN's other half): no gradient will take these rows, and kept they
+            # would join the next step that trains the weight
+            return
+        if self._on_forward is not None:  # also when disabled: the step's window opens here
+            self._on_forward()
+        if not self.enabled:
+            return
+        inputs = args[0] if args else next(iter(kwargs.values()))
+        key = self._calls
+        self._calls += 1
+        self._pending[key] = inputs.detach()
+        output.register_hook(functools.partial(self._grad_hook, key))
+
+    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
+        inputs = self._pending.pop(key, None)
+        if inputs is not None:
+            self.pairs.append(self.rows_of_call(self.module, inputs, grad.detach()))
+
+    def take(self) -> List[Rows]:
+        """The window's pairs; clears them and drops inputs that never got a gradient."""
+        pairs, self.pairs = self.pairs, []
+        self._pending.clear()
+        return pairs
+
+    def clear(self) -> None:
+        self.pairs = []
+        self._pending.clear()
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self.clear()
+
+    # The forward hook holds this capture, so pickling the model (``torch.save(model)``, or of a
+    # DDP around it) pickles it too: it goes as a detached capture, whose hook does nothing, and
+    # never with the synchroniser it reports to (threads and locks do not pickle). Attaching dAD
+    # to the loaded model removes such hooks (`remove_detached_captures`).
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__, pairs=[], _pending={}, _on_forward=None, enabled=False)
+        state["detached"] = True
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+class HookedCapture:
+    """Base of a capture whose hooks feed several uses (an attention module's projections, a
+    recurrent layer's weights, a grouped convolution's groups): a layer kind's capture subclasses
+    it, registers its hooks through `hook` and calls `opened` at every forward it captures.
+
+    Like `ModuleCapture` it pickles detached (hooks that do nothing, no synchroniser), and
+    `remove_detached_captures` removes it from a loaded model.
+    """
+
+    def __init__(self, name: str, module: nn.Module, uses: Sequence[Use],
+                 on_forward: Optional[Callable[[], None]] = None):
+        self.name, self.module, self.uses = name, module, list(uses)
+        self._on_forward = on_forward
+        self._handles: list = []
+        self.detached = False
+
+    def hook(self, handle) -> None:
+        """Keep a hook handle, removed with the capture."""
+        self._handles.append(handle)
+
+    def opened(self) -> None:
+        """A captured forward runs: the step's window opens (whether or not rows are kept)."""
+        if self._on_forward is not None and not self.detached:
+            self._on_forward()
+
+    def clear(self) -> None:
+        """Drop the rows of the window, and whatever waits for a gradient."""
+        for u in self.uses:
+            u.clear()
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.clear()
+
+    transient: tuple = ()  # names of per-step attributes (dicts) a subclass keeps: pickled empty
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__, _on_forward=None, detached=True)
+        state.update({k: {} for k in self.transient})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+class ForwardStartHook:
+    """A forward pre-hook on the model's root that tells its owner a forward starts (a route
+    trial's step clock: `route_trial.StepClock`). Like the captures it pickles detached (a hook
+    that does nothing, no owner), and `remove_detached_captures` removes it from a loaded model."""
+
+    def __init__(self, module: nn.Module, on_forward: Callable[[], None]):
+        self._on_forward = on_forward
+        self.detached = False
+        self._handle = module.register_forward_pre_hook(self, prepend=True)
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if self._on_forward is not None:
+            self._on_forward()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__, _on_forward=None, detached=True)
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+
+def remove_detached_captures(model: nn.Module) -> int:
+    """Remove the hooks of the captures that came with a loaded (unpickled) ``model``; returns how many."""
+    removed = set()
+    for module in model.modules():
+        for hook in list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values()):
+            capture = getattr(hook, "__self__", None)
+            if getattr(hook, "func", None) is not None:  # a functools.partial of a capture's method
+                capture = getattr(hook.func, "__self__", capture)
+            if isinstance(hook, ForwardStartHook):
+                capture = hook
+            if (isinstance(capture, (ModuleCapture, HookedCapture, ForwardStartHook))
+                    and getattr(capture, "detached", False)
+                    and id(capture) not in removed):
+                capture.remove()
+                removed.add(id(capture))
+    return len(removed)

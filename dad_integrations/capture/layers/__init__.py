@@ -1,0 +1,22 @@
+"""Layer kinds: one module per kind, registered with `registry.register_kind`.
+
+| kind        | modules                          | module file   |
+|-------------|----------------------------------|---------------|
+| `linear`    | ``nn.Linear``                    | `linear`      |
+| `conv1d`    | Hugging Face ``Conv1D`` (GPT-2)  | `hf_conv1d`   |
+| `embedding` | ``nn.Embedding``                 | `embedding`   |
+| `conv`      | ``nn.Conv1d/2d/3d`` (im2col rows)| `conv`        |
+| `mha`       | ``nn.MultiheadAttention``        | `mha`         |
+| `rnn`       | ``nn.GRU``, ``LSTM``, ``RNN``    | `rnn`         |
+
+A new kind is a new module here, imported below, plus its name in `config.LAYER_KINDS`. Row
+layouts and the rebuild are in `rows`; this package re-exports them for the codecs.
+"""
+from dad_integrations.capture.rows import (Block, Rows, add_bias_grad, add_rebuilt_grad, as_matrix, compute_dtype, concat_rows,
+                    deterministic_index_add, matrix_shape, output_grad_rows, sorted_segment_add)
+from dad_integrations.capture.layers.registry import Claim, LayerKind, get_kind, kind_of, layer_kind, register_kind, registered_kinds
+from dad_integrations.capture.layers import linear, hf_conv1d, embedding, conv, mha, rnn  # noqa: E402,F401  (registration)
+
+__all__ = ["Block", "Rows", "add_bias_grad", "add_rebuilt_grad", "as_matrix", "compute_dtype", "concat_rows",
+           "deterministic_index_add", "matrix_shape", "output_grad_rows", "sorted_segment_add", "Claim",
+           "LayerKind", "get_kind", "kind_of", "layer_kind", "register_kind", "registered_kinds"]

@@ -1,0 +1,202 @@
+"""``nn.Conv1d``/``Conv2d``/``Conv3d``: ``dW = D^T unfold(X)``, one row per image and output position.
+
+A convolution is a linear map applied at every output position ``l`` to the input patch under the
+kernel there. With the weight viewed as its matrix (PowerSGD's ``view(C_out, -1)``, columns
+``C_in/g x k_1 x ... x k_d``, channel-major), the patch is a row of the *unfolded* input (im2col)
+in the same column order, and
+
+    dW = sum_{n,l} d_{n,l} x_{n,l}^T = D^T X        D: (N L, C_out),  X: (N L, C_in/g * prod(k))
+    db = sum_{n,l} d_{n,l}
+
+so a conv is the ``linear`` row layout with ``rows = images x output positions``. Exact factors
+cost ``N L (C_out + C_in/g prod(k))`` numbers against the gradient's ``C_out C_in/g prod(k)``:
+they pay only where few images and few output positions meet many channels (late layers, one or
+two images per rank); the router weighs that per step.
+
+The unfold pads the input exactly as the module does: ``_reversed_padding_repeated_twice`` holds
+the padding of an int/tuple ``padding``, of ``"valid"`` (none) and of ``"same"`` (asymmetric,
+the extra one at the end, as ATen pads it), and a ``padding_mode`` other than zeros (reflect,
+replicate, circular) pads with that mode before a padding-free convolution. Then each spatial
+dimension is windowed with ``Tensor.unfold`` (window ``dilation (k-1) + 1`` at step ``stride``,
+every ``dilation``-th tap kept) and one permute/reshape copy lays the rows out.
+
+Grouped convolutions (``groups = G``) are G independent convolutions: group g's output channels
+are the row block ``(g C_out/G, C_out/G)`` of the matrix view and its right rows the unfold of
+its own input channels only (split first, as BackPACK does). So a grouped conv has G uses,
+``"g0"`` .. ``"g{G-1}"``, and a split bias. Its rows do not shrink with G while its gradient
+does (``C_out C_in k / G``): exact pays only below ``C_out/G`` rows. Depthwise convolutions
+(one input channel per group) and more than `MAX_GROUPS` groups are not claimed: their weight
+falls to the coverage floor (dense or rank routes from its dense gradient), as costs would always
+rule out exact factors while capture would still unfold every input.
+
+Memory: the forward hook keeps a reference to the raw input (autograd keeps it for the weight
+gradient anyway); the k-times larger unfolded rows are formed at the output-gradient hook, only
+for calls whose use is enabled, and released with the step's rows.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dad_integrations.capture.hooks import HookedCapture, Use
+from dad_integrations.capture.rows import Rows
+from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
+
+log = logging.getLogger(__name__)
+
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+# exact pays only below C_out C_in/G k / (C_out + C_in k) < C_out/G rows per rank: beyond 8 groups
+# that is under one late-layer image (ResNeXt's 32 groups at 7x7: 29 rows, one image has 49)
+MAX_GROUPS = 8
+
+_warned: set = set()
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.info(msg, *args)
+
+
+def output_positions(module: nn.Module, spatial: Sequence[int]) -> int:
+    """Output positions of one image through ``module`` for an input of spatial size ``spatial``
+    (``L`` of ``rows = images x L``), with the module's padding, dilation and stride."""
+    pad = module._reversed_padding_repeated_twice
+    nd = len(module.kernel_size)
+    out = 1
+    for i, (size, k, s, d) in enumerate(zip(spatial, module.kernel_size, module.stride, module.dilation)):
+        j = nd - 1 - i  # the padding list runs from the last dimension
+        padded = size + pad[2 * j] + pad[2 * j + 1]
+        out *= max((padded - d * (k - 1) - 1) // s + 1, 0)
+    return out
+
+
+def pad_like_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The input as the module's convolution sees it, padded (then convolved with padding 0)."""
+    pad = module._reversed_padding_repeated_twice
+    if not any(pad):
+        return x
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, pad, mode=mode)
+
+
+def unfold(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """im2col of a batched input ``(N, C, *S)``: the view ``(N, C, *L, *k)``, no copy made.
+
+    Each spatial dimension is windowed in turn; the window dimension lands last, so the taps end in
+    ``(k_1, ..., k_d)`` order, as in the weight."""
+    x = pad_like_module(module, x)
+    for i, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)
+        if d > 1:
+            x = x[..., ::d]
+    return x
+
+
+def conv_rows(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor) -> List[Rows]:
+    """Per group, ``(D_g, X_g)``: output-gradient rows ``(N L, C_out/G)`` and unfolded input rows
+    ``(N L, C_in/G prod(k))``, columns in the order of ``weight.view(C_out, -1)``'s block.
+
+    ``sum_g`` of ``D_g^T X_g`` into row block g is the weight gradient autograd computes."""
+    nd = len(module.kernel_size)
+    if inputs.dim() == nd + 1:  # an unbatched call
+        inputs, grad_out = inputs.unsqueeze(0), grad_out.unsqueeze(0)
+    g = module.groups
+    cols = unfold(module, inputs)                      # (N, C_in, *L, *k)
+    n, c_in = cols.shape[:2]
+    lk = cols.shape[2:]
+    cols = cols.reshape(n, g, c_in // g, *lk)          # splits the channel dim: still a view
+    spatial = tuple(range(3, 3 + nd))
+    taps = tuple(range(3 + nd, 3 + 2 * nd))
+    x = cols.permute(1, 0, *spatial, 2, *taps).reshape(g, -1, (c_in // g) * math.prod(module.kernel_size))
+    d = grad_out.reshape(n, g, grad_out.shape[1] // g, *grad_out.shape[2:])
+    d = d.permute(1, 0, *range(3, 3 + nd), 2).reshape(g, -1, grad_out.shape[1] // g)
+    return [(d[i], x[i]) for i in range(g)]
+
+
+def claims_groups(module: nn.Module) -> bool:
+    """Whether a conv's groups are worth factors: not depthwise, at most `MAX_GROUPS` groups."""
+    g = module.groups
+    return g == 1 or (g <= MAX_GROUPS and module.in_channels // g > 1 and module.out_channels // g > 1)
+
+
+class ConvCapture(HookedCapture):
+    """The hooks of one convolution: its raw input kept at forward, its rows formed when this
+    call's output gradient arrives (paired through the output tensor, not by call order)."""
+
+    transient = ("_pending",)
+
+    def __init__(self, name: str, module: nn.Module, on_forward=None):
+        g = module.groups
+        if g == 1:
+            self.by_key: Dict[str, Use] = {"weight": Use(name, module, "linear")}
+        else:
+            h = module.out_channels // g
+            self.by_key = {f"g{i}": Use(f"{name}[g{i}]", module, "linear", block=(i * h, h)) for i in range(g)}
+        super().__init__(name, module, list(self.by_key.values()), on_forward)
+        self._pending: Dict[int, torch.Tensor] = {}
+        self._calls = 0
+        self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
+
+    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if self.detached or not (torch.is_grad_enabled() and isinstance(output, torch.Tensor)
+                                 and output.requires_grad):
+            return
+        if not self.uses[0].param().requires_grad:
+            return  # frozen now: no gradient will take these rows
+        self.opened()  # also when disabled: the step's window opens here
+        if not any(u.enabled for u in self.uses):
+            return
+        x = args[0] if args else next(iter(kwargs.values()))
+        key = self._calls
+        self._calls += 1
+        self._pending[key] = x.detach()
+        output.register_hook(functools.partial(self._grad_hook, key))
+
+    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
+        x = self._pending.pop(key, None)
+        if x is None:
+            return
+        for use, rows in zip(self.uses, conv_rows(self.module, x, grad.detach())):
+            if use.enabled:
+                use.pairs.append(rows)
+
+    def clear(self) -> None:
+        super().clear()
+        self._pending.clear()
+
+
+@register_kind
+class ConvKind(LayerKind):
+    name = "conv"
+
+    def accepts(self, module: nn.Module) -> bool:
+        if not any(runs_stock_forward(module, t) for t in CONV_TYPES):
+            return False
+        if not claims_groups(module):
+            _log_once(f"groups-{module.in_channels}-{module.out_channels}-{module.groups}",
+                      "dAD conv: a %s with groups=%d (%d -> %d channels) is left to the coverage floor "
+                      "(dense or rank routes from its dense gradient): exact factors of depthwise or "
+                      "many-group convolutions never pay", type(module).__name__, module.groups,
+                      module.in_channels, module.out_channels)
+            return False
+        return True
+
+    def claims(self, module: nn.Module) -> List[Claim]:
+        g = module.groups
+        keys: Tuple[str, ...] = ("weight",) if g == 1 else tuple(f"g{i}" for i in range(g))
+        out = [Claim("weight", uses=keys)]
+        if module.bias is not None:
+            out.append(Claim("bias", uses=keys, bias=True))  # split in the weight's row blocks
+        return out
+
+    def capture(self, name, module, on_forward):
+        c = ConvCapture(name, module, on_forward)
+        return c, dict(c.by_key)
+

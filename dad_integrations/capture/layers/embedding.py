@@ -1,0 +1,43 @@
+"""``nn.Embedding``: the gradient adds each output-gradient row into its token's row (``index_add``)."""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import nn
+
+from dad_integrations.capture.hooks import ModuleCapture
+from dad_integrations.capture.rows import Rows
+from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
+
+
+
+def embedding_rows(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor) -> Rows:
+    """(ids, D), without the padding row's rows and scaled by frequency where the module is."""
+    ids = inputs.reshape(-1)
+    d = grad_out.reshape(-1, grad_out.shape[-1])
+    if module.padding_idx is not None:
+        # autograd gives the padding row no gradient: drop its rows before they cost bytes
+        keep = ids != module.padding_idx
+        ids, d = ids[keep], d[keep]
+    if module.scale_grad_by_freq:
+        # autograd divides each row by its id's count within this call
+        counts = torch.bincount(ids, minlength=1)[ids].to(d.dtype)
+        d = d / counts.unsqueeze(1)
+    return ids, d
+
+
+@register_kind
+class EmbeddingKind(LayerKind):
+    name = "embedding"
+
+    def accepts(self, module: nn.Module) -> bool:
+        return runs_stock_forward(module, nn.Embedding)
+
+    def claims(self, module: nn.Module) -> List[Claim]:
+        return [Claim("weight")]
+
+    def capture(self, name, module, on_forward):
+        c = ModuleCapture(name, module, "embedding", embedding_rows, on_forward)
+        return c, {"weight": c}
+

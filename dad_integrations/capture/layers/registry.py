@@ -1,0 +1,105 @@
+"""The registry of layer kinds: which modules' weights dAD rebuilds from factors, and how.
+
+A kind is one module in this package holding one `LayerKind` subclass, registered with
+`register_kind` (Opacus's ``grad_sample/`` layout). It declares:
+
+- ``accepts(module)``: the modules it captures (``priority`` orders kinds: a composite such as
+  ``nn.MultiheadAttention`` claims its child ``out_proj`` before ``linear`` can);
+- ``claims(module)``: the parameters it rebuilds, each by which of its uses (a bias by one use's
+  output-gradient rows);
+- ``capture(...)``: the hooks, and the `capture.Use` objects they feed: each use's row layout
+  (`rows`), its row block of the weight's matrix view (packed q/k/v, convolution groups), and the
+  module whose forward runs it;
+
+Byte costs follow from the uses' layouts and blocks (`costs.exact_block_specs`), so the router,
+the cost model and the planner need nothing per kind. A parameter no kind claims (or claimed by
+some of its users only) is not a factor unit: with two or more dimensions it still takes the rank
+routes from its dense gradient (`units.build_plan`), as PowerSGD compresses every matrix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple, Type
+
+from torch import nn
+
+from dad_integrations.capture.hooks import Use
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One parameter of a module that a kind rebuilds from factors.
+
+    ``attr`` is its dotted path from the module (``"weight"``, ``"out_proj.weight"``,
+    ``"weight_hh_l1"``); ``uses`` the keys of the capture's uses whose rows add up to its gradient
+    (a weight) or, with ``bias``, the one use whose output-gradient rows sum to it.
+    """
+
+    attr: str
+    uses: Tuple[str, ...] = ("weight",)
+    bias: bool = False
+
+
+class LayerKind:
+    """One layer kind; subclasses live one per module in `layers` and register with `register_kind`."""
+
+    name: str = ""
+    priority: int = 0
+
+    def accepts(self, module: nn.Module) -> bool:
+        """Whether this kind captures ``module`` (stock forward only: a subclass with its own
+        forward may use the weight differently)."""
+        raise NotImplementedError
+
+    def claims(self, module: nn.Module) -> List[Claim]:
+        """The parameters of an accepted ``module`` that its uses rebuild."""
+        raise NotImplementedError
+
+    def capture(self, name: str, module: nn.Module, on_forward: Optional[Callable[[], None]]
+                ) -> Tuple[object, Dict[str, Use]]:
+        """Install the hooks on ``module``: ``(capture, uses by key)``. The capture has ``name``,
+        ``uses``, ``clear()`` and ``remove()`` (`capture.ModuleCapture`, `capture.HookedCapture`)."""
+        raise NotImplementedError
+
+
+_KINDS: Dict[str, LayerKind] = {}
+
+
+def register_kind(cls: Type[LayerKind]) -> Type[LayerKind]:
+    """Class decorator: register one instance of a `LayerKind` under its ``name``."""
+    from dad_integrations.config import LAYER_KINDS  # the config key `layer_kinds` lists every kind by name
+
+    if not cls.name or cls.name in _KINDS:
+        raise ValueError(f"layer kind {cls.__name__}: needs a new name, got {cls.name!r}")
+    if cls.name not in LAYER_KINDS:
+        raise ValueError(f"layer kind {cls.name!r}: add it to config.LAYER_KINDS (the config key 'layer_kinds')")
+    _KINDS[cls.name] = cls()
+    return cls
+
+
+def registered_kinds() -> List[LayerKind]:
+    """Every registered kind, highest priority first (ties: registration order)."""
+    return sorted(_KINDS.values(), key=lambda k: -k.priority)
+
+
+def get_kind(name: str) -> LayerKind:
+    return _KINDS[name]
+
+
+def kind_of(module: nn.Module, allowed: Optional[Tuple[str, ...]] = None) -> Optional[LayerKind]:
+    """The highest-priority kind (among ``allowed`` names) that accepts ``module``, else None."""
+    for kind in registered_kinds():
+        if (allowed is None or kind.name in allowed) and kind.accepts(module):
+            return kind
+    return None
+
+
+def layer_kind(module: nn.Module) -> Optional[str]:
+    """The name of the kind that captures ``module``, else None."""
+    kind = kind_of(module)
+    return kind.name if kind is not None else None
+
+
+def runs_stock_forward(module: nn.Module, base: type) -> bool:
+    """``module`` is a ``base`` that runs ``base``'s own forward."""
+    return isinstance(module, base) and type(module).forward is base.forward

@@ -1,0 +1,275 @@
+"""Which parameters go through factors and which through dense all-reduce.
+
+A trainable parameter is a *factor unit* when every module that registers it is a captured layer
+(a kind of `layers` claims it as a weight): then the gradient is the sum of what its uses'
+factors rebuild. GPT-2's tied ``wte``/``lm_head`` weight is one unit with an embedding use and a
+linear use. A bias rides with its layer when that layer is its only owner. Every other parameter
+with two or more dimensions (convolutions no kind captures, raw ``nn.Parameter``s such as position
+embeddings and class tokens) is a unit *without uses*: no factors, but the rank routes from its
+dense gradient, viewed as PowerSGD views it (``view(shape[0], -1)``), so that no model sends more
+than PowerSGD. The rest — norms, other biases, layers excluded by name — is synchronised densely.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from torch import nn
+
+from dad_integrations.capture.hooks import Use
+from dad_integrations.config import DADConfig
+from dad_integrations.capture.layers import Claim, LayerKind, kind_of, matrix_shape, registered_kinds
+
+log = logging.getLogger(__name__)
+
+
+def param_shape(p: nn.Parameter) -> Tuple[int, ...]:
+    """A parameter's full shape, also where an engine keeps only a partition in ``p.data``
+    (DeepSpeed ZeRO-3 empties it and records the shape as ``ds_shape``)."""
+    return tuple(getattr(p, "ds_shape", None) or p.shape)
+
+
+@dataclass
+class BiasUse:
+    """A bias whose gradient is the sum of one captured use's output-gradient rows (``capture``),
+    plus those of ``more`` uses of the same weight where the bias is split in row blocks as the
+    weight is (a packed attention projection called on q, k and v slices)."""
+
+    name: str
+    param: nn.Parameter
+    capture: Use
+    more: Tuple[Use, ...] = ()
+
+    @property
+    def uses(self) -> Tuple[Use, ...]:
+        return (self.capture,) + tuple(self.more)
+
+
+@dataclass
+class FactorUnit:
+    """One weight synchronised through factors, with its uses and the biases that ride with it.
+
+    Per-step state (readiness, passes, priors) lives in the step's `StepWindow`; rank-dAD state
+    (warm starts, residuals) in the rank codec. What stays here is the unit's route history.
+    """
+
+    index: int
+    name: str
+    param: nn.Parameter
+    uses: List[Use]
+    biases: List[BiasUse]
+    dense_only: bool = False          # failed the first-step check: dense from then on
+    rows_unused: bool = False         # rank-reduced from its dense gradient: rows not captured
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """The weight's matrix view, ``(shape[0], prod(shape[1:]))`` (PowerSGD's)."""
+        return matrix_shape(param_shape(self.param))
+
+    @property
+    def has_factors(self) -> bool:
+        """Whether the unit has uses (without, its only routes are dense and the rank routes)."""
+        return bool(self.uses)
+
+    @property
+    def blocks(self) -> Optional[Tuple[Optional[Tuple[int, int]], ...]]:
+        """Per use, its row block of the matrix view; None where every use covers every row."""
+        blocks = tuple(c.block for c in self.uses)
+        return blocks if any(b is not None for b in blocks) else None
+
+    @property
+    def factors_only(self) -> bool:
+        """All uses are linear-like over whole rows, so rank reduction may run on the factors."""
+        return self.has_factors and self.blocks is None and all(c.kind != "embedding" for c in self.uses)
+
+    @property
+    def kinds(self) -> List[str]:
+        return [c.kind for c in self.uses]
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        """The weight, then the biases that ride with it."""
+        return [self.param] + [b.param for b in self.biases]
+
+    @property
+    def bias_numel(self) -> int:
+        return sum(b.param.numel() for b in self.biases)
+
+    def set_dense_only(self, dense_only: bool) -> None:
+        """Route the unit through dense all-reduce for good; its rows are then of no use."""
+        self.dense_only = dense_only
+        self.update_capture()
+
+    def stop_using_rows(self) -> None:
+        """The unit is reduced from its dense gradient from now on: stop capturing rows."""
+        self.rows_unused = True
+        self.update_capture()
+
+    def update_capture(self) -> None:
+        """Capture the unit's rows only while some route can use them."""
+        for capture in self.uses:
+            capture.enabled = not (self.dense_only or self.rows_unused)
+
+
+@dataclass
+class SyncPlan:
+    units: List[FactorUnit]
+    dense: List[Tuple[str, nn.Parameter]]   # synchronised by bucketed all-reduce every step
+    captures: List[Use]
+
+    def signature(self) -> List[list]:
+        """What every rank must agree on, in order: names, shapes, dtypes and routes."""
+        sig = [["factor", u.name, list(param_shape(u.param)), str(u.param.dtype), u.kinds,
+                [b.name for b in u.biases]] for u in self.units]
+        sig += [["dense", n, list(param_shape(p)), str(p.dtype)] for n, p in self.dense]
+        return sig
+
+    def signature_bytes(self) -> bytes:
+        return json.dumps(self.signature(), separators=(",", ":")).encode()
+
+
+def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan:
+    """Assign every trainable parameter of ``model`` to a factor unit or to the dense path.
+
+    Kinds claim parameters by priority (`layers.registry`); a parameter is a factor unit when
+    every registration of it is claimed as a weight (GPT-2's tied ``wte``/``lm_head``: an embedding
+    use and a linear use). Other parameters with two or more dimensions become units without uses
+    (``uncaptured_matrices="rank"``): their dense gradient takes the rank routes, as PowerSGD's
+    does. A bias rides with its use's unit where that use covers the whole weight.
+    """
+    names: Dict[int, str] = {}
+    trainable: List[nn.Parameter] = []
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in names:
+            names[id(p)] = name
+            trainable.append(p)
+
+    # Every (module, attribute) that registers each parameter: a parameter shared with a module
+    # dAD does not capture must go dense, since its factors would miss that use.
+    owners: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None and p.requires_grad:
+                entry = (mod_name, module, attr)
+                if entry not in owners.setdefault(id(p), []):
+                    owners[id(p)].append(entry)
+
+    def excluded(mod_name: str) -> bool:
+        return any(fnmatch.fnmatchcase(mod_name, pat) for pat in config.exclude)
+
+    # refuse before any hook is installed, so that a refused model is left untouched
+    for mod_name, module in model.named_modules():
+        if (isinstance(module, nn.Embedding) and "embedding" in config.layer_kinds and not excluded(mod_name)
+                and kind_of(module, config.layer_kinds) is not None and module.sparse
+                and module.weight.requires_grad):
+            raise ValueError(f"module {mod_name!r}: sparse embedding gradients are not supported by dAD; "
+                             f"use sparse=False or exclude the module with the 'exclude' config key")
+
+    # claims by priority: (id(owner module), attribute) -> (capturing module's name, module, kind, claim)
+    claimed: Dict[Tuple[int, str], Tuple[str, nn.Module, LayerKind, Claim]] = {}
+    for kind in registered_kinds():
+        if kind.name not in config.layer_kinds:
+            continue
+        for mod_name, module in model.named_modules():
+            if excluded(mod_name) or not kind.accepts(module):
+                continue
+            claims = kind.claims(module)
+            computed = [c.attr for c in claims if not _is_parameter(module, c.attr)]
+            if computed:
+                # a parametrization (weight norm: wav2vec2's positional conv) computes the weight
+                # from other parameters in forward: rows would rebuild that product's gradient, not
+                # theirs. They take the routes of any uncaptured parameter.
+                _log_once(f"computed-{kind.name}-{type(module).__name__}",
+                          "dAD: %s of %r (%s) is computed from other parameters (a parametrization such as "
+                          "weight norm), not captured: its parameters go dense or by the rank routes of "
+                          "uncaptured matrices", computed, mod_name, kind.name)
+                continue
+            keys = [_registration(module, c.attr) for c in claims]
+            if any(k in claimed for k in keys):
+                continue  # a composite of higher priority claimed part of it
+            for k, c in zip(keys, claims):
+                claimed[k] = (mod_name, module, kind, c)
+
+    captures: Dict[int, Tuple[object, Dict[str, Use]]] = {}
+
+    def uses_of(mod_name: str, module: nn.Module, kind: LayerKind, keys: Sequence[str]) -> List[Use]:
+        if id(module) not in captures:
+            captures[id(module)] = kind.capture(mod_name, module, on_forward)
+        return [captures[id(module)][1][k] for k in keys]
+
+    units: List[FactorUnit] = []
+    unit_of_use: Dict[int, FactorUnit] = {}
+    covered = set()
+    for p in trainable:
+        regs = owners.get(id(p), [])
+        found = [claimed.get((id(m), attr)) for _, m, attr in regs]
+        if regs and all(f is not None and not f[3].bias for f in found) and len(param_shape(p)) >= 2:
+            uses = [u for mod_name, module, kind, claim in found for u in uses_of(mod_name, module, kind, claim.uses)]
+            unit = FactorUnit(0, names[id(p)], p, uses, [])
+            units.append(unit)
+            unit_of_use.update({id(u): unit for u in uses})
+            covered.add(id(p))
+
+    dense: List[Tuple[str, nn.Parameter]] = []
+    for p in trainable:
+        if id(p) in covered:
+            continue
+        regs = owners.get(id(p), [])
+        found = claimed.get((id(regs[0][1]), regs[0][2])) if len(regs) == 1 else None
+        if found is not None and found[3].bias and id(found[1]) in captures:
+            by_key = captures[id(found[1])][1]
+            uses = [by_key.get(k) for k in found[3].uses]
+            unit = unit_of_use.get(id(uses[0]))
+            if (unit is not None and all(unit_of_use.get(id(u)) is unit and u.kind != "embedding" for u in uses)
+                    and (len(uses) > 1 or uses[0].block is None)):
+                # one use covers the whole weight; several are a split bias, each adding into its
+                # use's block (a whole-height use into all of it: packed attention's self-attention
+                # call beside its sliced calls); sharded exact factors sum such a bias over its uses
+                unit.biases.append(BiasUse(names[id(p)], p, uses[0], tuple(uses[1:])))
+                continue
+        if (config.uncaptured_matrices == "rank" and len(param_shape(p)) >= 2
+                and not any(excluded(mod_name) for mod_name, _, _ in regs)):
+            units.append(FactorUnit(0, names[id(p)], p, [], []))  # PowerSGD's floor: rank routes
+            continue
+        dense.append((names[id(p)], p))
+
+    # Backward visits layers roughly in reverse registration order; so does the exchange, so that
+    # each layer's collective can start as soon as its gradient rows exist.
+    order = {id(p): i for i, p in enumerate(trainable)}
+    units.sort(key=lambda u: order[id(u.param)], reverse=True)
+    for i, u in enumerate(units):
+        u.index = i
+    return SyncPlan(units, dense, [c for c, _ in captures.values()])
+
+
+_logged: set = set()
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.info(msg, *args)
+
+
+def _is_parameter(module: nn.Module, attr: str) -> bool:
+    """Whether dotted ``attr`` from ``module`` names a registered parameter (not one computed in
+    forward by a parametrization or a hook, as ``weight_norm`` does)."""
+    *path, leaf = attr.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return False
+    return isinstance(owner, nn.Module) and owner._parameters.get(leaf) is not None
+
+
+def _registration(module: nn.Module, attr: str) -> Tuple[int, str]:
+    """The (id(owner module), attribute) of the parameter at dotted ``attr`` from ``module``."""
+    *path, leaf = attr.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    return id(owner), leaf

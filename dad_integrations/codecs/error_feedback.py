@@ -1,0 +1,151 @@
+"""Error feedback (GRACE's "memory"): what a lossy route left out, added to the next step.
+
+A lossy codec sends ``C(M + e)`` for a local gradient ``M`` and keeps ``e' = (M + e) - C(M + e)``.
+Over steps, nothing the compressor drops is lost, only delayed; PowerSGD relies on it, and
+without it rank-dAD's average is biased.
+
+Two memories, one interface (`error_feedback_for` picks by the config):
+
+- `ErrorFeedback` keeps each residual whole: ``m n`` numbers per compressed weight and rank
+  (residuals differ across ranks and are saved per rank), as PowerSGD's hook does. Under DDP that
+  is one more gradient; under FSDP2 or ZeRO it is S times the weight's gradient shard, memory
+  the engine saved by sharding.
+- `LowRankErrorFeedback` (``error_feedback_rank: q``) keeps the residual's best rank-``q`` part,
+  ``U V^T`` (``q (m+n)`` numbers), found by warm-started power iteration on the residual
+  (``power_iterations`` of them, one by default: ``4 m n q`` flops each, the cost of the
+  compression itself; three instead of one changed nothing measurable): the directions the compressor left
+  out with most energy, the part that error feedback exists to carry over, travel on; the
+  residual's tail below them is dropped. Exact whenever the residual's rank is at most ``q``; at
+  ``q >= min(m, n)`` it keeps the residual whole.
+
+A step whose gradient is not finite (an fp16 overflow that the loss scaler will skip) leaves the
+residual as it was: the next finite step trains as if the bad one had not happened. Codecs that
+learn this only at the step's end hold `pack`'s result until then and `keep` it.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+
+from dad_integrations.capture.layers import compute_dtype
+from dad_integrations.codecs.low_rank import LocalGradient, power_iteration
+
+Packed = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class ErrorFeedback:
+    """Dense residuals by unit name."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.residuals: Dict[str, Packed] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """``grad + residual`` (a new tensor; ``grad`` is not changed)."""
+        residual = self.residuals.get(name) if self.enabled else None
+        return grad if residual is None else grad + residual
+
+    def pack(self, name: str, residual: torch.Tensor) -> Packed:
+        """What `keep` stores for ``residual`` (here: itself); nothing is stored yet."""
+        return residual
+
+    def keep(self, name: str, packed: Packed) -> None:
+        """Store `pack`'s result as ``name``'s residual."""
+        if self.enabled:
+            self.residuals[name] = packed
+
+    def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+        """Keep what was not sent: ``compensated - sent``."""
+        if self.enabled:
+            self.keep(name, self.pack(name, compensated - sent))
+
+    def state(self, name: str) -> Optional[Packed]:
+        return self.residuals.get(name)
+
+    def dense(self, name: str) -> Optional[torch.Tensor]:
+        """``name``'s residual as one ``m x n`` tensor (None when there is none)."""
+        return self.residuals.get(name)
+
+    def load(self, name: str, residual: Optional[Packed], like: torch.Tensor) -> None:
+        """Restore a residual onto ``like``'s device (in the dtype the codec computes in); a residual
+        saved by the other memory is converted (a dense one is reduced to rank q, a low-rank one
+        expanded)."""
+        if residual is None:
+            self.residuals.pop(name, None)
+            return
+        to = dict(device=like.device, dtype=compute_dtype(like))
+        if isinstance(residual, (tuple, list)):
+            u, v = residual
+            residual = u.to(**to) @ v.to(**to).t()
+        self.residuals[name] = self.pack(name, residual.to(**to))
+
+    def numel(self) -> int:
+        """Numbers held, over every weight (the memory's cost)."""
+        return sum(sum(t.numel() for t in (r if isinstance(r, tuple) else (r,))) for r in self.residuals.values())
+
+
+class LowRankErrorFeedback(ErrorFeedback):
+    """Residuals kept as their rank-``rank`` part ``U V^T`` (module doc): ``q (m + n)`` numbers."""
+
+    def __init__(self, enabled: bool, rank: int, iterations: int = 1):
+        super().__init__(enabled)
+        self.rank = rank
+        self.iterations = iterations
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        held = self.residuals.get(name) if self.enabled else None
+        if held is None or isinstance(held, torch.Tensor):
+            return super().compensate(name, grad)
+        u, v = held
+        return torch.addmm(grad, u, v.t())
+
+    def pack(self, name: str, residual: torch.Tensor) -> Packed:
+        """``(U, V)`` with ``U`` orthonormal (m x q): power iteration from the last residual's
+        ``V`` (a seeded draw the first time), so the kept subspace follows the residual's. At
+        ``q >= min(m, n)`` the residual itself (exact, and no more numbers than a pair)."""
+        m, n = residual.shape
+        q = min(self.rank, m, n)
+        if q == min(m, n):
+            return residual
+        held = self.residuals.get(name)
+        start = held[1] if isinstance(held, tuple) and held[1].shape == (n, q) else None
+        if start is None:
+            gen = torch.Generator(device=residual.device).manual_seed(zlib.crc32(name.encode()))
+            start = torch.randn(n, q, generator=gen, device=residual.device, dtype=residual.dtype)
+        u, v = power_iteration(LocalGradient(dense=residual), start, self.iterations)
+        return u, v
+
+    def dense(self, name: str) -> Optional[torch.Tensor]:
+        held = self.residuals.get(name)
+        return held if held is None or isinstance(held, torch.Tensor) else held[0] @ held[1].t()
+
+    def load(self, name: str, residual: Optional[Packed], like: torch.Tensor) -> None:
+        if isinstance(residual, (tuple, list)) and residual[0].shape[1] == min(self.rank, *residual[0].shape,
+                                                                                residual[1].shape[0]):
+            to = dict(device=like.device, dtype=compute_dtype(like))
+            self.residuals[name] = (residual[0].to(**to), residual[1].to(**to))  # as saved: bitwise
+        else:
+            super().load(name, residual, like)
+
+
+def sharded_residual_note(config, shapes, world_size: int, itemsize: int) -> Optional[str]:
+    """Under FSDP2 or ZeRO: what whole residuals would cost beside the gradient shards they sit
+    next to (``shapes`` the weights rank routes may take), and how to bound it; None where the
+    config keeps no whole residual (no rank, no error feedback, or ``error_feedback_rank``)."""
+    if config.rank is None or not config.error_feedback or config.error_feedback_rank is not None or not shapes:
+        return None
+    whole = sum(m * n for m, n in shapes) * itemsize
+    low = sum(min(16, m, n) * (m + n) if min(m, n) > 16 else m * n for m, n in shapes) * itemsize
+    return (f"error feedback keeps one whole residual per rank-routed weight on every rank: up to "
+            f"{whole / 2 ** 20:,.1f} MiB here, {world_size}x these weights' gradient shards "
+            f"({whole / world_size / 2 ** 20:,.1f} MiB); 'error_feedback_rank': 16 would keep "
+            f"{low / 2 ** 20:,.1f} MiB (part of its gain: docs/reference/config.md, error_feedback_rank), 'error_feedback': false none")
+
+
+def error_feedback_for(config) -> ErrorFeedback:
+    """The memory ``config`` asks for: dense, or rank ``error_feedback_rank``."""
+    if config.error_feedback and config.error_feedback_rank is not None:
+        return LowRankErrorFeedback(True, config.error_feedback_rank, config.power_iterations)
+    return ErrorFeedback(config.error_feedback)

@@ -1,0 +1,63 @@
+"""`TorchDistributedAggregator`: the embedded default backend, over ``torch.distributed``.
+
+gloo's and NCCL's all-gather need equal sizes on every rank: `EqualSizeAggregator` pads rows of
+different lengths to the longest after an exchange of sizes.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from dad_integrations.comm.aggregator import EqualSizeAggregator
+from dad_integrations.comm.groups import new_group_like
+
+
+class TorchDistributedAggregator(EqualSizeAggregator):
+    """Collectives over a ``torch.distributed`` process group.
+
+    Args:
+        group: the process group; None uses a new group of all ranks created here, so that dAD's
+            collectives (issued from a background thread while backward runs) can never interleave
+            with the user's own collectives on the default group. Every rank must construct the
+            aggregator at the same point when ``group`` is None, as for ``dist.new_group``.
+        timeout: the timeout of the group created here (not with ``group``, which keeps its own).
+            None takes the default group's, i.e. ``init_process_group(timeout=...)``, so
+            that a stalled rank makes dAD fail within the user's timeout, as DDP does.
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, *, timeout: Optional[timedelta] = None):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchDistributedAggregator needs an initialised default process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets the environment)")
+        if group is not None and timeout is not None:
+            raise ValueError("timeout applies to the group created here: give the group passed in its "
+                             "timeout where it is made (dist.new_group(ranks, timeout=...))")
+        self._group = group if group is not None else new_group_like(range(dist.get_world_size()), timeout=timeout)
+        self._rank = dist.get_rank(self._group)
+        self._world = dist.get_world_size(self._group)
+        if self._rank < 0:
+            raise RuntimeError("this process is not a member of the given process group")
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self._group
+
+    # The calls into torch.distributed; every byte this backend moves passes through them.
+    def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
+        return dist.all_gather(out, tensor, group=self._group, async_op=async_op)
+
+    def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        return dist.all_reduce(tensor, group=self._group, async_op=async_op)
+
+    def _engine_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        return dist.all_to_all_single(out, tensor, group=self._group, async_op=async_op)
+
+    def _engine_all_to_all_v(self, out: torch.Tensor, tensor: torch.Tensor, out_sizes: List[int],
+                             in_sizes: List[int], async_op: bool = False):
+        return dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
+                                      group=self._group, async_op=async_op)

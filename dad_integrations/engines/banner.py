@@ -1,0 +1,96 @@
+"""One line on rank 0 when dAD attaches, shown at default log levels.
+
+Hugging Face's example scripts and the ``Trainer`` drop INFO records, so dAD's INFO logs alone
+leave a run with a ``"dad"`` block looking as if dAD never attached. DeepSpeed and Accelerate
+announce themselves through channels of their own (DeepSpeed's ``logger`` has its own handler;
+``PartialState.print`` prints on the main process); dAD does the same:
+
+    dAD attached to DeepSpeed ZeRO-0: mode auto, rank 4, objective time, 12 weights by factors, 4 parameters dense, world size 2
+
+The line goes to the ``dad_integrations.engines.banner`` logger, which has its own stderr handler and
+does not propagate (a root handler would print it a second time). Silence it with
+``logging.getLogger("dad_integrations.engines.banner").setLevel(logging.WARNING)``.
+
+Once per attach. Only the objects that do the work announce (`DADSynchronizer`, FSDP2's and
+ZeRO's synchronisers), each once, when its attach is complete. The integrations around them
+(DDP's hook, Horovod, DeepSpeed, Accelerate, the Trainer) name themselves with `engine`, and the
+outermost name wins: a ``Trainer`` whose attach goes through DDP's hook into `DADSynchronizer`
+announces ``Transformers Trainer``, once.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import sys
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from dad_integrations.capture.units import FactorUnit
+
+LOGGER_NAME = "dad_integrations.engines.banner"
+
+_engine: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("dad_banner_engine", default=None)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (a test's or a launcher's redirection)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _logger() -> logging.Logger:
+    logger = logging.getLogger(LOGGER_NAME)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False  # its own handler shows it; the root's would repeat it
+        if logger.level == logging.NOTSET:  # shown at default levels, unless the user set one
+            logger.setLevel(logging.INFO)
+    return logger
+
+
+@contextlib.contextmanager
+def engine(name: str) -> Iterator[None]:
+    """Name the engine that the attach run inside the block serves (an outer name wins)."""
+    token = _engine.set(name) if _engine.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _engine.reset(token)
+
+
+def dense_count(model: "nn.Module", units: Sequence["FactorUnit"]) -> int:
+    """Trainable parameters of ``model`` that no factor unit carries (its weight or its biases)."""
+    carried = {id(p) for u in units for p in u.params}
+    return sum(1 for p in model.parameters() if p.requires_grad and id(p) not in carried)
+
+
+def announce(default_engine: str, *, process_rank: int, world_size: int, mode: str, rank: Optional[int],
+             objective: str, factor_weights: int, dense_params: int) -> Optional[str]:
+    """Show the attach line on rank 0 (``process_rank``: this process's rank in dAD's group);
+    returns the line (None elsewhere). ``default_engine`` names the engine when no `engine` block
+    encloses the call."""
+    if process_rank != 0:
+        return None
+    name = _engine.get() or default_engine
+    rank_text = f"rank {rank}" if rank is not None else "no rank routes"
+    line = (f"dAD attached to {name}: mode {mode}, {rank_text}, objective {objective}, "
+            f"{factor_weights} weights by factors, {dense_params} parameters dense, world size {world_size}")
+    _logger().info(line)
+    for handler in _logger().handlers:
+        handler.flush()
+    return line

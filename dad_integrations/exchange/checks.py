@@ -1,0 +1,118 @@
+"""Checks at attach and on the first step: same model on every rank, same start, factors that rebuild.
+
+* `check_same_model`: every rank holds the same parameters in the same routes (names, shapes,
+  dtypes), or the collectives would not match and the job would hang; raises naming the first
+  difference.
+* `broadcast_model`: rank 0's parameters and buffers, copied to every rank at attach, as DDP
+  does when it wraps a model (ranks seeded differently would otherwise never train one model).
+* `factors_rebuild_local_grad`: on the first synchronised step, do this rank's captured factors
+  rebuild the gradient autograd computed? A weight used outside its layers, or changed by a
+  gradient hook, fails and goes dense for good.
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.codecs.exact import local_rebuild
+from dad_integrations.capture.layers import Rows
+from dad_integrations.capture.sink import GradSink, ShardSink
+from dad_integrations.capture.units import FactorUnit, SyncPlan
+from dad_integrations.codecs.wire import pack, unpack
+
+# relative error allowed between the factors' local rebuild and autograd's local gradient
+VERIFY_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
+VERIFY_TOLERANCE_LOW_PRECISION = 5e-2
+
+
+def check_same_model(plan: SyncPlan, aggregator: FactorAggregator, device: torch.device) -> None:
+    """Raise `ValueError` unless every rank built the same model (names, shapes, dtypes, routes)."""
+    mine = plan.signature_bytes()
+    buf = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device)
+    theirs = [bytes(t.cpu().tolist()) for t in aggregator.all_gather(buf, name="dad.signature").wait()]
+    if all(t == mine for t in theirs):
+        return
+    own = json.loads(mine)
+    for rank, t in enumerate(theirs):
+        if t == mine:
+            continue
+        other = json.loads(t)
+        for i in range(max(len(own), len(other))):
+            a = own[i] if i < len(own) else None
+            b = other[i] if i < len(other) else None
+            if a != b:
+                raise ValueError(
+                    f"the model differs across ranks: parameter #{i} is {a} on rank {aggregator.rank} but "
+                    f"{b} on rank {rank}; every rank must build the same model (names, shapes, dtypes, "
+                    f"trainable parameters) before attaching dAD")
+    raise ValueError("the model differs across ranks")
+
+
+def broadcast_model(model: nn.Module, aggregator: FactorAggregator, chunk_bytes: int = 256 * 2 ** 20) -> None:
+    """Copy rank 0's parameters and buffers to every rank (DDP's start-up broadcast).
+
+    The tensors travel as bytes, in chunks of about ``chunk_bytes`` per device (memory: one chunk
+    beside the model), each a sum all-reduce to which only rank 0 contributes: ``x + 0 + ... + 0``
+    is ``x`` bit for bit, for every dtype, so no backend needs a broadcast call of its own (it
+    moves twice a broadcast's bytes, once per attach).
+    """
+    chunks: dict = {}   # device -> list of tensor lists
+    filled: dict = {}   # device -> bytes in its last chunk
+    seen = set()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or not t.numel():
+            continue
+        seen.add(id(t))
+        device_chunks = chunks.setdefault(t.device, [[]])
+        if filled.get(t.device, 0) >= chunk_bytes:
+            device_chunks.append([])
+            filled[t.device] = 0
+        device_chunks[-1].append(t)
+        filled[t.device] = filled.get(t.device, 0) + t.numel() * t.element_size()
+    for device, device_chunks in chunks.items():
+        for k, tensors in enumerate(device_chunks):
+            flat = pack([t.detach() for t in tensors], device)
+            if aggregator.rank != 0:
+                flat.zero_()
+            flat = aggregator.all_reduce(flat, name=f"dad.broadcast.{device}.{k}", op="sum").wait()
+            with torch.no_grad():
+                for t, value in zip(tensors, unpack(flat, [(t.dtype, tuple(t.shape)) for t in tensors])):
+                    t.copy_(value)
+
+
+def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Union[GradSink, ShardSink]) -> bool:
+    """Do this rank's factors rebuild the gradients autograd computed locally (weight and biases)?"""
+    cdt = torch.float64 if unit.param.dtype == torch.float64 else torch.float32
+    # under autocast the output-gradient rows are bf16/fp16 while the inputs may be fp32
+    low_precision = any(t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE
+                        for pair in rows for t in pair)
+    tol = VERIFY_TOLERANCE_LOW_PRECISION if low_precision else VERIFY_TOLERANCE.get(
+        unit.param.dtype, VERIFY_TOLERANCE_LOW_PRECISION)
+    rebuilt = local_rebuild(unit, rows, cdt)
+    autograd = {p: sink.local_grad(p, cdt) for p in rebuilt}
+    # each tensor's error against its own norm, floored at tol x the unit's whole norm (so the
+    # error bound is at least tol^2 = 1e-6 of it in fp32): a bias whose gradient is round-off (a conv
+    # bias before batch norm, VGG-BN's) must not send its weight dense
+    whole = sum(float(g.norm()) ** 2 for g in autograd.values()) ** 0.5
+    for p, mine in rebuilt.items():
+        err = float((mine - autograd[p]).norm())
+        if err > tol * max(float(autograd[p].norm()), tol * whole, 1e-30) and err > 1e-12:
+            return False
+    return True
+
+
+def agree_factors_rebuild(units: Sequence[FactorUnit], rows: Dict[int, Sequence[Rows]],
+                          sink: Union[GradSink, ShardSink], aggregator: FactorAggregator
+                          ) -> Tuple[List[FactorUnit], List[FactorUnit], Traffic]:
+    """`factors_rebuild_local_grad` for every unit (``rows`` by ``unit.index``), agreed over ranks in
+    one sum all-reduce of flags: (units that pass on every rank, units that fail on some, its bytes)."""
+    flags = torch.tensor([0.0 if factors_rebuild_local_grad(u, rows[u.index], sink) else 1.0 for u in units],
+                         device=units[0].param.device if units else None)
+    handle = aggregator.all_reduce(flags, name="dad.verify", op="sum")
+    failed = handle.wait().tolist()
+    return ([u for u, bad in zip(units, failed) if not bad], [u for u, bad in zip(units, failed) if bad],
+            handle.traffic)

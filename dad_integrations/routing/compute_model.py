@@ -1,0 +1,207 @@
+"""The compute model: the local work each route adds to a step, measured on the job's device.
+
+What each route computes for one weight (m x n) on top of what the step does without dAD, S
+sites, N rows per site, rank r, ``k`` power iterations:
+
+- ``"dense"``: nothing (the bucket copy is what every all-reduce does);
+- ``"rank_allreduce"`` (PowerSGD's algorithm): error-feedback compensation, ``k`` rounds of
+  ``M Q``, an orthonormalisation of ``P`` and ``M^T P``, the rebuild ``P Q^T`` into ``.grad`` and
+  the residual update: ``~4 k m n r + 2 m n r`` flops and three passes over ``m n`` memory;
+- ``"rank"`` (rank-dAD's all-gather): the same local power iteration, then a rank-``S r``
+  rebuild: ``2 S r m n`` flops;
+- ``"exact"``: the capture hooks on every call, packing ``N (m+n)`` numbers, and a rebuild of
+  ``2 S N m n`` flops, which grows with the number of sites (the paper's ViT blow-up).
+
+These are memory-bound at small r and launch-bound on a GPU for small layers, so they are not
+derived from a peak flop rate: `measure_compute` times the rank routes' own kernel sequence once
+per distinct weight shape, the exact rebuild at one reference row count (scaled linearly in rows:
+it is one GEMM with an ``S N`` inner dimension), and one captured call of a small layer against
+an uncaptured one. Ranks agree by taking the slowest rank's figures, so every rank routes alike.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.routing.link import agree_max
+from dad_integrations.codecs.low_rank import orthonormalize
+from dad_integrations.rng import isolated, private_generator
+
+Shape = Tuple[int, int]
+EXACT_REFERENCE_ROWS = 256   # rows per site at which the exact rebuild is timed
+REPS = 3
+
+
+@dataclass(frozen=True)
+class ShapeCosts:
+    """Seconds of local work for one weight shape (m x n)."""
+
+    rank_allreduce: float   # per step, PowerSGD's local work at rank r
+    rank: float             # per step, rank-dAD's local reduction and rank-S r rebuild
+    exact_per_row: float    # exact rebuild and packing, per row summed over sites (S N rows)
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Local seconds per route and weight shape, and the capture hooks' cost per call."""
+
+    shapes: Dict[Shape, ShapeCosts] = field(default_factory=dict)
+    capture_per_call: float = 0.0
+
+    def seconds(self, representation: str, shape: Shape, *, rows_by_rank: Sequence[Sequence[int]],
+                world_size: int, calls: int = 1) -> float:
+        """Predicted local seconds of ``representation`` for one weight this step."""
+        if representation == "dense":
+            return 0.0
+        costs = self.shapes.get(tuple(shape))
+        if costs is None:  # a shape nobody measured (a planner's stated model): no compute known
+            return 0.0
+        if representation == "rank_allreduce":
+            return costs.rank_allreduce
+        if representation == "rank":
+            return costs.rank
+        longest = max((sum(r) for r in rows_by_rank), default=0)
+        return costs.exact_per_row * world_size * longest + self.capture_per_call * calls
+
+    def to_list(self, shapes: Sequence[Shape]) -> List[float]:
+        out = [self.capture_per_call]
+        for s in shapes:
+            c = self.shapes[s]
+            out += [c.rank_allreduce, c.rank, c.exact_per_row]
+        return out
+
+    @classmethod
+    def from_list(cls, shapes: Sequence[Shape], values: Sequence[float]) -> "ComputeModel":
+        costs = {s: ShapeCosts(*values[1 + 3 * i: 4 + 3 * i]) for i, s in enumerate(shapes)}
+        return cls(costs, float(values[0]))
+
+
+def measure_compute(shapes: Iterable[Shape], *, rank: Optional[int], world_size: int, iterations: int,
+                    error_feedback: bool, device: torch.device, dtype: torch.dtype = torch.float32,
+                    aggregator: Optional[FactorAggregator] = None) -> ComputeModel:
+    """Time each route's local work for every distinct ``shape`` on ``device`` (see the module doc);
+    with an ``aggregator``, the slowest rank's figures, agreed by every rank."""
+    distinct = sorted(set(tuple(s) for s in shapes))
+    costs: Dict[Shape, ShapeCosts] = {}
+    for m, n in distinct:
+        costs[(m, n)] = ShapeCosts(
+            rank_allreduce=_rank_allreduce_seconds(m, n, rank, iterations, error_feedback, device, dtype)
+            if rank else 0.0,
+            rank=_rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype) if rank else 0.0,
+            exact_per_row=_exact_seconds(m, n, world_size, device, dtype) / (world_size * EXACT_REFERENCE_ROWS))
+    model = ComputeModel(costs, _capture_seconds(device, dtype))
+    if aggregator is None or aggregator.world_size == 1:
+        return model
+    agreed = agree_max(aggregator, model.to_list(distinct), device, name="dad.compute.agree")
+    return ComputeModel.from_list(distinct, agreed)
+
+
+def _timed(fn: Callable[[], None], device: torch.device, reps: int = REPS) -> float:
+    """Median seconds of ``fn`` after one warm-up call."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _compensated_power_iteration(g: torch.Tensor, residual: Optional[torch.Tensor], q: torch.Tensor,
+                                 iterations: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rank routes' shared local work: error-feedback compensation and the power iteration."""
+    mat = g + residual if residual is not None else g
+    p = None
+    for _ in range(iterations):
+        p = orthonormalize(mat @ q)
+        q = mat.t() @ p
+    return mat, p, q
+
+
+def _rank_allreduce_seconds(m: int, n: int, rank: int, iterations: int, error_feedback: bool,
+                            device: torch.device, dtype: torch.dtype) -> float:
+    r = min(rank, m, n)
+    gen = private_generator(device)  # test matrices from dAD's own generator: the caller's stay put
+    g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
+    residual = torch.zeros_like(g) if error_feedback else None
+    q = torch.randn(n, r, device=device, dtype=dtype, generator=gen)
+    out = torch.empty_like(g)
+
+    def step() -> None:
+        mat, p, qq = _compensated_power_iteration(g, residual, q, iterations)
+        torch.mm(p, qq.t(), out=out)
+        if residual is not None:
+            torch.sub(mat, out, out=residual)
+
+    return _timed(step, device)
+
+
+def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, error_feedback: bool,
+                  device: torch.device, dtype: torch.dtype) -> float:
+    r = min(rank, m, n)
+    gen = private_generator(device)
+    g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
+    residual = torch.zeros_like(g) if error_feedback else None
+    q = torch.randn(n, r, device=device, dtype=dtype, generator=gen)
+    gathered_p = torch.randn(world_size * r, m, device=device, dtype=dtype, generator=gen)
+    gathered_q = torch.randn(world_size * r, n, device=device, dtype=dtype, generator=gen)
+    out = torch.empty_like(g)
+
+    def step() -> None:
+        mat, p, qq = _compensated_power_iteration(g, residual, q, iterations)
+        if residual is not None:
+            torch.sub(mat, p @ qq.t(), out=residual)
+        torch.mm(gathered_p.t(), gathered_q, out=out)
+
+    return _timed(step, device)
+
+
+def _exact_seconds(m: int, n: int, world_size: int, device: torch.device, dtype: torch.dtype) -> float:
+    rows = world_size * EXACT_REFERENCE_ROWS
+    gen = private_generator(device)
+    left = torch.randn(EXACT_REFERENCE_ROWS, m, device=device, dtype=dtype, generator=gen)
+    right = torch.randn(EXACT_REFERENCE_ROWS, n, device=device, dtype=dtype, generator=gen)
+    gl = torch.randn(rows, m, device=device, dtype=dtype, generator=gen)
+    gr = torch.randn(rows, n, device=device, dtype=dtype, generator=gen)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+
+    def step() -> None:
+        torch.cat([left.reshape(-1), right.reshape(-1)])  # packing the factors
+        torch.mm(gl.t(), gr, out=out)
+
+    return _timed(step, device)
+
+
+def _capture_seconds(device: torch.device, dtype: torch.dtype, calls: int = 20) -> float:
+    """Per call: a small layer's forward and backward with dAD's capture hooks, minus without."""
+    from dad_integrations.capture.hooks import ModuleCapture
+    from dad_integrations.capture.layers.linear import linear_rows
+
+    with isolated(torch.device("cpu")):  # the layer initialises itself from the global CPU generator
+        layer = nn.Linear(8, 8).to(device=device, dtype=dtype)
+    x = torch.randn(4, 8, device=device, dtype=dtype, generator=private_generator(device))
+
+    def run() -> None:
+        for _ in range(calls):
+            layer(x).sum().backward()
+
+    bare = _timed(run, device)
+    capture = ModuleCapture("dad.compute.probe", layer, "linear", linear_rows)
+    try:
+        hooked = _timed(lambda: (run(), capture.clear()), device)
+    finally:
+        capture.remove()
+    return max(hooked - bare, 0.0) / calls
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,128 @@
+"""Predicted step time of a plan on a stated link: all-reduce, PowerSGD and dAD, and where dAD pays.
+
+    python -m dad_integrations.plan --model gpt2 --sites 8 --tokens-per-rank 2048 --rank 4 \\
+        --bandwidth 10gbit --latency-us 20
+
+Per unit, the seconds one step spends on it beyond a step without communication: wire time on the
+link (`link.LinkModel`, the stated bandwidth and latency) plus the route's local compute
+(`compute_model`, measured here on ``--compute-device`` for the model's own weight shapes; ``none``
+counts no compute). dAD's routes are chosen by that prediction (objective ``"time"``), as the
+synchroniser chooses them on such a link; PowerSGD's hook pays its wire time and, for each matrix
+it compresses, the same local work as dAD's rank-r all-reduce route (the same algorithm).
+
+Break-even bandwidth. Each method's step contribution is ``C + L + W / beta``: compute, latency and
+bytes over the bandwidth. Against all-reduce's ``L_a + W_a / beta`` a compressed plan pays below
+``beta* = (W_a - W) / (C + L - L_a)``. For dAD the compressed plan is what auto sends on a slow link
+(its routes by bytes); for PowerSGD, its hook's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from dad_integrations.routing.link import LinkModel
+from dad_integrations.routing.planner import StepPlan
+from dad_integrations.routing.timing import COLLECTIVES, StepTiming
+
+
+@dataclass
+class UnitTime:
+    """Predicted seconds of one unit (or of the dense parameters) per step, by method."""
+
+    name: str
+    route: str
+    dad: float
+    allreduce: float
+    powersgd: Optional[float]
+
+
+@dataclass
+class TimePlan:
+    units: List[UnitTime]
+    dad: float
+    allreduce: float
+    powersgd: Optional[float]
+    break_even: Dict[str, Optional[float]]   # method -> bytes per second below which it pays (inf: always)
+
+
+def _unit_seconds(timing: StepTiming, route: str, shape, nbytes: float, rows: List[int], sites: int,
+                  exchange_sizes: bool) -> float:
+    calls = (1 + int(exchange_sizes)) if route == "exact" else 0
+    return (timing.link.seconds(COLLECTIVES[route], nbytes, calls)
+            + timing.compute.seconds(route, shape, rows_by_rank=[rows] * sites, world_size=sites, calls=len(rows)))
+
+
+def _powersgd_compute(timing: StepTiming, shape, psgd: Optional[float], allreduce: float) -> float:
+    compresses = psgd is not None and psgd < allreduce
+    return timing.compute.seconds("rank_allreduce", shape, rows_by_rank=[[0]], world_size=1) if compresses else 0.0
+
+
+def time_plan(step: StepPlan, timing: StepTiming, *, sites: int, compressed: Optional[StepPlan] = None) -> TimePlan:
+    """Per unit and in total, the predicted seconds of ``step`` (dAD's routes, chosen by time),
+    all-reduce and PowerSGD; ``compressed`` (the same model's plan by bytes) gives dAD's break-even."""
+    link = timing.link
+    rows: List[UnitTime] = []
+    for r in step.units:
+        dad = _unit_seconds(timing, r.route, r.shape, r.dad, r.rows, sites, r.exchange_sizes)
+        psgd = None if r.powersgd is None else (link.seconds("all_reduce", r.powersgd, 0)
+                                                + _powersgd_compute(timing, r.shape, r.powersgd, r.allreduce))
+        rows.append(UnitTime(r.name, r.route, dad, link.seconds("all_reduce", r.allreduce, 0), psgd))
+    dense = link.seconds("all_reduce", step.dense_allreduce, 0)
+    dense_psgd = None if step.dense_powersgd is None else link.seconds("all_reduce", step.dense_powersgd, 0)
+    rows.append(UnitTime(f"dense parameters ({step.dense_params})", "dense",
+                         link.seconds("all_reduce", step.dense_dad, 0), dense, dense_psgd))
+    # the dense buckets' latency: one call per bucket, every method alike
+    total_psgd = None if step.powersgd is None else sum(u.powersgd or 0.0 for u in rows)
+    plan = TimePlan(rows, sum(u.dad for u in rows), sum(u.allreduce for u in rows), total_psgd, {})
+    plan.break_even["dad"] = _break_even(compressed or step, timing, sites)
+    if step.powersgd is not None:
+        compute = sum(_powersgd_compute(timing, r.shape, r.powersgd, r.allreduce) for r in step.units)
+        plan.break_even["powersgd"] = _solve(step.allreduce, step.powersgd, compute, 0.0)
+    return plan
+
+
+def _break_even(step: StepPlan, timing: StepTiming, sites: int) -> Optional[float]:
+    """Bandwidth below which ``step``'s routes beat all-reduce (inf: at any; None: at none)."""
+    compute = latency = 0.0
+    for r in step.units:
+        compute += timing.compute.seconds(r.route, r.shape, rows_by_rank=[r.rows] * sites, world_size=sites,
+                                          calls=len(r.rows))
+        if r.route == "exact":
+            latency += (1 + int(r.exchange_sizes)) * timing.link.all_gather.alpha
+    return _solve(step.allreduce, step.total, compute, latency)
+
+
+def _solve(allreduce_bytes: float, method_bytes: float, compute: float, latency: float) -> Optional[float]:
+    saved = allreduce_bytes - method_bytes
+    cost = compute + latency
+    if saved <= 0:
+        return None
+    return float("inf") if cost <= 0 else saved / cost
+
+
+def _ms(s: Optional[float]) -> str:
+    return "-" if s is None else f"{s * 1e3:,.2f}"
+
+
+def _rate(b: Optional[float]) -> str:
+    if b is None:
+        return "never"
+    if b == float("inf"):
+        return "at any bandwidth"
+    return f"below {b * 8 / 1e9:.3g} Gbit/s"
+
+
+def render_time(plan: TimePlan, link: LinkModel, compute_note: str) -> str:
+    """The predicted step-time contributions as a text table, then the totals and break-evens."""
+    name_w = max(len(u.name) for u in plan.units + [UnitTime("total", "", 0, 0, None)])
+    head = f"{'layer':<{name_w}}  {'route':<14}  {'dAD ms':>9}  {'all-reduce ms':>13}  {'PowerSGD ms':>11}"
+    lines = [f"predicted step time beyond compute, per rank: link {link.describe()}; {compute_note}", "", head,
+             "-" * len(head)]
+    for u in plan.units:
+        lines.append(f"{u.name:<{name_w}}  {u.route:<14}  {_ms(u.dad):>9}  {_ms(u.allreduce):>13}  {_ms(u.powersgd):>11}")
+    lines += ["-" * len(head),
+              f"{'total':<{name_w}}  {'':<14}  {_ms(plan.dad):>9}  {_ms(plan.allreduce):>13}  {_ms(plan.powersgd):>11}",
+              "", f"dAD (its compressed routes) pays {_rate(plan.break_even.get('dad'))}"]
+    if "powersgd" in plan.break_even:
+        lines.append(f"PowerSGD pays {_rate(plan.break_even['powersgd'])}")
+    return "\n".join(lines)

@@ -1,0 +1,212 @@
+"""The router: which representation each factor unit takes this step, and whether sizes are exchanged.
+
+A pure function of things every rank agrees on (the config, the unit's shape, the world size, the
+row counts of the unit's size exchanges, whether this is the checked first step), so that every
+rank takes the same decision and issues the same collectives in the same order.
+
+Representations (one codec each, see `codecs`):
+
+- ``"exact"``: the unit's factors, all-gathered (lossless dAD); needs every rank's row count;
+- ``"rank"``: rank-r factors of each rank's gradient, all-gathered (rank-dAD);
+- ``"rank_allreduce"``: a rank-r approximation of the average, PowerSGD's all-reduced P and Q;
+- ``"dense"``: the gradient in the dense all-reduce buckets, as DDP sends it.
+
+The two rank routes need no row counts; which one a weight takes is ``rank_route``'s choice, by
+bytes where it is ``"auto"``. At two sites they tie, and the tie goes to the all-reduce: measured
+(`benchmarks/convergence.py`, byte GPT-2, 2 ranks, 2 seeds) it trained to PowerSGD's held-out loss
+where the all-gather's rank ``2 r`` rebuild, from each site's own noisier subspace, ended 3.7 % above.
+Embeddings take them too (from their dense local gradient, as PowerSGD compresses them).
+
+Against PowerSGD. PowerSGD's hook sends each matrix as ``r (m+n)`` all-reduced (or dense where
+that does not compress it twofold) and everything else dense. Auto with ``rank=r`` takes the
+fewest bytes among routes that include both of those (``"rank_allreduce"`` is PowerSGD's
+exchange; ``"dense"`` its all-reduce), so in steady state it never sends more, weight by weight.
+
+Size exchanges. Exact factors have a row count per rank, which the ranks agree on (one small
+all-gather per unit) before the factors' all-gather. The first step (verification) exchanges
+sizes for every unit. After it, mode ``"rank"`` never exchanges sizes, and mode ``"auto"``
+predicts each unit's route from the counts of its last size exchange: a unit predicted to go
+dense or rank-r sends no size exchange at all (so a dense unit moves exactly what all-reduce
+moves); one predicted to go exact exchanges sizes, which refreshes its counts, and then decides
+on the current counts. Counts of a unit that goes dense or rank-r are not refreshed: if rows
+later shrink, it stays on that route (sticky after the first steps; it never costs more bytes
+than its route).
+
+Sharded (FSDP2, ``sharded=True``): the baseline is FSDP2's reduce-scatter, not an all-reduce; exact
+factors are exchanged as `codecs.sharded_exact` does and the rank routes as `codecs.sharded_rank`
+does (every ``Q_s`` all-gathered and each rank's rows of every ``P_s`` by all-to-all; or PowerSGD's
+P and Q all-reduced whole), all weighed by `costs.sharded_estimate_bytes`. The dense
+reduce-scatter is always a candidate, so auto never sends more than it per weight. The sharded
+all-gather route moves ``(S-1) r (n + m/S)`` against the all-reduce's ``2 (S-1)/S r (m+n)``: fewer
+bytes whenever ``n (S-2) < m`` (always at two sites, where without sharding they tie), so
+``rank_route`` ``"auto"`` takes it there by bytes; ``"allreduce"`` keeps PowerSGD's rank-r average.
+Embeddings take the rank routes too (from their dense local gradient). Each sharded reduction call
+agrees on its weights' row counts (one all-gather) before routing, except in mode ``"rank"`` past
+the lossless steps (`sharded_needs_counts`): every weight then takes a rank route, and the first
+step's check rebuilds each rank's own gradient from its own rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
+from dad_integrations.config import DADConfig
+from dad_integrations.routing.costs import estimate_bytes, sharded_estimate_bytes, size_exchange_bytes
+from dad_integrations.routing.timing import StepTiming
+
+# ties go to the earlier: lossless and simplest first, then the rank-r all-reduce (see above)
+REPRESENTATIONS = ("dense", "exact", "rank_allreduce", "rank")
+RANK_ROUTES = {"allgather": ("rank",), "allreduce": ("rank_allreduce",), "auto": ("rank", "rank_allreduce")}
+RowCounts = Sequence[Sequence[int]]           # by rank, by use
+SWITCH_MARGIN = 0.25  # by time, a unit changes route only for a predicted gain above this share
+# by time, routes predicted within this share of the fastest tie, and ties go by REPRESENTATIONS'
+# order: a difference that small is the compute model's noise (rank-dAD's all-gather and PowerSGD's
+# all-reduce tie in bytes at two sites; their measured compute would otherwise pick one at random)
+TIE_BAND = 0.05
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """What routing needs to know of a unit: its uses' layer kinds, weight shape, bias size, dtype."""
+
+    kinds: Tuple[str, ...]
+    shape: Tuple[int, int]
+    bias_numel: int
+    dtype: torch.dtype
+    blocks: Optional[Tuple[Optional[Tuple[int, int]], ...]] = None  # the uses' row blocks (`rows`)
+
+    @property
+    def has_factors(self) -> bool:
+        """A unit without uses (PowerSGD's floor) has no exact factors: dense or a rank route."""
+        return bool(self.kinds)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A unit's route this step.
+
+    ``representation`` is None when it is decided on this step's row counts (after the size
+    exchange); ``exchange_sizes`` says whether the unit's size exchange runs. ``saved_s``: by
+    time, the seconds per step the representation is predicted to save against dense (what a
+    route trial checks, `route_trial`).
+    """
+
+    representation: Optional[str]
+    exchange_sizes: bool
+    saved_s: float = 0.0
+
+
+def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
+          first_step: bool = False, dense_only: bool = False, rows_by_rank: Optional[RowCounts] = None,
+          last_rows: Optional[RowCounts] = None, sharded: bool = False, step: Optional[int] = None,
+          estimates: Optional[Dict[str, float]] = None, ties: Optional[Dict[str, float]] = None,
+          timing: Optional[StepTiming] = None, refresh: bool = False, current: Optional[str] = None) -> Route:
+    """The route of one unit.
+
+    Args:
+        config: the synchroniser's config (mode, rank).
+        unit: the unit's shape.
+        world_size: number of ranks.
+        wire_dtype: the dtype factors travel in.
+        first_step: the checked first step, in which every unit exchanges sizes (and its check).
+        dense_only: the unit failed the first-step check: dense for good.
+        rows_by_rank: this step's agreed counts; given, the decision is final.
+        last_rows: the counts of the unit's last size exchange (auto's prediction).
+        sharded: decide on FSDP2's numbers (reduce-scatter against sharded factors and rank routes).
+        step: the synchronised step's index; steps below ``config.lossless_steps`` take no rank route.
+        estimates: agreed bytes per representation to decide on, in place of the cost model's (with
+            ``rows_by_rank``, or in mode rank): an adapter that knows its exchange's exact sizes
+            (ZeRO's partitions, `deepspeed_dad.zero`).
+        ties: with ``estimates``, agreed bytes that break their ties before the order of
+            `REPRESENTATIONS` does (ZeRO: estimates on the busiest rank, ties by the mean over ranks).
+        timing: the agreed link and compute models; with ``config.objective == "time"`` the
+            decision is by predicted seconds (`timing.StepTiming.route_seconds`) instead of bytes,
+            the bytes breaking ties.
+        refresh: a step on which ``objective="time"`` chooses every route again: sizes are
+            exchanged, as on the first step.
+        current: the unit's route so far; by time, it is kept unless another is predicted faster
+            by more than `SWITCH_MARGIN` (a switch must pay for the noise of the measurements
+            and for the residual it flushes).
+    """
+    if step is not None and step < config.lossless_steps and config.rank is not None:
+        config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
+    rank_allowed = config.rank is not None
+    # an adaptive rank applies to each site's own factors: the all-gather route
+    rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
+    if dense_only:
+        return Route("dense", first_step)
+    if not unit.has_factors:  # no rows: decided without counts, never a size exchange
+        if config.mode == "exact" or not rank_allowed:
+            return Route("dense", False)
+    timed = timing if config.objective == "time" else None
+
+    def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], exchange: bool,
+               size_exchange: bool = False) -> Route:
+        est = given if given is not None else unit_estimates(config, unit, rows, world_size, wire_dtype, sharded=sharded)
+        if size_exchange:
+            est = dict(est, exact=est["exact"] + size_exchange_bytes(len(unit.kinds), world_size))
+        if timed is None:
+            return Route(choose(mode, est, rank_allowed=rank_allowed, rank_route=rank_route, ties=ties), exchange)
+        seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
+                                      world_size=world_size, sharded=sharded, size_exchange=size_exchange)
+        best = choose(mode, seconds, rank_allowed=rank_allowed, rank_route=rank_route, ties=est)
+        if mode == "auto":
+            tied = {k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]}
+            best = choose(mode, tied, rank_allowed=rank_allowed, rank_route=rank_route)
+        if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
+            if choose(mode, {**seconds, current: -1.0}, rank_allowed=rank_allowed, rank_route=rank_route) == current:
+                best = current  # still allowed, and not worth a switch
+        return Route(best, exchange, seconds.get("dense", seconds[best]) - seconds[best])
+
+    if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
+        no_rows = [[0] * len(unit.kinds)] * world_size
+        return decide(config.mode, no_rows, estimates, first_step and unit.has_factors)
+    if rows_by_rank is not None:
+        return decide(config.mode, rows_by_rank, estimates, True)
+    if first_step or refresh or config.mode == "exact" or last_rows is None:
+        return Route("exact" if config.mode == "exact" else None, True)
+    predicted = decide(config.mode, last_rows, None, False, size_exchange=True)
+    if predicted.representation != "exact":
+        return predicted                # no counts needed
+    return Route(None, True)            # exact predicted: refresh the counts, decide on them
+
+
+def sharded_needs_counts(config: DADConfig, step: int) -> bool:
+    """Whether a sharded reduction call (FSDP2, ZeRO) of synchronised step ``step`` (0-based) agrees
+    on every rank's row counts before routing: not in mode ``"rank"`` past the lossless steps, where
+    `route` sends every weight by a rank route (r rows, whatever the batch)."""
+    return not (config.mode == "rank" and config.rank is not None and step >= config.lossless_steps)
+
+
+def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, world_size: int,
+                   wire_dtype: torch.dtype, *, sharded: bool = False) -> Dict[str, float]:
+    """`costs.estimate_bytes` for one unit under ``config``; `costs.sharded_estimate_bytes` when
+    ``sharded`` (``unit.dtype`` is then FSDP's reduce dtype)."""
+    rounds = rank_allreduce_rounds(config)
+    if sharded:
+        return sharded_estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
+                                      bias_numel=unit.bias_numel, grad_dtype=unit.dtype, wire_dtype=wire_dtype,
+                                      world_size=world_size, rank=config.rank or 0, rounds=rounds,
+                                      blocks=unit.blocks)
+    return estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
+                          bias_numel=unit.bias_numel, rank=config.rank or 0, grad_dtype=unit.dtype,
+                          wire_dtype=wire_dtype, world_size=world_size, rounds=rounds, blocks=unit.blocks)
+
+
+def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
+           rank_route: str = DADConfig.rank_route, ties: Optional[Dict[str, float]] = None) -> str:
+    """The representation of one unit (see `REPRESENTATIONS`), given agreed byte estimates; equal
+    estimates are decided by ``ties`` (where given), then by `REPRESENTATIONS`' order."""
+    if mode == "exact":
+        return "exact" if "exact" in estimates else "dense"
+    rank_routes = [k for k in RANK_ROUTES[rank_route] if k in estimates] if rank_allowed else []
+    if mode == "rank" and rank_routes:
+        allowed = rank_routes
+    else:
+        allowed = [k for k in ("dense", "exact") if k in estimates] + (rank_routes if mode == "auto" else [])
+    ties = ties or {}
+    return min(allowed, key=lambda k: (estimates[k], ties.get(k, 0.0), REPRESENTATIONS.index(k)))

@@ -1,0 +1,132 @@
+"""Predicted seconds of each route of one unit: its wire time on the link plus its local compute.
+
+``objective="time"`` (the default) has auto weigh routes by what users pay, step time, instead of
+bytes. For one unit and representation::
+
+    seconds = link.seconds(kind, bytes, calls) + compute.seconds(representation, shape, rows)
+
+``bytes`` is the cost model's own estimate (`costs`), so the two objectives see the same traffic;
+``kind`` is the collective the route uses (`COLLECTIVES`); ``calls`` counts the collectives a unit
+issues alone (exact factors and their size exchange: one all-gather each), which pay the link's
+latency per call. The bucketed routes (dense buckets, the rank routes' shared buckets) pay it once
+per bucket, shared by many units, and count none here.
+
+No route is credited with overlap. dAD's dense buckets go on the wire as they fill during
+backward, as DDP's do (`codecs.dense`), but with DDP's bucket sizes most bytes of a small model sit
+in the last bucket, sent when backward ends; the compressed routes' compute runs on a thread beside
+backward that, on a device with no spare core or stream, delays the step by that compute; measured
+on two CPU cores there is no overlap to count (`benchmarks/README.md`). So dense all-reduce's
+predicted time is its wire time, and since dense is always a candidate, auto's predicted step is
+never slower than all-reduce's.
+
+What the models miss, a real step shows: on a measured link, a refresh that compresses is
+checked against all-dense on the job's own steps, and the difference calibrates
+``StepTiming.overhead_s`` (`route_trial`).
+
+`StepTiming` carries the two models every rank agreed on; `build_timing` measures them (or takes
+the config's stated link) for a synchroniser's units.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+
+from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.routing.compute_model import ComputeModel, measure_compute
+from dad_integrations.config import DADConfig
+from dad_integrations.routing.link import LinkModel, probe_link
+from dad_integrations.rng import isolated
+
+log = logging.getLogger(__name__)
+
+# representation -> collective kind it puts on the wire, unsharded and sharded (FSDP2, ZeRO)
+COLLECTIVES = {"dense": "all_reduce", "exact": "all_gather", "rank": "all_gather", "rank_allreduce": "all_reduce"}
+# (sharded: dense is the engine's reduce-scatter, timed as an all-to-all; the factor routes'
+# all-gather of right factors or Q's carries most of their bytes)
+SHARDED_COLLECTIVES = {"dense": "all_to_all", "exact": "all_gather", "rank": "all_gather",
+                       "rank_allreduce": "all_reduce"}
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """The link and compute models every rank agreed on; ``overhead_s``: seconds per step charged
+    to each non-dense route of a weight on top of the models, calibrated by the job's own steps
+    (`route_trial`)."""
+
+    link: LinkModel
+    compute: ComputeModel
+    overhead_s: float = 0.0
+
+    def route_seconds(self, estimates: Dict[str, float], *, shape: Tuple[int, int], uses: int,
+                      rows_by_rank: Sequence[Sequence[int]], world_size: int, sharded: bool = False,
+                      size_exchange: bool = False) -> Dict[str, float]:
+        """Predicted seconds per representation of one unit, from its byte ``estimates``."""
+        kinds = SHARDED_COLLECTIVES if sharded else COLLECTIVES
+        out = {}
+        for rep, nbytes in estimates.items():
+            calls = (1 + int(size_exchange)) if rep == "exact" else 0
+            out[rep] = (self.link.seconds(kinds[rep], nbytes, calls)
+                        + self.compute.seconds(rep, shape, rows_by_rank=rows_by_rank, world_size=world_size,
+                                               calls=uses)
+                        + (self.overhead_s if rep != "dense" else 0.0))
+        return out
+
+
+def wants_timing(config: DADConfig) -> bool:
+    """Whether ``config``'s routes are chosen by predicted time (and so need the models)."""
+    return config.objective == "time" and config.mode != "exact"
+
+
+def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregator: FactorAggregator,
+                 device: torch.device, *, link_kinds: Sequence[str] = ("all_reduce", "all_gather"),
+                 dtype: torch.dtype = torch.float32) -> Optional[StepTiming]:
+    """Measure (or, for a stated ``link``, take) the models for units of ``shapes``; None where
+    the config does not choose by time. A collective: every rank calls it at the same point."""
+    if not wants_timing(config):
+        return None
+    # the measurement draws from dAD's own generators; whatever draws from the global ones (a
+    # probe layer's initialisation, a kernel's) runs on a copy: the caller's dropout masks stay
+    # those of the run without dAD (`rng`)
+    with isolated(device):
+        if config.link is not None:
+            link = LinkModel.from_spec(config.link)
+        else:
+            link = probe_link(aggregator, device, kinds=link_kinds)
+        compute = measure_compute(shapes, rank=config.rank, world_size=aggregator.world_size,
+                                  iterations=config.power_iterations, error_feedback=config.error_feedback,
+                                  device=device, dtype=dtype, aggregator=aggregator)
+    if aggregator.rank == 0:
+        log.info("dAD: routes by predicted time; link %s (%s); capture %.1f us per call",
+                 link.describe(), "measured" if link.measured else "stated", compute.capture_per_call * 1e6)
+    return StepTiming(link, compute)
+
+
+class EngineTiming:
+    """`StepTiming` for engines whose reductions run inside the engine's own hooks (FSDP2, ZeRO):
+    measured at attach (`start`: every rank attaches together; not inside backward, where the
+    compute model's timed backward of a probe layer could not run), the link measured again at the
+    first reduction of every ``route_refresh_steps``-th step (where the config states none).
+    `sharded_trial.ShardedTrial` owns one, and checks the routes it predicts against all dense on
+    the job's steps (route trials, as `route_trial` under the unsharded engines)."""
+
+    def __init__(self, config: DADConfig):
+        self.config = config
+        self.timing: Optional[StepTiming] = None
+        self._probed_step = 0
+
+    def start(self, shapes: Iterable[Tuple[int, int]], aggregator: FactorAggregator, device: torch.device) -> None:
+        self.timing = build_timing(self.config, shapes, aggregator, device,
+                                   link_kinds=("all_reduce", "all_gather", "all_to_all"))
+
+    def get(self, aggregator: FactorAggregator, device: torch.device, step: int) -> Optional[StepTiming]:
+        """The models for synchronised step ``step`` (0-based)."""
+        if self.timing is None:
+            return None
+        if self.config.link is None and step > self._probed_step and step % self.config.route_refresh_steps == 0:
+            self.timing = dataclasses.replace(self.timing, link=probe_link(aggregator, device))
+            self._probed_step = step
+        return self.timing
