@@ -13,11 +13,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Tuple
 
+import torch
+
 from dad_integrations.comm.link_spec import parse_link_spec
 
 MODES = ("exact", "rank", "auto")
 RANK_ROUTES = ("auto", "allgather", "allreduce")
-WIRE_DTYPES = (None, "float16", "bfloat16")
+# the config's names of the dtypes factors may travel in (None: the gradients' own dtype)
+WIRE_DTYPES = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 LAYER_KINDS = ("linear", "conv1d", "embedding", "conv", "mha", "rnn")  # `layers`: one module each
 OBJECTIVES = ("time", "bytes")
 UNCAPTURED_MATRICES = ("rank", "dense")
@@ -215,7 +218,7 @@ class DADConfig:
         if self.link is not None:
             parse_link_spec(self.link)  # names the bad sub-key
         if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {WIRE_DTYPES}")
+            raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {tuple(WIRE_DTYPES)}")
         for key in ("layer_kinds", "exclude"):
             _string_tuple(key, getattr(self, key))
         bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]

@@ -72,15 +72,14 @@ from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.exchange.checks import agree_factors_rebuild
 from dad_integrations.codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
 from dad_integrations.codecs.sharded_rank import ROUTES as RANK_ROUTES, RankItem, ShardedRankCodec, load_rank_route_state
-from dad_integrations.config import DADConfig
+from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.codecs.error_feedback import sharded_residual_note
 from dad_integrations.engines.fsdp_detect import reject_fsdp1
 from dad_integrations.capture.layers import concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.routing.router import UnitShape, route, sharded_needs_counts
+from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route, sharded_needs_counts
 from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
 from dad_integrations.capture.sink import ShardSink, ShardSlot
-from dad_integrations.synchronizer import WIRE_DTYPES
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
 from dad_integrations.capture.units import FactorUnit, build_plan
 
@@ -355,8 +354,7 @@ class FSDPDADSynchronizer(TimedRoutes):
             # the matrix view; row blocks on non-linear uses keep a unit off sharded exact factors
             # (`costs.sharded_exact_covers`)
             shape = UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in biases), inp.dtype, unit.blocks)
-            decision = route(self.config, shape, world_size=S, wire_dtype=self._wire, rows_by_rank=counts.get(unit.index),
-                             sharded=True, step=step, timing=timing)
+            decision = route(RouteContext(self.config, world_size=S, wire_dtype=self._wire, sharded=True, step=step, timing=timing), shape, UnitEvidence(rows_by_rank=counts.get(unit.index)))
             self._trial.note(unit, decision)
             if decision.representation in RANK_ROUTES:
                 ranked.append(self.rank_codec.local(unit, rows[unit.index], sink.local_grad, decision.representation))

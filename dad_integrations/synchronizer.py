@@ -39,7 +39,7 @@ from dad_integrations.engines import banner
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import broadcast_model, check_same_model
 from dad_integrations.capture.hooks import ForwardStartHook
-from dad_integrations.config import DADConfig
+from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.exchange.exchanger import Exchanger
 from dad_integrations.report import StepReport
 from dad_integrations.routing.trial import StepClock, in_backward
@@ -55,7 +55,6 @@ log = logging.getLogger(__name__)
 
 _ENGINE_DRAIN_S = 0.05  # at exit: time given to the engine's threads to release finished collectives
 
-WIRE_DTYPES = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 STATE_VERSION = 2
 
 

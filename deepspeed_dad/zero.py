@@ -67,7 +67,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from dad_integrations import DADConfig
+from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION, check_same_model
@@ -79,9 +79,8 @@ from dad_integrations.routing.costs import sharded_rank_allreduce_bytes
 from dad_integrations.codecs.error_feedback import sharded_residual_note
 from dad_integrations.capture.layers import compute_dtype, concat_rows
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.routing.router import UnitShape, route, sharded_needs_counts
+from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route, sharded_needs_counts
 from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
-from dad_integrations.synchronizer import WIRE_DTYPES
 from dad_integrations.capture.units import FactorUnit, build_plan, param_shape
 
 from .aggregator import DeepSpeedAggregator
@@ -320,9 +319,7 @@ class ZeroDAD(RankStateCheckpoints, TimedRoutes):
         for it in items:
             unit = by_key[it.key]
             busiest, mean = self._estimates(it, itemsize, self._wire or dtype, _takes_exact(unit))
-            decision = route(self.config, UnitShape(it.kinds, it.shape, 0, dtype, unit.blocks), world_size=S,
-                             wire_dtype=self._wire or dtype, rows_by_rank=it.rows_by_rank() or None, sharded=True,
-                             step=self._steps - 1, estimates=busiest, ties=mean, timing=timing)
+            decision = route(RouteContext(self.config, world_size=S, wire_dtype=self._wire or dtype, sharded=True, step=self._steps - 1, timing=timing), UnitShape(it.kinds, it.shape, 0, dtype, unit.blocks), UnitEvidence(rows_by_rank=it.rows_by_rank() or None, estimates=busiest, ties=mean))
             self._trial.note(unit, decision)
             if decision.representation not in ("rank", "rank_allreduce") and self._flush_residual(
                     unit, grads[it.key]):

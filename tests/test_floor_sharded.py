@@ -20,7 +20,7 @@ from dad_integrations.capture.hooks import Use
 from dad_integrations.codecs.sharded_exact import ShardedExactCodec
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.config import DADConfig
-from dad_integrations.routing.router import UnitShape, route
+from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route
 from dad_integrations.capture.rows import as_matrix
 from dad_integrations.capture.units import FactorUnit
 from deepspeed_dad.zero import _takes_exact
@@ -57,12 +57,12 @@ def test_sharded_exact_routes_by_uses_and_blocks():
         for unit, counts in ((floor, None), (odd, rows[1])):
             shape = UnitShape(tuple(unit.kinds), unit.shape, 0, torch.float32, unit.blocks)
             # FSDP2: the cost model's sharded estimates; ZeRO: its own, without "exact" for these
-            assert route(cfg, shape, rows_by_rank=counts, **F32).representation != "exact"
+            assert route(RouteContext(cfg, **F32), shape, UnitEvidence(rows_by_rank=counts)).representation != "exact"
             zero_like = {"dense": 1.0, "rank": 2.0, "rank_allreduce": 2.0}
-            assert route(cfg, shape, rows_by_rank=counts, estimates=zero_like, **F32).representation == "dense"
+            assert route(RouteContext(cfg, **F32), shape, UnitEvidence(rows_by_rank=counts, estimates=zero_like)).representation == "dense"
     # linear uses over row blocks (a packed projection's q and k slices): sharded exact factors
     shape = UnitShape(tuple(blocked.kinds), blocked.shape, 0, torch.float32, blocked.blocks)
-    assert route(DADConfig(mode="exact"), shape, rows_by_rank=rows[0], **F32).representation == "exact"
+    assert route(RouteContext(DADConfig(mode="exact"), **F32), shape, UnitEvidence(rows_by_rank=rows[0])).representation == "exact"
     with pytest.raises(ValueError, match="row blocks"):
         ShardedExactCodec(None, torch.device("cpu")).exchange(odd, [], rows[1], None, 1.0)
     with pytest.raises(ValueError, match="no uses"):

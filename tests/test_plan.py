@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from dad_integrations.config import DADConfig
 from dad_integrations.plan import PRESETS, build_meta_model, load_config, main, max_positions
 from dad_integrations.routing.planner import plan_model
-from dad_integrations.routing.router import UnitShape, route
+from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,9 +86,9 @@ def test_routes_match_router():
             u = by[name]
             shape = UnitShape(kinds, u.shape, 4096 if name.endswith("c_fc.weight") else 0, torch.float32)
             rows = [u.rows] * sites
-            decision = route(config, shape, world_size=sites, wire_dtype=torch.float32, last_rows=rows)
+            decision = route(RouteContext(config, world_size=sites, wire_dtype=torch.float32), shape, UnitEvidence(last_rows=rows))
             if decision.representation is None:
-                decision = route(config, shape, world_size=sites, wire_dtype=torch.float32, rows_by_rank=rows)
+                decision = route(RouteContext(config, world_size=sites, wire_dtype=torch.float32), shape, UnitEvidence(rows_by_rank=rows))
             assert u.route == decision.representation, (mode, rank_route, sites, name)
         assert by["transformer.wpe.weight"].rows == [min(tokens, 1024)]
         assert by["transformer.wte.weight"].rows == [tokens, tokens]

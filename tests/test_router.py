@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dad_integrations.config import DADConfig
-from dad_integrations.routing.router import Route, UnitShape, route, sharded_needs_counts
+from dad_integrations.routing.router import Route, UnitShape, RouteContext, UnitEvidence, route, sharded_needs_counts
 
 WIDE = UnitShape(("linear",), (768, 768), 768, torch.float32)
 EMBEDDING = UnitShape(("embedding",), (1024, 768), 0, torch.float32)
@@ -18,22 +18,22 @@ def _rows(n):
 def test_first_step_exchanges_sizes_for_every_route():
     for cfg in (DADConfig(mode="exact"), DADConfig(mode="auto"), DADConfig(mode="rank", rank=4)):
         for unit in (WIDE, EMBEDDING):
-            assert route(cfg, unit, first_step=True, **F32).exchange_sizes
-    assert route(DADConfig(), WIDE, first_step=True, dense_only=True, **F32) == Route("dense", True)
+            assert route(RouteContext(cfg, first_step=True, **F32), unit).exchange_sizes
+    assert route(RouteContext(DADConfig(), first_step=True, **F32), WIDE, UnitEvidence(dense_only=True)) == Route("dense", True)
 
 
 def test_exact_mode_always_sends_exact_factors_after_a_size_exchange():
     cfg = DADConfig(mode="exact")
-    assert route(cfg, WIDE, last_rows=_rows(10 ** 6), **F32) == Route("exact", True)
-    assert route(cfg, WIDE, rows_by_rank=_rows(10 ** 6), **F32) == Route("exact", True)
+    assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(last_rows=_rows(10 ** 6))) == Route("exact", True)
+    assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(10 ** 6))) == Route("exact", True)
 
 
 def test_rank_mode_needs_no_counts_embeddings_included():
     cfg = DADConfig(mode="rank", rank=4, rank_route="allgather")
-    assert route(cfg, WIDE, **F32) == Route("rank", False)
+    assert route(RouteContext(cfg, **F32), WIDE) == Route("rank", False)
     # embeddings are compressed too (from their dense local gradient, as PowerSGD does)
-    assert route(cfg, EMBEDDING, **F32) == Route("rank", False)
-    assert route(DADConfig(mode="rank", rank=4), EMBEDDING, **F32) == Route("rank_allreduce", False)
+    assert route(RouteContext(cfg, **F32), EMBEDDING) == Route("rank", False)
+    assert route(RouteContext(DADConfig(mode="rank", rank=4), **F32), EMBEDDING) == Route("rank_allreduce", False)
 
 
 def test_sharded_calls_agree_on_counts_except_in_mode_rank():
@@ -48,20 +48,20 @@ def test_sharded_calls_agree_on_counts_except_in_mode_rank():
 
 def test_auto_predicts_from_the_last_counts():
     cfg = DADConfig(mode="auto")
-    assert route(cfg, WIDE, **F32) == Route(None, True)                     # no history: exchange
-    assert route(cfg, WIDE, last_rows=_rows(4096), **F32) == Route("dense", False)
-    assert route(cfg, WIDE, last_rows=_rows(16), **F32) == Route(None, True)  # exact predicted: refresh
-    assert route(cfg, WIDE, rows_by_rank=_rows(16), **F32) == Route("exact", True)
-    assert route(cfg, WIDE, rows_by_rank=_rows(4096), **F32) == Route("dense", True)
+    assert route(RouteContext(cfg, **F32), WIDE) == Route(None, True)                     # no history: exchange
+    assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(last_rows=_rows(4096))) == Route("dense", False)
+    assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(last_rows=_rows(16))) == Route(None, True)  # exact predicted: refresh
+    assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(16))) == Route("exact", True)
+    assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(4096))) == Route("dense", True)
     with_rank = DADConfig(mode="auto", rank=4)
-    assert route(with_rank, WIDE, last_rows=_rows(4096), **F32) == Route("rank_allreduce", False)
-    assert route(with_rank, EMBEDDING, last_rows=_rows(4096), **F32) == Route("rank_allreduce", False)
+    assert route(RouteContext(with_rank, **F32), WIDE, UnitEvidence(last_rows=_rows(4096))) == Route("rank_allreduce", False)
+    assert route(RouteContext(with_rank, **F32), EMBEDDING, UnitEvidence(last_rows=_rows(4096))) == Route("rank_allreduce", False)
 
 
 def test_dense_only_is_dense_for_good():
     for cfg in (DADConfig(mode="exact"), DADConfig(mode="rank", rank=2)):
-        assert route(cfg, WIDE, dense_only=True, first_step=True, rows_by_rank=_rows(1), **F32) == Route("dense", True)
-        assert route(cfg, WIDE, dense_only=True, **F32) == Route("dense", False)
+        assert route(RouteContext(cfg, first_step=True, **F32), WIDE, UnitEvidence(dense_only=True, rows_by_rank=_rows(1))) == Route("dense", True)
+        assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(dense_only=True)) == Route("dense", False)
 
 
 @pytest.mark.parametrize("rows", [1, 100, 383, 384, 385, 10 ** 4])
@@ -70,10 +70,10 @@ def test_predicted_route_never_costs_more_than_all_reduce(rows):
     from dad_integrations.routing.costs import size_exchange_bytes
     from dad_integrations.routing.router import unit_estimates
     cfg = DADConfig(mode="auto")
-    decision = route(cfg, WIDE, last_rows=_rows(rows), **F32)
+    decision = route(RouteContext(cfg, **F32), WIDE, UnitEvidence(last_rows=_rows(rows)))
     est = unit_estimates(cfg, WIDE, _rows(rows), 8, torch.float32)
     if decision.representation is None:
-        decision = route(cfg, WIDE, rows_by_rank=_rows(rows), **F32)
+        decision = route(RouteContext(cfg, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(rows)))
     cost = est[decision.representation] + (size_exchange_bytes(1, 8) if decision.exchange_sizes else 0)
     assert cost <= est["dense"]
 
@@ -83,16 +83,16 @@ def test_rank_route_by_bytes():
     all-reduce beyond two sites, and at two (a tie) too, where it trained better; the all-gather
     only when asked for."""
     cfg = DADConfig(mode="rank", rank=4, rank_route="auto")
-    assert route(cfg, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank_allreduce", False)
+    assert route(RouteContext(cfg, world_size=2, wire_dtype=torch.float32), WIDE) == Route("rank_allreduce", False)
     gather2 = DADConfig(mode="rank", rank=4, rank_route="allgather")
-    assert route(gather2, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank", False)
-    assert route(cfg, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank_allreduce", False)
+    assert route(RouteContext(gather2, world_size=2, wire_dtype=torch.float32), WIDE) == Route("rank", False)
+    assert route(RouteContext(cfg, world_size=8, wire_dtype=torch.float32), WIDE) == Route("rank_allreduce", False)
     forced = DADConfig(mode="rank", rank=4, rank_route="allreduce")
-    assert route(forced, WIDE, world_size=2, wire_dtype=torch.float32) == Route("rank_allreduce", False)
+    assert route(RouteContext(forced, world_size=2, wire_dtype=torch.float32), WIDE) == Route("rank_allreduce", False)
     gather = DADConfig(mode="rank", rank=4, rank_route="allgather")
-    assert route(gather, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank", False)
+    assert route(RouteContext(gather, world_size=8, wire_dtype=torch.float32), WIDE) == Route("rank", False)
     auto = DADConfig(mode="auto", rank=4, rank_route="auto")
-    assert route(auto, WIDE, last_rows=_rows(4096), **F32) == Route("rank_allreduce", False)
+    assert route(RouteContext(auto, **F32), WIDE, UnitEvidence(last_rows=_rows(4096))) == Route("rank_allreduce", False)
 
 
 def _auto_choice(unit, rows, sites, rank=4):
@@ -102,10 +102,10 @@ def _auto_choice(unit, rows, sites, rank=4):
     cfg = DADConfig(mode="auto", rank=rank)
     counts = [[rows] * len(unit.kinds)] * sites
     kw = dict(world_size=sites, wire_dtype=torch.float32)
-    decision = route(cfg, unit, last_rows=counts, **kw)
+    decision = route(RouteContext(cfg, **kw), unit, UnitEvidence(last_rows=counts))
     exchange = decision.exchange_sizes
     if decision.representation is None:
-        decision = route(cfg, unit, rows_by_rank=counts, **kw)
+        decision = route(RouteContext(cfg, **kw), unit, UnitEvidence(rows_by_rank=counts))
     est = unit_estimates(cfg, unit, counts, sites, torch.float32)
     return decision.representation, est[decision.representation] + (
         size_exchange_bytes(len(unit.kinds), sites) if exchange else 0)
@@ -146,7 +146,7 @@ def test_auto_never_sends_more_than_powersgd_per_weight(sites):
 def test_adaptive_rank_takes_the_all_gather():
     """An adaptive rank applies to each site's own factors; with the shared all-reduce it is refused."""
     cfg = DADConfig(mode="rank", rank=8, adaptive_tolerance=0.5)
-    assert route(cfg, WIDE, world_size=8, wire_dtype=torch.float32) == Route("rank", False)
+    assert route(RouteContext(cfg, world_size=8, wire_dtype=torch.float32), WIDE) == Route("rank", False)
     with pytest.raises(ValueError, match="adaptive_tolerance"):
         DADConfig(mode="rank", rank=8, adaptive_tolerance=0.5, rank_route="allreduce")
 
@@ -163,9 +163,9 @@ def test_sharded_auto_weighs_reduce_scatter_against_sharded_factors():
     assert est["exact"] == 7 * 90 * (768 + 96) * 4 == sharded_exact_bytes(("linear",), (768, 768), _rows(90),
                                                                             torch.float32, 8)
     assert set(est) == {"dense", "exact"}
-    assert route(cfg, WIDE, rows_by_rank=_rows(90), **F32) == Route("exact", True)            # vs all-reduce
-    assert route(cfg, WIDE, rows_by_rank=_rows(90), sharded=True, **F32) == Route("dense", True)
-    assert route(cfg, WIDE, rows_by_rank=_rows(85), sharded=True, **F32) == Route("exact", True)
+    assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(90))) == Route("exact", True)            # vs all-reduce
+    assert route(RouteContext(cfg, sharded=True, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(90))) == Route("dense", True)
+    assert route(RouteContext(cfg, sharded=True, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(85))) == Route("exact", True)
     # uneven ranks: each use pads to its longest rank
     assert sharded_exact_bytes(("linear", "conv1d"), (10, 6), [[3, 1], [1, 4]], torch.float32, 2) == \
         1 * (3 + 4) * (6 + 5) * 4
@@ -185,10 +185,10 @@ def test_sharded_embeddings_send_whole_factors_and_take_rank_routes():
     assert est == {"dense": 7 * 128 * 768 * 4, "exact": whole, "rank": 7 * 4 * (768 + 128) * 4,
                    "rank_allreduce": 2 * 7 / 8 * 4 * (1024 + 768) * 4}
     cfg = DADConfig(mode="auto", rank=4)
-    assert route(cfg, EMBEDDING, rows_by_rank=rows, sharded=True, **F32) == Route("rank_allreduce", True)
-    assert route(DADConfig(mode="rank", rank=4), EMBEDDING, sharded=True, **F32) == Route("rank_allreduce", False)
+    assert route(RouteContext(cfg, sharded=True, **F32), EMBEDDING, UnitEvidence(rows_by_rank=rows)) == Route("rank_allreduce", True)
+    assert route(RouteContext(DADConfig(mode="rank", rank=4), sharded=True, **F32), EMBEDDING) == Route("rank_allreduce", False)
     exact = DADConfig(mode="exact")
-    assert route(exact, WIDE, rows_by_rank=_rows(10 ** 5), sharded=True, **F32) == Route("exact", True)
+    assert route(RouteContext(exact, sharded=True, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(10 ** 5))) == Route("exact", True)
 
 
 def test_sharded_rank_routes_bytes_and_choice():
@@ -208,18 +208,18 @@ def test_sharded_rank_routes_bytes_and_choice():
     for unit, sites, expected in [(WIDE, 2, "rank"), (WIDE, 3, "rank_allreduce"), (WIDE, 8, "rank_allreduce"),
                                   (tall, 3, "rank"), (tall, 4, "rank"), (tall, 5, "rank"), (tall, 6, "rank_allreduce"),
                                   (EMBEDDING, 2, "rank")]:
-        assert route(cfg, unit, world_size=sites, wire_dtype=torch.float32, sharded=True) == Route(expected, False), \
+        assert route(RouteContext(cfg, world_size=sites, wire_dtype=torch.float32, sharded=True), unit) == Route(expected, False), \
             (unit, sites)
     for forced, rep in (("allreduce", "rank_allreduce"), ("allgather", "rank")):
         for sites in (2, 8):
             cfg = DADConfig(mode="rank", rank=4, rank_route=forced)
-            assert route(cfg, WIDE, world_size=sites, wire_dtype=torch.float32, sharded=True) == Route(rep, False)
+            assert route(RouteContext(cfg, world_size=sites, wire_dtype=torch.float32, sharded=True), WIDE) == Route(rep, False)
     # auto weighs all four: exact with few rows, a rank route with many, dense where nothing is cheaper
     auto = DADConfig(mode="auto", rank=4)
-    assert route(auto, WIDE, rows_by_rank=_rows(1), sharded=True, **F32).representation == "exact"
-    assert route(auto, WIDE, rows_by_rank=_rows(4096), sharded=True, **F32).representation == "rank_allreduce"
+    assert route(RouteContext(auto, sharded=True, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(1))).representation == "exact"
+    assert route(RouteContext(auto, sharded=True, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(4096))).representation == "rank_allreduce"
     small = UnitShape(("linear",), (4, 4), 4, torch.float32)
-    assert route(auto, small, rows_by_rank=_rows(4096), sharded=True, **F32).representation == "dense"
+    assert route(RouteContext(auto, sharded=True, **F32), small, UnitEvidence(rows_by_rank=_rows(4096))).representation == "dense"
 
 
 @pytest.mark.parametrize("sites", [2, 3, 8, 64, 256])
@@ -241,8 +241,7 @@ def test_sharded_auto_never_sends_more_than_the_reduce_scatter(sites):
                     cfg = DADConfig(mode="auto", rank=rank)
                     counts = [[rows] * len(kinds)] * sites
                     est = unit_estimates(cfg, unit, counts, sites, torch.float32, sharded=True)
-                    assert route(cfg, unit, rows_by_rank=counts, world_size=sites, wire_dtype=torch.float32,
-                                 sharded=True).representation == choose("auto", est, rank_allowed=True)
+                    assert route(RouteContext(cfg, world_size=sites, wire_dtype=torch.float32, sharded=True), unit, UnitEvidence(rows_by_rank=counts)).representation == choose("auto", est, rank_allowed=True)
                     for rank_route in ("auto", "allgather", "allreduce"):
                         rep = choose("auto", est, rank_allowed=True, rank_route=rank_route)
                         assert est[rep] <= est["dense"], (kinds, (m, n), rows, rank, rep, est)
@@ -257,9 +256,9 @@ def test_lossless_steps_take_no_rank_route():
     """The first ``lossless_steps`` steps go exact or dense (PowerSGD's start_powerSGD_iter), then rank."""
     cfg = DADConfig(mode="rank", rank=4, lossless_steps=2)
     for step in (0, 1):
-        assert route(cfg, WIDE, step=step, **F32) == Route(None, True)
-        assert route(cfg, WIDE, step=step, rows_by_rank=_rows(4096), **F32) == Route("dense", True)
-    assert route(cfg, WIDE, step=2, **F32) == Route("rank_allreduce", False)
+        assert route(RouteContext(cfg, step=step, **F32), WIDE) == Route(None, True)
+        assert route(RouteContext(cfg, step=step, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(4096))) == Route("dense", True)
+    assert route(RouteContext(cfg, step=2, **F32), WIDE) == Route("rank_allreduce", False)
     with pytest.raises(ValueError, match="lossless_steps"):
         DADConfig(lossless_steps=-1)
 
@@ -271,8 +270,8 @@ def test_given_estimates_tie_break_on_the_given_ties():
     cfg = DADConfig(mode="rank", rank=2)
     unit = UnitShape(("linear",), (8, 6), 0, torch.float32)
     busiest = {"dense": 100.0, "rank": 56.0, "rank_allreduce": 56.0}
-    kw = dict(world_size=2, wire_dtype=torch.float32, sharded=True, estimates=busiest)
-    assert route(cfg, unit, **kw).representation == "rank_allreduce"
-    assert route(cfg, unit, **kw, ties={"rank": 28.0, "rank_allreduce": 56.0}).representation == "rank"
-    assert route(cfg, unit, **{**kw, "estimates": {**busiest, "rank": 57.0}},
-                 ties={"rank": 28.0, "rank_allreduce": 56.0}).representation == "rank_allreduce"
+    ctx = RouteContext(cfg, world_size=2, wire_dtype=torch.float32, sharded=True)
+    ties = {"rank": 28.0, "rank_allreduce": 56.0}
+    assert route(ctx, unit, UnitEvidence(estimates=busiest)).representation == "rank_allreduce"
+    assert route(ctx, unit, UnitEvidence(estimates=busiest, ties=ties)).representation == "rank"
+    assert route(ctx, unit, UnitEvidence(estimates={**busiest, "rank": 57.0}, ties=ties)).representation == "rank_allreduce"

@@ -14,7 +14,7 @@ from dad_integrations import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel, ShapeCosts
 from dad_integrations.comm.link_spec import LinkCost, parse_bandwidth
 from dad_integrations.routing.link import LinkModel, fit_link_cost
-from dad_integrations.routing.router import SWITCH_MARGIN, UnitShape, route, unit_estimates
+from dad_integrations.routing.router import SWITCH_MARGIN, UnitShape, RouteContext, UnitEvidence, route, unit_estimates
 from dad_integrations.routing.timing import StepTiming
 
 SHAPE = UnitShape(("linear",), (768, 768), 768, torch.float32)
@@ -29,8 +29,7 @@ def _timing(bandwidth: str, *, latency_us: float = 0.0, rank_s: float = 1e-3, ex
 
 def _route(timing, *, world_size=2, rows=4096, rank=4, objective="time", current=None, mode="auto") -> str:
     cfg = DADConfig(mode=mode, rank=rank, objective=objective)
-    return route(cfg, SHAPE, world_size=world_size, wire_dtype=torch.float32,
-                 rows_by_rank=[[rows]] * world_size, timing=timing, current=current).representation
+    return route(RouteContext(cfg, world_size=world_size, wire_dtype=torch.float32, timing=timing), SHAPE, UnitEvidence(rows_by_rank=[[rows]] * world_size, current=current)).representation
 
 
 def test_parse_bandwidth():
@@ -419,7 +418,7 @@ def test_calibrated_overhead_charges_non_dense_routes():
 
     timing = _timing("100mbit")
     cfg = DADConfig(mode="auto", rank=4, objective="time")
-    decided = route(cfg, SHAPE, world_size=2, wire_dtype=torch.float32, rows_by_rank=[[4096]] * 2, timing=timing)
+    decided = route(RouteContext(cfg, world_size=2, wire_dtype=torch.float32, timing=timing), SHAPE, UnitEvidence(rows_by_rank=[[4096]] * 2))
     assert decided.representation in ("rank", "rank_allreduce") and decided.saved_s > 0
     est = unit_estimates(cfg, SHAPE, [[4096]] * 2, 2, torch.float32)
     plain = timing.route_seconds(est, shape=SHAPE.shape, uses=1, rows_by_rank=[[4096]] * 2, world_size=2)

@@ -35,7 +35,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import error_feedback_for
 from dad_integrations.capture.layers import Rows, compute_dtype, concat_rows
 from dad_integrations.report import ParamReport, StepReport
-from dad_integrations.routing.router import Route, RowCounts, UnitShape, route
+from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteContext, UnitEvidence, route
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.routing.link import agree_max, probe_link
 from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due
@@ -357,13 +357,13 @@ class Exchanger:
         counts = [int(r[0].shape[0]) for r in rows]
         wire = self.wire_dtype or p.dtype
         shape = UnitShape(tuple(unit.kinds), (m, n), unit.bias_numel, p.dtype, unit.blocks)
+        ctx = RouteContext(cfg, s, wire, step=step, first_step=verify, timing=self.timing)
         sticky = self._held_route(unit, step, verify)
         if sticky is not None:  # by time, between refreshes: the route chosen at the last one
             decision = Route(sticky, sticky == "exact")
         else:
-            decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify, dense_only=unit.dense_only,
-                             last_rows=self.last_rows.get(unit.index), step=step, timing=self.timing,
-                             refresh=self.refresh_due(step))
+            decision = route(dataclasses.replace(ctx, refresh=self.refresh_due(step)), shape,
+                             UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index)))
         traffic = Traffic()
         rows_by_rank = None
         if decision.exchange_sizes:
@@ -371,9 +371,8 @@ class Exchanger:
             rows_by_rank, traffic = self._agree(unit, ok, counts)
             self.last_rows[unit.index] = rows_by_rank
             if sticky is None or unit.dense_only:
-                decision = route(cfg, shape, world_size=s, wire_dtype=wire, first_step=verify,
-                                 dense_only=unit.dense_only, rows_by_rank=rows_by_rank, step=step,
-                                 timing=self.timing, current=self.last_route.get(unit.index))
+                decision = route(ctx, shape, UnitEvidence(dense_only=unit.dense_only, rows_by_rank=rows_by_rank,
+                                                          current=self.last_route.get(unit.index)))
         if sticky is None:
             self._saved[unit.index] = decision.saved_s
         rep = decision.representation

@@ -23,7 +23,7 @@ Sharded (FSDP2: each rank keeps rows ``[rank c, (rank+1) c)`` of the average, ``
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 

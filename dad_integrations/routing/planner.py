@@ -18,7 +18,7 @@ from dad_integrations.capture.units import build_plan
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.costs import powersgd_bytes, reduce_scatter_bytes, size_exchange_bytes
-from dad_integrations.routing.router import UnitShape, route, sharded_needs_counts, unit_estimates
+from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route, sharded_needs_counts, unit_estimates
 
 
 POSITION_EMBEDDINGS = ("wpe", "position_embeddings")
@@ -128,10 +128,11 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype, u.blocks)
         use = unit_rows(u, tokens, positions, rows)
         rows_by_rank = [use] * s
-        decision = route(config, shape, world_size=s, wire_dtype=dtype, last_rows=rows_by_rank, timing=timing)
+        ctx = RouteContext(config, world_size=s, wire_dtype=dtype, timing=timing)
+        decision = route(ctx, shape, UnitEvidence(last_rows=rows_by_rank))
         exchange = decision.exchange_sizes
         if decision.representation is None:  # decided on this step's counts, the same in steady state
-            decision = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank, timing=timing)
+            decision = route(ctx, shape, UnitEvidence(rows_by_rank=rows_by_rank))
         rep = decision.representation
         est = unit_estimates(config, shape, rows_by_rank, s, dtype)
         counts[rep] += 1
@@ -214,8 +215,8 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
         shape = UnitShape(tuple(u.kinds), (m, n), u.bias_numel, dtype, u.blocks)
         use = unit_rows(u, tokens, positions, rows)
         rows_by_rank = [use] * s
-        rep = route(config, shape, world_size=s, wire_dtype=dtype, rows_by_rank=rows_by_rank,
-                    sharded=True).representation
+        ctx = RouteContext(config, world_size=s, wire_dtype=dtype, sharded=True)
+        rep = route(ctx, shape, UnitEvidence(rows_by_rank=rows_by_rank)).representation
         est = unit_estimates(config, shape, rows_by_rank, s, dtype, sharded=True)
         counts[rep] = counts.get(rep, 0) + 1
         baseline = reduce_scatter_bytes((m, n), s, item) + sum(reduce_scatter_bytes(tuple(b.param.shape), s, item)

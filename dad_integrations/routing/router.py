@@ -100,49 +100,81 @@ class Route:
     saved_s: float = 0.0
 
 
-def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: torch.dtype,
-          first_step: bool = False, dense_only: bool = False, rows_by_rank: Optional[RowCounts] = None,
-          last_rows: Optional[RowCounts] = None, sharded: bool = False, step: Optional[int] = None,
-          estimates: Optional[Dict[str, float]] = None, ties: Optional[Dict[str, float]] = None,
-          timing: Optional[StepTiming] = None, refresh: bool = False, current: Optional[str] = None) -> Route:
-    """The route of one unit.
+@dataclass(frozen=True)
+class RouteContext:
+    """What every unit of one step is routed under, the same on every rank.
 
-    Args:
+    Attributes:
         config: the synchroniser's config (mode, rank).
-        unit: the unit's shape.
         world_size: number of ranks.
         wire_dtype: the dtype factors travel in.
+        step: the synchronised step's index; steps below ``config.lossless_steps`` take no rank route.
         first_step: the checked first step, in which every unit exchanges sizes (and its check).
+        refresh: a step on which ``objective="time"`` chooses every route again: sizes are
+            exchanged, as on the first step.
+        sharded: decide on the sharded engines' numbers (reduce-scatter against sharded factors and
+            rank routes).
+        timing: the agreed link and compute models; with ``config.objective == "time"`` the
+            decision is by predicted seconds (`timing.StepTiming.route_seconds`) instead of bytes,
+            the bytes breaking ties.
+    """
+
+    config: DADConfig
+    world_size: int
+    wire_dtype: torch.dtype
+    step: Optional[int] = None
+    first_step: bool = False
+    refresh: bool = False
+    sharded: bool = False
+    timing: Optional[StepTiming] = None
+
+
+@dataclass(frozen=True)
+class UnitEvidence:
+    """What is known of one unit when it is routed (every field agreed across ranks).
+
+    Attributes:
         dense_only: the unit failed the first-step check: dense for good.
         rows_by_rank: this step's agreed counts; given, the decision is final.
         last_rows: the counts of the unit's last size exchange (auto's prediction).
-        sharded: decide on FSDP2's numbers (reduce-scatter against sharded factors and rank routes).
-        step: the synchronised step's index; steps below ``config.lossless_steps`` take no rank route.
         estimates: agreed bytes per representation to decide on, in place of the cost model's (with
             ``rows_by_rank``, or in mode rank): an adapter that knows its exchange's exact sizes
             (ZeRO's partitions, `deepspeed_dad.zero`).
         ties: with ``estimates``, agreed bytes that break their ties before the order of
             `REPRESENTATIONS` does (ZeRO: estimates on the busiest rank, ties by the mean over ranks).
-        timing: the agreed link and compute models; with ``config.objective == "time"`` the
-            decision is by predicted seconds (`timing.StepTiming.route_seconds`) instead of bytes,
-            the bytes breaking ties.
-        refresh: a step on which ``objective="time"`` chooses every route again: sizes are
-            exchanged, as on the first step.
         current: the unit's route so far; by time, it is kept unless another is predicted faster
             by more than `SWITCH_MARGIN` (a switch must pay for the noise of the measurements
             and for the residual it flushes).
     """
+
+    dense_only: bool = False
+    rows_by_rank: Optional[RowCounts] = None
+    last_rows: Optional[RowCounts] = None
+    estimates: Optional[Dict[str, float]] = None
+    ties: Optional[Dict[str, float]] = None
+    current: Optional[str] = None
+
+
+NO_EVIDENCE = UnitEvidence()
+
+
+def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) -> Route:
+    """The route of one unit this step: ``ctx`` for the step, ``seen`` for what is known of the
+    unit (see their attributes)."""
+    config, world_size, wire_dtype, step = ctx.config, ctx.world_size, ctx.wire_dtype, ctx.step
+    first_step, sharded = ctx.first_step, ctx.sharded
+    rows_by_rank, last_rows, estimates, ties = seen.rows_by_rank, seen.last_rows, seen.estimates, seen.ties
     if step is not None and step < config.lossless_steps and config.rank is not None:
         config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
     rank_allowed = config.rank is not None
     # an adaptive rank applies to each site's own factors: the all-gather route
     rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
-    if dense_only:
+    if seen.dense_only:
         return Route("dense", first_step)
     if not unit.has_factors:  # no rows: decided without counts, never a size exchange
         if config.mode == "exact" or not rank_allowed:
             return Route("dense", False)
-    timed = timing if config.objective == "time" else None
+    timed = ctx.timing if config.objective == "time" else None
 
     def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], exchange: bool,
                size_exchange: bool = False) -> Route:
@@ -157,6 +189,7 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         if mode == "auto":
             tied = {k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]}
             best = choose(mode, tied, rank_allowed=rank_allowed, rank_route=rank_route)
+        current = seen.current
         if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
             if choose(mode, {**seconds, current: -1.0}, rank_allowed=rank_allowed, rank_route=rank_route) == current:
                 best = current  # still allowed, and not worth a switch
@@ -167,7 +200,7 @@ def route(config: DADConfig, unit: UnitShape, *, world_size: int, wire_dtype: to
         return decide(config.mode, no_rows, estimates, first_step and unit.has_factors)
     if rows_by_rank is not None:
         return decide(config.mode, rows_by_rank, estimates, True)
-    if first_step or refresh or config.mode == "exact" or last_rows is None:
+    if first_step or ctx.refresh or config.mode == "exact" or last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)
     predicted = decide(config.mode, last_rows, None, False, size_exchange=True)
     if predicted.representation != "exact":
