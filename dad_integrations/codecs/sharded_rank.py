@@ -171,7 +171,6 @@ class ShardedRankCodec:
         self.warm = WarmStart(config.warm_start)    # each site's own Q_s (all-gather route)
         self.shared = WarmStart(config.warm_start)  # the all-reduced Q (all-reduce route)
         self._pending: List[tuple] = []             # (warm store, unit, Q, residual or None)
-        self._flushed: List[tuple] = []             # (name, stored residual) sent densely this step
         self._local_ok: Optional[torch.Tensor] = None  # on the device: no host sync per FSDP group
         self._device: Optional[torch.device] = None
 
@@ -179,24 +178,13 @@ class ShardedRankCodec:
     def start_step(self) -> None:
         """A new step: nothing pending (a step that never reached `end_step` leaves no trace, and
         the residuals it flushed are owed again)."""
-        self._restore_flushed()
+        self.memory.settle_flushed(sent=False)
         self._pending, self._local_ok = [], None
 
     def flush(self, name: str) -> Optional[torch.Tensor]:
-        """The error-feedback residual of a weight leaving the rank routes, as a dense matrix, for
-        the caller to add to this step's dense reduction; None where there is none. It is held
-        until `end_step`: a step that is not finite (skipped by a loss scaler) sent nothing, so the
-        residual is put back, still owed, for the next dense step (`exchange.Exchanger`'s rule)."""
-        residual = self.memory.dense(name) if self.memory.enabled else None
-        if residual is None:
-            return None
-        self._flushed.append((name, self.memory.residuals.pop(name)))
-        return residual
-
-    def _restore_flushed(self) -> None:
-        flushed, self._flushed = self._flushed, []
-        for name, stored in flushed:
-            self.memory.keep(name, stored)
+        """`ErrorFeedback.flush`: the residual of a weight leaving the rank routes, settled at
+        `end_step`."""
+        return self.memory.flush(name)
 
     def note_local(self, inp: torch.Tensor) -> None:
         """Fold one of this rank's reduce-scatter inputs (its local gradients) into the step's
@@ -224,10 +212,9 @@ class ShardedRankCodec:
     def commit(self, keep: bool) -> None:
         """Keep this step's warm starts and residuals, or (a non-finite step) drop them."""
         pending, self._pending = self._pending, []
+        self.memory.settle_flushed(sent=keep)
         if not keep:
-            self._restore_flushed()
             return
-        self._flushed = []
         for store, unit, q, residual in pending:
             store.update(unit, q)
             if residual is not None:

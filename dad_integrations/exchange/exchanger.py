@@ -73,7 +73,6 @@ class Exchanger:
         self.last_route: Dict[int, str] = {}       # unit index -> representation of its last step
         self.closed = False
         self._finite = True  # every synchronised result of the step so far is finite
-        self._flushed: List[Tuple[str, object]] = []  # residuals flushed this step (restored if it is not finite)
         # one dtype for every dense bucket, whatever goes dense in a step (as one call over all of them)
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
@@ -266,10 +265,7 @@ class Exchanger:
         if self.rank is not None:
             self.rank.commit(keep=keep)
             self.rank_allreduce.commit(keep=keep)
-        flushed, self._flushed = self._flushed, []
-        if not keep:  # a skipped step: the residuals it flushed are still owed
-            for name, residual in flushed:
-                self.memory.keep(name, residual)
+        self.memory.settle_flushed(sent=keep)  # a skipped step: the residuals it flushed are still owed
         self._close_step(window, step)
         return StepReport(step, s, list(report.values()))
 
@@ -284,7 +280,7 @@ class Exchanger:
         buckets, `ddp_hook`): every unit dense whatever its rows (held dense between refreshes, a
         route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
         what DDP's is, with no per-parameter packing on dAD's worker (`run_native`)."""
-        if verify or self._flushed or not all(self.dense_for_sure(u, step, verify) for u in self.plan.units):
+        if verify or self.memory.flushed or not all(self.dense_for_sure(u, step, verify) for u in self.plan.units):
             return False
         if self._holds_residuals(step):
             return True
@@ -331,7 +327,7 @@ class Exchanger:
     def _state_pending(self) -> bool:
         """Whether a non-finite step would drop something: this step's rank-route state (warm
         starts, residuals) or residuals it flushed."""
-        return bool(self._flushed) or any(c is not None and c.has_pending for c in (self.rank, self.rank_allreduce))
+        return bool(self.memory.flushed) or any(c is not None and c.has_pending for c in (self.rank, self.rank_allreduce))
 
     def _note(self, tensor: torch.Tensor) -> torch.Tensor:
         """Remember whether a synchronised result is finite (the same on every rank: all see it)."""
@@ -440,17 +436,13 @@ class Exchanger:
         return finish
 
     def _flush_residual(self, unit: FactorUnit, rep: str, sink: GradSink) -> bool:
-        """A unit off the rank routes with a residual left (it left a rank route; or a skipped step
-        put the residual back, or a checkpoint brought one): add it to the local gradient, so that
-        this dense step sends it (the average then carries the mean residual, what the ranks still
-        owed); returns whether it did. Every rank holds residuals for the same units (they took
-        the same routes), so every rank flushes alike, as `fsdp` and `deepspeed_dad.zero` do."""
+        """A unit off the rank routes with a residual left (`ErrorFeedback.flush`): add it to the
+        local gradient, so that this dense step sends it; returns whether it did."""
         if rep in ("rank", "rank_allreduce"):
             return False
-        residual = self.memory.dense(unit.name) if self.memory.enabled else None
+        residual = self.memory.flush(unit.name)
         if residual is None:
             return False
-        self._flushed.append((unit.name, self.memory.residuals.pop(unit.name)))
         sink.add_local(unit.param, residual)
         return True
 
