@@ -210,14 +210,14 @@ class DDPDriver:
             self.sync._dispatch(window, self._step)
 
     def _native(self, window) -> bool:
-        """Whether this step goes by DDP's buckets as they are (`Exchanger.native_dense`); not in a
+        """Whether this step goes by DDP's buckets as they are (`RoutePolicy.native_dense`); not in a
         ``join`` (its shadow and divisor are dAD's to apply)."""
         ddp = self.ddp() if self.ddp is not None else None
         config = getattr(ddp, "_join_config", None)
         if config is not None and config.enable:
             return False
         sync = self.sync
-        return sync._exchanger.native_dense(sync._steps, not sync._verified)
+        return sync._exchanger.policy.native_dense(sync._steps, not sync._verified)
 
     def _serialised(self) -> bool:
         """Whether this step's exchange runs inline, in the last bucket's hook: on NCCL, a DDP with

@@ -106,6 +106,13 @@ class ShardedParamReport(ParamReport):
             rep.handed_bytes, rep.sent_bytes, rep.received_bytes = S * chunk, (S - 1) * chunk, (S - 1) * chunk
         return rep
 
+    @classmethod
+    def overhead(cls, name: str, numel: int, traffic) -> "ShardedParamReport":
+        """A collective of dAD's own (row counts, the first call's check, a step's finiteness)."""
+        rep = cls(name, "overhead", (numel,))
+        rep.add_traffic(traffic)
+        return rep
+
 
 @dataclass
 class ShardedStepReport(StepReport):

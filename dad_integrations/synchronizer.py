@@ -123,7 +123,7 @@ class DADSynchronizer:
         self._unit_of = {id(q): u for u in self._plan.units for q in u.params}
         self._param_ids = {u.index: tuple(id(q) for q in u.params) for u in self._plan.units}
         self._names = {id(p): n for n, p in model.named_parameters()}  # for reports
-        # units the next step sends dense whatever their rows (`Exchanger.dense_for_sure`): their
+        # units the next step sends dense whatever their rows (`RoutePolicy.dense_for_sure`): their
         # hooks skip the window's bookkeeping (priors, marks); refreshed after every step
         self._bookless: frozenset = frozenset()
         self._hooks = [p.register_hook(functools.partial(self._before_accumulate, u, p))
@@ -200,20 +200,20 @@ class DADSynchronizer:
         rank) from the next route refresh on (every ``route_refresh_steps``), in place of the
         measured or configured one; with ``objective="bytes"`` it has no effect."""
         from dad_integrations.routing.link import LinkModel
-        self._exchanger.set_link(LinkModel.from_spec(link))
+        self._exchanger.policy.set_link(LinkModel.from_spec(link))
 
     @property
     def timing(self):
         """The link and compute models routes are chosen by (`timing.StepTiming`); None where the
         objective is bytes."""
-        return self._exchanger.timing
+        return self._exchanger.policy.timing
 
     @property
     def route_trials(self) -> list:
         """The route trials so far (`route_trial.TrialOutcome`: the measured steps on a refresh's
         routes and all dense, and what was kept); empty where routes are not chosen by time on a
         measured link."""
-        trial = self._exchanger.trial
+        trial = self._exchanger.policy.trial
         return list(trial.outcomes) if trial is not None else []
 
     @property
@@ -235,7 +235,7 @@ class DADSynchronizer:
                 "units": {u.name: {"warm_q": ex.warm.q.get(u.name), "residual": ex.memory.state(u.name),
                                    "shared_q": ex.rank_allreduce.warm.q.get(u.name) if ex.rank_allreduce else None,
                                    "dense_only": u.dense_only, "rows_unused": u.rows_unused,
-                                   "last_rows": ex.last_rows.get(u.index)}
+                                   "last_rows": ex.policy.last_rows.get(u.index)}
                           for u in self._plan.units}}
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -257,12 +257,12 @@ class DADSynchronizer:
             u.rows_unused = bool(s.get("rows_unused", False))
             u.set_dense_only(bool(s.get("dense_only")))
             if s.get("last_rows") is not None:
-                ex.last_rows[u.index] = [list(map(int, r)) for r in s["last_rows"]]
+                ex.policy.last_rows[u.index] = [list(map(int, r)) for r in s["last_rows"]]
         if state.get("version") == STATE_VERSION:
             self._steps = int(state["steps"])
             self._verified = bool(state["verified"]) or not self.config.verify_first_step
-        if ex.trial is not None:  # every rank loads alike: a trial in progress ends on all of them
-            ex.trial.cancel()
+        if ex.policy.trial is not None:  # every rank loads alike: a trial in progress ends on all of them
+            ex.policy.trial.cancel()
         self._clock.cancel()
         self._plan_next_step()
 
@@ -334,8 +334,8 @@ class DADSynchronizer:
 
     def _plan_next_step(self) -> None:
         """Note which units the next step sends dense whatever their rows (see `_bookless`)."""
-        ex, step, verify = self._exchanger, self._steps, not self._verified
-        self._bookless = frozenset(u.index for u in self._plan.units if ex.dense_for_sure(u, step, verify))
+        policy, step, verify = self._exchanger.policy, self._steps, not self._verified
+        self._bookless = frozenset(u.index for u in self._plan.units if policy.dense_for_sure(u, step, verify))
 
     def _release(self) -> None:
         """Stop the worker thread, abandoning a step in flight (its waits return at once)."""

@@ -21,9 +21,11 @@ from torch import nn
 
 from dad_integrations.capture.hooks import Use
 from dad_integrations.config import DADConfig
+from dad_integrations.logs import OnceLogger
 from dad_integrations.capture.layers import Claim, LayerKind, kind_of, matrix_shape, registered_kinds
 
 log = logging.getLogger(__name__)
+_log_once = OnceLogger(log, level=logging.INFO)
 
 
 def param_shape(p: nn.Parameter) -> Tuple[int, ...]:
@@ -182,10 +184,10 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
                 # a parametrization (weight norm: wav2vec2's positional conv) computes the weight
                 # from other parameters in forward: rows would rebuild that product's gradient, not
                 # theirs. They take the routes of any uncaptured parameter.
-                _log_once(f"computed-{kind.name}-{type(module).__name__}",
-                          "dAD: %s of %r (%s) is computed from other parameters (a parametrization such as "
+                _log_once("dAD: %s of %r (%s) is computed from other parameters (a parametrization such as "
                           "weight norm), not captured: its parameters go dense or by the rank routes of "
-                          "uncaptured matrices", computed, mod_name, kind.name)
+                          "uncaptured matrices", computed, mod_name, kind.name,
+                          key=f"computed-{kind.name}-{type(module).__name__}")
                 continue
             keys = [_registration(module, c.attr) for c in claims]
             if any(k in claimed for k in keys):
@@ -243,15 +245,6 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
     for i, u in enumerate(units):
         u.index = i
     return SyncPlan(units, dense, [c for c, _ in captures.values()])
-
-
-_logged: set = set()
-
-
-def _log_once(key: str, msg: str, *args) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.info(msg, *args)
 
 
 def _is_parameter(module: nn.Module, attr: str) -> bool:

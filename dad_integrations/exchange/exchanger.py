@@ -1,13 +1,13 @@
 """The exchanger: one step's collectives, unit by unit, in an order every rank shares.
 
 Units go in reverse registration order (the order backward finishes them). For each unit, when
-its weight and biases are final (`StepWindow.ready`): the router's decision, a size exchange if
-the route needs agreed row counts (with the first-step check riding along), then its codec's
-collective: one all-gather of exact factors, or a place in the rank-r bucket (one all-gather per
-``bucket_cap_mb``), or a place in the dense buckets (`codecs.dense.DenseBuckets`: a full bucket is
-all-reduced at once, the last one when the last unit is routed). The rebuild of one unit overlaps
-the next unit's collective, and collectives started before backward ends overlap the rest of
-backward. When backward is over (`StepWindow.flush`), the parameters that are always dense
+its weight and biases are final (`StepWindow.ready`): its route (`policy.RoutePolicy`), a size
+exchange if the route needs agreed row counts (with the first-step check riding along), then its
+codec's collective: one all-gather of exact factors, or a place in the rank-r bucket (one
+all-gather per ``bucket_cap_mb``), or a place in the dense buckets (`codecs.dense.DenseBuckets`: a
+full bucket is all-reduced at once, the last one when the last unit is routed). The rebuild of one
+unit overlaps the next unit's collective, and collectives started before backward ends overlap the
+rest of backward. When backward is over (`StepWindow.flush`), the parameters that are always dense
 (norms, excluded parameters) follow in the last buckets, and the step waits for every bucket.
 
 Costs per weight (m x n), S ranks, N local rows: exact factors gather ``N (m+n)`` numbers per rank
@@ -16,9 +16,8 @@ one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like all-reduce.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -35,12 +34,10 @@ from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import error_feedback_for
 from dad_integrations.capture.layers import Rows, compute_dtype, concat_rows
 from dad_integrations.report import ParamReport, StepReport
-from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteContext, UnitEvidence, route
+from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteContext
 from dad_integrations.capture.sink import GradSink
-from dad_integrations.routing.link import agree_max, probe_link
-from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due
-from dad_integrations.routing.timing import StepTiming, build_timing
 from dad_integrations.capture.units import FactorUnit, SyncPlan
+from dad_integrations.exchange.policy import RoutePolicy
 from dad_integrations.exchange.window import StepWindow
 
 log = logging.getLogger(__name__)
@@ -52,9 +49,25 @@ class StepClosed(RuntimeError):
     """The synchroniser was closed while a step was in flight."""
 
 
+@dataclass
+class _Step:
+    """One step's exchange in flight: what each unit's collective joins, and where results go."""
+
+    window: StepWindow
+    sink: GradSink
+    step: int
+    verify: bool          # the first step: the factors are checked, every unit's sizes exchanged
+    scale: float          # prescale x postscale: what a rebuilt sum is multiplied by
+    report: Dict[str, ParamReport]
+    dense: DenseBuckets
+    bucket: RankBucket        # rank-r payloads sharing one all-gather
+    shared: AllReduceBucket   # the rank-r all-reduce route's payloads
+
+
 class Exchanger:
-    """Runs the collectives of each step; holds what carries over between steps (agreed row counts,
-    warm starts and error-feedback residuals of the rank codec)."""
+    """Runs the collectives of each step; holds what carries over between steps for the codecs
+    (warm starts and error-feedback residuals of the rank codecs). Which route each unit takes is
+    its `policy`'s (`policy.RoutePolicy`)."""
 
     def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig,
                  wire_dtype: Optional[torch.dtype], device: torch.device):
@@ -67,53 +80,14 @@ class Exchanger:
         self.memory = error_feedback_for(config)
         self.warm = WarmStart(config.warm_start)
         lossy = config.rank is not None
-        self.rank = RankCodec(config, wire_dtype, self.memory, self.warm) if lossy else None
+        self.rank_codec = RankCodec(config, wire_dtype, self.memory, self.warm) if lossy else None
         self.rank_allreduce = RankAllReduceCodec(config, wire_dtype, self.memory) if lossy else None
-        self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
-        self.last_route: Dict[int, str] = {}       # unit index -> representation of its last step
         self.closed = False
         self._finite = True  # every synchronised result of the step so far is finite
         # one dtype for every dense bucket, whatever goes dense in a step (as one call over all of them)
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
-        # objective "time": the agreed link and compute models (measured at attach: a collective),
-        # timed in the dtype the rank codecs compute in (fp32 for fp16/bf16 weights)
-        self.timing: Optional[StepTiming] = (
-            build_timing(config, {u.shape for u in plan.units}, aggregator, device,
-                         dtype=compute_dtype(plan.units[0].param)) if plan.units else None)
-        # on a measured link, routes that compress are checked against all-dense on the job's steps
-        self.trial: Optional[RouteTrial] = (
-            RouteTrial(config.route_trial_steps)
-            if self.timing is not None and config.link is None and config.mode == "auto" else None)
-        self.clock: Callable[[], float] = time.perf_counter  # the end of a step's span (`StepClock`)
-        self._saved: Dict[int, float] = {}  # unit index -> predicted seconds its route saves (by time)
-
-    def refresh_due(self, step: int) -> bool:
-        """Whether step ``step`` chooses every route again (objective ``"time"``): every
-        ``route_refresh_steps``, and when the lossless steps end (not step 0, which exchanges
-        every unit's sizes anyway)."""
-        return self.timing is not None and refresh_due(step, self.config.route_refresh_steps,
-                                                       self.config.lossless_steps)
-
-    def _held_route(self, unit: FactorUnit, step: int, verify: bool) -> Optional[str]:
-        """By time, a unit keeps the route of the last refresh until the next (the models may have
-        changed in between: routes change together, at a refresh, on every rank)."""
-        if self.timing is None or verify or unit.dense_only:
-            return None
-        arm = self.trial.arm(step) if self.trial is not None else None
-        if arm is not None:  # a route trial's step: all dense, or the routes it tries
-            return "dense" if arm == "dense" else self.trial.routes.get(unit.index, "dense")
-        if self.refresh_due(step):
-            return None
-        held = self.last_route.get(unit.index)
-        return None if held == "exact" and unit.rows_unused else held  # exact needs its rows
-
-    def dense_for_sure(self, unit: FactorUnit, step: int, verify: bool) -> bool:
-        """Whether ``unit`` goes through the dense buckets in step ``step`` whatever its rows say: a
-        held dense route (objective "time", between refreshes) or dense for good. Such a step needs
-        none of the unit's rows, priors or restart marks (the all-reduce carries what ``.grad``
-        holds), so the hooks skip that bookkeeping, and routing it needs no early wake-up."""
-        return not verify and (unit.dense_only or self._held_route(unit, step, verify) == "dense")
+        self.policy = RoutePolicy(plan, aggregator, config, device, self.memory)  # measures the models
 
     def _await(self, window: StepWindow, i: int, sure: List[bool], dense: DenseBuckets) -> None:
         """Wait until unit ``i`` is ready. Units sure to go dense that do not fill the open dense
@@ -132,83 +106,29 @@ class Exchanger:
             window.ready[units[j].index].wait()
         window.ready[units[i].index].wait()
 
-    def set_link(self, link) -> None:
-        """Route by ``link`` (a `link.LinkModel`, the same on every rank) from the next refresh on."""
-        if self.timing is not None:
-            self.timing = dataclasses.replace(self.timing, link=link)
-
-    def _prepare_refresh(self, next_step: int) -> None:
-        """Before a refresh step: measure the link again (where it is not stated) and capture every
-        unit's rows in that step, so that exact factors are a candidate again. Before a route
-        trial's step on the routes it tries: capture the rows of the units it sends by exact
-        factors (its dense steps switched capture off)."""
-        arm = self.trial.arm(next_step) if self.trial is not None else None
-        if arm == "routes":
-            self._use_rows(i for i, rep in self.trial.routes.items() if rep == "exact")
-        elif arm == "dense":
-            self._drop_rows()
-        if not self.refresh_due(next_step):
-            return
-        if self.trial is not None:
-            self.trial.stop_watching()
-        if self.config.link is None:
-            self.set_link(probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather")))
-        self._use_rows(u.index for u in self.plan.units)
-
-    def _drop_rows(self) -> None:
-        """Every unit goes dense next step: capture nothing (a step that costs what DDP's does)."""
-        for u in self.plan.units:
-            if not u.rows_unused and not u.dense_only:
-                u.stop_using_rows()
-
-    def _use_rows(self, indices) -> None:
-        """Capture the rows of the units of ``indices`` again (where some route can use them)."""
-        wanted = set(indices)
-        for u in self.plan.units:
-            if u.index in wanted and u.rows_unused and not u.dense_only:
-                u.rows_unused = False
-                u.update_capture()
-
-    def _next_refresh(self, step: int) -> int:
-        """The first step after ``step`` that chooses every route again."""
-        return next_refresh(step, self.config.route_refresh_steps, self.config.lossless_steps)
-
-    def _run_trial(self, step: int, seconds: Optional[float]) -> None:
-        """End of step ``step`` (``seconds``: its span on this rank): start a route trial after
-        routes were chosen anew, judge one, or watch the last decision (`route_trial`)."""
-        trial = self.trial
-        if trial is None:
-            return
-        if not trial.active and (step == 0 or self.refresh_due(step)):
-            compressed = [u.index for u in self.plan.units if self.last_route.get(u.index, "dense") != "dense"]
-            if compressed and trial.fits(step, self._next_refresh(step)):
-                trial.begin(step, {u.index: self.last_route.get(u.index, "dense") for u in self.plan.units},
-                            sum(self._saved.get(i, 0.0) for i in compressed))
-            return
-
-        def agree(values):
-            return agree_max(self.aggregator, values, self.device, name="dad.trial.agree")
-
-        outcome = trial.end_of_step(step, seconds, agree, self._next_refresh(step))
-        if outcome is None:
-            return
-        self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
-        for u in self.plan.units:  # what the next steps take until the next refresh
-            self.last_route[u.index] = trial.routes.get(u.index, "dense") if outcome.kept else "dense"
-        if outcome.kept:  # exact factors need their rows from the next step on
-            self._use_rows(i for i, rep in trial.routes.items() if rep == "exact")
-        else:
-            self._drop_rows()
-        if self.aggregator.rank == 0:
-            log.info("dAD route trial after step %d (%s): %s; overhead per compressed weight now %.2f ms",
-                     outcome.step, outcome.cause, outcome.describe(), outcome.overhead_s * 1e3)
-
     def run(self, window: StepWindow, sink: GradSink, *, step: int, verify: bool, prescale: float,
             postscale: Optional[float]) -> StepReport:
         """Exchange every unit and the dense buckets of one step; returns its report. ``window.started``
         (`route_trial.StepClock`) to the end of this call is the step's span a route trial times."""
+        st = self._open_step(window, sink, step, verify, prescale, postscale)
+        previous = self._exchange_units(st)
+        if not self.plan.dense:
+            st.dense.send()  # every unit is routed: the last units' bucket need not wait for backward's end
+        # else the always-dense parameters (norms, biases of dense layers) join it when backward
+        # ends, which follows the last unit closely: one collective fewer (a gloo call's latency,
+        # 0.5-2.5 ms here) than a small bucket of their own
+        for f in previous:
+            f()
+        window.flush.wait()  # backward is over: every dense gradient is final
+        self._check_open()
+        for name, q in self.plan.dense:
+            st.dense.add(name, q)
+        return self._finish_step(st)
+
+    def _open_step(self, window: StepWindow, sink: GradSink, step: int, verify: bool, prescale: float,
+                   postscale: Optional[float]) -> _Step:
+        """The step's buckets and report; dense traffic is accounted per parameter as it goes."""
         s = self.aggregator.world_size
-        scale = prescale * (1.0 / s if postscale is None else postscale)
         report: Dict[str, ParamReport] = {}
 
         def account(name: str, p: Optional[nn.Parameter], traffic: Traffic) -> None:
@@ -223,77 +143,57 @@ class Exchanger:
                              account=account, prescale=prescale, postscale=postscale,
                              early=lambda: not window.flush.is_set())
         self._finite = True
-        bucket = RankBucket(self.config.bucket_cap_mb * 2 ** 20)
-        shared = AllReduceBucket(self.config.bucket_cap_mb * 2 ** 20)
+        return _Step(window, sink, step, verify, prescale * (1.0 / s if postscale is None else postscale), report,
+                     dense, RankBucket(self.config.bucket_cap_mb * 2 ** 20),
+                     AllReduceBucket(self.config.bucket_cap_mb * 2 ** 20))
+
+    def _exchange_units(self, st: _Step) -> List[Finish]:
+        """Route every unit in exchange order and start its collectives, finishing each unit's while
+        the next one's run; returns what finishes the last ones (the open buckets' sends included)."""
         previous: List[Finish] = []
-        sure = [self.dense_for_sure(u, step, verify) for u in self.plan.units]
+        sure = [self.policy.dense_for_sure(u, st.step, st.verify) for u in self.plan.units]
         for i, unit in enumerate(self.plan.units):
-            self._await(window, i, sure, dense)
+            self._await(st.window, i, sure, st.dense)
             self._check_open()
             current: List[Finish] = []
-            finish = self._unit(unit, window, sink, scale, step, verify, report, dense, bucket, shared)
+            finish = self._unit(unit, st)
             if finish is not None:
                 current.append(finish)
-            while bucket.ready_to_send():
-                current.append(self._send_rank_bucket(bucket, window, sink, scale))
-            if shared.full():
-                current.append(self.rank_allreduce.start(shared.take(), self.aggregator, sink, scale, self._note))
+            while st.bucket.ready_to_send():
+                current.append(self._send_rank_bucket(st))
+            if st.shared.full():
+                current.append(self._send_shared(st))
             for f in previous:
                 f()  # rebuild the last units while this one's collective runs
             previous = current
-        while bucket.items:
-            previous.append(self._send_rank_bucket(bucket, window, sink, scale))
-        if shared.items:
-            previous.append(self.rank_allreduce.start(shared.take(), self.aggregator, sink, scale, self._note))
-        if not self.plan.dense:
-            dense.send()  # every unit is routed: the last units' bucket need not wait for backward's end
-        # else the always-dense parameters (norms, biases of dense layers) join it when backward
-        # ends, which follows the last unit closely: one collective fewer (a gloo call's latency,
-        # 0.5-2.5 ms here) instead of a small bucket of their own
-        for f in previous:
-            f()
-        window.flush.wait()  # backward is over: every dense gradient is final
-        self._check_open()
-        for name, q in self.plan.dense:
-            dense.add(name, q)
+        while st.bucket.items:
+            previous.append(self._send_rank_bucket(st))
+        if st.shared.items:
+            previous.append(self._send_shared(st))
+        return previous
+
+    def _finish_step(self, st: _Step) -> StepReport:
+        """Wait for the dense buckets, keep or drop the step's rank-route state, close the step."""
         # whether the results are finite only decides whether rank-route state is kept
-        finite = dense.finish(check_finite=self._state_pending())
-        for name, entry in report.items():
+        finite = st.dense.finish(check_finite=self._state_pending())
+        for name, entry in st.report.items():
             if entry.representation == "dense":
-                entry.overlapped = name in dense.overlapped  # its all-reduce began during backward
+                entry.overlapped = name in st.dense.overlapped  # its all-reduce began during backward
         keep = finite and self._finite
-        if self.rank is not None:
-            self.rank.commit(keep=keep)
+        if self.rank_codec is not None:
+            self.rank_codec.commit(keep=keep)
             self.rank_allreduce.commit(keep=keep)
         self.memory.settle_flushed(sent=keep)  # a skipped step: the residuals it flushed are still owed
-        self._close_step(window, step)
-        return StepReport(step, s, list(report.values()))
+        self._close_step(st.window, st.step)
+        return StepReport(st.step, self.aggregator.world_size, list(st.report.values()))
 
     def _close_step(self, window: StepWindow, step: int) -> None:
         """The step's exchange is over: its span to the route trial, the next step's preparation."""
-        started = getattr(window, "started", None)
-        self._run_trial(step, None if started is None else self.clock() - started)
-        self._prepare_refresh(step + 1)
-
-    def native_dense(self, step: int, verify: bool) -> bool:
-        """Whether step ``step`` can go by the engine's own bucket all-reduce, untouched (DDP's
-        buckets, `ddp_hook`): every unit dense whatever its rows (held dense between refreshes, a
-        route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
-        what DDP's is, with no per-parameter packing on dAD's worker (`run_native`)."""
-        if verify or self.memory.flushed or not all(self.dense_for_sure(u, step, verify) for u in self.plan.units):
-            return False
-        if self._holds_residuals(step):
-            return True
-        return not (self.memory.enabled and any(self.memory.dense(u.name) is not None for u in self.plan.units))
-
-    def _holds_residuals(self, step: int) -> bool:
-        """A route trial's dense step (`RouteTrial.holds_residuals`): residuals wait, and the step
-        goes as a steady dense step does (DDP's own buckets, `native_dense`)."""
-        return self.trial is not None and self.trial.holds_residuals(step)
+        self.policy.end_step(step, getattr(window, "started", None))
 
     def start_native(self, buffer: torch.Tensor, prescale: float):
-        """Put one of DDP's buckets on the wire as it is (`native_dense`), in the dense buckets' wire
-        dtype; returns what `run_native` finishes."""
+        """Put one of DDP's buckets on the wire as it is (`RoutePolicy.native_dense`), in the dense
+        buckets' wire dtype; returns what `run_native` finishes."""
         send = buffer if buffer.dtype == self.dense_dtype else buffer.to(self.dense_dtype)
         if prescale != 1.0:
             send.mul_(prescale)  # in place, as DDP's own hook divides its bucket
@@ -320,14 +220,15 @@ class Exchanger:
                 report.append(entry)
         for u in self.plan.units:  # rows a forward still captured (after the checked first step) are
             window.take_rows(u)    # of no use: dense until the next refresh, capture off, as `_unit` does
-        self._drop_rows()
+        self.policy.drop_rows()
         self._close_step(window, step)
         return StepReport(step, s, report)
 
     def _state_pending(self) -> bool:
         """Whether a non-finite step would drop something: this step's rank-route state (warm
         starts, residuals) or residuals it flushed."""
-        return bool(self.memory.flushed) or any(c is not None and c.has_pending for c in (self.rank, self.rank_allreduce))
+        return bool(self.memory.flushed) or any(c is not None and c.has_pending
+                                                for c in (self.rank_codec, self.rank_allreduce))
 
     def _note(self, tensor: torch.Tensor) -> torch.Tensor:
         """Remember whether a synchronised result is finite (the same on every rank: all see it)."""
@@ -339,44 +240,55 @@ class Exchanger:
         if self.closed:
             raise StepClosed("dAD synchroniser closed with a step in flight")
 
-    def _unit(self, unit: FactorUnit, window: StepWindow, sink: GradSink, scale: float, step: int,
-              verify: bool, report: Dict[str, ParamReport], dense: DenseBuckets,
-              bucket: RankBucket, shared: AllReduceBucket) -> Optional[Finish]:
+    # -- one unit ------------------------------------------------------------------------------------
+    def _unit(self, unit: FactorUnit, st: _Step) -> Optional[Finish]:
         """Route one unit and start its collective; returns what finishes it (or None)."""
-        agg, cfg, p = self.aggregator, self.config, unit.param
-        s = agg.world_size
+        overlapped = not st.window.flush.is_set()
+        rows = self._take_rows(unit, st.window)
+        counts = [int(r[0].shape[0]) for r in rows]
+        decision, rows_by_rank, traffic = self._decide(unit, rows, counts, st)
+        rep = decision.representation
+        if not self.policy.holds_residuals(st.step) and self._flush_residual(unit, rep, st.sink):
+            rep = "dense"  # it carries the residual this step; its route applies from the next
+        entry = self._report_unit(unit, rep, counts, rows_by_rank, overlapped, st.report)
+        finish, sent = self._start(unit, rep, rows, rows_by_rank, entry, st)
+        if sent is not None:
+            traffic = traffic + sent
+        self.policy.settle_capture(unit, decision, entry.method, st.verify)
+        entry.add_traffic(traffic)
+        return finish
+
+    def _take_rows(self, unit: FactorUnit, window: StepWindow) -> List[Rows]:
+        """The unit's rows of this step, per use (its priors re-derived after a restart)."""
         m, n = unit.shape
-        overlapped = not window.flush.is_set()
-        rows = [concat_rows(pairs, use.kind, (m, n), p, use.block) for pairs, use in zip(window.take_rows(unit), unit.uses)]
+        rows = [concat_rows(pairs, use.kind, (m, n), unit.param, use.block)
+                for pairs, use in zip(window.take_rows(unit), unit.uses)]
         if unit.index in window.restarts:
             _rederive_priors(unit, rows, window)
-        counts = [int(r[0].shape[0]) for r in rows]
-        wire = self.wire_dtype or p.dtype
-        shape = UnitShape(tuple(unit.kinds), (m, n), unit.bias_numel, p.dtype, unit.blocks)
-        ctx = RouteContext(cfg, s, wire, step=step, first_step=verify, timing=self.timing)
-        sticky = self._held_route(unit, step, verify)
-        if sticky is not None:  # by time, between refreshes: the route chosen at the last one
-            decision = Route(sticky, sticky == "exact")
-        else:
-            decision = route(dataclasses.replace(ctx, refresh=self.refresh_due(step)), shape,
-                             UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index)))
-        traffic = Traffic()
-        rows_by_rank = None
-        if decision.exchange_sizes:
-            ok = unit.dense_only or not verify or not unit.has_factors or factors_rebuild_local_grad(unit, rows, sink)
-            rows_by_rank, traffic = self._agree(unit, ok, counts)
-            self.last_rows[unit.index] = rows_by_rank
-            if sticky is None or unit.dense_only:
-                decision = route(ctx, shape, UnitEvidence(dense_only=unit.dense_only, rows_by_rank=rows_by_rank,
-                                                          current=self.last_route.get(unit.index)))
-        if sticky is None:
-            self._saved[unit.index] = decision.saved_s
-        rep = decision.representation
-        flush = not self._holds_residuals(step) and self._flush_residual(unit, rep, sink)
-        self.last_route[unit.index] = rep
-        if flush:
-            rep = "dense"  # it carries the residual this step; its route applies from the next
+        return rows
 
+    def _decide(self, unit: FactorUnit, rows: List[Rows], counts: List[int],
+                st: _Step) -> Tuple[Route, Optional[RowCounts], Traffic]:
+        """The unit's route this step (`RoutePolicy`), after the size exchange where it needs one;
+        returns it, every rank's row counts (None without a size exchange) and their traffic."""
+        p = unit.param
+        shape = UnitShape(tuple(unit.kinds), unit.shape, unit.bias_numel, p.dtype, unit.blocks)
+        ctx = RouteContext(self.config, self.aggregator.world_size, self.wire_dtype or p.dtype, step=st.step,
+                           first_step=st.verify, timing=self.policy.timing)
+        decision, held = self.policy.propose(unit, shape, ctx, st.step, st.verify)
+        rows_by_rank, traffic = None, Traffic()
+        if decision.exchange_sizes:
+            ok = (unit.dense_only or not st.verify or not unit.has_factors
+                  or factors_rebuild_local_grad(unit, rows, st.sink))
+            rows_by_rank, traffic = self._agree(unit, ok, counts)
+            decision = self.policy.given_rows(unit, shape, ctx, decision, held, rows_by_rank)
+        self.policy.commit(unit, decision, held)
+        return decision, rows_by_rank, traffic
+
+    def _report_unit(self, unit: FactorUnit, rep: str, counts: List[int], rows_by_rank: Optional[RowCounts],
+                     overlapped: bool, report: Dict[str, ParamReport]) -> ParamReport:
+        """The report entries of the unit's weight (returned) and biases."""
+        s, p = self.aggregator.world_size, unit.param
         entry = ParamReport(unit.name, rep, tuple(p.shape), rows=sum(counts),
                             max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0,
                             allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s),
@@ -386,54 +298,58 @@ class Exchanger:
             report[b.name] = ParamReport(b.name, rep if rep == "exact" else "dense", tuple(b.param.shape),
                                          allreduce_bytes=ring_allreduce_bytes(
                                              b.param.numel() * b.param.element_size(), s))
-        finish = None
+        return entry
+
+    def _start(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
+               entry: ParamReport, st: _Step) -> Tuple[Optional[Finish], Optional[Traffic]]:
+        """Start the unit's codec by ``rep``: a place in the dense buckets, the exact factors'
+        all-gather, or a rank route's payload (in a shared bucket, or its own all-gather). Returns
+        what finishes it (or None) and the traffic of a collective started for the unit alone."""
+        if rep == "exact":
+            return self._start_exact(unit, rows, rows_by_rank, st)
         if rep == "dense":
-            dense.add(unit.name, p)
-            for b in unit.biases:
-                dense.add(b.name, b.param)
-        elif rep == "exact":
-            handle = agg.all_gather(self.exact.encode(unit, rows), name=f"dad.exact.{unit.name}",
-                                    first_dims=self.exact.sizes(unit, rows_by_rank))
-            traffic = traffic + handle.traffic
+            st.dense.add(unit.name, unit.param)
+        for b in unit.biases:  # exact factors carry the biases; every other route sends them dense
+            st.dense.add(b.name, b.param)
+        if rep == "dense":
+            return None, None
+        if rep == "rank_allreduce":
+            m_s = self.rank_allreduce.local(unit, rows, st.sink.local_grad, entry)
+            st.shared.add((unit, m_s, self.rank_allreduce.initial_q(unit, st.step), entry))
+            return None, None
+        payload = self.rank_codec.encode(unit, rows, st.sink.local_grad, entry, st.step)
+        if self.config.adaptive_tolerance is None:  # r rows on every rank: it can share a bucket's all-gather
+            st.bucket.add(unit, payload, entry)
+            return None, None
+        return self._start_rank(unit, payload, st)
 
-            def finish() -> None:
-                grads = self.exact.decode(unit, handle.wait(), rows_by_rank, scale)
-                if grads is None:
-                    sink.write_unused(p)
-                    return
-                for q, g in grads.items():
-                    sink.write(q, self._note(g))
-        elif rep == "rank_allreduce":
-            for b in unit.biases:
-                dense.add(b.name, b.param)
-            m_s = self.rank_allreduce.local(unit, rows, sink.local_grad, entry)
-            shared.add((unit, m_s, self.rank_allreduce.initial_q(unit, step), entry))
-        else:
-            for b in unit.biases:
-                dense.add(b.name, b.param)
-            payload = self.rank.encode(unit, rows, sink.local_grad, entry, step)
-            if cfg.adaptive_tolerance is None:  # r rows on every rank: it can share a bucket's all-gather
-                bucket.add(unit, payload, entry)
-            else:
-                handle = agg.all_gather(payload, name=f"dad.rank.{unit.name}")
-                traffic = traffic + handle.traffic
+    def _start_exact(self, unit: FactorUnit, rows: List[Rows], rows_by_rank: RowCounts,
+                     st: _Step) -> Tuple[Finish, Traffic]:
+        """The all-gather of the unit's exact factors; its finish rebuilds the average."""
+        handle = self.aggregator.all_gather(self.exact.encode(unit, rows), name=f"dad.exact.{unit.name}",
+                                            first_dims=self.exact.sizes(unit, rows_by_rank))
+        sink, scale = st.sink, st.scale
 
-                def finish() -> None:
-                    sink.write_product(p, *self.rank.decode(unit, self._note(torch.cat(handle.wait())), scale))
-        if (rep in ("rank", "rank_allreduce") and entry.method == "dense" and not decision.exchange_sizes
-                and not unit.rows_unused):
-            # a rank route with no size exchange is the unit's route for good (mode rank; auto's
-            # sticky prediction), and it reduces from the dense gradient: its rows are of no use,
-            # so stop capturing them (saves the hooks' work; reports show 0 rows from then on)
-            unit.stop_using_rows()
-        elif (self.last_route[unit.index] == "dense" and self.timing is not None and not unit.rows_unused
-              and not verify):
-            # routed by time and dense until the next refresh: capture nothing, so that a step whose
-            # every unit goes dense costs what DDP's does (rows come back before the refresh). Not a
-            # unit only flushing its residual through the dense buckets: its route may be exact
-            unit.stop_using_rows()
-        entry.add_traffic(traffic)
-        return finish
+        def finish() -> None:
+            grads = self.exact.decode(unit, handle.wait(), rows_by_rank, scale)
+            if grads is None:
+                sink.write_unused(unit.param)
+                return
+            for q, g in grads.items():
+                sink.write(q, self._note(g))
+
+        return finish, handle.traffic
+
+    def _start_rank(self, unit: FactorUnit, payload: torch.Tensor, st: _Step) -> Tuple[Finish, Traffic]:
+        """The all-gather of one unit's rank-r payload of its own (its row count differs by rank:
+        ``adaptive_tolerance``); its finish rebuilds the average."""
+        handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}")
+        sink, scale = st.sink, st.scale
+
+        def finish() -> None:
+            sink.write_product(unit.param, *self.rank_codec.decode(unit, self._note(torch.cat(handle.wait())), scale))
+
+        return finish, handle.traffic
 
     def _flush_residual(self, unit: FactorUnit, rep: str, sink: GradSink) -> bool:
         """A unit off the rank routes with a residual left (`ErrorFeedback.flush`): add it to the
@@ -463,16 +379,22 @@ class Exchanger:
                             unit.name)
         return [[int(v) for v in t[2:]] for t in metas], handle.traffic
 
-    def _send_rank_bucket(self, bucket: RankBucket, window: StepWindow, sink: GradSink, scale: float) -> Finish:
+    # -- the shared buckets of the rank routes ------------------------------------------------------
+    def _send_shared(self, st: _Step) -> Finish:
+        """The rank-r all-reduce route's bucket (`RankAllReduceCodec.start`)."""
+        return self.rank_allreduce.start(st.shared.take(), self.aggregator, st.sink, st.scale, self._note)
+
+    def _send_rank_bucket(self, st: _Step) -> Finish:
         """One all-gather for the rank-r payloads of several units (fewer, larger collectives)."""
-        items = bucket.take()
+        items = st.bucket.take()
         flat = torch.cat([payload.reshape(-1) for _, payload, _ in items])
         agg = self.aggregator
         handle = agg.all_gather(flat, name=f"dad.rank.{items[0][0].name}", first_dims=[flat.numel()] * agg.world_size)
-        overlapped = not window.flush.is_set()  # sent while backward still runs?
+        overlapped = not st.window.flush.is_set()  # sent while backward still runs?
         for _, payload, entry in items:
             entry.add_traffic(handle.traffic.share(payload.numel() / flat.numel()))
             entry.overlapped = overlapped
+        sink, scale = st.sink, st.scale
 
         def finish() -> None:
             gathered = [self._note(g) for g in handle.wait()]
@@ -480,7 +402,7 @@ class Exchanger:
             for unit, payload, _ in items:
                 k = payload.numel()
                 stacked = torch.cat([g[offset:offset + k].view(payload.shape) for g in gathered])
-                sink.write_product(unit.param, *self.rank.decode(unit, stacked, scale))
+                sink.write_product(unit.param, *self.rank_codec.decode(unit, stacked, scale))
                 offset += k
 
         return finish

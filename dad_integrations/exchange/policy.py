@@ -1,0 +1,244 @@
+"""Route policy: which route each unit takes in a step, and what carries over between steps to
+decide it. The exchanger (`exchanger.Exchanger`) runs the collectives and asks its `RoutePolicy`.
+
+- **Choosing** (`RoutePolicy.propose`, `RoutePolicy.given_rows`): the router
+  (`routing.router.route`) decides from the unit's shape and what is known of its rows: auto's
+  prediction from the last agreed row counts (`last_rows`) before a size exchange, every rank's
+  counts after one.
+- **Holding** (objective ``"time"``): routes are chosen at a refresh (`routing.trial.refresh_due`:
+  every ``route_refresh_steps``, and when the lossless steps end) and held until the next, so that
+  they change together, on every rank, whatever the models learn in between.
+- **Trying** (`routing.trial.RouteTrial`, on a measured link in mode ``"auto"``): after a refresh
+  the next steps alternate its routes and all dense; the outcome holds until the next refresh.
+- **Capture on and off**: a unit whose rows no route of the coming steps uses stops capturing
+  them (the hooks' work saved; a step whose every unit goes dense costs what DDP's does), and
+  captures them again before a step whose route may use them.
+
+Two collectives belong to the policy, issued at the end of a step on every rank alike
+(`RoutePolicy.end_step`): a trial's agreement on step times (`routing.link.agree_max`) and, before
+a refresh on a measured link, the link probe (`routing.link.probe_link`). Measuring the models at
+construction (`routing.timing.build_timing`) is a collective too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from dad_integrations.capture.layers import compute_dtype
+from dad_integrations.capture.units import FactorUnit, SyncPlan
+from dad_integrations.codecs.error_feedback import ErrorFeedback
+from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.config import DADConfig
+from dad_integrations.routing.link import agree_max, probe_link
+from dad_integrations.routing.router import Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route
+from dad_integrations.routing.timing import StepTiming, build_timing
+from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due
+
+log = logging.getLogger(__name__)
+
+RANK_ROUTES = ("rank", "rank_allreduce")
+
+
+class RoutePolicy:
+    """The routes of each step, and what decides them across steps: agreed row counts, each unit's
+    last route, the link and compute models (`timing`, objective ``"time"``) and the route trial
+    (`trial`). Every rank holds the same policy state and asks it in the same order."""
+
+    def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig, device: torch.device,
+                 memory: ErrorFeedback):
+        self.plan = plan
+        self.aggregator = aggregator
+        self.config = config
+        self.device = device
+        self.memory = memory  # read only: which residuals a dense step still owes
+        self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
+        self.last_route: Dict[int, str] = {}       # unit index -> representation of its last step
+        self.saved: Dict[int, float] = {}          # unit index -> predicted seconds its route saves (by time)
+        # objective "time": the agreed link and compute models (measured here: a collective),
+        # timed in the dtype the rank codecs compute in (fp32 for fp16/bf16 weights)
+        self.timing: Optional[StepTiming] = (
+            build_timing(config, {u.shape for u in plan.units}, aggregator, device,
+                         dtype=compute_dtype(plan.units[0].param)) if plan.units else None)
+        # on a measured link, routes that compress are checked against all-dense on the job's steps
+        self.trial: Optional[RouteTrial] = (
+            RouteTrial(config.route_trial_steps)
+            if self.timing is not None and config.link is None and config.mode == "auto" else None)
+        self.clock: Callable[[], float] = time.perf_counter  # the end of a step's span (`StepClock`)
+
+    # -- which steps choose anew, which hold ------------------------------------------------------
+    def refresh_due(self, step: int) -> bool:
+        """Whether step ``step`` chooses every route again (objective ``"time"``): every
+        ``route_refresh_steps``, and when the lossless steps end (not step 0, which exchanges
+        every unit's sizes anyway)."""
+        return self.timing is not None and refresh_due(step, self.config.route_refresh_steps,
+                                                       self.config.lossless_steps)
+
+    def _next_refresh(self, step: int) -> int:
+        """The first step after ``step`` that chooses every route again."""
+        return next_refresh(step, self.config.route_refresh_steps, self.config.lossless_steps)
+
+    def _held_route(self, unit: FactorUnit, step: int, verify: bool) -> Optional[str]:
+        """By time, a unit keeps the route of the last refresh until the next (the models may have
+        changed in between: routes change together, at a refresh, on every rank)."""
+        if self.timing is None or verify or unit.dense_only:
+            return None
+        arm = self.trial.arm(step) if self.trial is not None else None
+        if arm is not None:  # a route trial's step: all dense, or the routes it tries
+            return "dense" if arm == "dense" else self.trial.routes.get(unit.index, "dense")
+        if self.refresh_due(step):
+            return None
+        held = self.last_route.get(unit.index)
+        return None if held == "exact" and unit.rows_unused else held  # exact needs its rows
+
+    def dense_for_sure(self, unit: FactorUnit, step: int, verify: bool) -> bool:
+        """Whether ``unit`` goes through the dense buckets in step ``step`` whatever its rows say: a
+        held dense route (objective "time", between refreshes) or dense for good. Such a step needs
+        none of the unit's rows, priors or restart marks (the all-reduce carries what ``.grad``
+        holds), so the hooks skip that bookkeeping, and routing it needs no early wake-up."""
+        return not verify and (unit.dense_only or self._held_route(unit, step, verify) == "dense")
+
+    def holds_residuals(self, step: int) -> bool:
+        """A route trial's dense step (`RouteTrial.holds_residuals`): residuals wait, and the step
+        goes as a steady dense step does (DDP's own buckets, `native_dense`)."""
+        return self.trial is not None and self.trial.holds_residuals(step)
+
+    def native_dense(self, step: int, verify: bool) -> bool:
+        """Whether step ``step`` can go by the engine's own bucket all-reduce, untouched (DDP's
+        buckets, `ddp_hook`): every unit dense whatever its rows (held dense between refreshes, a
+        route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
+        what DDP's is, with no per-parameter packing on dAD's worker (`Exchanger.run_native`)."""
+        memory, units = self.memory, self.plan.units
+        if verify or memory.flushed or not all(self.dense_for_sure(u, step, verify) for u in units):
+            return False
+        if self.holds_residuals(step):
+            return True
+        return not (memory.enabled and any(memory.dense(u.name) is not None for u in units))
+
+    # -- one unit's route --------------------------------------------------------------------------
+    def propose(self, unit: FactorUnit, shape: UnitShape, ctx: RouteContext, step: int,
+                verify: bool) -> Tuple[Route, bool]:
+        """The unit's route before any size exchange, and whether it is held (by time, between
+        refreshes: the route chosen at the last one). Where ``Route.exchange_sizes`` is set the
+        exchanger agrees every rank's row counts and asks `given_rows`; either way it ends with
+        `commit`."""
+        held = self._held_route(unit, step, verify)
+        if held is not None:
+            return Route(held, held == "exact"), True
+        evidence = UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index))
+        return route(dataclasses.replace(ctx, refresh=self.refresh_due(step)), shape, evidence), False
+
+    def given_rows(self, unit: FactorUnit, shape: UnitShape, ctx: RouteContext, proposed: Route, held: bool,
+                   rows_by_rank: RowCounts) -> Route:
+        """The route once every rank's row counts are agreed (a held route stays, unless the
+        size exchange's first-step check sent the unit dense for good)."""
+        self.last_rows[unit.index] = rows_by_rank
+        if held and not unit.dense_only:
+            return proposed
+        return route(ctx, shape, UnitEvidence(dense_only=unit.dense_only, rows_by_rank=rows_by_rank,
+                                              current=self.last_route.get(unit.index)))
+
+    def commit(self, unit: FactorUnit, decision: Route, held: bool) -> None:
+        """The unit takes ``decision`` this step: the route it holds until the next refresh, and
+        (chosen anew) its predicted saving for a route trial."""
+        if not held:
+            self.saved[unit.index] = decision.saved_s
+        self.last_route[unit.index] = decision.representation
+
+    def settle_capture(self, unit: FactorUnit, decision: Route, method: Optional[str], verify: bool) -> None:
+        """After the unit's codec has started (``method``: how a rank route reduced it): stop
+        capturing rows that no route of the coming steps uses."""
+        if unit.rows_unused:
+            return
+        if decision.representation in RANK_ROUTES and method == "dense" and not decision.exchange_sizes:
+            # a rank route with no size exchange is the unit's route for good (mode rank; auto's
+            # prediction, held), and it reduces from the dense gradient: its rows are of no use,
+            # so stop capturing them (saves the hooks' work; reports show 0 rows from then on)
+            unit.stop_using_rows()
+        elif self.last_route[unit.index] == "dense" and self.timing is not None and not verify:
+            # routed by time and dense until the next refresh: capture nothing, so that a step whose
+            # every unit goes dense costs what DDP's does (rows come back before the refresh). Not a
+            # unit only flushing its residual through the dense buckets: its route may be exact
+            unit.stop_using_rows()
+
+    # -- between steps -------------------------------------------------------------------------------
+    def set_link(self, link) -> None:
+        """Route by ``link`` (a `link.LinkModel`, the same on every rank) from the next refresh on."""
+        if self.timing is not None:
+            self.timing = dataclasses.replace(self.timing, link=link)
+
+    def end_step(self, step: int, started: Optional[float]) -> None:
+        """Step ``step``'s exchange is over (``started``: the start of its span, `StepClock`): its
+        span to the route trial, then the next step's preparation."""
+        self._run_trial(step, None if started is None else self.clock() - started)
+        self._prepare_refresh(step + 1)
+
+    def drop_rows(self) -> None:
+        """Every unit goes dense next step: capture nothing (a step that costs what DDP's does)."""
+        for u in self.plan.units:
+            if not u.rows_unused and not u.dense_only:
+                u.stop_using_rows()
+
+    def _use_rows(self, indices: Iterable[int]) -> None:
+        """Capture the rows of the units of ``indices`` again (where some route can use them)."""
+        wanted = set(indices)
+        for u in self.plan.units:
+            if u.index in wanted and u.rows_unused and not u.dense_only:
+                u.rows_unused = False
+                u.update_capture()
+
+    def _prepare_refresh(self, next_step: int) -> None:
+        """Before a refresh step: measure the link again (where it is not stated) and capture every
+        unit's rows in that step, so that exact factors are a candidate again. Before a route
+        trial's step on the routes it tries: capture the rows of the units it sends by exact
+        factors (its dense steps switched capture off)."""
+        arm = self.trial.arm(next_step) if self.trial is not None else None
+        if arm == "routes":
+            self._use_rows(i for i, rep in self.trial.routes.items() if rep == "exact")
+        elif arm == "dense":
+            self.drop_rows()
+        if not self.refresh_due(next_step):
+            return
+        if self.trial is not None:
+            self.trial.stop_watching()
+        if self.config.link is None:
+            self.set_link(probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather")))
+        self._use_rows(u.index for u in self.plan.units)
+
+    def _run_trial(self, step: int, seconds: Optional[float]) -> None:
+        """End of step ``step`` (``seconds``: its span on this rank): start a route trial after
+        routes were chosen anew, judge one, or watch the last decision (`route_trial`)."""
+        trial = self.trial
+        if trial is None:
+            return
+        if not trial.active and (step == 0 or self.refresh_due(step)):
+            self._begin_trial(trial, step)
+            return
+
+        def agree(values):
+            return agree_max(self.aggregator, values, self.device, name="dad.trial.agree")
+
+        outcome = trial.end_of_step(step, seconds, agree, self._next_refresh(step))
+        if outcome is None:
+            return
+        self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
+        for u in self.plan.units:  # what the next steps take until the next refresh
+            self.last_route[u.index] = trial.routes.get(u.index, "dense") if outcome.kept else "dense"
+        if outcome.kept:  # exact factors need their rows from the next step on
+            self._use_rows(i for i, rep in trial.routes.items() if rep == "exact")
+        else:
+            self.drop_rows()
+        if self.aggregator.rank == 0:
+            log.info("dAD route trial after step %d (%s): %s; overhead per compressed weight now %.2f ms",
+                     outcome.step, outcome.cause, outcome.describe(), outcome.overhead_s * 1e3)
+
+    def _begin_trial(self, trial: RouteTrial, step: int) -> None:
+        """Routes were chosen anew in step ``step``: try them against all-dense where any compresses
+        and the trial ends before the next refresh."""
+        compressed = [u.index for u in self.plan.units if self.last_route.get(u.index, "dense") != "dense"]
+        if compressed and trial.fits(step, self._next_refresh(step)):
+            trial.begin(step, {u.index: self.last_route.get(u.index, "dense") for u in self.plan.units},
+                        sum(self.saved.get(i, 0.0) for i in compressed))

@@ -1,0 +1,350 @@
+"""The sharded exchanger: what FSDP2 and DeepSpeed ZeRO-2/3 share when dAD takes their reduce-scatter.
+
+A sharded engine reduces gradients in calls (FSDP2: one per parameter group, ZeRO: one per bucket);
+each rank keeps its shard of the average. An adapter hands each call over as a `ShardedCall`: which
+factor units it reduces, where their rows and local gradients are, and how its engine exchanges
+exact factors, rank routes and the dense rest. `ShardedExchanger.reduce` runs the rest, alike for
+both engines and in the same order on every rank:
+
+1. a route trial's dense step (or all dense decided): every weight by the engine's own reduction,
+   capture drained, residuals flushed into it unless the trial holds them;
+2. each unit's rows; row counts agreed where a route needs them (`router.sharded_needs_counts`);
+3. the first call of each unit: do its factors rebuild its local gradient on every rank? A unit
+   that fails goes by the engine's reduction for good;
+4. per unit, its route (`router.route` with ``sharded=True``, the engine's own byte estimates where
+   it has them); a unit leaving the rank routes flushes its error-feedback residual into the
+   engine's reduction (`ErrorFeedback.flush`);
+5. the call's exchanges (the adapter's), then the step's finiteness: once per step, when the
+   engine's last reduction is over, the ranks agree whether every local gradient was finite and
+   keep the rank routes' residuals and warm starts only if so (`ShardedRankCodec.end_step`).
+
+It also holds what carries over between steps (the step count, the rank routes' state, the route
+trial) and shows it through `ShardedFacade`, the adapters' common public face.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from dad_integrations.capture.rows import Rows, concat_rows
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.codecs.error_feedback import sharded_residual_note
+from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.config import WIRE_DTYPES, DADConfig
+from dad_integrations.logs import OnceLogger
+from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.routing.router import RouteContext, RowCounts, UnitEvidence, UnitShape, route, sharded_needs_counts
+from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+RANK_ROUTES = ("rank", "rank_allreduce")
+Estimates = Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]]]
+
+
+@dataclass
+class CallRoutes:
+    """One call's decisions, for the adapter's exchanges: the units that go by exact factors or a
+    rank route, with their representation, in the call's order; every other parameter goes by the
+    engine's reduction."""
+
+    step: int                                  # 0-based, as the router counts
+    rows: Dict[int, List[Rows]]                # unit index -> rows per use
+    counts: Dict[int, RowCounts]               # unit index -> agreed row counts (where exchanged)
+    report: ShardedStepReport
+    routed: List[Tuple[FactorUnit, str]] = field(default_factory=list)
+
+    @property
+    def exact(self) -> List[FactorUnit]:
+        return [u for u, rep in self.routed if rep == "exact"]
+
+    @property
+    def ranked(self) -> List[Tuple[FactorUnit, str]]:
+        return [(u, rep) for u, rep in self.routed if rep in RANK_ROUTES]
+
+
+class ShardedCall:
+    """One reduction call of a sharded engine, as its adapter describes it (override what applies)."""
+
+    aggregator: FactorAggregator               # the call's group
+    route_wire: Optional[torch.dtype] = None   # the wire dtype the router counts in
+
+    def units(self) -> List[FactorUnit]:
+        """The factor units this call reduces, in its order (dense-only ones included)."""
+        raise NotImplementedError
+
+    def take_pairs(self, unit: FactorUnit, use) -> list:
+        """The captured (left, right) pairs of ``use`` that are ready to send (and forget them)."""
+        return use.take()
+
+    def prepare(self, rows: Mapping[int, List[Rows]]) -> None:
+        """This call's rows per unit (``unit.index``), before any decision is taken."""
+
+    def local_of(self, unit: FactorUnit) -> Optional[torch.Tensor]:
+        """The unit's local gradient, where the step's finiteness is read per unit (None: the
+        adapter notes the whole call, `ShardedExchanger.note_local`)."""
+        return None
+
+    def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
+        """Add a flushed residual (``m x n``) to the unit's local gradient, before the engine reduces it."""
+        raise NotImplementedError
+
+    def agree_counts(self, units: Sequence[FactorUnit], rows: Mapping[int, List[Rows]]
+                     ) -> Tuple[Dict[int, RowCounts], Traffic, int]:
+        """Every rank's row counts of ``units`` (one collective): counts, bytes, overhead size."""
+        raise NotImplementedError
+
+    def checkable(self, unit: FactorUnit) -> bool:
+        """Whether the first call's check applies: the unit may take exact factors."""
+        return unit.has_factors
+
+    def verify(self, units: Sequence[FactorUnit], rows: Mapping[int, List[Rows]]
+               ) -> Tuple[List[FactorUnit], Traffic]:
+        """Do ``units``' factors rebuild their local gradients on every rank? Returns the failed ones."""
+        raise NotImplementedError
+
+    def unit_shape(self, unit: FactorUnit) -> UnitShape:
+        raise NotImplementedError
+
+    def estimates(self, unit: FactorUnit, counts: Optional[RowCounts]) -> Estimates:
+        """The engine's own byte estimates and ties for ``unit`` (None: the cost model's)."""
+        return None, None
+
+    def reduce_dense(self, report: ShardedStepReport) -> None:
+        """Every parameter of the call by the engine's own reduction."""
+        raise NotImplementedError
+
+    def exchange(self, routes: CallRoutes) -> None:
+        """Run the call's exchanges: exact factors, rank routes, the engine's reduction for the rest."""
+        raise NotImplementedError
+
+    def at_step_end(self, end: Callable[[], None]) -> None:
+        """Run ``end`` once the step's last reduction is over (where the adapter does not call
+        `ShardedExchanger.end_rank_step` itself)."""
+
+
+class ShardedExchanger(TimedRoutes):
+    """Routes, checks and rank-route state of one sharded engine's reductions (see the module doc).
+
+    Args:
+        config: the dAD config.
+        units: the factor units the engine's calls may carry.
+        engine: the engine's name in messages (``"FSDP2"``, ``"ZeRO-3"``).
+        fallback: what the engine's own reduction is called in messages.
+        overhead_names: report names of the ``counts``, ``verify`` and ``finite`` collectives.
+        process_rank: this process's rank in the engine's group (rank 0 logs decisions).
+        world_size: the engine's group size.
+        logger: where its messages go (the adapter's logger: users configure logging by engine).
+    """
+
+    def __init__(self, config: DADConfig, units: Sequence[FactorUnit], *, engine: str, fallback: str,
+                 overhead_names: Mapping[str, str], process_rank: int, world_size: int,
+                 logger: logging.Logger = log):
+        self.config, self.units, self.engine, self.fallback = config, list(units), engine, fallback
+        self.names = dict(overhead_names)
+        self.process_rank, self.world_size = process_rank, world_size
+        self.wire = WIRE_DTYPES[config.wire_dtype]
+        # the rank routes' error feedback and warm starts (None without a rank)
+        self.rank_codec = ShardedRankCodec(config, self.wire) if config.rank is not None else None
+        self._trial = ShardedTrial(config, f"dAD/{engine}", log_decisions=process_rank == 0)
+        self.log = logger
+        self.log_once = OnceLogger(logger, f"dAD/{engine}: ")
+        self.report: Optional[ShardedStepReport] = None
+        self.steps = 0                    # steps begun (a backward that reduces)
+        self._verified: set = set()       # units whose first call was checked
+        self._rank_touched = False        # this step took a rank route or flushed a residual
+
+    @property
+    def trial(self) -> ShardedTrial:
+        return self._trial
+
+    def start(self, aggregator: FactorAggregator, device: torch.device, units: Sequence[FactorUnit]) -> None:
+        """At attach, on every rank together: say what error feedback costs beside the shards
+        (rank 0), and measure the models where routes go by time."""
+        note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size,
+                                     units[0].param.element_size() if units else 4)
+        if note is not None and self.process_rank == 0:
+            self.log.warning("dAD/%s: %s", self.engine, note)
+        if units:
+            self._trial.start(units, aggregator, device)
+
+    # -- a step -----------------------------------------------------------------------------------
+    def begin_step(self) -> ShardedStepReport:
+        """The step's first reduction call: a new report, nothing pending in the rank routes (a step
+        that never reached its end leaves no trace), the route trial's step opened."""
+        self.steps += 1
+        self.report = ShardedStepReport(self.steps, self.world_size)
+        if self.rank_codec is not None:
+            self.rank_codec.start_step()
+        self._rank_touched = False
+        self._trial.open(self.steps - 1)
+        return self.report
+
+    def note_local(self, local: torch.Tensor) -> None:
+        """Fold local gradients into the step's finiteness (rank routes only)."""
+        if self.rank_codec is not None:
+            self.rank_codec.note_local(local)
+
+    def end_rank_step(self, aggregator: FactorAggregator, report: Optional[ShardedStepReport] = None) -> None:
+        """After a step that took a rank route or flushed a residual: agree its finiteness over the
+        ranks (one all-reduce of one number), keep or drop its rank-route state."""
+        if self.rank_codec is None or not self._rank_touched:
+            return
+        self._rank_touched = False
+        traffic = self.rank_codec.end_step(aggregator)
+        report = report if report is not None else self.report
+        if report is not None:
+            report.params.append(ShardedParamReport.overhead(self.names["finite"], 1, traffic))
+
+    def _touch_rank(self, call: ShardedCall, unit: FactorUnit) -> None:
+        local = call.local_of(unit)
+        if local is not None:
+            self.note_local(local)
+        if not self._rank_touched:
+            self._rank_touched = True
+            call.at_step_end(functools.partial(self.end_rank_step, call.aggregator, self.report))
+
+    def _flush(self, call: ShardedCall, unit: FactorUnit) -> bool:
+        """A unit off the rank routes with a residual left: it rides the engine's reduction now."""
+        residual = self.rank_codec.flush(unit.name) if self.rank_codec is not None else None
+        if residual is None:
+            return False
+        self._touch_rank(call, unit)
+        call.add_residual(unit, residual)
+        return True
+
+    # -- a call -----------------------------------------------------------------------------------
+    def reduce(self, call: ShardedCall) -> None:
+        """Route and exchange one reduction call of the open step (see the module doc)."""
+        report = self.report
+        step = report.step - 1
+        cfg = self.config
+        rows: Dict[int, List[Rows]] = {}
+        live: List[FactorUnit] = []
+        for unit in call.units():  # rows are drained whatever the route: a step's rows are its own
+            taken = [call.take_pairs(unit, c) for c in unit.uses]
+            if unit.dense_only:
+                continue
+            live.append(unit)
+            rows[unit.index] = taken
+        if self._trial.dense(step):  # a route trial's dense step, or all dense decided
+            if not self._trial.holds_residuals(step):
+                for unit in live:
+                    self._flush(call, unit)
+            call.reduce_dense(report)
+            return
+        rows = {u.index: [concat_rows(pairs, c.kind, u.shape, u.param, c.block)
+                          for pairs, c in zip(rows[u.index], u.uses)] for u in live}
+        call.prepare(rows)
+        # units without uses (PowerSGD's floor) have no rows: no size exchange, no check
+        factored = [u for u in live if u.has_factors]
+        counts: Dict[int, RowCounts] = {}
+        if factored and sharded_needs_counts(cfg, step):
+            counts, traffic, numel = call.agree_counts(factored, rows)
+            report.params.append(ShardedParamReport.overhead(self.names["counts"], numel, traffic))
+        live = self._verify(call, live, rows, report)
+        timing = self._trial.models(call.aggregator, self._device(live), step) if live else None
+        ctx = RouteContext(cfg, call.aggregator.world_size, call.route_wire, step=step, sharded=True, timing=timing)
+        routes = CallRoutes(step, rows, counts, report)
+        for unit in live:
+            estimates, ties = call.estimates(unit, counts.get(unit.index))
+            decision = route(ctx, call.unit_shape(unit), UnitEvidence(rows_by_rank=counts.get(unit.index),
+                                                                     estimates=estimates, ties=ties))
+            self._trial.note(unit, decision)
+            rep = decision.representation
+            if rep in RANK_ROUTES:
+                routes.routed.append((unit, rep))
+            elif self._flush(call, unit):
+                continue  # its residual rides the engine's reduction this step
+            elif rep == "exact":
+                routes.routed.append((unit, rep))
+        call.exchange(routes)
+        for unit, _ in routes.ranked:
+            self._touch_rank(call, unit)
+
+    def _verify(self, call: ShardedCall, live: List[FactorUnit], rows: Mapping[int, List[Rows]],
+                report: ShardedStepReport) -> List[FactorUnit]:
+        """The first call of each unit: its factors must rebuild its local gradient on every rank."""
+        todo = [u for u in live if u.index not in self._verified and call.checkable(u)
+                ] if self.config.verify_first_step else []
+        if not todo:
+            return live
+        failed, traffic = call.verify(todo, rows)
+        report.params.append(ShardedParamReport.overhead(self.names["verify"], len(todo), traffic))
+        self._verified.update(u.index for u in todo)
+        for unit in failed:
+            self.log_once(f"{unit.name}: its factors do not rebuild its local gradient on some rank (a use "
+                          f"outside the captured layers?): {self.fallback} from now on")
+            unit.set_dense_only(True)
+        return [u for u in live if not u.dense_only]
+
+    @staticmethod
+    def _device(units: Sequence[FactorUnit]) -> torch.device:
+        return units[0].param.device
+
+    # -- state ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "steps": self.steps,
+                "rank_routes": self.rank_codec.state_dict() if self.rank_codec is not None else {}}
+
+    def load_state_dict(self, state: Mapping, params: Mapping[str, torch.nn.Parameter]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"dAD/{self.engine} state of version {state.get('version')!r}, expected {STATE_VERSION}")
+        load_rank_route_state(self.rank_codec, dict(state.get("rank_routes") or {}), params)
+        self.steps = int(state.get("steps", 0))
+        self.report = None
+        self._trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
+
+
+class ShardedFacade:
+    """The public face FSDP2's and ZeRO's adapters share, over their `ShardedExchanger`
+    (``self.exchanger``): reports, per-rank state, routing by time."""
+
+    exchanger: ShardedExchanger
+    plan: object
+
+    def last_step_report(self) -> Optional[ShardedStepReport]:
+        """The report of the latest backward that reduced gradients (None before the first): per
+        parameter its bytes, beside what the engine's reduce-scatter of it would move."""
+        return self.exchanger.report
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether `state_dict` holds anything between steps: only the rank routes do (error-feedback
+        residuals, warm starts); exact factors and the engine's reduction keep nothing."""
+        return self.exchanger.rank_codec is not None
+
+    @property
+    def rank_codec(self) -> Optional[ShardedRankCodec]:
+        return self.exchanger.rank_codec
+
+    def state_dict(self) -> dict:
+        """This rank's dAD state: the steps taken (``lossless_steps`` counts them) and, per
+        rank-routed weight, its warm starts and residual. They differ across ranks: save per rank
+        (`engines.checkpoint.save_rank_state`)."""
+        return self.exchanger.state_dict()
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore `state_dict`'s state (tensors onto each weight's device and compute dtype); call
+        it between steps. Raises, naming them, for weights this model does not have."""
+        self.exchanger.load_state_dict(state, {u.name: u.param for u in self.plan.units})
+
+    def set_link(self, link) -> None:
+        """`routing.sharded_trial.TimedRoutes.set_link`."""
+        self.exchanger.set_link(link)
+
+    @property
+    def timing(self):
+        """The link and compute models routes are chosen by; None where the objective is bytes."""
+        return self.exchanger.timing
+
+    @property
+    def route_trials(self):
+        """The route trials so far (`routing.trial.TrialOutcome`)."""
+        return self.exchanger.route_trials
