@@ -67,7 +67,10 @@ class _WorkerClock:
         self.cpu: List[float] = []
         self.prof = cProfile.Profile() if profile else None
         self.on = False
-        mod = importlib.import_module(f"{package}.exchange")
+        try:  # the subpackage layout; a baseline tree may have the flat ``exchange`` module
+            mod = importlib.import_module(f"{package}.exchange.exchanger")
+        except ModuleNotFoundError:
+            mod = importlib.import_module(f"{package}.exchange")
         run = mod.Exchanger.run
         clock = self
 

@@ -27,7 +27,7 @@ FORMAT = 1
 
 
 def state_file(directory: str, rank: int, index: int = 0) -> str:
-    """The path of rank ``rank``'s dAD state in ``directory`` (``index``: which synchroniser,
+    """The path of process ``rank``'s dAD state in ``directory`` (``index``: which synchroniser,
     when one checkpoint holds several models)."""
     return os.path.join(directory, f"{_prefix(index)}{rank}.pt")
 
@@ -40,8 +40,8 @@ def save_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
                     **extra: Any) -> str:
     """Write ``sync.state_dict()`` to this rank's file in ``directory``; returns the path.
 
-    Every rank calls it with its own rank. ``extra`` (plain values, e.g. ``global_step``) is stored
-    alongside and returned by `load_rank_state`.
+    Every rank calls it with its own process rank (``rank``). ``extra`` (plain values, e.g.
+    ``global_step``) is stored alongside and returned by `load_rank_state`.
     """
     os.makedirs(directory, exist_ok=True)
     path = state_file(directory, rank, index)
@@ -53,7 +53,8 @@ def save_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
 
 
 def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index: int = 0) -> Optional[dict]:
-    """Load this rank's dAD state from ``directory`` into ``sync``; returns the stored payload.
+    """Load this rank's dAD state (``rank``: its process rank) from ``directory`` into ``sync``;
+    returns the stored payload.
 
     Saved by a job of the same size, this rank's own file is loaded as written. Saved by a job of
     another size S, every rank reads all S files and loads their merge (`merge_rank_states`): the
@@ -88,21 +89,22 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
     return _load_resized(sync, directory, rank, world_size, index, int(saved_world))
 
 
-def _read(path: str, rank: int, world_size: Optional[int], found: Optional[int]) -> dict:
+def _read(path: str, process_rank: int, world_size: Optional[int], found: Optional[int]) -> dict:
     """One rank's file, checked to hold that rank's state (and, given, of a job of ``world_size``)."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dAD state for rank {rank} is missing: {path} does not exist"
+        raise FileNotFoundError(f"dAD state for rank {process_rank} is missing: {path} does not exist"
                                 + (f", though the checkpoint holds {found} dAD state file(s)" if found else ""))
     payload = torch.load(path, map_location="cpu", weights_only=True)
-    if payload.get("rank") != rank:
-        raise ValueError(f"{path} holds the dAD state of rank {payload.get('rank')}, not of rank {rank}")
+    if payload.get("rank") != process_rank:
+        raise ValueError(f"{path} holds the dAD state of rank {payload.get('rank')}, not of rank {process_rank}")
     if world_size is not None and payload.get("world_size") != world_size:
         raise ValueError(f"{path} was saved by a job of {payload.get('world_size')} processes, but rank 0's "
                          f"file by one of {world_size}: the checkpoint mixes two jobs' dAD state")
     return payload
 
 
-def _load_resized(sync: Any, directory: str, rank: int, world_size: int, index: int, saved_world: int) -> dict:
+def _load_resized(sync: Any, directory: str, process_rank: int, world_size: int, index: int,
+                  saved_world: int) -> dict:
     """Every old rank's file merged into this rank's state (`merge_rank_states`), loaded into ``sync``.
 
     Each new rank reads the S files itself, in rank order, so every rank forms the same merge bit
@@ -112,10 +114,10 @@ def _load_resized(sync: Any, directory: str, rank: int, world_size: int, index: 
     meta = {k: v for k, v in first.items() if k != "state"}
     merged, summary = merge_rank_states(_old_states(first.pop("state"), directory, index, saved_world))
     sync.load_state_dict(merged)
-    if rank == 0:
+    if process_rank == 0:
         log.info("dAD: resuming on %d processes from dAD state saved by %d (%s): %s", world_size, saved_world,
                  directory, summary)
-    return {**meta, "state": merged, "rank": rank, "world_size": world_size, "resized_from": saved_world}
+    return {**meta, "state": merged, "rank": process_rank, "world_size": world_size, "resized_from": saved_world}
 
 
 def _old_states(first: dict, directory: str, index: int, saved_world: int) -> Iterable[dict]:
@@ -123,8 +125,8 @@ def _old_states(first: dict, directory: str, index: int, saved_world: int) -> It
     state = first
     del first
     yield state
-    for r in range(1, saved_world):
-        state = _read(state_file(directory, r, index), r, saved_world, None)["state"]
+    for old_rank in range(1, saved_world):
+        state = _read(state_file(directory, old_rank, index), old_rank, saved_world, None)["state"]
         yield state
 
 
@@ -163,7 +165,7 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
     merged: Optional[dict] = None
     table: Optional[str] = None
     residuals: Dict[str, _Mean] = {}
-    count = 0
+    old_ranks = 0
     for state in states:
         state = dict(state)
         key = next((k for k in _UNIT_TABLES if k in state), None)
@@ -174,23 +176,23 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
             merged_units = {name: _merge_unit(name, entry) for name, entry in units.items()}
         elif key != table or set(units) != set(merged_units) or any(
                 top.get(k) != merged.get(k) for k in _TOP_FROM_RANK0 if k in merged):
-            raise ValueError(f"the old ranks' dAD states disagree (rank {count} differs from rank 0 in its "
+            raise ValueError(f"the old ranks' dAD states disagree (rank {old_ranks} differs from rank 0 in its "
                              f"format, its weights or its step count): not one job's checkpoint")
         for name, entry in units.items():
             if entry.get("residual") is not None:
                 residuals.setdefault(name, _Mean()).add(entry["residual"])
-        count += 1
+        old_ranks += 1
     if merged is None:
         raise ValueError("no dAD state to merge")
     for name, mean in residuals.items():
-        merged_units[name]["residual"] = mean.result(count)
+        merged_units[name]["residual"] = mean.result(old_ranks)
     if table is None:
         merged = merged_units
     else:
         merged[table] = merged_units
     shared = sum(1 for e in merged_units.values() if e.get("shared_q") is not None)
     low = sum(1 for m in residuals.values() if m.low_rank)
-    summary = (f"error-feedback residuals of {len(residuals)} weight(s) averaged over the {count} old ranks"
+    summary = (f"error-feedback residuals of {len(residuals)} weight(s) averaged over the {old_ranks} old ranks"
                + (f" ({low} kept at their rank q: the mean's best rank-q part)" if low else "")
                + f"; the all-reduce route's warm starts of {shared} weight(s) carried over; the all-gather "
                  f"route's warm starts, the first-step check, row counts and dense-for-good decisions restart")
@@ -245,23 +247,23 @@ class _Mean:
         else:
             self.dense += residual
 
-    def result(self, count: int) -> Any:
+    def result(self, old_ranks: int) -> Any:
         if self.dense is not None:
-            return self.dense / count
-        q = self.lefts[0].shape[1]
-        return best_rank_q(torch.cat(self.lefts, 1), torch.cat(self.rights, 1) / count, q)
+            return self.dense / old_ranks
+        matrix_rank = self.lefts[0].shape[1]  # the residuals' q
+        return best_rank_q(torch.cat(self.lefts, 1), torch.cat(self.rights, 1) / old_ranks, matrix_rank)
 
 
-def best_rank_q(left: torch.Tensor, right: torch.Tensor, q: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The best rank-``q`` approximation of ``left @ right.T`` as ``(U, V)``, ``U`` orthonormal, as
-    `error_feedback.LowRankErrorFeedback` keeps it: thin QR of both factors and the SVD of the small
-    core (``left``: m x k, ``right``: n x k; costs ``O((m+n) k^2)``, in float64)."""
+def best_rank_q(left: torch.Tensor, right: torch.Tensor, matrix_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The best rank-``matrix_rank`` approximation of ``left @ right.T`` as ``(U, V)``, ``U``
+    orthonormal, as `error_feedback.LowRankErrorFeedback` keeps it: thin QR of both factors and the
+    SVD of the small core (``left``: m x k, ``right``: n x k; costs ``O((m+n) k^2)``, in float64)."""
     dtype = left.dtype
     qa, ra = torch.linalg.qr(left.double())
     qb, rb = torch.linalg.qr(right.double())
     w, sigma, zh = torch.linalg.svd(ra @ rb.t(), full_matrices=False)
-    q = min(q, sigma.numel())
-    return (qa @ w[:, :q]).to(dtype), (qb @ (zh[:q].t() * sigma[:q])).to(dtype)
+    keep = min(matrix_rank, sigma.numel())
+    return (qa @ w[:, :keep]).to(dtype), (qb @ (zh[:keep].t() * sigma[:keep])).to(dtype)
 
 
 def keeps_state(sync: Any) -> bool:
