@@ -77,7 +77,7 @@ def _new_group(ds_dist: Any, ranks: List[int], timeout: Optional[timedelta]) -> 
 
     DeepSpeed's torch backends (``TorchBackend`` and its subclasses) make groups with
     ``torch.distributed.new_group``, so the group is made there directly, where a timeout can be
-    given. Another backend keeps its own ``new_group`` (and its timeout), as before.
+    given. Another backend makes the group with its own ``new_group`` (and its timeout).
     """
     import torch.distributed
     from deepspeed.comm import comm as ds_comm  # the live backend: ``deepspeed.comm.cdb`` is a stale copy

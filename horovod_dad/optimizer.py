@@ -472,7 +472,8 @@ def _check_named_parameters(named_parameters: Any, param_groups: List[dict]) -> 
 @contextlib.contextmanager
 def _requiring_grad_only(model: nn.Module, params: List[nn.Parameter]) -> Iterator[None]:
     """Inside the block, of ``model``'s parameters exactly ``params`` require grad (so that the
-    synchroniser's plan covers them and hooks can be registered on them); then as before."""
+    synchroniser's plan covers them and hooks can be registered on them); after it, each parameter's
+    ``requires_grad`` is what it was at entry."""
     ours = {id(p) for p in params}
     flipped = [p for p in _unique(list(model.parameters()) + list(params)) if p.requires_grad != (id(p) in ours)]
     for p in flipped:

@@ -13,7 +13,7 @@ Two memories, one interface (`error_feedback_for` picks by the config):
 - `LowRankErrorFeedback` (``error_feedback_rank: q``) keeps the residual's best rank-``q`` part,
   ``U V^T`` (``q (m+n)`` numbers), found by warm-started power iteration on the residual
   (``power_iterations`` of them, one by default: ``4 m n q`` flops each, the cost of the
-  compression itself; three instead of one changed nothing measurable): the directions the compressor left
+  compression itself; three measure no better than one): the directions the compressor left
   out with most energy, the part that error feedback exists to carry over, travel on; the
   residual's tail below them is dropped. Exact whenever the residual's rank is at most ``q``; at
   ``q >= min(m, n)`` it keeps the residual whole.

@@ -93,8 +93,8 @@ class Exchanger:
         """Wait until unit ``i`` is ready. Units sure to go dense that do not fill the open dense
         bucket need nothing done before the unit that fills it: wait for that one first (then most
         of those before it are ready too), so that the worker wakes about once per bucket, not once
-        per unit (each wake takes the GIL from the autograd thread). Order and results are
-        unchanged: every unit is still routed in exchange order, once it is ready."""
+        per unit (each wake takes the GIL from the autograd thread). Order and results do not
+        depend on it: every unit is routed in exchange order, once it is ready."""
         units = self.plan.units
         j, room = i, dense.room()
         while j + 1 < len(units) and sure[j]:

@@ -12,7 +12,7 @@ prints loss and bytes sent per rank and step, against what FSDP's reduce-scatter
 
 The defaults (2 x 16 tokens per rank, width 128) are where factors are the cheaper exchange for
 most weights (rows per rank well below a shard's rows times the width over their sum); with many
-more rows per rank ``auto`` sends the weights through FSDP's reduce-scatter as before. With
+more rows per rank ``auto`` sends the weights through FSDP's own reduce-scatter. With
 ``--rank r`` (mode ``rank``, or ``auto`` weighing them too) weights may take a rank-r route
 (`codecs.sharded_rank`), lossy, with error feedback: one unsharded residual per rank-routed weight
 and rank, or its rank-q part with ``--error-feedback-rank q`` (less memory, part of the gain).

@@ -2,8 +2,8 @@
 
 The module never calls ``out_proj.forward``: ``F.multi_head_attention_forward`` passes
 ``in_proj_weight`` (or ``q/k/v_proj_weight``) and ``out_proj.weight`` straight to ``F.linear``, so
-module hooks on ``out_proj`` see nothing (before this kind, ``linear`` claimed ``out_proj``, got no
-rows, and the first-step check sent it dense for good). This kind claims both, with priority over
+module hooks on ``out_proj`` see nothing (claimed by ``linear``, it would get no rows, and the
+first-step check would send it dense for good). This kind claims both, with priority over
 ``linear``, and captures every linear call of the module's own forward:
 
 - a forward pre-hook pushes a ``TorchFunctionMode`` (thread-local) and a forward hook registered
