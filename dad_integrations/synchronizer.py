@@ -9,7 +9,7 @@ Usage, in an ordinary training loop::
 
 How a step runs. Forward hooks keep each captured layer's input rows, and a hook on the layer's
 output keeps its output-gradient rows (`capture`). When backward first reaches a synchronised
-parameter, the step's `window.StepWindow` opens and keeps what ``.grad`` already held (the
+parameter, the step's `exchange.window.StepWindow` opens and keeps what ``.grad`` already held (the
 prior); when autograd has finished a weight and all its biases, their unit is ready, and the
 `exchange.Exchanger` on a background thread (`worker`) exchanges the units in an order every rank
 shares, each through the codec its route (`router`) picks; a dense bucket is all-reduced as soon
@@ -196,7 +196,7 @@ class DADSynchronizer:
         return self._report
 
     def set_link(self, link: Union["LinkModel", Mapping]) -> None:
-        """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; pass the same on every
+        """Route by ``link`` (a `routing.link.LinkModel` or a config ``link`` dict; pass the same on every
         rank) from the next route refresh on (every ``route_refresh_steps``), in place of the
         measured or configured one; with ``objective="bytes"`` it has no effect."""
         from dad_integrations.routing.link import LinkModel
@@ -204,13 +204,13 @@ class DADSynchronizer:
 
     @property
     def timing(self):
-        """The link and compute models routes are chosen by (`timing.StepTiming`); None where the
+        """The link and compute models routes are chosen by (`routing.timing.StepTiming`); None where the
         objective is bytes."""
         return self._exchanger.policy.timing
 
     @property
     def route_trials(self) -> list:
-        """The route trials so far (`route_trial.TrialOutcome`: the measured steps on a refresh's
+        """The route trials so far (`routing.trial.TrialOutcome`: the measured steps on a refresh's
         routes and all dense, and what was kept); empty where routes are not chosen by time on a
         measured link."""
         trial = self._exchanger.policy.trial
@@ -348,7 +348,7 @@ class DADSynchronizer:
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_root_forward(self) -> None:
-        """The model's forward: a training step may start here (`route_trial.StepClock`); an
+        """The model's forward: a training step may start here (`routing.trial.StepClock`); an
         evaluation under ``no_grad``, a recomputation in backward or a micro-step does not."""
         if self._window is None:
             self._clock.forward()

@@ -109,7 +109,7 @@ class Exchanger:
     def run(self, window: StepWindow, sink: GradSink, *, step: int, verify: bool, prescale: float,
             postscale: Optional[float]) -> StepReport:
         """Exchange every unit and the dense buckets of one step; returns its report. ``window.started``
-        (`route_trial.StepClock`) to the end of this call is the step's span a route trial times."""
+        (`routing.trial.StepClock`) to the end of this call is the step's span a route trial times."""
         st = self._open_step(window, sink, step, verify, prescale, postscale)
         previous = self._exchange_units(st)
         if not self.plan.dense:

@@ -166,7 +166,7 @@ class RoutePolicy:
 
     # -- between steps -------------------------------------------------------------------------------
     def set_link(self, link) -> None:
-        """Route by ``link`` (a `link.LinkModel`, the same on every rank) from the next refresh on."""
+        """Route by ``link`` (a `routing.link.LinkModel`, the same on every rank) from the next refresh on."""
         if self.timing is not None:
             self.timing = dataclasses.replace(self.timing, link=link)
 
@@ -210,7 +210,7 @@ class RoutePolicy:
 
     def _run_trial(self, step: int, seconds: Optional[float]) -> None:
         """End of step ``step`` (``seconds``: its span on this rank): start a route trial after
-        routes were chosen anew, judge one, or watch the last decision (`route_trial`)."""
+        routes were chosen anew, judge one, or watch the last decision (`routing.trial`)."""
         trial = self.trial
         if trial is None:
             return
