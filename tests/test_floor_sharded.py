@@ -23,7 +23,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route
 from dad_integrations.capture.rows import as_matrix
 from dad_integrations.capture.units import FactorUnit
-from deepspeed_dad.zero import _takes_exact
+from dad_integrations.exchange.partitions import takes_exact as _takes_exact
 
 F32 = dict(world_size=2, wire_dtype=torch.float32, sharded=True)
 

@@ -134,7 +134,6 @@ class ShardedExchanger(TimedRoutes):
 
     Args:
         config: the dAD config.
-        units: the factor units the engine's calls may carry.
         engine: the engine's name in messages (``"FSDP2"``, ``"ZeRO-3"``).
         fallback: what the engine's own reduction is called in messages.
         overhead_names: report names of the ``counts``, ``verify`` and ``finite`` collectives.
@@ -143,10 +142,10 @@ class ShardedExchanger(TimedRoutes):
         logger: where its messages go (the adapter's logger: users configure logging by engine).
     """
 
-    def __init__(self, config: DADConfig, units: Sequence[FactorUnit], *, engine: str, fallback: str,
+    def __init__(self, config: DADConfig, *, engine: str, fallback: str,
                  overhead_names: Mapping[str, str], process_rank: int, world_size: int,
                  logger: logging.Logger = log):
-        self.config, self.units, self.engine, self.fallback = config, list(units), engine, fallback
+        self.config, self.engine, self.fallback = config, engine, fallback
         self.names = dict(overhead_names)
         self.process_rank, self.world_size = process_rank, world_size
         self.wire = WIRE_DTYPES[config.wire_dtype]

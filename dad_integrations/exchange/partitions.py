@@ -1,0 +1,260 @@
+"""Shards that are flat element ranges of each weight (DeepSpeed ZeRO-2/3's partitions).
+
+A call hands over each parameter's flattened local gradient and every rank's owned ``[lo, hi)`` of
+it (`PartitionCall`); the rank keeps only its own elements of the average. A weight is handled as
+its matrix view ``(shape[0], prod(shape[1:]))``, whose row-major flattening is the partitions':
+
+* routes are weighed on the real ranges (`PartitionCall._estimates`): a weight often lies in one
+  rank's partition, and that rank receives every site's factors, so the estimates are the busiest
+  rank's bytes and ties go by the mean over ranks;
+* exact factors and rank-dAD's ``(P_s^T, Q_s^T)`` (r rows of a linear use) travel together in one
+  all-to-all per run of weights (`codecs.partition_exact`): rank d owning w rows of an ``m x n``
+  weight receives ``sum_{s != d} N_s (n + w)`` for exact factors, ``sum_{s != d} r (n + w)`` for
+  rank-dAD; each rank rebuilds the covering rows of its range and keeps its elements;
+* PowerSGD's all-reduce route (P and Q all-reduced, ``2 (S-1)/S r (m+n)`` per rank, flat in S):
+  each rank rebuilds only the covering rows of its owned elements (`sharded_rank.reduced_elements`);
+* linear uses over row blocks (a packed ``in_proj_weight``) take exact factors as whole-row uses do;
+  blocks on other uses keep a unit off them (`takes_exact`).
+
+Every rank makes the same calls with the same parameters in the same order (the engine's buckets
+agree across ranks), so the collectives match.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from dad_integrations.capture.rows import compute_dtype
+from dad_integrations.capture.units import FactorUnit, param_shape
+from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
+from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
+from dad_integrations.codecs.sharded_exact import sharded_exact_covers
+from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
+from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
+from dad_integrations.exchange.sharded import CallRoutes, ShardedCall, ShardedExchanger
+from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.routing.costs import sharded_rank_allreduce_bytes
+from dad_integrations.routing.router import UnitShape
+
+
+@dataclass
+class PartitionLayout:
+    """What every call of one engine shares: its exchanger and group, the factor units by parameter,
+    the parameters' names (reports), the partition codec, and the cap on one all-to-all's factors."""
+
+    exchanger: ShardedExchanger
+    aggregator: FactorAggregator
+    unit_of: Mapping[int, FactorUnit]
+    names: Mapping[int, str]
+    codec: PartitionExactCodec
+    chunk_bytes: float
+
+
+class PartitionCall(ShardedCall):
+    """One reduction call over flat partitions (see the module doc)."""
+
+    def __init__(self, layout: PartitionLayout, params: Sequence[nn.Parameter], local: Sequence[torch.Tensor],
+                 ranges: Sequence[Sequence[Range]], *, scale: float, itemsize: int, dtype: torch.dtype,
+                 deliver: Callable[[nn.Parameter, torch.Tensor], None]):
+        self.layout, self.params, self.scale, self.itemsize, self.dtype, self._deliver = (
+            layout, params, scale, itemsize, dtype, deliver)
+        self.aggregator, self.rank_codec = layout.aggregator, layout.exchanger.rank_codec
+        self.S, self.config = layout.exchanger.world_size, layout.exchanger.config
+        self.route_wire = layout.exchanger.wire or dtype
+        self._units: List[FactorUnit] = []
+        self.grads: Dict[int, torch.Tensor] = {}
+        self.ranges: Dict[int, list] = {}
+        for p, g, r in zip(params, local, ranges):
+            unit = layout.unit_of.get(id(p))
+            if unit is not None:
+                self._units.append(unit)
+                self.grads[unit.index], self.ranges[unit.index] = g, list(r)
+        self.items: Dict[int, PartitionItem] = {}
+        self.delivered: Set[int] = set()
+
+    def units(self) -> List[FactorUnit]:
+        return self._units
+
+    def local_of(self, unit: FactorUnit) -> torch.Tensor:
+        return self.grads[unit.index]
+
+    def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
+        local = self.grads[unit.index]
+        local.add_(residual.reshape(-1).to(local.dtype))
+
+    def prepare(self, rows) -> None:
+        self.rows = rows
+
+    def item(self, unit: FactorUnit) -> PartitionItem:
+        # the matrix view (a conv's 4-D weight as (C_out, C_in k k)): ZeRO's flat partitions cut
+        # the row-major flattening, which is the view's, so covering rows are the view's rows
+        if unit.index not in self.items:
+            self.items[unit.index] = PartitionItem(unit.index, tuple(unit.kinds), unit.shape, self.ranges[unit.index],
+                                                   self.rows[unit.index], blocks=unit.blocks)
+        return self.items[unit.index]
+
+    def agree_counts(self, units, rows):
+        items = [self.item(u) for u in units]
+        traffic = self.layout.codec.agree_counts(items, self.aggregator)
+        return {it.key: it.rows_by_rank() for it in items}, traffic, len(items)
+
+    def checkable(self, unit: FactorUnit) -> bool:
+        return takes_exact(unit)
+
+    def verify(self, units, rows):
+        """Do the factors rebuild this rank's owned part of each unit's local gradient, on every rank?"""
+        me, flags = self.aggregator.rank, []
+        cdt = torch.float64 if self.dtype == torch.float64 else torch.float32
+        for unit in units:
+            it = self.item(unit)
+            mine = self.layout.codec.local(it, me, cdt)
+            lo, hi = it.ranges[me]
+            autograd = self.grads[it.key][lo:hi].to(cdt) if hi > lo else mine
+            low = self.dtype not in VERIFY_TOLERANCE or any(
+                t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE for pair in it.rows for t in pair)
+            tol = VERIFY_TOLERANCE_LOW_PRECISION if low else VERIFY_TOLERANCE[self.dtype]
+            err = float((mine - autograd).norm())
+            flags.append(0.0 if err <= tol * max(float(autograd.norm()), 1e-30) or err <= 1e-12 else 1.0)
+        handle = self.aggregator.all_reduce(torch.tensor(flags, device=self.layout.codec.device), name="dad.zero.verify")
+        return [u for u, bad in zip(units, handle.wait().tolist()) if bad], handle.traffic
+
+    def unit_shape(self, unit: FactorUnit) -> UnitShape:
+        return UnitShape(tuple(unit.kinds), unit.shape, 0, self.dtype, unit.blocks)
+
+    def estimates(self, unit: FactorUnit, counts):
+        return self._estimates(self.item(unit), takes_exact(unit))
+
+    def reduce_dense(self, report: ShardedStepReport) -> None:
+        for p in self.params:
+            report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+
+    def _report(self, name: str, representation: str, p: nn.Parameter) -> ShardedParamReport:
+        # DeepSpeed's reduce-scatter moves (S-1) of S pieces of ceil(numel/S) elements per rank
+        shape = param_shape(p)
+        numel = 1
+        for d in shape:
+            numel *= d
+        return ShardedParamReport.of_shard(name, representation, tuple(shape), -(-numel // self.S), self.S,
+                                           self.itemsize)
+
+    def deliver(self, unit: FactorUnit, owned: torch.Tensor) -> None:
+        self._deliver(unit.param, owned)
+        self.delivered.add(id(unit.param))
+
+    def exchange(self, routes: CallRoutes) -> None:
+        report = routes.report
+        routed: List[PartitionItem] = []   # exact factors, or (rank-dAD) P_s^T and Q_s^T as rows
+        ranked: Dict[int, Tuple[int, str]] = {}   # components sent, how M_s was reduced
+        shared: List[Tuple[FactorUnit, RankItem]] = []   # PowerSGD's all-reduce route
+        for unit, rep in routes.routed:
+            if rep == "exact":
+                routed.append(self.item(unit))
+            elif rep == "rank":
+                item, components, method = self._rank_item(unit, routes.step)
+                routed.append(item)
+                ranked[unit.index] = (components, method)
+            else:
+                local = self.grads[unit.index].view(*unit.shape)
+                shared.append((unit, self.rank_codec.local(unit, self.item(unit).rows,
+                                                           lambda p, cdt: local.to(cdt), "rank_allreduce")))
+        if shared:
+            self._reduce_shared(shared, routes.step, report)
+        units = {u.index: u for u in self._units}
+        for chunk in _chunks(routed, self.layout.chunk_bytes):
+            # one all-to-all per chunk: a whole DeepSpeed bucket's factors at once would hold all of
+            # their send and receive buffers together (1.25x ZeRO's own peak at 4096 rows per rank)
+            traffic = self.layout.codec.exchange(chunk, self.aggregator, compute_dtype(units[chunk[0].key].param),
+                                              self.scale, lambda key, owned: self.deliver(units[key], owned))
+            for it in chunk:
+                unit = units[it.key]
+                rep = self._report(unit.name, "rank" if it.key in ranked else "exact", unit.param)
+                rep.rows = sum(left.shape[0] for left, _ in self.item(unit).rows)
+                rep.max_rows = max(sum(k) for k in it.rows_by_rank())
+                rep.method = "partition"
+                if it.key in ranked:
+                    rep.components, rep.method = ranked[it.key]
+                rep.add_traffic(traffic[it.key])
+                report.params.append(rep)
+        for p in self.params:
+            if id(p) not in self.delivered:
+                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+
+    def _estimates(self, it: PartitionItem, exact: bool) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
+        breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
+        while rank-dAD's other rank receives nothing), from the real partition ranges (the same on
+        every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed, and with
+        a ``rank``, rank-dAD's r rows (`partition_exact.exchange_bytes`) and PowerSGD's all-reduced
+        P and Q, once per power iteration. ``exact`` False (`takes_exact`) leaves "exact" out, so
+        that no mode picks it."""
+        S, wire, config = self.S, self.route_wire, self.config
+        numel = it.shape[0] * it.shape[1]
+        dense = float((S - 1) * -(-numel // S) * self.itemsize)
+        busiest, mean = {"dense": dense}, {"dense": dense}
+        if exact and it.counts:
+            busiest["exact"], mean["exact"] = exchange_bytes(it.kinds, it.shape, it.counts, it.ranges, wire, it.blocks)
+        if self.rank_codec is not None:
+            r = min(config.rank, *it.shape)
+            busiest["rank"], mean["rank"] = exchange_bytes(("linear",), it.shape, [[[r]]] * S, it.ranges, wire)
+            busiest["rank_allreduce"] = mean["rank_allreduce"] = rank_allreduce_rounds(config) * float(
+                sharded_rank_allreduce_bytes(it.shape, r, wire, S))
+        return busiest, mean
+
+    def _rank_item(self, unit: FactorUnit, step: int) -> Tuple[PartitionItem, int, str]:
+        """Rank-dAD's local half for one weight: this site's ``M_s`` (local gradient plus residual)
+        reduced to rank r, as r rows ``(P_s^T, Q_s^T)`` of a linear use, for the same partition
+        exchange as exact factors: rank d receives every site's ``Q_s`` and the columns of ``P_s^T``
+        over its covering rows. Returns that item, the components this site sent and how it reduced."""
+        it, local = self.item(unit), self.grads[unit.index].view(*unit.shape)
+        ranked = self.rank_codec.local(unit, it.rows, lambda p, cdt: local.to(cdt), "rank")
+        p, q, components = self.rank_codec.reduce_own(ranked, step)
+        item = PartitionItem(it.key, ("linear",), it.shape, it.ranges, [(p.t(), q.t())])
+        item.counts = [[[p.shape[1]]] for _ in range(self.S)]  # padded to r everywhere: no count exchange
+        return item, components, ranked.method
+
+    def _reduce_shared(self, shared: Sequence[Tuple[FactorUnit, RankItem]], step: int,
+                       report: ShardedStepReport) -> None:
+        """PowerSGD's exchange for the all-reduce-routed weights of one call; each rank rebuilds
+        only the covering rows of its owned elements of ``scale P^ Q'^T`` and delivers those."""
+        me = self.aggregator.rank
+
+        def owned(item: RankItem, basis: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            return reduced_elements(basis, q, *self.ranges[item.unit.index][me], self.scale)
+
+        results = self.rank_codec.exchange([ri for _, ri in shared], self.aggregator, self.scale, step,
+                                           self.route_wire, rebuild=owned)
+        for (unit, ri), res in zip(shared, results):
+            self.deliver(unit, res.shard)
+            rep = self._report(unit.name, "rank_allreduce", unit.param)
+            rep.rows = sum(left.shape[0] for left, _ in self.item(unit).rows)
+            rep.components, rep.method = res.components, ri.method
+            rep.add_traffic(res.traffic)
+            report.params.append(rep)
+
+
+def takes_exact(unit: FactorUnit) -> bool:
+    """Whether the partition exchange of exact factors can carry ``unit``: uses over whole rows or
+    linear uses over row blocks (`codecs.partition_exact` slices every use's left by the covering
+    rows of the matrix view it meets; `codecs.sharded_exact.sharded_exact_covers`). Units without
+    uses (PowerSGD's floor) go dense or by a rank route."""
+    return sharded_exact_covers(unit.kinds, unit.blocks)
+
+
+def _chunks(items: Sequence[PartitionItem], cap_bytes: float) -> List[List[PartitionItem]]:
+    """``items`` in order, cut into runs whose factors (every rank's rows, ``m + n`` numbers each,
+    fp32) stay under ``cap_bytes``; an item larger than the cap is a run of its own. Decided on
+    agreed counts, so every rank cuts the same runs."""
+    runs: List[List[PartitionItem]] = []
+    size = 0.0
+    for it in items:
+        nbytes = sum(sum(r) for r in it.rows_by_rank()) * (it.shape[0] + it.shape[1]) * 4.0
+        if not runs or size + nbytes > cap_bytes:
+            runs.append([])
+            size = 0.0
+        runs[-1].append(it)
+        size += nbytes
+    return runs

@@ -1,0 +1,131 @@
+"""FSDP2's internals the adapter touches (torch 2.13), in one place: its parameter groups, the
+parameters one reduce-scatter carries and their places in its buffer, its gradient scaling, and its
+own reduce-scatter of what dAD leaves. Layout, scaling and call order: ``docs/internals/fsdp2_notes.md``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.distributed_c10d import ReduceOp
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllocMixin, DefaultReduceScatter,
+                                                                    _get_gradient_divide_factors)
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+
+from dad_integrations.capture.sink import ShardSink, ShardSlot
+from dad_integrations.report import ShardedParamReport, ShardedStepReport
+
+OnCall = Callable[..., None]  # (param_group, output, input, group, op)
+
+
+class DADReduceScatter(DefaultAllocMixin, ReduceScatter):
+    """The ``ReduceScatter`` installed on one FSDP parameter group: hands each call to ``on_call``."""
+
+    def __init__(self, on_call: OnCall, param_group):
+        self.on_call, self.param_group = on_call, param_group
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        self.on_call(self.param_group, output_tensor, input_tensor, group, op)
+
+
+def param_groups(model: nn.Module, log_once: Callable[[str], None]) -> List[Tuple[FSDPModule, object]]:
+    """Each FSDP parameter group dAD can take, once, with a module that owns it:
+    `fully_shard([norm, lm_head])` (Accelerate's tail) makes several modules share one group."""
+    groups, seen = [], set()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        pgs = list(module._get_fsdp_state()._fsdp_param_groups)
+        if len(pgs) > 1:
+            log_once(f"{type(module).__name__} has {len(pgs)} parameter groups: FSDP's reduce-scatter kept")
+            continue
+        kept = [pg for pg in pgs if type(pg.mesh_info) is FSDPMeshInfo]  # not HSDP/replicate (subclasses)
+        if len(kept) < len(pgs):
+            log_once(f"{type(module).__name__}: HSDP/replicate mesh, FSDP's own reduction kept")
+        for pg in kept:
+            if id(pg) not in seen:
+                seen.add(id(pg))
+                groups.append((module, pg))
+    return groups
+
+
+def shard_problem(fp) -> Optional[str]:
+    """Why an ``FSDPParam``'s shard is not a row block dAD can write; None where it is."""
+    if fp.fsdp_placement.dim != 0:
+        return f"sharded as {fp.fsdp_placement}, not a row block along dim 0"
+    if getattr(fp, "is_dtensor", False):
+        return "already a DTensor (tensor parallel)"
+    if hasattr(fp.sharded_param._local_tensor, "fsdp_pre_all_gather"):
+        return "has FSDP all-gather extensions"
+    if getattr(fp, "offload_to_cpu", False):
+        return "CPU offload (untested)"
+    return None
+
+
+def install(module: FSDPModule, pg, on_call: OnCall, with_grad: Dict[int, list]) -> None:
+    """Take ``pg``'s reduce-scatter, and note in ``with_grad[id(pg)]`` what each post-backward is
+    about to reduce (the hook is not told): FSDPParams with a gradient, in the group's order, as
+    ``foreach_reduce`` lays out its buffer."""
+    original = pg.post_backward  # bound method of the group's class
+
+    def post_backward(*args, **kwargs):
+        if pg.reduce_grads:
+            with_grad[id(pg)] = [
+                fp for fp in pg.fsdp_params if hasattr(fp, "_unsharded_param") and (
+                    fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+                    or (pg.reduce_scatter_unused_params and fp.unsharded_param.requires_grad))]
+        return original(*args, **kwargs)
+
+    pg.post_backward = post_backward
+    module.set_custom_reduce_scatter(DADReduceScatter(on_call, pg))
+
+
+def uninstall(module: FSDPModule, pg) -> None:
+    pg.__dict__.pop("post_backward", None)
+    module.set_custom_reduce_scatter(DefaultReduceScatter())
+
+
+def slots_of(fps: list, names: Dict[int, str], inp: torch.Tensor, S: int) -> Optional[List[ShardSlot]]:
+    """Each reduced parameter's place in the buffers, or None where they do not add up."""
+    slots, offset = [], 0
+    for fp in fps:
+        numel = math.prod(fp.padded_sharded_param_size)
+        p = fp.sharded_param
+        slots.append(ShardSlot(names.get(id(p), "?"), p, offset, numel, int(fp.padded_sharded_param_size[0]),
+                               tuple(p.shape)))
+        offset += numel
+    return slots if offset * S == inp.numel() else None
+
+
+def reduce_scatter(dense: List[ShardSlot], sink: ShardSink, group, op, report: ShardedStepReport) -> None:
+    """FSDP's own reduce-scatter, on a buffer holding only ``dense``'s chunks."""
+    if not dense:
+        return
+    if sum(s.numel for s in dense) == sink.chunk:  # nothing went by factors: the buffer as it is
+        dist.reduce_scatter_tensor(sink.out, sink.inp, op=op, group=group)
+    else:
+        compact = sink.dense_input(dense)
+        result = torch.empty(compact.numel() // sink.world_size, dtype=compact.dtype, device=compact.device)
+        dist.reduce_scatter_tensor(result, compact, op=op, group=group)
+        sink.write_dense(dense, result)
+    report.params += [ShardedParamReport.of_shard(s.name, "dense", s.shape, s.numel, sink.world_size,
+                                                  sink.inp.element_size()) for s in dense]
+
+
+def scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float, float]:
+    """FSDP's predivide (already applied to ``inp``) and what its reduce-scatter multiplies the sum
+    of the predivided gradients by: ``1/S`` for AVG, ``1/factor`` for PREMUL_SUM, 1 for SUM."""
+    pre, _, rs_op, _ = _get_gradient_divide_factors(group, None, inp.dtype, inp.device.type,
+                                                    pg.gradient_divide_factor, pg.force_sum_reduction_for_comms)
+    pre = pre or 1.0
+    if rs_op == ReduceOp.AVG:
+        return pre, 1.0 / pre / group.size()
+    if rs_op == ReduceOp.SUM:
+        return pre, 1.0 / pre
+    return pre, 1.0 / pre / float(pg.gradient_divide_factor)
