@@ -148,21 +148,69 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
         if p.requires_grad and id(p) not in names:
             names[id(p)] = name
             trainable.append(p)
+    owners = _registrations(model)
 
-    # Every (module, attribute) that registers each parameter: a parameter shared with a module
-    # dAD does not capture must go dense, since its factors would miss that use.
-    owners: Dict[int, List[Tuple[str, nn.Module, str]]] = {}
+    def excluded(mod_name: str) -> bool:
+        return any(fnmatch.fnmatchcase(mod_name, pat) for pat in config.exclude)
+
+    _refuse_sparse_embeddings(model, config, excluded)  # before any hook: a refused model is untouched
+    claimed = _claims(model, config, excluded)
+    captures: Dict[int, Tuple[object, Dict[str, Use]]] = {}
+
+    def uses_of(mod_name: str, module: nn.Module, kind: LayerKind, keys: Sequence[str]) -> List[Use]:
+        if id(module) not in captures:
+            captures[id(module)] = kind.capture(mod_name, module, on_forward)
+        return [captures[id(module)][1][k] for k in keys]
+
+    units: List[FactorUnit] = []
+    unit_of_use: Dict[int, FactorUnit] = {}
+    for p in trainable:
+        regs = owners.get(id(p), [])
+        found = [claimed.get((id(m), attr)) for _, m, attr in regs]
+        if regs and all(f is not None and not f[3].bias for f in found) and len(param_shape(p)) >= 2:
+            uses = [u for mod_name, module, kind, claim in found for u in uses_of(mod_name, module, kind, claim.uses)]
+            unit = FactorUnit(0, names[id(p)], p, uses, [])
+            units.append(unit)
+            unit_of_use.update({id(u): unit for u in uses})
+
+    covered = {id(u.param) for u in units}
+    dense: List[Tuple[str, nn.Parameter]] = []
+    for p in trainable:
+        if id(p) in covered or _rides_as_bias(p, names[id(p)], owners.get(id(p), []), claimed, captures, unit_of_use):
+            continue
+        if (config.uncaptured_matrices == "rank" and len(param_shape(p)) >= 2
+                and not any(excluded(mod_name) for mod_name, _, _ in owners.get(id(p), []))):
+            units.append(FactorUnit(0, names[id(p)], p, [], []))  # PowerSGD's floor: rank routes
+            continue
+        dense.append((names[id(p)], p))
+
+    # Backward visits layers roughly in reverse registration order; so does the exchange, so that
+    # each layer's collective can start as soon as its gradient rows exist.
+    order = {id(p): i for i, p in enumerate(trainable)}
+    units.sort(key=lambda u: order[id(u.param)], reverse=True)
+    for i, u in enumerate(units):
+        u.index = i
+    return SyncPlan(units, dense, [c for c, _ in captures.values()])
+
+
+Registrations = Dict[int, List[Tuple[str, nn.Module, str]]]
+Claims = Dict[Tuple[int, str], Tuple[str, nn.Module, LayerKind, Claim]]
+
+
+def _registrations(model: nn.Module) -> Registrations:
+    """Every (module name, module, attribute) that registers each trainable parameter: a parameter
+    shared with a module dAD does not capture must go dense, since its factors would miss that use."""
+    owners: Registrations = {}
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for attr, p in module._parameters.items():
             if p is not None and p.requires_grad:
                 entry = (mod_name, module, attr)
                 if entry not in owners.setdefault(id(p), []):
                     owners[id(p)].append(entry)
+    return owners
 
-    def excluded(mod_name: str) -> bool:
-        return any(fnmatch.fnmatchcase(mod_name, pat) for pat in config.exclude)
 
-    # refuse before any hook is installed, so that a refused model is left untouched
+def _refuse_sparse_embeddings(model: nn.Module, config: DADConfig, excluded) -> None:
     for mod_name, module in model.named_modules():
         if (isinstance(module, nn.Embedding) and "embedding" in config.layer_kinds and not excluded(mod_name)
                 and kind_of(module, config.layer_kinds) is not None and module.sparse
@@ -170,8 +218,10 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
             raise ValueError(f"module {mod_name!r}: sparse embedding gradients are not supported by dAD; "
                              f"use sparse=False or exclude the module with the 'exclude' config key")
 
-    # claims by priority: (id(owner module), attribute) -> (capturing module's name, module, kind, claim)
-    claimed: Dict[Tuple[int, str], Tuple[str, nn.Module, LayerKind, Claim]] = {}
+
+def _claims(model: nn.Module, config: DADConfig, excluded) -> Claims:
+    """Claims by priority: (id(owner module), attribute) -> (capturing module's name, module, kind, claim)."""
+    claimed: Claims = {}
     for kind in registered_kinds():
         if kind.name not in config.layer_kinds:
             continue
@@ -194,57 +244,25 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
                 continue  # a composite of higher priority claimed part of it
             for k, c in zip(keys, claims):
                 claimed[k] = (mod_name, module, kind, c)
+    return claimed
 
-    captures: Dict[int, Tuple[object, Dict[str, Use]]] = {}
 
-    def uses_of(mod_name: str, module: nn.Module, kind: LayerKind, keys: Sequence[str]) -> List[Use]:
-        if id(module) not in captures:
-            captures[id(module)] = kind.capture(mod_name, module, on_forward)
-        return [captures[id(module)][1][k] for k in keys]
-
-    units: List[FactorUnit] = []
-    unit_of_use: Dict[int, FactorUnit] = {}
-    covered = set()
-    for p in trainable:
-        regs = owners.get(id(p), [])
-        found = [claimed.get((id(m), attr)) for _, m, attr in regs]
-        if regs and all(f is not None and not f[3].bias for f in found) and len(param_shape(p)) >= 2:
-            uses = [u for mod_name, module, kind, claim in found for u in uses_of(mod_name, module, kind, claim.uses)]
-            unit = FactorUnit(0, names[id(p)], p, uses, [])
-            units.append(unit)
-            unit_of_use.update({id(u): unit for u in uses})
-            covered.add(id(p))
-
-    dense: List[Tuple[str, nn.Parameter]] = []
-    for p in trainable:
-        if id(p) in covered:
-            continue
-        regs = owners.get(id(p), [])
-        found = claimed.get((id(regs[0][1]), regs[0][2])) if len(regs) == 1 else None
-        if found is not None and found[3].bias and id(found[1]) in captures:
-            by_key = captures[id(found[1])][1]
-            uses = [by_key.get(k) for k in found[3].uses]
-            unit = unit_of_use.get(id(uses[0]))
-            if (unit is not None and all(unit_of_use.get(id(u)) is unit and u.kind != "embedding" for u in uses)
-                    and (len(uses) > 1 or uses[0].block is None)):
-                # one use covers the whole weight; several are a split bias, each adding into its
-                # use's block (a whole-height use into all of it: packed attention's self-attention
-                # call beside its sliced calls); sharded exact factors sum such a bias over its uses
-                unit.biases.append(BiasUse(names[id(p)], p, uses[0], tuple(uses[1:])))
-                continue
-        if (config.uncaptured_matrices == "rank" and len(param_shape(p)) >= 2
-                and not any(excluded(mod_name) for mod_name, _, _ in regs)):
-            units.append(FactorUnit(0, names[id(p)], p, [], []))  # PowerSGD's floor: rank routes
-            continue
-        dense.append((names[id(p)], p))
-
-    # Backward visits layers roughly in reverse registration order; so does the exchange, so that
-    # each layer's collective can start as soon as its gradient rows exist.
-    order = {id(p): i for i, p in enumerate(trainable)}
-    units.sort(key=lambda u: order[id(u.param)], reverse=True)
-    for i, u in enumerate(units):
-        u.index = i
-    return SyncPlan(units, dense, [c for c, _ in captures.values()])
+def _rides_as_bias(p: nn.Parameter, name: str, regs, claimed: Claims, captures, unit_of_use) -> bool:
+    """Attach ``p`` to its weight's unit as a bias where its claim's uses cover the whole weight (one
+    use), or split it over several (each adds into its use's block; a whole-height use into all of
+    it: packed attention's self-attention call beside its sliced calls; sharded exact factors sum
+    such a bias over its uses). Returns whether it did."""
+    found = claimed.get((id(regs[0][1]), regs[0][2])) if len(regs) == 1 else None
+    if found is None or not found[3].bias or id(found[1]) not in captures:
+        return False
+    by_key = captures[id(found[1])][1]
+    uses = [by_key.get(k) for k in found[3].uses]
+    unit = unit_of_use.get(id(uses[0]))
+    if (unit is not None and all(unit_of_use.get(id(u)) is unit and u.kind != "embedding" for u in uses)
+            and (len(uses) > 1 or uses[0].block is None)):
+        unit.biases.append(BiasUse(name, p, uses[0], tuple(uses[1:])))
+        return True
+    return False
 
 
 def _is_parameter(module: nn.Module, attr: str) -> bool:
