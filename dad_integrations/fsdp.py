@@ -31,7 +31,6 @@ rank (``adaptive_tolerance``) is refused, and so is FSDP1 (`engines.fsdp_detect`
 """
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
@@ -42,7 +41,6 @@ from torch.autograd import Variable
 
 from dad_integrations import fsdp_seams as seams
 from dad_integrations.capture.committed import CommittedRows
-from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit, build_plan
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
@@ -53,7 +51,6 @@ from dad_integrations.exchange.row_shards import RowShardCall
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
 from dad_integrations.fsdp_seams import DADReduceScatter
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.routing.sharded_trial import agree_on
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +110,7 @@ class FSDPDADSynchronizer(ShardedFacade):
         units = list(self._unit_of.values())
         self._committed = CommittedRows(units)  # see the module doc
         self.exchanger.start(TorchDistributedAggregator(), units[0].param.device if units else None, units)
-        self._forward_hook = ForwardStartHook(model, self.exchanger.trial.forward)
+        self._forward_hook = self.exchanger.watch_forward(model)
         self._installed = groups
         for module, pg in groups:
             seams.install(module, pg, self._reduce, self._with_grad)
@@ -154,7 +151,7 @@ class FSDPDADSynchronizer(ShardedFacade):
             self._task = task
             ex.begin_step()
             if ex.trial.trial is not None:  # its span ends where every rank agrees (module doc)
-                end = functools.partial(ex.trial.end, ex.steps - 1, agree_on(agg, inp.device))
+                end = ex.trial_end(agg, inp.device)
                 if task < 0:
                     self._trial_end = end
                 else:

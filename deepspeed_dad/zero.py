@@ -23,15 +23,12 @@ from typing import Any, Callable, Dict, List, Sequence, Set
 
 import torch
 
-from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.capture.units import FactorUnit, build_plan
-from dad_integrations.codecs.partition_exact import PartitionExactCodec, Range
 from dad_integrations.config import DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.exchange.checks import check_same_model
-from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout
+from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout, Range
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
-from dad_integrations.routing.sharded_trial import agree_on
 
 from .aggregator import DeepSpeedAggregator
 from .checkpointing import RankStateCheckpoints
@@ -102,15 +99,14 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
             config, engine=f"ZeRO-{self.zero_stage}", fallback="DeepSpeed's reduction",
             process_rank=self.aggregator.rank, world_size=world_size, logger=log,
             overhead_names={"counts": "dad.zero.counts", "verify": "dad.zero.verify", "finite": "dad.zero.finite"})
-        self._codec = PartitionExactCodec(self.exchanger.wire, device)
         self.exchanger.start(self.aggregator, device, self.plan.units)
         # a step's span for route trials starts at the module's forward (ZeRO-3's all-gathers included)
-        self._forward_hook = ForwardStartHook(engine.module, self.exchanger.trial.forward)
+        self._forward_hook = self.exchanger.watch_forward(engine.module)
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
         # which it reduces in place: the send and receive buffers add at most about half a bucket
         bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
         chunk = min(config.bucket_cap_mb * 2 ** 20, bucket / 4 if bucket else float("inf"))
-        self._layout = PartitionLayout(self.exchanger, self.aggregator, self._unit_of, self._names, self._codec, chunk)
+        self._layout = PartitionLayout(self.exchanger, self.aggregator, self._unit_of, self._names, device, chunk)
         self._new_backward = True
         self._originals: Dict[str, Any] = {}
         prologue, epilogue = engine._backward_prologue, engine._backward_epilogue
@@ -124,7 +120,7 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
             ex = self.exchanger               # (not after a raise: a collective then could hang)
             ex.end_rank_step(self.aggregator)
             # the step's reductions are over, on every rank: its span ends, a trial agrees here
-            ex.trial.end(ex.steps - 1, agree_on(self.aggregator, self._codec.device))
+            ex.trial_end(self.aggregator, self._layout.device)()
             return out
 
         self._patch("_backward_prologue", backward_prologue)

@@ -44,14 +44,17 @@ from dad_integrations.routing.router import UnitShape
 @dataclass
 class PartitionLayout:
     """What every call of one engine shares: its exchanger and group, the factor units by parameter,
-    the parameters' names (reports), the partition codec, and the cap on one all-to-all's factors."""
+    the parameters' names (reports), the device, and the cap on one all-to-all's factors."""
 
     exchanger: ShardedExchanger
     aggregator: FactorAggregator
     unit_of: Mapping[int, FactorUnit]
     names: Mapping[int, str]
-    codec: PartitionExactCodec
+    device: torch.device
     chunk_bytes: float
+
+    def __post_init__(self) -> None:
+        self.codec = PartitionExactCodec(self.exchanger.wire, self.device)
 
 
 class PartitionCall(ShardedCall):

@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.capture.rows import Rows, concat_rows
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.error_feedback import sharded_residual_note
@@ -39,7 +40,7 @@ from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.logs import OnceLogger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routing.router import RouteContext, RowCounts, UnitEvidence, UnitShape, route, sharded_needs_counts
-from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes
+from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +173,16 @@ class ShardedExchanger(TimedRoutes):
             self.log.warning("dAD/%s: %s", self.engine, note)
         if units:
             self._trial.start(units, aggregator, device)
+
+    def watch_forward(self, model: torch.nn.Module) -> ForwardStartHook:
+        """A step's span for route trials starts at the root module's forward (the engine's
+        all-gathers included): a forward pre-hook (``remove()`` it at detach)."""
+        return ForwardStartHook(model, self._trial.forward)
+
+    def trial_end(self, aggregator: FactorAggregator, device: torch.device) -> Callable[[], None]:
+        """What ends the open step's route-trial span, for the adapter to run where every rank
+        agrees that the step's last reduction is over (a collective may run)."""
+        return functools.partial(self._trial.end, self.steps - 1, agree_on(aggregator, device))
 
     # -- a step -----------------------------------------------------------------------------------
     def begin_step(self) -> ShardedStepReport:
