@@ -47,22 +47,15 @@ from torch import nn
 from dad_integrations.capture.hooks import HookedCapture, Use
 from dad_integrations.capture.rows import Rows
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
+from dad_integrations.logs import OnceLogger
 
 log = logging.getLogger(__name__)
+_log_once = OnceLogger(log, level=logging.INFO)
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # exact pays only below C_out C_in/G k / (C_out + C_in k) < C_out/G rows per rank: beyond 8 groups
 # that is under one late-layer image (ResNeXt's 32 groups at 7x7: 29 rows, one image has 49)
 MAX_GROUPS = 8
-
-_warned: set = set()
-
-
-def _log_once(key: str, msg: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.info(msg, *args)
-
 
 def output_positions(module: nn.Module, spatial: Sequence[int]) -> int:
     """Output positions of one image through ``module`` for an input of spatial size ``spatial``
@@ -180,11 +173,11 @@ class ConvKind(LayerKind):
         if not any(runs_stock_forward(module, t) for t in CONV_TYPES):
             return False
         if not claims_groups(module):
-            _log_once(f"groups-{module.in_channels}-{module.out_channels}-{module.groups}",
-                      "dAD conv: a %s with groups=%d (%d -> %d channels) is left to the coverage floor "
+            _log_once("dAD conv: a %s with groups=%d (%d -> %d channels) is left to the coverage floor "
                       "(dense or rank routes from its dense gradient): exact factors of depthwise or "
                       "many-group convolutions never pay", type(module).__name__, module.groups,
-                      module.in_channels, module.out_channels)
+                      module.in_channels, module.out_channels,
+                      key=f"groups-{module.in_channels}-{module.out_channels}-{module.groups}")
             return False
         return True
 

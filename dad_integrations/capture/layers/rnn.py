@@ -54,6 +54,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from dad_integrations.capture.hooks import HookedCapture, Use
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
+from dad_integrations.logs import OnceLogger
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +64,7 @@ STOCK = (nn.GRU, nn.LSTM, nn.RNN)
 Weights = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]  # w_ih, w_hh, b_ih, b_hh
 LayerRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # G, X, G', H_prev
 
-_logged: set = set()
-
-
-def _log_once(reason: str, name: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        log.info("dAD: recurrent layers with %s (first: %r) are not captured as factors; their weights "
-                 "take the routes of uncaptured matrices (rank routes from the dense gradient, or dense)",
-                 reason, name)
+_log_once = OnceLogger(log, level=logging.INFO)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
@@ -390,7 +383,9 @@ class RNNKind(LayerKind):
             return False
         reason = _refusal(module)
         if reason is not None:
-            _log_once(reason, type(module).__name__)
+            _log_once("dAD: recurrent layers with %s (first: %r) are not captured as factors; their weights take "
+                      "the routes of uncaptured matrices (rank routes from the dense gradient, or dense)",
+                      reason, type(module).__name__, key=reason)
             return False
         return True
 
