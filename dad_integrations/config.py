@@ -21,7 +21,19 @@ MODES = ("exact", "rank", "auto")
 RANK_ROUTES = ("auto", "allgather", "allreduce")
 # the config's names of the dtypes factors may travel in (None: the gradients' own dtype)
 WIRE_DTYPES = {None: None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-LAYER_KINDS = ("linear", "conv1d", "embedding", "conv", "mha", "rnn")  # `layers`: one module each
+LAYER_KINDS = ("linear", "conv1d", "embedding", "conv", "mha", "rnn")  # built in: `capture.layers`, one module each
+_USER_KINDS: list = []  # kinds users registered (`capture.layers.register_kind`), in registration order
+
+
+def known_layer_kinds() -> Tuple[str, ...]:
+    """Every layer kind a config may name: the built-in ones, then those users registered."""
+    return LAYER_KINDS + tuple(_USER_KINDS)
+
+
+def add_layer_kind(name: str) -> None:
+    """Make a user's layer kind a name ``layer_kinds`` accepts and captures by default."""
+    if name not in known_layer_kinds():
+        _USER_KINDS.append(name)
 OBJECTIVES = ("time", "bytes")
 UNCAPTURED_MATRICES = ("rank", "dense")
 # the objective of a config that names none; a job (or a test suite whose assertions are about bytes)
@@ -103,8 +115,9 @@ class DADConfig:
             captured share of the local gradient's energy reaches it (each site's own factors: it
             makes the rank route the all-gather).
         wire_dtype: dtype of factors and dense buckets on the wire; None keeps the gradients' dtype.
-        layer_kinds: which layer kinds are captured as factors (`layers`: ``linear``, ``conv1d``
-            (Hugging Face's), ``embedding``, ``conv``, ``mha``, ``rnn``).
+        layer_kinds: which layer kinds are captured as factors (`capture.layers`: ``linear``,
+            ``conv1d`` (Hugging Face's), ``embedding``, ``conv``, ``mha``, ``rnn``, and the kinds
+            registered with `register_kind` before the config is made: by default, all of them).
         exclude: ``fnmatch`` patterns of module names whose parameters always go dense.
         uncaptured_matrices: ``"rank"`` (the default): a parameter with two or more dimensions
             that no captured layer covers (an uncaptured convolution, a class token) still takes
@@ -158,7 +171,7 @@ class DADConfig:
     error_feedback_rank: Optional[int] = None
     adaptive_tolerance: Optional[float] = None
     wire_dtype: Optional[str] = None
-    layer_kinds: Tuple[str, ...] = LAYER_KINDS
+    layer_kinds: Tuple[str, ...] = dataclasses.field(default_factory=known_layer_kinds)
     exclude: Tuple[str, ...] = ()
     uncaptured_matrices: str = "rank"
     bucket_cap_mb: float = 25.0
@@ -221,9 +234,9 @@ class DADConfig:
             raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {tuple(WIRE_DTYPES)}")
         for key in ("layer_kinds", "exclude"):
             _string_tuple(key, getattr(self, key))
-        bad = [k for k in self.layer_kinds if k not in LAYER_KINDS]
+        bad = [k for k in self.layer_kinds if k not in known_layer_kinds()]
         if bad:
-            raise ValueError(f"dad config key 'layer_kinds': unknown kind(s) {bad}; known: {LAYER_KINDS}")
+            raise ValueError(f"dad config key 'layer_kinds': unknown kind(s) {bad}; known: {known_layer_kinds()}")
         if self.uncaptured_matrices not in UNCAPTURED_MATRICES:
             raise ValueError(f"dad config key 'uncaptured_matrices': {self.uncaptured_matrices!r} is not one of "
                              f"{UNCAPTURED_MATRICES}")

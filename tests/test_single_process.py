@@ -416,3 +416,71 @@ def test_dense_marks_keep_unused_none_and_real_nan(group):
                            GradSink({}), bucket_cap_mb=1, wire_dtype=None,
                            account=lambda name, p, traffic: names.append(name))
     assert "[dense flags]" not in names  # every gradient present: no extra round
+
+
+class _Scaled(nn.Module):
+    """A layer no built-in kind knows: ``2 x W^T``."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in ** 0.5)
+
+    def forward(self, x):
+        return 2.0 * nn.functional.linear(x, self.weight)
+
+
+def test_users_register_their_own_layer_kind(group):
+    """`register_kind` from the package's face: a user's kind is captured by default, rebuilds the
+    exact gradient, and is a name the config accepts; a wrong kind's rows are caught by the first
+    step's check and its weight goes dense (never a wrong gradient)."""
+    from dad_integrations import Claim, LayerKind, register_kind
+    from dad_integrations import config as config_module
+    from dad_integrations.capture.hooks import ModuleCapture
+    from dad_integrations.capture.layers import registry
+
+    def make_kind(name: str, factor: float):
+        class ScaledKind(LayerKind):
+            def accepts(self, module):
+                return isinstance(module, _Scaled)
+
+            def claims(self, module):
+                return [Claim("weight")]
+
+            def capture(self, mod_name, module, on_forward):
+                def rows(mod, inputs, grad_out):  # dL/dW = 2 D^T X
+                    return factor * grad_out.reshape(-1, grad_out.shape[-1]), inputs.reshape(-1, inputs.shape[-1])
+                c = ModuleCapture(mod_name, module, "linear", rows, on_forward)
+                return c, {"weight": c}
+        ScaledKind.name = name
+        return ScaledKind
+
+    def step(config):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Scaled(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        ref = nn.Sequential(_Scaled(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        ref.load_state_dict(model.state_dict())
+        sync = DADSynchronizer(model, TorchDistributedAggregator(), config())
+        x = torch.randn(5, 4)
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        sync.synchronize()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+        routes = {p.name: p.representation for p in sync.last_step_report().params}
+        sync.close()
+        return routes
+
+    assert step(lambda: DADConfig(mode="exact"))["0.weight"] == "dense"  # no kind knows it yet
+    for name, factor, route in (("scaled", 2.0, "exact"), ("scaled_wrong", 1.0, "dense")):
+        register_kind(make_kind(name, factor))
+        try:
+            assert name in DADConfig().layer_kinds
+            assert step(lambda: DADConfig(mode="exact"))["0.weight"] == route
+            assert step(lambda: DADConfig(mode="exact", layer_kinds=("linear",)))["0.weight"] == "dense"
+        finally:
+            registry._KINDS.pop(name)
+            config_module._USER_KINDS.remove(name)
+    with pytest.raises(TypeError, match="LayerKind"):
+        register_kind(_Scaled)
+    with pytest.raises(ValueError, match="layer_kinds"):
+        DADConfig(layer_kinds=("scaled",))

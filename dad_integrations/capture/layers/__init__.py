@@ -9,8 +9,9 @@
 | `mha`       | ``nn.MultiheadAttention``        | `mha`         |
 | `rnn`       | ``nn.GRU``, ``LSTM``, ``RNN``    | `rnn`         |
 
-A new kind is a new module here, imported below, plus its name in `config.LAYER_KINDS`. Row
-layouts and the rebuild are in `rows`; this package re-exports them for the codecs.
+A built-in kind is a new module here, imported below, plus its name in `config.LAYER_KINDS`; a
+user's kind is a `LayerKind` subclass registered with `register_kind` anywhere. Row layouts and the
+rebuild are in `rows`; this package re-exports them for the codecs.
 """
 from dad_integrations.capture.rows import (Block, Rows, add_bias_grad, add_rebuilt_grad, as_matrix, compute_dtype, concat_rows,
                     deterministic_index_add, matrix_shape, output_grad_rows, sorted_segment_add)

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Type
 from torch import nn
 
 from dad_integrations.capture.hooks import Use
+from dad_integrations.config import add_layer_kind
 
 
 @dataclass(frozen=True)
@@ -66,14 +67,19 @@ _KINDS: Dict[str, LayerKind] = {}
 
 
 def register_kind(cls: Type[LayerKind]) -> Type[LayerKind]:
-    """Class decorator: register one instance of a `LayerKind` under its ``name``."""
-    from dad_integrations.config import LAYER_KINDS  # the config key `layer_kinds` lists every kind by name
+    """Class decorator: register one instance of a `LayerKind` under its ``name``.
 
+    A kind of your own (``from dad_integrations import register_kind, LayerKind, Claim``) becomes a
+    name the config key ``layer_kinds`` accepts, captured by default by configs made after it is
+    registered. Register it on every rank before attaching dAD. The first step checks every unit's
+    factors against autograd's gradient, so a kind that captures wrong rows sends its weights
+    dense with a warning, never a wrong gradient."""
+    if not isinstance(cls, type) or not issubclass(cls, LayerKind):
+        raise TypeError(f"register_kind: expected a LayerKind subclass, got {cls!r}")
     if not cls.name or cls.name in _KINDS:
         raise ValueError(f"layer kind {cls.__name__}: needs a new name, got {cls.name!r}")
-    if cls.name not in LAYER_KINDS:
-        raise ValueError(f"layer kind {cls.name!r}: add it to config.LAYER_KINDS (the config key 'layer_kinds')")
     _KINDS[cls.name] = cls()
+    add_layer_kind(cls.name)
     return cls
 
 
