@@ -114,8 +114,7 @@ class FSDPDADSynchronizer(ShardedFacade):
         self._installed = groups
         for module, pg in groups:
             seams.install(module, pg, self._reduce, self._with_grad)
-        banner.announce("FSDP2", process_rank=dist.get_rank(), world_size=dist.get_world_size(),
-                        mode=self.config.mode, rank=self.config.rank, objective=self.config.objective,
+        banner.announce("FSDP2", self.config, process_rank=dist.get_rank(), world_size=dist.get_world_size(),
                         factor_weights=len(units), dense_params=banner.dense_count(model, units))
 
     @property

@@ -141,9 +141,8 @@ class DADSynchronizer:
         # thread ends cleanly instead of being torn down while it waits
         self._atexit = functools.partial(_abandon, weakref.ref(self))
         atexit.register(self._atexit)
-        banner.announce("DADSynchronizer", process_rank=aggregator.rank, world_size=aggregator.world_size,
-                        mode=self.config.mode, rank=self.config.rank, objective=self.config.objective,
-                        factor_weights=len(self._plan.units), dense_params=len(self._plan.dense))
+        banner.announce("DADSynchronizer", self.config, process_rank=aggregator.rank,
+                        world_size=aggregator.world_size, factor_weights=len(self._plan.units), dense_params=len(self._plan.dense))
 
     # -- public API -----------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -129,9 +129,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
             self._patch_checkpoints()
         seam = Zero2Seam if self.zero_stage == 2 else Zero3Seam
         self._seam = seam(self, engine.optimizer)
-        banner.announce(f"DeepSpeed ZeRO-{self.zero_stage}", process_rank=self.aggregator.rank, world_size=world_size,
-                        mode=config.mode, rank=config.rank, objective=config.objective,
-                        factor_weights=len(self._unit_of), dense_params=banner.dense_count(engine.module, self.units))
+        banner.announce(f"DeepSpeed ZeRO-{self.zero_stage}", config, process_rank=self.aggregator.rank,
+                        world_size=world_size, factor_weights=len(self._unit_of), dense_params=banner.dense_count(engine.module, self.units))
         if self.aggregator.rank == 0:
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
                      self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")

@@ -18,7 +18,7 @@ def _low_rank(m: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
 def test_config_picks_the_memory_and_validates_the_rank():
     assert type(error_feedback_for(DADConfig(rank=2))) is ErrorFeedback
     low = error_feedback_for(DADConfig(rank=2, error_feedback_rank=3))
-    assert isinstance(low, LowRankErrorFeedback) and low.rank == 3
+    assert isinstance(low, LowRankErrorFeedback) and low.matrix_rank == 3
     assert not error_feedback_for(DADConfig(rank=2, error_feedback=False, error_feedback_rank=3)).enabled
     for bad in (0, -1, 1.5, True, "4"):
         with pytest.raises(ValueError, match="error_feedback_rank"):

@@ -109,11 +109,11 @@ class ErrorFeedback:
 
 
 class LowRankErrorFeedback(ErrorFeedback):
-    """Residuals kept as their rank-``rank`` part ``U V^T`` (module doc): ``q (m + n)`` numbers."""
+    """Residuals kept as their rank-``matrix_rank`` part ``U V^T`` (module doc): ``q (m + n)`` numbers."""
 
-    def __init__(self, enabled: bool, rank: int, iterations: int = 1):
+    def __init__(self, enabled: bool, matrix_rank: int, iterations: int = 1):
         super().__init__(enabled)
-        self.rank = rank
+        self.matrix_rank = matrix_rank
         self.iterations = iterations
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -128,7 +128,7 @@ class LowRankErrorFeedback(ErrorFeedback):
         ``V`` (a seeded draw the first time), so the kept subspace follows the residual's. At
         ``q >= min(m, n)`` the residual itself (exact, and no more numbers than a pair)."""
         m, n = residual.shape
-        q = min(self.rank, m, n)
+        q = min(self.matrix_rank, m, n)
         if q == min(m, n):
             return residual
         held = self.residuals.get(name)
@@ -144,7 +144,7 @@ class LowRankErrorFeedback(ErrorFeedback):
         return held if held is None or isinstance(held, torch.Tensor) else held[0] @ held[1].t()
 
     def load(self, name: str, residual: Optional[Packed], like: torch.Tensor) -> None:
-        if isinstance(residual, (tuple, list)) and residual[0].shape[1] == min(self.rank, *residual[0].shape,
+        if isinstance(residual, (tuple, list)) and residual[0].shape[1] == min(self.matrix_rank, *residual[0].shape,
                                                                                 residual[1].shape[0]):
             to = dict(device=like.device, dtype=compute_dtype(like))
             self.residuals[name] = (residual[0].to(**to), residual[1].to(**to))  # as saved: bitwise

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dad_integrations.capture.units import FactorUnit
+    from dad_integrations.config import DADConfig
 
 LOGGER_NAME = "dad_integrations.engines.banner"
 
@@ -79,16 +80,16 @@ def dense_count(model: "nn.Module", units: Sequence["FactorUnit"]) -> int:
     return sum(1 for p in model.parameters() if p.requires_grad and id(p) not in carried)
 
 
-def announce(default_engine: str, *, process_rank: int, world_size: int, mode: str, rank: Optional[int],
-             objective: str, factor_weights: int, dense_params: int) -> Optional[str]:
+def announce(default_engine: str, config: "DADConfig", *, process_rank: int, world_size: int,
+             factor_weights: int, dense_params: int) -> Optional[str]:
     """Show the attach line on rank 0 (``process_rank``: this process's rank in dAD's group);
     returns the line (None elsewhere). ``default_engine`` names the engine when no `engine` block
     encloses the call."""
     if process_rank != 0:
         return None
     name = _engine.get() or default_engine
-    rank_text = f"rank {rank}" if rank is not None else "no rank routes"
-    line = (f"dAD attached to {name}: mode {mode}, {rank_text}, objective {objective}, "
+    rank_text = f"rank {config.rank}" if config.rank is not None else "no rank routes"
+    line = (f"dAD attached to {name}: mode {config.mode}, {rank_text}, objective {config.objective}, "
             f"{factor_weights} weights by factors, {dense_params} parameters dense, world size {world_size}")
     _logger().info(line)
     for handler in _logger().handlers:
