@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from dad_integrations.accelerate import enable_dad
-from dad_integrations.comm.counter import CollectiveCounter
+from dad_integrations import CollectiveCounter
 
 # Under DeepSpeed (examples/accelerate/deepspeed.yaml) nothing here switches dAD on: DeepSpeed builds
 # its engine inside accelerator.prepare(), and the installed package's import hook attaches dAD

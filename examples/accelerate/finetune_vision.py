@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dad_integrations.accelerate import enable_dad
-from dad_integrations.comm.counter import CollectiveCounter
+from dad_integrations import CollectiveCounter
 from dad_examples.powersgd_baseline import register_powersgd, warmup_steps
 
 log = logging.getLogger("finetune_vision")
