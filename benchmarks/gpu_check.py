@@ -38,8 +38,8 @@ def exactness(precision: str, tiny: bool, device: torch.device, batch: int, seq:
     """Max relative error of every weight's rebuild from its captured rows against autograd's."""
     from dad_integrations import DADConfig
     from dad_integrations.codecs.exact import local_rebuild
-    from dad_integrations.capture.layers import concat_rows
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.rows import concat_rows
+    from dad_integrations.capture.assign import build_plan
 
     torch.manual_seed(0)
     model, cfg = build(tiny, seq, device)
@@ -66,7 +66,7 @@ def layer_overhead(tiny: bool, device: torch.device, batch: int, seq: int, rank:
     """Per layer: the compute model's seconds per route beside the plain backward pass."""
     from dad_integrations import DADConfig
     from dad_integrations.routing.compute_model import measure_compute
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.assign import build_plan
 
     model, cfg = build(tiny, seq, device)
     x = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)

@@ -64,7 +64,7 @@ def timed(fn: Callable[[], None], device: torch.device, reps: int, warmup: int =
 def measure(precision: str, args, device: torch.device) -> Dict[str, float]:
     from dad_integrations import DADConfig, DADSynchronizer
     from dad_integrations.codecs.low_rank import LocalGradient, choose_method, reduce_rank
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.assign import build_plan
 
     torch.manual_seed(0)
     model, cfg = build(args.tiny, args.seq, device)

@@ -4,7 +4,7 @@
 
 For GPT-2 small/medium/large and BERT-base (masked LM) geometries, batch x sequence from 1x128 to
 32x1024 and 2 to 256 sites, the bytes one rank sends per step in steady state (after the first,
-verifying step), from the synchroniser's own plan (`dad_integrations.capture.units.build_plan`, on a
+verifying step), from the synchroniser's own plan (`dad_integrations.capture.assign.build_plan`, on a
 model built on the meta device: no memory, no weights) and its own cost model
 (`dad_integrations.routing.router.route`, the decision each unit takes), plus the size exchanges the
 synchroniser sends besides. ``--check`` runs small real configs on 2 ranks
@@ -28,7 +28,7 @@ import torch
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.planner import steady_state
-from dad_integrations.capture.units import build_plan
+from dad_integrations.capture.assign import build_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GEOMETRIES = ("gpt2-small", "gpt2-medium", "gpt2-large", "bert-base")

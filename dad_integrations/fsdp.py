@@ -42,7 +42,8 @@ from torch.autograd import Variable
 from dad_integrations import fsdp_seams as seams
 from dad_integrations.capture.committed import CommittedRows
 from dad_integrations.capture.sink import ShardSink, ShardSlot
-from dad_integrations.capture.units import FactorUnit, build_plan
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.capture.assign import build_plan
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.engines import banner

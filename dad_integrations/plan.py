@@ -35,7 +35,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from dad_integrations.capture.units import build_plan
+from dad_integrations.capture.assign import build_plan
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.planner import (RowCounts, StepPlan, count_rows, plan_model, plan_sharded_model, render,
                                               render_sharded)

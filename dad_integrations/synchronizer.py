@@ -44,7 +44,8 @@ from dad_integrations.exchange.exchanger import Exchanger
 from dad_integrations.report import StepReport
 from dad_integrations.routing.trial import StepClock, in_backward
 from dad_integrations.capture.sink import BucketViewSink, GradSink
-from dad_integrations.capture.units import FactorUnit, build_plan
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.capture.assign import build_plan
 from dad_integrations.exchange.window import StepWindow
 from dad_integrations.exchange.worker import Worker
 

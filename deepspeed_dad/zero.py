@@ -23,7 +23,8 @@ from typing import Any, Callable, Dict, List, Sequence, Set
 
 import torch
 
-from dad_integrations.capture.units import FactorUnit, build_plan
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.capture.assign import build_plan
 from dad_integrations.config import DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.exchange.checks import check_same_model

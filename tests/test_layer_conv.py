@@ -10,9 +10,10 @@ from torch import nn
 
 from conftest import result, run_cases
 from dad_integrations import DADConfig
-from dad_integrations.capture.layers import add_bias_grad, add_rebuilt_grad, kind_of
+from dad_integrations.capture.layers import kind_of
+from dad_integrations.capture.rows import add_bias_grad, add_rebuilt_grad
 from dad_integrations.capture.layers.conv import conv_rows, output_positions
-from dad_integrations.capture.units import build_plan
+from dad_integrations.capture.assign import build_plan
 
 TOL = 1e-5  # fp32 round-off, relative per parameter (floored at 1e-6 of the whole gradient's norm)
 
@@ -203,7 +204,7 @@ def test_weight_norm_plan_logs_once(caplog):
     sys.path.insert(0, str(Path(__file__).parent / "workers"))
     from layer_models.conv import WeightNormConvNet
 
-    with caplog.at_level(logging.INFO, logger="dad_integrations.capture.units"):
+    with caplog.at_level(logging.INFO, logger="dad_integrations.capture.assign"):
         plan = build_plan(WeightNormConvNet(old=True), DADConfig())
     for c in plan.captures:
         c.remove()

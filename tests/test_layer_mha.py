@@ -131,7 +131,7 @@ def test_out_proj_regression(results):
 
 def _attached(module):
     from dad_integrations.config import DADConfig
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.assign import build_plan
     return build_plan(module, DADConfig())
 
 

@@ -19,7 +19,8 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from conftest import result, run_cases
-from dad_integrations.capture.layers import add_bias_grad, add_rebuilt_grad, concat_rows, get_kind, kind_of
+from dad_integrations.capture.layers import get_kind, kind_of
+from dad_integrations.capture.rows import add_bias_grad, add_rebuilt_grad, concat_rows
 from dad_integrations.capture.layers.rnn import replay_rows, when_all_grads
 
 TOL = 1e-5  # fp32 round-off, relative per parameter (floored at 1e-6 of the whole gradient's norm)

@@ -11,7 +11,7 @@ import torch
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.partition_exact import (PartitionExactCodec, PartitionItem, block_specs,
                                                      counts_length, covering_rows, decode, encode, use_counts)
-from dad_integrations.capture.layers import add_rebuilt_grad
+from dad_integrations.capture.rows import add_rebuilt_grad
 from dad_integrations.codecs.wire import packed_size
 
 F64 = torch.float64

@@ -138,7 +138,7 @@ def test_auto_never_sends_more_than_powersgd(preset):
     token-type embeddings) and without (Llama), in steady state: at most PowerSGD's bytes at rank r,
     from 2 to 256 sites and few to many rows, in total and weight by weight."""
     from dad_integrations.routing.planner import steady_state
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.assign import build_plan
 
     model = build_meta_model(load_config(preset))
     plan = build_plan(model, DADConfig(mode="auto", rank=4))
@@ -189,7 +189,7 @@ def test_sharded_plan_prices_rank_routes_with_the_routers_costs():
 
     from dad_integrations.routing.costs import reduce_scatter_bytes, sharded_rank_allreduce_bytes, sharded_rank_bytes
     from dad_integrations.routing.planner import sharded_steady_state
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.assign import build_plan
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     plan = build_plan(model, DADConfig(mode="auto", rank=4))
     for c in plan.captures:
@@ -256,7 +256,7 @@ def test_counted_rows_equal_the_text_formula_on_gpt2():
     """The forward count and the text formula agree where the formula holds: on GPT-2 every use
     sees batch x seq rows, ``wpe`` seq (looked up once for ``(1, seq)`` ids)."""
     from dad_integrations.routing.planner import count_rows, use_rows
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.assign import build_plan
 
     model = build_meta_model(load_config("gpt2"))
     plan = build_plan(model, DADConfig())
@@ -278,7 +278,7 @@ def test_counted_rows_of_a_cnn_are_images_times_output_positions():
     from torch import nn
 
     from dad_integrations.routing.planner import count_rows, steady_state, unit_kind
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.assign import build_plan
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, groups=2),
@@ -339,7 +339,7 @@ def test_vision_and_speech_auto_never_sends_more_than_powersgd():
     most PowerSGD's bytes, in total and weight by weight (floor units included)."""
     from dad_integrations.plan import forward_rows
     from dad_integrations.routing.planner import steady_state
-    from dad_integrations.capture.units import build_plan
+    from dad_integrations.capture.assign import build_plan
 
     for preset in ("vit-tiny", "whisper-tiny"):
         cfg = load_config(preset)

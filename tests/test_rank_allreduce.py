@@ -9,7 +9,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.report import ParamReport
-from dad_integrations.capture.units import build_plan
+from dad_integrations.capture.assign import build_plan
 
 
 def test_factor_products_equal_dense_products():

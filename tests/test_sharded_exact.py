@@ -12,9 +12,9 @@ from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.sharded_exact import (ShardedExactCodec, decode_sliced, decode_whole, encode_sliced,
                                                    shard_span)
 from dad_integrations.config import DADConfig
-from dad_integrations.capture.layers import add_rebuilt_grad, output_grad_rows
+from dad_integrations.capture.rows import add_rebuilt_grad, output_grad_rows
 from dad_integrations.capture.sink import ShardSink, ShardSlot
-from dad_integrations.capture.units import build_plan
+from dad_integrations.capture.assign import build_plan
 
 F64 = torch.float64
 

@@ -24,7 +24,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import error_feedback_for
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.sink import GradSink
-from dad_integrations.capture.units import build_plan
+from dad_integrations.capture.assign import build_plan
 
 F64 = torch.float64
 # (m, n, S): even shards, ragged ones, an empty last shard (3 rows over 4 ranks: 1/1/1/0; 5: 2/2/1/0)

@@ -37,7 +37,7 @@ def test_exact_estimate_matches_packed_layout():
 
 def test_sorted_segment_add_matches_index_add():
     """The atomics-free embedding rebuild used on CUDA gives what index_add_ gives."""
-    from dad_integrations.capture.layers import sorted_segment_add
+    from dad_integrations.capture.rows import sorted_segment_add
     ids = torch.randint(0, 7, (50,))
     rows = torch.randn(50, 3, dtype=torch.float64)
     a = torch.zeros(7, 3, dtype=torch.float64).index_add_(0, ids, rows)

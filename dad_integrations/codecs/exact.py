@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from dad_integrations.capture.layers import Rows, add_bias_grad, add_rebuilt_grad, compute_dtype
+from dad_integrations.capture.rows import Rows, add_bias_grad, add_rebuilt_grad, compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.wire import ID_DTYPE, exact_block_specs, pack, packed_size, unpack
 

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
-from dad_integrations.capture.layers import Rows, deterministic_index_add
+from dad_integrations.capture.rows import Rows, deterministic_index_add
 from dad_integrations.codecs.wire import ID_DTYPE, BlockSpec, pack_into, packed_size, unpack
 
 Range = Tuple[int, int]          # [lo, hi) of the flattened weight; lo >= hi: nothing

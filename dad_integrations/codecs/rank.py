@@ -28,7 +28,7 @@ from torch import nn
 
 from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import ErrorFeedback
-from dad_integrations.capture.layers import Rows, compute_dtype
+from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, choose_method, reduce_rank
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.units import FactorUnit

@@ -33,7 +33,7 @@ from torch import nn
 from dad_integrations.comm.aggregator import CommHandle, FactorAggregator, Traffic
 from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import ErrorFeedback
-from dad_integrations.capture.layers import Rows, compute_dtype
+from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, method_costs, orthonormalize_flat
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.sink import GradSink

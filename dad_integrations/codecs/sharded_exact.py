@@ -40,7 +40,7 @@ its left go, at their place in d's ``c`` columns, into the same slice (zero else
 decode and the bytes are those of a whole-row use; a split bias (``in_proj_bias`` over the
 whole-height call and the slices) is the sum of its uses' D columns, each already in its rows.
 Units without uses (PowerSGD's floor), and blocks on a non-linear use, never come here
-(`costs.sharded_exact_covers`; `exchange` refuses them).
+(`wire.sharded_exact_covers`; `exchange` refuses them).
 
 The pure functions (`shard_span`, `encode_sliced`, `decode_sliced`, `decode_whole`) hold the
 algebra; `ShardedExactCodec.exchange` runs the collectives through a `FactorAggregator`.
@@ -54,28 +54,15 @@ import torch
 from torch import nn
 
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
-from dad_integrations.capture.layers import Rows, compute_dtype, deterministic_index_add, output_grad_rows
+from dad_integrations.capture.rows import Rows, compute_dtype, deterministic_index_add, output_grad_rows
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
+from dad_integrations.codecs.wire import sharded_exact_covers
 
 RowCounts = Sequence[Sequence[int]]   # by rank, by use
 Block = Optional[Tuple[int, int]]     # a use's row block (offset, height) of the matrix view
 # per riding bias: (its use's index, or the indices of the uses of a split bias, its length)
 BiasUses = Sequence[Tuple[Union[int, Sequence[int]], int]]
-
-
-def sharded_exact_covers(kinds: Sequence[str], blocks: Optional[Sequence[Optional[Tuple[int, int]]]] = None) -> bool:
-    """Whether the sharded exchanges of exact factors (FSDP2's column slices, `codecs.sharded_exact`;
-    ZeRO's covering rows, `codecs.partition_exact`) carry a unit with uses ``kinds`` and row
-    ``blocks``: it needs uses, and a use with a row block ``(offset, height)`` must be ``linear``
-    (its left's ``height`` columns are rows ``offset:offset+height`` of the matrix view, and its D
-    columns are those rows of a split bias), as a packed attention projection's q/k/v slices are.
-    Embedding uses take whole factors there, which place no blocks."""
-    if not kinds:
-        return False
-    if blocks is None:
-        return True
-    return "embedding" not in kinds and all(b is None or k == "linear" for k, b in zip(kinds, blocks))
 
 
 def shard_span(rank: int, world_size: int, m: int) -> Tuple[int, int, int]:

@@ -85,7 +85,7 @@ from torch import nn
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import error_feedback_for
-from dad_integrations.capture.layers import Rows, compute_dtype
+from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, choose_method, method_costs, reduce_rank
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.finite import finite_flag

@@ -90,3 +90,17 @@ def exact_block_specs(kinds: Sequence[str], shape: Tuple[int, int], rows: Sequen
 def rank_block_specs(shape: Tuple[int, int], components: int, wire_dtype: torch.dtype) -> List[BlockSpec]:
     m, n = shape
     return [(wire_dtype, (components, m + n))]
+
+
+def sharded_exact_covers(kinds: Sequence[str], blocks: Optional[Sequence[Optional[Tuple[int, int]]]] = None) -> bool:
+    """Whether the sharded exchanges of exact factors (FSDP2's column slices, `codecs.sharded_exact`;
+    ZeRO's covering rows, `codecs.partition_exact`) carry a unit with uses ``kinds`` and row
+    ``blocks``: it needs uses, and a use with a row block ``(offset, height)`` must be ``linear``
+    (its left's ``height`` columns are rows ``offset:offset+height`` of the matrix view, and its D
+    columns are those rows of a split bias), as a packed attention projection's q/k/v slices are.
+    Embedding uses take whole factors there, which place no blocks."""
+    if not kinds:
+        return False
+    if blocks is None:
+        return True
+    return "embedding" not in kinds and all(b is None or k == "linear" for k, b in zip(kinds, blocks))

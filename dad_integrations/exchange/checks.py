@@ -19,7 +19,7 @@ from torch import nn
 
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.codecs.exact import local_rebuild
-from dad_integrations.capture.layers import Rows
+from dad_integrations.capture.rows import Rows
 from dad_integrations.capture.sink import GradSink, ShardSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.codecs.wire import pack, unpack

@@ -32,7 +32,7 @@ from dad_integrations.codecs.rank import RankBucket, RankCodec, WarmStart
 from dad_integrations.codecs.rank_allreduce import AllReduceBucket, RankAllReduceCodec
 from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import error_feedback_for
-from dad_integrations.capture.layers import Rows, compute_dtype, concat_rows
+from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteContext
 from dad_integrations.capture.sink import GradSink

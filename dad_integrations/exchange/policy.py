@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from dad_integrations.capture.layers import compute_dtype
+from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.comm.aggregator import FactorAggregator

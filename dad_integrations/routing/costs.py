@@ -28,8 +28,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
-from dad_integrations.codecs.sharded_exact import sharded_exact_covers
-from dad_integrations.codecs.wire import exact_block_specs, packed_size, rank_block_specs
+from dad_integrations.codecs.wire import exact_block_specs, packed_size, rank_block_specs, sharded_exact_covers
 
 def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
                    bias_numel: int, rank: int, grad_dtype: torch.dtype, wire_dtype: torch.dtype,

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dad_integrations.capture.units import build_plan
+from dad_integrations.capture.assign import build_plan
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.costs import powersgd_bytes, reduce_scatter_bytes, size_exchange_bytes

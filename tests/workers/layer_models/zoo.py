@@ -15,7 +15,7 @@ a loss. Between them they hold the weights dAD must cover beyond Linear and Embe
 |                | a token embedding tied to the output projection                           |
 
 Kinds that capture convolutions, attention and recurrent layers turn these weights into factor
-units; until they do, PowerSGD's coverage floor (`units.build_plan`) routes them dense or rank
+units; until they do, PowerSGD's coverage floor (`capture.assign.build_plan`) routes them dense or rank
 from their dense gradients. The tests (`tests/test_model_zoo.py`) hold under both.
 """
 from __future__ import annotations
