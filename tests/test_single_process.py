@@ -21,16 +21,21 @@ def _model():
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def test_one_rank_keeps_local_gradient(group):
-    model = _model()
-    ref = _model()
-    sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(mode="exact"))
+def _one_step_equals_local(model: nn.Module, ref: nn.Module, sync: DADSynchronizer) -> None:
+    """One synchronised step on one rank: every gradient equals the local one (``ref``'s)."""
     x = torch.randn(5, 4)
     model(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     sync.synchronize()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_one_rank_keeps_local_gradient(group):
+    model = _model()
+    ref = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(mode="exact"))
+    _one_step_equals_local(model, ref, sync)
     assert sync.last_step_report().totals["params_exact"] == 4
     sync.close()
 
@@ -460,12 +465,7 @@ def test_users_register_their_own_layer_kind(group):
         ref = nn.Sequential(_Scaled(4, 8), nn.ReLU(), nn.Linear(8, 2))
         ref.load_state_dict(model.state_dict())
         sync = DADSynchronizer(model, TorchDistributedAggregator(), config())
-        x = torch.randn(5, 4)
-        model(x).pow(2).sum().backward()
-        ref(x).pow(2).sum().backward()
-        sync.synchronize()
-        for a, b in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+        _one_step_equals_local(model, ref, sync)
         routes = {p.name: p.representation for p in sync.last_step_report().params}
         sync.close()
         return routes
