@@ -41,7 +41,6 @@ from torch.autograd import Variable
 
 from dad_integrations import fsdp_seams as seams
 from dad_integrations.capture.committed import CommittedRows
-from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
@@ -163,11 +162,10 @@ class FSDPDADSynchronizer(ShardedFacade):
         if slots is None:
             self._log_once(f"group {pg._module_fqn or '<root>'}: could not map FSDP's buffer to its parameters; "
                            f"FSDP's reduce-scatter used for the whole group")
-            whole = ShardSlot(f"{pg._module_fqn}.*", None, 0, inp.numel() // S, inp.numel() // S, (inp.numel(),))
-            seams.reduce_scatter([whole], ShardSink([], out, inp, S), group, op, ex.report)
+            seams.reduce_scatter_whole(pg, out, inp, group, op, ex.report)
         else:
             predivide, scale = seams.scaling(pg, group, inp, op)
-            ex.reduce(_FSDPCall(self, slots, ShardSink(slots, out, inp, S, predivide), group, op, scale, agg))
+            ex.reduce(_FSDPCall(self, slots, out, inp, predivide, group, op, scale, agg))
         end, self._trial_end = self._trial_end, None
         if end is not None:  # not inside a backward: this call is the step
             end()
@@ -176,9 +174,9 @@ class FSDPDADSynchronizer(ShardedFacade):
 class _FSDPCall(RowShardCall):
     """One FSDP reduce-scatter, as `ShardedExchanger.reduce` takes it."""
 
-    def __init__(self, sync: FSDPDADSynchronizer, slots: List[ShardSlot], sink: ShardSink, group: dist.ProcessGroup,
-                 op, scale: float, aggregator: TorchDistributedAggregator):
-        super().__init__(slots, sink, aggregator, scale, sync.exchanger.wire, sync.exchanger.rank_codec)
+    def __init__(self, sync: FSDPDADSynchronizer, slots: list, out: torch.Tensor, inp: torch.Tensor, predivide: float,
+                 group: dist.ProcessGroup, op, scale: float, aggregator: TorchDistributedAggregator):
+        super().__init__(slots, out, inp, predivide, aggregator, scale, sync.exchanger.wire, sync.exchanger.rank_codec)
         self.sync, self.group, self.op = sync, group, op
 
     def units(self) -> List[FactorUnit]:
@@ -187,7 +185,7 @@ class _FSDPCall(RowShardCall):
     def take_pairs(self, unit: FactorUnit, use) -> list:
         return self.sync._committed.take(use)
 
-    def reduce_rest(self, slots: List[ShardSlot], report: ShardedStepReport) -> None:
+    def reduce_rest(self, slots: list, report: ShardedStepReport) -> None:
         seams.reduce_scatter(slots, self.sink, self.group, self.op, report)
 
     def at_step_end(self, end: Callable[[], None]) -> None:

@@ -103,6 +103,14 @@ def slots_of(fps: list, names: Dict[int, str], inp: torch.Tensor, S: int) -> Opt
     return slots if offset * S == inp.numel() else None
 
 
+def reduce_scatter_whole(pg, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op,
+                         report: ShardedStepReport) -> None:
+    """FSDP's own reduce-scatter of a whole group's buffer (where its parameters could not be mapped)."""
+    S = group.size()
+    whole = ShardSlot(f"{pg._module_fqn}.*", None, 0, inp.numel() // S, inp.numel() // S, (inp.numel(),))
+    reduce_scatter([whole], ShardSink([], out, inp, S), group, op, report)
+
+
 def reduce_scatter(dense: List[ShardSlot], sink: ShardSink, group, op, report: ShardedStepReport) -> None:
     """FSDP's own reduce-scatter, on a buffer holding only ``dense``'s chunks."""
     if not dense:

@@ -9,7 +9,7 @@ announce themselves through channels of their own (DeepSpeed's ``logger`` has it
 
 The line goes to the ``dad_integrations.engines.banner`` logger, which has its own stderr handler and
 does not propagate (a root handler would print it a second time). Silence it with
-``logging.getLogger("dad_integrations.engines.banner").setLevel(logging.WARNING)``.
+``logging.getLogger("dad_integrations.banner").setLevel(logging.WARNING)``.
 
 Once per attach. Only the objects that do the work announce (`DADSynchronizer`, FSDP2's and
 ZeRO's synchronisers), each once, when its attach is complete. The integrations around them
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from dad_integrations.capture.units import FactorUnit
     from dad_integrations.config import DADConfig
 
-LOGGER_NAME = "dad_integrations.engines.banner"
+LOGGER_NAME = "dad_integrations.banner"  # a public name (users silence it), not the module path
 
 _engine: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("dad_banner_engine", default=None)
 

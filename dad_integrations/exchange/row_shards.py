@@ -31,9 +31,13 @@ class RowShardCall(ShardedCall):
     """One reduce-scatter of row-block shards (see the module doc); the adapter says which units it
     carries (`units`) and runs the engine's reduce-scatter of the rest (`reduce_rest`)."""
 
-    def __init__(self, slots: List[ShardSlot], sink: ShardSink, aggregator: FactorAggregator, scale: float,
-                 wire, rank_codec: ShardedRankCodec):
-        self.slots, self.sink, self.aggregator, self.scale = slots, sink, aggregator, scale
+    def __init__(self, slots: List[ShardSlot], out: torch.Tensor, inp: torch.Tensor, predivide: float,
+                 aggregator: FactorAggregator, scale: float, wire, rank_codec: ShardedRankCodec):
+        """``slots``: each parameter's place in the engine's input buffer ``inp`` (already divided by
+        ``predivide``) and output chunk ``out``; ``scale``: what the engine's reduce-scatter
+        multiplies the sum by."""
+        self.slots, self.aggregator, self.scale = slots, aggregator, scale
+        self.sink = ShardSink(slots, out, inp, aggregator.world_size, predivide)
         self.route_wire, self.rank_codec = wire, rank_codec
 
     def reduce_rest(self, slots: List[ShardSlot], report: ShardedStepReport) -> None:

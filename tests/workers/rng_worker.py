@@ -319,7 +319,7 @@ def cases(engines: List[str], losses: List[str]) -> Dict[str, dict]:
 
 def main() -> None:
     out_path, engines = sys.argv[1], sys.argv[2].split(",")
-    logging.getLogger("dad_integrations.engines.banner").addHandler(BANNERS)
+    logging.getLogger("dad_integrations.banner").addHandler(BANNERS)
     losses = [e for e in engines if e in WITH_SYNC]
     if engines == ["horovod"]:
         import horovod.torch as hvd
