@@ -89,9 +89,6 @@ class PartitionCall(ShardedCall):
         local = self.grads[unit.index]
         local.add_(residual.reshape(-1).to(local.dtype))
 
-    def prepare(self, rows) -> None:
-        self.rows = rows
-
     def item(self, unit: FactorUnit) -> PartitionItem:
         # the matrix view (a conv's 4-D weight as (C_out, C_in k k)): ZeRO's flat partitions cut
         # the row-major flattening, which is the view's, so covering rows are the view's rows
@@ -100,7 +97,7 @@ class PartitionCall(ShardedCall):
                                                    self.rows[unit.index], blocks=unit.blocks)
         return self.items[unit.index]
 
-    def agree_counts(self, units, rows):
+    def agree_counts(self, units):
         items = [self.item(u) for u in units]
         traffic = self.layout.codec.agree_counts(items, self.aggregator)
         return {it.key: it.rows_by_rank() for it in items}, traffic, len(items)
@@ -108,7 +105,7 @@ class PartitionCall(ShardedCall):
     def checkable(self, unit: FactorUnit) -> bool:
         return takes_exact(unit)
 
-    def verify(self, units, rows):
+    def verify(self, units):
         """Do the factors rebuild this rank's owned part of each unit's local gradient, on every rank?"""
         me, flags = self.aggregator.rank, []
         cdt = torch.float64 if self.dtype == torch.float64 else torch.float32

@@ -47,12 +47,12 @@ class RowShardCall(ShardedCall):
     def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
         self.sink.add_local(unit.param, residual)
 
-    def agree_counts(self, units, rows):
-        counts, traffic = exchange_row_counts(units, rows, self.aggregator)
+    def agree_counts(self, units):
+        counts, traffic = exchange_row_counts(units, self.rows, self.aggregator)
         return counts, traffic, sum(len(u.uses) for u in units)
 
-    def verify(self, units, rows):
-        _, failed, traffic = agree_factors_rebuild(units, rows, self.sink, self.aggregator)
+    def verify(self, units):
+        _, failed, traffic = agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
         return failed, traffic
 
     def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
@@ -74,7 +74,7 @@ class RowShardCall(ShardedCall):
         codec = ShardedExactCodec(self.route_wire or sink.inp.dtype, sink.inp.device)
         for unit in routes.exact:
             biases = self._biases(unit)
-            result = codec.exchange(unit, routes.rows[unit.index], routes.counts[unit.index], self.aggregator,
+            result = codec.exchange(unit, self.rows[unit.index], routes.counts[unit.index], self.aggregator,
                                     self.scale)
             for p in [unit.param] + biases:
                 sink.write(p, result.shards[p])
@@ -83,12 +83,12 @@ class RowShardCall(ShardedCall):
                 report.params.append(ShardedParamReport.of_shard(slot.name, "exact", slot.shape, slot.numel, S,
                                                                  itemsize))
             weight = report.params[-1 - len(biases)]  # the bytes go to the weight, biases ride free
-            weight.rows = sum(left.shape[0] for left, _ in routes.rows[unit.index])
+            weight.rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
             weight.max_rows, weight.method = max(sum(r) for r in routes.counts[unit.index]), result.method
             weight.add_traffic(result.traffic)
         if routes.ranked:  # biases stay on the engine's reduce-scatter
             codec = self.rank_codec
-            items = [codec.local(unit, routes.rows[unit.index], sink.local_grad, rep) for unit, rep in routes.ranked]
+            items = [codec.local(unit, self.rows[unit.index], sink.local_grad, rep) for unit, rep in routes.ranked]
             for item, result in zip(items, codec.exchange(items, self.aggregator, self.scale, routes.step,
                                                           sink.inp.dtype)):
                 p = item.unit.param

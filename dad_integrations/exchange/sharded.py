@@ -56,7 +56,6 @@ class CallRoutes:
     engine's reduction."""
 
     step: int                                  # 0-based, as the router counts
-    rows: Dict[int, List[Rows]]                # unit index -> rows per use
     counts: Dict[int, RowCounts]               # unit index -> agreed row counts (where exchanged)
     report: ShardedStepReport
     routed: List[Tuple[FactorUnit, str]] = field(default_factory=list)
@@ -84,8 +83,11 @@ class ShardedCall:
         """The captured (left, right) pairs of ``use`` that are ready to send (and forget them)."""
         return use.take()
 
-    def prepare(self, rows: Mapping[int, List[Rows]]) -> None:
-        """This call's rows per unit (``unit.index``), before any decision is taken."""
+    rows: Dict[int, List[Rows]]                # unit index -> rows per use (`prepare`)
+
+    def prepare(self, rows: Dict[int, List[Rows]]) -> None:
+        """This call's rows per unit (``unit.index``), given before any decision is taken."""
+        self.rows = rows
 
     def local_of(self, unit: FactorUnit) -> Optional[torch.Tensor]:
         """The unit's local gradient, where the step's finiteness is read per unit (None: the
@@ -96,8 +98,7 @@ class ShardedCall:
         """Add a flushed residual (``m x n``) to the unit's local gradient, before the engine reduces it."""
         raise NotImplementedError
 
-    def agree_counts(self, units: Sequence[FactorUnit], rows: Mapping[int, List[Rows]]
-                     ) -> Tuple[Dict[int, RowCounts], Traffic, int]:
+    def agree_counts(self, units: Sequence[FactorUnit]) -> Tuple[Dict[int, RowCounts], Traffic, int]:
         """Every rank's row counts of ``units`` (one collective): counts, bytes, overhead size."""
         raise NotImplementedError
 
@@ -105,8 +106,7 @@ class ShardedCall:
         """Whether the first call's check applies: the unit may take exact factors."""
         return unit.has_factors
 
-    def verify(self, units: Sequence[FactorUnit], rows: Mapping[int, List[Rows]]
-               ) -> Tuple[List[FactorUnit], Traffic]:
+    def verify(self, units: Sequence[FactorUnit]) -> Tuple[List[FactorUnit], Traffic]:
         """Do ``units``' factors rebuild their local gradients on every rank? Returns the failed ones."""
         raise NotImplementedError
 
@@ -256,12 +256,12 @@ class ShardedExchanger(TimedRoutes):
         factored = [u for u in live if u.has_factors]
         counts: Dict[int, RowCounts] = {}
         if factored and sharded_needs_counts(cfg, step):
-            counts, traffic, numel = call.agree_counts(factored, rows)
+            counts, traffic, numel = call.agree_counts(factored)
             report.params.append(ShardedParamReport.overhead(self.names["counts"], numel, traffic))
-        live = self._verify(call, live, rows, report)
-        timing = self._trial.models(call.aggregator, self._device(live), step) if live else None
+        live = self._verify(call, live, report)
+        timing = self._trial.models(call.aggregator, live[0].param.device, step) if live else None
         ctx = RouteContext(cfg, call.aggregator.world_size, call.route_wire, step=step, sharded=True, timing=timing)
-        routes = CallRoutes(step, rows, counts, report)
+        routes = CallRoutes(step, counts, report)
         for unit in live:
             estimates, ties = call.estimates(unit, counts.get(unit.index))
             decision = route(ctx, call.unit_shape(unit), UnitEvidence(rows_by_rank=counts.get(unit.index),
@@ -278,14 +278,13 @@ class ShardedExchanger(TimedRoutes):
         for unit, _ in routes.ranked:
             self._touch_rank(call, unit)
 
-    def _verify(self, call: ShardedCall, live: List[FactorUnit], rows: Mapping[int, List[Rows]],
-                report: ShardedStepReport) -> List[FactorUnit]:
+    def _verify(self, call: ShardedCall, live: List[FactorUnit], report: ShardedStepReport) -> List[FactorUnit]:
         """The first call of each unit: its factors must rebuild its local gradient on every rank."""
         todo = [u for u in live if u.index not in self._verified and call.checkable(u)
                 ] if self.config.verify_first_step else []
         if not todo:
             return live
-        failed, traffic = call.verify(todo, rows)
+        failed, traffic = call.verify(todo)
         report.params.append(ShardedParamReport.overhead(self.names["verify"], len(todo), traffic))
         self._verified.update(u.index for u in todo)
         for unit in failed:
@@ -293,10 +292,6 @@ class ShardedExchanger(TimedRoutes):
                           f"outside the captured layers?): {self.fallback} from now on")
             unit.set_dense_only(True)
         return [u for u in live if not u.dense_only]
-
-    @staticmethod
-    def _device(units: Sequence[FactorUnit]) -> torch.device:
-        return units[0].param.device
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
