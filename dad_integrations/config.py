@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, Optional, Tuple
 import torch
 
 from dad_integrations.comm.link_spec import parse_link_spec
+from dad_integrations.comm.topology import parse_topology
 
 MODES = ("exact", "rank", "auto")
 RANK_ROUTES = ("auto", "allgather", "allreduce")
@@ -161,6 +162,12 @@ class DADConfig:
             to the end of its exchange. The routes are kept where they beat all-dense in 3 of 4
             pairs; the difference calibrates the compute model, and the chosen steps are watched
             so that a sustained miss tries again at once. 0 trusts the models without a trial.
+        topology: which ranks share a node (`comm.topology`): ``"auto"`` (the default) asks the
+            launcher (torchrun, Horovod), else the hostnames; an integer states the ranks per node
+            (consecutive ranks share one); ``"flat"`` treats the group as one level. With more than
+            one node of more than one rank, the two-level routes (`exchange.two_level`) reduce
+            inside each node, compress only between nodes, and run where predicted faster than
+            the flat ones; ``link`` may then state each hop: ``{"intra": {...}, "inter": {...}}``.
     """
 
     mode: str = "auto"
@@ -182,6 +189,7 @@ class DADConfig:
     link: Optional[Mapping[str, Any]] = None
     route_refresh_steps: int = 200
     route_trial_steps: int = 8
+    topology: Any = "auto"
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
@@ -230,6 +238,10 @@ class DADConfig:
                              f"steps; 0: no trial), got {self.route_trial_steps!r}")
         if self.link is not None:
             parse_link_spec(self.link)  # names the bad sub-key
+        try:
+            parse_topology(self.topology)
+        except ValueError as e:
+            raise ValueError(f"dad config key 'topology': {e}") from None
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {tuple(WIRE_DTYPES)}")
         for key in ("layer_kinds", "exclude"):

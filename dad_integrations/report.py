@@ -15,7 +15,9 @@ class ParamReport:
     handed_bytes: bytes of the tensors this rank handed to collectives (padding included);
     sent_bytes / received_bytes: this rank's wire bytes (ring algorithms);
     allreduce_bytes: what a ring all-reduce of this parameter's gradient sends per rank;
-    overlapped: its exchange began while backward was still running (before `synchronize()`).
+    overlapped: its exchange began while backward was still running (before `synchronize()`);
+    level: ``"flat"``, or ``"two_level"`` where only the hop between nodes carried its route
+        (`exchange.two_level`); inter_bytes: there, what this rank received over that hop.
     """
 
     name: str
@@ -30,6 +32,8 @@ class ParamReport:
     received_bytes: float = 0.0
     allreduce_bytes: float = 0.0
     overlapped: bool = False
+    level: str = "flat"
+    inter_bytes: float = 0.0
 
     def add_traffic(self, traffic) -> None:
         """Add the bytes of a collective (an `aggregator.Traffic`) or of its share."""

@@ -46,6 +46,7 @@ from dad_integrations.routing.trial import StepClock, in_backward
 from dad_integrations.capture.sink import BucketViewSink, GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
+from dad_integrations.exchange.two_level import build_levels
 from dad_integrations.exchange.window import StepWindow
 from dad_integrations.exchange.worker import Worker
 
@@ -112,7 +113,7 @@ class DADSynchronizer:
                 c.remove()
             raise
         self._exchanger = Exchanger(self._plan, aggregator, self.config, WIRE_DTYPES[self.config.wire_dtype],
-                                    device)
+                                    device, levels=build_levels(self.config, aggregator, device))
         self._driven_by_ddp = _driven_by_ddp
         self._sink_type: Type[GradSink] = BucketViewSink if _driven_by_ddp else GradSink
         self._lock = threading.Lock()

@@ -88,14 +88,15 @@ class RankCodec:
                 self.memory.keep(unit.name, self.memory.pack(unit.name, residual))
 
     def encode(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor],
-               entry: ParamReport, step: int) -> torch.Tensor:
-        """This rank's payload (``r`` rows of ``m + n``; fewer with adaptive tolerance)."""
+               entry: ParamReport, step: int, *, dense: bool = False) -> torch.Tensor:
+        """This rank's payload (``r`` rows of ``m + n``; fewer with adaptive tolerance); ``dense``:
+        from ``local_grad`` whatever the rows (a node's sum, `exchange.two_level`)."""
         cfg, p = self.config, unit.param
         m, n = unit.shape
         r = min(cfg.rank, m, n)
         cdt = compute_dtype(p)
         n_rows = sum(int(left.shape[0]) for left, _ in rows)
-        method = "dense" if self.memory.enabled or unit.rows_unused else choose_method(
+        method = "dense" if dense or self.memory.enabled or unit.rows_unused else choose_method(
             n_rows, m, n, r, cfg.power_iterations, factors_available=unit.factors_only)
         owned = False
         if method == "dense":

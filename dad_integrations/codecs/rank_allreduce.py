@@ -143,14 +143,16 @@ class RankAllReduceCodec:
         self._owned: set = set()  # unit names whose M_s is this codec's own copy (grad + residual)
 
     def local(self, unit: FactorUnit, rows: Sequence[Rows],
-              local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor], entry: ParamReport) -> LocalGradient:
-        """This rank's ``M_s``: from the factors where that is cheaper and nothing is added to them."""
+              local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor], entry: ParamReport, *,
+              dense: bool = False) -> LocalGradient:
+        """This rank's ``M_s``: from the factors where that is cheaper and nothing is added to them;
+        ``dense``: from ``local_grad`` whatever the rows (a node's sum, `exchange.two_level`)."""
         p = unit.param
         m, n = unit.shape
         r = min(self.config.rank, m, n)
         cdt = compute_dtype(p)
         n_rows = sum(int(left.shape[0]) for left, _ in rows)
-        use_factors = (not self.memory.enabled and not unit.rows_unused and unit.factors_only)
+        use_factors = not dense and not self.memory.enabled and not unit.rows_unused and unit.factors_only
         if use_factors:
             costs = method_costs(n_rows, m, n, r, 2, factors_available=True)
             use_factors = costs["factors"] < costs["dense"]

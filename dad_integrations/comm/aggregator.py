@@ -147,6 +147,19 @@ class FactorAggregator(ABC):
                              f"{recv_sizes[self.rank]}")
         return self._all_to_all_v(tensor.contiguous(), send_sizes, recv_sizes, name)
 
+    def topology_hint(self) -> Optional[Tuple[int, int]]:
+        """What the launcher says of this rank's node: ``(node index, ranks per node)`` in this
+        group's terms, or None where it says nothing (`comm.topology.resolve_topology` then groups
+        ranks by hostname). Backends that know their launcher override it."""
+        return None
+
+    def split(self, partition: Sequence[Sequence[int]]) -> "FactorAggregator":
+        """An aggregator over the part of ``partition`` (lists of this group's ranks, covering each
+        once) that holds this rank; every rank must call it at the same point, with the same
+        partition (it creates groups). Backends that can make subgroups override it; without them
+        there are no two-level routes (``topology: "flat"``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot make subgroups: set topology to 'flat'")
+
     def traffic(self) -> Traffic:
         """A snapshot of the bytes counted so far, over all collectives of every thread.
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Optional
 
 KINDS = ("all_reduce", "all_gather", "all_to_all")
+LEVELS = ("intra", "inter")  # a link per hop: inside a node, between nodes (`comm.topology`)
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -52,6 +53,11 @@ def parse_link_spec(spec: Mapping[str, Any]) -> Dict[str, LinkCost]:
     `ValueError` naming them."""
     if not isinstance(spec, Mapping):
         raise ValueError(f"dad config key 'link': must be a dict, got {type(spec).__name__}")
+    levels = level_link_specs(spec)
+    if levels is not None:  # the flat group spans the nodes: its collectives run at the slow hop's pace
+        for level in LEVELS:
+            parse_link_spec(levels[level])
+        return parse_link_spec(levels["inter"])
     allowed = {"bandwidth", "latency_us", *KINDS}
     bad = sorted(set(spec) - allowed, key=str)
     if bad:
@@ -70,6 +76,22 @@ def parse_link_spec(spec: Mapping[str, Any]) -> Dict[str, LinkCost]:
         else:
             raise ValueError(f"dad config key 'link': give 'bandwidth' (for every kind) or one for {kind!r}")
     return costs
+
+
+def level_link_specs(spec: Mapping[str, Any]) -> Optional[Dict[str, Mapping[str, Any]]]:
+    """A ``link`` that states each hop, ``{"intra": {...}, "inter": {...}}`` (each a link spec as
+    above), as that dict; None for a one-level spec. Both levels and nothing else, or a
+    `ValueError` naming the key."""
+    if not any(level in spec for level in LEVELS):
+        return None
+    bad = sorted(set(spec) ^ set(LEVELS), key=str)
+    if bad:
+        raise ValueError(f"dad config key 'link': a link per hop takes exactly {list(LEVELS)}; "
+                         f"wrong or missing: {bad}")
+    for level in LEVELS:
+        if not isinstance(spec[level], Mapping):
+            raise ValueError(f"dad config key 'link.{level}': must be a dict, got {spec[level]!r}")
+    return {level: spec[level] for level in LEVELS}
 
 
 def _cost(spec: Mapping[str, Any], key: str) -> LinkCost:

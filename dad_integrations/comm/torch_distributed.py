@@ -6,13 +6,14 @@ different lengths to the longest after an exchange of sizes.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.comm.groups import new_group_like
+from dad_integrations.comm.topology import checked_partition, torchrun_hint
 
 
 class TorchDistributedAggregator(EqualSizeAggregator):
@@ -46,6 +47,24 @@ class TorchDistributedAggregator(EqualSizeAggregator):
     @property
     def group(self) -> dist.ProcessGroup:
         return self._group
+
+    def topology_hint(self) -> Optional[Tuple[int, int]]:
+        """torchrun's ``GROUP_RANK`` and ``LOCAL_WORLD_SIZE``, for a group of every rank (in a
+        smaller group the launcher's node sizes do not apply)."""
+        if self._world != dist.get_world_size():
+            return None
+        return torchrun_hint()
+
+    def split(self, partition: Sequence[Sequence[int]]) -> "TorchDistributedAggregator":
+        """One new group per part (global ranks translated from this group's), each with this
+        group's timeout; returns the aggregator over this rank's part."""
+        mine = None
+        for part in checked_partition(partition, self._world):
+            ranks = [dist.get_global_rank(self._group, r) for r in part]
+            group = new_group_like(ranks, base=self._group)
+            if self._rank in part:
+                mine = group
+        return TorchDistributedAggregator(mine)
 
     # The calls into torch.distributed; every byte this backend moves passes through them.
     def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):

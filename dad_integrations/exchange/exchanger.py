@@ -16,6 +16,7 @@ one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like all-reduce.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -38,6 +39,7 @@ from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteCo
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.exchange.policy import RoutePolicy
+from dad_integrations.exchange.two_level import Levels, TwoLevelExchanger
 from dad_integrations.exchange.window import StepWindow
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class Exchanger:
     its `policy`'s (`policy.RoutePolicy`)."""
 
     def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig,
-                 wire_dtype: Optional[torch.dtype], device: torch.device):
+                 wire_dtype: Optional[torch.dtype], device: torch.device, levels: Optional[Levels] = None):
         self.plan = plan
         self.aggregator = aggregator
         self.config = config
@@ -88,6 +90,14 @@ class Exchanger:
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
         self.policy = RoutePolicy(plan, aggregator, config, device, self.memory)  # measures the models
+        # two levels (nodes of several ranks): steps that compress only between nodes, where faster
+        self.two_level: Optional[TwoLevelExchanger] = None
+        if levels is not None and levels.topology.two_level:
+            if levels.timing is not None and self.policy.timing is not None:
+                levels.timing = dataclasses.replace(levels.timing, compute=self.policy.timing.compute)
+            self.two_level = TwoLevelExchanger(plan, levels, config, wire_dtype, device, world=aggregator,
+                                               memory=self.memory, exact=self.exact, rank_codec=self.rank_codec,
+                                               rank_allreduce=self.rank_allreduce, dense_dtype=self.dense_dtype)
 
     def _await(self, window: StepWindow, i: int, sure: List[bool], dense: DenseBuckets) -> None:
         """Wait until unit ``i`` is ready. Units sure to go dense that do not fill the open dense
@@ -111,6 +121,11 @@ class Exchanger:
         """Exchange every unit and the dense buckets of one step; returns its report. ``window.started``
         (`routing.trial.StepClock`) to the end of this call is the step's span a route trial times."""
         st = self._open_step(window, sink, step, verify, prescale, postscale)
+        if self.policy.two_level:
+            st.report.update(self.two_level.run(window, sink, step=step, scale=st.scale, note=self._note,
+                                                take_rows=lambda u: self._take_rows(u, window),
+                                                check_open=self._check_open))
+            return self._finish_step(st)
         previous = self._exchange_units(st)
         if not self.plan.dense:
             st.dense.send()  # every unit is routed: the last units' bucket need not wait for backward's end
@@ -188,8 +203,14 @@ class Exchanger:
         return StepReport(st.step, self.aggregator.world_size, list(st.report.values()))
 
     def _close_step(self, window: StepWindow, step: int) -> None:
-        """The step's exchange is over: its span to the route trial, the next step's preparation."""
+        """The step's exchange is over: its span to the route trial, the next step's preparation
+        (whether it goes flat or at two levels among them)."""
         self.policy.end_step(step, getattr(window, "started", None))
+        if self.two_level is not None:
+            before = self.policy.two_level
+            self.policy.two_level = self.two_level.prefer(step + 1, self.policy)
+            if before != self.policy.two_level:
+                self.two_level.switched(self.policy, self.policy.two_level)
 
     def start_native(self, buffer: torch.Tensor, prescale: float):
         """Put one of DDP's buckets on the wire as it is (`RoutePolicy.native_dense`), in the dense

@@ -68,6 +68,8 @@ class RoutePolicy:
             RouteTrial(config.route_trial_steps)
             if self.timing is not None and config.link is None and config.mode == "auto" else None)
         self.clock: Callable[[], float] = time.perf_counter  # the end of a step's span (`StepClock`)
+        # the next step goes at two levels (`exchange.two_level`): nothing is held dense for it
+        self.two_level = False
 
     # -- which steps choose anew, which hold ------------------------------------------------------
     def refresh_due(self, step: int) -> bool:
@@ -99,6 +101,8 @@ class RoutePolicy:
         held dense route (objective "time", between refreshes) or dense for good. Such a step needs
         none of the unit's rows, priors or restart marks (the all-reduce carries what ``.grad``
         holds), so the hooks skip that bookkeeping, and routing it needs no early wake-up."""
+        if self.two_level:
+            return not verify and unit.dense_only
         return not verify and (unit.dense_only or self._held_route(unit, step, verify) == "dense")
 
     def holds_residuals(self, step: int) -> bool:
@@ -112,7 +116,7 @@ class RoutePolicy:
         route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
         what DDP's is, with no per-parameter packing on dAD's worker (`Exchanger.run_native`)."""
         memory, units = self.memory, self.plan.units
-        if verify or memory.flushed or not all(self.dense_for_sure(u, step, verify) for u in units):
+        if self.two_level or verify or memory.flushed or not all(self.dense_for_sure(u, step, verify) for u in units):
             return False
         if self.holds_residuals(step):
             return True

@@ -1,0 +1,564 @@
+"""Two-level steps: reduce inside the node, compress only between nodes, gather inside the node.
+
+On ``N`` nodes of ``L`` ranks (`comm.topology`) every unit has an *owner*, one local index,
+fixed at attach so that the unit's error-feedback residual and warm start live on one rank per
+node (``1/L`` of flat PowerSGD's memory per rank). Units are assigned whole, largest first to the
+least loaded owner (`assign_owners`: about ``1/L`` of the step's work each). A step goes bucket by
+bucket (``bucket_cap_mb`` of gradients, in exchange order, as backward finishes them):
+
+1. the bucket's routes (`routing.two_level.choose_two_level`), on row counts all-gathered over the
+   whole group where a unit may go exact: every rank decides alike;
+2. **to the owner** (one all-to-all inside the node): each rank's rows (exact) or its dense
+   gradient (every other route), which the owner sums: a reduce-scatter by owner;
+3. **between nodes** (the owner's cross group: the owners of those units on every node): one
+   all-reduce of the dense units' node sums (and the rank routes' biases), one all-gather of the
+   exact units' node rows, one of the rank-dAD units' factors of their node sum, and PowerSGD's
+   P and Q all-reduces (`codecs.rank_allreduce`) for the rest; each only where the bucket has such
+   units, and the same on every member of the group, whose units and routes are the same;
+4. **from the owner** (one all-gather inside the node): each unit's average, or the factors it is
+   rebuilt from where they are fewer bytes; every rank of the node writes it through the same code.
+
+The first step (its factors checked) stays flat; so does every step when the router predicts the
+flat routes faster (`Exchanger`). Codecs, residuals and warm starts are the flat exchanger's: a
+residual left by a flat step on a rank that does not own the unit is flushed into that rank's
+gradient (sent, never lost), one on the owner is compensated into its node's sum.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dad_integrations.capture.rows import Rows, compute_dtype
+from dad_integrations.capture.sink import GradSink
+from dad_integrations.capture.units import FactorUnit, SyncPlan
+from dad_integrations.codecs.exact import ExactCodec
+from dad_integrations.codecs.low_rank import LocalGradient
+from dad_integrations.codecs.rank import RankCodec
+from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
+from dad_integrations.codecs.wire import exact_block_specs, pack, packed_size, unpack
+from dad_integrations.codecs.error_feedback import ErrorFeedback
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
+from dad_integrations.comm.topology import Topology
+from dad_integrations.config import DADConfig
+from dad_integrations.report import ParamReport
+from dad_integrations.routing.router import UnitShape
+from dad_integrations.routing.two_level import HopBytes, TwoLevelTiming, choose_two_level
+
+log = logging.getLogger(__name__)
+
+Spec = Tuple[torch.dtype, Tuple[int, ...]]
+
+
+@dataclass
+class Levels:
+    """The groups of a two-level topology, built once at attach (`comm.topology.level_aggregators`),
+    and the agreed link models of both hops (None: routes by bytes)."""
+
+    topology: Topology
+    intra: FactorAggregator
+    cross: FactorAggregator
+    timing: Optional[TwoLevelTiming] = None
+
+
+def assign_owners(costs: Sequence[float], local_size: int) -> List[int]:
+    """Owner (local index) of each item: largest cost first, to the least loaded owner (ties to
+    the lower index), so that each owner gets about ``1/L`` of the work; deterministic."""
+    heap = [(0.0, j) for j in range(local_size)]
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, j = heapq.heappop(heap)
+        owners[i] = j
+        heapq.heappush(heap, (load + costs[i], j))
+    return owners
+
+
+@dataclass
+class _Item:
+    """One unit, or one parameter that is always dense, in a two-level bucket."""
+
+    name: str
+    params: List[nn.Parameter]
+    owner: int
+    unit: Optional[FactorUnit] = None
+    rows: Optional[List[Rows]] = None
+    counts: Optional[List[int]] = None              # this rank's rows per use
+    node_rows: Optional[List[List[int]]] = None     # by node, by use
+    rank_rows: Optional[List[List[int]]] = None     # by rank of this node, by use
+    rep: str = "dense"
+    hops: Optional[HopBytes] = None
+    entries: List[ParamReport] = field(default_factory=list)
+    result: Optional[List[torch.Tensor]] = None     # the owner's blocks for hop 3
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+class _Capture(GradSink):
+    """A sink that keeps what a codec writes (the owner's results, sent on by hop 3)."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.products: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def write_product(self, p: nn.Parameter, left: torch.Tensor, right: torch.Tensor) -> None:
+        self.products[id(p)] = (left, right)
+
+
+class TwoLevelExchanger:
+    """Runs the two-level steps of one synchroniser (see the module doc). Shares the flat
+    exchanger's codecs and error feedback, so a step may be flat or two-level, whichever is
+    predicted faster, without losing a residual."""
+
+    def __init__(self, plan: SyncPlan, levels: Levels, config: DADConfig, wire_dtype: Optional[torch.dtype],
+                 device: torch.device, *, world: FactorAggregator, memory: ErrorFeedback, exact: ExactCodec,
+                 rank_codec: Optional[RankCodec], rank_allreduce: Optional[RankAllReduceCodec],
+                 dense_dtype: torch.dtype):
+        self.plan, self.levels, self.config = plan, levels, config
+        self.wire_dtype, self.device, self.world = wire_dtype, device, world
+        self.memory, self.exact, self.rank_codec, self.rank_allreduce = memory, exact, rank_codec, rank_allreduce
+        self.dense_dtype = dense_dtype
+        topo = levels.topology
+        self.local, self.L, self.N = topo.local_rank, topo.local_size, topo.num_nodes
+        costs = [float(u.param.numel()) for u in plan.units] + [float(q.numel()) for _, q in plan.dense]
+        owners = assign_owners(costs, self.L)
+        self.owner_of: Dict[str, int] = {u.name: owners[i] for i, u in enumerate(plan.units)}
+        self.owner_of.update({name: owners[len(plan.units) + i] for i, (name, _) in enumerate(plan.dense)})
+
+    # -- flat or two levels -------------------------------------------------------------------------
+    def prefer(self, step: int, policy) -> bool:
+        """Whether step ``step`` goes at two levels: decided at the first step after the checked
+        one and at every refresh (`RoutePolicy.refresh_due`), held in between. By bytes (or on no
+        models), always: no flat route sends fewer bytes between nodes. By time, where the step's
+        predicted seconds at two levels (`TwoLevelTiming`) beat the flat routes' (`StepTiming`), each
+        unit on its fastest route, on the row counts of its last size exchange."""
+        if step < 1:
+            return False
+        if step > 1 and not policy.refresh_due(step):
+            return policy.two_level
+        flat_timing, timing = policy.timing, self.levels.timing
+        if flat_timing is None or timing is None or self.config.objective != "time":
+            choice = True
+        else:
+            flat, two = self.predicted_seconds(step, policy.last_rows, flat_timing)
+            choice = two < flat
+            if self.world.rank == 0:
+                log.info("dAD: step %d on, %s: predicted %.2f ms a step at two levels, %.2f ms flat",
+                         step, "two levels" if choice else "flat", two * 1e3, flat * 1e3)
+        return choice
+
+    def predicted_seconds(self, step: int, last_rows: Dict[int, Sequence[Sequence[int]]],
+                          flat_timing) -> Tuple[float, float]:
+        """The step's predicted seconds ``(flat, two levels)``, each unit on its fastest route."""
+        from dad_integrations.routing.router import choose, unit_estimates  # (layer below: fine)
+
+        cfg, s = self.config, self.world.world_size
+        topo = self.levels.topology
+        flat = two = 0.0
+        lossless = step < cfg.lossless_steps
+        rank_allowed = cfg.rank is not None and not lossless
+        lossless_cfg = dataclasses.replace(cfg, mode="auto", rank=None, adaptive_tolerance=None)
+        for u in self.plan.units:
+            shape = UnitShape(tuple(u.kinds), u.shape, u.bias_numel, u.param.dtype, u.blocks)
+            wire = self.wire_dtype or u.param.dtype
+            rows = last_rows.get(u.index) or [[0] * len(u.kinds)] * s
+            est = unit_estimates(cfg if rank_allowed else lossless_cfg, shape, rows, s, wire)
+            if not u.has_factors:
+                est.pop("exact", None)
+            secs = flat_timing.route_seconds(est, shape=u.shape, uses=len(u.kinds), rows_by_rank=rows,
+                                             world_size=s)
+            flat += secs[choose(cfg.mode if rank_allowed else lossless_cfg.mode, secs, rank_allowed=rank_allowed, rank_route=cfg.rank_route)]
+            node_rows = [[sum(rows[r][k] for r in ranks) for k in range(len(u.kinds))] for ranks in topo.nodes]
+            _, _, seconds = choose_two_level(cfg, shape, node_rows if u.has_factors else None, step=step,
+                                             nodes=self.N, local_size=self.L, wire_dtype=wire,
+                                             timing=self.levels.timing, dense_only=u.dense_only)
+            two += min(seconds.values())
+        return flat, two
+
+    def switched(self, policy, to_two_level: bool) -> None:
+        """The steps change level: warm starts drop (a flat step's Q is every rank's, a two-level
+        step's only its owners'), and rows are captured again (two-level exact factors use them)."""
+        for codec in (self.rank_codec, self.rank_allreduce):
+            if codec is not None:
+                codec.warm.q.clear()
+        if to_two_level:
+            policy._use_rows(u.index for u in self.plan.units)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def run(self, window, sink: GradSink, *, step: int, scale: float,
+            take_rows: Callable[[FactorUnit], List[Rows]], note: Callable[[torch.Tensor], torch.Tensor],
+            check_open: Callable[[], None]) -> Dict[str, ParamReport]:
+        """Exchange every unit and dense parameter of one step; returns the report entries."""
+        report: Dict[str, ParamReport] = {}
+        cap = self.config.bucket_cap_mb * 2 ** 20
+        bucket: List[_Item] = []
+        size = 0
+        for unit in self.plan.units:
+            window.ready[unit.index].wait()
+            check_open()
+            bucket.append(_Item(unit.name, list(unit.params), self.owner_of[unit.name], unit=unit,
+                                rows=take_rows(unit)))
+            size += sum(q.numel() * q.element_size() for q in unit.params)
+            if size >= cap:
+                self._bucket(bucket, sink, step, scale, note, report)
+                bucket, size = [], 0
+        window.flush.wait()  # backward is over: the always-dense parameters are final
+        check_open()
+        bucket += [_Item(name, [q], self.owner_of[name]) for name, q in self.plan.dense]
+        if bucket:
+            self._bucket(bucket, sink, step, scale, note, report)
+        return report
+
+    def _bucket(self, items: List[_Item], sink: GradSink, step: int, scale: float, note, report) -> None:
+        self._route(items, step)
+        self._flush_residuals(items, sink)
+        for it in items:
+            it.entries = self._entries(it, report)
+        mine = self._to_owner(items, sink)
+        self._between(mine, scale, note, step)
+        self._from_owner(items, sink)
+
+    # -- 1. routes --------------------------------------------------------------------------------
+    def _may_exact(self, it: _Item, step: int) -> bool:
+        u = it.unit
+        if u is None or u.dense_only or not u.has_factors or u.rows_unused:
+            return False
+        cfg = self.config
+        return not (cfg.mode == "rank" and cfg.rank is not None and step >= cfg.lossless_steps)
+
+    def _route(self, items: List[_Item], step: int) -> None:
+        """Every item's route; row counts all-gathered over the group where any unit may go exact."""
+        for it in items:
+            if it.unit is not None:
+                it.counts = [int(r[0].shape[0]) for r in it.rows]
+        maybe = [it for it in items if self._may_exact(it, step)]
+        if maybe:
+            mine = torch.tensor([c for it in maybe for c in it.counts], dtype=torch.int64, device=self.device)
+            s = self.world.world_size
+            table = self.world.all_gather(mine, name=f"dad.twolevel.counts.{maybe[0].name}",
+                                          first_dims=[mine.numel()] * s).wait()
+            table = [t.tolist() for t in table]
+            topo, offset = self.levels.topology, 0
+            for it in maybe:
+                k = len(it.counts)
+                by_rank = [row[offset:offset + k] for row in table]
+                it.rank_rows = [by_rank[r] for r in topo.intra_ranks(topo.node)]
+                it.node_rows = [[sum(by_rank[r][u] for r in ranks) for u in range(k)] for ranks in topo.nodes]
+                offset += k
+        timing = self.levels.timing
+        for it in items:
+            if it.unit is None:
+                it.rep = "dense"
+                continue
+            u = it.unit
+            shape = UnitShape(tuple(u.kinds), u.shape, u.bias_numel, u.param.dtype, u.blocks)
+            it.rep, hops, _ = choose_two_level(self.config, shape, it.node_rows, step=step, nodes=self.N,
+                                               local_size=self.L, wire_dtype=self.wire_dtype or u.param.dtype,
+                                               timing=timing, dense_only=u.dense_only)
+            it.hops = hops[it.rep]
+
+    def _flush_residuals(self, items: List[_Item], sink: GradSink) -> None:
+        """Residuals this rank holds but will not compensate this step go into its gradient."""
+        for it in items:
+            if it.unit is None:
+                continue
+            if it.owner == self.local and it.rep in ("rank", "rank_allreduce"):
+                continue
+            residual = self.memory.flush(it.name)
+            if residual is not None:
+                sink.add_local(it.unit.param, residual)
+
+    def _entries(self, it: _Item, report: Dict[str, ParamReport]) -> List[ParamReport]:
+        s = self.world.world_size
+        out = []
+        for i, q in enumerate(it.params):
+            rep = it.rep if i == 0 or it.rep in ("exact", "dense") else "dense"
+            name = it.name if i == 0 or it.unit is None else it.unit.biases[i - 1].name
+            entry = ParamReport(name, rep, tuple(q.shape), level="two_level",
+                                rows=sum(it.counts) if (i == 0 and it.counts) else 0,
+                                allreduce_bytes=ring_allreduce_bytes(q.numel() * q.element_size(), s))
+            report[name] = entry
+            out.append(entry)
+        return out
+
+    # -- 2. to the owner --------------------------------------------------------------------------
+    def _send_blocks(self, it: _Item, sink: GradSink) -> List[torch.Tensor]:
+        """This rank's contribution to the item, as blocks (hop 1)."""
+        if it.rep == "exact":
+            return [self.exact.encode(it.unit, it.rows)]
+        if it.rep == "dense":
+            out = []
+            for q in it.params:
+                g = sink.dense_grad(q)
+                out.append(torch.zeros(q.numel() + 1, dtype=self.dense_dtype, device=self.device) if g is None
+                           else torch.cat([g.detach().reshape(-1).to(self.dense_dtype),
+                                           torch.ones(1, dtype=self.dense_dtype, device=self.device)]))
+            return out
+        cdt = compute_dtype(it.unit.param)
+        return [sink.local_grad(q, cdt).reshape(-1) for q in it.params]
+
+    def _specs(self, it: _Item, local: int) -> List[Spec]:
+        """Specs of what local rank ``local`` sends for the item (known to the owner beforehand)."""
+        if it.rep == "exact":
+            u = it.unit
+            return [(torch.uint8, (packed_size(exact_block_specs(u.kinds, u.shape, it.rank_rows[local],
+                                                                 self.exact.wire(u), u.blocks)),))]
+        if it.rep == "dense":
+            return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
+        cdt = compute_dtype(it.unit.param)
+        return [(cdt, (q.numel(),)) for q in it.params]
+
+    def _to_owner(self, items: List[_Item], sink: GradSink) -> List[_Item]:
+        """Hop 1: one all-to-all inside the node; returns this rank's items, with the node's
+        contributions summed (dense, rank routes) or stacked (exact) in ``it.rows`` / ``it.result``."""
+        sends, send_sizes = [], []
+        for j in range(self.L):
+            blocks = [b for it in items if it.owner == j for b in self._send_blocks(it, sink)]
+            buf = pack(blocks, self.device) if blocks else torch.empty(0, dtype=torch.uint8, device=self.device)
+            sends.append(buf)
+            send_sizes.append(buf.numel())
+        mine = [it for it in items if it.owner == self.local]
+        recv_specs = [[s for it in mine for s in self._specs(it, k)] for k in range(self.L)]
+        recv_sizes = [packed_size(specs) for specs in recv_specs]
+        handle = self.levels.intra.all_to_all_v(torch.cat(sends), send_sizes, recv_sizes,
+                                                name=f"dad.twolevel.to_owner.{items[0].name}")
+        got = handle.wait()
+        self._share(items, handle.traffic, lambda it: it.hops.to_owner if it.hops else it.numel)
+        per_rank, offset = [], 0
+        for k in range(self.L):
+            per_rank.append(unpack(got[offset:offset + recv_sizes[k]], recv_specs[k]))
+            offset += recv_sizes[k]
+        cursor = [0] * self.L
+        for it in mine:
+            n_blocks = len(self._specs(it, 0))
+            blocks = []
+            for k in range(self.L):
+                blocks.append(per_rank[k][cursor[k]:cursor[k] + n_blocks])
+                cursor[k] += n_blocks
+            if it.rep == "exact":
+                it.rows = self._stack_rows(it, [b[0] for b in blocks])
+            else:  # the node's sum, in rank order
+                it.result = []
+                for i in range(n_blocks):
+                    acc = blocks[0][i].clone()
+                    for b in blocks[1:]:
+                        acc += b[i]
+                    it.result.append(acc)
+        return mine
+
+    def _stack_rows(self, it: _Item, buffers: Sequence[torch.Tensor]) -> List[Rows]:
+        """The node's rows per use, in rank order (its ranks' exact buffers, unpacked)."""
+        return self.exact.stacked_rows(it.unit, buffers, it.rank_rows)
+
+    # -- 3. between nodes -------------------------------------------------------------------------
+    def _between(self, mine: List[_Item], scale: float, note, step: int) -> None:
+        """Hop 2 for this rank's items, over its cross group; leaves each item's hop-3 blocks in
+        ``it.result``."""
+        cross = self.levels.cross
+        dense_parts = []  # (item, block index): node sums all-reduced together
+        for it in mine:
+            if it.rep == "dense":
+                dense_parts += [(it, i) for i in range(len(it.params))]
+            elif it.rep in ("rank", "rank_allreduce"):
+                dense_parts += [(it, i) for i in range(1, len(it.params))]  # their biases
+        dense = None
+        if dense_parts:
+            flat = torch.cat([it.result[i].to(self.dense_dtype) for it, i in dense_parts])
+            dense = cross.all_reduce(flat, name=f"dad.twolevel.dense.{dense_parts[0][0].name}", op="sum")
+            self._share([it for it, _ in dense_parts], dense.traffic, lambda it: it.numel, between=True)
+        exact = [it for it in mine if it.rep == "exact"]
+        gathered = None
+        if exact:
+            payload = torch.cat([self.exact.encode(it.unit, it.rows) for it in exact])
+            sizes = [sum(self.exact.sizes(it.unit, it.node_rows)[k] for it in exact) for k in range(self.N)]
+            gathered = cross.all_gather(payload, name=f"dad.twolevel.exact.{exact[0].name}", first_dims=sizes)
+            self._share(exact, gathered.traffic, lambda it: it.hops.between, between=True)
+        ranked = [it for it in mine if it.rep == "rank"]
+        rank_handle = None
+        if ranked:
+            payloads = [self.rank_codec.encode(it.unit, [], self._node_grad(it), it.entries[0], step, dense=True)
+                        for it in ranked]
+            flat = torch.cat([p.reshape(-1) for p in payloads])
+            rank_handle = cross.all_gather(flat, name=f"dad.twolevel.rank.{ranked[0].name}",
+                                           first_dims=[flat.numel()] * self.N)
+            self._share(ranked, rank_handle.traffic, lambda it: it.hops.between, between=True)
+        shared = [it for it in mine if it.rep == "rank_allreduce"]
+        capture = _Capture()
+        if shared:
+            codec = self.rank_allreduce
+            queued = []
+            for it in shared:
+                m_s = codec.local(it.unit, [], self._node_grad(it), it.entries[0], dense=True)
+                queued.append((it.unit, m_s, codec.initial_q(it.unit, step), it.entries[0]))
+            before = [it.entries[0].received_bytes for it in shared]
+            codec.start(queued, cross, capture, scale, note)()
+            for it, b in zip(shared, before):  # the codec added its rounds' share to the entries
+                it.entries[0].inter_bytes += it.entries[0].received_bytes - b
+        if dense is not None:
+            total = note(dense.wait())
+            offset = 0
+            for it, i in dense_parts:
+                k = it.result[i].numel()
+                it.result[i] = total[offset:offset + k]
+                offset += k
+        for it in mine:
+            if it.rep == "dense":
+                it.result = [self._dense_average(r, scale) for r in it.result]
+        if gathered is not None:
+            buffers, offsets = gathered.wait(), [0] * self.N
+            for it in exact:
+                sizes = self.exact.sizes(it.unit, it.node_rows)
+                bufs = [buffers[k][offsets[k]:offsets[k] + sizes[k]] for k in range(self.N)]
+                offsets = [o + s for o, s in zip(offsets, sizes)]
+                grads = self.exact.decode(it.unit, bufs, it.node_rows, scale)
+                it.result = [note(grads[q]) if grads is not None else
+                             torch.zeros(q.shape, dtype=compute_dtype(q), device=self.device) for q in it.params]
+        if rank_handle is not None:
+            stacked = [note(g) for g in rank_handle.wait()]
+            offset = 0
+            for it, payload in zip(ranked, payloads):
+                k = payload.numel()
+                factors = torch.cat([g[offset:offset + k].view(payload.shape) for g in stacked])
+                left, right = self.rank_codec.decode(it.unit, factors, scale)
+                it.result = self._product_blocks(it, left, right) + self._bias_blocks(it, scale)
+                offset += k
+        for it in shared:
+            left, right = capture.products[id(it.unit.param)]
+            it.result = self._product_blocks(it, left, right) + self._bias_blocks(it, scale)
+
+    def _node_grad(self, it: _Item) -> Callable[[nn.Parameter, torch.dtype], torch.Tensor]:
+        """The item's node sum as the codecs' ``local_grad``."""
+        m, n = it.unit.shape
+        summed = it.result[0].view(m, n)
+        return lambda p, dtype: summed if summed.dtype == dtype else summed.to(dtype)
+
+    @staticmethod
+    def _dense_average(total_with_flag: torch.Tensor, scale: float) -> torch.Tensor:
+        """A dense block's all-reduced ``[sum, ranks that had a gradient]``, the sum scaled."""
+        out = total_with_flag.clone()
+        out[:-1].mul_(scale)
+        return out
+
+    def _product_blocks(self, it: _Item, left: torch.Tensor, right: torch.Tensor) -> List[torch.Tensor]:
+        """Hop 3's blocks of a rank route's weight: its factors where fewer bytes, else the product."""
+        if it.hops.factors_back:
+            return [left.contiguous(), right.contiguous()]
+        return [(left @ right).reshape(-1)]
+
+    def _bias_blocks(self, it: _Item, scale: float) -> List[torch.Tensor]:
+        return [r * scale for r in it.result[1:]]
+
+    # -- 4. from the owner ------------------------------------------------------------------------
+    def _result_specs(self, it: _Item) -> List[Spec]:
+        """Specs of the owner's hop-3 blocks of the item (every rank of the node knows them)."""
+        if it.rep == "dense":
+            return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
+        cdt = compute_dtype(it.params[0])
+        if it.rep == "exact":
+            return [(cdt, tuple(q.shape)) for q in it.params]
+        m, n = it.unit.shape
+        if it.hops.factors_back:
+            r = min(self.config.rank, m, n) * (self.N if it.rep == "rank" else 1)
+            weight = [(cdt, (m, r)), (cdt, (r, n))]
+        else:
+            weight = [(cdt, (m * n,))]
+        return weight + [(cdt, (q.numel(),)) for q in it.params[1:]]
+
+    def _from_owner(self, items: List[_Item], sink: GradSink) -> None:
+        """Hop 4: one all-gather inside the node of every owner's results; every rank writes them."""
+        mine = [it for it in items if it.owner == self.local]
+        blocks = [b.to(dtype) for it in mine for b, (dtype, _) in zip(it.result, self._result_specs(it))]
+        payload = pack(blocks, self.device) if blocks else torch.empty(0, dtype=torch.uint8, device=self.device)
+        specs = [[s for it in items if it.owner == j for s in self._result_specs(it)] for j in range(self.L)]
+        handle = self.levels.intra.all_gather(payload, name=f"dad.twolevel.from_owner.{items[0].name}",
+                                              first_dims=[packed_size(s) for s in specs])
+        got = handle.wait()
+        self._share(items, handle.traffic, lambda it: it.hops.from_owner if it.hops else it.numel)
+        per_owner = [unpack(got[j], specs[j]) for j in range(self.L)]
+        cursor = [0] * self.L
+        for it in items:
+            j = it.owner
+            k = len(self._result_specs(it))
+            self._write(it, per_owner[j][cursor[j]:cursor[j] + k], sink)
+            cursor[j] += k
+
+    def _write(self, it: _Item, blocks: List[torch.Tensor], sink: GradSink) -> None:
+        if it.rep == "dense":
+            for q, b in zip(it.params, blocks):
+                if b[-1] > 0:  # some rank had a gradient
+                    sink.write_dense(q, b[:-1].view(q.shape).to(q.dtype), True)
+            return
+        if it.rep == "exact":
+            if not any(any(r) for r in it.node_rows):
+                sink.write_unused(it.unit.param)
+                return
+            for q, b in zip(it.params, blocks):
+                sink.write(q, b)
+            return
+        m, n = it.unit.shape
+        if it.hops.factors_back:
+            sink.write_product(it.unit.param, blocks[0], blocks[1])
+            rest = blocks[2:]
+        else:
+            sink.write(it.unit.param, blocks[0].view(m, n))
+            rest = blocks[1:]
+        for q, b in zip(it.params[1:], rest):
+            sink.write_dense(q, b.view(q.shape).to(q.dtype), True)
+
+    # -- reports ----------------------------------------------------------------------------------
+    @staticmethod
+    def _share(items: Sequence[_Item], traffic: Traffic, weight: Callable[[_Item], float],
+               between: bool = False) -> None:
+        """Attribute one collective's traffic to the items' weight entries, by ``weight``."""
+        weights = [max(float(weight(it)), 0.0) for it in items]
+        total = sum(weights) or 1.0
+        for it, w in zip(items, weights):
+            share = traffic.share(w / total)
+            it.entries[0].add_traffic(share)
+            if between:
+                it.entries[0].inter_bytes += share.received
+
+
+def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.device) -> Optional[Levels]:
+    """The two levels of ``aggregator``'s group at attach, or None where the job is flat (one node,
+    one rank per node, ``topology: "flat"``). Collectives: every rank calls it at the same point.
+    Builds the intra-node and cross-node groups and, by time, measures each hop's link (every node
+    and every cross group at once, as a step loads them) unless ``link`` states them."""
+    from dad_integrations.comm.link_spec import level_link_specs
+    from dad_integrations.comm.topology import level_aggregators, resolve_topology
+    from dad_integrations.routing.link import LinkModel, agree_max, probe_link
+    from dad_integrations.routing.timing import wants_timing
+
+    topology = resolve_topology(config.topology, aggregator, device)
+    if not topology.two_level:
+        return None
+    try:
+        intra, cross = level_aggregators(topology, aggregator)
+    except NotImplementedError as e:
+        if config.topology == "auto":
+            log.warning("dAD: %s; the %s run flat", e, topology.describe())
+            return None
+        raise
+    timing = None
+    if wants_timing(config):
+        levels = level_link_specs(config.link) if config.link is not None else None
+        if levels is not None:
+            links = [LinkModel.from_spec(levels["intra"]), LinkModel.from_spec(levels["inter"])]
+        elif config.link is not None:
+            links = [LinkModel.from_spec(config.link)] * 2
+        else:
+            local = probe_link(intra, device).to_list() + probe_link(cross, device).to_list()
+            agreed = agree_max(aggregator, local, device, name="dad.link.levels")
+            k = len(agreed) // 2
+            links = [LinkModel.from_list(agreed[:k], measured=True), LinkModel.from_list(agreed[k:], measured=True)]
+        timing = TwoLevelTiming(links[0], links[1])
+        if aggregator.rank == 0:
+            log.info("dAD: %s; inside a node %s; between nodes %s", topology.describe(), links[0].describe(),
+                     links[1].describe())
+    return Levels(topology, intra, cross, timing)

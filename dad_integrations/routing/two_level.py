@@ -1,0 +1,132 @@
+"""Routes across two levels: what a unit costs when only the hop between nodes is compressed.
+
+With ``N`` nodes of ``L`` ranks (`comm.topology`), a two-level step (`exchange.two_level`) moves
+each unit through three hops; one local rank, its *owner*, does the unit's work:
+
+1. **to the owner, inside the node** (one all-to-all per bucket): every rank's dense gradient (a
+   reduce-scatter: the owner sums the node's) or, for exact factors, every rank's rows;
+2. **between nodes, owners only** (over the cross group of the owner's local index): the node's sum
+   dense (an all-reduce), as exact factors (an all-gather of the node's rows), as rank-dAD factors
+   of the node's sum (an all-gather) or by PowerSGD's all-reduced P and Q;
+3. **from the owner, inside the node** (one all-gather per bucket): the average, or where fewer
+   bytes the factors it is rebuilt from (P and Q; every node's rank-r factors).
+
+Bytes per unit (m x n, b the gradient's itemsize, w the wire's), with ``R_k`` node k's rows:
+
+    hop 1   (L-1)/L m n b  (dense and rank routes)        (L-1)/L sum_k R_k/N (m+n) w  (exact)
+    hop 2   dense 2 (N-1)/N m n b, exact (N-1) max_k R_k (m+n) w, rank (N-1) r (m+n) w,
+            rank_allreduce k 2 (N-1)/N r (m+n) w
+    hop 3   (L-1)/L min(m n, what rebuilds it) b
+
+The ``L`` owners of a node run their hop-2 collectives side by side on the one link between
+nodes, and their local work side by side too: per unit, hop 2 and the owner's compute count
+``1/L`` of their time (the cross link is measured with every cross group busy at once, so its
+fitted rate is each group's share). `TwoLevelTiming.seconds` adds the hops up; `choose_two_level`
+takes the fastest route (or the fewest bytes, objective ``"bytes"``), and `two_level_faster`
+compares a whole step of those against the flat routes' step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
+from dad_integrations.codecs.wire import exact_block_specs, packed_size
+from dad_integrations.comm.aggregator import ring_allreduce_bytes
+from dad_integrations.config import DADConfig
+from dad_integrations.routing.compute_model import ComputeModel
+from dad_integrations.routing.link import LinkModel
+from dad_integrations.routing.router import REPRESENTATIONS, RANK_ROUTES, UnitShape
+from dad_integrations.routing.timing import COLLECTIVES
+
+NodeRows = Sequence[Sequence[int]]  # by node, by use: the rows of every rank of the node
+
+
+@dataclass(frozen=True)
+class HopBytes:
+    """Bytes per rank of one unit's route on each hop (see the module doc)."""
+
+    to_owner: float
+    between: float
+    from_owner: float
+    factors_back: bool  # hop 3 moves the factors (rebuilt on every rank), not the average
+
+
+def hop_bytes(rep: str, unit: UnitShape, node_rows: Optional[NodeRows], *, nodes: int, local_size: int,
+              config: DADConfig, wire_dtype: torch.dtype) -> HopBytes:
+    """`HopBytes` of ``rep`` for ``unit``; ``node_rows`` only for ``"exact"``."""
+    m, n = unit.shape
+    big, b = m * n + unit.bias_numel, unit.dtype.itemsize
+    w = wire_dtype.itemsize
+    share = (local_size - 1) / local_size
+    dense_back = big * b
+    if rep == "exact":
+        packed = [packed_size(exact_block_specs(unit.kinds, unit.shape, r, wire_dtype, unit.blocks))
+                  for r in node_rows]
+        return HopBytes(share * sum(packed) / nodes, (nodes - 1) * max(packed), share * dense_back, False)
+    if rep == "dense":
+        return HopBytes(share * big * b, ring_allreduce_bytes(big * b, nodes), share * dense_back, False)
+    r = min(config.rank, m, n)
+    bias = ring_allreduce_bytes(unit.bias_numel * b, nodes)
+    if rep == "rank":
+        between = (nodes - 1) * r * (m + n) * w + bias
+        factors = nodes * r * (m + n) * b
+    else:
+        between = rank_allreduce_rounds(config) * ring_allreduce_bytes(r * (m + n) * w, nodes) + bias
+        factors = r * (m + n) * b
+    back = factors + unit.bias_numel * b
+    return HopBytes(share * big * b, between, share * min(back, dense_back), back < dense_back)
+
+
+@dataclass(frozen=True)
+class TwoLevelTiming:
+    """The agreed link models of both hops and the compute model (`routing.timing.StepTiming`'s)."""
+
+    intra: LinkModel
+    inter: LinkModel
+    compute: Optional[ComputeModel] = None
+
+    def seconds(self, rep: str, hops: HopBytes, unit: UnitShape, node_rows: Optional[NodeRows],
+                local_size: int) -> float:
+        """Predicted seconds of one unit's route over the three hops (owners' share: ``1/L``)."""
+        t = self.intra.seconds("all_to_all", hops.to_owner, 0) + self.intra.seconds("all_gather", hops.from_owner, 0)
+        t += self.inter.seconds(COLLECTIVES[rep], hops.between, 0) / local_size
+        if self.compute is not None and rep != "dense":
+            rows = node_rows if node_rows is not None else [[0] * len(unit.kinds)]
+            t += self.compute.seconds(rep, unit.shape, rows_by_rank=rows, world_size=len(rows),
+                                      calls=len(unit.kinds)) / local_size
+        return t
+
+
+def candidates(config: DADConfig, unit: UnitShape, step: int, *, rows_known: bool, dense_only: bool) -> Tuple[str, ...]:
+    """The routes ``unit`` may take at two levels in step ``step``: as `router.route` allows them
+    (mode, rank, ``rank_route``, the lossless steps), exact only where its rows are known."""
+    if dense_only:
+        return ("dense",)
+    rank_ok = config.rank is not None and step >= config.lossless_steps and config.mode != "exact"
+    exact_ok = rows_known and unit.has_factors
+    rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
+    ranks = tuple(RANK_ROUTES[rank_route]) if rank_ok else ()
+    if config.mode == "exact":
+        return ("exact",) if exact_ok else ("dense",)
+    if config.mode == "rank" and ranks:
+        return ranks
+    return ("dense",) + (("exact",) if exact_ok else ()) + ranks
+
+
+def choose_two_level(config: DADConfig, unit: UnitShape, node_rows: Optional[NodeRows], *, step: int,
+                     nodes: int, local_size: int, wire_dtype: torch.dtype, timing: Optional[TwoLevelTiming],
+                     dense_only: bool = False) -> Tuple[str, Dict[str, HopBytes], Dict[str, float]]:
+    """The route of ``unit`` at two levels; returns it, every candidate's `HopBytes` and their
+    predicted seconds (empty by bytes). A pure function of agreed inputs: every rank decides alike."""
+    reps = candidates(config, unit, step, rows_known=node_rows is not None, dense_only=dense_only)
+    hops = {rep: hop_bytes(rep, unit, node_rows, nodes=nodes, local_size=local_size, config=config,
+                           wire_dtype=wire_dtype) for rep in reps}
+    between = {rep: h.between for rep, h in hops.items()}
+    if timing is None or config.objective != "time":
+        return min(reps, key=lambda k: (between[k], REPRESENTATIONS.index(k))), hops, {}
+    seconds = {rep: timing.seconds(rep, h, unit, node_rows, local_size) for rep, h in hops.items()}
+    best = min(reps, key=lambda k: (seconds[k], between[k], REPRESENTATIONS.index(k)))
+    return best, hops, seconds
