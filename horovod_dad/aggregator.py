@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from dad_integrations.comm.aggregator import CommHandle, FactorAggregator, Traffic
+from dad_integrations.comm.topology import checked_partition
 
 from ._horovod import HorovodInternalError, hvd
 
@@ -68,6 +70,38 @@ class HorovodAggregator(FactorAggregator):
     def prefix(self) -> str:
         """The prefix of every collective's name."""
         return self._prefix
+
+    # -- topology (`comm.topology`) --------------------------------------------------------------
+    def topology_hint(self) -> Optional[Tuple[int, int]]:
+        """Horovod's ``cross_rank()`` and ``local_size()`` for the global process set (in a
+        smaller set the launcher's node sizes do not apply)."""
+        if self._world != hvd.size():
+            return None
+        return int(hvd.cross_rank()), int(hvd.local_size())
+
+    def split(self, partition: Sequence[Sequence[int]]) -> "HorovodAggregator":
+        """One process set per part: a set registered at ``hvd.init(process_sets=...)`` with
+        exactly those ranks (`node_process_sets` builds them), else one added now where Horovod
+        runs with dynamic process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1``; every rank adds them
+        in the same order). Returns the aggregator over this rank's part."""
+        members = self._process_set.ranks or list(range(hvd.size()))
+        registered = {tuple(ranks): ps_id for ps_id, ranks in _registered_sets().items()}
+        mine = None
+        for part in checked_partition(partition, self._world):
+            ranks = sorted(members[r] for r in part)
+            if tuple(ranks) in registered:
+                ps = hvd.ProcessSet(ranks)
+                ps.process_set_id = registered[tuple(ranks)]
+            elif os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1":
+                ps = hvd.add_process_set(ranks)
+                registered[tuple(ranks)] = ps.process_set_id
+            else:
+                raise NotImplementedError(
+                    f"no Horovod process set of ranks {ranks}: pass horovod_dad.node_process_sets() to "
+                    "hvd.init(process_sets=...), or run with HOROVOD_DYNAMIC_PROCESS_SETS=1")
+            if self._rank in part:
+                mine = ps
+        return HorovodAggregator(mine)
 
     # -- FactorAggregator -----------------------------------------------------------------------
     def _all_gather(self, tensor: torch.Tensor, name: str,
@@ -119,6 +153,21 @@ class HorovodAggregator(FactorAggregator):
 
         return CommHandle(finish, traffic)
 
+    def _all_to_all_v(self, tensor: torch.Tensor, send_sizes: List[int], recv_sizes: List[int],
+                      name: str) -> CommHandle:
+        traffic = self._count_all_to_all_v(tensor.element_size(), send_sizes, recv_sizes)
+        splits = torch.tensor(send_sizes, dtype=torch.int32)
+        handle = hvd.alltoall_async(tensor, splits=splits, name=self._prefix + name, process_set=self._process_set)
+
+        def finish() -> torch.Tensor:
+            out, _ = hvd.synchronize(handle)
+            if out.numel() != sum(recv_sizes):
+                raise HorovodInternalError(f"{name}: {out.numel()} elements received, {sum(recv_sizes)} expected: "
+                                           "the job's membership changed")
+            return out
+
+        return CommHandle(finish, traffic)
+
     def _exchange_first_dims(self, tensor: torch.Tensor, name: str) -> Tuple[List[int], Traffic]:
         """Every rank's first dimension of ``tensor``, and the traffic of the exchange."""
         mine = torch.tensor([tensor.shape[0]], dtype=torch.int64)
@@ -126,6 +175,27 @@ class HorovodAggregator(FactorAggregator):
         out = hvd.synchronize(hvd.allgather_async(mine, name=self._prefix + name + ".rows",
                                                   process_set=self._process_set))
         return [int(v) for v in out.tolist()], traffic
+
+
+def _registered_sets() -> Dict[int, List[int]]:
+    """Every process set Horovod knows, by id (its ranks)."""
+    from horovod.common.process_sets import _basics
+
+    return {int(k): list(v) for k, v in _basics._get_process_set_ids_and_ranks().items()}
+
+
+def node_process_sets(local_size: Optional[int] = None, size: Optional[int] = None) -> List[Any]:
+    """The process sets dAD's two-level routes run over, for ``hvd.init(process_sets=...)``: one
+    per node (``local_size`` consecutive ranks) and one per local index across nodes. Before
+    ``hvd.init`` the sizes come from horovodrun's environment (``HOROVOD_LOCAL_SIZE``,
+    ``HOROVOD_SIZE``); on one node, or one rank a node, there are none."""
+    local_size = int(os.environ.get("HOROVOD_LOCAL_SIZE", 1)) if local_size is None else local_size
+    size = int(os.environ.get("HOROVOD_SIZE", 1)) if size is None else size
+    if local_size <= 1 or size <= local_size or size % local_size:
+        return []
+    nodes = [list(range(k, k + local_size)) for k in range(0, size, local_size)]
+    cross = [list(range(j, size, local_size)) for j in range(local_size)]
+    return [hvd.ProcessSet(ranks) for ranks in nodes + cross]
 
 
 def _prod(shape) -> int:
