@@ -6,11 +6,12 @@ all-gather need equal sizes on every rank, so rows of different lengths are padd
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
+from dad_integrations.comm.topology import checked_partition, launcher_hint
 
 
 class DeepSpeedAggregator(EqualSizeAggregator):
@@ -44,6 +45,28 @@ class DeepSpeedAggregator(EqualSizeAggregator):
             raise RuntimeError(f"this process (rank {dist.get_rank()}) is not in the group {ranks}")
         self._rank = ranks.index(dist.get_rank())
         self._world = len(ranks)
+
+    def topology_hint(self) -> Optional[Tuple[int, int]]:
+        """The launcher's node index and ranks per node (DeepSpeed's ``CROSS_RANK`` and
+        ``LOCAL_SIZE``, or torchrun's), for a group of every rank."""
+        if self._world != self._dist.get_world_size():
+            return None
+        return launcher_hint()
+
+    def split(self, partition: Sequence[Sequence[int]]) -> "DeepSpeedAggregator":
+        """One new group per part (every rank creates each, in order, with this group's timeout);
+        returns the aggregator over this rank's part."""
+        mine = None
+        for part in checked_partition(partition, self._world):
+            ranks = [self._ranks[r] for r in part]
+            group = _new_group(self._dist, ranks, None)
+            if self._rank in part:
+                mine = (ranks, group)
+        out = DeepSpeedAggregator.__new__(DeepSpeedAggregator)
+        EqualSizeAggregator.__init__(out)
+        out._dist, out._ranks, out._group = self._dist, mine[0], mine[1]
+        out._rank, out._world = mine[0].index(self._dist.get_rank()), len(mine[0])
+        return out
 
     @property
     def group(self) -> Any:

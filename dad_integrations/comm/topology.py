@@ -129,6 +129,8 @@ def resolve_topology(spec: Any, aggregator: Any, device: torch.device) -> Topolo
     if isinstance(spec, int):
         return Topology.consecutive(s, spec, rank)
     hint = aggregator.topology_hint()
+    if hint is not None and hint[1] == s:  # the launcher put every rank on one node: no gather needed
+        return Topology.flat(s, rank)
     node, local = hint if hint is not None else (-1, -1)
     mine = torch.tensor([node, local, _host_key()], dtype=torch.int64, device=device)
     table = [t.tolist() for t in aggregator.all_gather(mine, name="dad.topology",
@@ -159,15 +161,24 @@ def level_aggregators(topology: Topology, aggregator: Any) -> Tuple[Any, Any]:
     return intra, cross
 
 
-def torchrun_hint(env: Optional[dict] = None) -> Optional[Tuple[int, int]]:
-    """``(GROUP_RANK, LOCAL_WORLD_SIZE)`` where torchrun set them, else None."""
+# (node index, ranks per node) as each launcher names them: torchrun (and accelerate launch),
+# DeepSpeed's launcher, horovodrun
+LAUNCHER_ENV = (("GROUP_RANK", "LOCAL_WORLD_SIZE"), ("CROSS_RANK", "LOCAL_SIZE"),
+                ("HOROVOD_CROSS_RANK", "HOROVOD_LOCAL_SIZE"))
+
+
+def launcher_hint(env: Optional[dict] = None) -> Optional[Tuple[int, int]]:
+    """``(node index, ranks per node)`` from the first launcher's variables set (`LAUNCHER_ENV`),
+    else None."""
     import os
 
     env = os.environ if env is None else env
-    try:
-        return int(env["GROUP_RANK"]), int(env["LOCAL_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        return None
+    for node_key, size_key in LAUNCHER_ENV:
+        try:
+            return int(env[node_key]), int(env[size_key])
+        except (KeyError, ValueError):
+            continue
+    return None
 
 
 def checked_partition(partition: Sequence[Sequence[int]], world_size: int) -> List[List[int]]:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.comm.groups import new_group_like
-from dad_integrations.comm.topology import checked_partition, torchrun_hint
+from dad_integrations.comm.topology import checked_partition, launcher_hint
 
 
 class TorchDistributedAggregator(EqualSizeAggregator):
@@ -49,11 +49,12 @@ class TorchDistributedAggregator(EqualSizeAggregator):
         return self._group
 
     def topology_hint(self) -> Optional[Tuple[int, int]]:
-        """torchrun's ``GROUP_RANK`` and ``LOCAL_WORLD_SIZE``, for a group of every rank (in a
-        smaller group the launcher's node sizes do not apply)."""
+        """The launcher's node index and ranks per node (`comm.topology.launcher_hint`: torchrun,
+        DeepSpeed's launcher, horovodrun), for a group of every rank (in a smaller group the
+        launcher's node sizes do not apply)."""
         if self._world != dist.get_world_size():
             return None
-        return torchrun_hint()
+        return launcher_hint()
 
     def split(self, partition: Sequence[Sequence[int]]) -> "TorchDistributedAggregator":
         """One new group per part (global ranks translated from this group's), each with this
