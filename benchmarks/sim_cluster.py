@@ -488,6 +488,27 @@ class SimCluster:
             procs.append((i, None, cmd, node_env))
         return self._run_job(procs, timeout, check, capture, what=f"torchrun {script}")
 
+    def accelerate(self, script: Union[str, Path], args: Sequence[str] = (), local_size: int = 2,
+                   config_file: Union[str, Path] = ROOT / "examples" / "accelerate" / "multi_node_cpu.yaml",
+                   env: Optional[Mapping[str, str]] = None, timeout: float = 600,
+                   check: bool = True, capture: bool = True) -> List[ProcResult]:
+        """Run ``script`` under one ``accelerate launch`` per node, as on a real cluster: the same
+        multi-node config file everywhere, ``--machine_rank`` per node and node 0's address as
+        ``--main_process_ip`` (Accelerate's static rendezvous: no host election to fool)."""
+        self._require_open()
+        port = self._free_port(0)
+        procs = []
+        for i in range(self.nodes):
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+                   "--num_machines", str(self.nodes), "--num_processes", str(self.nodes * local_size),
+                   "--machine_rank", str(i), "--main_process_ip", self.addr(0), "--main_process_port", str(port),
+                   str(script), *map(str, args)]
+            node_env = self._env(i, env)
+            node_env["GLOO_SOCKET_IFNAME"] = self.ifname(i)
+            node_env.setdefault("ACCELERATE_USE_CPU", "1")
+            procs.append((i, None, cmd, node_env))
+        return self._run_job(procs, timeout, check, capture, what=f"accelerate launch {script}")
+
     def horovod(self, script: Union[str, Path], args: Sequence[str] = (), local_size: int = 2,
                 env: Optional[Mapping[str, str]] = None, timeout: float = 600,
                 check: bool = True, capture: bool = True) -> List[ProcResult]:

@@ -235,6 +235,7 @@ def main() -> None:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
     if ENGINE == "horovod":
+        eng.hvd.barrier()  # ranks leave together: an early shutdown would fail the others' process sets
         eng.hvd.shutdown()
         os._exit(0)
     models.write_and_exit(out_path, results)
