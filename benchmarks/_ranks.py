@@ -58,7 +58,8 @@ class Runner:
     """One method's model, optimizer and batches; `step()` trains one step and times it."""
 
     def __init__(self, method: str, variant: str, opts: dict, w: Workload, init_state, data: bytes,
-                 counter: CollectiveCounter, solo_group, link: Optional[dict] = None):
+                 counter: CollectiveCounter, solo_group, link: Optional[dict] = None,
+                 config_extra: Optional[dict] = None):
         from dad_examples.text_data import byte_lm_batches
 
         self.method, self.variant, self.counter = method, variant, counter
@@ -66,7 +67,7 @@ class Runner:
         model = build_model(w)
         model.load_state_dict(init_state)
         model.train()
-        self.model, self.fwd, self.sync = model, model, None
+        self.model, self.fwd, self.sync, self.hook_state = model, model, None, None
         if method in DDP_METHODS and variant != "local":
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -89,6 +90,7 @@ class Runner:
                     start_powerSGD_iter=opts.get("powersgd_warmup", 2),
                     use_error_feedback=True, warm_start=True, random_seed=w.seed)
                 ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+                self.hook_state = state
             else:
                 ddp.register_comm_hook(AtomoState(pg, budget=opts["rank"], seed=w.seed), atomo_hook)
             self.fwd = ddp
@@ -99,8 +101,8 @@ class Runner:
             # group of its own, made by the hook), DDP's buckets as the other methods have them
             ddp = DistributedDataParallel(model, process_group=dist.new_group(list(range(world))),
                                           bucket_cap_mb=DDP_BUCKET_MB)
-            self.sync = register_dad_comm_hook(ddp, DADConfig.from_dict(
-                dad_config(method, opts["rank"], opts["dad_error_feedback"], link)))
+            config = dad_config(method, opts["rank"], opts["dad_error_feedback"], link)
+            self.sync = register_dad_comm_hook(ddp, DADConfig.from_dict({**config, **(config_extra or {})}))
             self.fwd = ddp
         elif method in DAD_METHODS and variant != "local":
             from dad_integrations import DADConfig, DADSynchronizer
@@ -152,6 +154,16 @@ class Runner:
         else:
             self.sent.append(counted.sent)
             self.received.append(counted.received)
+
+    def error_feedback_bytes(self) -> int:
+        """Bytes of error-feedback residuals this rank holds (dAD's, or PowerSGD's hook's)."""
+        if self.sync is not None:
+            memory = self.sync._exchanger.memory
+            held = [memory.dense(u.name) for u in self.sync.units]
+            return sum(t.numel() * t.element_size() for t in held if t is not None)
+        if self.hook_state is not None:
+            return sum(t.numel() * t.element_size() for t in self.hook_state.error_dict.values())
+        return 0
 
     @torch.no_grad()
     def eval_loss(self, batches: List[torch.Tensor]) -> float:

@@ -1,0 +1,193 @@
+"""dAD across nodes: a simulated 2-node x 2-rank cluster, the link between nodes shaped.
+
+    python -m benchmarks.multinode                      # 10 Gbit/s, 1 Gbit/s, 100 Mbit/s; 40 steps
+    python -m benchmarks.multinode --quality            # + 300 steps x 3 seeds at 1 Gbit/s
+
+Each rate gets a fresh cluster (`benchmarks.sim_cluster`: two network namespaces joined by a veth
+pair shaped by ``tc tbf``; the ranks of a node talk over its unshaped loopback) and one ``torchrun
+--nnodes 2`` per node. Methods train the byte-level GPT-2 (4 layers of 256, 4 x 128 tokens a rank)
+from the same weights on the same batches, one step each in turn (`_multinode_ranks`):
+
+  allreduce  DDP's all-reduce (one 25 MB bucket for every DDP method: PowerSGD's hook on gloo
+             hangs with several)
+  fp16       DDP's fp16 compression hook
+  powersgd   PyTorch's PowerSGD hook, rank 4, flat (every rank compresses every matrix)
+  dad-flat   dAD, rank 4, ``topology: "flat"``: today's one-level routes
+  dad-auto   dAD, rank 4, its defaults: the topology from the launcher, two-level routes where
+             predicted faster
+
+Figures per method and rate: the median step of the slowest rank (after the lossless steps and any
+route trial, the same steps for every method), inter-node bytes per step from the veth's own
+counters (both directions, TCP/IP headers included) beside dAD's own report, error-feedback memory
+per rank, and held-out loss. ``--quality``: loss after 300 steps for PowerSGD and dAD, 3 seeds, at
+equal warm-up (PowerSGD starts compressing when dAD's lossless steps end). Writes
+``benchmarks/results/multinode.{json,md}`` and ``multinode_time_to_loss.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+from benchmarks.sim_cluster import SimCluster, inter_node_bytes, probe
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+METHODS = ("allreduce", "fp16", "powersgd", "dad-flat", "dad-auto")
+RATES = ("10gbit", "1gbit", "100mbit")
+WORKLOAD = dict(n_embd=256, n_layer=4, n_head=4, seq=128, batch=4)
+log = logging.getLogger("benchmarks.multinode")
+
+
+def run_rate(rate: str, methods, steps: int, seed: int, rank: int, lossless: int, work: Path) -> dict:
+    """One cluster at ``rate``, every method for ``steps`` steps; the ranks' JSON plus the run's
+    total inter-node bytes from the cluster's own counters."""
+    spec = {"workload": dict(WORKLOAD, seed=seed), "methods": list(methods), "steps": steps,
+            "opts": {"rank": rank, "dad_error_feedback": True, "powersgd_warmup": max(2, lossless)},
+            "out": str(work / f"{rate}_{seed}.json")}
+    spec_path = work / f"{rate}_{seed}_spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = {"DAD_LOSSLESS_STEPS": str(lossless), "TOKENIZERS_PARALLELISM": "false"}
+    import os
+    with SimCluster(nodes=2, rate=rate) as cluster:
+        before = cluster.counters()
+        started = time.perf_counter()
+        cluster.torchrun(ROOT / "benchmarks" / "_multinode_ranks.py", [spec_path], nproc_per_node=2,
+                         env=dict(os.environ, **env), timeout=3600, capture=True)
+        wall = time.perf_counter() - started
+        total = inter_node_bytes(before, cluster.counters())
+    out = json.loads(Path(spec["out"]).read_text())
+    out.update(rate=rate, seed=seed, wall_s=wall, total_inter_bytes=total)
+    return out
+
+
+def summarise(run: dict, warm: int) -> Dict[str, dict]:
+    """Per method: median slowest-rank step after ``warm`` steps, inter-node bytes per step (both
+    nodes), error-feedback bytes per rank (the largest), held-out loss, what dAD ran."""
+    ranks = run["ranks"]
+    out = {}
+    for m in ranks[0]:
+        per_step = [max(r[m]["times"][i] for r in ranks) for i in range(len(ranks[0][m]["times"]))]
+        settled = max([warm] + [r[m].get("settled", 0) for r in ranks])
+        timed = per_step[settled:] or per_step
+        inter = [sum(r[m]["inter"][i] for r in ranks) for i in range(len(per_step))][settled:]
+        out[m] = {"step_s": statistics.median(timed), "inter_bytes": statistics.median(inter) if inter else None,
+                  "ef_bytes": max(r[m]["ef_bytes"] for r in ranks), "eval_loss": ranks[0][m]["eval_loss"],
+                  "levels": ranks[0][m]["levels"], "two_level": ranks[0][m]["two_level_steps"],
+                  "timed_steps": len(timed), "per_step": per_step, "losses": ranks[0][m]["losses"]}
+    return out
+
+
+def table(summaries: Dict[str, Dict[str, dict]]) -> str:
+    lines = ["| method | " + " | ".join(f"step {r} | inter-node MB/step {r}" for r in summaries) +
+             " | EF memory / rank | held-out loss |",
+             "|---|" + "---|---|" * len(summaries) + "---|---|"]
+    first = next(iter(summaries.values()))
+    for m in first:
+        cells = []
+        for s in summaries.values():
+            e = s.get(m)
+            cells += [f"{e['step_s'] * 1e3:.0f} ms" if e else "-",
+                      f"{e['inter_bytes'] / 1e6:.2f}" if e and e["inter_bytes"] is not None else "-"]
+        ef = first[m]["ef_bytes"]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {ef / 1e6:.2f} MB | {first[m]['eval_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+def ratios(summaries: Dict[str, Dict[str, dict]]) -> List[str]:
+    """dad-auto's step against the best of all-reduce, fp16 and flat PowerSGD, per rate."""
+    out = []
+    for rate, s in summaries.items():
+        if "dad-auto" not in s:
+            continue
+        base = {m: s[m]["step_s"] for m in ("allreduce", "fp16", "powersgd") if m in s}
+        best = min(base, key=base.get)
+        ratio = s["dad-auto"]["step_s"] / base[best]
+        bytes_ratio = (s["dad-auto"]["inter_bytes"] / s["powersgd"]["inter_bytes"]
+                       if "powersgd" in s and s["powersgd"]["inter_bytes"] else float("nan"))
+        out.append(f"- {rate}: dad-auto {ratio:.3f}x the best baseline ({best}); inter-node bytes "
+                   f"{bytes_ratio:.2f}x flat PowerSGD's; two-level steps: {s['dad-auto']['two_level']}")
+    return out
+
+
+def plot(summaries: Dict[str, Dict[str, dict]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summaries), figsize=(5 * len(summaries), 4), squeeze=False)
+    for ax, (rate, s) in zip(axes[0], summaries.items()):
+        for m, e in s.items():
+            t, acc = [], 0.0
+            for dt in e["per_step"]:
+                acc += dt
+                t.append(acc)
+            ax.plot(t, e["losses"][:len(t)], label=m, lw=1)
+        ax.set_title(f"2 nodes x 2 ranks, {rate} between nodes")
+        ax.set_xlabel("wall-clock s (slowest rank)")
+        ax.set_ylabel("training loss")
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default=",".join(RATES))
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rank", type=int, default=4)
+    ap.add_argument("--lossless", type=int, default=10, help="dAD's lossless steps (PowerSGD's warm-up)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quality", action="store_true", help="also 300 steps x 3 seeds at 1gbit (powersgd, dad-auto)")
+    ap.add_argument("--out", default=str(RESULTS / "multinode"))
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[multinode] %(message)s")
+    ok, why = probe()
+    if not ok:
+        print(f"cannot build a simulated cluster here: {why}", file=sys.stderr)
+        return 2
+    methods = args.methods.split(",")
+    summaries, raw = {}, {}
+    with tempfile.TemporaryDirectory(prefix="dad-multinode-") as tmp:
+        for rate in args.rates.split(","):
+            log.info("%s: %d methods x %d steps on 2 nodes x 2 ranks ...", rate, len(methods), args.steps)
+            run = run_rate(rate, methods, args.steps, args.seed, args.rank, args.lossless, Path(tmp))
+            raw[rate] = run
+            summaries[rate] = summarise(run, args.lossless + 2)
+            log.info("%s: done in %.0f s", rate, run["wall_s"])
+        quality = {}
+        if args.quality:
+            for seed in range(3):
+                log.info("quality: seed %d, 300 steps at 1gbit ...", seed)
+                run = run_rate("1gbit", ["powersgd", "dad-auto"], 300, seed, args.rank, args.lossless, Path(tmp))
+                s = summarise(run, args.lossless + 2)
+                quality[seed] = {m: {"eval_loss": e["eval_loss"], "final_train_loss": statistics.fmean(e["losses"][-20:])}
+                                 for m, e in s.items()}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = ["# 2 nodes x 2 ranks (simulated), GPT-2 4x256, 4x128 tokens a rank", "",
+            f"`python -m benchmarks.multinode {' '.join(argv or sys.argv[1:])}`", "", table(summaries), ""]
+    text += ratios(summaries)
+    if quality:
+        text += ["", "| seed | PowerSGD held-out loss | dad-auto held-out loss | ratio |", "|---|---|---|---|"]
+        for seed, q in quality.items():
+            a, b = q["powersgd"]["eval_loss"], q["dad-auto"]["eval_loss"]
+            text.append(f"| {seed} | {a:.4f} | {b:.4f} | {b / a:.4f} |")
+    Path(f"{out}.md").write_text("\n".join(text) + "\n")
+    Path(f"{out}.json").write_text(json.dumps({"summaries": summaries, "quality": quality,
+                                               "runs": {r: {k: v for k, v in x.items() if k != "ranks"}
+                                                        for r, x in raw.items()}}, indent=1))
+    plot(summaries, Path(f"{out}_time_to_loss.png"))
+    print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
