@@ -63,6 +63,8 @@ def run_rate(rate: str, methods, steps: int, seed: int, rank: int, lossless: int
         wall = time.perf_counter() - started
         total = inter_node_bytes(before, cluster.counters())
     out = json.loads(Path(spec["out"]).read_text())
+    if os.environ.get("DAD_MULTINODE_KEEP"):  # the ranks' raw results, for a look at one run
+        Path(os.environ["DAD_MULTINODE_KEEP"]).write_text(json.dumps(out))
     out.update(rate=rate, seed=seed, wall_s=wall, total_inter_bytes=total)
     return out
 

@@ -38,7 +38,7 @@ from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteContext
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
-from dad_integrations.exchange.policy import RoutePolicy
+from dad_integrations.exchange.policy import TWO_LEVEL, RoutePolicy
 from dad_integrations.exchange.two_level import Levels, TwoLevelExchanger
 from dad_integrations.exchange.window import StepWindow
 
@@ -125,6 +125,7 @@ class Exchanger:
             st.report.update(self.two_level.run(window, sink, step=step, scale=st.scale, note=self._note,
                                                 take_rows=lambda u: self._take_rows(u, window),
                                                 check_open=self._check_open))
+            self.policy.two_level_routes = dict(self.two_level.routes)
             return self._finish_step(st)
         previous = self._exchange_units(st)
         if not self.plan.dense:
@@ -205,33 +206,38 @@ class Exchanger:
     def _close_step(self, window: StepWindow, step: int) -> None:
         """The step's exchange is over: its span to the route trial, the next step's preparation
         (whether it goes flat or at two levels among them)."""
-        self.policy.end_step(step, getattr(window, "started", None))
+        policy = self.policy
+        policy.end_step(step, getattr(window, "started", None))
         if self.two_level is not None:
-            before = self.policy.two_level
-            self.policy.two_level = self.two_level.prefer(step + 1, self.policy)
-            if before != self.policy.two_level:
-                self.two_level.switched(self.policy, self.policy.two_level)
+            before = policy.two_level
+            trial = policy.trial
+            arm = trial.arm(step + 1) if trial is not None else None
+            if arm is not None and TWO_LEVEL in trial.routes.values():  # a trial of two-level steps
+                policy.two_level = arm == "routes"
+            else:
+                policy.two_level = self.two_level.prefer(step + 1, policy)
+            if before != policy.two_level:
+                self.two_level.switched(policy, policy.two_level)
 
-    def start_native(self, buffer: torch.Tensor, prescale: float):
+    def start_native(self, buffer: torch.Tensor, scale: float):
         """Put one of DDP's buckets on the wire as it is (`RoutePolicy.native_dense`), in the dense
-        buckets' wire dtype; returns what `run_native` finishes."""
+        buckets' wire dtype, multiplied by ``scale`` (the step's prescale x postscale) before the
+        sum: DDP's own bucket is divided by the world size before its all-reduce, so the results
+        are DDP's bit for bit at any world size, and the step's end has nothing left to compute.
+        Returns what `run_native` finishes."""
         send = buffer if buffer.dtype == self.dense_dtype else buffer.to(self.dense_dtype)
-        if prescale != 1.0:
-            send.mul_(prescale)  # in place, as DDP's own hook divides its bucket
+        if scale != 1.0:
+            send.mul_(scale)  # in place: DDP copies the bucket into .grad when the step is over
         return buffer, send, self.aggregator.all_reduce(send, name="dad.dense.native", op="sum")
 
-    def run_native(self, window: StepWindow, buckets: List[tuple], names: Dict[int, str], *, step: int,
-                   postscale: Optional[float]) -> StepReport:
-        """Finish a step of DDP's own buckets (`start_native`): wait, scale in place, report."""
+    def run_native(self, window: StepWindow, buckets: List[tuple], names: Dict[int, str], *,
+                   step: int) -> StepReport:
+        """Finish a step of DDP's own buckets (`start_native`): wait for them, report, close the step."""
         s = self.aggregator.world_size
-        scale = 1.0 / s if postscale is None else postscale
         report: List[ParamReport] = []
         for buffer, send, handle, params in buckets:
             total = handle.wait()
-            if total is buffer:
-                buffer.mul_(scale)
-            else:
-                torch.mul(total, scale, out=total)
+            if total is not buffer:  # sent in the wire dtype
                 buffer.copy_(total)
             numel = max(buffer.numel(), 1)
             for p in params:

@@ -41,6 +41,7 @@ from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due
 log = logging.getLogger(__name__)
 
 RANK_ROUTES = ("rank", "rank_allreduce")
+TWO_LEVEL = "two_level"  # a route trial's routes arm when it tries two-level steps (`exchange.two_level`)
 
 
 class RoutePolicy:
@@ -70,6 +71,11 @@ class RoutePolicy:
         self.clock: Callable[[], float] = time.perf_counter  # the end of a step's span (`StepClock`)
         # the next step goes at two levels (`exchange.two_level`): nothing is held dense for it
         self.two_level = False
+        # a two-level step's routes by unit, and the seconds a step is predicted to save at two
+        # levels against the flat routes: what a route trial tries after a refresh that chose them
+        self.two_level_routes: Dict[int, str] = {}
+        self.two_level_saving = 0.0
+        self.two_level_vetoed = False  # a route trial found the two-level steps slower than all dense
 
     # -- which steps choose anew, which hold ------------------------------------------------------
     def refresh_due(self, step: int) -> bool:
@@ -94,6 +100,8 @@ class RoutePolicy:
         if self.refresh_due(step):
             return None
         held = self.last_route.get(unit.index)
+        if held == TWO_LEVEL:  # what a kept trial of two-level steps holds: a flat step routes anew
+            return None
         return None if held == "exact" and unit.rows_unused else held  # exact needs its rows
 
     def dense_for_sure(self, unit: FactorUnit, step: int, verify: bool) -> bool:
@@ -231,10 +239,12 @@ class RoutePolicy:
         self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
         for u in self.plan.units:  # what the next steps take until the next refresh
             self.last_route[u.index] = trial.routes.get(u.index, "dense") if outcome.kept else "dense"
+        two_level = TWO_LEVEL in trial.routes.values()
         if outcome.kept:  # exact factors need their rows from the next step on
-            self._use_rows(i for i, rep in trial.routes.items() if rep == "exact")
+            self._use_rows(i for i, rep in trial.routes.items() if rep in ("exact", TWO_LEVEL))
         else:
             self.drop_rows()
+            self.two_level_vetoed = two_level  # flat and all dense until the next refresh
         if self.aggregator.rank == 0:
             log.info("dAD route trial after step %d (%s): %s; overhead per compressed weight now %.2f ms",
                      outcome.step, outcome.cause, outcome.describe(), outcome.overhead_s * 1e3)
@@ -242,6 +252,11 @@ class RoutePolicy:
     def _begin_trial(self, trial: RouteTrial, step: int) -> None:
         """Routes were chosen anew in step ``step``: try them against all-dense where any compresses
         and the trial ends before the next refresh."""
+        if self.two_level:  # this step went at two levels: try them against flat all-dense steps
+            compressed = [i for i, rep in self.two_level_routes.items() if rep != "dense"]
+            if compressed and trial.fits(step, self._next_refresh(step)):
+                trial.begin(step, {u.index: TWO_LEVEL for u in self.plan.units}, self.two_level_saving)
+            return
         compressed = [u.index for u in self.plan.units if self.last_route.get(u.index, "dense") != "dense"]
         if compressed and trial.fits(step, self._next_refresh(step)):
             trial.begin(step, {u.index: self.last_route.get(u.index, "dense") for u in self.plan.units},

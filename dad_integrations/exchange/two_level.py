@@ -41,7 +41,7 @@ from dad_integrations.codecs.exact import ExactCodec
 from dad_integrations.codecs.low_rank import LocalGradient
 from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
-from dad_integrations.codecs.wire import exact_block_specs, pack, packed_size, unpack
+from dad_integrations.codecs.wire import exact_block_specs, pack, pack_into, packed_size, unpack
 from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
 from dad_integrations.comm.topology import Topology
@@ -128,6 +128,8 @@ class TwoLevelExchanger:
         self.local, self.L, self.N = topo.local_rank, topo.local_size, topo.num_nodes
         costs = [float(u.param.numel()) for u in plan.units] + [float(q.numel()) for _, q in plan.dense]
         owners = assign_owners(costs, self.L)
+        self.chosen = False  # the last refresh's choice: two-level steps until the next
+        self.routes: Dict[int, str] = {}  # the last two-level step's, by unit index
         self.owner_of: Dict[str, int] = {u.name: owners[i] for i, u in enumerate(plan.units)}
         self.owner_of.update({name: owners[len(plan.units) + i] for i, (name, _) in enumerate(plan.dense)})
 
@@ -141,16 +143,19 @@ class TwoLevelExchanger:
         if step < 1:
             return False
         if step > 1 and not policy.refresh_due(step):
-            return policy.two_level
+            return self.chosen and not policy.two_level_vetoed
+        policy.two_level_vetoed = False
         flat_timing, timing = policy.timing, self.levels.timing
         if flat_timing is None or timing is None or self.config.objective != "time":
             choice = True
         else:
             flat, two = self.predicted_seconds(step, policy.last_rows, flat_timing)
             choice = two < flat
+            policy.two_level_saving = flat - two
             if self.world.rank == 0:
                 log.info("dAD: step %d on, %s: predicted %.2f ms a step at two levels, %.2f ms flat",
                          step, "two levels" if choice else "flat", two * 1e3, flat * 1e3)
+        self.chosen = choice
         return choice
 
     def predicted_seconds(self, step: int, last_rows: Dict[int, Sequence[Sequence[int]]],
@@ -196,6 +201,7 @@ class TwoLevelExchanger:
             check_open: Callable[[], None]) -> Dict[str, ParamReport]:
         """Exchange every unit and dense parameter of one step; returns the report entries."""
         report: Dict[str, ParamReport] = {}
+        self.routes = {}
         cap = self.config.bucket_cap_mb * 2 ** 20
         bucket: List[_Item] = []
         size = 0
@@ -217,6 +223,7 @@ class TwoLevelExchanger:
 
     def _bucket(self, items: List[_Item], sink: GradSink, step: int, scale: float, note, report) -> None:
         self._route(items, step)
+        self.routes.update({it.unit.index: it.rep for it in items if it.unit is not None})
         self._flush_residuals(items, sink)
         for it in items:
             it.entries = self._entries(it, report)
@@ -317,16 +324,17 @@ class TwoLevelExchanger:
     def _to_owner(self, items: List[_Item], sink: GradSink) -> List[_Item]:
         """Hop 1: one all-to-all inside the node; returns this rank's items, with the node's
         contributions summed (dense, rank routes) or stacked (exact) in ``it.rows`` / ``it.result``."""
-        sends, send_sizes = [], []
-        for j in range(self.L):
-            blocks = [b for it in items if it.owner == j for b in self._send_blocks(it, sink)]
-            buf = pack(blocks, self.device) if blocks else torch.empty(0, dtype=torch.uint8, device=self.device)
-            sends.append(buf)
-            send_sizes.append(buf.numel())
+        by_owner = [[b for it in items if it.owner == j for b in self._send_blocks(it, sink)] for j in range(self.L)]
+        send_sizes = [packed_size([(b.dtype, tuple(b.shape)) for b in blocks]) for blocks in by_owner]
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
+        offset = 0
+        for blocks, size in zip(by_owner, send_sizes):  # each block copied once, into its place
+            pack_into(blocks, send.narrow(0, offset, size))
+            offset += size
         mine = [it for it in items if it.owner == self.local]
         recv_specs = [[s for it in mine for s in self._specs(it, k)] for k in range(self.L)]
         recv_sizes = [packed_size(specs) for specs in recv_specs]
-        handle = self.levels.intra.all_to_all_v(torch.cat(sends), send_sizes, recv_sizes,
+        handle = self.levels.intra.all_to_all_v(send, send_sizes, recv_sizes,
                                                 name=f"dad.twolevel.to_owner.{items[0].name}")
         got = handle.wait()
         self._share(items, handle.traffic, lambda it: it.hops.to_owner if it.hops else it.numel)
