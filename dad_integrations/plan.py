@@ -23,6 +23,17 @@ Rows per step and rank, two ways:
   per architecture, only the kinds' own captures.
 
 Figures are bytes one rank sends per step, after the first (checked) step.
+
+A cluster of nodes (``--nodes``, ``--local-size``, ``--intra-bw``, ``--inter-bw``) adds the
+two-level plan (`routing.planner.plan_levels`): per layer the route between nodes and the bytes of
+each hop beside the flat route, whether dAD runs the step flat or at two levels, the inter-node
+bandwidth below which compressing between nodes beats a hierarchical all-reduce, and the bytes each
+node sends between nodes. The routes' compute is measured on ``--compute-device`` or stated
+(``--compute-tflops``, ``--compute-memory-bw``: a roofline, for a device not at hand).
+
+    python -m dad_integrations.plan --model llama-3-8b-geometry --nodes 4 --local-size 8 \
+        --intra-bw 900GB/s --inter-bw 100gbit --tokens-per-rank 4096 --rank 4 \
+        --compute-tflops 67 --compute-memory-bw 3.35TB/s
 """
 from __future__ import annotations
 
@@ -31,21 +42,21 @@ import json
 import sys
 from pathlib import Path
 from dataclasses import asdict
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.config import DADConfig
-from dad_integrations.routing.planner import (RowCounts, StepPlan, count_rows, plan_model, plan_sharded_model, render,
-                                              render_sharded)
+from dad_integrations.routing.planner import (RowCounts, StepPlan, count_rows, plan_levels_model, plan_model,
+                                              plan_sharded_model, render, render_levels, render_sharded)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # -- Hugging Face models on the meta device ----------------------------------------------------------
-PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "bert-base", "llama-7b-geometry", "llama-small",
-           "vit-tiny", "vit-base", "whisper-tiny", "whisper-base")
+PRESETS = ("gpt2", "gpt2-medium", "gpt2-large", "bert-base", "llama-7b-geometry", "llama-3-8b-geometry",
+           "llama-small", "vit-tiny", "vit-base", "whisper-tiny", "whisper-base")
 
 
 def preset_config(name: str):
@@ -60,6 +71,10 @@ def preset_config(name: str):
     if name == "llama-7b-geometry":
         return tf.LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                               num_attention_heads=32, vocab_size=32000)
+    if name == "llama-3-8b-geometry":  # grouped-query attention: k and v project to 8 heads (1024 x 4096)
+        return tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                              num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                              max_position_embeddings=8192)
     if name == "llama-small":
         return tf.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                               num_attention_heads=8, vocab_size=32000)
@@ -184,7 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m dad_integrations.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help=f"a preset {PRESETS} or a path to a config.json")
-    p.add_argument("--sites", type=int, required=True, help="number of ranks (S)")
+    p.add_argument("--sites", type=int, help="number of ranks (S); or --nodes and --local-size")
     p.add_argument("--tokens-per-rank", type=int, help="text models: tokens per rank per step")
     p.add_argument("--batch-per-rank", type=int,
                    help="vision and speech models: images (or audio clips) per rank per step; rows are "
@@ -202,10 +217,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bandwidth", help="a link to predict step time on, e.g. 10gbit, 100mbit (per rank); "
                                        "routes are then chosen by time, as objective 'time' does")
     p.add_argument("--latency-us", type=float, default=0.0, help="the link's latency per collective call")
-    p.add_argument("--compute-device", default="cpu",
+    p.add_argument("--compute-device",
                    help="where the routes' local compute is measured for the model's weight shapes "
-                        "(cpu, cuda, ...), or none to count no compute")
+                        "(cpu, the default; cuda, ...), or none to count no compute")
+    p.add_argument("--compute-tflops", type=float,
+                   help="instead of measuring: the device's flop rate (TFLOP/s), with --compute-memory-bw")
+    p.add_argument("--compute-memory-bw",
+                   help="instead of measuring: the device's memory bandwidth, e.g. 3.35TB/s, with --compute-tflops")
+    cluster = p.add_argument_group("a cluster of nodes (two-level routes)")
+    cluster.add_argument("--nodes", type=int, help="nodes (N); sites = nodes x local size")
+    cluster.add_argument("--local-size", type=int, help="ranks per node (L)")
+    cluster.add_argument("--intra-bw", help="the link inside a node, per rank, e.g. 900GB/s")
+    cluster.add_argument("--inter-bw", help="the link between nodes, each rank's share with every rank "
+                                            "sending (the config's link.inter), e.g. 100gbit")
+    cluster.add_argument("--intra-latency-us", type=float, default=0.0, help="latency per call inside a node")
+    cluster.add_argument("--inter-latency-us", type=float, default=0.0, help="latency per call between nodes")
     args = p.parse_args(argv)
+    try:
+        args.sites, args.nodes, args.local_size = cluster_shape(args.sites, args.nodes, args.local_size)
+        two_level = _check_levels(args)
+    except ValueError as e:
+        p.error(str(e))
     if args.sites < 2 or args.rank < 0 or args.decoder_tokens < 1:
         p.error("need --sites >= 2, --rank >= 0, --decoder-tokens >= 1")
     if (args.tokens_per_rank is not None and args.tokens_per_rank < 1) or (
@@ -237,6 +269,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.sharded:
                 raise ValueError("--bandwidth: the step-time prediction covers unsharded plans only")
             timed = _time_plan(args, model, cfg, step, rows)
+        levels = _level_plan(args, model, cfg, step, rows) if two_level else None
     except ValueError as e:
         p.error(str(e))
     if args.json:
@@ -247,6 +280,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if timed is not None:
             out["time"] = asdict(timed[0])
             out["time"]["by_time"] = asdict(timed[1])
+        if levels is not None:
+            out["two_level"] = {**asdict(levels[0]), "intra": levels[1].to_spec(), "inter": levels[2].to_spec(),
+                                "compute": levels[3]}
         print(json.dumps(out, indent=1))
     else:
         per_rank = (f"{args.tokens_per_rank} tokens per rank" if task == "text" else
@@ -259,33 +295,144 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from dad_integrations.routing.plan_time import render_time
             print()
             print(render_time(timed[0], timed[2], timed[3]))
+        if levels is not None:
+            print()
+            print(render_levels(levels[0], _levels_header(args, *levels[1:])))
     return 0
 
 
 def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Optional[RowCounts] = None):
     """The plan by predicted time on the stated link: (time plan, the steady state by time, link, note)."""
-    from dad_integrations.routing.compute_model import ComputeModel, measure_compute
     from dad_integrations.comm.link_spec import parse_bandwidth
     from dad_integrations.routing.link import LinkModel
     from dad_integrations.routing.plan_time import time_plan
-    from dad_integrations.capture.rows import compute_dtype
     from dad_integrations.routing.timing import StepTiming
 
     link = LinkModel.uniform(parse_bandwidth(args.bandwidth), args.latency_us * 1e-6)
-    rank = args.rank if args.rank and args.mode != "exact" else None
-    if args.compute_device == "none":
-        compute, note = ComputeModel(), "no compute counted"
-    else:
-        shapes = {tuple(r.shape) for r in by_bytes.units}
-        compute = measure_compute(shapes, rank=rank, world_size=args.sites, iterations=DADConfig.power_iterations,
-                                  error_feedback=DADConfig.error_feedback, device=torch.device(args.compute_device),
-                                  dtype=compute_dtype(DTYPES[args.dtype]))  # as the codecs compute
-        note = f"compute measured on {args.compute_device}"
+    compute, note = compute_model(args, {tuple(r.shape) for r in by_bytes.units})
     timing = StepTiming(link, compute)
     by_time = plan_model(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
                          mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
                          positions=max_positions(cfg), timing=timing, rows=rows)
     return time_plan(by_time, timing, sites=args.sites, compressed=by_bytes), by_time, link, note
+
+
+def cluster_shape(sites: Optional[int], nodes: Optional[int], local_size: Optional[int]) -> Tuple[int, int, int]:
+    """``(sites, nodes, ranks per node)`` from the flags given: ``--sites`` alone is one node;
+    any two of the three give the third; all three must agree. Raises ValueError naming the flags."""
+    for flag, value in (("--nodes", nodes), ("--local-size", local_size)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if nodes is None and local_size is None:
+        if sites is None:
+            raise ValueError("give --sites, or --nodes and --local-size")
+        return sites, 1, sites
+    if sites is None:
+        if nodes is None or local_size is None:
+            raise ValueError("give --nodes and --local-size (or --sites with one of them)")
+        return nodes * local_size, nodes, local_size
+    if local_size is not None and sites % local_size:
+        raise ValueError(f"--local-size {local_size} does not divide --sites {sites}: every node holds "
+                         "the same number of ranks")
+    if nodes is not None and sites % nodes:
+        raise ValueError(f"--nodes {nodes} does not divide --sites {sites}: every node holds the same "
+                         "number of ranks")
+    local = local_size if local_size is not None else sites // nodes
+    if nodes is not None and nodes * local != sites:
+        raise ValueError(f"--nodes {nodes} x --local-size {local} is not --sites {sites}")
+    return sites, sites // local, local
+
+
+def _check_levels(args) -> bool:
+    """Whether the plan has two levels (more than one node of more than one rank); checks that
+    the flags for them come together. Raises ValueError naming the flags."""
+    two_level = args.nodes > 1 and args.local_size > 1
+    stated = [f for f, v in (("--intra-bw", args.intra_bw), ("--inter-bw", args.inter_bw)) if v is not None]
+    if not two_level:
+        if stated:
+            raise ValueError(f"{', '.join(stated)}: two-level routes need --nodes > 1 and --local-size > 1 "
+                             f"(got {args.nodes} x {args.local_size}); use --bandwidth for one level")
+        return False
+    if len(stated) < 2:
+        raise ValueError(f"{args.nodes} nodes x {args.local_size} ranks: give both --intra-bw and --inter-bw")
+    if args.bandwidth is not None:
+        raise ValueError("--bandwidth is the one-level link; on nodes, the flat routes run on --inter-bw")
+    if args.sharded:
+        raise ValueError("--sharded: two-level routes cover unsharded plans only")
+    if args.intra_latency_us < 0 or args.inter_latency_us < 0:
+        raise ValueError("latencies must be >= 0")
+    return True
+
+
+def compute_model(args, shapes):
+    """The routes' compute model for weights of ``shapes`` and a note saying where it came from:
+    stated (``--compute-tflops``, ``--compute-memory-bw``: `routing.planner.stated_compute`),
+    measured on ``--compute-device`` (default cpu), or none."""
+    from dad_integrations.capture.rows import compute_dtype
+    from dad_integrations.comm.link_spec import parse_bandwidth
+    from dad_integrations.routing.compute_model import ComputeModel, measure_compute
+    from dad_integrations.routing.planner import stated_compute
+
+    rank = args.rank if args.rank and args.mode != "exact" else None
+    dtype = compute_dtype(DTYPES[args.dtype])  # as the codecs compute
+    stated = (args.compute_tflops, args.compute_memory_bw)
+    if any(v is not None for v in stated):
+        if None in stated or args.compute_device is not None:
+            raise ValueError("state the compute with both --compute-tflops and --compute-memory-bw, "
+                             "and without --compute-device")
+        if not 0 < args.compute_tflops < float("inf"):
+            raise ValueError(f"--compute-tflops must be positive, got {args.compute_tflops}")
+        try:
+            memory = parse_bandwidth(args.compute_memory_bw)
+        except ValueError as e:
+            raise ValueError(f"--compute-memory-bw: {e}") from None
+        compute = stated_compute(shapes, rank=rank, world_size=args.sites, iterations=DADConfig.power_iterations,
+                                 error_feedback=DADConfig.error_feedback, itemsize=dtype.itemsize,
+                                 flops=args.compute_tflops * 1e12, memory_bw=memory)
+        return compute, (f"compute stated: {args.compute_tflops:g} TFLOP/s, {memory / 1e12:.3g} TB/s "
+                         "(a roofline, no launches)")
+    device = args.compute_device or "cpu"
+    if device == "none":
+        return ComputeModel(), "no compute counted"
+    compute = measure_compute(shapes, rank=rank, world_size=args.sites, iterations=DADConfig.power_iterations,
+                              error_feedback=DADConfig.error_feedback, device=torch.device(device), dtype=dtype)
+    return compute, f"compute measured on {device}"
+
+
+def _level_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Optional[RowCounts] = None):
+    """The plan on ``--nodes`` x ``--local-size``: (level plan, intra link, inter link, compute note)."""
+    from dad_integrations.comm.link_spec import parse_bandwidth
+    from dad_integrations.routing.link import LinkModel
+
+    links = []
+    for flag, bw, latency in (("--intra-bw", args.intra_bw, args.intra_latency_us),
+                              ("--inter-bw", args.inter_bw, args.inter_latency_us)):
+        try:
+            links.append(LinkModel.uniform(parse_bandwidth(bw), latency * 1e-6))
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    compute, note = compute_model(args, {tuple(r.shape) for r in by_bytes.units})
+    plan = plan_levels_model(model, nodes=args.nodes, local_size=args.local_size,
+                             tokens_per_rank=args.tokens_per_rank, rank=args.rank or None, intra=links[0],
+                             inter=links[1], compute=compute, mode=args.mode, rank_route=args.rank_route,
+                             dtype=DTYPES[args.dtype], positions=max_positions(cfg), rows=rows)
+    return plan, links[0], links[1], note
+
+
+def _levels_header(args, intra, inter, note: str) -> str:
+    """The two-level table's first line: the cluster, both links and the compute model."""
+    def link(m) -> str:
+        c = m.all_reduce
+        return f"{c.beta * 8 / 1e9:,.4g} Gbit/s + {c.alpha * 1e6:g} us"
+
+    return "\n".join([
+        f"two levels: {args.nodes} nodes x {args.local_size} ranks ({args.sites} sites); links per rank: inside a "
+        f"node {link(intra)}, between nodes {link(inter)}; {note}",
+        "flat: the routes on the link between nodes; two levels: to the owner inside the node, between nodes "
+        f"(owners only), from the owner; hop 2 and the owner's compute count 1/{args.local_size} (owners run side "
+        "by side)",
+        "MB: what one rank sends per step; ms: the unit's predicted share of the step; compress below: the "
+        "inter-node Gbit/s below which the unit leaves dense at two levels"])
 
 
 if __name__ == "__main__":

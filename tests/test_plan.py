@@ -378,3 +378,171 @@ def test_rows_arguments_follow_the_model(capsys):
         main(["--model", "gpt2", "--sites", "4", "--batch-per-rank", "8"])
     with pytest.raises(SystemExit):
         main(["--model", "gpt2", "--sites", "4"])
+
+
+# -- a cluster of nodes: two-level routes ---------------------------------------------------------------
+SLOW_DEVICE = ["--compute-tflops", "1", "--compute-memory-bw", "50GB/s"]  # compute that dense can beat
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A two-layer Llama config.json: the planner's cluster runs take a second each."""
+    path = tmp_path_factory.mktemp("tiny_llama") / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "vocab_size": 4000, "max_position_embeddings": 512,
+                                "architectures": ["LlamaForCausalLM"]}))
+    return str(path)
+
+
+def cluster_args(model, inter, *extra):
+    return ["--model", model, "--nodes", "2", "--local-size", "4", "--tokens-per-rank", "512", "--rank", "4",
+            "--intra-bw", "900GB/s", "--inter-bw", inter, *SLOW_DEVICE, *extra]
+
+
+def test_cluster_flags_parse():
+    from dad_integrations.plan import cluster_shape
+
+    assert cluster_shape(8, None, None) == (8, 1, 8)            # --sites alone: one node
+    assert cluster_shape(None, 4, 8) == (32, 4, 8)
+    assert cluster_shape(32, None, 8) == (32, 4, 8) == cluster_shape(32, 4, None) == cluster_shape(32, 4, 8)
+    for bad, message in (((12, None, 8), "--local-size 8 does not divide --sites 12"),
+                         ((12, 5, None), "--nodes 5 does not divide"), ((None, 0, 8), "--nodes must be >= 1"),
+                         ((None, 2, -1), "--local-size must be >= 1"), ((16, 4, 8), "is not --sites 16"),
+                         ((None, 2, None), "--local-size"), ((None, None, None), "--sites")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cluster_shape(*bad)
+
+
+def test_bad_cluster_flags_give_a_clear_error(capsys, tiny_llama):
+    for argv, message in (
+            (["--sites", "12", "--local-size", "8"], "--local-size 8 does not divide --sites 12"),
+            (["--nodes", "0", "--local-size", "8"], "--nodes must be >= 1"),
+            (["--nodes", "2", "--local-size", "4", "--intra-bw", "900GB/s"], "give both --intra-bw and --inter-bw"),
+            (["--nodes", "1", "--local-size", "4", "--intra-bw", "1gbit", "--inter-bw", "1gbit"], "--nodes > 1"),
+            (cluster_args(tiny_llama, "fast"), "--inter-bw: bandwidth 'fast'"),
+            (cluster_args(tiny_llama, "1gbit", "--bandwidth", "1gbit"), "--bandwidth is the one-level link"),
+            (cluster_args(tiny_llama, "1gbit", "--sharded"), "unsharded plans only"),
+            (cluster_args(tiny_llama, "1gbit", "--compute-device", "cpu"), "without --compute-device")):
+        model = [] if argv[0] == "--model" else ["--model", tiny_llama, "--tokens-per-rank", "8"]
+        with pytest.raises(SystemExit):
+            main(model + argv)
+        assert message in capsys.readouterr().err, argv
+
+
+def test_two_level_table_prints(capsys, tiny_llama):
+    assert main(cluster_args(tiny_llama, "10gbit")) == 0
+    text = capsys.readouterr().out
+    assert "two levels: 2 nodes x 4 ranks (8 sites)" in text
+    head = next(line for line in text.splitlines() if line.startswith("layer") and "to owner MB" in line)
+    for column in ("flat route", "flat MB", "between MB", "from owner MB", "compress below"):
+        assert column in head
+    assert re.search(r"predicted step of the factor units: flat [\d.,]+ ms, two levels [\d.,]+ ms: dAD runs "
+                     r"(two levels|flat)", text)
+    assert "break-even: two-level compressed routes beat hierarchical dense below" in text
+    for method in ("all-reduce, flat", "PowerSGD, flat", "dAD, flat routes", "dAD, two levels"):
+        assert method in text
+    assert "8 sites" in text.splitlines()[0]  # the one-level table above covers the whole group
+
+
+def test_slow_inter_link_compresses_between_nodes_fast_one_stays_dense(capsys, tiny_llama):
+    """At 1 Gbit/s between nodes the big matrices compress on hop 2; at 10 Tbit/s they stay dense
+    (the owner's compute costs more than the bytes it saves); the step's break-even bandwidth lies
+    between, and so does each layer's; hop 1 is dense either way."""
+    outs = {inter: run_json(capsys, *cluster_args(tiny_llama, inter))["two_level"] for inter in ("1gbit", "10000gbit")}
+    big = ("mlp.up_proj", "mlp.down_proj", "embed_tokens", "lm_head")
+    slow, fast = ({u["name"]: u for u in outs[k]["units"]} for k in ("1gbit", "10000gbit"))
+    for name in slow:
+        if any(b in name for b in big):
+            assert slow[name]["route"] in ("rank", "rank_allreduce"), slow[name]
+            assert slow[name]["between"] < slow[name]["to_owner"] / 10
+            assert fast[name]["route"] == "dense", fast[name]
+            assert slow[name]["to_owner"] == fast[name]["to_owner"]
+            assert 1e9 / 8 < slow[name]["compresses_below"] < 1e13 / 8
+    for out in outs.values():
+        assert 1e9 / 8 < out["break_even"] < 1e13 / 8
+        assert out["nodes"] == 2 and out["local_size"] == 4
+        assert out["two_level"] == pytest.approx(sum(u["seconds"] for u in out["units"]))
+        assert out["flat"] == pytest.approx(sum(u["flat_seconds"] for u in out["units"]))
+        assert out["two_level_faster"] == (out["two_level"] < out["flat"])
+    assert outs["1gbit"]["break_even"] == pytest.approx(outs["10000gbit"]["break_even"], rel=1e-6)  # one model
+    slow_out = outs["1gbit"]
+    assert slow_out["compressed"] < slow_out["all_dense"]
+    nb = slow_out["node_bytes"]
+    assert nb["dad_two_level"] < nb["powersgd"] < nb["allreduce"] and nb["allreduce_two_level"] < nb["allreduce"]
+
+
+def test_break_even_separates_the_step_times(tiny_llama):
+    """Just below the step's break-even the compressed routes are faster than hierarchical dense,
+    just above they are not (the same plan, only the inter-node bandwidth moved)."""
+    from dad_integrations.routing.link import LinkModel
+    from dad_integrations.routing.planner import plan_levels_model, stated_compute
+
+    cfg = load_config(tiny_llama)
+    model = build_meta_model(cfg)
+    shapes = [(4000, 256), (256, 256), (128, 256), (688, 256), (256, 688)]
+    compute = stated_compute(shapes, rank=4, world_size=8, iterations=1, error_feedback=True, itemsize=4,
+                             flops=1e12, memory_bw=50e9)
+
+    def at(beta):
+        return plan_levels_model(model, nodes=2, local_size=4, tokens_per_rank=512, rank=4,
+                                 intra=LinkModel.uniform(900e9, 0.0), inter=LinkModel.uniform(beta, 0.0),
+                                 compute=compute, positions=max_positions(cfg))
+
+    be = at(1e9).break_even
+    below, above = at(be * 0.99), at(be * 1.01)
+    assert below.compressed < below.all_dense and above.compressed > above.all_dense
+    assert below.break_even == pytest.approx(be, rel=1e-6)
+
+
+def test_planner_decides_flat_or_two_levels_as_the_exchanger_does(tiny_llama):
+    """`compare_levels` (the planner's comparison) returns `TwoLevelExchanger.predicted_seconds`'
+    two figures for a plan whose units all may take every route."""
+    from types import SimpleNamespace
+
+    from dad_integrations.comm.topology import Topology
+    from dad_integrations.exchange.two_level import Levels, TwoLevelExchanger
+    from dad_integrations.routing.link import LinkModel
+    from dad_integrations.routing.planner import stated_compute, unit_plan
+    from dad_integrations.routing.timing import StepTiming
+    from dad_integrations.routing.two_level import LevelUnit, TwoLevelTiming, compare_levels
+
+    model = build_meta_model(load_config(tiny_llama))
+    plan, rank = unit_plan(model, mode="auto", rank=4, rank_route="auto")
+    topo = Topology.consecutive(8, 4, 0)
+    config = DADConfig(rank=rank, objective="time")
+    compute = stated_compute([u.shape for u in plan.units], rank=4, world_size=8, iterations=1, error_feedback=True,
+                             itemsize=4, flops=1e12, memory_bw=50e9)
+    for inter, tokens in ((1e9 / 8, 512), (1e12, 512), (1e10, 16)):
+        intra, link = LinkModel.uniform(900e9, 1e-6), LinkModel.uniform(inter, 5e-6)
+        timing, flat_timing = TwoLevelTiming(intra, link, compute), StepTiming(link, compute)
+        rows = {u.index: [[tokens] * len(u.kinds)] * 8 for u in plan.units}
+        ex = TwoLevelExchanger.__new__(TwoLevelExchanger)  # only what predicted_seconds reads
+        ex.plan, ex.config, ex.wire_dtype, ex.N, ex.L = plan, config, None, 2, 4
+        ex.world, ex.levels = SimpleNamespace(world_size=8), Levels(topo, None, None, timing)
+        units = [LevelUnit(UnitShape(tuple(u.kinds), u.shape, u.bias_numel, torch.float32, u.blocks), rows[u.index],
+                           torch.float32) for u in plan.units]
+        for step in (0, config.lossless_steps + 1):
+            got = compare_levels(config, units, step=step, topology=topo, flat_timing=flat_timing, timing=timing)
+            assert (got.flat, got.two_level) == pytest.approx(ex.predicted_seconds(step, rows, flat_timing), rel=1e-12)
+
+
+def test_stated_compute_is_a_roofline():
+    from dad_integrations.routing.planner import stated_compute
+
+    fast = stated_compute([(4096, 4096)], rank=4, world_size=8, iterations=1, error_feedback=True, itemsize=4,
+                          flops=1e15, memory_bw=1e12).shapes[(4096, 4096)]
+    # memory-bound at rank 4: the compensation, two power-iteration passes, the residual, the rebuild
+    assert fast.rank_allreduce == pytest.approx(9 * 4096 * 4096 * 4 / 1e12)
+    slow = stated_compute([(4096, 4096)], rank=4, world_size=8, iterations=1, error_feedback=True, itemsize=4,
+                          flops=1e9, memory_bw=1e15).shapes[(4096, 4096)]
+    assert slow.rank_allreduce == pytest.approx((4 + 2) * 4096 * 4096 * 4 / 1e9)   # flops-bound: 4 k m n r + 2 m n r
+    assert slow.rank > slow.rank_allreduce and slow.exact_per_row == pytest.approx(2 * 4096 * 4096 / 1e9)
+
+
+def test_llama_3_8b_geometry():
+    cfg = load_config("llama-3-8b-geometry")
+    model = build_meta_model(cfg)
+    n = 128256 * 4096 * 2 + 32 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 4096 * 14336 + 2 * 4096) + 4096
+    assert sum(p.numel() for p in model.parameters()) == n and max_positions(cfg) == 8192
+    assert "llama-3-8b-geometry" in PRESETS

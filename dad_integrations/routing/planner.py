@@ -6,19 +6,32 @@ and the bytes one rank sends, beside dense all-reduce and PyTorch's PowerSGD hoo
 (`steady_state`; FSDP2's reduce-scatter for `sharded_steady_state`). Rows per step come from the
 text formula (`use_rows`) or from a counted forward and backward (`count_rows`). The command line
 (`python -m dad_integrations.plan`) builds the model and prints `render`'s tables.
+
+On a cluster of nodes, `plan_levels` adds each unit's route flat and at two levels
+(`routing.two_level.compare_levels`, the comparison the synchroniser runs), the inter-node
+break-even bandwidths (`break_even_bandwidth`, by bisection) and the bytes each node sends between
+nodes; `stated_compute` prices the routes' local work on a stated device.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
+from dad_integrations.comm.link_spec import KINDS, LinkCost
+from dad_integrations.comm.topology import Topology
 from dad_integrations.config import DADConfig
+from dad_integrations.routing.compute_model import ComputeModel, ShapeCosts
 from dad_integrations.routing.costs import powersgd_bytes, reduce_scatter_bytes, size_exchange_bytes
+from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route, sharded_needs_counts, unit_estimates
+from dad_integrations.routing.timing import StepTiming
+from dad_integrations.routing.two_level import LevelUnit, TwoLevelTiming, choose_two_level, compare_levels, hop_bytes
 
 
 POSITION_EMBEDDINGS = ("wpe", "position_embeddings")
@@ -256,6 +269,16 @@ def count_rows(model: torch.nn.Module, plan, inputs: Dict[str, torch.Tensor]) ->
     return counted
 
 
+def unit_plan(model: torch.nn.Module, *, mode: str, rank: Optional[int], rank_route: str):
+    """``model``'s plan (its capture hooks removed: only the units are needed) and dAD's rank under
+    ``mode`` (None in mode exact or without a rank)."""
+    dad_rank = rank if rank and mode != "exact" else None
+    plan = build_plan(model, DADConfig(mode=mode, rank=dad_rank, rank_route=rank_route))
+    for c in plan.captures:
+        c.remove()
+    return plan, dad_rank
+
+
 def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
                mode: str = "auto", rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
                positions: Optional[int] = None, timing=None, rows: Optional[RowCounts] = None) -> StepPlan:
@@ -263,10 +286,7 @@ def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank
     with a ``timing``; with counted ``rows`` (`forward_rows`) instead of the text formula."""
     if mode == "rank" and not rank:
         raise ValueError("--mode rank needs a rank (--rank >= 1)")
-    dad_rank = rank if rank and mode != "exact" else None
-    plan = build_plan(model, DADConfig(mode=mode, rank=dad_rank, rank_route=rank_route))
-    for c in plan.captures:
-        c.remove()  # only the plan is needed, not the hooks
+    plan, dad_rank = unit_plan(model, mode=mode, rank=rank, rank_route=rank_route)
     seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
     return steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
                         rank=dad_rank, rank_route=rank_route, dtype=dtype, powersgd_rank=rank or None,
@@ -342,10 +362,262 @@ def plan_sharded_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: i
                        dtype: torch.dtype = torch.float32, positions: Optional[int] = None,
                        rows: Optional[RowCounts] = None) -> ShardedStepPlan:
     """`sharded_steady_state` for ``model`` (its plan built, its capture hooks removed)."""
-    dad_rank = rank if rank and mode != "exact" else None
-    plan = build_plan(model, DADConfig(mode=mode, rank=dad_rank, rank_route=rank_route))
-    for c in plan.captures:
-        c.remove()
+    plan, dad_rank = unit_plan(model, mode=mode, rank=rank, rank_route=rank_route)
     seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
     return sharded_steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
                                 rank=dad_rank, rank_route=rank_route, dtype=dtype, rows=rows)
+
+
+# -- a stated compute model ------------------------------------------------------------------------------
+def stated_compute(shapes, *, rank: Optional[int], world_size: int, iterations: int, error_feedback: bool,
+                   itemsize: int, flops: float, memory_bw: float) -> ComputeModel:
+    """A compute model from a stated device instead of a measured one: each route's local work
+    (`routing.compute_model`'s flops and passes over the ``m n`` matrix) at the slower of ``flops``
+    per second and ``memory_bw`` bytes per second (a roofline). No kernel launches, no capture hooks:
+    a lower bound, for planning a device one does not have at hand."""
+    def roof(flop_count: float, passes: float, mn: int) -> float:
+        return max(flop_count / flops, passes * mn * itemsize / memory_bw)
+
+    k, ef = iterations, error_feedback
+    costs: Dict[Tuple[int, int], ShapeCosts] = {}
+    for m, n in sorted(set(tuple(s) for s in shapes)):
+        mn, r = m * n, min(rank or 0, m, n)
+        # both rank routes: k rounds of M Q and M^T P (a pass each); with error feedback the
+        # compensation M = G + E and the residual's update E = M - P Q^T (3 passes each)
+        shared = roof(4 * k * mn * r, 2 * k + (6 if ef else 0), mn)
+        costs[(m, n)] = ShapeCosts(
+            rank_allreduce=shared + roof(2 * mn * r, 1, mn) if r else 0.0,           # the rebuild P Q^T
+            # the rank-S r rebuild; with error feedback, the residual's own product P Q^T first
+            rank=shared + roof(2 * (world_size + int(ef)) * r * mn, 1 + int(ef), mn) if r else 0.0,
+            exact_per_row=max(2 * mn / flops, (m + n) * itemsize / memory_bw))       # its GEMM, per row
+    return ComputeModel(costs)
+
+
+# -- two levels: nodes of several ranks ------------------------------------------------------------------
+BANDWIDTHS = (1e5, 1e14)   # bytes per second a break-even is searched in (0.8 Mbit/s to 800 Tbit/s)
+
+
+@dataclass
+class LevelUnitRow:
+    """One factor unit of a cluster's steady-state step, flat and at two levels (`plan_levels`).
+    Bytes: what one rank sends on each hop (``between``: the unit's owner, hence its node);
+    ``flat_bytes``: one rank on the flat route, and as much leaves each node (a ring over the ranks
+    in node order crosses between nodes once per node). Seconds: the unit's predicted share of the
+    step (at two levels the owners' share, `TwoLevelTiming.seconds`)."""
+
+    name: str
+    shape: Tuple[int, int]
+    flat_route: str
+    flat_bytes: float
+    flat_seconds: float
+    route: str
+    to_owner: float
+    between: float
+    from_owner: float
+    seconds: float
+    compresses_below: Optional[float]   # inter-node bytes/s below which it compresses (inf: any; None: never)
+
+
+@dataclass
+class LevelPlan:
+    """A cluster's steady-state step: per unit `LevelUnitRow`; ``flat`` and ``two_level``, the
+    predicted seconds dAD compares (`routing.two_level.compare_levels`, factor units only);
+    ``all_dense`` and ``compressed``, every unit at two levels dense (a hierarchical all-reduce) or
+    on its route of fewest bytes between nodes; ``break_even``, the inter-node bytes/s below which
+    ``compressed`` beats ``all_dense``; ``node_bytes``, bytes one node sends between nodes per step."""
+
+    nodes: int
+    local_size: int
+    units: List[LevelUnitRow]
+    flat: float
+    two_level: float
+    two_level_faster: bool
+    all_dense: float
+    compressed: float
+    break_even: Optional[float]
+    node_bytes: Dict[str, Optional[float]]
+
+
+def with_bandwidth(link: LinkModel, bandwidth: float) -> LinkModel:
+    """``link`` with every kind's bandwidth set to ``bandwidth`` (latencies kept)."""
+    return LinkModel(*(LinkCost(getattr(link, k).alpha, bandwidth) for k in KINDS), measured=link.measured)
+
+
+def break_even_bandwidth(pays: Callable[[float], bool], bounds: Tuple[float, float] = BANDWIDTHS,
+                         steps: int = 60) -> Optional[float]:
+    """The bandwidth below which ``pays`` holds, by bisection on its logarithm within ``bounds``
+    (``pays`` must hold below some bandwidth and not above it); inf where it holds at the top,
+    None where it fails at the bottom."""
+    lo, hi = bounds
+    if pays(hi):
+        return float("inf")
+    if not pays(lo):
+        return None
+    for _ in range(steps):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if pays(mid) else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def _unit_break_even(config: DADConfig, unit: LevelUnit, node_rows, *, step: int, topology: Topology,
+                     timing: TwoLevelTiming) -> Optional[float]:
+    """Inter-node bandwidth below which ``unit`` leaves dense at two levels (by time)."""
+    def compresses(beta: float) -> bool:
+        at = dataclasses.replace(timing, inter=with_bandwidth(timing.inter, beta))
+        rep, _, _ = choose_two_level(config, unit.shape, node_rows, step=step, nodes=topology.num_nodes,
+                                     local_size=topology.local_size, wire_dtype=unit.wire_dtype, timing=at,
+                                     dense_only=unit.dense_only)
+        return rep != "dense"
+
+    return break_even_bandwidth(compresses)
+
+
+def _step_break_even(pairs, timing: TwoLevelTiming, local_size: int) -> Tuple[float, float, Optional[float]]:
+    """Seconds of every unit dense and compressed at two levels, on ``timing``, and the inter-node
+    bandwidth below which compressed is faster. ``pairs``: per unit ``(unit, node_rows, dense
+    hops, compressed route, its hops)``."""
+    def seconds(at: TwoLevelTiming) -> Tuple[float, float]:
+        dense = sum(at.seconds("dense", d, u.shape, rows, local_size) for u, rows, d, _, _ in pairs)
+        packed = sum(at.seconds(rep, h, u.shape, rows, local_size) for u, rows, _, rep, h in pairs)
+        return dense, packed
+
+    def pays(beta: float) -> bool:
+        dense, packed = seconds(dataclasses.replace(timing, inter=with_bandwidth(timing.inter, beta)))
+        return packed < dense
+
+    dense, packed = seconds(timing)
+    return dense, packed, break_even_bandwidth(pays)
+
+
+def plan_levels(plan, *, tokens: int, positions: int, nodes: int, local_size: int, mode: str,
+                rank: Optional[int], intra: LinkModel, inter: LinkModel, compute: ComputeModel,
+                rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
+                powersgd_rank: Optional[int] = None, rows: Optional[RowCounts] = None) -> LevelPlan:
+    """A steady-state step of ``plan`` on ``nodes`` nodes of ``local_size`` ranks, with ``intra``
+    and ``inter`` as a job's ``link: {"intra": ..., "inter": ...}`` states them (``inter``: each
+    rank's share of the link between nodes, every rank sending at once) and ``compute``: each
+    unit's route flat and at two levels, and whether the step runs at two levels, as the
+    synchroniser decides it (`routing.two_level.compare_levels`); the break-even bandwidths; and
+    the bytes one node sends between nodes for all-reduce, PowerSGD (``powersgd_rank``, default
+    ``rank``) and dAD."""
+    topology = Topology.consecutive(nodes * local_size, local_size, 0)
+    s, item = topology.world_size, dtype.itemsize
+    config = DADConfig(mode=mode, rank=rank, rank_route=rank_route, objective="time")
+    step = max(config.lossless_steps, 1)  # a steady-state step: rank routes allowed
+    units = [LevelUnit(UnitShape(tuple(u.kinds), u.shape, u.bias_numel, dtype, u.blocks),
+                       [unit_rows(u, tokens, positions, rows)] * s, dtype) for u in plan.units]
+    timing = TwoLevelTiming(intra, inter, compute)
+    levels = compare_levels(config, units, step=step, topology=topology, flat_timing=StepTiming(inter, compute),
+                            timing=timing)
+    by_bytes = dataclasses.replace(config, objective="bytes")
+    cache: Dict[tuple, Optional[float]] = {}  # units of one shape and rows share their break-even
+    pairs, out = [], []
+    args = dict(nodes=nodes, local_size=local_size, config=config, wire_dtype=dtype)
+    for u, unit, c in zip(plan.units, units, levels.units):
+        key = (unit.shape, tuple(map(tuple, c.node_rows or ())))
+        if key not in cache:
+            cache[key] = _unit_break_even(config, unit, c.node_rows, step=step, topology=topology, timing=timing)
+        rep, hops, _ = choose_two_level(by_bytes, unit.shape, c.node_rows, step=step, nodes=nodes,
+                                        local_size=local_size, wire_dtype=dtype, timing=None)
+        pairs.append((unit, c.node_rows, hop_bytes("dense", unit.shape, c.node_rows, **args), rep, hops[rep]))
+        h = c.hops
+        out.append(LevelUnitRow(u.name, u.shape, c.flat_route, c.flat_bytes, c.flat_seconds, c.route, h.to_owner,
+                                h.between, h.from_owner, c.seconds, cache[key]))
+    all_dense, compressed, break_even = _step_break_even(pairs, timing, local_size)
+    return LevelPlan(nodes, local_size, out, levels.flat, levels.two_level, levels.two_level_faster, all_dense,
+                     compressed, break_even,
+                     _node_bytes(plan, levels, pairs, nodes=nodes, sites=s, item=item,
+                                 powersgd_rank=powersgd_rank if powersgd_rank is not None else rank))
+
+
+def _node_bytes(plan, levels, pairs, *, nodes: int, sites: int, item: int,
+                powersgd_rank: Optional[int]) -> Dict[str, Optional[float]]:
+    """Bytes one node sends between nodes per step, by method. A flat collective is counted as a
+    ring over the ranks in node order, which leaves each node once: a node sends what one rank
+    sends. At two levels, each unit's owner sends its node's share (hop 2). The parameters outside
+    the units are all-reduced dense by every method (flat, or between nodes at two levels)."""
+    params = [q for u in plan.units for q in u.params] + [p for _, p in plan.dense]
+    numel = sum(q.numel() for q in params)
+    dense_numel = sum(p.numel() for _, p in plan.dense)
+    psgd = (sum(powersgd_bytes(tuple(q.shape), powersgd_rank, sites, item)[0] for q in params)
+            if powersgd_rank else None)
+    return {"allreduce": ring_allreduce_bytes(numel * item, sites), "powersgd": psgd,
+            "dad_flat": sum(c.flat_bytes for c in levels.units) + ring_allreduce_bytes(dense_numel * item, sites),
+            "allreduce_two_level": sum(d.between for _, _, d, _, _ in pairs)
+            + ring_allreduce_bytes(dense_numel * item, nodes),
+            "dad_two_level": sum(c.hops.between for c in levels.units) + ring_allreduce_bytes(dense_numel * item, nodes)}
+
+
+def plan_levels_model(model: torch.nn.Module, *, nodes: int, local_size: int, tokens_per_rank: int,
+                      rank: Optional[int], intra: LinkModel, inter: LinkModel, compute: ComputeModel,
+                      mode: str = "auto", rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
+                      positions: Optional[int] = None, rows: Optional[RowCounts] = None) -> LevelPlan:
+    """`plan_levels` for ``model`` (its plan built, its capture hooks removed)."""
+    plan, dad_rank = unit_plan(model, mode=mode, rank=rank, rank_route=rank_route)
+    seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
+    return plan_levels(plan, tokens=tokens_per_rank, positions=seq, nodes=nodes, local_size=local_size, mode=mode,
+                       rank=dad_rank, intra=intra, inter=inter, compute=compute, rank_route=rank_route, dtype=dtype,
+                       powersgd_rank=rank or None, rows=rows)
+
+
+def _gbit(b: Optional[float]) -> str:
+    """A bandwidth in Gbit/s, three digits or whole ones; ``any`` for inf, ``never`` for None."""
+    if b is None:
+        return "never"
+    if b == float("inf"):
+        return "any"
+    g = b * 8 / 1e9
+    return f"{g:,.0f}" if g >= 1000 else f"{g:.3g}"
+
+
+def render_levels(lp: LevelPlan, header: str) -> str:
+    """The two-level plan as text: per factor unit the flat and two-level routes, MB and ms, and
+    the bandwidth below which it compresses between nodes; then the steps and the bytes per node."""
+    columns = [("shape", 12), ("flat route", 14), ("flat MB", 9), ("flat ms", 8), ("route", 14), ("to owner MB", 11),
+               ("between MB", 10), ("from owner MB", 13), ("ms", 7), ("compress below", 14)]
+    units = [[r.name, "x".join(map(str, r.shape)), r.flat_route, _mb(r.flat_bytes), _ms(r.flat_seconds), r.route,
+              _mb(r.to_owner), _mb(r.between), _mb(r.from_owner), _ms(r.seconds), _gbit(r.compresses_below)]
+             for r in lp.units]
+    name_w = max(len(u[0]) for u in units + [["total"]])
+
+    def line(cells: Sequence[str]) -> str:
+        out = [f"{cells[0]:<{name_w}}"]
+        for (title, width), cell in zip(columns, cells[1:]):
+            out.append(f"{cell:<{width}}" if "route" in title else f"{cell:>{width}}")
+        return "  ".join(out)
+
+    head = line(["layer"] + [title for title, _ in columns])
+    rule = "-" * len(head)
+    total = ["total", "", "", _mb(sum(r.flat_bytes for r in lp.units)), _ms(lp.flat), "",
+             _mb(sum(r.to_owner for r in lp.units)), _mb(sum(r.between for r in lp.units)),
+             _mb(sum(r.from_owner for r in lp.units)), _ms(lp.two_level), ""]
+    counts = {k: sum(r.route == k for r in lp.units) for k in ("exact", "rank", "rank_allreduce", "dense")}
+    nb = lp.node_bytes
+    by_node = [("all-reduce, flat", nb["allreduce"]), ("PowerSGD, flat", nb["powersgd"]),
+               ("dAD, flat routes", nb["dad_flat"]), ("all-reduce, two levels (hierarchical)", nb["allreduce_two_level"]),
+               ("dAD, two levels", nb["dad_two_level"])]
+    label_w = max(len(k) for k, _ in by_node)
+    footer = [
+        "routes at two levels: " + ", ".join(f"{v} {k}" for k, v in counts.items()),
+        f"predicted step of the factor units: flat {_ms(lp.flat)} ms, two levels {_ms(lp.two_level)} ms: "
+        f"dAD runs {'two levels' if lp.two_level_faster else 'flat'}",
+        f"at two levels, every unit dense (a hierarchical all-reduce) {_ms(lp.all_dense)} ms, every unit on its "
+        f"route of fewest bytes between nodes {_ms(lp.compressed)} ms",
+        f"break-even: two-level compressed routes beat hierarchical dense {_rate_below(lp.break_even)}",
+        "",
+        "MB one node sends between nodes per step (flat: a ring over the ranks in node order, which leaves each "
+        "node once):"]
+    footer += [f"  {k:<{label_w}}  {_mb(v):>10}" for k, v in by_node]
+    return "\n".join([header, "", head, rule] + [line(u) for u in units] + [rule, line(total), ""] + footer)
+
+
+def _ms(s: Optional[float]) -> str:
+    return "-" if s is None else f"{s * 1e3:,.2f}"
+
+
+def _rate_below(b: Optional[float]) -> str:
+    if b is None:
+        return "at no inter-node bandwidth"
+    if b == float("inf"):
+        return "at any inter-node bandwidth"
+    return f"below {_gbit(b)} Gbit/s between nodes"

@@ -27,19 +27,21 @@ compares a whole step of those against the flat routes' step.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.wire import exact_block_specs, packed_size
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
+from dad_integrations.comm.topology import Topology
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.link import LinkModel
-from dad_integrations.routing.router import REPRESENTATIONS, RANK_ROUTES, UnitShape
-from dad_integrations.routing.timing import COLLECTIVES
+from dad_integrations.routing.router import REPRESENTATIONS, RANK_ROUTES, UnitShape, choose, unit_estimates
+from dad_integrations.routing.timing import COLLECTIVES, StepTiming
 
 NodeRows = Sequence[Sequence[int]]  # by node, by use: the rows of every rank of the node
 
@@ -130,3 +132,94 @@ def choose_two_level(config: DADConfig, unit: UnitShape, node_rows: Optional[Nod
     seconds = {rep: timing.seconds(rep, h, unit, node_rows, local_size) for rep, h in hops.items()}
     best = min(reps, key=lambda k: (seconds[k], between[k], REPRESENTATIONS.index(k)))
     return best, hops, seconds
+
+
+# -- a whole step, flat against two levels ---------------------------------------------------------------
+@dataclass(frozen=True)
+class LevelUnit:
+    """One unit of a step as both levels price it: its shape, the agreed row counts of its last
+    size exchange (by rank of the whole group, by use), its wire dtype, and whether it failed its
+    first-step check (dense for good, at either level)."""
+
+    shape: UnitShape
+    rows_by_rank: Sequence[Sequence[int]]
+    wire_dtype: torch.dtype
+    dense_only: bool = False
+
+
+@dataclass(frozen=True)
+class LevelChoice:
+    """One unit's fastest route flat and at two levels, with what each moves and takes.
+
+    ``flat_bytes`` is what one rank sends on the flat route (`costs.estimate_bytes`); ``seconds``
+    at two levels is the owners' share (`TwoLevelTiming.seconds`)."""
+
+    flat_route: str
+    flat_seconds: float
+    flat_bytes: float
+    route: str
+    seconds: float
+    hops: HopBytes
+    node_rows: Optional[NodeRows]
+
+
+@dataclass(frozen=True)
+class LevelComparison:
+    """A step's units flat and at two levels (`compare_levels`), and the two steps' seconds."""
+
+    units: Tuple[LevelChoice, ...]
+    flat: float
+    two_level: float
+
+    @property
+    def two_level_faster(self) -> bool:
+        """Whether the step runs at two levels: strictly faster predicted (a tie stays flat)."""
+        return self.two_level < self.flat
+
+
+def node_rows_of(rows_by_rank: Sequence[Sequence[int]], topology: Topology) -> List[List[int]]:
+    """Rows per node, by use: the sums of each node's ranks' rows (what its owner reduces)."""
+    uses = len(rows_by_rank[0]) if rows_by_rank else 0
+    return [[sum(rows_by_rank[r][k] for r in ranks) for k in range(uses)] for ranks in topology.nodes]
+
+
+def flat_choice(config: DADConfig, unit: LevelUnit, *, step: int, world_size: int,
+                timing: StepTiming) -> Tuple[str, Dict[str, float], Dict[str, float]]:
+    """The flat route of ``unit`` by predicted time, as the router allows it at step ``step``
+    (no rank route in the lossless steps; dense for good after a failed check; the all-gather
+    for an adaptive rank); returns it, every candidate's bytes per rank and its seconds."""
+    if step < config.lossless_steps and config.rank is not None:
+        config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
+    est = unit_estimates(config, unit.shape, unit.rows_by_rank, world_size, unit.wire_dtype)
+    if unit.dense_only:
+        est = {"dense": est["dense"]}
+    seconds = timing.route_seconds(est, shape=unit.shape.shape, uses=len(unit.shape.kinds),
+                                   rows_by_rank=unit.rows_by_rank, world_size=world_size)
+    rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
+    best = choose(config.mode, seconds, rank_allowed=config.rank is not None, rank_route=rank_route)
+    return best, est, seconds
+
+
+def compare_levels(config: DADConfig, units: Sequence[LevelUnit], *, step: int, topology: Topology,
+                   flat_timing: StepTiming, timing: TwoLevelTiming) -> LevelComparison:
+    """Each unit on its fastest route flat (`flat_choice`, on ``flat_timing``: the flat group's
+    link spans the nodes) and at two levels (`choose_two_level` on ``timing``), and the two
+    steps' predicted seconds: the comparison that decides whether a step runs at two levels
+    (`exchange.two_level.TwoLevelExchanger.prefer`). Pure: every rank decides alike."""
+    out = []
+    for u in units:
+        flat, est, flat_seconds = flat_choice(config, u, step=step, world_size=topology.world_size,
+                                              timing=flat_timing)
+        rows = node_rows_of(u.rows_by_rank, topology) if u.shape.has_factors else None
+        rep, hops, seconds = choose_two_level(config, u.shape, rows, step=step, nodes=topology.num_nodes,
+                                              local_size=topology.local_size, wire_dtype=u.wire_dtype,
+                                              timing=timing, dense_only=u.dense_only)
+        out.append(LevelChoice(flat, flat_seconds[flat], est[flat], rep, seconds[rep], hops[rep], rows))
+    return LevelComparison(tuple(out), sum(c.flat_seconds for c in out), sum(c.seconds for c in out))
+
+
+def two_level_faster(config: DADConfig, units: Sequence[LevelUnit], *, step: int, topology: Topology,
+                     flat_timing: StepTiming, timing: TwoLevelTiming) -> bool:
+    """Whether a step of ``units`` is predicted faster at two levels than flat (`compare_levels`)."""
+    return compare_levels(config, units, step=step, topology=topology, flat_timing=flat_timing,
+                          timing=timing).two_level_faster
