@@ -160,7 +160,8 @@ def run_match(case: dict) -> dict:
            "loss_scale": [getattr(e.optimizer, "loss_scale", None) for e in (ref, mine)],
            "totals": report.totals, "scale": att.synchronizer.scale,
            "dense_only": [u.name for u in att.synchronizer.units if u.dense_only],
-           "prescale": att.synchronizer.prescale_factor, "wire": att.config.wire_dtype}
+           "prescale": att.synchronizer.prescale_factor, "wire": att.config.wire_dtype,
+           "levels": sorted({p.level for p in report.params})}
     att.detach()
     return out
 
