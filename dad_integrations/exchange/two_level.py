@@ -48,7 +48,7 @@ from dad_integrations.comm.topology import Topology
 from dad_integrations.config import DADConfig
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.router import UnitShape
-from dad_integrations.routing.two_level import HopBytes, TwoLevelTiming, choose_two_level
+from dad_integrations.routing.two_level import HopBytes, LevelUnit, TwoLevelTiming, choose_two_level, compare_levels
 
 log = logging.getLogger(__name__)
 
@@ -160,31 +160,15 @@ class TwoLevelExchanger:
 
     def predicted_seconds(self, step: int, last_rows: Dict[int, Sequence[Sequence[int]]],
                           flat_timing) -> Tuple[float, float]:
-        """The step's predicted seconds ``(flat, two levels)``, each unit on its fastest route."""
-        from dad_integrations.routing.router import choose, unit_estimates  # (layer below: fine)
-
-        cfg, s = self.config, self.world.world_size
-        topo = self.levels.topology
-        flat = two = 0.0
-        lossless = step < cfg.lossless_steps
-        rank_allowed = cfg.rank is not None and not lossless
-        lossless_cfg = dataclasses.replace(cfg, mode="auto", rank=None, adaptive_tolerance=None)
-        for u in self.plan.units:
-            shape = UnitShape(tuple(u.kinds), u.shape, u.bias_numel, u.param.dtype, u.blocks)
-            wire = self.wire_dtype or u.param.dtype
-            rows = last_rows.get(u.index) or [[0] * len(u.kinds)] * s
-            est = unit_estimates(cfg if rank_allowed else lossless_cfg, shape, rows, s, wire)
-            if not u.has_factors:
-                est.pop("exact", None)
-            secs = flat_timing.route_seconds(est, shape=u.shape, uses=len(u.kinds), rows_by_rank=rows,
-                                             world_size=s)
-            flat += secs[choose(cfg.mode if rank_allowed else lossless_cfg.mode, secs, rank_allowed=rank_allowed, rank_route=cfg.rank_route)]
-            node_rows = [[sum(rows[r][k] for r in ranks) for k in range(len(u.kinds))] for ranks in topo.nodes]
-            _, _, seconds = choose_two_level(cfg, shape, node_rows if u.has_factors else None, step=step,
-                                             nodes=self.N, local_size=self.L, wire_dtype=wire,
-                                             timing=self.levels.timing, dense_only=u.dense_only)
-            two += min(seconds.values())
-        return flat, two
+        """The step's predicted seconds ``(flat, two levels)``, each unit on its fastest route
+        (`routing.two_level.compare_levels`), on the row counts of its last size exchange."""
+        s = self.world.world_size
+        units = [LevelUnit(UnitShape(tuple(u.kinds), u.shape, u.bias_numel, u.param.dtype, u.blocks),
+                           last_rows.get(u.index) or [[0] * len(u.kinds)] * s, self.wire_dtype or u.param.dtype,
+                           u.dense_only) for u in self.plan.units]
+        c = compare_levels(self.config, units, step=step, topology=self.levels.topology, flat_timing=flat_timing,
+                           timing=self.levels.timing)
+        return c.flat, c.two_level
 
     def switched(self, policy, to_two_level: bool) -> None:
         """The steps change level: warm starts drop (a flat step's Q is every rank's, a two-level

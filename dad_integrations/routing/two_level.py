@@ -60,7 +60,8 @@ def hop_bytes(rep: str, unit: UnitShape, node_rows: Optional[NodeRows], *, nodes
               config: DADConfig, wire_dtype: torch.dtype) -> HopBytes:
     """`HopBytes` of ``rep`` for ``unit``; ``node_rows`` only for ``"exact"``."""
     m, n = unit.shape
-    big, b = m * n + unit.bias_numel, unit.dtype.itemsize
+    # the dense hops carry the compute dtype (fp32 for bf16 and fp16 weights, `capture.rows.compute_dtype`)
+    big, b = m * n + unit.bias_numel, max(unit.dtype.itemsize, 4)
     w = wire_dtype.itemsize
     share = (local_size - 1) / local_size
     dense_back = big * b
