@@ -208,8 +208,9 @@ class RoutePolicy:
         trial's step on the routes it tries: capture the rows of the units it sends by exact
         factors (its dense steps switched capture off)."""
         arm = self.trial.arm(next_step) if self.trial is not None else None
-        if arm == "routes":
-            self._use_rows(i for i, rep in self.trial.routes.items() if rep == "exact")
+        if arm == "routes":  # (two-level steps: the units their last step sent exact)
+            self._use_rows(i for i, rep in self.trial.routes.items()
+                           if rep == "exact" or (rep == TWO_LEVEL and self.two_level_routes.get(i) == "exact"))
         elif arm == "dense":
             self.drop_rows()
         if not self.refresh_due(next_step):

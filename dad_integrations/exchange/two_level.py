@@ -64,6 +64,7 @@ class Levels:
     intra: FactorAggregator
     cross: FactorAggregator
     timing: Optional[TwoLevelTiming] = None
+    measured: bool = False  # the links were measured (not stated): measured again at each refresh
 
 
 def assign_owners(costs: Sequence[float], local_size: int) -> List[int]:
@@ -145,6 +146,9 @@ class TwoLevelExchanger:
         if step > 1 and not policy.refresh_due(step):
             return self.chosen and not policy.two_level_vetoed
         policy.two_level_vetoed = False
+        if step > 1 and self.levels.measured:  # links are measured again at each refresh, as the flat one
+            self.levels.timing = dataclasses.replace(self.levels.timing, **dict(zip(
+                ("intra", "inter"), measure_levels(self.world, self.levels.intra, self.levels.cross, self.device))))
         flat_timing, timing = policy.timing, self.levels.timing
         if flat_timing is None or timing is None or self.config.objective != "time":
             choice = True
@@ -208,6 +212,7 @@ class TwoLevelExchanger:
     def _bucket(self, items: List[_Item], sink: GradSink, step: int, scale: float, note, report) -> None:
         self._route(items, step)
         self.routes.update({it.unit.index: it.rep for it in items if it.unit is not None})
+        self._settle_capture(items)
         self._flush_residuals(items, sink)
         for it in items:
             it.entries = self._entries(it, report)
@@ -253,6 +258,18 @@ class TwoLevelExchanger:
                                                local_size=self.L, wire_dtype=self.wire_dtype or u.param.dtype,
                                                timing=timing, dense_only=u.dense_only)
             it.hops = hops[it.rep]
+
+    def _settle_capture(self, items: List[_Item]) -> None:
+        """Stop capturing rows no route of the coming steps uses (the hooks' work saved), as the flat
+        policy does: a rank route reduces the node's dense sum; by time, a route holds until the
+        next refresh, which captures every unit's rows again (`RoutePolicy._prepare_refresh`)."""
+        timed = self.levels.timing is not None and self.config.objective == "time"
+        for it in items:
+            u = it.unit
+            if u is None or u.rows_unused or u.dense_only:
+                continue
+            if it.rep in ("rank", "rank_allreduce") or (timed and it.rep == "dense"):
+                u.stop_using_rows()
 
     def _flush_residuals(self, items: List[_Item], sink: GradSink) -> None:
         """Residuals this rank holds but will not compensate this step go into its gradient."""
@@ -524,7 +541,7 @@ def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.
     and every cross group at once, as a step loads them) unless ``link`` states them."""
     from dad_integrations.comm.link_spec import level_link_specs
     from dad_integrations.comm.topology import level_aggregators, resolve_topology
-    from dad_integrations.routing.link import LinkModel, agree_max, probe_link
+    from dad_integrations.routing.link import LinkModel
     from dad_integrations.routing.timing import wants_timing
 
     topology = resolve_topology(config.topology, aggregator, device)
@@ -545,12 +562,21 @@ def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.
         elif config.link is not None:
             links = [LinkModel.from_spec(config.link)] * 2
         else:
-            local = probe_link(intra, device).to_list() + probe_link(cross, device).to_list()
-            agreed = agree_max(aggregator, local, device, name="dad.link.levels")
-            k = len(agreed) // 2
-            links = [LinkModel.from_list(agreed[:k], measured=True), LinkModel.from_list(agreed[k:], measured=True)]
+            links = measure_levels(aggregator, intra, cross, device)
         timing = TwoLevelTiming(links[0], links[1])
         if aggregator.rank == 0:
             log.info("dAD: %s; inside a node %s; between nodes %s", topology.describe(), links[0].describe(),
                      links[1].describe())
-    return Levels(topology, intra, cross, timing)
+    return Levels(topology, intra, cross, timing, measured=timing is not None and config.link is None)
+
+
+def measure_levels(world: FactorAggregator, intra: FactorAggregator, cross: FactorAggregator,
+                   device: torch.device) -> list:
+    """Both hops' link models, probed on every node and every cross group at once (as a step loads
+    them) and agreed across the whole group (the slowest figures); a collective."""
+    from dad_integrations.routing.link import LinkModel, agree_max, probe_link
+
+    local = probe_link(intra, device).to_list() + probe_link(cross, device).to_list()
+    agreed = agree_max(world, local, device, name="dad.link.levels")
+    k = len(agreed) // 2
+    return [LinkModel.from_list(agreed[:k], measured=True), LinkModel.from_list(agreed[k:], measured=True)]
