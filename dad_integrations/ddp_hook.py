@@ -165,21 +165,12 @@ class DDPDriver:
     def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
                   on_done: Callable[[Optional[BaseException]], None], buffer: Optional[torch.Tensor] = None) -> None:
         """DDP handed over a bucket of finished local gradients; results are written into ``views``."""
-        sync = self.sync
-        if sync is None:  # DDP's unpickled reducer has no hook: this cannot be reached from DDP
-            raise RuntimeError("the dAD communication hook of a loaded DDP model ran before its first forward")
-        if sync._closed:
-            raise RuntimeError("the dAD communication hook was used after close()")
+        sync = self._live_sync()
         window = sync._current_window()
         if window.native is None:  # the step's first bucket decides
             window.native = [] if buffer is not None and self._native(window) else False
-        if window.native is not False:
-            # every weight dense this step: DDP's bucket goes on the wire as it is, now
-            with window.lock:
-                window.native.append(sync._exchanger.start_native(buffer, sync.prescale_factor) + (params,))
-                window.done.append(on_done)
-            if last:
-                self._run_step(window)
+        if window.native is not False:  # a native step (see `on_native_bucket`): views are not used
+            self._add_native(window, buffer, params, last, on_done)
             return
         if not window.sink.views and self._joined():  # the step's first bucket, shadowed by join
             window.sink.shadow = True
@@ -201,9 +192,44 @@ class DDPDriver:
             if serial:
                 self._run_step(window)
 
-    def _run_step(self, window) -> None:
-        """The step's last bucket is in: end the step on the worker, or inline (`_serialised`)."""
-        if self._serialised():
+    def on_native_bucket(self, bucket: dist.GradBucket, on_done: Callable[[Optional[BaseException]], None]) -> bool:
+        """If this step goes by DDP's buckets as they are (`_native`, decided at its first bucket):
+        put ``bucket`` on the wire now and, at the last bucket, end the step; returns whether it
+        did (False: the per-parameter path, `on_bucket`). Asked before the bucket's per-parameter
+        views are cut: a native step needs none."""
+        window = self._live_sync()._current_window()
+        if window.native is None:
+            window.native = [] if self._native(window) else False
+        if window.native is False:
+            return False
+        self._add_native(window, bucket.buffer(), bucket.parameters(), bucket.is_last(), on_done)
+        return True
+
+    def _add_native(self, window, buffer: torch.Tensor, params: List[torch.Tensor], last: bool,
+                    on_done: Callable[[Optional[BaseException]], None]) -> None:
+        """One bucket of a native step on the wire (`Exchanger.start_native`: scaled before the sum,
+        as DDP scales its own). The last bucket ends the step right here, on the autograd thread:
+        every collective of the step is issued by then and DDP waits for the buckets' futures next
+        anyway; a hop to dAD's worker thread would only add thread wake-ups and GIL hand-overs."""
+        sync = self.sync
+        with window.lock:
+            window.native.append(sync._exchanger.start_native(buffer, sync.scale) + (params,))
+            window.done.append(on_done)
+        if last:
+            self._run_step(window, inline=True)
+
+    def _live_sync(self) -> DADSynchronizer:
+        """The synchroniser the hook drives; raises where there is none to drive (loaded, or closed)."""
+        sync = self.sync
+        if sync is None:  # DDP's unpickled reducer has no hook: this cannot be reached from DDP
+            raise RuntimeError("the dAD communication hook of a loaded DDP model ran before its first forward")
+        if sync._closed:
+            raise RuntimeError("the dAD communication hook was used after close()")
+        return sync
+
+    def _run_step(self, window, inline: bool = False) -> None:
+        """The step's last bucket is in: end the step on the worker, or here (``inline``, `_serialised`)."""
+        if inline or self._serialised():
             window.future = Future()
             window.future.set_result(self._step(window))
         else:
@@ -268,8 +294,7 @@ class DDPDriver:
         report = None
         try:
             if window.native:
-                report = sync._exchanger.run_native(window, window.native, sync._names, step=sync._steps,
-                                                    postscale=sync.postscale_factor)
+                report = sync._exchanger.run_native(window, window.native, sync._names, step=sync._steps)
                 counted = None
             else:
                 postscale, counted = self._join_postscale(window)
@@ -296,12 +321,6 @@ class DDPDriver:
 def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: hand the bucket to dAD; the future yields the averaged bucket."""
     buffer = bucket.buffer()
-    params = bucket.parameters()
-    views: List[torch.Tensor] = []
-    offset = 0
-    for p in params:  # the bucket holds its parameters' gradients flattened, in this order
-        views.append(buffer[offset:offset + p.numel()].view(p.shape))
-        offset += p.numel()
     future: torch.futures.Future = torch.futures.Future()
 
     def done(error: Optional[BaseException]) -> None:
@@ -310,6 +329,14 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
         else:
             future.set_exception(error)
 
+    if driver.on_native_bucket(bucket, done):
+        return future
+    params = bucket.parameters()
+    views: List[torch.Tensor] = []
+    offset = 0
+    for p in params:  # the bucket holds its parameters' gradients flattened, in this order
+        views.append(buffer[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
     driver.on_bucket(params, views, bucket.is_last(), done, buffer)
     return future
 
