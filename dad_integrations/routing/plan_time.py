@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from dad_integrations.routing.link import LinkModel
-from dad_integrations.routing.planner import StepPlan
+from dad_integrations.routing.planner import StepPlan, _ms, rate_below
 from dad_integrations.routing.timing import COLLECTIVES, StepTiming
 
 
@@ -100,18 +100,6 @@ def _solve(allreduce_bytes: float, method_bytes: float, compute: float, latency:
     return float("inf") if cost <= 0 else saved / cost
 
 
-def _ms(s: Optional[float]) -> str:
-    return "-" if s is None else f"{s * 1e3:,.2f}"
-
-
-def _rate(b: Optional[float]) -> str:
-    if b is None:
-        return "never"
-    if b == float("inf"):
-        return "at any bandwidth"
-    return f"below {b * 8 / 1e9:.3g} Gbit/s"
-
-
 def render_time(plan: TimePlan, link: LinkModel, compute_note: str) -> str:
     """The predicted step-time contributions as a text table, then the totals and break-evens."""
     name_w = max(len(u.name) for u in plan.units + [UnitTime("total", "", 0, 0, None)])
@@ -122,7 +110,7 @@ def render_time(plan: TimePlan, link: LinkModel, compute_note: str) -> str:
         lines.append(f"{u.name:<{name_w}}  {u.route:<14}  {_ms(u.dad):>9}  {_ms(u.allreduce):>13}  {_ms(u.powersgd):>11}")
     lines += ["-" * len(head),
               f"{'total':<{name_w}}  {'':<14}  {_ms(plan.dad):>9}  {_ms(plan.allreduce):>13}  {_ms(plan.powersgd):>11}",
-              "", f"dAD (its compressed routes) pays {_rate(plan.break_even.get('dad'))}"]
+              "", f"dAD (its compressed routes) pays {rate_below(plan.break_even.get('dad'), 'never', 'at any bandwidth')}"]
     if "powersgd" in plan.break_even:
-        lines.append(f"PowerSGD pays {_rate(plan.break_even['powersgd'])}")
+        lines.append(f"PowerSGD pays {rate_below(plan.break_even['powersgd'], 'never', 'at any bandwidth')}")
     return "\n".join(lines)

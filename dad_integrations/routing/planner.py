@@ -603,7 +603,8 @@ def render_levels(lp: LevelPlan, header: str) -> str:
         f"dAD runs {'two levels' if lp.two_level_faster else 'flat'}",
         f"at two levels, every unit dense (a hierarchical all-reduce) {_ms(lp.all_dense)} ms, every unit on its "
         f"route of fewest bytes between nodes {_ms(lp.compressed)} ms",
-        f"break-even: two-level compressed routes beat hierarchical dense {_rate_below(lp.break_even)}",
+        "break-even: two-level compressed routes beat hierarchical dense "
+        + rate_below(lp.break_even, "at no inter-node bandwidth", "at any inter-node bandwidth", " between nodes"),
         "",
         "MB one node sends between nodes per step (flat: a ring over the ranks in node order, which leaves each "
         "node once):"]
@@ -615,9 +616,10 @@ def _ms(s: Optional[float]) -> str:
     return "-" if s is None else f"{s * 1e3:,.2f}"
 
 
-def _rate_below(b: Optional[float]) -> str:
+def rate_below(b: Optional[float], never: str, anywhere: str, unit: str = "") -> str:
+    """A break-even bandwidth as text: ``never`` for None, ``anywhere`` for inf, else "below ..."."""
     if b is None:
-        return "at no inter-node bandwidth"
+        return never
     if b == float("inf"):
-        return "at any inter-node bandwidth"
-    return f"below {_gbit(b)} Gbit/s between nodes"
+        return anywhere
+    return f"below {_gbit(b)} Gbit/s{unit}"

@@ -74,9 +74,11 @@ class Engine:
         sync = register_dad_comm_hook(wrapped, config)
         return wrapped, opt, lambda: sync
 
-    def step(self, opt) -> None:
+    def step(self, opt, synced: bool = False) -> None:
+        """The optimizer step (Horovod's after its ``synchronize()``, unless the loop called it)."""
         if ENGINE == "horovod":
-            opt.synchronize()
+            if not synced:
+                opt.synchronize()
             with opt.skip_synchronize():
                 opt.step()
         else:
@@ -133,12 +135,7 @@ def run_exact(eng: Engine, case: dict) -> dict:
         worst = max(worst, max(models.grad_errors(ref, mine).values()))
         report = sync().last_step_report()
         levels.append(sorted({(p.level, p.representation) for p in report.params}))
-        if ENGINE == "horovod":
-            with opt.skip_synchronize():
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            eng.step(opt)
+        eng.step(opt, synced=True)
     return {"worst": worst, "levels": levels, "identical": eng.identical(mine),
             "topology": sync()._exchanger.two_level.levels.topology.describe()
             if sync()._exchanger.two_level is not None else "flat"}
@@ -181,12 +178,7 @@ def run_residual(eng: Engine, case: dict) -> dict:
         before = sums
         holders.append(sorted(k for k, e in now.items() if e is not None and float(e.norm()) > 0))
         nbytes.append(sum(e.numel() * e.element_size() for e in now.values() if e is not None))
-        if ENGINE == "horovod":
-            with opt.skip_synchronize():
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-        else:
-            eng.step(opt)
+        eng.step(opt, synced=True)
     s = sync()
     two = s._exchanger.two_level
     out = {"worst": worst, "holders": holders, "bytes": nbytes,
