@@ -95,6 +95,8 @@ class RoutePolicy:
         if self.timing is None or verify or unit.dense_only:
             return None
         arm = self.trial.arm(step) if self.trial is not None else None
+        if arm is not None and self.two_level_trial():  # its flat arm: the flat router's routes, anew
+            return None
         if arm is not None:  # a route trial's step: all dense, or the routes it tries
             return "dense" if arm == "dense" else self.trial.routes.get(unit.index, "dense")
         if self.refresh_due(step):
@@ -116,7 +118,13 @@ class RoutePolicy:
     def holds_residuals(self, step: int) -> bool:
         """A route trial's dense step (`RouteTrial.holds_residuals`): residuals wait, and the step
         goes as a steady dense step does (DDP's own buckets, `native_dense`)."""
-        return self.trial is not None and self.trial.holds_residuals(step)
+        return self.trial is not None and self.trial.holds_residuals(step) and not self.two_level_trial()
+
+    def two_level_trial(self) -> bool:
+        """Whether the route trial under way tries two-level steps (`exchange.two_level`) against the
+        flat routes (its other arm: the flat router's routes, chosen anew each step) instead of
+        the flat routes against all dense."""
+        return self.trial is not None and TWO_LEVEL in self.trial.routes.values()
 
     def native_dense(self, step: int, verify: bool) -> bool:
         """Whether step ``step`` can go by the engine's own bucket all-reduce, untouched (DDP's
@@ -208,9 +216,10 @@ class RoutePolicy:
         trial's step on the routes it tries: capture the rows of the units it sends by exact
         factors (its dense steps switched capture off)."""
         arm = self.trial.arm(next_step) if self.trial is not None else None
-        if arm == "routes":  # (two-level steps: the units their last step sent exact)
-            self._use_rows(i for i, rep in self.trial.routes.items()
-                           if rep == "exact" or (rep == TWO_LEVEL and self.two_level_routes.get(i) == "exact"))
+        if arm is not None and self.two_level_trial():  # either arm may send exact factors
+            self._use_rows(u.index for u in self.plan.units)
+        elif arm == "routes":
+            self._use_rows(i for i, rep in self.trial.routes.items() if rep == "exact")
         elif arm == "dense":
             self.drop_rows()
         if not self.refresh_due(next_step):
@@ -234,18 +243,21 @@ class RoutePolicy:
         def agree(values):
             return agree_max(self.aggregator, values, self.device, name="dad.trial.agree")
 
+        two_level = self.two_level_trial()
         outcome = trial.end_of_step(step, seconds, agree, self._next_refresh(step))
         if outcome is None:
             return
-        self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
-        for u in self.plan.units:  # what the next steps take until the next refresh
-            self.last_route[u.index] = trial.routes.get(u.index, "dense") if outcome.kept else "dense"
-        two_level = TWO_LEVEL in trial.routes.values()
-        if outcome.kept:  # exact factors need their rows from the next step on
-            self._use_rows(i for i, rep in trial.routes.items() if rep in ("exact", TWO_LEVEL))
+        if two_level:  # two-level steps against the flat routes: the loser waits for the next refresh
+            self.two_level_vetoed = not outcome.kept
+            self._use_rows(u.index for u in self.plan.units)
         else:
-            self.drop_rows()
-            self.two_level_vetoed = two_level  # flat and all dense until the next refresh
+            self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
+            for u in self.plan.units:  # what the next steps take until the next refresh
+                self.last_route[u.index] = trial.routes.get(u.index, "dense") if outcome.kept else "dense"
+            if outcome.kept:  # exact factors need their rows from the next step on
+                self._use_rows(i for i, rep in trial.routes.items() if rep == "exact")
+            else:
+                self.drop_rows()
         if self.aggregator.rank == 0:
             log.info("dAD route trial after step %d (%s): %s; overhead per compressed weight now %.2f ms",
                      outcome.step, outcome.cause, outcome.describe(), outcome.overhead_s * 1e3)
@@ -253,7 +265,7 @@ class RoutePolicy:
     def _begin_trial(self, trial: RouteTrial, step: int) -> None:
         """Routes were chosen anew in step ``step``: try them against all-dense where any compresses
         and the trial ends before the next refresh."""
-        if self.two_level:  # this step went at two levels: try them against flat all-dense steps
+        if self.two_level:  # this step went at two levels: try them against the flat routes
             compressed = [i for i, rep in self.two_level_routes.items() if rep != "dense"]
             if compressed and trial.fits(step, self._next_refresh(step)):
                 trial.begin(step, {u.index: TWO_LEVEL for u in self.plan.units}, self.two_level_saving)
