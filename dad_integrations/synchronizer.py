@@ -46,7 +46,7 @@ from dad_integrations.routing.trial import StepClock, in_backward
 from dad_integrations.capture.sink import BucketViewSink, GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
-from dad_integrations.exchange.two_level import build_levels
+from dad_integrations.exchange.levels import build_levels
 from dad_integrations.exchange.window import StepWindow
 from dad_integrations.exchange.worker import Worker
 
@@ -128,15 +128,12 @@ class DADSynchronizer:
         # units the next step sends dense whatever their rows (`RoutePolicy.dense_for_sure`): their
         # hooks skip the window's bookkeeping (priors, marks); refreshed after every step
         self._bookless: frozenset = frozenset()
-        self._hooks = [p.register_hook(functools.partial(self._before_accumulate, u, p))
-                       for u in self._plan.units for p in u.params]
-        self._hooks += [p.register_post_accumulate_grad_hook(functools.partial(self._after_accumulate, u))
-                        for u in self._plan.units for p in u.params]
-        self._hooks += [p.register_post_accumulate_grad_hook(self._after_dense_accumulate)
-                        for _, p in self._plan.dense]
+        self._param_hooks: list = []
+        self._params_hooked = False
+        self._set_param_hooks(True)
         # a step's span for route trials starts at its forward (what capture adds counts too)
         self._clock = StepClock()
-        self._hooks.append(ForwardStartHook(model, self._on_root_forward))
+        self._hooks = [ForwardStartHook(model, self._on_root_forward)]
         self._worker = Worker("dad-sync")
         self._closed = False
         # at exit, release a step left in flight (an error before synchronize()), so that its
@@ -188,9 +185,10 @@ class DADSynchronizer:
 
     @property
     def backward_pending(self) -> bool:
-        """A backward has reached a synchronised parameter since the last synchronised step."""
+        """A backward has reached a synchronised parameter since the last synchronised step (without
+        the per-parameter hooks, `_set_param_hooks`: a step's window is open)."""
         window = self._window
-        return window is not None and window.touched
+        return window is not None and (window.touched or not self._params_hooked)
 
     def last_step_report(self) -> Optional[StepReport]:
         """Per parameter: representation, rows, bytes handed/sent/received, and totals."""
@@ -278,6 +276,7 @@ class DADSynchronizer:
         for c in self._plan.captures:
             c.remove()
         self._hooks = []
+        self._set_param_hooks(False)
         self._release()
         atexit.unregister(self._atexit)
 
@@ -337,6 +336,28 @@ class DADSynchronizer:
         """Note which units the next step sends dense whatever their rows (see `_bookless`)."""
         policy, step, verify = self._exchanger.policy, self._steps, not self._verified
         self._bookless = frozenset(u.index for u in self._plan.units if policy.dense_for_sure(u, step, verify))
+
+    def _set_param_hooks(self, on: bool) -> None:
+        """Register (``on``) or remove the per-parameter hooks: the window's bookkeeping around each
+        accumulation, and readiness outside DDP. Only a step driven by DDP's hook whose every unit
+        is sure to go dense (`_bookless`) may run without them: DDP says when gradients are final,
+        and such units keep no prior and no marks, so the hooks would only note that backward
+        reached the parameters (~50 Python calls a step). The caller changes them between steps,
+        never inside backward (`ddp_hook.DDPDriver.before_forward`)."""
+        if on == self._params_hooked:
+            return
+        self._params_hooked = on
+        if not on:
+            for h in self._param_hooks:
+                h.remove()
+            self._param_hooks = []
+            return
+        units, dense = self._plan.units, self._plan.dense
+        self._param_hooks = [p.register_hook(functools.partial(self._before_accumulate, u, p))
+                             for u in units for p in u.params]
+        self._param_hooks += [p.register_post_accumulate_grad_hook(functools.partial(self._after_accumulate, u))
+                              for u in units for p in u.params]
+        self._param_hooks += [p.register_post_accumulate_grad_hook(self._after_dense_accumulate) for _, p in dense]
 
     def _release(self) -> None:
         """Stop the worker thread, abandoning a step in flight (its waits return at once)."""

@@ -501,7 +501,8 @@ def test_planner_decides_flat_or_two_levels_as_the_exchanger_does(tiny_llama):
     from types import SimpleNamespace
 
     from dad_integrations.comm.topology import Topology
-    from dad_integrations.exchange.two_level import Levels, TwoLevelExchanger
+    from dad_integrations.exchange.levels import Levels
+    from dad_integrations.exchange.two_level import TwoLevelExchanger
     from dad_integrations.routing.link import LinkModel
     from dad_integrations.routing.planner import stated_compute, unit_plan
     from dad_integrations.routing.timing import StepTiming

@@ -8,7 +8,7 @@ from dad_integrations.comm.aggregator import CommHandle
 from dad_integrations.comm.link_spec import level_link_specs
 from dad_integrations.comm.topology import Topology, TopologyError, parse_topology, resolve_topology
 from dad_integrations.config import DADConfig
-from dad_integrations.exchange.two_level import assign_owners
+from dad_integrations.exchange.levels import assign_owners
 from dad_integrations.routing.compute_model import ComputeModel, ShapeCosts
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.router import UnitShape

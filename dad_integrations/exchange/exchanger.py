@@ -39,7 +39,8 @@ from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteCo
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.exchange.policy import TWO_LEVEL, RoutePolicy
-from dad_integrations.exchange.two_level import Levels, TwoLevelExchanger
+from dad_integrations.exchange.levels import Levels
+from dad_integrations.exchange.two_level import TwoLevelExchanger
 from dad_integrations.exchange.window import StepWindow
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 On ``N`` nodes of ``L`` ranks (`comm.topology`) every unit has an *owner*, one local index,
 fixed at attach so that the unit's error-feedback residual and warm start live on one rank per
 node (``1/L`` of flat PowerSGD's memory per rank). Units are assigned whole, largest first to the
-least loaded owner (`assign_owners`: about ``1/L`` of the step's work each). A step goes bucket by
+least loaded owner (`exchange.levels.assign_owners`: about ``1/L`` of the step's work each). A step goes bucket by
 bucket (``bucket_cap_mb`` of gradients, in exchange order, as backward finishes them):
 
 1. the bucket's routes (`routing.two_level.choose_two_level`), on row counts all-gathered over the
@@ -18,6 +18,9 @@ bucket (``bucket_cap_mb`` of gradients, in exchange order, as backward finishes 
 4. **from the owner** (one all-gather inside the node): each unit's average, or the factors it is
    rebuilt from where they are fewer bytes; every rank of the node writes it through the same code.
 
+The hops inside the node are `codecs.node_hops`' layouts; the groups, link models and owners come
+from `exchange.levels`.
+
 The first step (its factors checked) stays flat; so does every step when the router predicts the
 flat routes faster (`Exchanger`). Codecs, residuals and warm starts are the flat exchanger's: a
 residual left by a flat step on a rank that does not own the unit is flushed into that rank's
@@ -26,9 +29,7 @@ gradient (sent, never lost), one on the owner is compensated into its node's sum
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -37,69 +38,20 @@ from torch import nn
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
+from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.low_rank import LocalGradient
+from dad_integrations.codecs.node_hops import HopItem, NodeHops
 from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
-from dad_integrations.codecs.wire import exact_block_specs, pack, pack_into, packed_size, unpack
-from dad_integrations.codecs.error_feedback import ErrorFeedback
+from dad_integrations.codecs.wire import pack, pack_into, packed_size, unpack
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
-from dad_integrations.comm.topology import Topology
 from dad_integrations.config import DADConfig
+from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.router import UnitShape
-from dad_integrations.routing.two_level import HopBytes, LevelUnit, TwoLevelTiming, choose_two_level, compare_levels
+from dad_integrations.routing.two_level import LevelUnit, choose_two_level, compare_levels
 
 log = logging.getLogger(__name__)
-
-Spec = Tuple[torch.dtype, Tuple[int, ...]]
-
-
-@dataclass
-class Levels:
-    """The groups of a two-level topology, built once at attach (`comm.topology.level_aggregators`),
-    and the agreed link models of both hops (None: routes by bytes)."""
-
-    topology: Topology
-    intra: FactorAggregator
-    cross: FactorAggregator
-    timing: Optional[TwoLevelTiming] = None
-    measured: bool = False  # the links were measured (not stated): measured again at each refresh
-
-
-def assign_owners(costs: Sequence[float], local_size: int) -> List[int]:
-    """Owner (local index) of each item: largest cost first, to the least loaded owner (ties to
-    the lower index), so that each owner gets about ``1/L`` of the work; deterministic."""
-    heap = [(0.0, j) for j in range(local_size)]
-    owners = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, j = heapq.heappop(heap)
-        owners[i] = j
-        heapq.heappush(heap, (load + costs[i], j))
-    return owners
-
-
-@dataclass
-class _Item:
-    """One unit, or one parameter that is always dense, in a two-level bucket."""
-
-    name: str
-    params: List[nn.Parameter]
-    owner: int
-    unit: Optional[FactorUnit] = None
-    rows: Optional[List[Rows]] = None
-    counts: Optional[List[int]] = None              # this rank's rows per use
-    node_rows: Optional[List[List[int]]] = None     # by node, by use
-    rank_rows: Optional[List[List[int]]] = None     # by rank of this node, by use
-    rep: str = "dense"
-    hops: Optional[HopBytes] = None
-    entries: List[ParamReport] = field(default_factory=list)
-    result: Optional[List[torch.Tensor]] = None     # the owner's blocks for hop 3
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
 
 class _Capture(GradSink):
     """A sink that keeps what a codec writes (the owner's results, sent on by hop 3)."""
@@ -125,6 +77,7 @@ class TwoLevelExchanger:
         self.wire_dtype, self.device, self.world = wire_dtype, device, world
         self.memory, self.exact, self.rank_codec, self.rank_allreduce = memory, exact, rank_codec, rank_allreduce
         self.dense_dtype = dense_dtype
+        self.hops = NodeHops(exact, dense_dtype, config.rank, levels.topology.num_nodes, device)
         topo = levels.topology
         self.local, self.L, self.N = topo.local_rank, topo.local_size, topo.num_nodes
         costs = [float(u.param.numel()) for u in plan.units] + [float(q.numel()) for _, q in plan.dense]
@@ -191,12 +144,12 @@ class TwoLevelExchanger:
         report: Dict[str, ParamReport] = {}
         self.routes = {}
         cap = self.config.bucket_cap_mb * 2 ** 20
-        bucket: List[_Item] = []
+        bucket: List[HopItem] = []
         size = 0
         for unit in self.plan.units:
             window.ready[unit.index].wait()
             check_open()
-            bucket.append(_Item(unit.name, list(unit.params), self.owner_of[unit.name], unit=unit,
+            bucket.append(HopItem(unit.name, list(unit.params), self.owner_of[unit.name], unit=unit,
                                 rows=take_rows(unit)))
             size += sum(q.numel() * q.element_size() for q in unit.params)
             if size >= cap:
@@ -204,12 +157,12 @@ class TwoLevelExchanger:
                 bucket, size = [], 0
         window.flush.wait()  # backward is over: the always-dense parameters are final
         check_open()
-        bucket += [_Item(name, [q], self.owner_of[name]) for name, q in self.plan.dense]
+        bucket += [HopItem(name, [q], self.owner_of[name]) for name, q in self.plan.dense]
         if bucket:
             self._bucket(bucket, sink, step, scale, note, report)
         return report
 
-    def _bucket(self, items: List[_Item], sink: GradSink, step: int, scale: float, note, report) -> None:
+    def _bucket(self, items: List[HopItem], sink: GradSink, step: int, scale: float, note, report) -> None:
         self._route(items, step)
         self.routes.update({it.unit.index: it.rep for it in items if it.unit is not None})
         self._settle_capture(items)
@@ -221,14 +174,14 @@ class TwoLevelExchanger:
         self._from_owner(items, sink)
 
     # -- 1. routes --------------------------------------------------------------------------------
-    def _may_exact(self, it: _Item, step: int) -> bool:
+    def _may_exact(self, it: HopItem, step: int) -> bool:
         u = it.unit
         if u is None or u.dense_only or not u.has_factors or u.rows_unused:
             return False
         cfg = self.config
         return not (cfg.mode == "rank" and cfg.rank is not None and step >= cfg.lossless_steps)
 
-    def _route(self, items: List[_Item], step: int) -> None:
+    def _route(self, items: List[HopItem], step: int) -> None:
         """Every item's route; row counts all-gathered over the group where any unit may go exact."""
         for it in items:
             if it.unit is not None:
@@ -257,9 +210,11 @@ class TwoLevelExchanger:
             it.rep, hops, _ = choose_two_level(self.config, shape, it.node_rows, step=step, nodes=self.N,
                                                local_size=self.L, wire_dtype=self.wire_dtype or u.param.dtype,
                                                timing=timing, dense_only=u.dense_only)
-            it.hops = hops[it.rep]
+            chosen = hops[it.rep]
+            it.hop_bytes = (chosen.to_owner, chosen.between, chosen.from_owner)
+            it.factors_back = chosen.factors_back
 
-    def _settle_capture(self, items: List[_Item]) -> None:
+    def _settle_capture(self, items: List[HopItem]) -> None:
         """Stop capturing rows no route of the coming steps uses (the hooks' work saved), as the flat
         policy does: a rank route reduces the node's dense sum; by time, a route holds until the
         next refresh, which captures every unit's rows again (`RoutePolicy._prepare_refresh`)."""
@@ -271,7 +226,7 @@ class TwoLevelExchanger:
             if it.rep in ("rank", "rank_allreduce") or (timed and it.rep == "dense"):
                 u.stop_using_rows()
 
-    def _flush_residuals(self, items: List[_Item], sink: GradSink) -> None:
+    def _flush_residuals(self, items: List[HopItem], sink: GradSink) -> None:
         """Residuals this rank holds but will not compensate this step go into its gradient."""
         for it in items:
             if it.unit is None:
@@ -282,7 +237,7 @@ class TwoLevelExchanger:
             if residual is not None:
                 sink.add_local(it.unit.param, residual)
 
-    def _entries(self, it: _Item, report: Dict[str, ParamReport]) -> List[ParamReport]:
+    def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
         s = self.world.world_size
         out = []
         for i, q in enumerate(it.params):
@@ -296,36 +251,10 @@ class TwoLevelExchanger:
         return out
 
     # -- 2. to the owner --------------------------------------------------------------------------
-    def _send_blocks(self, it: _Item, sink: GradSink) -> List[torch.Tensor]:
-        """This rank's contribution to the item, as blocks (hop 1)."""
-        if it.rep == "exact":
-            return [self.exact.encode(it.unit, it.rows)]
-        if it.rep == "dense":
-            out = []
-            for q in it.params:
-                g = sink.dense_grad(q)
-                out.append(torch.zeros(q.numel() + 1, dtype=self.dense_dtype, device=self.device) if g is None
-                           else torch.cat([g.detach().reshape(-1).to(self.dense_dtype),
-                                           torch.ones(1, dtype=self.dense_dtype, device=self.device)]))
-            return out
-        cdt = compute_dtype(it.unit.param)
-        return [sink.local_grad(q, cdt).reshape(-1) for q in it.params]
-
-    def _specs(self, it: _Item, local: int) -> List[Spec]:
-        """Specs of what local rank ``local`` sends for the item (known to the owner beforehand)."""
-        if it.rep == "exact":
-            u = it.unit
-            return [(torch.uint8, (packed_size(exact_block_specs(u.kinds, u.shape, it.rank_rows[local],
-                                                                 self.exact.wire(u), u.blocks)),))]
-        if it.rep == "dense":
-            return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
-        cdt = compute_dtype(it.unit.param)
-        return [(cdt, (q.numel(),)) for q in it.params]
-
-    def _to_owner(self, items: List[_Item], sink: GradSink) -> List[_Item]:
+    def _to_owner(self, items: List[HopItem], sink: GradSink) -> List[HopItem]:
         """Hop 1: one all-to-all inside the node; returns this rank's items, with the node's
         contributions summed (dense, rank routes) or stacked (exact) in ``it.rows`` / ``it.result``."""
-        by_owner = [[b for it in items if it.owner == j for b in self._send_blocks(it, sink)] for j in range(self.L)]
+        by_owner = [[b for it in items if it.owner == j for b in self.hops.send_blocks(it, sink)] for j in range(self.L)]
         send_sizes = [packed_size([(b.dtype, tuple(b.shape)) for b in blocks]) for blocks in by_owner]
         send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
         offset = 0
@@ -333,40 +262,25 @@ class TwoLevelExchanger:
             pack_into(blocks, send.narrow(0, offset, size))
             offset += size
         mine = [it for it in items if it.owner == self.local]
-        recv_specs = [[s for it in mine for s in self._specs(it, k)] for k in range(self.L)]
+        recv_specs = [[s for it in mine for s in self.hops.send_specs(it, k)] for k in range(self.L)]
         recv_sizes = [packed_size(specs) for specs in recv_specs]
         handle = self.levels.intra.all_to_all_v(send, send_sizes, recv_sizes,
                                                 name=f"dad.twolevel.to_owner.{items[0].name}")
         got = handle.wait()
-        self._share(items, handle.traffic, lambda it: it.hops.to_owner if it.hops else it.numel)
+        self._share(items, handle.traffic, lambda it: it.hop_bytes[0] or it.numel)
         per_rank, offset = [], 0
         for k in range(self.L):
             per_rank.append(unpack(got[offset:offset + recv_sizes[k]], recv_specs[k]))
             offset += recv_sizes[k]
         cursor = [0] * self.L
         for it in mine:
-            n_blocks = len(self._specs(it, 0))
-            blocks = []
-            for k in range(self.L):
-                blocks.append(per_rank[k][cursor[k]:cursor[k] + n_blocks])
-                cursor[k] += n_blocks
-            if it.rep == "exact":
-                it.rows = self._stack_rows(it, [b[0] for b in blocks])
-            else:  # the node's sum, in rank order
-                it.result = []
-                for i in range(n_blocks):
-                    acc = blocks[0][i].clone()
-                    for b in blocks[1:]:
-                        acc += b[i]
-                    it.result.append(acc)
+            n_blocks = len(self.hops.send_specs(it, 0))
+            self.hops.receive(it, [per_rank[k][cursor[k]:cursor[k] + n_blocks] for k in range(self.L)])
+            cursor = [c + n_blocks for c in cursor]
         return mine
 
-    def _stack_rows(self, it: _Item, buffers: Sequence[torch.Tensor]) -> List[Rows]:
-        """The node's rows per use, in rank order (its ranks' exact buffers, unpacked)."""
-        return self.exact.stacked_rows(it.unit, buffers, it.rank_rows)
-
     # -- 3. between nodes -------------------------------------------------------------------------
-    def _between(self, mine: List[_Item], scale: float, note, step: int) -> None:
+    def _between(self, mine: List[HopItem], scale: float, note, step: int) -> None:
         """Hop 2 for this rank's items, over its cross group; leaves each item's hop-3 blocks in
         ``it.result``."""
         cross = self.levels.cross
@@ -387,23 +301,23 @@ class TwoLevelExchanger:
             payload = torch.cat([self.exact.encode(it.unit, it.rows) for it in exact])
             sizes = [sum(self.exact.sizes(it.unit, it.node_rows)[k] for it in exact) for k in range(self.N)]
             gathered = cross.all_gather(payload, name=f"dad.twolevel.exact.{exact[0].name}", first_dims=sizes)
-            self._share(exact, gathered.traffic, lambda it: it.hops.between, between=True)
+            self._share(exact, gathered.traffic, lambda it: it.hop_bytes[1], between=True)
         ranked = [it for it in mine if it.rep == "rank"]
         rank_handle = None
         if ranked:
-            payloads = [self.rank_codec.encode(it.unit, [], self._node_grad(it), it.entries[0], step, dense=True)
+            payloads = [self.rank_codec.encode(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
                         for it in ranked]
             flat = torch.cat([p.reshape(-1) for p in payloads])
             rank_handle = cross.all_gather(flat, name=f"dad.twolevel.rank.{ranked[0].name}",
                                            first_dims=[flat.numel()] * self.N)
-            self._share(ranked, rank_handle.traffic, lambda it: it.hops.between, between=True)
+            self._share(ranked, rank_handle.traffic, lambda it: it.hop_bytes[1], between=True)
         shared = [it for it in mine if it.rep == "rank_allreduce"]
         capture = _Capture()
         if shared:
             codec = self.rank_allreduce
             queued = []
             for it in shared:
-                m_s = codec.local(it.unit, [], self._node_grad(it), it.entries[0], dense=True)
+                m_s = codec.local(it.unit, [], self.hops.node_grad(it), it.entries[0], dense=True)
                 queued.append((it.unit, m_s, codec.initial_q(it.unit, step), it.entries[0]))
             before = [it.entries[0].received_bytes for it in shared]
             codec.start(queued, cross, capture, scale, note)()
@@ -418,7 +332,7 @@ class TwoLevelExchanger:
                 offset += k
         for it in mine:
             if it.rep == "dense":
-                it.result = [self._dense_average(r, scale) for r in it.result]
+                it.result = [self.hops.dense_average(r, scale) for r in it.result]
         if gathered is not None:
             buffers, offsets = gathered.wait(), [0] * self.N
             for it in exact:
@@ -435,94 +349,34 @@ class TwoLevelExchanger:
                 k = payload.numel()
                 factors = torch.cat([g[offset:offset + k].view(payload.shape) for g in stacked])
                 left, right = self.rank_codec.decode(it.unit, factors, scale)
-                it.result = self._product_blocks(it, left, right) + self._bias_blocks(it, scale)
+                it.result = self.hops.product_blocks(it, left, right, scale)
                 offset += k
         for it in shared:
             left, right = capture.products[id(it.unit.param)]
-            it.result = self._product_blocks(it, left, right) + self._bias_blocks(it, scale)
-
-    def _node_grad(self, it: _Item) -> Callable[[nn.Parameter, torch.dtype], torch.Tensor]:
-        """The item's node sum as the codecs' ``local_grad``."""
-        m, n = it.unit.shape
-        summed = it.result[0].view(m, n)
-        return lambda p, dtype: summed if summed.dtype == dtype else summed.to(dtype)
-
-    @staticmethod
-    def _dense_average(total_with_flag: torch.Tensor, scale: float) -> torch.Tensor:
-        """A dense block's all-reduced ``[sum, ranks that had a gradient]``, the sum scaled."""
-        out = total_with_flag.clone()
-        out[:-1].mul_(scale)
-        return out
-
-    def _product_blocks(self, it: _Item, left: torch.Tensor, right: torch.Tensor) -> List[torch.Tensor]:
-        """Hop 3's blocks of a rank route's weight: its factors where fewer bytes, else the product."""
-        if it.hops.factors_back:
-            return [left.contiguous(), right.contiguous()]
-        return [(left @ right).reshape(-1)]
-
-    def _bias_blocks(self, it: _Item, scale: float) -> List[torch.Tensor]:
-        return [r * scale for r in it.result[1:]]
+            it.result = self.hops.product_blocks(it, left, right, scale)
 
     # -- 4. from the owner ------------------------------------------------------------------------
-    def _result_specs(self, it: _Item) -> List[Spec]:
-        """Specs of the owner's hop-3 blocks of the item (every rank of the node knows them)."""
-        if it.rep == "dense":
-            return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
-        cdt = compute_dtype(it.params[0])
-        if it.rep == "exact":
-            return [(cdt, tuple(q.shape)) for q in it.params]
-        m, n = it.unit.shape
-        if it.hops.factors_back:
-            r = min(self.config.rank, m, n) * (self.N if it.rep == "rank" else 1)
-            weight = [(cdt, (m, r)), (cdt, (r, n))]
-        else:
-            weight = [(cdt, (m * n,))]
-        return weight + [(cdt, (q.numel(),)) for q in it.params[1:]]
-
-    def _from_owner(self, items: List[_Item], sink: GradSink) -> None:
+    def _from_owner(self, items: List[HopItem], sink: GradSink) -> None:
         """Hop 4: one all-gather inside the node of every owner's results; every rank writes them."""
         mine = [it for it in items if it.owner == self.local]
-        blocks = [b.to(dtype) for it in mine for b, (dtype, _) in zip(it.result, self._result_specs(it))]
+        blocks = [b.to(dtype) for it in mine for b, (dtype, _) in zip(it.result, self.hops.result_specs(it))]
         payload = pack(blocks, self.device) if blocks else torch.empty(0, dtype=torch.uint8, device=self.device)
-        specs = [[s for it in items if it.owner == j for s in self._result_specs(it)] for j in range(self.L)]
+        specs = [[s for it in items if it.owner == j for s in self.hops.result_specs(it)] for j in range(self.L)]
         handle = self.levels.intra.all_gather(payload, name=f"dad.twolevel.from_owner.{items[0].name}",
                                               first_dims=[packed_size(s) for s in specs])
         got = handle.wait()
-        self._share(items, handle.traffic, lambda it: it.hops.from_owner if it.hops else it.numel)
+        self._share(items, handle.traffic, lambda it: it.hop_bytes[2] or it.numel)
         per_owner = [unpack(got[j], specs[j]) for j in range(self.L)]
         cursor = [0] * self.L
         for it in items:
             j = it.owner
-            k = len(self._result_specs(it))
-            self._write(it, per_owner[j][cursor[j]:cursor[j] + k], sink)
+            k = len(self.hops.result_specs(it))
+            self.hops.write(it, per_owner[j][cursor[j]:cursor[j] + k], sink)
             cursor[j] += k
-
-    def _write(self, it: _Item, blocks: List[torch.Tensor], sink: GradSink) -> None:
-        if it.rep == "dense":
-            for q, b in zip(it.params, blocks):
-                if b[-1] > 0:  # some rank had a gradient
-                    sink.write_dense(q, b[:-1].view(q.shape).to(q.dtype), True)
-            return
-        if it.rep == "exact":
-            if not any(any(r) for r in it.node_rows):
-                sink.write_unused(it.unit.param)
-                return
-            for q, b in zip(it.params, blocks):
-                sink.write(q, b)
-            return
-        m, n = it.unit.shape
-        if it.hops.factors_back:
-            sink.write_product(it.unit.param, blocks[0], blocks[1])
-            rest = blocks[2:]
-        else:
-            sink.write(it.unit.param, blocks[0].view(m, n))
-            rest = blocks[1:]
-        for q, b in zip(it.params[1:], rest):
-            sink.write_dense(q, b.view(q.shape).to(q.dtype), True)
 
     # -- reports ----------------------------------------------------------------------------------
     @staticmethod
-    def _share(items: Sequence[_Item], traffic: Traffic, weight: Callable[[_Item], float],
+    def _share(items: Sequence[HopItem], traffic: Traffic, weight: Callable[[HopItem], float],
                between: bool = False) -> None:
         """Attribute one collective's traffic to the items' weight entries, by ``weight``."""
         weights = [max(float(weight(it)), 0.0) for it in items]
@@ -533,50 +387,3 @@ class TwoLevelExchanger:
             if between:
                 it.entries[0].inter_bytes += share.received
 
-
-def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.device) -> Optional[Levels]:
-    """The two levels of ``aggregator``'s group at attach, or None where the job is flat (one node,
-    one rank per node, ``topology: "flat"``). Collectives: every rank calls it at the same point.
-    Builds the intra-node and cross-node groups and, by time, measures each hop's link (every node
-    and every cross group at once, as a step loads them) unless ``link`` states them."""
-    from dad_integrations.comm.link_spec import level_link_specs
-    from dad_integrations.comm.topology import level_aggregators, resolve_topology
-    from dad_integrations.routing.link import LinkModel
-    from dad_integrations.routing.timing import wants_timing
-
-    topology = resolve_topology(config.topology, aggregator, device)
-    if not topology.two_level:
-        return None
-    try:
-        intra, cross = level_aggregators(topology, aggregator)
-    except NotImplementedError as e:
-        if config.topology == "auto":
-            log.warning("dAD: %s; the %s run flat", e, topology.describe())
-            return None
-        raise
-    timing = None
-    if wants_timing(config):
-        levels = level_link_specs(config.link) if config.link is not None else None
-        if levels is not None:
-            links = [LinkModel.from_spec(levels["intra"]), LinkModel.from_spec(levels["inter"])]
-        elif config.link is not None:
-            links = [LinkModel.from_spec(config.link)] * 2
-        else:
-            links = measure_levels(aggregator, intra, cross, device)
-        timing = TwoLevelTiming(links[0], links[1])
-        if aggregator.rank == 0:
-            log.info("dAD: %s; inside a node %s; between nodes %s", topology.describe(), links[0].describe(),
-                     links[1].describe())
-    return Levels(topology, intra, cross, timing, measured=timing is not None and config.link is None)
-
-
-def measure_levels(world: FactorAggregator, intra: FactorAggregator, cross: FactorAggregator,
-                   device: torch.device) -> list:
-    """Both hops' link models, probed on every node and every cross group at once (as a step loads
-    them) and agreed across the whole group (the slowest figures); a collective."""
-    from dad_integrations.routing.link import LinkModel, agree_max, probe_link
-
-    local = probe_link(intra, device).to_list() + probe_link(cross, device).to_list()
-    agreed = agree_max(world, local, device, name="dad.link.levels")
-    k = len(agreed) // 2
-    return [LinkModel.from_list(agreed[:k], measured=True), LinkModel.from_list(agreed[k:], measured=True)]

@@ -1,0 +1,95 @@
+"""The two levels of a job, built once at attach: the topology (`comm.topology`), its intra-node
+and cross-node aggregators, each hop's agreed link model, and which local rank owns each unit.
+
+`build_levels` is a collective: it may all-gather the ranks' nodes, it creates the groups (every rank
+enters every group's creation), and by time it measures both hops on every node and every cross
+group at once (as a step loads them), agreeing on the slowest figures. `assign_owners` gives each
+local rank about ``1/L`` of the units' work (largest first, to the least loaded).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.comm.topology import Topology
+from dad_integrations.config import DADConfig
+from dad_integrations.routing.two_level import TwoLevelTiming
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Levels:
+    """The groups of a two-level topology, built once at attach (`comm.topology.level_aggregators`),
+    and the agreed link models of both hops (None: routes by bytes)."""
+
+    topology: Topology
+    intra: FactorAggregator
+    cross: FactorAggregator
+    timing: Optional[TwoLevelTiming] = None
+    measured: bool = False  # the links were measured (not stated): measured again at each refresh
+
+
+def assign_owners(costs: Sequence[float], local_size: int) -> List[int]:
+    """Owner (local index) of each item: largest cost first, to the least loaded owner (ties to
+    the lower index), so that each owner gets about ``1/L`` of the work; deterministic."""
+    heap = [(0.0, j) for j in range(local_size)]
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, j = heapq.heappop(heap)
+        owners[i] = j
+        heapq.heappush(heap, (load + costs[i], j))
+    return owners
+
+
+def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.device) -> Optional[Levels]:
+    """The two levels of ``aggregator``'s group at attach, or None where the job is flat (one node,
+    one rank per node, ``topology: "flat"``). Collectives: every rank calls it at the same point.
+    Builds the intra-node and cross-node groups and, by time, measures each hop's link (every node
+    and every cross group at once, as a step loads them) unless ``link`` states them."""
+    from dad_integrations.comm.link_spec import level_link_specs
+    from dad_integrations.comm.topology import level_aggregators, resolve_topology
+    from dad_integrations.routing.link import LinkModel
+    from dad_integrations.routing.timing import wants_timing
+
+    topology = resolve_topology(config.topology, aggregator, device)
+    if not topology.two_level:
+        return None
+    try:
+        intra, cross = level_aggregators(topology, aggregator)
+    except NotImplementedError as e:
+        if config.topology == "auto":
+            log.warning("dAD: %s; the %s run flat", e, topology.describe())
+            return None
+        raise
+    timing = None
+    if wants_timing(config):
+        levels = level_link_specs(config.link) if config.link is not None else None
+        if levels is not None:
+            links = [LinkModel.from_spec(levels["intra"]), LinkModel.from_spec(levels["inter"])]
+        elif config.link is not None:
+            links = [LinkModel.from_spec(config.link)] * 2
+        else:
+            links = measure_levels(aggregator, intra, cross, device)
+        timing = TwoLevelTiming(links[0], links[1])
+        if aggregator.rank == 0:
+            log.info("dAD: %s; inside a node %s; between nodes %s", topology.describe(), links[0].describe(),
+                     links[1].describe())
+    return Levels(topology, intra, cross, timing, measured=timing is not None and config.link is None)
+
+
+def measure_levels(world: FactorAggregator, intra: FactorAggregator, cross: FactorAggregator,
+                   device: torch.device) -> list:
+    """Both hops' link models, probed on every node and every cross group at once (as a step loads
+    them) and agreed across the whole group (the slowest figures); a collective."""
+    from dad_integrations.routing.link import LinkModel, agree_max, probe_link
+
+    local = probe_link(intra, device).to_list() + probe_link(cross, device).to_list()
+    agreed = agree_max(world, local, device, name="dad.link.levels")
+    k = len(agreed) // 2
+    return [LinkModel.from_list(agreed[:k], measured=True), LinkModel.from_list(agreed[k:], measured=True)]
