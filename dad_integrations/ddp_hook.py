@@ -141,9 +141,33 @@ class DDPDriver:
         self._loaded = saved
 
     def before_forward(self, ddp: nn.parallel.DistributedDataParallel, args: tuple) -> None:
-        """DDP's forward pre-hook: on a loaded model, attach dAD before the first training forward."""
-        if self.sync is None and torch.is_grad_enabled():
+        """DDP's forward pre-hook: on a loaded model, attach dAD before the first training forward;
+        between steps, park or bring back the synchroniser's per-parameter hooks (`_park_hooks`)."""
+        if not torch.is_grad_enabled() or in_backward():
+            return
+        if self.sync is None:
             self._reattach(ddp)
+        if not self.sync._closed:
+            self._park_hooks(ddp)
+
+    def _park_hooks(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Before a training forward with no step open: a step whose every unit is sure to go dense
+        (`DADSynchronizer._bookless`, refreshed when a step ends) runs without the per-parameter
+        hooks (they would only note that backward reached each parameter: ~50 Python calls from
+        the autograd thread a step, which DDP's own step does not pay); a step that needs them
+        gets them back. Changed here because this is between steps and outside backward; DDP runs
+        this hook before every forward whose backward it reduces, so no backward is missed. A
+        forward inside ``no_sync()`` opens the step's window now, as its backward's first hook
+        would: the step's span (route trials) starts at its first micro-step, and
+        `DADSynchronizer.load_state_dict` refuses to load between micro-steps."""
+        sync = self.sync
+        if sync._window is not None:  # a step is open (micro-steps): its hooks stay as they are
+            return
+        parked = len(sync._bookless) == len(sync._plan.units)
+        sync._set_param_hooks(not parked)
+        if parked and not ddp.require_backward_grad_sync:
+            sync._clock.forward()
+            sync._current_window()
 
     def _reattach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Attach a new synchroniser to a loaded DDP, with the saved state; register the hook."""
