@@ -247,7 +247,8 @@ class Exchanger:
                 entry.add_traffic(handle.traffic.share(p.numel() / numel))
                 report.append(entry)
         for u in self.plan.units:  # rows a forward still captured (after the checked first step) are
-            window.take_rows(u)    # of no use: dense until the next refresh, capture off, as `_unit` does
+            if any(use.pairs for use in u.uses):  # of no use: dense until the next refresh, capture
+                window.take_rows(u)               # off, as `_unit` does (else the step would see them late)
         self.policy.drop_rows()
         self._close_step(window, step)
         return StepReport(step, s, report)
