@@ -8,6 +8,14 @@ results are written back into the bucket. Buckets arrive in the same order on ev
 runs on the synchroniser's worker thread, overlapping the rest of backward, and every bucket's
 future completes when the step is over (DDP waits for them at the end of backward).
 
+Out of the way when dense. A step whose every weight is dense whatever its rows (held dense by
+objective "time" between refreshes, a route trial's dense step, dense for good) and that owes
+nothing (no residual to flush, not the checked first step, not in ``join``) is DDP's own step:
+each bucket is scaled and all-reduced as it is, from the hook, the moment DDP hands it over (one
+collective per DDP bucket, the same numbers as DDP's bit for bit), and the step ends in the last
+bucket's hook, with no per-parameter work, no worker thread and, between such steps, none of the
+synchroniser's per-parameter hooks (`DDPDriver.on_native_bucket`, `DDPDriver._park_hooks`).
+
 What DDP users keep: ``ddp.no_sync()`` accumulation (the hook is not called, factors keep
 accumulating and go with the next synchronised backward), gradient clipping and optimizers after
 backward, mixed precision. Costs are those of `DADSynchronizer`.
@@ -110,7 +118,7 @@ class DDPDriver:
     Buckets come in the same order on every rank. A unit is ready when the buckets of its weight
     and of all its biases have arrived (results go into those buckets, see `sink.BucketViewSink`);
     the step runs on the synchroniser's worker thread, and the step's futures complete when it is
-    over.
+    over. An all-dense step goes by DDP's buckets as they are (`on_native_bucket`).
 
     It is DDP's hook state, and pickles as PowerSGD's does (see the module doc): the config and
     this rank's dAD state go, the synchroniser and its group do not; ``sync`` is None once loaded,
