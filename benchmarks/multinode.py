@@ -70,13 +70,14 @@ def run_rate(rate: str, methods, steps: int, seed: int, rank: int, lossless: int
 
 
 def summarise(run: dict, warm: int) -> Dict[str, dict]:
-    """Per method: median slowest-rank step after ``warm`` steps, inter-node bytes per step (both
-    nodes), error-feedback bytes per rank (the largest), held-out loss, what dAD ran."""
+    """Per method: median slowest-rank step over the same steps for every method (after ``warm``
+    and after every dAD method's last route trial), inter-node bytes per step (both nodes),
+    error-feedback bytes per rank (the largest), held-out loss, what dAD ran."""
     ranks = run["ranks"]
     out = {}
+    settled = max([warm] + [r[m].get("settled", 0) for r in ranks for m in r])
     for m in ranks[0]:
         per_step = [max(r[m]["times"][i] for r in ranks) for i in range(len(ranks[0][m]["times"]))]
-        settled = max([warm] + [r[m].get("settled", 0) for r in ranks])
         timed = per_step[settled:] or per_step
         inter = [sum(r[m]["inter"][i] for r in ranks) for i in range(len(per_step))][settled:]
         out[m] = {"step_s": statistics.median(timed), "inter_bytes": statistics.median(inter) if inter else None,
@@ -88,16 +89,17 @@ def summarise(run: dict, warm: int) -> Dict[str, dict]:
 
 def table(summaries: Dict[str, Dict[str, dict]]) -> str:
     lines = ["| method | " + " | ".join(f"step {r} | inter-node MB/step {r}" for r in summaries) +
-             " | EF memory / rank | held-out loss |",
+             f" | EF memory / rank ({list(summaries)[-1]}) | held-out loss |",
              "|---|" + "---|---|" * len(summaries) + "---|---|"]
     first = next(iter(summaries.values()))
+    last = list(summaries.values())[-1]  # the slowest link: where compression and its memory are on
     for m in first:
         cells = []
         for s in summaries.values():
             e = s.get(m)
             cells += [f"{e['step_s'] * 1e3:.0f} ms" if e else "-",
                       f"{e['inter_bytes'] / 1e6:.2f}" if e and e["inter_bytes"] is not None else "-"]
-        ef = first[m]["ef_bytes"]
+        ef = last[m]["ef_bytes"]
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {ef / 1e6:.2f} MB | {first[m]['eval_loss']:.4f} |")
     return "\n".join(lines)
 
@@ -149,8 +151,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quality", action="store_true", help="also 300 steps x 3 seeds at 1gbit (powersgd, dad-auto)")
     ap.add_argument("--out", default=str(RESULTS / "multinode"))
+    ap.add_argument("--render", metavar="JSON", help="only redo the table and plot of a saved results file")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[multinode] %(message)s")
+    if args.render:
+        return render(Path(args.render), Path(args.out))
     ok, why = probe()
     if not ok:
         print(f"cannot build a simulated cluster here: {why}", file=sys.stderr)
@@ -174,18 +179,39 @@ def main(argv=None) -> int:
                                  for m, e in s.items()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    command = f"python -m benchmarks.multinode {' '.join(argv or sys.argv[1:])}"
+    Path(f"{out}.json").write_text(json.dumps({"command": command, "summaries": summaries, "quality": quality,
+                                               "runs": {r: {k: v for k, v in x.items() if k != "ranks"}
+                                                        for r, x in raw.items()}}, indent=1))
+    return render(Path(f"{out}.json"), out)
+
+
+def restep(summaries: Dict[str, Dict[str, dict]]) -> None:
+    """Each rate's medians over the same steps for every method: after the latest method's warm-up
+    (what `summarise` does; here for results saved per method, ``per_step`` and ``timed_steps``)."""
+    for s in summaries.values():
+        settled = max(len(e["per_step"]) - e["timed_steps"] for e in s.values())
+        for e in s.values():
+            e["step_s"] = statistics.median(e["per_step"][settled:] or e["per_step"])
+            e["timed_steps"] = len(e["per_step"]) - settled
+
+
+def render(results: Path, out: Path) -> int:
+    """The markdown table, ratios and plot of a saved results file (`--render` redoes them)."""
+    saved = json.loads(results.read_text())
+    summaries, quality = saved["summaries"], saved.get("quality") or {}
+    restep(summaries)
     text = ["# 2 nodes x 2 ranks (simulated), GPT-2 4x256, 4x128 tokens a rank", "",
-            f"`python -m benchmarks.multinode {' '.join(argv or sys.argv[1:])}`", "", table(summaries), ""]
+            f"`{saved.get('command', 'python -m benchmarks.multinode')}`", "", table(summaries), ""]
     text += ratios(summaries)
+    if saved.get("note"):
+        text += ["", saved["note"]]
     if quality:
         text += ["", "| seed | PowerSGD held-out loss | dad-auto held-out loss | ratio |", "|---|---|---|---|"]
         for seed, q in quality.items():
             a, b = q["powersgd"]["eval_loss"], q["dad-auto"]["eval_loss"]
             text.append(f"| {seed} | {a:.4f} | {b:.4f} | {b / a:.4f} |")
     Path(f"{out}.md").write_text("\n".join(text) + "\n")
-    Path(f"{out}.json").write_text(json.dumps({"summaries": summaries, "quality": quality,
-                                               "runs": {r: {k: v for k, v in x.items() if k != "ranks"}
-                                                        for r, x in raw.items()}}, indent=1))
     plot(summaries, Path(f"{out}_time_to_loss.png"))
     print("\n".join(text))
     return 0

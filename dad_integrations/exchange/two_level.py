@@ -171,7 +171,7 @@ class TwoLevelExchanger:
             it.entries = self._entries(it, report)
         mine = self._to_owner(items, sink)
         self._between(mine, scale, note, step)
-        self._from_owner(items, sink)
+        self._from_owner(items, sink, note)
 
     # -- 1. routes --------------------------------------------------------------------------------
     def _may_exact(self, it: HopItem, step: int) -> bool:
@@ -252,7 +252,7 @@ class TwoLevelExchanger:
 
     # -- 2. to the owner --------------------------------------------------------------------------
     def _to_owner(self, items: List[HopItem], sink: GradSink) -> List[HopItem]:
-        """Hop 1: one all-to-all inside the node; returns this rank's items, with the node's
+        """To the owners: one all-to-all inside the node; returns this rank's items, with the node's
         contributions summed (dense, rank routes) or stacked (exact) in ``it.rows`` / ``it.result``."""
         by_owner = [[b for it in items if it.owner == j for b in self.hops.send_blocks(it, sink)] for j in range(self.L)]
         send_sizes = [packed_size([(b.dtype, tuple(b.shape)) for b in blocks]) for blocks in by_owner]
@@ -356,8 +356,10 @@ class TwoLevelExchanger:
             it.result = self.hops.product_blocks(it, left, right, scale)
 
     # -- 4. from the owner ------------------------------------------------------------------------
-    def _from_owner(self, items: List[HopItem], sink: GradSink) -> None:
-        """Hop 4: one all-gather inside the node of every owner's results; every rank writes them."""
+    def _from_owner(self, items: List[HopItem], sink: GradSink, note: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """From the owners: one all-gather inside the node of every owner's results; every rank
+        writes them, and notes whether they are finite (so that every rank, not only the owners,
+        keeps or drops the step's rank-route state alike)."""
         mine = [it for it in items if it.owner == self.local]
         blocks = [b.to(dtype) for it in mine for b, (dtype, _) in zip(it.result, self.hops.result_specs(it))]
         payload = pack(blocks, self.device) if blocks else torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -371,7 +373,7 @@ class TwoLevelExchanger:
         for it in items:
             j = it.owner
             k = len(self.hops.result_specs(it))
-            self.hops.write(it, per_owner[j][cursor[j]:cursor[j] + k], sink)
+            self.hops.write(it, [note(b) for b in per_owner[j][cursor[j]:cursor[j] + k]], sink)
             cursor[j] += k
 
     # -- reports ----------------------------------------------------------------------------------
