@@ -144,3 +144,14 @@ def test_deepspeed_zero_0_and_1_across_two_nodes(cluster, tmp_path):
         for r in _ok(out, case):
             assert r["model"] < TOL and r["identical"], (case, r["model"])
             assert "two_level" in r["levels"], (case, r["levels"])
+
+
+def test_trainer_with_dad_callback_across_two_nodes(cluster, tmp_path):
+    """`transformers.Trainer` with `DADCallback` (exact) under one ``accelerate launch`` per node ends
+    where a plain Trainer ends, on every rank alike (`workers/trainer_worker.py`)."""
+    out = tmp_path / "trainer.json"
+    cluster.accelerate(WORKERS / "trainer_worker.py", [out], env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
+                       timeout=300)
+    for rank, r in enumerate(json.loads(out.read_text())):
+        assert r["identical"] and r["moved"] > 0, rank
+        assert r["rel_diff"] < TOL, f"rank {rank}: {r['rel_diff']:.2e} from the plain Trainer"
