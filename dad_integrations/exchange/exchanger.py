@@ -233,13 +233,12 @@ class Exchanger:
 
     def run_native(self, window: StepWindow, buckets: List[tuple], names: Dict[int, str], *,
                    step: int) -> StepReport:
-        """Finish a step of DDP's own buckets (`start_native`): wait for them, report, close the step."""
+        """Finish a step of DDP's own buckets (`start_native`): report, wait for them, close the step.
+        What needs no result (the report: each bucket's traffic is known once it is started; rows
+        to drop) is done before the wait, while the last bucket is on the wire."""
         s = self.aggregator.world_size
         report: List[ParamReport] = []
         for buffer, send, handle, params in buckets:
-            total = handle.wait()
-            if total is not buffer:  # sent in the wire dtype
-                buffer.copy_(total)
             numel = max(buffer.numel(), 1)
             for p in params:
                 entry = ParamReport(names.get(id(p), "?"), "dense", tuple(p.shape), overlapped=True,
@@ -250,7 +249,11 @@ class Exchanger:
             if any(use.pairs for use in u.uses):  # of no use: dense until the next refresh, capture
                 window.take_rows(u)               # off, as `_unit` does (else the step would see them late)
         self.policy.drop_rows()
-        self._close_step(window, step)
+        for buffer, send, handle, params in buckets:
+            total = handle.wait()
+            if total is not buffer:  # sent in the wire dtype
+                buffer.copy_(total)
+        self._close_step(window, step)  # the step's span (route trials) ends here
         return StepReport(step, s, report)
 
     def _state_pending(self) -> bool:
