@@ -12,7 +12,10 @@ Each call goes to `dad_integrations.exchange.sharded.ShardedExchanger` as a
 the step's finiteness, and the exchanges on ZeRO's flat partitions). A step is a backward that
 reduces; it ends after the engine's backward epilogue (ZeRO reduces its last bucket there), where
 every rank agrees: a route trial's span ends and the rank routes' state is kept only if every
-rank's local gradients were finite. That state is per rank: ``save_checkpoint`` /
+rank's local gradients were finite. Across nodes (`comm.topology`: more than one node of more than
+one rank) each call is a `exchange.node_partitions.NodePartitionCall` instead: the weights routed
+off DeepSpeed's reduce-scatter reduce inside the node, cross between nodes by dAD's routes among one
+owner per node, and scatter back. That state is per rank: ``save_checkpoint`` /
 ``load_checkpoint`` write and read one file per rank (`deepspeed_dad.checkpointing`). An adaptive
 rank is refused under ZeRO-2/3.
 """
@@ -28,6 +31,8 @@ from dad_integrations.capture.assign import build_plan
 from dad_integrations.config import DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.exchange.checks import check_same_model
+from dad_integrations.exchange.levels import build_levels
+from dad_integrations.exchange.node_partitions import NodePartitionCall, node_partition_layout
 from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout, Range
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
 
@@ -55,9 +60,9 @@ def check_zero(engine: Any, config: DADConfig) -> List[str]:
         if getattr(zc, key, False):
             problems.append(f"ZeRO++ zero_optimization.{key}=true is not supported with dAD (ZeRO++ quantizes and "
                             f"reduces gradients with its own all-to-all); set it to false")
-    if getattr(zc, "zero_hpz_partition_size", 1) > 1:
-        problems.append(f"ZeRO++ zero_optimization.zero_hpz_partition_size={zc.zero_hpz_partition_size} is not "
-                        f"supported with dAD (hierarchical partitions); set it to 1")
+    # hpZ (zero_hpz_partition_size) is accepted: it keeps a secondary copy of the parameters inside
+    # a node for backward's all-gather; gradients still reduce-scatter over the whole group into
+    # the same partitions (checked on the simulated 2x2 cluster, tests/test_multinode.py)
     if opt is not None and stage == 2:
         if getattr(opt, "use_grad_accum_attribute", False) or (
                 getattr(opt, "gradient_accumulation_dtype", opt.dtype) != opt.dtype):
@@ -108,6 +113,9 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
         chunk = min(config.bucket_cap_mb * 2 ** 20, bucket / 4 if bucket else float("inf"))
         self._layout = PartitionLayout(self.exchanger, self.aggregator, self._unit_of, self._names, device, chunk)
+        # across nodes (a collective: groups, and links measured by time): dAD's routes between nodes only
+        self.levels = build_levels(config, self.aggregator, device)
+        self._nodes = node_partition_layout(self.levels, self._layout, self.plan.units)
         self._new_backward = True
         self._originals: Dict[str, Any] = {}
         prologue, epilogue = engine._backward_prologue, engine._backward_epilogue
@@ -186,7 +194,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         if self._new_backward or self.exchanger.report is None:
             self._new_backward = False
             self.exchanger.begin_step()
-        call = PartitionCall(self._layout, params, local, ranges, scale=scale, itemsize=itemsize, dtype=dtype,
-                             deliver=deliver)
+        kw = dict(scale=scale, itemsize=itemsize, dtype=dtype, deliver=deliver)
+        call = (NodePartitionCall(self._layout, self._nodes, params, local, ranges, **kw) if self._nodes is not None
+                else PartitionCall(self._layout, params, local, ranges, **kw))
         self.exchanger.reduce(call)
         return call.delivered

@@ -132,7 +132,6 @@ ERRORS = {
                                  "adaptive_tolerance"),
         "z3-err-offload-param": ({"zero": {"offload_param": {"device": "cpu"}}, "ds": NO_FORCE}, "offload_param"),
         "z3-err-quantized-gradients": ({"zero": {"zero_quantized_gradients": True}}, "zero_quantized_gradients"),
-        "z3-err-hpz": ({"zero": {"zero_hpz_partition_size": 2}}, "zero_hpz_partition_size"),
     },
 }
 

@@ -25,7 +25,7 @@ from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.wire import exact_block_specs, packed_size
+from dad_integrations.codecs.wire import exact_block_specs, pack_into, packed_size, unpack
 from dad_integrations.report import ParamReport
 
 Spec = Tuple[torch.dtype, Tuple[int, ...]]
@@ -101,6 +101,34 @@ class NodeHops:
             for b in by_rank[1:]:
                 acc += b[i]
             it.result.append(acc)
+
+    def to_owner(self, items: Sequence[HopItem], sink: GradSink, intra, local: int, name: str):
+        """Hop 1 for a bucket: one all-to-all inside the node (``intra``, local size L) of every
+        item's `send_blocks` to its owner; returns this rank's items (``local`` is its index), with
+        the node's contributions stacked or summed (`receive`), and the collective's traffic."""
+        size = intra.world_size
+        by_owner = [[b for it in items if it.owner == j for b in self.send_blocks(it, sink)] for j in range(size)]
+        send_sizes = [packed_size([(b.dtype, tuple(b.shape)) for b in blocks]) for blocks in by_owner]
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
+        offset = 0
+        for blocks, nbytes in zip(by_owner, send_sizes):  # each block copied once, into its place
+            pack_into(blocks, send.narrow(0, offset, nbytes))
+            offset += nbytes
+        mine = [it for it in items if it.owner == local]
+        recv_specs = [[s for it in mine for s in self.send_specs(it, k)] for k in range(size)]
+        recv_sizes = [packed_size(specs) for specs in recv_specs]
+        handle = intra.all_to_all_v(send, send_sizes, recv_sizes, name=name)
+        got = handle.wait()
+        per_rank, offset = [], 0
+        for k in range(size):
+            per_rank.append(unpack(got[offset:offset + recv_sizes[k]], recv_specs[k]))
+            offset += recv_sizes[k]
+        cursor = [0] * size
+        for it in mine:
+            n_blocks = len(self.send_specs(it, 0))
+            self.receive(it, [per_rank[k][cursor[k]:cursor[k] + n_blocks] for k in range(size)])
+            cursor = [c + n_blocks for c in cursor]
+        return mine, handle.traffic
 
     @staticmethod
     def node_grad(it: HopItem):

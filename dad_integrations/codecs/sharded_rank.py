@@ -232,7 +232,8 @@ class ShardedRankCodec:
         r = min(cfg.rank, m, n)
         cdt = compute_dtype(p)
         method = "dense"
-        if not self.memory.enabled and unit.factors_only:
+        # no rows given: a node's sum across nodes (`exchange.node_partitions`), dense by nature
+        if not self.memory.enabled and unit.factors_only and rows:
             n_rows = sum(int(left.shape[0]) for left, _ in rows)
             if representation == "rank":
                 method = choose_method(n_rows, m, n, r, cfg.power_iterations, factors_available=True)

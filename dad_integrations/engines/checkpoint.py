@@ -138,6 +138,10 @@ _UNIT_RESTART = {"warm_q": None, "dense_only": False, "rows_unused": False, "las
 _TOP_FROM_RANK0 = ("version", "steps")
 _TOP_RESTART = {"verified": False}
 _UNIT_TABLES = ("units", "rank_routes")  # DADSynchronizer's; FSDP2's and ZeRO-2/3's
+# tables whose ranks may hold different weights: across nodes ZeRO's rank-route state lives on each
+# weight's owners only (`exchange.node_partitions`); a rank without an entry held no residual (it
+# adds zero to the mean), and the all-reduce route's Q is the same on every owner of a weight
+_SPARSE_TABLES = ("rank_routes",)
 
 
 def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
@@ -150,7 +154,8 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
       S of them has rank up to ``S q``, and the memory bound ``q (m+n)`` is what the config asked
       for; the pair kept is the mean's best rank-``q`` approximation (an exact truncated SVD, no
       ``m x n`` matrix formed), equal to the mean whenever the mean has rank ``q`` or less.
-    - **The all-reduce route's warm start** (``shared_q``) is the same on every rank: old rank 0's.
+    - **The all-reduce route's warm start** (``shared_q``) is the same on every rank: old rank 0's
+      (in a sparse table, ZeRO's across nodes, the first old rank's that holds one: its owners').
     - **The step count** (synchronised steps, counted alike on every rank; ``lossless_steps`` and
       the seeds of fresh power iterations read it): old rank 0's, so the new ranks agree on it.
     - **Restarted**, because they hold per-rank or per-size facts: the all-gather route's own warm
@@ -174,10 +179,17 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
         if merged is None:
             table, merged = key, _merge_top(top)
             merged_units = {name: _merge_unit(name, entry) for name, entry in units.items()}
-        elif key != table or set(units) != set(merged_units) or any(
+        elif key != table or (key not in _SPARSE_TABLES and set(units) != set(merged_units)) or any(
                 top.get(k) != merged.get(k) for k in _TOP_FROM_RANK0 if k in merged):
             raise ValueError(f"the old ranks' dAD states disagree (rank {old_ranks} differs from rank 0 in its "
                              f"format, its weights or its step count): not one job's checkpoint")
+        else:  # a sparse table: the weights some old rank holds, the first holder's shared state
+            for name, entry in units.items():
+                if name not in merged_units:
+                    merged_units[name] = _merge_unit(name, entry)
+                for k in _UNIT_FROM_RANK0:
+                    if merged_units[name].get(k) is None and entry.get(k) is not None:
+                        merged_units[name][k] = entry[k]
         for name, entry in units.items():
             if entry.get("residual") is not None:
                 residuals.setdefault(name, _Mean()).add(entry["residual"])

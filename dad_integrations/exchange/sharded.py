@@ -39,7 +39,8 @@ from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.logs import OnceLogger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.routing.router import RouteContext, RowCounts, UnitEvidence, UnitShape, route, sharded_needs_counts
+from dad_integrations.routing.router import (Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route,
+                                             sharded_needs_counts)
 from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,11 @@ class ShardedCall:
     def estimates(self, unit: FactorUnit, counts: Optional[RowCounts]) -> Estimates:
         """The engine's own byte estimates and ties for ``unit`` (None: the cost model's)."""
         return None, None
+
+    def route(self, ctx: RouteContext, unit: FactorUnit, evidence: UnitEvidence) -> Route:
+        """The unit's route (`router.route`; a call whose exchanges differ, as ZeRO's across nodes
+        (`exchange.node_partitions`), prices its own)."""
+        return route(ctx, self.unit_shape(unit), evidence)
 
     def reduce_dense(self, report: ShardedStepReport) -> None:
         """Every parameter of the call by the engine's own reduction."""
@@ -264,8 +270,8 @@ class ShardedExchanger(TimedRoutes):
         routes = CallRoutes(step, counts, report)
         for unit in live:
             estimates, ties = call.estimates(unit, counts.get(unit.index))
-            decision = route(ctx, call.unit_shape(unit), UnitEvidence(rows_by_rank=counts.get(unit.index),
-                                                                     estimates=estimates, ties=ties))
+            decision = call.route(ctx, unit, UnitEvidence(rows_by_rank=counts.get(unit.index),
+                                                          estimates=estimates, ties=ties))
             self._trial.note(unit, decision)
             rep = decision.representation
             if rep in RANK_ROUTES:

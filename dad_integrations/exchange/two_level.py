@@ -43,7 +43,7 @@ from dad_integrations.codecs.exact import ExactCodec
 from dad_integrations.codecs.node_hops import HopItem, NodeHops
 from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
-from dad_integrations.codecs.wire import pack, pack_into, packed_size, unpack
+from dad_integrations.codecs.wire import pack, packed_size, unpack
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
 from dad_integrations.config import DADConfig
 from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
@@ -254,29 +254,9 @@ class TwoLevelExchanger:
     def _to_owner(self, items: List[HopItem], sink: GradSink) -> List[HopItem]:
         """To the owners: one all-to-all inside the node; returns this rank's items, with the node's
         contributions summed (dense, rank routes) or stacked (exact) in ``it.rows`` / ``it.result``."""
-        by_owner = [[b for it in items if it.owner == j for b in self.hops.send_blocks(it, sink)] for j in range(self.L)]
-        send_sizes = [packed_size([(b.dtype, tuple(b.shape)) for b in blocks]) for blocks in by_owner]
-        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
-        offset = 0
-        for blocks, size in zip(by_owner, send_sizes):  # each block copied once, into its place
-            pack_into(blocks, send.narrow(0, offset, size))
-            offset += size
-        mine = [it for it in items if it.owner == self.local]
-        recv_specs = [[s for it in mine for s in self.hops.send_specs(it, k)] for k in range(self.L)]
-        recv_sizes = [packed_size(specs) for specs in recv_specs]
-        handle = self.levels.intra.all_to_all_v(send, send_sizes, recv_sizes,
-                                                name=f"dad.twolevel.to_owner.{items[0].name}")
-        got = handle.wait()
-        self._share(items, handle.traffic, lambda it: it.hop_bytes[0] or it.numel)
-        per_rank, offset = [], 0
-        for k in range(self.L):
-            per_rank.append(unpack(got[offset:offset + recv_sizes[k]], recv_specs[k]))
-            offset += recv_sizes[k]
-        cursor = [0] * self.L
-        for it in mine:
-            n_blocks = len(self.hops.send_specs(it, 0))
-            self.hops.receive(it, [per_rank[k][cursor[k]:cursor[k] + n_blocks] for k in range(self.L)])
-            cursor = [c + n_blocks for c in cursor]
+        mine, traffic = self.hops.to_owner(items, sink, self.levels.intra, self.local,
+                                           f"dad.twolevel.to_owner.{items[0].name}")
+        self._share(items, traffic, lambda it: it.hop_bytes[0] or it.numel)
         return mine
 
     # -- 3. between nodes -------------------------------------------------------------------------

@@ -8,8 +8,9 @@ compared with the reference engine's, per parameter, the error summed over ranks
 1e-6 of the whole gradient's norm; then both engines step; at the end the parameters are compared
 and checked equal on every rank; bytes of DeepSpeed's own collectives and of dAD's group per step),
 "rank" (rank-dAD: the error-feedback identity against DeepSpeed's average at fixed parameters, a
-non-finite step, the state through a checkpoint, training; `run_rank`), "error" (a config that must
-be refused: the message).
+non-finite step, the state through a checkpoint, training; `run_rank`; ``save_state``: dAD's state
+and the residuals' sums saved there at the end), "resume" (that state loaded at another world size:
+the mean residual carried over; `run_resume`), "error" (a config that must be refused: the message).
 """
 from __future__ import annotations
 
@@ -162,7 +163,8 @@ def run_match(case: dict) -> dict:
             worst[n] = max(worst.get(n, 0.0), e)
         rep = att.last_step_report()
         reports.append({"totals": rep.totals, "params": [[p.name, p.representation, p.sent_bytes,
-                                                          p.reduce_scatter_bytes, list(p.shape)] for p in rep.params]})
+                                                          p.reduce_scatter_bytes, list(p.shape)] for p in rep.params],
+                        "levels": sorted({(p.level, p.representation) for p in rep.params})})
         ref.step()
         mine.step()
     a, b = full_params(ref), full_params(mine)
@@ -200,16 +202,24 @@ def dense_residuals(att) -> Dict[str, torch.Tensor]:
             if memory.state(u.name) is not None}
 
 
+def unit_shapes(att) -> Dict[str, Tuple[int, int]]:
+    """Every unit's matrix view, by parameter name (the same on every rank)."""
+    names = {id(u.param): n for u in att.units for n, p in att.engine.module.named_parameters() if p is u.param}
+    return {names[id(u.param)]: tuple(u.shape) for u in att.units}
+
+
 def ef_expected(ref_owned: Dict[str, torch.Tensor], ranges: Dict[str, Tuple[int, int]], before: dict,
-                after: dict) -> Dict[str, torch.Tensor]:
-    # before / after: `dense_residuals` at the step's start and end
+                after: dict, shapes: Dict[str, Tuple[int, int]]) -> Dict[str, torch.Tensor]:
+    # before / after: `dense_residuals` at the step's start and end; shapes: `unit_shapes`
     """What the error-feedback identity says dAD's partitions hold: DeepSpeed's average plus
-    ``1/S sum_s (e_old_s - e_new_s)`` over this rank's owned elements (every rank-routed weight)."""
+    ``1/S sum_s (e_old_s - e_new_s)`` over this rank's owned elements (every rank-routed weight).
+    Summed over every unit, on every rank alike: across nodes only a weight's owners hold one."""
     S = dist.get_world_size()
     out = dict(ref_owned)
-    for name in sorted(set(before) | set(after)):  # a weight in before only flushed its residual
-        old = before[name] if name in before else torch.zeros_like(after[name])
-        new = after[name] if name in after else torch.zeros_like(old)
+    for name in sorted(shapes):  # a weight in before only flushed its residual
+        zero = torch.zeros(shapes[name], dtype=torch.float64)
+        old = before[name] if name in before else zero
+        new = after[name] if name in after else zero
         diff = (old - new).double().reshape(-1)
         torch.distributed.all_reduce(diff)
         if name in ranges:  # (ZeRO-2: a rank may own nothing of a weight)
@@ -230,6 +240,7 @@ def run_rank(case: dict) -> dict:
     att = deepspeed_dad.get_attachment(mine)
     names = [n for n, _ in ref.module.named_parameters()]
     identity, losses, ref_losses, routes, changed, nonfinite, resumed = [], [], [], [], [], {}, {}
+    levels: list = []  # per step: (level, representation) pairs of the report
     flushed: list = []  # weights whose residual left with a step's dense reduction
     reports = []  # per step: [name, representation, sent, reduce-scatter bytes, shape] per parameter
 
@@ -254,6 +265,7 @@ def run_rank(case: dict) -> dict:
         after = rank_state(att)
         changed.append(any(k not in before or not torch.equal(before[k], after[k]) for k in after))
         routes.append(sorted({p.representation for p in att.last_step_report().params}))
+        levels.append(sorted({(p.level, p.representation) for p in att.last_step_report().params}))
         reports.append([[p.name, p.representation, p.sent_bytes, p.reduce_scatter_bytes, list(p.shape)]
                         for p in att.last_step_report().params])
         ranges: Dict[str, Tuple[int, int]] = {}
@@ -269,7 +281,7 @@ def run_rank(case: dict) -> dict:
         after_residuals = dense_residuals(att)
         flushed += [n for n in before_residuals if n not in after_residuals]  # sent with this step
         if case.get("lr", 0.1) == 0 and gas == 1:
-            expected = ef_expected(ref_owned, ranges, before_residuals, after_residuals)
+            expected = ef_expected(ref_owned, ranges, before_residuals, after_residuals, unit_shapes(att))
             identity.append(max(partition_errors(expected, mine_owned, names).values()))
         ref.step()
         mine.step()
@@ -288,12 +300,55 @@ def run_rank(case: dict) -> dict:
                                                                           for k in saved),
                        "steps": [saved_steps, att.state_dict()["steps"]],
                        "files": sorted(f for f in os.listdir(os.path.join(folder, "resume")) if "dad" in f)}
+    if case.get("save_state"):  # dAD's state alone (`RankStateCheckpoints.save_state`), for a resize
+        att.save_state(case["save_state"])
+        held = dense_residuals(att)
+        sums = {n: summed(held[n] if n in held else torch.zeros(shape)) for n, shape in sorted(unit_shapes(att).items())}
+        if rank == 0:
+            torch.save(sums, os.path.join(case["save_state"], "residual_sums.pt"))
     b = full_params(mine)
     out = {"identity": identity, "losses": losses, "ref_losses": ref_losses, "routes": routes, "changed": changed,
+           "levels": levels,
            "nonfinite": nonfinite, "reports": reports, "flushed": flushed,
            "resumed": resumed, "identical": ranks_agree(torch.cat([b[n].reshape(-1) for n in names])),
            "finite": all(bool(torch.isfinite(b[n]).all()) for n in names),
            "dense_only": [u.name for u in att.units if u.dense_only]}
+    att.detach()
+    return out
+
+
+def summed(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().double().clone()
+    torch.distributed.all_reduce(t)
+    return t
+
+
+def run_resume(case: dict) -> dict:
+    """dAD's state saved by a job of another shape (``load``: `run_rank`'s ``save_state``, from
+    ``old_world`` ranks) loaded into this one (`RankStateCheckpoints.load_state`): the mean residual
+    per weight over the new ranks must be the old mean (what the average still owes), then a few
+    steps train on alike on every rank."""
+    name, micro = case["model"], case.get("batch", 2)
+    mine = build_engine(case, micro, case["dad"])
+    att = deepspeed_dad.get_attachment(mine)
+    loaded = att.load_state(case["load"])
+    old = torch.load(os.path.join(case["load"], "residual_sums.pt"))
+    new = dense_residuals(att)
+    S = dist.get_world_size()
+    worst = 0.0
+    for n, total in sorted(old.items()):
+        new_mean = summed(new[n] if n in new else torch.zeros_like(total)) / S
+        old_mean = total / case["old_world"]
+        worst = max(worst, float((new_mean - old_mean).norm()) / max(float(old_mean.norm()), 1e-30))
+    for step in range(2):
+        loss = models.loss_of(name, mine, models.batch(name, micro + dist.get_rank(), seed=500 + step))
+        mine.backward(loss)
+        mine.step()
+    b = full_params(mine)
+    names = [n for n, _ in mine.module.named_parameters()]
+    out = {"loaded": loaded, "weights": len(old), "worst": worst,
+           "identical": ranks_agree(torch.cat([b[n].reshape(-1) for n in names])),
+           "finite": all(bool(torch.isfinite(b[n]).all()) for n in names)}
     att.detach()
     return out
 
@@ -370,7 +425,8 @@ def main() -> None:
     COUNTER = CollectiveCounter(dist).install()
     with open(cases_path) as f:
         cases = json.load(f)
-    run_cases({"match": run_match, "rank": run_rank, "error": run_error, "trial": run_trial}, cases, out_path, "zero_worker")
+    run_cases({"match": run_match, "rank": run_rank, "error": run_error, "trial": run_trial, "resume": run_resume},
+              cases, out_path, "zero_worker")
 
 if __name__ == "__main__":
     main()

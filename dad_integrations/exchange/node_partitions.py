@@ -1,0 +1,250 @@
+"""ZeRO-2/3's reduce-scatter across nodes, compressed only between nodes (qgZ's hierarchy, dAD's routes).
+
+ZeRO keeps on each of ``S = N L`` ranks a flat element range of every weight (`exchange.partitions`).
+Its reduce-scatter crosses the slow link with about ``(S-1)/S m n b`` per node and weight. A
+`NodePartitionCall` sends the weights the router gives a dAD route (`routing.node_partitions`) in
+three hops, as qgZ does with its INT4 all-to-alls (reduce inside the node, across nodes, scatter
+back), but with dAD's representations on the hop between nodes:
+
+1. **to the owner, inside the node** (`codecs.node_hops.NodeHops.to_owner`, one all-to-all per
+   call): every rank's rows (exact) or its local gradient (rank routes) go to the weight's owner,
+   one local index fixed at attach (`exchange.levels.assign_owners`), which stacks the rows or sums
+   the gradients: the node's contribution;
+2. **between nodes, owners only**: node k's ranks together own one contiguous stretch of the
+   weight, ``[min lo, max hi)`` over its ranks (ZeRO-3: about ``1/N`` of it). The owners run the flat
+   partition exchange over their cross group (N members) with those node ranges in place of the
+   ranks' (`_CrossCall`, a `PartitionCall`: exact factors by one all-to-all of covering columns,
+   rank-dAD's ``(P_k, Q_k)`` of the node sum the same way, or PowerSGD's P and Q all-reduced), so
+   every owner rebuilds its node's stretch of the scaled average, and only that;
+3. **from the owner, inside the node** (one all-to-all per call): each rank's own elements.
+
+Bytes between nodes per weight and node: exact ``(N-1) R (n + m/N) w`` for R rows a node, rank-dAD
+``(N-1) r (n + m/N) w``, PowerSGD ``2 (N-1)/N r (m+n) w`` per round, against the reduce-scatter's
+``(S-1)/S m n b``. The hops inside the node cost ``(L-1)/L m n b`` (rank routes) and
+``(L-1)/L m n b / N``; the rebuild is done once per node, by the owner, over ``1/N`` of the rows.
+
+Error feedback (rank routes) is held by the owner, on its node's sum: ``e_k = M_k - P Q^T`` with
+``M_k = sum_{j in k} g_j + e_k``. The average still owes ``scale * sum_k e_k``, as flat steps owe
+``scale * sum_s e_s``: a rank holding a residual it does not compensate (a non-owner after a flat
+step, or any rank after a resume at another size, which gives every rank the old mean) adds it to
+its local gradient before hop 1, so it is sent, never lost. Warm starts: the all-reduce route's Q
+is shared by the owners of a weight, the all-gather route's is each owner's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dad_integrations.capture.rows import compute_dtype
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.codecs.exact import ExactCodec
+from dad_integrations.codecs.node_hops import HopItem, NodeHops
+from dad_integrations.codecs.partition_exact import Range
+from dad_integrations.comm.aggregator import Traffic
+from dad_integrations.exchange.levels import Levels, assign_owners
+from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout
+from dad_integrations.exchange.sharded import RANK_ROUTES, CallRoutes
+from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.routing.node_partitions import choose_partition_route
+from dad_integrations.routing.router import Route, RouteContext, UnitEvidence
+from dad_integrations.routing.two_level import node_rows_of
+
+
+@dataclass
+class NodeLayout:
+    """What every two-level call of one engine shares: the levels (groups, links), the owner of each
+    unit (by name), the cross group's `PartitionLayout` and the hops inside the node."""
+
+    levels: Levels
+    owner_of: Dict[str, int]
+    cross: PartitionLayout
+    hops: NodeHops
+
+    @classmethod
+    def build(cls, levels: Levels, flat: PartitionLayout, units: Sequence[FactorUnit]) -> "NodeLayout":
+        topo = levels.topology
+        # by the matrix view's size (ZeRO-3 empties p.data): each owner about 1/L of the work
+        owners = assign_owners([float(u.shape[0] * u.shape[1]) for u in units], topo.local_size)
+        exchanger = flat.exchanger
+        cross = PartitionLayout(exchanger, levels.cross, flat.unit_of, flat.names, flat.device, flat.chunk_bytes)
+        rank = exchanger.config.rank
+        hops = NodeHops(ExactCodec(exchanger.wire, flat.device), torch.float32, rank, topo.num_nodes, flat.device)
+        return cls(levels, {u.name: owners[i] for i, u in enumerate(units)}, cross, hops)
+
+
+class _LocalGrads:
+    """The `GradSink` face `NodeHops.send_blocks` reads a rank route's local gradient through: the
+    hop item's parameter is the call's flat local gradient itself."""
+
+    @staticmethod
+    def local_grad(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return q if q.dtype == dtype else q.to(dtype)
+
+
+class _CrossCall(PartitionCall):
+    """Hop 2: the flat partition exchange among one cross group's owners, each standing for its
+    node (its node's rows or gradient sum; its node's stretch of every weight)."""
+
+    def __init__(self, layout: PartitionLayout, units: Sequence[FactorUnit], sums: Sequence[torch.Tensor],
+                 node_ranges: Sequence[Sequence[Range]], *, scale: float, itemsize: int, dtype: torch.dtype):
+        self.results: Dict[int, torch.Tensor] = {}
+        super().__init__(layout, [u.param for u in units], sums, node_ranges, scale=scale, itemsize=itemsize,
+                         dtype=dtype, deliver=lambda p, owned: None)
+        self.S = layout.aggregator.world_size  # the nodes
+
+    def deliver(self, unit: FactorUnit, owned: torch.Tensor) -> None:
+        self.results[unit.index] = owned
+        self.delivered.add(id(unit.param))
+
+
+class NodePartitionCall(PartitionCall):
+    """One ZeRO reduction call across nodes (module doc): dense weights by DeepSpeed's reduce-scatter,
+    the others in three hops."""
+
+    def __init__(self, layout: PartitionLayout, nodes: NodeLayout, *args, **kwargs):
+        super().__init__(layout, *args, **kwargs)
+        self.nodes = nodes
+        topo = nodes.levels.topology
+        self.topology, self.local, self.L = topo, topo.local_rank, topo.local_size
+
+    # -- routes -----------------------------------------------------------------------------------
+    def route(self, ctx: RouteContext, unit: FactorUnit, evidence: UnitEvidence) -> Route:
+        """`routing.node_partitions.choose_partition_route` on the agreed counts (by node)."""
+        topo = self.topology
+        rows = evidence.rows_by_rank
+        node_rows = node_rows_of(rows, topo) if rows is not None and unit.has_factors else None
+        rep, _, seconds = choose_partition_route(
+            self.config, self.unit_shape(unit), node_rows, step=ctx.step or 0, nodes=topo.num_nodes,
+            local_size=self.L, wire_dtype=self.route_wire, itemsize=self.itemsize, timing=self.nodes.levels.timing,
+            dense_only=evidence.dense_only)
+        saved = seconds["dense"] - seconds[rep] if seconds and "dense" in seconds else 0.0
+        return Route(rep, True, saved)
+
+    # -- the exchange -----------------------------------------------------------------------------
+    def exchange(self, routes: CallRoutes) -> None:
+        if not routes.routed:
+            return super().exchange(routes)
+        topo, report = self.topology, routes.report
+        node_ranks = topo.intra_ranks(topo.node)
+        items: List[HopItem] = []
+        for unit, rep in routes.routed:
+            owner = self.nodes.owner_of[unit.name]
+            if rep in RANK_ROUTES and owner != self.local and self.rank_codec is not None:
+                self._flush_residual(unit)
+            it = HopItem(unit.name, [self.grads[unit.index]], owner, unit=unit, rows=self.rows[unit.index], rep=rep)
+            if rep == "exact":
+                by_rank = routes.counts[unit.index]
+                it.counts = list(by_rank[topo.rank])
+                it.rank_rows = [list(by_rank[r]) for r in node_ranks]
+                it.node_rows = node_rows_of(by_rank, topo)
+            items.append(it)
+        levels = self.nodes.levels
+        mine, to_owner = self.nodes.hops.to_owner(items, _LocalGrads(), levels.intra, self.local,
+                                                  f"dad.zero.to_owner.{items[0].name}")
+        results, between = self._between(mine, routes.step) if mine else ({}, {})
+        from_owner = self._from_owner(items, results)
+        self._report_items(items, report, to_owner, between, from_owner)
+
+    def _flush_residual(self, unit: FactorUnit) -> None:
+        """A residual this rank holds but does not compensate (not the owner) rides its local
+        gradient to the owner: sent, never lost (settled at the step's end, as `ShardedExchanger`'s)."""
+        residual = self.rank_codec.flush(unit.name)
+        if residual is not None:
+            self.add_residual(unit, residual)
+
+    def node_ranges(self, unit: FactorUnit) -> List[Range]:
+        """Each node's stretch of the weight: ``[min lo, max hi)`` over its ranks' owned ranges (a
+        superset where they are not adjacent: the owner then rebuilds a little more, never less)."""
+        out: List[Range] = []
+        for ranks in self.topology.nodes:
+            spans = [self.ranges[unit.index][r] for r in ranks if self.ranges[unit.index][r][1] >
+                     self.ranges[unit.index][r][0]]
+            out.append((min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else (0, 0))
+        return out
+
+    def _between(self, mine: List[HopItem], step: int) -> Tuple[Dict[int, torch.Tensor], Dict[int, Traffic]]:
+        """Hop 2 for this rank's units over its cross group: each unit's stretch of this node."""
+        units = [it.unit for it in mine]
+        sums = [it.result[0] if it.rep in RANK_ROUTES else self.grads[it.unit.index] for it in mine]
+        call = _CrossCall(self.nodes.cross, units, sums, [self.node_ranges(u) for u in units], scale=self.scale,
+                          itemsize=self.itemsize, dtype=self.dtype)
+        # exact: the node's stacked rows; rank routes: none (the node sum is reduced, `ShardedRankCodec.local`)
+        call.prepare({it.unit.index: (it.rows if it.rep == "exact" else []) for it in mine})
+        exact = [it.unit for it in mine if it.rep == "exact"]
+        counts = call.agree_counts(exact)[0] if exact else {}  # embeddings: ids per node's rows
+        scratch = ShardedStepReport(step + 1, self.nodes.levels.topology.num_nodes)
+        call.exchange(CallRoutes(step, counts, scratch, [(it.unit, it.rep) for it in mine]))
+        by_name = {p.name: p for p in scratch.params}
+        traffic = {}
+        for it in mine:
+            entry = by_name.get(it.unit.name)
+            traffic[it.unit.index] = (Traffic(entry.handed_bytes, entry.sent_bytes, entry.received_bytes)
+                                      if entry is not None else Traffic())
+        return call.results, traffic
+
+    def _from_owner(self, items: List[HopItem], results: Mapping[int, torch.Tensor]) -> Traffic:
+        """Hop 3: one all-to-all inside the node; every rank delivers its own elements of each unit."""
+        topo = self.topology
+        node_ranks = topo.intra_ranks(topo.node)
+        me = topo.rank
+
+        def piece(it: HopItem, r: int) -> Tuple[int, int]:  # rank r's slice of the owner's stretch
+            lo, hi = self.ranges[it.unit.index][r]
+            base = self.node_ranges(it.unit)[topo.node][0]
+            return (lo - base, hi - base) if hi > lo else (0, 0)
+
+        def itemsize(it: HopItem) -> int:
+            return compute_dtype(it.unit.param).itemsize
+
+        send_parts, send_sizes = [], []
+        for r in node_ranks:
+            parts = [results[it.unit.index][slice(*piece(it, r))].to(compute_dtype(it.unit.param))
+                     for it in items if it.owner == self.local]
+            send_parts += [p.reshape(-1).view(torch.uint8) for p in parts]
+            send_sizes.append(sum(p.numel() * p.element_size() for p in parts))
+        recv_sizes = [sum((piece(it, me)[1] - piece(it, me)[0]) * itemsize(it) for it in items if it.owner == j)
+                      for j in range(self.L)]
+        device = self.layout.device
+        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8, device=device)
+        handle = self.nodes.levels.intra.all_to_all_v(send, send_sizes, recv_sizes,
+                                                      name=f"dad.zero.from_owner.{items[0].name}")
+        got = handle.wait()
+        offsets = [sum(recv_sizes[:j]) for j in range(self.L)]
+        for it in items:
+            j, (a, b) = it.owner, piece(it, me)
+            nbytes = (b - a) * itemsize(it)
+            owned = got[offsets[j]:offsets[j] + nbytes].view(compute_dtype(it.unit.param))
+            offsets[j] += nbytes
+            self.deliver(it.unit, owned)
+        return handle.traffic
+
+    def _report_items(self, items: List[HopItem], report: ShardedStepReport, to_owner: Traffic,
+                      between: Mapping[int, Traffic], from_owner: Traffic) -> None:
+        """Per weight: its route at two levels, the hops inside the node shared by size, and what
+        crossed between nodes (the owners'; others 0)."""
+        total = float(sum(it.unit.shape[0] * it.unit.shape[1] for it in items)) or 1.0
+        for it in items:
+            u = it.unit
+            share = u.shape[0] * u.shape[1] / total
+            rep = self._report(u.name, it.rep, u.param)
+            rep.level = "two_level"
+            rep.rows = sum(left.shape[0] for left, _ in self.rows[u.index]) if it.rep == "exact" else 0
+            rep.add_traffic(to_owner.share(share))
+            rep.add_traffic(from_owner.share(share))
+            hop2 = between.get(u.index)
+            if hop2 is not None:
+                rep.add_traffic(hop2)
+                rep.inter_bytes += hop2.received
+            report.params.append(rep)
+        for p in self.params:
+            if id(p) not in self.delivered:
+                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+
+
+def node_partition_layout(levels: Optional[Levels], flat: PartitionLayout,
+                          units: Sequence[FactorUnit]) -> Optional[NodeLayout]:
+    """The two-level layout where the job spans nodes (``levels`` given), else None (flat calls)."""
+    return NodeLayout.build(levels, flat, units) if levels is not None else None
