@@ -31,6 +31,7 @@ rank (``adaptive_tolerance``) is refused, and so is FSDP1 (`engines.fsdp_detect`
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Dict, List, Mapping, Optional, Union
 
@@ -43,10 +44,14 @@ from dad_integrations import fsdp_seams as seams
 from dad_integrations.capture.committed import CommittedRows
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
+from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
+from dad_integrations.comm.link_spec import level_link_specs
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
-from dad_integrations.config import DADConfig
+from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.engines.fsdp_detect import reject_fsdp1
+from dad_integrations.logs import OnceLogger
+from dad_integrations.exchange.replicate_hop import ReplicateGroups, ReplicateHopCall
 from dad_integrations.exchange.row_shards import RowShardCall
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
 from dad_integrations.fsdp_seams import DADReduceScatter
@@ -78,18 +83,15 @@ class FSDPDADSynchronizer(ShardedFacade):
             raise ValueError("enable_dad_fsdp: 'adaptive_tolerance' is not supported under FSDP2 (the sharded rank "
                              "routes exchange equal blocks of r components from every rank); leave it unset")
         reject_fsdp1(model, "enable_dad_fsdp")
-        self.exchanger = ShardedExchanger(
-            self.config, engine="FSDP2", fallback="FSDP's reduce-scatter", process_rank=dist.get_rank(),
-            world_size=dist.get_world_size(), logger=log,
-            overhead_names={"counts": "dad.fsdp.row_counts", "verify": "dad.fsdp.verify", "finite": "dad.fsdp.finite"})
-        self._log_once = self.exchanger.log_once
+        self._log_once = OnceLogger(log, "dAD/FSDP2: ")
         self._closed = False
         self._task: Optional[int] = None
         self._aggregators: Dict[int, TorchDistributedAggregator] = {}
         self._with_grad: Dict[int, list] = {}  # per group: the FSDPParams its post_backward reduces
         groups = seams.param_groups(model, self._log_once)
         if not groups:
-            raise ValueError("enable_dad_fsdp: no fully_shard-ed module (with a 1-D shard mesh) in the model")
+            raise ValueError("enable_dad_fsdp: no fully_shard-ed module (with a shard mesh dim) in the model")
+        self._replicate = self._replicate_groups([pg for _, pg in groups])  # HSDP: None on a 1-D mesh
         self._fp_of = {id(fp.sharded_param): (pg, fp) for _, pg in groups for fp in pg.fsdp_params}
         self._names = {id(p): n for n, p in model.named_parameters()}
         self.plan = build_plan(model, self.config)
@@ -109,10 +111,23 @@ class FSDPDADSynchronizer(ShardedFacade):
             self._unit_of[id(unit.param)] = unit
         units = list(self._unit_of.values())
         self._committed = CommittedRows(units)  # see the module doc
-        self.exchanger.start(TorchDistributedAggregator(), units[0].param.device if units else None, units)
+        rep = self._replicate
+        config = self.config if rep is None else hsdp_config(self.config)
+        self.exchanger = ShardedExchanger(
+            config, engine="FSDP2", fallback="FSDP's reduce-scatter" if rep is None else "HSDP's own reduction",
+            process_rank=dist.get_rank(), world_size=dist.get_world_size(), logger=log,
+            overhead_names={"counts": "dad.fsdp.row_counts", "verify": "dad.fsdp.verify", "finite": "dad.fsdp.finite"},
+            rank_codec=None if rep is None or config.rank is None else ReplicateRankCodec(
+                config, WIRE_DTYPES[config.wire_dtype], rep.intra, rep.cross))
+        self.exchanger.log_once = self._log_once
+        self.exchanger.start(TorchDistributedAggregator() if rep is None else rep.world,
+                             units[0].param.device if units else None, units,
+                             link_probe=None if rep is None else rep.probe_link)
         self._forward_hook = self.exchanger.watch_forward(model)
         self._installed = groups
         for module, pg in groups:
+            if rep is not None:
+                seams.take_replicate_hop(pg)
             seams.install(module, pg, self._reduce, self._with_grad)
         banner.announce("FSDP2", self.config, process_rank=dist.get_rank(), world_size=dist.get_world_size(),
                         factor_weights=len(units), dense_params=banner.dense_count(model, units))
@@ -120,6 +135,34 @@ class FSDPDADSynchronizer(ShardedFacade):
     @property
     def _trial(self):
         return self.exchanger.trial
+
+    def _replicate_groups(self, pgs: list) -> Optional[ReplicateGroups]:
+        """HSDP's groups (`exchange.replicate_hop`) where the model is sharded on a 2-D mesh; refuses,
+        before anything is changed, what dAD cannot take there."""
+        hsdp = [pg for pg in pgs if seams.is_hsdp(pg)]
+        if not hsdp:
+            return None
+        reason = seams.hsdp_supported()
+        if reason is not None:
+            raise ValueError(f"enable_dad_fsdp: the model is sharded with HSDP, but {reason}")
+        if len(hsdp) < len(pgs):
+            raise ValueError("enable_dad_fsdp: the model mixes HSDP (2-D mesh) and 1-D fully_shard groups; "
+                             "shard every module on the same mesh")
+        infos = [pg.mesh_info for pg in hsdp]
+        key = {(id(i.shard_process_group), id(i.replicate_process_group)) for i in infos}
+        if len(key) > 1:
+            raise ValueError("enable_dad_fsdp: HSDP modules on different meshes; shard every module on one mesh")
+        info = infos[0]
+        grid = seams.hsdp_grid(info)
+        if sum(len(row) for row in grid) != dist.get_world_size():
+            raise ValueError(f"enable_dad_fsdp: the HSDP mesh holds {sum(len(r) for r in grid)} ranks, the job "
+                             f"{dist.get_world_size()}; dAD takes meshes over the whole job")
+        groups = ReplicateGroups(TorchDistributedAggregator(), TorchDistributedAggregator(info.shard_process_group),
+                                 TorchDistributedAggregator(info.replicate_process_group), grid, dist.get_rank())
+        if (dist.get_process_group_ranks(info.shard_process_group) != grid[groups.node]
+                or dist.get_process_group_ranks(info.replicate_process_group) != groups.column(groups.shard)):
+            raise ValueError("enable_dad_fsdp: the HSDP mesh's process groups do not follow its rank grid")
+        return groups
 
     def _unsupported(self, p: torch.Tensor) -> Optional[str]:
         entry = self._fp_of.get(id(p))
@@ -133,6 +176,7 @@ class FSDPDADSynchronizer(ShardedFacade):
         self._forward_hook.remove()
         for module, pg in self._installed:
             seams.uninstall(module, pg)
+            seams.give_back_replicate_hop(pg)
         for capture in self.plan.captures:
             capture.remove()
         self._committed.remove()
@@ -143,7 +187,13 @@ class FSDPDADSynchronizer(ShardedFacade):
 
     # -- the reduce-scatter -----------------------------------------------------------------------
     def _reduce(self, pg, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op) -> None:
-        agg = self._aggregators.setdefault(id(group), TorchDistributedAggregator(group))
+        rep = self._replicate
+        if rep is not None and not pg.all_reduce_grads:
+            raise RuntimeError("dAD/FSDP2: set_requires_all_reduce(False) (HSDP's reduce-scatter-only "
+                               "accumulation) is not supported with dAD, which takes the all-reduce between "
+                               "nodes; accumulate with set_requires_gradient_sync(False) (Accelerate's no_sync), "
+                               "which dAD handles without any reduction")
+        agg = rep.world if rep is not None else self._aggregators.setdefault(id(group), TorchDistributedAggregator(group))
         task = torch._C._current_graph_task_id()  # every group's call of one backward shares it
         ex = self.exchanger
         if ex.report is None or task != self._task or task < 0:
@@ -162,7 +212,14 @@ class FSDPDADSynchronizer(ShardedFacade):
         if slots is None:
             self._log_once(f"group {pg._module_fqn or '<root>'}: could not map FSDP's buffer to its parameters; "
                            f"FSDP's reduce-scatter used for the whole group")
-            seams.reduce_scatter_whole(pg, out, inp, group, op, ex.report)
+            if rep is None:
+                seams.reduce_scatter_whole(pg, out, inp, group, op, ex.report)
+            else:
+                predivide, scale = seams.hsdp_scaling(pg, seams.hsdp_info(pg), inp)
+                _HSDPCall(self, [seams.whole_slot(pg, inp, S)], out, inp, predivide, scale).reduce_dense(ex.report)
+        elif rep is not None:
+            predivide, scale = seams.hsdp_scaling(pg, seams.hsdp_info(pg), inp)
+            ex.reduce(_HSDPCall(self, slots, out, inp, predivide, scale))
         else:
             predivide, scale = seams.scaling(pg, group, inp, op)
             ex.reduce(_FSDPCall(self, slots, out, inp, predivide, group, op, scale, agg))
@@ -193,3 +250,33 @@ class _FSDPCall(RowShardCall):
             end()  # not inside a backward: this call is the step
         else:       # after every group's reduce-scatter, FSDP's final callback included
             Variable._execution_engine.queue_callback(end)
+
+
+class _HSDPCall(ReplicateHopCall):
+    """One HSDP reduce-scatter, FSDP's part of `exchange.replicate_hop.ReplicateHopCall`."""
+
+    def __init__(self, sync: FSDPDADSynchronizer, slots: list, out: torch.Tensor, inp: torch.Tensor,
+                 predivide: float, scale: float):
+        ex = sync.exchanger
+        super().__init__(slots, out, inp, predivide, scale, sync._replicate, ex.wire, ex.rank_codec, ex.config)
+        self.sync = sync
+
+    def units(self) -> List[FactorUnit]:
+        return [u for u in (self.sync._unit_of.get(id(s.param)) for s in self.slots) if u is not None]
+
+    def take_pairs(self, unit: FactorUnit, use) -> list:
+        return self.sync._committed.take(use)
+
+    def reduce_scatter_node(self, compact: torch.Tensor) -> torch.Tensor:
+        intra = self.groups.intra
+        result = torch.empty(compact.numel() // intra.world_size, dtype=compact.dtype, device=compact.device)
+        dist.reduce_scatter_tensor(result, compact, op=dist.ReduceOp.SUM, group=intra._group)
+        return result
+
+    at_step_end = _FSDPCall.at_step_end
+
+
+def hsdp_config(config: DADConfig) -> DADConfig:
+    """Under HSDP dAD's routes run between nodes: a ``link`` stated per hop gives its ``inter`` part."""
+    levels = level_link_specs(config.link) if isinstance(config.link, Mapping) else None
+    return config if levels is None else dataclasses.replace(config, link=dict(levels["inter"]))

@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllocMixin, DefaultReduceScatter,
                                                                     _get_gradient_divide_factors)
-from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
 from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
@@ -45,9 +45,9 @@ def param_groups(model: nn.Module, log_once: Callable[[str], None]) -> List[Tupl
         if len(pgs) > 1:
             log_once(f"{type(module).__name__} has {len(pgs)} parameter groups: FSDP's reduce-scatter kept")
             continue
-        kept = [pg for pg in pgs if type(pg.mesh_info) is FSDPMeshInfo]  # not HSDP/replicate (subclasses)
+        kept = [pg for pg in pgs if type(pg.mesh_info) in (FSDPMeshInfo, HSDPMeshInfo)]
         if len(kept) < len(pgs):
-            log_once(f"{type(module).__name__}: HSDP/replicate mesh, FSDP's own reduction kept")
+            log_once(f"{type(module).__name__}: replicate-only mesh (no shard dim), FSDP's own reduction kept")
         for pg in kept:
             if id(pg) not in seen:
                 seen.add(id(pg))
@@ -103,12 +103,16 @@ def slots_of(fps: list, names: Dict[int, str], inp: torch.Tensor, S: int) -> Opt
     return slots if offset * S == inp.numel() else None
 
 
+def whole_slot(pg, inp: torch.Tensor, S: int) -> ShardSlot:
+    """A group's whole buffer as one slot (where its parameters could not be mapped)."""
+    return ShardSlot(f"{pg._module_fqn}.*", None, 0, inp.numel() // S, inp.numel() // S, (inp.numel(),))
+
+
 def reduce_scatter_whole(pg, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op,
                          report: ShardedStepReport) -> None:
     """FSDP's own reduce-scatter of a whole group's buffer (where its parameters could not be mapped)."""
     S = group.size()
-    whole = ShardSlot(f"{pg._module_fqn}.*", None, 0, inp.numel() // S, inp.numel() // S, (inp.numel(),))
-    reduce_scatter([whole], ShardSink([], out, inp, S), group, op, report)
+    reduce_scatter([whole_slot(pg, inp, S)], ShardSink([], out, inp, S), group, op, report)
 
 
 def reduce_scatter(dense: List[ShardSlot], sink: ShardSink, group, op, report: ShardedStepReport) -> None:
@@ -137,3 +141,76 @@ def scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float,
     if rs_op == ReduceOp.SUM:
         return pre, 1.0 / pre
     return pre, 1.0 / pre / float(pg.gradient_divide_factor)
+
+
+# -- HSDP: the replicate hop ------------------------------------------------------------------------
+# torch 2.13's FSDPParamGroup runs its all-reduce between replicas inside `foreach_reduce`, with no
+# hook that can replace it (`set_all_reduce_hook` runs after it on a 2-D mesh). It runs it when the
+# group's own ``mesh_info`` is a `DDPMeshInfo` (HSDP's is). dAD gives the group a 1-D view of the
+# same shard dim instead: FSDP then reduce-scatters inside the node and stops, and dAD's
+# reduce-scatter does the hop between nodes. The FSDPParams keep their own 2-D mesh info, so
+# parameters, gradients and state dicts stay DTensors on the ("replicate", "shard") mesh, exactly
+# as without dAD. No function is patched; the attribute is put back at `close`. Checked by
+# `tests/test_hsdp.py` on the torch versions below; others are refused.
+HSDP_TORCH = ("2.13",)
+
+
+def is_hsdp(pg) -> bool:
+    return type(pg.mesh_info) is HSDPMeshInfo
+
+
+def hsdp_supported() -> Optional[str]:
+    """Why this torch cannot take HSDP's replicate hop; None where it can."""
+    version = torch.__version__.split("+")[0]
+    if not any(version == v or version.startswith(v + ".") for v in HSDP_TORCH):
+        return (f"torch {torch.__version__}: dAD takes HSDP's replicate hop through FSDP2 internals checked on "
+                f"torch {', '.join(HSDP_TORCH)} only")
+    return None
+
+
+def take_replicate_hop(pg) -> HSDPMeshInfo:
+    """Make ``pg`` reduce-scatter inside the node only (see above); returns its HSDP mesh info."""
+    info = pg.mesh_info
+    view = FSDPMeshInfo(mesh=info.mesh, shard_mesh_dim=info.shard_mesh_dim, dp_mesh_dims=info.dp_mesh_dims,
+                        spmd_mesh=info.spmd_mesh)
+    view.reduce_scatter_process_group = info.reduce_scatter_process_group
+    if pg.post_forward_mesh_info is info:  # reshard after forward onto the same mesh: kept so
+        pg.post_forward_mesh_info = view
+    pg.mesh_info = view
+    pg._dad_hsdp_info = info
+    return info
+
+
+def give_back_replicate_hop(pg) -> None:
+    info = pg.__dict__.pop("_dad_hsdp_info", None)
+    if info is None:
+        return
+    if pg.post_forward_mesh_info is pg.mesh_info:
+        pg.post_forward_mesh_info = info
+    pg.mesh_info = info
+
+
+def hsdp_info(pg) -> Optional[HSDPMeshInfo]:
+    """``pg``'s HSDP mesh info where dAD took its replicate hop."""
+    return pg.__dict__.get("_dad_hsdp_info")
+
+
+def hsdp_grid(info: HSDPMeshInfo) -> List[List[int]]:
+    """World ranks as ``grid[node][s]``: the replicate dim first, the shard dim second."""
+    ranks = info.mesh.mesh
+    order = [info.replicate_mesh_dim, info.shard_mesh_dim]
+    if ranks.dim() != 2:
+        raise ValueError(f"HSDP mesh of {ranks.dim()} dims (dAD takes 2-D (replicate, shard) meshes)")
+    return ranks.permute(*order).tolist()
+
+
+def hsdp_scaling(pg, info: HSDPMeshInfo, inp: torch.Tensor) -> Tuple[float, float]:
+    """FSDP's predivide (already applied to ``inp``) under the 1-D view, and what a sum over the
+    world of local gradients must be multiplied by so that FSDP's post-divide (the view's) leaves
+    what HSDP keeps: the sum over ``gradient_divide_factor`` (default: the world size)."""
+    shard = info.shard_process_group
+    pre, post, _, _ = _get_gradient_divide_factors(shard, None, inp.dtype, inp.device.type,
+                                                   pg.gradient_divide_factor, pg.force_sum_reduction_for_comms)
+    world = shard.size() * info.replicate_process_group.size()
+    divide = float(pg.gradient_divide_factor or world)
+    return (pre or 1.0), (post or 1.0) / divide

@@ -94,6 +94,8 @@ class ShardedParamReport(ParamReport):
     would send per rank (``(S-1)/S`` of its padded gradient: FSDP2 pads dim 0, ZeRO the flat size)."""
 
     reduce_scatter_bytes: float = 0.0
+    # HSDP: what its own all-reduce of this shard between nodes would send per rank
+    replicate_bytes: float = 0.0
 
     @classmethod
     def of_shard(cls, name: str, representation: str, shape: tuple, shard_numel: int, world_size: int,
@@ -129,6 +131,11 @@ class ShardedStepReport(StepReport):
         rs = float(sum(getattr(p, "reduce_scatter_bytes", 0.0) for p in self.params))
         out["reduce_scatter_bytes"] = rs
         out["ratio_reduce_scatter"] = out["sent_bytes"] / rs if rs else 0.0
+        rep = float(sum(getattr(p, "replicate_bytes", 0.0) for p in self.params))
+        if rep:  # HSDP: bytes between nodes against its own all-reduce's
+            out["replicate_bytes"] = rep
+            out["inter_bytes"] = float(sum(p.inter_bytes for p in self.params))
+            out["ratio_replicate"] = out["inter_bytes"] / rep
         return out
 
 

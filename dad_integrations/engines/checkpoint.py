@@ -133,6 +133,9 @@ def _old_states(first: dict, directory: str, index: int, saved_world: int) -> It
 # -- another world size ---------------------------------------------------------------------------------
 # What one unit's entry holds, and what becomes of it at another size (merge_rank_states' doc says why)
 _UNIT_MEAN = ("residual",)
+# HSDP's replicate hop (`codecs.replicate_rank`): a residual is rank s's rows of its node's, tagged
+# ``shard: [s, L]``; the mean is taken per s (over the old nodes), and each new rank keeps its own s
+_UNIT_SHARDED = ("shard", "residual_shards")
 _UNIT_FROM_RANK0 = ("shared_q",)
 _UNIT_RESTART = {"warm_q": None, "dense_only": False, "rows_unused": False, "last_rows": None}
 _TOP_FROM_RANK0 = ("version", "steps")
@@ -170,6 +173,8 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
     merged: Optional[dict] = None
     table: Optional[str] = None
     residuals: Dict[str, _Mean] = {}
+    shard_residuals: Dict[str, Dict[int, _Mean]] = {}  # HSDP: per weight, per shard index
+    counts: Dict[Tuple[str, int], int] = {}
     old_ranks = 0
     for state in states:
         state = dict(state)
@@ -191,13 +196,24 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
                     if merged_units[name].get(k) is None and entry.get(k) is not None:
                         merged_units[name][k] = entry[k]
         for name, entry in units.items():
-            if entry.get("residual") is not None:
+            if entry.get("shard") is not None:
+                s, width = entry["shard"]
+                merged_units[name]["shard"] = [None, width]
+                counts[(name, s)] = counts.get((name, s), 0) + 1
+                if entry.get("residual") is not None:
+                    shard_residuals.setdefault(name, {}).setdefault(s, _Mean()).add(entry["residual"])
+            elif entry.get("residual") is not None:
                 residuals.setdefault(name, _Mean()).add(entry["residual"])
         old_ranks += 1
     if merged is None:
         raise ValueError("no dAD state to merge")
     for name, mean in residuals.items():
         merged_units[name]["residual"] = mean.result(old_ranks)
+    for name, by_shard in shard_residuals.items():
+        # a node's residual is in units of its sum: the mean over nodes keeps what the average owes
+        # at any node count of the same width, ``(1/(R' L)) R' e' = (1/(R L)) sum e``
+        merged_units[name]["residual_shards"] = {s: m.result(counts[(name, s)]) for s, m in by_shard.items()}
+    residuals = {**residuals, **{f"{n}#{s}": m for n, by in shard_residuals.items() for s, m in by.items()}}
     if table is None:
         merged = merged_units
     else:
@@ -219,7 +235,7 @@ def _merge_top(top: Mapping) -> dict:
 
 
 def _merge_unit(name: str, entry: Mapping) -> dict:
-    unknown = sorted(set(entry) - set(_UNIT_MEAN) - set(_UNIT_FROM_RANK0) - set(_UNIT_RESTART))
+    unknown = sorted(set(entry) - set(_UNIT_MEAN) - set(_UNIT_FROM_RANK0) - set(_UNIT_RESTART) - set(_UNIT_SHARDED))
     if unknown:
         raise ValueError(f"dAD state of {name!r} has keys {unknown} that cannot be carried to another world "
                          f"size (unknown keys)")

@@ -42,6 +42,7 @@ from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routing.router import (Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route,
                                              sharded_needs_counts)
 from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
+from dad_integrations.routing.timing import LinkProbe
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +152,14 @@ class ShardedExchanger(TimedRoutes):
 
     def __init__(self, config: DADConfig, *, engine: str, fallback: str,
                  overhead_names: Mapping[str, str], process_rank: int, world_size: int,
-                 logger: logging.Logger = log):
+                 logger: logging.Logger = log, rank_codec: Optional[ShardedRankCodec] = None):
         self.config, self.engine, self.fallback = config, engine, fallback
         self.names = dict(overhead_names)
         self.process_rank, self.world_size = process_rank, world_size
         self.wire = WIRE_DTYPES[config.wire_dtype]
         # the rank routes' error feedback and warm starts (None without a rank)
-        self.rank_codec = ShardedRankCodec(config, self.wire) if config.rank is not None else None
+        # (an adapter may bring its own: HSDP's replicate hop, `codecs.replicate_rank`)
+        self.rank_codec = rank_codec or (ShardedRankCodec(config, self.wire) if config.rank is not None else None)
         self._trial = ShardedTrial(config, f"dAD/{engine}", log_decisions=process_rank == 0)
         self.log = logger
         self.log_once = OnceLogger(logger, f"dAD/{engine}: ")
@@ -170,13 +172,16 @@ class ShardedExchanger(TimedRoutes):
     def trial(self) -> ShardedTrial:
         return self._trial
 
-    def start(self, aggregator: FactorAggregator, device: torch.device, units: Sequence[FactorUnit]) -> None:
+    def start(self, aggregator: FactorAggregator, device: torch.device, units: Sequence[FactorUnit],
+              link_probe: Optional[LinkProbe] = None) -> None:
         """At attach, on every rank together: say what error feedback costs beside the shards
         (rank 0), and measure the models where routes go by time."""
         note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size,
                                      units[0].param.element_size() if units else 4)
-        if note is not None and self.process_rank == 0:
+        if note is not None and self.process_rank == 0 and not getattr(self.rank_codec, "residual_is_sharded", False):
             self.log.warning("dAD/%s: %s", self.engine, note)
+        if link_probe is not None:  # the link routes are timed on, where not the group's own (HSDP)
+            self._trial.engine.probe = link_probe
         if units:
             self._trial.start(units, aggregator, device)
 

@@ -29,9 +29,10 @@ the config's stated link) for a synchroniser's units.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,6 +43,8 @@ from dad_integrations.routing.link import LinkModel, probe_link
 from dad_integrations.rng import isolated
 
 log = logging.getLogger(__name__)
+
+LinkProbe = Callable[[FactorAggregator, torch.device], LinkModel]  # measures a link (a collective)
 
 # representation -> collective kind it puts on the wire, unsharded and sharded (FSDP2, ZeRO)
 COLLECTIVES = {"dense": "all_reduce", "exact": "all_gather", "rank": "all_gather", "rank_allreduce": "all_reduce"}
@@ -83,7 +86,7 @@ def wants_timing(config: DADConfig) -> bool:
 
 def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregator: FactorAggregator,
                  device: torch.device, *, link_kinds: Sequence[str] = ("all_reduce", "all_gather"),
-                 dtype: torch.dtype = torch.float32) -> Optional[StepTiming]:
+                 dtype: torch.dtype = torch.float32, probe: Optional[LinkProbe] = None) -> Optional[StepTiming]:
     """Measure (or, for a stated ``link``, take) the models for units of ``shapes``; None where
     the config does not choose by time. A collective: every rank calls it at the same point."""
     if not wants_timing(config):
@@ -95,7 +98,8 @@ def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregato
         if config.link is not None:
             link = LinkModel.from_spec(config.link)
         else:
-            link = probe_link(aggregator, device, kinds=link_kinds)
+            link = probe(aggregator, device) if probe is not None else probe_link(aggregator, device,
+                                                                                  kinds=link_kinds)
         compute = measure_compute(shapes, rank=config.rank, world_size=aggregator.world_size,
                                   iterations=config.power_iterations, error_feedback=config.error_feedback,
                                   device=device, dtype=dtype, aggregator=aggregator)
@@ -113,20 +117,23 @@ class EngineTiming:
     `sharded_trial.ShardedTrial` owns one, and checks the routes it predicts against all dense on
     the job's steps (route trials, as `route_trial` under the unsharded engines)."""
 
-    def __init__(self, config: DADConfig):
+    def __init__(self, config: DADConfig, probe: Optional[LinkProbe] = None):
         self.config = config
         self.timing: Optional[StepTiming] = None
         self._probed_step = 0
+        # how the link is measured: on the engine's group by default; HSDP's adapter times the hop
+        # between nodes (a collective on every rank all the same)
+        self.probe: LinkProbe = probe or functools.partial(probe_link, kinds=("all_reduce", "all_gather",
+                                                                                "all_to_all"))
 
     def start(self, shapes: Iterable[Tuple[int, int]], aggregator: FactorAggregator, device: torch.device) -> None:
-        self.timing = build_timing(self.config, shapes, aggregator, device,
-                                   link_kinds=("all_reduce", "all_gather", "all_to_all"))
+        self.timing = build_timing(self.config, shapes, aggregator, device, probe=self.probe)
 
     def get(self, aggregator: FactorAggregator, device: torch.device, step: int) -> Optional[StepTiming]:
         """The models for synchronised step ``step`` (0-based)."""
         if self.timing is None:
             return None
         if self.config.link is None and step > self._probed_step and step % self.config.route_refresh_steps == 0:
-            self.timing = dataclasses.replace(self.timing, link=probe_link(aggregator, device))
+            self.timing = dataclasses.replace(self.timing, link=self.probe(aggregator, device))
             self._probed_step = step
         return self.timing

@@ -1,0 +1,250 @@
+"""Rank routes on HSDP's replicate hop: each node's gradient to rank r, only its row shards between nodes.
+
+HSDP (FSDP2 on a 2-D ``("replicate", "shard")`` mesh) shards every weight ``m x n`` over the L
+ranks of a node (rank s keeps rows ``[s c, (s+1) c)``, ``c = ceil(m/L)``) and replicates the
+shards over the R nodes. After the reduce-scatter inside the node, rank s holds ``M_s``, its rows
+of the *node's* sum ``M`` (plus its rows of the node's error-feedback residual); the hop between
+nodes must then add the R nodes' ``M``. Sites are nodes here, and a node's matrix is spread over
+its L ranks by rows, so a right factor ``Q`` (n x r) is the same on every rank of the node: it is
+summed inside the node and crosses between nodes once per node, cut into L pieces (one per local
+rank), never L times. ``w`` is the wire itemsize.
+
+**PowerSGD's all-reduce (``"rank_allreduce"``)**, with ``Q`` the same on every rank of the job
+(the last step's, or a shared seed):
+
+    P_s = M_s Q        all-reduced between nodes        (c r w per rank; the node's rows of sum_nodes M Q)
+    P^ = orth(P)       P's L row blocks all-gathered inside the node
+    Q_node = sum_s M_s^T P^_s   all-reduced inside the node
+    Q' = sum_nodes Q_node       piece s (n r / L numbers) all-reduced between nodes by rank s,
+                                the pieces all-gathered inside the node
+    shard_s = scale P^_s Q'^T
+
+It is flat PowerSGD on the job's gradient (the same P^ and Q'), with the node as the site of error
+feedback: the residual ``M_s - P^_s Q_node^T`` is rank s's rows of the node's, ``c x n``: sharded,
+unlike the 1-D codec's (`sharded_rank`), where every rank keeps a whole ``m x n`` one. Bytes between
+nodes per rank and power iteration: ``2 (R-1)/R r (c + n/L) w``, against HSDP's own all-reduce of the
+shard, ``2 (R-1)/R c n b``.
+
+**rank-dAD (``"rank"``)**: each node reduces its own ``M`` to rank r by power iterations inside
+the node (``P_s = M_s Q``, P^ from the all-gathered blocks, ``Q_node`` all-reduced inside the node;
+warm-started from the node's last ``Q_node``), then between nodes rank s all-gathers every node's
+``P^_s`` (c x r) and piece s of its ``Q_node``, and the pieces are all-gathered inside the node:
+
+    shard_s = scale sum_nodes P^_{node,s} Q_node^T = scale [P^_{1,s} .. P^_{R,s}] [Q_1 .. Q_R]^T
+
+``(R-1) r (c + n/L) w`` between nodes per rank. The residual is ``M_s - P^_s Q_node^T``, as above.
+
+Every rank of a shard column (the ranks holding the same rows on each node) computes from the same
+numbers in the same order, so the replicas stay identical bit for bit, as HSDP's all-reduce keeps
+them. A non-finite ``M_s`` spreads NaN through the power iterations to every rank, as the dense
+reduction would; its residuals and warm starts are dropped at the step's end
+(`sharded_rank.ShardedRankCodec.end_step`, whose bookkeeping this codec inherits).
+"""
+from __future__ import annotations
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from dad_integrations.capture.rows import compute_dtype
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.codecs.low_rank import orthonormalize
+from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
+from dad_integrations.codecs.sharded_rank import ROUTES, RankShard, ShardedRankCodec
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.config import DADConfig
+
+
+def piece_span(numel: int, pieces: int, index: int) -> Tuple[int, int]:
+    """Elements ``[lo, hi)`` of piece ``index`` when ``numel`` is cut into ``pieces`` near-equal
+    pieces (the last ones may be shorter or empty)."""
+    size = -(-numel // pieces)
+    return min(index * size, numel), min((index + 1) * size, numel)
+
+
+class ReplicateItem:
+    """One unit's local side: rank s's rows of the node's (compensated) sum, and r."""
+
+    def __init__(self, unit: FactorUnit, representation: str, node_rows: torch.Tensor, rank: int):
+        self.unit, self.representation, self.local, self.rank = unit, representation, node_rows, rank
+
+
+class ReplicateRankCodec(ShardedRankCodec):
+    """The two rank routes on the replicate hop (module doc). ``intra``: the node's L ranks (the
+    shard group); ``cross``: the R ranks holding the same rows on each node (the replicate group).
+    Error feedback, warm starts and a step's finiteness are the 1-D codec's."""
+
+    def __init__(self, config: DADConfig, wire_dtype, intra: FactorAggregator, cross: FactorAggregator):
+        super().__init__(config, wire_dtype)
+        self.intra, self.cross = intra, cross
+
+    residual_is_sharded = True  # each rank keeps its rows of its node's residual (module doc)
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self):
+        """The 1-D codec's state, each entry tagged ``shard: [s, L]``: its residual is rows s of its
+        node's, which `engines.checkpoint.merge_rank_states` averages per s at another node count."""
+        out = super().state_dict()
+        for entry in out.values():
+            entry["shard"] = [self.intra.rank, self.intra.world_size]
+        return out
+
+    def load_state_dict(self, state, params) -> None:
+        """`ShardedRankCodec.load_state_dict`, keeping this rank's rows: its own residual, or its
+        rows' mean over the old nodes (``residual_shards``, from another node count). The shard
+        width L must be the saved one (a resharded residual would need every node's rows)."""
+        s, width = self.intra.rank, self.intra.world_size
+        own = {}
+        for name, entry in state.items():
+            entry = dict(entry)
+            saved = entry.pop("shard", None)
+            if saved is not None and saved[1] != width:
+                raise ValueError(f"dAD state of {name!r} was saved with {saved[1]} shards per node, this job has "
+                                 f"{width}: HSDP's rank-route residuals resume at the same shard width (any node "
+                                 f"count), or set 'error_feedback': false to start them afresh")
+            shards = entry.pop("residual_shards", None)
+            if shards is not None:
+                entry["residual"] = shards.get(s, shards.get(str(s)))
+            elif saved is not None and saved[0] is not None and saved[0] != s:
+                raise ValueError(f"dAD state of {name!r} holds rows {saved[0]} of the node's residual, but this "
+                                 f"rank keeps rows {s}: not this rank's file")
+            own[name] = entry
+        super().load_state_dict(own, params)
+
+    def node_local(self, unit: FactorUnit, node_rows: torch.Tensor, representation: str) -> ReplicateItem:
+        """``M_s``: this rank's rows (``c x n``, padded) of the node's sum, plus its residual."""
+        if representation not in ROUTES:
+            raise ValueError(f"not a rank route: {representation!r}")
+        m, n = unit.shape
+        r = min(self.config.rank, m, n)
+        return ReplicateItem(unit, representation, self.memory.compensate(unit.name, node_rows), r)
+
+    def exchange_node(self, items: Sequence[ReplicateItem], scale: float, step: int,
+                      wire: torch.dtype) -> List[RankShard]:
+        """Each item's shard, ``scale`` times its rows of the rank-r sum over nodes (in ``items``' order)."""
+        wire = self.wire_dtype or wire
+        out = {}
+        for route in ROUTES:
+            chosen = [(i, it) for i, it in enumerate(items) if it.representation == route]
+            if chosen:
+                run = self._powersgd if route == "rank_allreduce" else self._rank_dad
+                out.update(zip([i for i, _ in chosen], run([it for _, it in chosen], scale, step, wire)))
+        return [out[i] for i in range(len(items))]
+
+    # -- the pieces both routes share ----------------------------------------------------------
+    def _basis(self, items, qs, wire, across: bool, traffic: List[Traffic]) -> List[torch.Tensor]:
+        """P^_s for each item: ``M_s Q`` (all-reduced between nodes where ``across``), its L row
+        blocks all-gathered inside the node and orthonormalised alike on every rank."""
+        ps = [it.local @ q for it, q in zip(items, qs)]
+        flat = torch.cat([p.reshape(-1) for p in ps]).to(wire)
+        if across:
+            handle = self.cross.all_reduce(flat, name=f"dad.replicate.p.{items[0].unit.name}", op="sum")
+            flat = handle.wait()
+            _share(traffic, handle.traffic, [p.numel() for p in ps])
+        gathered = self.intra.all_gather(flat, name=f"dad.replicate.p_blocks.{items[0].unit.name}",
+                                         first_dims=[flat.numel()] * self.intra.world_size).wait()
+        bases, offset, s = [], 0, self.intra.rank
+        for it, p in zip(items, ps):
+            full = torch.cat([g[offset:offset + p.numel()].view(p.shape) for g in gathered]).to(p.dtype)
+            c = p.shape[0]
+            bases.append(orthonormalize(full)[s * c:(s + 1) * c])
+            offset += p.numel()
+        return bases
+
+    def _node_q(self, items, bases) -> List[torch.Tensor]:
+        """``Q_node = sum_s M_s^T P^_s`` (n x r), all-reduced inside the node."""
+        qs = [it.local.t() @ b for it, b in zip(items, bases)]
+        flat = self.intra.all_reduce(torch.cat([q.reshape(-1) for q in qs]),
+                                     name=f"dad.replicate.q_node.{items[0].unit.name}", op="sum").wait()
+        return _split(flat, [q.shape for q in qs])
+
+    def _pieces(self, flat: torch.Tensor) -> Tuple[int, int]:
+        return piece_span(flat.numel(), self.intra.world_size, self.intra.rank)
+
+    def _gather_pieces(self, piece: torch.Tensor, numel: int, name: str) -> torch.Tensor:
+        """Every local rank's piece of a flat ``numel`` tensor (`piece_span`), joined inside the node."""
+        L = self.intra.world_size
+        dims = [piece_span(numel, L, k)[1] - piece_span(numel, L, k)[0] for k in range(L)]
+        return torch.cat(self.intra.all_gather(piece, name=name, first_dims=dims).wait())
+
+    # -- the routes ------------------------------------------------------------------------------
+    def _powersgd(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
+        traffic = [Traffic() for _ in items]
+        dtypes = [compute_dtype(it.unit.param) for it in items]
+        qs = [self.shared.initial(it.unit, it.unit.shape[1], it.rank, dt, step) for it, dt in zip(items, dtypes)]
+        for _ in range(rank_allreduce_rounds(self.config)):
+            bases = self._basis(items, qs, wire, True, traffic)
+            q_nodes = self._node_q(items, bases)
+            flat = torch.cat([q.reshape(-1) for q in q_nodes]).to(wire)
+            lo, hi = self._pieces(flat)
+            handle = self.cross.all_reduce(flat[lo:hi].clone(), name=f"dad.replicate.q.{items[0].unit.name}",
+                                           op="sum")
+            _share(traffic, handle.traffic, [q.numel() for q in q_nodes])
+            joined = self._gather_pieces(handle.wait(), flat.numel(), f"dad.replicate.q_pieces.{items[0].unit.name}")
+            qs = [q.to(dt) for q, dt in zip(_split(joined, [q.shape for q in q_nodes]), dtypes)]
+        out = []
+        for it, basis, q_node, q_all, t in zip(items, bases, q_nodes, qs, traffic):
+            self._pending.append((self.shared, it.unit, q_all, self._node_residual(it, basis, q_node)))
+            out.append(RankShard((basis * scale) @ q_all.t(), t, it.rank))
+        return out
+
+    def _rank_dad(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
+        traffic = [Traffic() for _ in items]
+        dtypes = [compute_dtype(it.unit.param) for it in items]
+        qs = [self.warm.initial(it.unit, it.unit.shape[1], it.rank, dt, step) for it, dt in zip(items, dtypes)]
+        for _ in range(max(1, self.config.power_iterations)):
+            bases = self._basis(items, qs, wire, False, traffic)
+            qs = self._node_q(items, bases)
+        q_flat = torch.cat([q.reshape(-1) for q in qs])
+        lo, hi = self._pieces(q_flat)
+        send = torch.cat([torch.cat([b.reshape(-1) for b in bases]), q_flat[lo:hi]]).to(wire)
+        handle = self.cross.all_gather(send, name=f"dad.replicate.rank.{items[0].unit.name}",
+                                       first_dims=[send.numel()] * self.cross.world_size)
+        p_numel = sum(b.numel() for b in bases)
+        received = handle.wait()
+        _share(traffic, handle.traffic, [b.numel() + q.numel() // self.intra.world_size for b, q in zip(bases, qs)])
+        joined = self._join_node_pieces(received, p_numel, q_flat.numel(), items)
+        out = []
+        for i, (it, basis, q_node, t) in enumerate(zip(items, bases, qs, traffic)):
+            p_nodes = [j[0][i] for j in joined]   # per node: P^_{node,s}
+            q_all = [j[1][i] for j in joined]     # per node: Q_node
+            left = torch.cat([p.to(dtypes[i]) for p in p_nodes], dim=1) * scale
+            right = torch.cat([q.to(dtypes[i]) for q in q_all], dim=1)
+            self._pending.append((self.warm, it.unit, q_node, self._node_residual(it, basis, q_node)))
+            out.append(RankShard(left @ right.t(), t, it.rank))
+        return out
+
+    def _join_node_pieces(self, received: Sequence[torch.Tensor], p_numel: int, q_numel: int, items):
+        """Per node (in the cross group's order): its P^_s blocks and its whole Q_node per item, the
+        Q pieces all-gathered inside the node."""
+        L = self.intra.world_size
+        dims = [piece_span(q_numel, L, k)[1] - piece_span(q_numel, L, k)[0] for k in range(L)]
+        mine = torch.cat([g[p_numel:] for g in received])  # piece s of every node's Q_node
+        gathered = self.intra.all_gather(mine, name=f"dad.replicate.q_pieces.{items[0].unit.name}",
+                                         first_dims=[d * len(received) for d in dims]).wait()
+        per_node = []
+        for k, g in enumerate(received):
+            p_blocks = _split(g[:p_numel], [(it.local.shape[0], it.rank) for it in items])
+            q_flat = torch.cat([gathered[l].view(len(received), dims[l])[k] for l in range(L)])
+            per_node.append((p_blocks, _split(q_flat, [(it.unit.shape[1], it.rank) for it in items])))
+        return per_node
+
+    def _node_residual(self, it: ReplicateItem, basis: torch.Tensor, q_node: torch.Tensor):
+        """``M_s - P^_s Q_node^T``: this rank's rows of what its node did not send."""
+        if not self.memory.enabled:
+            return None
+        return self.memory.pack(it.unit.name, torch.addmm(it.local, basis, q_node.t(), alpha=-1))
+
+
+def _split(flat: torch.Tensor, shapes) -> List[torch.Tensor]:
+    out, offset = [], 0
+    for a, b in shapes:
+        out.append(flat[offset:offset + a * b].view(a, b))
+        offset += a * b
+    return out
+
+
+def _share(traffic: List[Traffic], total: Traffic, sizes: Sequence[int]) -> None:
+    whole = float(sum(sizes)) or 1.0
+    for i, size in enumerate(sizes):
+        traffic[i] = traffic[i] + total.share(size / whole)

@@ -1,0 +1,216 @@
+"""HSDP's replicate hop: the reduce-scatter stays inside the node, dAD's routes run between nodes.
+
+Under HSDP a weight's rows are sharded over the L ranks of a node and replicated over the R nodes;
+its gradient is reduce-scattered inside the node, then each shard is all-reduced between nodes
+(`routing.replicate_hop` counts the bytes). `ReplicateHopCall` is one such reduction call (one
+FSDP parameter group), run by `exchange.sharded.ShardedExchanger.reduce` like any sharded call
+(routes, first-step check, rank-route state). Ranks are placed on a grid ``grid[node][s]`` of
+world ranks: the node's L ranks form the ``intra`` group, the R ranks holding rows ``s`` on every
+node the ``cross`` group.
+
+Per route, for rank s of node k:
+
+* **exact**: each rank's own rows are all-gathered over ``cross`` (the only bytes between nodes,
+  ``(R-1) N (m+n)``), then the rows of the whole column (R times as many) go through the 1-D
+  sharded exact exchange inside the node (`codecs.sharded_exact`: X all-gathered, D's column
+  slices all-to-all). Every rank of a column stacks the same rows in the same order, so the
+  replicas' shards are equal bit for bit. A node's shared side (X, n wide) thus crosses once
+  per rank's own rows, never once per shard;
+* **rank routes**: the node's reduce-scatter first (dense, inside the node), then
+  `codecs.replicate_rank` on the node's row shards;
+* **dense** (and biases under rank routes, and whatever no route covers): the node's
+  reduce-scatter, then the shard's all-reduce over ``cross``, which is HSDP's own reduction.
+
+The adapter supplies the reduce-scatter inside the node (`reduce_scatter_node`), and says which
+units a call carries (`units`) and where their rows are (`take_pairs`), as for 1-D sharding.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dad_integrations.capture.sink import ShardSink, ShardSlot
+from dad_integrations.capture.units import FactorUnit
+from dad_integrations.codecs.exact import ExactCodec
+from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
+from dad_integrations.codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
+from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
+from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.exchange.checks import agree_factors_rebuild
+from dad_integrations.exchange.sharded import CallRoutes, Estimates, ShardedCall
+from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.routing.replicate_hop import replicate_hop_bytes
+from dad_integrations.routing.router import RowCounts, UnitShape
+
+Grid = Sequence[Sequence[int]]  # grid[node][s]: world ranks
+
+
+class ReplicateGroups:
+    """The world, intra-node and cross-node aggregators of one HSDP mesh, and its rank grid."""
+
+    def __init__(self, world: FactorAggregator, intra: FactorAggregator, cross: FactorAggregator, grid: Grid,
+                 world_rank: int):
+        self.world, self.intra, self.cross = world, intra, cross
+        self.grid = [list(row) for row in grid]
+        self.nodes, self.local = len(self.grid), len(self.grid[0])
+        self.node, self.shard = next((k, row.index(world_rank)) for k, row in enumerate(self.grid)
+                                     if world_rank in row)
+
+    def probe_link(self, _aggregator: FactorAggregator, device: torch.device):
+        """The link between nodes: probed on every cross group at once (as a step loads it), the
+        slowest figures agreed over the world, so that every rank routes alike (a collective)."""
+        from dad_integrations.routing.link import LinkModel, agree_max, probe_link
+        local = probe_link(self.cross, device).to_list()
+        return LinkModel.from_list(agree_max(self.world, local, device, name="dad.link.replicate"), measured=True)
+
+    def column(self, s: int) -> List[int]:
+        """The world ranks holding rows ``s``, one per node, in the cross group's order."""
+        return [row[s] for row in self.grid]
+
+
+class ReplicateHopCall(ShardedCall):
+    """One HSDP reduction call (module doc): ``slots`` place each parameter in the node's
+    reduce-scatter buffers (``inp``: L chunks, already divided by ``predivide``; ``out``: this rank's
+    chunk); ``scale`` turns a sum over the world of local gradients into what the engine keeps
+    before its post-divide."""
+
+    def __init__(self, slots: List[ShardSlot], out: torch.Tensor, inp: torch.Tensor, predivide: float, scale: float,
+                 groups: ReplicateGroups, wire: Optional[torch.dtype], rank_codec: Optional[ReplicateRankCodec],
+                 config):
+        self.slots, self.scale, self.groups, self.config = slots, scale, groups, config
+        self.aggregator = groups.world       # counts, checks, a step's finiteness: every rank
+        self.link_aggregator = groups.cross  # routes are timed on the hop between nodes
+        self.sink = ShardSink(slots, out, inp, groups.local, predivide)
+        self.route_wire, self.rank_codec = wire, rank_codec
+
+    # -- the adapter's part ----------------------------------------------------------------------
+    def reduce_scatter_node(self, compact: torch.Tensor) -> torch.Tensor:
+        """The engine's reduce-scatter (a sum) of ``compact`` (L chunks) inside the node."""
+        raise NotImplementedError
+
+    # -- ShardedCall ---------------------------------------------------------------------------
+    def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
+        # the node's residual, rank s holding its rows s: into this rank's own chunk only, which
+        # the node's reduce-scatter adds once
+        slot = self.sink.slot(unit.param)
+        view = self.sink.inp.view(self.groups.local, self.sink.chunk)[self.groups.shard,
+                                                                     slot.offset:slot.offset + slot.numel]
+        view.add_(residual.reshape(-1)[:slot.numel].to(view.dtype) / self.sink.predivide)
+
+    def agree_counts(self, units):
+        counts, traffic = exchange_row_counts(units, self.rows, self.groups.world)
+        return counts, traffic, sum(len(u.uses) for u in units)
+
+    def verify(self, units):
+        _, failed, traffic = agree_factors_rebuild(units, self.rows, self.sink, self.groups.world)
+        return failed, traffic
+
+    def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
+        return [b.param for b in unit.biases if self.sink.slot(b.param) is not None]
+
+    def unit_shape(self, unit: FactorUnit) -> UnitShape:
+        return UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in self._biases(unit)),
+                         self.sink.inp.dtype, unit.blocks)
+
+    def estimates(self, unit: FactorUnit, counts: Optional[RowCounts]) -> Estimates:
+        rows = [max(r[u] for r in counts) for u in range(len(unit.uses))] if counts else [0] * len(unit.uses)
+        est = replicate_hop_bytes(kinds=tuple(unit.kinds), shape=unit.shape, rows=rows,
+                                  bias_numel=sum(b.shape[0] for b in self._biases(unit)), nodes=self.groups.nodes,
+                                  local=self.groups.local, grad_dtype=self.sink.inp.dtype,
+                                  wire_dtype=self.route_wire, rank=self.config.rank,
+                                  rounds=rank_allreduce_rounds(self.config), blocks=unit.blocks)
+        return est, None
+
+    def reduce_dense(self, report: ShardedStepReport) -> None:
+        self._dense(self.slots, report)
+
+    def exchange(self, routes: CallRoutes) -> None:
+        sink, report = self.sink, routes.report
+        covered = set()
+        for unit in routes.exact:
+            shards, traffic, inter = self._exact(unit, routes.counts[unit.index])
+            biases = self._biases(unit)
+            for p in [unit.param] + biases:
+                sink.write(p, shards[p])
+                covered.add(id(p))
+            entry = self._entry(unit.param, "exact")
+            entry.rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
+            entry.add_traffic(traffic)
+            entry.inter_bytes = inter
+            report.params.append(entry)
+            report.params += [self._entry(b, "exact") for b in biases]
+        ranked = routes.ranked
+        rest = [s for s in self.slots if id(s.param) not in covered and
+                not any(s.param is u.param for u, _ in ranked)]
+        if ranked:  # one reduce-scatter inside the node for the rank routes' weights and the rest
+            slots = [sink.slot(u.param) for u, _ in ranked]
+            sums = self._node_sums(slots + rest)
+            codec = self.rank_codec
+            items = [codec.node_local(u, sums[id(u.param)].view(s.rows, -1) * sink.predivide, rep)
+                     for (u, rep), s in zip(ranked, slots)]
+            for item, result in zip(items, codec.exchange_node(items, self.scale, routes.step, sink.inp.dtype)):
+                p = item.unit.param
+                sink.write(p, result.shard)
+                entry = self._entry(p, item.representation)
+                entry.components = result.components
+                entry.add_traffic(result.traffic)
+                entry.inter_bytes = result.traffic.sent
+                report.params.append(entry)
+            self._cross_dense(rest, torch.cat([sums[id(s.param)] for s in rest]) if rest else None, report)
+        else:
+            self._dense(rest, report)
+
+    # -- the hops --------------------------------------------------------------------------------
+    def _node_sums(self, slots: Sequence[ShardSlot]) -> Dict[int, torch.Tensor]:
+        """This rank's chunk of the node's sum (predivided, flat) of each slot."""
+        result = self.reduce_scatter_node(self.sink.dense_input(slots))
+        out, pos = {}, 0
+        for s in slots:
+            out[id(s.param)] = result[pos:pos + s.numel]
+            pos += s.numel
+        return out
+
+    def _dense(self, slots: Sequence[ShardSlot], report: ShardedStepReport) -> None:
+        if slots:
+            self._cross_dense(slots, self.reduce_scatter_node(self.sink.dense_input(slots)), report)
+
+    def _cross_dense(self, slots: Sequence[ShardSlot], node_sum: Optional[torch.Tensor],
+                     report: ShardedStepReport) -> None:
+        """HSDP's own all-reduce between nodes of the node sums of ``slots``, scaled, written."""
+        if not slots:
+            return
+        handle = self.groups.cross.all_reduce(node_sum, name="dad.replicate.dense", op="sum")
+        total = handle.wait().mul_(self.sink.predivide * self.scale)
+        self.sink.write_dense(slots, total)
+        whole = float(sum(s.numel for s in slots)) or 1.0
+        for s in slots:
+            entry = self._entry(s.param, "dense", s)
+            entry.add_traffic(handle.traffic.share(s.numel / whole))
+            entry.inter_bytes = handle.traffic.sent * s.numel / whole
+            report.params.append(entry)
+
+    def _exact(self, unit: FactorUnit, counts: RowCounts) -> Tuple[Dict[nn.Parameter, torch.Tensor], object, float]:
+        """Rows across nodes, then the column's rows through the sharded exact exchange inside the node."""
+        g = self.groups
+        world = [list(c) for c in counts]  # by world rank
+        whole = ExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
+        column = [world[r] for r in g.column(g.shard)]
+        gather = g.cross.all_gather(whole.encode(unit, self.rows[unit.index]), name=f"dad.replicate.{unit.name}",
+                                    first_dims=whole.sizes(unit, column))
+        stacked = whole.stacked_rows(unit, gather.wait(), column)
+        intra_counts = [[sum(world[r][u] for r in g.column(s)) for u in range(len(unit.uses))]
+                        for s in range(g.local)]
+        codec = ShardedExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
+        result = codec.exchange(unit, stacked, intra_counts, g.intra, self.scale)
+        return result.shards, gather.traffic + result.traffic, gather.traffic.sent
+
+    def _entry(self, p: nn.Parameter, representation: str, slot: Optional[ShardSlot] = None) -> ShardedParamReport:
+        slot = slot or self.sink.slot(p)
+        itemsize = self.sink.inp.element_size()
+        entry = ShardedParamReport.of_shard(slot.name, representation, slot.shape, slot.numel, self.groups.local,
+                                            itemsize)
+        entry.level = "replicate"
+        entry.replicate_bytes = 2.0 * (self.groups.nodes - 1) / self.groups.nodes * slot.numel * itemsize
+        return entry
