@@ -141,6 +141,66 @@ def plot(summaries: Dict[str, Dict[str, dict]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# -- DeepSpeed ZeRO-3 across nodes (examples/deepspeed/llama_multinode.py) ---------------------------------
+ZERO3_METHODS = {"zero3": ["--no-dad"], "zero3-dad-auto": []}
+QGZ_NOTE = ("qgZ (zero_quantized_gradients) does not run on CPU: DeepSpeed 0.19.8's all_to_all_quant_reduce "
+            "(runtime/comm/coalesced_collectives.py:34) loads QuantizerBuilder, which the CPU accelerator "
+            "does not implement (ops/op_builder/cpu/no_impl.py:21: \"This op had not been implemented on CPU "
+            "backend.\")")
+
+
+def run_zero3(rate: str, steps: int, work: Path) -> Dict[str, dict]:
+    """ZeRO-3's own reduce-scatter against dAD auto on the example's Llama, one fresh cluster at
+    ``rate``; per method the example's per-step figures (medians after 2 warm-up steps)."""
+    import os
+    script = ROOT / "examples" / "deepspeed" / "llama_multinode.py"
+    out = {}
+    with SimCluster(nodes=2, rate=rate) as cluster:
+        for method, extra in ZERO3_METHODS.items():
+            path = work / f"zero3_{rate}_{method}.json"
+            cluster.torchrun(script, ["--steps", str(steps), "--json", str(path), *extra], nproc_per_node=2,
+                             env=dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false"),
+                             timeout=3600, capture=True)
+            run = json.loads(path.read_text())
+            timed = run["steps"][2:] or run["steps"]
+            out[method] = {k: statistics.median(s[k] for s in timed) for k in
+                           ("step_s", "forward_inter_bytes", "backward_inter_bytes", "peak_rss_bytes")}
+            out[method].update(final_loss=statistics.fmean(s["loss"] for s in run["steps"][-5:]),
+                               routes=run["routes"], steps=len(run["steps"]))
+    return out
+
+
+def zero3_table(rate: str, rows: Dict[str, dict]) -> str:
+    base = rows.get("zero3", {}).get("backward_inter_bytes")
+    lines = [f"ZeRO-3, Llama 4x256 (byte-level), 2 nodes x 2 ranks, {rate} between nodes, hpZ 2 (backward's "
+             "all-gather inside the node: backward's inter-node bytes are the gradient reduction's)", "",
+             "| method | step | inter-node MB/step backward | forward | x ZeRO-3's backward | peak RSS / rank | "
+             "loss (last 5) |", "|---|---|---|---|---|---|---|"]
+    for m, e in rows.items():
+        ratio = e["backward_inter_bytes"] / base if base else float("nan")
+        lines.append(f"| {m} | {e['step_s'] * 1e3:.0f} ms | {e['backward_inter_bytes'] / 1e6:.2f} | "
+                     f"{e['forward_inter_bytes'] / 1e6:.2f} | {ratio:.3f} | {e['peak_rss_bytes'] / 2 ** 20:.0f} MiB | "
+                     f"{e['final_loss']:.4f} |")
+    lines += ["", f"qgZ: {QGZ_NOTE}."]
+    return "\n".join(lines)
+
+
+def main_zero3(args) -> int:
+    out = Path(args.out + "_zero3")
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="dad-multinode-zero3-") as tmp:
+        for rate in args.rates.split(","):
+            log.info("ZeRO-3 %s: %d steps per method ...", rate, args.steps)
+            results[rate] = run_zero3(rate, args.steps, Path(tmp))
+    text = [f"`python -m benchmarks.multinode --zero3 --steps {args.steps} --rates {args.rates}`", ""]
+    text += [zero3_table(rate, rows) + "\n" for rate, rows in results.items()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps({"steps": args.steps, "results": results, "qgz": QGZ_NOTE}, indent=1))
+    Path(f"{out}.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default=",".join(RATES))
@@ -152,6 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quality", action="store_true", help="also 300 steps x 3 seeds at 1gbit (powersgd, dad-auto)")
     ap.add_argument("--out", default=str(RESULTS / "multinode"))
     ap.add_argument("--render", metavar="JSON", help="only redo the table and plot of a saved results file")
+    ap.add_argument("--zero3", action="store_true", help="the ZeRO-3 row: DeepSpeed's reduce-scatter against dAD "
+                    "auto on examples/deepspeed/llama_multinode.py (writes OUT_zero3.{json,md})")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[multinode] %(message)s")
     if args.render:
@@ -160,6 +222,8 @@ def main(argv=None) -> int:
     if not ok:
         print(f"cannot build a simulated cluster here: {why}", file=sys.stderr)
         return 2
+    if args.zero3:
+        return main_zero3(args)
     methods = args.methods.split(",")
     summaries, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="dad-multinode-") as tmp:
