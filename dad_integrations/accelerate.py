@@ -25,6 +25,11 @@ What it does, by Accelerate's distributed type:
   working. Modes exact and auto without a rank keep no state between steps, so ``save_state``
   writes no dAD file; with a rank, the rank routes' residuals and warm starts get the DDP path's
   per-rank files (``dad_state_rank{r}.pt``).
+  HSDP (the FSDP2 plugin with a ``parallelism_config`` of ``dp_replicate_size`` > 1 and
+  ``dp_shard_size`` > 1: Accelerate shards on its mesh ``("dp_replicate", "dp_shard_cp")``): FSDP2
+  reduce-scatters inside each replica group and dAD takes the all-reduce between replicas (put
+  ``dp_shard_size`` = processes per node, so that this is the hop between nodes;
+  ``examples/accelerate/hsdp_multi_node_cpu.yaml``). Nothing else changes.
 * FSDP1 (``fsdp_version: 1``): rejected with an error that says why and to use FSDP2
   (`dad_integrations.engines.fsdp_detect`).
 * A single process: nothing to synchronise; returns None and says so once in the log. But where
@@ -90,7 +95,7 @@ def enable_dad(accelerator, model: nn.Module,
         raise ValueError(f"dAD does not support Accelerate's distributed type {kind}: it replaces "
                          f"DDP's or DeepSpeed's gradient all-reduce or FSDP2's reduce-scatter")
     ddp = _find_ddp(accelerator, model)
-    sync = register_dad_comm_hook(ddp, config)
+    sync = register_dad_comm_hook(ddp, config, compiled=_compiles(accelerator, model))
     _checkpoint_with_accelerator(accelerator, ddp, sync)
     log.info("dAD enabled on Accelerate (%s, %d processes) as DDP's communication hook",
              kind, accelerator.num_processes)
@@ -127,13 +132,23 @@ def _refuse_launched_alone(kind: str, num_processes: int) -> None:
 
 def _find_ddp(accelerator, model: nn.Module) -> DistributedDataParallel:
     """The DDP wrapper Accelerate made of ``model`` (passed wrapped or not)."""
+    model = getattr(model, "_orig_mod", model)  # compiled by prepare (``dynamo_backend``)
     if isinstance(model, DistributedDataParallel):
         return model
     for candidate in getattr(accelerator, "_models", []):
+        candidate = getattr(candidate, "_orig_mod", candidate)
         if isinstance(candidate, DistributedDataParallel) and candidate.module is model:
             return candidate
     raise ValueError("enable_dad() needs the model returned by accelerator.prepare(...) (wrapped in "
                      "DistributedDataParallel); call it after prepare()")
+
+
+def _compiles(accelerator, model: nn.Module) -> Optional[bool]:
+    """True where ``prepare`` compiled the model (Accelerate's ``dynamo_backend``: it compiles the
+    DDP wrapper, after dAD cannot see it); None leaves it to the synchroniser to read."""
+    plugin = getattr(getattr(accelerator, "state", None), "dynamo_plugin", None)
+    backend = str(getattr(getattr(plugin, "backend", None), "value", getattr(plugin, "backend", "NO")) or "NO")
+    return True if backend.upper() != "NO" or hasattr(model, "_orig_mod") else None
 
 
 def _enable_on_fsdp(accelerator, model: nn.Module, config: Union[DADConfig, Mapping, None]):
@@ -186,7 +201,9 @@ def _checkpoint_with_accelerator(accelerator, wrapper: nn.Module, sync) -> None:
                             index=index)
 
     def load_hook(models: List[nn.Module], input_dir: str) -> None:
-        index = index_in(models)
+        # under FSDP (and DeepSpeed) load_state loads the models itself and hands the hooks an empty
+        # list: the model's index is then its place in accelerator._models, as save_state's hooks see it
+        index = index_in(models or list(getattr(accelerator, "_models", [])))
         if index is not None:
             load_rank_state(sync_ref(), input_dir, accelerator.process_index, accelerator.num_processes,
                             index=index)

@@ -65,20 +65,23 @@ log = logging.getLogger(__name__)
 def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
                            config: Union[DADConfig, Mapping, None] = None,
                            aggregator: Optional[FactorAggregator] = None, *,
-                           timeout: Optional[timedelta] = None) -> DADSynchronizer:
+                           timeout: Optional[timedelta] = None,
+                           compiled: Optional[bool] = None) -> DADSynchronizer:
     """Replace ``ddp``'s gradient all-reduce with dAD; returns the synchroniser (for its reports).
 
     Call once, after wrapping the model and before the first backward. ``aggregator`` defaults to
     a `TorchDistributedAggregator` over a new group of DDP's process group's ranks, whose timeout
     is ``timeout``, or where None that of DDP's process group (a stalled rank fails backward
-    within it, as with DDP's own all-reduce); unused with ``aggregator``.
+    within it, as with DDP's own all-reduce); unused with ``aggregator``. ``compiled``: the DDP
+    runs under ``torch.compile`` (``torch.compile(ddp)`` after this call); None reads it from the
+    model (compiled before DDP wrapped it). See `DADSynchronizer`.
     """
     if not isinstance(ddp, nn.parallel.DistributedDataParallel):
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
     if ddp._comm_hooks:
         raise RuntimeError("this DDP model has a communication hook already (DDP takes one, registered once)")
     _close_previous(ddp.module)
-    driver = DDPDriver(_attach(ddp, config, aggregator, timeout), timeout=timeout,
+    driver = DDPDriver(_attach(ddp, config, aggregator, timeout, compiled), timeout=timeout,
                        own_aggregator=aggregator is not None)
     driver.ddp = weakref.ref(ddp)
     _DRIVERS[ddp.module] = driver
@@ -103,13 +106,15 @@ def _close_previous(module: nn.Module) -> None:
 
 
 def _attach(ddp: nn.parallel.DistributedDataParallel, config: Union[DADConfig, Mapping, None],
-            aggregator: Optional[FactorAggregator], timeout: Optional[timedelta]) -> DADSynchronizer:
+            aggregator: Optional[FactorAggregator], timeout: Optional[timedelta],
+            compiled: Optional[bool] = None) -> DADSynchronizer:
     if aggregator is None:
         from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
         aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group, timeout))
     # DDP broadcast rank 0's parameters and buffers when it wrapped the model
     with banner.engine("DDP (comm hook)"):
-        return DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, _driven_by_ddp=True)
+        return DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, compiled=compiled,
+                               _driven_by_ddp=True)
 
 
 class DDPDriver:

@@ -38,6 +38,7 @@ from torch import nn
 from dad_integrations.engines import banner
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import broadcast_model, check_same_model
+from dad_integrations.capture.compiled import compiling, guard_compiled_hooks, is_compiled
 from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.exchange.exchanger import Exchanger
@@ -77,12 +78,17 @@ class DADSynchronizer:
         broadcast_parameters: copy rank 0's parameters and buffers to every rank now, as DDP does
             when it wraps a model. Engines that broadcast themselves (DDP, DeepSpeed) or leave it to
             the user (Horovod's ``broadcast_parameters``) turn it off.
+        compiled: whether the model runs under ``torch.compile``; None reads it from the model (a
+            compiled module in it). Layer kinds that cannot capture under compile then hand their
+            weights to the rank routes from the dense gradient, said at attach
+            (`capture.compiled`). An engine that compiles the model after attach says True.
     """
 
     def __init__(self, model: nn.Module, aggregator: Optional[FactorAggregator] = None,
                  config: Union[DADConfig, Mapping, None] = None, *, prescale_factor: float = 1.0,
                  postscale_factor: Optional[float] = None, backward_passes_per_step: int = 1,
-                 broadcast_parameters: bool = True, _driven_by_ddp: bool = False):
+                 broadcast_parameters: bool = True, compiled: Optional[bool] = None,
+                 _driven_by_ddp: bool = False):
         self.config = DADConfig() if config is None else DADConfig.from_dict(config)
         if aggregator is None:
             from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
@@ -103,7 +109,10 @@ class DADSynchronizer:
         except StopIteration:
             raise ValueError("the model has no parameters") from None
 
-        self._plan = build_plan(model, self.config, on_forward=self._on_forward)
+        # graphs compiled before now were built without capture and without guards on hooks
+        guard_compiled_hooks()
+        self.compiled = is_compiled(model) if compiled is None else bool(compiled)
+        self._plan = build_plan(model, self.config, on_forward=self._on_forward, compiled=self.compiled)
         try:
             check_same_model(self._plan, aggregator, device)
             if broadcast_parameters:
@@ -285,6 +294,7 @@ class DADSynchronizer:
         """The open step's window, opened now if there is none."""
         with self._lock:
             if self._window is None:
+                guard_compiled_hooks()  # (dynamo imported after attach: guard from the first step on)
                 self._window = StepWindow(self._plan.units, self._sink_type)
                 self._window.started = self._clock.open()
             return self._window
@@ -378,7 +388,7 @@ class DADSynchronizer:
     def _on_forward(self) -> None:
         """A captured layer's forward: refused while the last backward's exchange is pending."""
         window = self._window
-        if window is not None and window.future is not None and not in_backward():
+        if window is not None and window.future is not None and not in_backward() and not compiling():
             raise RuntimeError(
                 f"a forward pass started after backward_passes_per_step={self.backward_passes_per_step} "
                 f"backward pass(es) without synchronize(): call sync.synchronize() (or the optimizer's "

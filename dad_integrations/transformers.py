@@ -89,7 +89,9 @@ class DADCallback(TrainerCallback):
                                "engine nor an FSDP2 (fully_shard) model: launch with accelerate launch or "
                                "torchrun on several processes")
         if adapter is None:
-            self.sync = register_dad_comm_hook(wrapper, self.config)
+            # Trainer(torch_compile=True) compiles the wrapper: after this call, unseen from here
+            self.sync = register_dad_comm_hook(wrapper, self.config,
+                                               compiled=True if getattr(args, "torch_compile", False) else None)
             if resume is not None:
                 self._load_rank_state(resume, state, world)
         else:

@@ -22,14 +22,16 @@ log = logging.getLogger(__name__)
 _log_once = OnceLogger(log, level=logging.INFO)
 
 
-def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan:
+def build_plan(model: nn.Module, config: DADConfig, on_forward=None, compiled: bool = False) -> SyncPlan:
     """Assign every trainable parameter of ``model`` to a factor unit or to the dense path.
 
     Kinds claim parameters by priority (`layers.registry`); a parameter is a factor unit when
     every registration of it is claimed as a weight (GPT-2's tied ``wte``/``lm_head``: an embedding
     use and a linear use). Other parameters with two or more dimensions become units without uses
     (``uncaptured_matrices="rank"``): their dense gradient takes the rank routes, as PowerSGD's
-    does. A bias rides with its use's unit where that use covers the whole weight.
+    does. A bias rides with its use's unit where that use covers the whole weight. With
+    ``compiled`` (the model runs under ``torch.compile``), kinds that cannot capture while dynamo
+    traces (``LayerKind.compiles`` False) claim nothing: their weights take those same routes.
     """
     names: Dict[int, str] = {}
     trainable: List[nn.Parameter] = []
@@ -43,7 +45,7 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None) -> SyncPlan
         return any(fnmatch.fnmatchcase(mod_name, pat) for pat in config.exclude)
 
     _refuse_sparse_embeddings(model, config, excluded)  # before any hook: a refused model is untouched
-    claimed = _claims(model, config, excluded)
+    claimed = _claims(model, config, excluded, compiled)
     captures: Dict[int, Tuple[object, Dict[str, Use]]] = {}
 
     def uses_of(mod_name: str, module: nn.Module, kind: LayerKind, keys: Sequence[str]) -> List[Use]:
@@ -108,7 +110,7 @@ def _refuse_sparse_embeddings(model: nn.Module, config: DADConfig, excluded) -> 
                              f"use sparse=False or exclude the module with the 'exclude' config key")
 
 
-def _claims(model: nn.Module, config: DADConfig, excluded) -> Claims:
+def _claims(model: nn.Module, config: DADConfig, excluded, compiled: bool = False) -> Claims:
     """Claims by priority: (id(owner module), attribute) -> (capturing module's name, module, kind, claim)."""
     claimed: Claims = {}
     for kind in registered_kinds():
@@ -116,6 +118,15 @@ def _claims(model: nn.Module, config: DADConfig, excluded) -> Claims:
             continue
         for mod_name, module in model.named_modules():
             if excluded(mod_name) or not kind.accepts(module):
+                continue
+            if compiled and not kind.compiles:
+                # still registered by the claim (a composite keeps `linear` off its children),
+                # but with no uses: the weights fall to the floor below
+                log.warning("dAD: %r (%s) is not captured under torch.compile (dynamo cannot trace its "
+                            "capture): its weights are routed from their dense gradients (rank routes where "
+                            "the mode allows, else dense)", mod_name, kind.name)
+                for c in kind.claims(module):
+                    claimed.setdefault(_registration(module, c.attr), None)
                 continue
             claims = kind.claims(module)
             computed = [c.attr for c in claims if not _is_parameter(module, c.attr)]

@@ -7,6 +7,7 @@ from typing import Dict, List, Sequence
 import torch
 from torch import nn
 
+from dad_integrations.capture.compiled import compiling
 from dad_integrations.capture.hooks import Use, resolve
 from dad_integrations.capture.rows import Rows
 from dad_integrations.capture.units import FactorUnit
@@ -31,6 +32,13 @@ class CommittedRows:
         self._watched: Dict[int, tuple] = {}         # per used parameter: (parameter, handle)
         self._hooks = [c.module.register_forward_hook(functools.partial(self._watch, u, c.attr), prepend=True)
                        for u in units for c in u.uses]
+        # compiled: the forward hook is traced (no side effects there), so the watch starts when a
+        # compiled call's rows arrive, in backward, while FSDP holds the unsharded parameter and
+        # before the compiled backward's gradients are accumulated (`capture.compiled`)
+        for u in units:
+            for c in u.uses:
+                for capture in _captures_feeding(c):
+                    capture.arrived = functools.partial(self._watch_now, u, c)
 
     def take(self, capture: Use) -> List[Rows]:
         """The committed rows of ``capture`` since the last take."""
@@ -42,7 +50,12 @@ class CommittedRows:
         self._watched.clear()
         self._committed.clear()
 
+    def _watch_now(self, unit: FactorUnit, use: Use) -> None:
+        self._watch(unit, use.attr, use.module, (), None)
+
     def _watch(self, unit: FactorUnit, attr: str, module: nn.Module, args, output) -> None:
+        if compiling():
+            return
         p = resolve(module, attr)
         if id(p) not in self._watched and p.requires_grad:
             self._watched[id(p)] = (p, p.register_post_accumulate_grad_hook(functools.partial(self._commit, unit)))
@@ -52,3 +65,16 @@ class CommittedRows:
         for capture in unit.uses:  # (not `take()`: inputs still waiting for their gradient stay)
             self._committed.setdefault(id(capture), []).extend(capture.pairs)
             capture.pairs = []
+
+
+def _captures_feeding(use: Use) -> list:
+    """The capture objects whose compiled path delivers ``use``'s rows (a `ModuleCapture` is its
+    own use; a `HookedCapture`'s uses are found through their module's hooks)."""
+    if hasattr(use, "_delivered"):
+        return [use]
+    found = []
+    for hook in list(use.module._forward_hooks.values()):
+        capture = getattr(hook, "__self__", None)
+        if capture is not None and use in getattr(capture, "uses", ()) and hasattr(capture, "_delivered"):
+            found.append(capture)
+    return found

@@ -7,6 +7,11 @@ call order, makes several calls per step (weight reuse, recurrence, accumulation
 activation checkpointing come out right: a forward that autograd never back-propagates through
 (non-reentrant checkpointing's recomputation) gets no gradient and its input is dropped at the
 end of the step; a reentrant recomputation's first forward runs without grad and is not captured.
+
+While dynamo traces a forward (``torch.compile``), the same hooks take the compiled path instead
+(`compiled`): the output is wrapped in an autograd function whose backward hands the call's input
+and output gradient to the capture through a custom op, with no Python side effect in the traced
+code. Both paths feed the same ``rows_of_call`` and the same ``pairs``.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
+from dad_integrations.capture import compiled
 from dad_integrations.capture.rows import Block, Rows
 
 RowsOfCall = Callable[[nn.Module, torch.Tensor, torch.Tensor], Rows]
@@ -77,6 +83,8 @@ class ModuleCapture(Use):
         self._pending: Dict[int, torch.Tensor] = {}
         self._calls = 0
         self._on_forward = on_forward
+        self.arrived: Optional[Callable[[], None]] = None  # told when a compiled call's rows arrive
+        self._key = compiled.register(self._delivered)
         self._handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
 
     @property
@@ -84,9 +92,11 @@ class ModuleCapture(Use):
         """The uses this capture feeds: itself."""
         return [self]
 
-    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
         if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
-            return
+            return None
+        if compiled.compiling():
+            return self._compiled_forward(args, kwargs, output)
         if not self.param().requires_grad:
             # frozen for now (a GAN's other half): no gradient will take these rows, and kept they
             # would join the next step that trains the weight
@@ -106,6 +116,22 @@ class ModuleCapture(Use):
         if inputs is not None:
             self.pairs.append(self.rows_of_call(self.module, inputs, grad.detach()))
 
+    def _compiled_forward(self, args: tuple, kwargs: dict, output: torch.Tensor):
+        """The traced hook: the output wrapped so that its backward delivers the rows
+        (`compiled.tap`). Whether the use is enabled is read when they arrive, not here: a
+        flag read while tracing would be guarded on, and every route change would recompile."""
+        if getattr(self, "detached", False) or not self.param().requires_grad:
+            return None
+        inputs = args[0] if args else next(iter(kwargs.values()))
+        return compiled.tap(self._key, [inputs], [output])[0]
+
+    def _delivered(self, saved: list, grads: list) -> None:
+        """A compiled call's input and output gradient (in its backward, eagerly)."""
+        if self.enabled and grads[0] is not None and not getattr(self, "detached", False):
+            if self.arrived is not None:
+                self.arrived()
+            self.pairs.append(self.rows_of_call(self.module, saved[0], grads[0]))
+
     def take(self) -> List[Rows]:
         """The window's pairs; clears them and drops inputs that never got a gradient."""
         pairs, self.pairs = self.pairs, []
@@ -118,6 +144,7 @@ class ModuleCapture(Use):
 
     def remove(self) -> None:
         self._handle.remove()
+        compiled.unregister(self._key)
         self.clear()
 
     # The forward hook holds this capture, so pickling the model (``torch.save(model)``, or of a
@@ -125,7 +152,7 @@ class ModuleCapture(Use):
     # never with the synchroniser it reports to (threads and locks do not pickle). Attaching dAD
     # to the loaded model removes such hooks (`remove_detached_captures`).
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__, pairs=[], _pending={}, _on_forward=None, enabled=False)
+        state = dict(self.__dict__, pairs=[], _pending={}, _on_forward=None, enabled=False, arrived=None, _key=None)
         state["detached"] = True
         return state
 
@@ -148,6 +175,18 @@ class HookedCapture:
         self._on_forward = on_forward
         self._handles: list = []
         self.detached = False
+        self.arrived: Optional[Callable[[], None]] = None  # told when a compiled call's rows arrive
+        self._key: Optional[torch.Tensor] = None  # a subclass that captures under compile registers one
+
+    def compiled_key(self) -> torch.Tensor:
+        """The key of this capture's compiled path (`compiled.tap`), registered on first use: its
+        rows arrive at ``self._delivered(saved, grads)``."""
+        if self._key is None:
+            self._key = compiled.register(self._delivered)
+        return self._key
+
+    def _delivered(self, saved: list, grads: list) -> None:  # pragma: no cover - subclasses that tap
+        raise NotImplementedError
 
     def hook(self, handle) -> None:
         """Keep a hook handle, removed with the capture."""
@@ -167,12 +206,14 @@ class HookedCapture:
         for h in self._handles:
             h.remove()
         self._handles = []
+        compiled.unregister(self._key)
+        self._key = None
         self.clear()
 
     transient: tuple = ()  # names of per-step attributes (dicts) a subclass keeps: pickled empty
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__, _on_forward=None, detached=True)
+        state = dict(self.__dict__, _on_forward=None, detached=True, arrived=None, _key=None)
         state.update({k: {} for k in self.transient})
         return state
 
@@ -191,7 +232,9 @@ class ForwardStartHook:
         self._handle = module.register_forward_pre_hook(self, prepend=True)
 
     def __call__(self, module: nn.Module, args) -> None:
-        if self._on_forward is not None:
+        # not while dynamo traces: a clock read there is a graph break (a compiled step's span
+        # starts at its backward instead)
+        if self._on_forward is not None and not compiled.compiling():
             self._on_forward()
 
     def remove(self) -> None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
-from dad_integrations.exchange.checks import factors_rebuild_local_grad
+from dad_integrations.exchange.checks import why_factors_fail, factors_rebuild_local_grad
 from dad_integrations.codecs.dense import DenseBuckets, bucket_dtype
 from dad_integrations.codecs.exact import ExactCodec, local_rebuild
 from dad_integrations.codecs.finite import finite_flag
@@ -406,9 +406,9 @@ class Exchanger:
         if not all(int(t[1]) for t in metas):
             unit.set_dense_only(True)
             if agg.rank == 0:
-                log.warning("dAD: the factors of %r do not rebuild its local gradient (is the weight used "
-                            "outside its layers, or changed by a gradient hook?); it goes dense from now on",
-                            unit.name)
+                log.warning("dAD: %s; it goes dense from now on",
+                            why_factors_fail(unit.name, [bool(int(t[1])) for t in metas],
+                                             [[int(v) for v in t[2:]] for t in metas]))
         return [[int(v) for v in t[2:]] for t in metas], handle.traffic
 
     # -- the shared buckets of the rank routes ------------------------------------------------------

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dad_integrations.capture import compiled
 from dad_integrations.capture.hooks import HookedCapture, Use
 from dad_integrations.capture.rows import Rows
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
@@ -135,14 +136,18 @@ class ConvCapture(HookedCapture):
         super().__init__(name, module, list(self.by_key.values()), on_forward)
         self._pending: Dict[int, torch.Tensor] = {}
         self._calls = 0
+        self.compiled_key()
         self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
 
-    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
         if self.detached or not (torch.is_grad_enabled() and isinstance(output, torch.Tensor)
                                  and output.requires_grad):
-            return
+            return None
         if not self.uses[0].param().requires_grad:
-            return  # frozen now: no gradient will take these rows
+            return None  # frozen now: no gradient will take these rows
+        if compiled.compiling():  # traced: the rows come from the output's backward (`compiled`)
+            x = args[0] if args else next(iter(kwargs.values()))
+            return compiled.tap(self.compiled_key(), [x], [output])[0]
         self.opened()  # also when disabled: the step's window opens here
         if not any(u.enabled for u in self.uses):
             return
@@ -156,9 +161,19 @@ class ConvCapture(HookedCapture):
         x = self._pending.pop(key, None)
         if x is None:
             return
-        for use, rows in zip(self.uses, conv_rows(self.module, x, grad.detach())):
+        self._add(x, grad.detach())
+
+    def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        for use, rows in zip(self.uses, conv_rows(self.module, x, grad)):
             if use.enabled:
                 use.pairs.append(rows)
+
+    def _delivered(self, saved: list, grads: list) -> None:
+        """A compiled call's input and output gradient (in its backward, eagerly)."""
+        if not self.detached and grads[0] is not None and any(u.enabled for u in self.uses):
+            if self.arrived is not None:
+                self.arrived()
+            self._add(saved[0], grads[0])
 
     def clear(self) -> None:
         super().clear()

@@ -66,6 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode
 
+from dad_integrations.capture import compiled
 from dad_integrations.capture.hooks import HookedCapture, Use
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
 
@@ -153,6 +154,11 @@ class MHACapture(HookedCapture):
 
     # -- the window of one forward -----------------------------------------------------------
     def _pre_hook(self, module: nn.Module, args: tuple) -> None:
+        if compiled.compiling():
+            # dynamo cannot trace the mode's re-dispatch (`_unchecked`): no rows under compile.
+            # Where compile is known at attach the weights are routed from their dense gradients
+            # (`MHAKind.compiles`); otherwise the first step's check finds the rows missing
+            return
         self._modes.setdefault(threading.get_ident(), []).append(self._push())
 
     def _push(self) -> Optional[_LinearCalls]:
@@ -169,6 +175,8 @@ class MHACapture(HookedCapture):
         return mode
 
     def _post_hook(self, module: nn.Module, args: tuple, output) -> None:
+        if compiled.compiling():
+            return
         stack = self._modes.get(threading.get_ident())
         mode = stack.pop() if stack else None
         if mode is None:
@@ -235,6 +243,7 @@ class MHACapture(HookedCapture):
 @register_kind
 class MHAKind(LayerKind):
     name = "mha"
+    compiles = False  # see `_push`: not captured while dynamo traces
     priority = 10  # before `linear`, which would claim `out_proj` (whose forward never runs)
 
     def accepts(self, module: nn.Module) -> bool:

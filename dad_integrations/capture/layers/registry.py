@@ -46,6 +46,9 @@ class LayerKind:
 
     name: str = ""
     priority: int = 0
+    # whether the kind captures while dynamo traces (``torch.compile``: `capture.compiled`); a kind
+    # that does not has its weights routed from their dense gradients where compile is in use
+    compiles: bool = True
 
     def accepts(self, module: nn.Module) -> bool:
         """Whether this kind captures ``module`` (stock forward only: a subclass with its own

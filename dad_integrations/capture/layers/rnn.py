@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from dad_integrations.capture import compiled
 from dad_integrations.capture.hooks import HookedCapture, Use
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
 from dad_integrations.logs import OnceLogger
@@ -256,6 +257,7 @@ class RNNCapture(HookedCapture):
                                        for key in self.keys}
         super().__init__(name, module, list(self.by_key.values()), on_forward)
         self._epoch = 0
+        self.compiled_key()
         self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
 
     def clear(self) -> None:
@@ -265,13 +267,15 @@ class RNNCapture(HookedCapture):
     def _wanted(self) -> bool:
         return any(u.enabled and u.param().requires_grad for u in self.uses)
 
-    def _forward_hook(self, module: nn.RNNBase, args: tuple, kwargs: dict, output) -> None:
+    def _forward_hook(self, module: nn.RNNBase, args: tuple, kwargs: dict, output):
         if self.detached or not torch.is_grad_enabled():
-            return
+            return None
         out, state = output
         out_t = out.data if isinstance(out, PackedSequence) else out
         if not out_t.requires_grad or not any(p.requires_grad for p in module.parameters()):
-            return
+            return None
+        if compiled.compiling():
+            return self._compiled_forward(args, kwargs, out, state)
         self.opened()  # also when disabled: the step's window opens here
         if not self._wanted():
             return
@@ -288,6 +292,33 @@ class RNNCapture(HookedCapture):
                 self._append(module, saved, *(list(grads) + [None])[:3])
 
         when_all_grads(watched, arrived)
+
+    def _compiled_forward(self, args: tuple, kwargs: dict, out, state):
+        """The traced hook (where dynamo traces the module: it does the LSTM, and runs the GRU
+        eagerly, hooks and all): the outputs wrapped so that their backward delivers the input,
+        the initial states and every output's gradient at once (`compiled.tap`); the replay runs
+        there, as in eager mode. A ``PackedSequence`` (its batch sizes are data) is not captured
+        under compile: its weights' rows are missing, and the first step's check routes them
+        from their dense gradients."""
+        x = args[0] if args else kwargs["input"]
+        if isinstance(x, PackedSequence):
+            return None
+        hx = args[1] if len(args) > 1 else kwargs.get("hx")
+        h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
+        h_n, c_n = state if isinstance(state, tuple) else (state, None)
+        outs = compiled.tap(self.compiled_key(), [x, h0, c0], [t for t in (out, h_n, c_n) if t is not None])
+        return outs[0], ((outs[1], outs[2]) if c_n is not None else outs[1])
+
+    def _delivered(self, saved: list, grads: list) -> None:
+        """A compiled call's input, initial states and outputs' gradients (in its backward)."""
+        if self.detached or not self._wanted() or grads[0] is None:
+            return
+        if self.arrived is not None:
+            self.arrived()
+        x, h0, c0 = saved
+        call = self._saved_call(self.module, x, (h0, c0) if self.module.mode == "LSTM" and h0 is not None else h0)
+        call["dtype"] = grads[0].dtype
+        self._append(self.module, call, *(list(grads) + [None])[:3])
 
     def _saved_call(self, module: nn.RNNBase, x, hx) -> dict:
         """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H)."""

@@ -1,0 +1,183 @@
+"""Capture under ``torch.compile``: rows handed over by an op the compiler keeps, not by Python hooks.
+
+Eager capture (`hooks`) keeps each call's input in a dict from a module forward hook and registers
+a hook on the call's output tensor. Dynamo cannot trace either: mutating a dict from a hook is an
+"unsafe side effect" (a graph break per captured layer), and a tensor hook registered inside a
+compiled region is not supported. Worse, a hook that breaks the graph becomes its own frame, which
+dynamo recompiles for every new input shape until it hits its recompile limit. So while dynamo
+traces (`compiling`), a layer's forward hook does something it can trace instead: it wraps the
+layer's output in `tap`, an autograd function that is the identity forward and whose backward
+calls ``dad::deliver(key, saved, grads)``, a ``torch.library`` custom op:
+
+- the op is opaque to the compiler: AOTAutograd puts it in the backward graph and, at run time,
+  its Python body receives the real tensors (the call's saved input, the output's gradient) and
+  hands them to the capture registered under ``key`` (`register`), which forms the rows exactly
+  as the eager hook does (the same ``rows_of_call``);
+- it is registered as effectful (ordered), so the compiler never drops it for having no output
+  and never reorders it across other effects;
+- ``key`` is a small CPU tensor held by the capture, not a Python int: dynamo lifts it as a graph
+  input guarded by dtype and shape only, so blocks of one class compiled one by one (torchtitan's
+  pattern) share one graph instead of recompiling per block;
+- the tap's output is a copy (``clone``), not a view: a view returned by an autograd function may
+  not be modified in place (``nn.ReLU(inplace=True)`` after a layer); inductor fuses the copy into
+  the next elementwise kernel.
+
+The op runs inside the compiled backward, before autograd accumulates the weights' gradients
+(those accumulate after the compiled backward node returns), so the rows exist when the
+synchroniser's parameter hooks ask for them, as in eager mode.
+
+Graphs built without capture. Dynamo by default does not guard on module hooks
+(``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph compiled for a hook-less copy of the
+model's class (a reference, teacher or EMA model) would be reused by the model dAD hooks, and
+capture would silently never run. `guard_hooks` makes dynamo guard on module hooks from attach on,
+and drops the graphs compiled before (they were built without that guard), so that every graph
+either runs dAD's capture or belongs to a model without it.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Deliver = Callable[[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]], None]
+
+_SLOTS: Dict[int, "weakref.WeakMethod"] = {}   # key -> the capture's bound delivery method
+_NEXT = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def compiling() -> bool:
+    """Whether dynamo is tracing the code that calls this (its hooks are then traced, not run)."""
+    return torch.compiler.is_compiling()
+
+
+def register(deliver: Deliver) -> torch.Tensor:
+    """A key for ``deliver`` (a bound method of a capture, held weakly): the tensor to pass to `tap`."""
+    with _LOCK:
+        slot = next(_NEXT)
+        _SLOTS[slot] = weakref.WeakMethod(deliver)
+    return torch.tensor(slot, dtype=torch.int64)
+
+
+def unregister(key: Optional[torch.Tensor]) -> None:
+    """Forget ``key``'s capture: rows of a graph still holding the key go nowhere."""
+    if key is not None:
+        with _LOCK:
+            _SLOTS.pop(int(key), None)
+
+
+@torch.library.custom_op("dad::deliver", mutates_args=())
+def deliver(key: torch.Tensor, saved: List[Optional[torch.Tensor]], grads: List[Optional[torch.Tensor]]) -> None:
+    """Hand one call's saved tensors and its outputs' gradients to the capture registered under
+    ``key`` (run in the backward, compiled or not)."""
+    ref = _SLOTS.get(int(key))
+    fn = ref() if ref is not None else None
+    if fn is not None:
+        fn(list(saved), list(grads))
+
+
+@deliver.register_fake
+def _deliver_fake(key, saved, grads) -> None:
+    return None
+
+
+# kept in every graph, in order: it has no output, only its effect (see the module doc)
+torch.library._register_effectful_op("dad::deliver", torch._library.effects.EffectType.ORDERED)
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on the outputs forward; backward hands ``(saved, grads)`` to ``dad::deliver``."""
+
+    @staticmethod
+    def forward(ctx, key: torch.Tensor, n_saved: int, *tensors):
+        saved, outputs = tensors[:n_saved], tensors[n_saved:]
+        ctx.n_saved = n_saved
+        ctx.none = [t is None for t in saved]
+        ctx.save_for_backward(key, *[t for t in saved if t is not None])
+        return tuple(t.clone() for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        key, *kept = ctx.saved_tensors
+        it = iter(kept)
+        saved = [None if none else next(it) for none in ctx.none]
+        torch.ops.dad.deliver(key, saved, list(grads))
+        return (None, None) + (None,) * ctx.n_saved + tuple(grads)
+
+
+def tap(key: torch.Tensor, saved: Sequence[Optional[torch.Tensor]],
+        outputs: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, ...]:
+    """``outputs`` (copies) whose gradients, when backward reaches them, go with ``saved`` (detached
+    here) to the capture of ``key``; to be called from a forward hook while dynamo traces."""
+    saved = [t.detach() if t is not None else None for t in saved]
+    return _Tap.apply(key, len(saved), *saved, *outputs)
+
+
+# -- graphs compiled without capture ----------------------------------------------------------
+
+_GUARDED = False
+
+
+def guard_compiled_hooks() -> int:
+    """Make dynamo guard on module hooks, and drop every graph compiled before (see the module
+    doc); returns how many compiled functions were dropped.
+
+    Called when dAD attaches and when a step opens: dynamo is imported only by a process that
+    compiles (importing it costs over a second), so until it is, nothing was compiled and there is
+    nothing to do; the first step after it was imported late drops what was compiled since attach."""
+    global _GUARDED
+    if _GUARDED or "torch._dynamo" not in sys.modules:
+        return 0
+    import torch._dynamo.config as dynamo_config
+    with _LOCK:
+        if _GUARDED:
+            return 0
+        _GUARDED = True
+        if dynamo_config.skip_nnmodule_hook_guards:
+            dynamo_config.skip_nnmodule_hook_guards = False
+            log.info("dAD: torch.compile now guards on module hooks (torch._dynamo.config."
+                     "skip_nnmodule_hook_guards=False): a graph compiled without dAD's capture is never "
+                     "reused for a model with it")
+    return _drop_compiled_graphs()
+
+
+def _drop_compiled_graphs() -> int:
+    """Drop the compiled graphs of every function dynamo has compiled: they were built without
+    guards on module hooks, so a hook-less model's graph could otherwise run for dAD's model."""
+    try:
+        from torch._dynamo import convert_frame
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._C._dynamo.eval_frame import reset_code
+    except ImportError:  # pragma: no cover - a torch without these internals: reset everything
+        torch._dynamo.reset()
+        return 0
+    dropped = 0
+    with convert_frame.compile_lock:
+        for weak_code in list(convert_frame.input_codes.seen):
+            code = weak_code()
+            if code is not None and _debug_get_cache_entry_list(code):
+                reset_code(code)
+                dropped += 1
+    if dropped:
+        log.info("dAD: dropped the graphs of %d function(s) compiled before dAD was attached (built "
+                 "without its capture hooks or guards on them); they recompile at their next call", dropped)
+    return dropped
+
+
+def is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is, or holds, a module compiled with ``torch.compile`` (an
+    ``OptimizedModule``, or ``module.compile()``) at this time: known at attach; a model compiled
+    after attach is known only when its first compiled step runs (see `exchange` checks)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    for m in model.modules():
+        if isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None:
+            return True
+    return False
