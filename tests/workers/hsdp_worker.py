@@ -183,7 +183,22 @@ def run_resume(case: dict, dm, out: dict) -> None:
     sync.close()
 
 
-RUNNERS = {"exact": run_exact, "auto": run_auto, "resume": run_resume}
+def run_refusal(case: dict, dm, out: dict) -> None:
+    """``set_requires_all_reduce(False)`` (reduce-scatter-only accumulation) raises, naming it, on
+    every rank before any collective; the synchroniser then gives the reduction back."""
+    name = case.get("model", "gpt2")
+    mine = hsdp(name, fw.build(name), dm)
+    sync = enable_dad_fsdp(mine, {"mode": "exact"})
+    mine.set_requires_all_reduce(False)
+    try:
+        step(name, mine, fw.batch(name, 4, seed=dist.get_rank()))
+        out["raised"] = None
+    except RuntimeError as e:
+        out["raised"] = str(e)
+    sync.close()
+
+
+RUNNERS = {"exact": run_exact, "auto": run_auto, "resume": run_resume, "refusal": run_refusal}
 
 
 def main() -> None:
@@ -200,8 +215,9 @@ def main() -> None:
         except Exception as e:  # reported to the test, which names the case
             import traceback
             out["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-        results[case.get("id", case["kind"])] = out
-        dist.barrier()
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, out)
+        results[case.get("id", case["kind"])] = per_rank
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
