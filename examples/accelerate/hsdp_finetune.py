@@ -43,9 +43,10 @@ auto, rank 4), means over steps 3 to the end::
 
 At 100 Mbit/s each compressed step moved 0.076 MB per rank between machines against HSDP's 2.62 MB
 (dAD's report; 0.39 MB on the veths, both machines, headers included, against 10.5 MB), and the
-median step took 0.53x HSDP's; the means above include the trial's all-dense steps. At 1 Gbit/s the trial found the rank-4 compression's compute
-(four ranks on two cores) no faster than HSDP's own all-reduce of the shards, and kept that on most
-steps. (Run by ``SimCluster(nodes=2, rate=...).accelerate(...)`` as in the config file's comments.)
+median step took 0.53x HSDP's; the means above include the trial's all-dense steps. At 1 Gbit/s
+the trial found the rank-4 compression's compute (four ranks on two cores) no faster than HSDP's
+own all-reduce of the shards, and kept that on most steps. (Run by
+``SimCluster(nodes=2, rate=...).accelerate(...)`` as in the config file's comments.)
 """
 from __future__ import annotations
 
