@@ -7,6 +7,7 @@ Started by ``torchrun --nnodes N`` in each node's namespace (`benchmarks.sim_clu
                   all-reduce of each shard between nodes
   hsdp-dad-exact  the same, dAD exact on the hop between nodes
   hsdp-dad-auto   the same, dAD ``{"rank": R}`` with its defaults (routes by measured time)
+  hsdp-dad-rank   the same, dAD's rank routes forced (``mode: "rank"``)
   powersgd        DDP (no sharding) with PyTorch's PowerSGD hook at rank R, one bucket: the flat
                   lossy baseline the issue's quality target names
 
@@ -88,6 +89,9 @@ class Method:
             elif name == "hsdp-dad-auto":
                 from dad_integrations.fsdp import enable_dad_fsdp
                 self.sync = enable_dad_fsdp(model, {"rank": rank_r})
+            elif name == "hsdp-dad-rank":  # the rank routes forced (after the lossless steps)
+                from dad_integrations.fsdp import enable_dad_fsdp
+                self.sync = enable_dad_fsdp(model, {"rank": rank_r, "mode": "rank"})
         else:  # powersgd: flat DDP, one bucket (PyTorch's PowerSGD hook hangs on gloo with several)
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
             from torch.nn.parallel import DistributedDataParallel

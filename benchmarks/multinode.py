@@ -214,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--render", metavar="JSON", help="only redo the table and plot of a saved results file")
     ap.add_argument("--zero3", action="store_true", help="the ZeRO-3 row: DeepSpeed's reduce-scatter against dAD "
                     "auto on examples/deepspeed/llama_multinode.py (writes OUT_zero3.{json,md})")
+    ap.add_argument("--hsdp", action="store_true", help="the FSDP2 HSDP rows (benchmarks/multinode_hsdp.py; "
+                    "writes OUT_hsdp.{json,md}); --rates defaults to 1gbit there")
+    ap.add_argument("--families", default="gpt2,llama", help="models of the --hsdp rows")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[multinode] %(message)s")
     if args.render:
@@ -224,6 +227,11 @@ def main(argv=None) -> int:
         return 2
     if args.zero3:
         return main_zero3(args)
+    if args.hsdp:
+        from benchmarks import multinode_hsdp
+        if args.rates == ",".join(RATES):
+            args.rates = "1gbit"
+        return multinode_hsdp.main(args)
     methods = args.methods.split(",")
     summaries, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="dad-multinode-") as tmp:

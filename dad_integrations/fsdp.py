@@ -25,8 +25,13 @@ the weight's ``AccumulateGrad``). No-sync micro-steps need nothing: the hook is 
 captures keep their rows. Weights are handled as their matrix view ``(shape[0], prod(shape[1:]))``:
 FSDP2's ``Shard(0)`` cuts its rows.
 
-Limits (each falls back to FSDP's own reduce-scatter, logged once): HSDP, ``Shard(d>0)``, all-gather
-extensions, TP (DTensor) parameters, several parameter groups per module, CPU offload. An adaptive
+HSDP (a 2-D ``("replicate", "shard")`` mesh): FSDP keeps the reduce-scatter inside the node and dAD
+takes the all-reduce between nodes (`exchange.replicate_hop`, the seam in `fsdp_seams`); the call
+is a `_HSDPCall` through the same exchanger.
+
+Limits (each falls back to FSDP's own reduce-scatter, logged once): ``Shard(d>0)``, all-gather
+extensions, TP (DTensor) parameters, several parameter groups per module, CPU offload, a
+replicate-only mesh. An adaptive
 rank (``adaptive_tolerance``) is refused, and so is FSDP1 (`engines.fsdp_detect`).
 """
 from __future__ import annotations
