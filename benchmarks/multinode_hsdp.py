@@ -28,9 +28,9 @@ from benchmarks.sim_cluster import SimCluster
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("hsdp", "hsdp-dad-exact", "hsdp-dad-auto", "powersgd")
 QUALITY_METHODS = ("powersgd", "hsdp-dad-rank")
-QUALITY_WORKLOAD = dict(WORKLOAD, seq=64)  # 300 steps x 3 seeds must fit a session on 2 cores
 TRIAL_STEPS = 8  # dAD's route trial: this many dense and compressed steps each (config route_trial_steps)
 WORKLOAD = dict(n_embd=256, n_layer=4, n_head=4, seq=128, batch=4)
+QUALITY_WORKLOAD = dict(WORKLOAD, seq=64)  # 300 steps x 3 seeds must fit a session on 2 cores
 log = logging.getLogger("benchmarks.multinode_hsdp")
 
 
