@@ -29,15 +29,10 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from benchmarks.node_bytes import NodeBytes
 from benchmarks.workload import Workload, build_model
 
 EVAL_BATCHES = 4
-
-
-def _tx_bytes() -> int:
-    path = f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes"
-    with open(path) as f:
-        return int(f.read())
 
 
 def _build(family: str, w: Workload):
@@ -151,7 +146,6 @@ def main(spec_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     local = int(os.environ["LOCAL_WORLD_SIZE"])
-    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
     mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
     w = Workload(**spec["workload"])
     family = spec.get("family", "gpt2")
@@ -160,22 +154,13 @@ def main(spec_path: str) -> None:
     init_state = _build(family, w).state_dict()
     eval_iter = byte_lm_batches(data, w.batch, w.seq, seed=w.seed, split="eval")
     eval_batches = [next(eval_iter) for _ in range(EVAL_BATCHES)]
-    turns = dist.new_group(list(range(world)))
-    dist.barrier(group=turns)
-    before = _tx_bytes() if local_first else 0
-    for _ in range(10):
-        dist.barrier(group=turns)
-    barrier_bytes = (_tx_bytes() - before) / 10 if local_first else 0.0
+    counter = NodeBytes(dist.new_group(list(range(world))))
 
     methods = [Method(m, family, w, init_state, data, mesh, spec["rank"], spec["warmup"]) for m in spec["methods"]]
     inter: Dict[str, List[float]] = {m.name: [] for m in methods}
     for step in range(spec["steps"]):
         for m in (methods if step % 2 == 0 else methods[::-1]):  # no method always first
-            dist.barrier(group=turns)
-            start = _tx_bytes() if local_first else 0
-            m.step()
-            dist.barrier(group=turns)
-            inter[m.name].append((_tx_bytes() - start - barrier_bytes) if local_first else 0.0)
+            inter[m.name].append(counter.step(m.step))
     mine = {}
     for m in methods:
         report = m.sync.last_step_report() if m.sync is not None else None

@@ -19,17 +19,11 @@ import torch
 import torch.distributed as dist
 
 from benchmarks._ranks import EVAL_BATCHES, Runner
+from benchmarks.node_bytes import NodeBytes
 from benchmarks.workload import Workload, build_model, median
 from dad_integrations.comm.counter import CollectiveCounter
 
 DAD_VARIANTS = {"dad-flat": {"topology": "flat"}, "dad-auto": {}}  # both dad-auto's routes and defaults
-
-
-def _tx_bytes() -> int:
-    """What left this node over its inter-node interface (`GLOO_SOCKET_IFNAME`) so far."""
-    path = f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes"
-    with open(path) as f:
-        return int(f.read())
 
 
 def _runner(method: str, opts: dict, w: Workload, init_state, data, counter, solo) -> Runner:
@@ -47,7 +41,6 @@ def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
     w = Workload(**spec["workload"])
     counter = CollectiveCounter(dist)
     solo = [dist.new_group([i]) for i in range(world)][rank]
@@ -56,26 +49,14 @@ def main(spec_path: str) -> None:
     init_state = build_model(w).state_dict()
     eval_iter = byte_lm_batches(data, w.batch, w.seq, seed=w.seed, split="eval")
     eval_batches = [next(eval_iter) for _ in range(EVAL_BATCHES)]
-    turns = dist.new_group(list(range(world)))
-
-    # a barrier's own inter-node bytes, subtracted from every step's count
-    dist.barrier(group=turns)
-    before = _tx_bytes() if local_first else 0
-    for _ in range(10):
-        dist.barrier(group=turns)
-    barrier_bytes = (_tx_bytes() - before) / 10 if local_first else 0.0
+    counter_bytes = NodeBytes(dist.new_group(list(range(world))))  # less a barrier's own bytes
 
     runners = [_runner(m, spec["opts"], w, init_state, data, counter, solo) for m in spec["methods"]]
     inter: Dict[str, List[float]] = {m: [] for m in spec["methods"]}
     for step in range(spec["steps"]):
         order = runners if step % 2 == 0 else runners[::-1]  # no method always first after the others
         for r in order:
-            dist.barrier(group=turns)
-            start = _tx_bytes() if local_first else 0
-            r.step()
-            dist.barrier(group=turns)
-            inter[r.method if r.method != "dad-auto" else _name(r)].append(
-                (_tx_bytes() - start - barrier_bytes) if local_first else 0.0)
+            inter[r.method if r.method != "dad-auto" else _name(r)].append(counter_bytes.step(r.step))
     mine: Dict[str, dict] = {}
     for r in runners:
         name = _name(r)

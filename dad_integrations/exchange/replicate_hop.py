@@ -39,6 +39,7 @@ from dad_integrations.codecs.sharded_exact import ShardedExactCodec, exchange_ro
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import agree_factors_rebuild
+from dad_integrations.exchange.row_shards import riding_biases, row_unit_shape
 from dad_integrations.exchange.sharded import CallRoutes, Estimates, ShardedCall
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routing.replicate_hop import replicate_hop_bytes
@@ -108,11 +109,10 @@ class ReplicateHopCall(ShardedCall):
         return failed, traffic
 
     def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
-        return [b.param for b in unit.biases if self.sink.slot(b.param) is not None]
+        return riding_biases(self.sink, unit)
 
     def unit_shape(self, unit: FactorUnit) -> UnitShape:
-        return UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in self._biases(unit)),
-                         self.sink.inp.dtype, unit.blocks)
+        return row_unit_shape(self.sink, unit)
 
     def estimates(self, unit: FactorUnit, counts: Optional[RowCounts]) -> Estimates:
         rows = [max(r[u] for r in counts) for u in range(len(unit.uses))] if counts else [0] * len(unit.uses)

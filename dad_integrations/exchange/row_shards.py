@@ -56,12 +56,10 @@ class RowShardCall(ShardedCall):
         return failed, traffic
 
     def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
-        return [b.param for b in unit.biases if self.sink.slot(b.param) is not None]
+        return riding_biases(self.sink, unit)
 
     def unit_shape(self, unit: FactorUnit) -> UnitShape:
-        # the matrix view; row blocks on non-linear uses keep a unit off sharded exact factors
-        return UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in self._biases(unit)),
-                         self.sink.inp.dtype, unit.blocks)
+        return row_unit_shape(self.sink, unit)
 
     def reduce_dense(self, report: ShardedStepReport) -> None:
         self.reduce_rest(self.slots, report)
@@ -101,3 +99,15 @@ class RowShardCall(ShardedCall):
                 entry.add_traffic(result.traffic)
                 report.params.append(entry)
         self.reduce_rest([s for s in self.slots if id(s.param) not in covered], report)
+
+
+def riding_biases(sink: ShardSink, unit: FactorUnit) -> List[nn.Parameter]:
+    """The unit's biases that this call's buffers hold (they ride with its exact factors)."""
+    return [b.param for b in unit.biases if sink.slot(b.param) is not None]
+
+
+def row_unit_shape(sink: ShardSink, unit: FactorUnit) -> UnitShape:
+    """What the router sees of a unit of a row-block call: its matrix view; row blocks on
+    non-linear uses keep it off sharded exact factors."""
+    return UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in riding_biases(sink, unit)),
+                     sink.inp.dtype, unit.blocks)
