@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from benchmarks.sim_cluster import SimCluster, inter_node_bytes, probe
 
@@ -142,60 +142,108 @@ def plot(summaries: Dict[str, Dict[str, dict]], path: Path) -> None:
 
 
 # -- DeepSpeed ZeRO-3 across nodes (examples/deepspeed/llama_multinode.py) ---------------------------------
-ZERO3_METHODS = {"zero3": ["--no-dad"], "zero3-dad-auto": []}
+ZERO3_METHODS = ("zero3", "zero3-dad-auto")
 QGZ_NOTE = ("qgZ (zero_quantized_gradients) does not run on CPU: DeepSpeed 0.19.8's all_to_all_quant_reduce "
             "(runtime/comm/coalesced_collectives.py:34) loads QuantizerBuilder, which the CPU accelerator "
             "does not implement (ops/op_builder/cpu/no_impl.py:21: \"This op had not been implemented on CPU "
             "backend.\")")
+ZERO3_TURNS = ("both methods in the same processes (one torchrun --nnodes 2 per node), built from the same weights "
+               "and fed the same batches, one step each in turn, the order alternating from step to step; "
+               "inter-node bytes from each node's interface counter between barriers (after forward and after "
+               "backward + step), less a barrier's own; step = forward + backward + step of the slowest rank, "
+               "barrier waits excluded; medians over the second half of the steps")
 
 
-def run_zero3(rate: str, steps: int, work: Path) -> Dict[str, dict]:
-    """ZeRO-3's own reduce-scatter against dAD auto on the example's Llama, one fresh cluster at
-    ``rate``; per method the example's per-step figures (medians after 2 warm-up steps)."""
+def run_zero3(rate: str, steps: int, work: Path):
+    """ZeRO-3's own reduce-scatter against dAD auto on the example's Llama and config, one fresh cluster
+    at ``rate``, the methods taking turns step by step in the same processes (`_zero3_ranks`); per
+    method the medians over the second half of the steps (`summarise_zero3`); and the run's own
+    figures (the largest process peak RSS, both methods in it)."""
     import os
-    script = ROOT / "examples" / "deepspeed" / "llama_multinode.py"
-    out = {}
+    spec = {"steps": steps, "methods": list(ZERO3_METHODS), "out": str(work / f"zero3_{rate}.json")}
+    spec_path = work / f"zero3_{rate}_spec.json"
+    spec_path.write_text(json.dumps(spec))
     with SimCluster(nodes=2, rate=rate) as cluster:
-        for method, extra in ZERO3_METHODS.items():
-            path = work / f"zero3_{rate}_{method}.json"
-            cluster.torchrun(script, ["--steps", str(steps), "--json", str(path), *extra], nproc_per_node=2,
-                             env=dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false"),
-                             timeout=3600, capture=True)
-            run = json.loads(path.read_text())
-            timed = run["steps"][2:] or run["steps"]
-            out[method] = {k: statistics.median(s[k] for s in timed) for k in
-                           ("step_s", "forward_inter_bytes", "backward_inter_bytes", "peak_rss_bytes")}
-            out[method].update(final_loss=statistics.fmean(s["loss"] for s in run["steps"][-5:]),
-                               routes=run["routes"], steps=len(run["steps"]))
+        cluster.torchrun(ROOT / "benchmarks" / "_zero3_ranks.py", [spec_path], nproc_per_node=2,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false"),
+                         timeout=3600, capture=True)
+    run = json.loads(Path(spec["out"]).read_text())
+    if os.environ.get("DAD_MULTINODE_KEEP"):  # the ranks' raw results, for a look at one run
+        Path(os.environ["DAD_MULTINODE_KEEP"]).write_text(json.dumps(run))
+    rows = summarise_zero3(run)
+    rss = max(r["peak_rss_bytes"] for r in run["ranks"])
+    return rows, {"process_peak_rss_bytes": rss, "barrier_bytes": run["barrier_bytes"]}
+
+
+def summarise_zero3(run: dict) -> Dict[str, dict]:
+    """Per method: medians over the second half of the steps of the slowest rank's step (forward +
+    backward + step) and of both nodes' inter-node bytes (forward, backward + step); the most any
+    rank holds; the loss averaged over the ranks (last 5 steps); dAD's routes."""
+    ranks = run["ranks"]
+    out = {}
+    for m in ZERO3_METHODS:
+        if m not in ranks[0]:
+            continue
+        n = len(ranks[0][m]["losses"])
+        first = n // 2
+        per_step = [max(r[m]["forward_s"][i] + r[m]["backward_s"][i] for r in ranks) for i in range(n)]
+        fwd = [sum(r[m]["forward_inter"][i] for r in ranks) for i in range(n)]
+        bwd = [sum(r[m]["backward_inter"][i] for r in ranks) for i in range(n)]
+        losses = [statistics.fmean(r[m]["losses"][i] for r in ranks) for i in range(n)]
+        held = {k: max(r[m]["held"][k] for r in ranks) for k in ranks[0][m]["held"]}
+        out[m] = {"step_s": statistics.median(per_step[first:]),
+                  "forward_s": statistics.median(max(r[m]["forward_s"][i] for r in ranks) for i in range(first, n)),
+                  "backward_s": statistics.median(max(r[m]["backward_s"][i] for r in ranks) for i in range(first, n)),
+                  "forward_inter_bytes": statistics.median(fwd[first:]),
+                  "backward_inter_bytes": statistics.median(bwd[first:]),
+                  "held_bytes": held, "final_loss": statistics.fmean(losses[-5:]),
+                  "routes": ranks[0][m]["routes"], "route_trials": ranks[0][m]["route_trials"],
+                  "steps": n, "timed_steps": n - first, "per_step": per_step, "losses": losses,
+                  "forward_inter_per_step": fwd, "backward_inter_per_step": bwd}
     return out
 
 
-def zero3_table(rate: str, rows: Dict[str, dict]) -> str:
-    base = rows.get("zero3", {}).get("backward_inter_bytes")
+def zero3_table(rate: str, rows: Dict[str, dict], rss: Optional[float] = None) -> str:
+    base = rows.get("zero3")
+
+    def ratio(e: dict, key: str) -> str:
+        of = (lambda x: x["total"]) if key == "held_bytes" else (lambda x: x)
+        return f"{of(e[key]) / of(base[key]):.3f}" if base and of(base[key]) else "-"
+
     lines = [f"ZeRO-3, Llama 4x256 (byte-level), 2 nodes x 2 ranks, {rate} between nodes, hpZ 2 (backward's "
-             "all-gather inside the node: backward's inter-node bytes are the gradient reduction's)", "",
-             "| method | step | inter-node MB/step backward | forward | x ZeRO-3's backward | peak RSS / rank | "
-             "loss (last 5) |", "|---|---|---|---|---|---|---|"]
+             "all-gather inside the node: backward's inter-node bytes are the gradient reduction's); "
+             f"{ZERO3_TURNS}", "",
+             "| method | step | x ZeRO-3 | inter-node MB/step backward | x ZeRO-3 | forward | held tensors / rank | "
+             "x ZeRO-3 | of which dAD state | loss (last 5, mean of ranks) |", "|---" * 10 + "|"]
     for m, e in rows.items():
-        ratio = e["backward_inter_bytes"] / base if base else float("nan")
-        lines.append(f"| {m} | {e['step_s'] * 1e3:.0f} ms | {e['backward_inter_bytes'] / 1e6:.2f} | "
-                     f"{e['forward_inter_bytes'] / 1e6:.2f} | {ratio:.3f} | {e['peak_rss_bytes'] / 2 ** 20:.0f} MiB | "
+        h = e["held_bytes"]
+        lines.append(f"| {m} | {e['step_s'] * 1e3:.0f} ms | {ratio(e, 'step_s')} | "
+                     f"{e['backward_inter_bytes'] / 1e6:.2f} | {ratio(e, 'backward_inter_bytes')} | "
+                     f"{e['forward_inter_bytes'] / 1e6:.2f} | {h['total'] / 2 ** 20:.2f} MiB | "
+                     f"{ratio(e, 'held_bytes')} | {(h['error_feedback'] + h['warm_starts']) / 2 ** 20:.2f} MiB | "
                      f"{e['final_loss']:.4f} |")
-    lines += ["", f"qgZ: {QGZ_NOTE}."]
+    lines += ["", "Held tensors: parameter partitions, gradient partitions, fp32 master partitions, AdamW's state, "
+              "dAD's error-feedback residuals and warm starts, per rank after the last step (the most of any "
+              "rank; hpZ's secondary partitions are dropped at every optimizer step, none are held between "
+              "steps; DeepSpeed's reduce bucket, allocated but mostly untouched, is left out). Process RSS "
+              "cannot be split between two engines in one process: not reported per method"
+              + (f" (peak RSS of a process, both engines: {rss / 2 ** 20:.0f} MiB)." if rss else "."),
+              "", f"qgZ: {QGZ_NOTE}."]
     return "\n".join(lines)
 
 
 def main_zero3(args) -> int:
     out = Path(args.out + "_zero3")
-    results = {}
+    results, runs = {}, {}
     with tempfile.TemporaryDirectory(prefix="dad-multinode-zero3-") as tmp:
         for rate in args.rates.split(","):
-            log.info("ZeRO-3 %s: %d steps per method ...", rate, args.steps)
-            results[rate] = run_zero3(rate, args.steps, Path(tmp))
+            log.info("ZeRO-3 %s: %d steps per method, taking turns ...", rate, args.steps)
+            results[rate], runs[rate] = run_zero3(rate, args.steps, Path(tmp))
     text = [f"`python -m benchmarks.multinode --zero3 --steps {args.steps} --rates {args.rates}`", ""]
-    text += [zero3_table(rate, rows) + "\n" for rate, rows in results.items()]
+    text += [zero3_table(rate, rows, runs[rate]["process_peak_rss_bytes"]) + "\n" for rate, rows in results.items()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps({"steps": args.steps, "results": results, "qgz": QGZ_NOTE}, indent=1))
+    Path(f"{out}.json").write_text(json.dumps({"steps": args.steps, "turns": ZERO3_TURNS, "results": results,
+                                               "runs": runs, "qgz": QGZ_NOTE}, indent=1))
     Path(f"{out}.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
     return 0
@@ -213,7 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "multinode"))
     ap.add_argument("--render", metavar="JSON", help="only redo the table and plot of a saved results file")
     ap.add_argument("--zero3", action="store_true", help="the ZeRO-3 row: DeepSpeed's reduce-scatter against dAD "
-                    "auto on examples/deepspeed/llama_multinode.py (writes OUT_zero3.{json,md})")
+                    "auto on examples/deepspeed/llama_multinode.py's model and config, taking turns step by step "
+                    "(benchmarks/_zero3_ranks.py; writes OUT_zero3.{json,md})")
     ap.add_argument("--hsdp", action="store_true", help="the FSDP2 HSDP rows (benchmarks/multinode_hsdp.py; "
                     "writes OUT_hsdp.{json,md}); --rates defaults to 1gbit there")
     ap.add_argument("--families", default="gpt2,llama", help="models of the --hsdp rows")

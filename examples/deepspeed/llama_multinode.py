@@ -7,7 +7,9 @@ the same node variables, which dAD reads to find the topology):
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 \\
         examples/deepspeed/llama_multinode.py --deepspeed_config examples/deepspeed/ds_config_zero3_multinode.json
 
-On the simulated 2-node cluster of this repository (two network namespaces, CPU, as root):
+On the simulated 2-node cluster of this repository (two network namespaces, CPU, as root), this model
+and config with and without dAD, trained side by side and taking turns step by step
+(`benchmarks/_zero3_ranks.py`):
 
     python -m benchmarks.multinode --zero3 --steps 20 --rates 1gbit
 
