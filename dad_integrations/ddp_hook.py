@@ -53,6 +53,7 @@ from torch import nn
 
 from dad_integrations.engines import banner
 from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.capture.compiled import compiling
 from dad_integrations.capture.hooks import remove_detached_captures
 from dad_integrations.config import DADConfig
 from dad_integrations.comm.groups import new_group_like
@@ -155,8 +156,10 @@ class DDPDriver:
 
     def before_forward(self, ddp: nn.parallel.DistributedDataParallel, args: tuple) -> None:
         """DDP's forward pre-hook: on a loaded model, attach dAD before the first training forward;
-        between steps, park or bring back the synchroniser's per-parameter hooks (`_park_hooks`)."""
-        if not torch.is_grad_enabled() or in_backward():
+        between steps, park or bring back the synchroniser's per-parameter hooks (`_park_hooks`).
+        Not while dynamo traces (``torch.compile(ddp)``): what it does is Python state, a graph break
+        in a traced hook; the compiled step keeps the per-parameter hooks it started with (on)."""
+        if compiling() or not torch.is_grad_enabled() or in_backward():
             return
         if self.sync is None:
             self._reattach(ddp)

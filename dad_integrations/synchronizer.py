@@ -388,7 +388,7 @@ class DADSynchronizer:
     def _on_forward(self) -> None:
         """A captured layer's forward: refused while the last backward's exchange is pending."""
         window = self._window
-        if window is not None and window.future is not None and not in_backward() and not compiling():
+        if not compiling() and window is not None and window.future is not None and not in_backward():
             raise RuntimeError(
                 f"a forward pass started after backward_passes_per_step={self.backward_passes_per_step} "
                 f"backward pass(es) without synchronize(): call sync.synchronize() (or the optimizer's "

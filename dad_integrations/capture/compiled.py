@@ -12,7 +12,8 @@ calls ``dad::deliver(key, saved, grads)``, a ``torch.library`` custom op:
 - the op is opaque to the compiler: AOTAutograd puts it in the backward graph and, at run time,
   its Python body receives the real tensors (the call's saved input, the output's gradient) and
   hands them to the capture registered under ``key`` (`register`), which forms the rows exactly
-  as the eager hook does (the same ``rows_of_call``);
+  as the eager hook does (the same ``rows_of_call``). It hands over copies: the inductor reuses the
+  memory of a buffer once its last reader has run, and the rows must live until the exchange;
 - it is registered as effectful (ordered), so the compiler never drops it for having no output
   and never reorders it across other effects;
 - ``key`` is a small CPU tensor held by the capture, not a Python int: dynamo lifts it as a graph
@@ -81,7 +82,10 @@ def deliver(key: torch.Tensor, saved: List[Optional[torch.Tensor]], grads: List[
     ref = _SLOTS.get(int(key))
     fn = ref() if ref is not None else None
     if fn is not None:
-        fn(list(saved), list(grads))
+        # copies: the compiler may reuse the memory of an op's inputs once the op has returned (the
+        # inductor does, for buffers no later kernel reads), and the rows outlive this call
+        fn([t.clone() if t is not None else None for t in saved],
+           [t.clone() if t is not None else None for t in grads])
 
 
 @deliver.register_fake
