@@ -100,7 +100,7 @@ def main(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.json").write_text(json.dumps(results, indent=1))
     text = [f"`python -m benchmarks.multinode --hsdp --steps {args.steps} --rates {args.rates} "
-            f"--families {args.families}{' --quality' if args.quality else ''}`", ""]
+            f"--families {args.families} --lossless {args.lossless}{' --quality' if args.quality else ''}`", ""]
     for key, rows in results["speed"].items():
         family, rate = key.split()
         text += [table(f"FSDP2 HSDP, {family} 4x256 (byte-level), 2 nodes x 2 ranks, {rate} between nodes", rows), ""]
