@@ -37,7 +37,10 @@ without the synchroniser's threads), with the config and this rank's dAD state
 (`DADSynchronizer.state_dict`). DDP's unpickling builds a new reducer without the hook; the
 loaded model's first forward with gradients enabled attaches a new synchroniser over a new group
 of DDP's (default) group's ranks, loads that state and registers the hook again, so training goes
-on with dAD. Like any DDP training forward, that first forward must run on every rank.
+on with dAD. Like any DDP training forward, that first forward must run on every rank. A DDP
+registered with ``compiled=True`` (compiled itself) has no such pre-hook (`_wrapper_compiled`:
+traced, it did nothing, and it cost a graph break): loaded, it is attached again by calling
+`register_dad_comm_hook` on it (with no config: the saved config and state).
 """
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations and
 # accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
@@ -53,7 +56,7 @@ from torch import nn
 
 from dad_integrations.engines import banner
 from dad_integrations.comm.aggregator import FactorAggregator
-from dad_integrations.capture.compiled import compiling
+from dad_integrations.capture.compiled import compiling, is_compiled
 from dad_integrations.capture.hooks import remove_detached_captures
 from dad_integrations.config import DADConfig
 from dad_integrations.comm.groups import new_group_like
@@ -79,17 +82,37 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
     """
     if not isinstance(ddp, nn.parallel.DistributedDataParallel):
         raise TypeError(f"expected a DistributedDataParallel model, got {type(ddp).__name__}")
+    # a loaded DDP's hook not attached yet (`_wrapper_compiled`: no pre-hook attaches it): replaced,
+    # its config and state taken where no config is given
+    loaded = [s for _, s in ddp._comm_hooks if isinstance(s, DDPDriver) and s.sync is None]
+    if loaded and len(loaded) == len(ddp._comm_hooks):
+        ddp._comm_hooks = []
+        remove_detached_captures(ddp.module)
     if ddp._comm_hooks:
         raise RuntimeError("this DDP model has a communication hook already (DDP takes one, registered once)")
     _close_previous(ddp.module)
-    driver = DDPDriver(_attach(ddp, config, aggregator, timeout, compiled), timeout=timeout,
-                       own_aggregator=aggregator is not None)
+    sync = _attach(ddp, loaded[0]._loaded["config"] if loaded and config is None else config, aggregator,
+                   timeout, compiled)
+    if loaded and config is None:
+        sync.load_state_dict(loaded[0]._loaded["state"])
+    driver = DDPDriver(sync, timeout=timeout, own_aggregator=aggregator is not None)
     driver.ddp = weakref.ref(ddp)
     _DRIVERS[ddp.module] = driver
     ddp.register_comm_hook(driver, _dad_comm_hook)
-    # kept by DDP's pickling: the loaded model's first forward attaches dAD again (`DDPDriver`)
-    ddp.register_forward_pre_hook(driver.before_forward)
+    if not _wrapper_compiled(ddp, compiled):
+        # kept by DDP's pickling: the loaded model's first forward attaches dAD again (`DDPDriver`)
+        ddp.register_forward_pre_hook(driver.before_forward)
     return driver.sync
+
+
+def _wrapper_compiled(ddp: nn.parallel.DistributedDataParallel, compiled: Optional[bool]) -> bool:
+    """Whether ``ddp`` itself runs under ``torch.compile`` (said by ``compiled=True``, with no compiled
+    module inside it): then it gets no forward pre-hook. Under compile the pre-hook would only be
+    traced, doing nothing (`DDPDriver.before_forward`), and a hook on DDP costs a graph break: after
+    DDP's own break (its logger's ``set_runtime_stats_and_log``), dynamo traces the ``forward`` of a
+    built-in module that has hooks as a frame of its own (``trace_rules.check_verbose``: "inbuilt
+    nn.Module.forward allowed - module has hooks") and meets the same break again there."""
+    return bool(compiled) and not is_compiled(ddp.module)
 
 
 # per module, the hook of the last DDP around it (weak: a dropped model takes its entry along)
