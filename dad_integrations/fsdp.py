@@ -221,10 +221,10 @@ class FSDPDADSynchronizer(ShardedFacade):
                 seams.reduce_scatter_whole(pg, out, inp, group, op, ex.report)
             else:
                 predivide, scale = seams.hsdp_scaling(pg, seams.hsdp_info(pg), inp)
-                _HSDPCall(self, [seams.whole_slot(pg, inp, S)], out, inp, predivide, scale).reduce_dense(ex.report)
+                _HSDPCall(self, [seams.whole_slot(pg, inp, S)], out, inp, predivide, scale, group).reduce_dense(ex.report)
         elif rep is not None:
             predivide, scale = seams.hsdp_scaling(pg, seams.hsdp_info(pg), inp)
-            ex.reduce(_HSDPCall(self, slots, out, inp, predivide, scale))
+            ex.reduce(_HSDPCall(self, slots, out, inp, predivide, scale, group))
         else:
             predivide, scale = seams.scaling(pg, group, inp, op)
             ex.reduce(_FSDPCall(self, slots, out, inp, predivide, group, op, scale, agg))
@@ -261,10 +261,10 @@ class _HSDPCall(ReplicateHopCall):
     """One HSDP reduce-scatter, FSDP's part of `exchange.replicate_hop.ReplicateHopCall`."""
 
     def __init__(self, sync: FSDPDADSynchronizer, slots: list, out: torch.Tensor, inp: torch.Tensor,
-                 predivide: float, scale: float):
+                 predivide: float, scale: float, shard_group: dist.ProcessGroup):
         ex = sync.exchanger
         super().__init__(slots, out, inp, predivide, scale, sync._replicate, ex.wire, ex.rank_codec, ex.config)
-        self.sync = sync
+        self.sync, self.shard_group = sync, shard_group  # FSDP's reduce-scatter group: the node's ranks
 
     def units(self) -> List[FactorUnit]:
         return [u for u in (self.sync._unit_of.get(id(s.param)) for s in self.slots) if u is not None]
@@ -273,9 +273,8 @@ class _HSDPCall(ReplicateHopCall):
         return self.sync._committed.take(use)
 
     def reduce_scatter_node(self, compact: torch.Tensor) -> torch.Tensor:
-        intra = self.groups.intra
-        result = torch.empty(compact.numel() // intra.world_size, dtype=compact.dtype, device=compact.device)
-        dist.reduce_scatter_tensor(result, compact, op=dist.ReduceOp.SUM, group=intra._group)
+        result = torch.empty(compact.numel() // self.shard_group.size(), dtype=compact.dtype, device=compact.device)
+        dist.reduce_scatter_tensor(result, compact, op=dist.ReduceOp.SUM, group=self.shard_group)
         return result
 
     at_step_end = _FSDPCall.at_step_end
