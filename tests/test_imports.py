@@ -7,7 +7,7 @@ and none is executed. The layers, lowest first (docs/architecture.md draws them)
 0. ``comm``, ``config``, ``logs``, ``report``, ``rng``: collectives, the config, plain data;
 1. ``capture``: hooks, rows, units, sinks, layer kinds;
 2. ``codecs``: one per representation, with wire packing, error feedback, low-rank kernels;
-3. ``routing``: router, costs, link and compute models, trials, the planner's library;
+3. ``routes`` (the route registry, one module per route) and ``routing``: router, costs, link and compute models, trials, the planner's library;
 4. ``exchange``: the exchangers (per step, and sharded) and their checks;
 5. ``engines`` and the adapters (``synchronizer``, ``ddp_hook``, ``fsdp``, ``accelerate``,
    ``transformers``, the ``plan`` command), and the package's face.
@@ -20,7 +20,7 @@ from typing import Dict, List, Set
 
 PACKAGE = "dad_integrations"
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = {"comm": 0, "config": 0, "logs": 0, "report": 0, "rng": 0, "capture": 1, "codecs": 2, "routing": 3, "exchange": 4}
+LAYERS = {"comm": 0, "config": 0, "logs": 0, "report": 0, "rng": 0, "capture": 1, "codecs": 2, "routes": 3, "routing": 3, "exchange": 4}
 ADAPTER_LAYER = 5
 # what the algorithms (layers 0-4) never import: the engines and their adapters
 # (a layer kind may import a model library's layer class: `transformers.pytorch_utils.Conv1D`)
