@@ -34,7 +34,8 @@ Import = Tuple[str, str]  # ("docs/guides/horovod.md:42", "import horovod.torch 
 def _imports_in(source: str, where: str, first_line: int, top_level_only: bool) -> List[Import]:
     """The absolute import statements of ``source`` (whose line 1 is ``first_line`` of ``where``)."""
     tree = ast.parse(source)  # a block or example that is not Python fails the test, naming it
-    nodes = [n for n in (tree.body if top_level_only else ast.walk(tree)) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    nodes = [n for n in (tree.body if top_level_only else ast.walk(tree))
+             if isinstance(n, (ast.Import, ast.ImportFrom))]
     if top_level_only:  # ... and the project's own imports wherever they are
         nodes += [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and n not in nodes
                   and _module_of(n).split(".")[0] in OURS]
