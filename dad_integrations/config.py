@@ -168,6 +168,12 @@ class DADConfig:
             one node of more than one rank, the two-level routes (`exchange.two_level`) reduce
             inside each node, compress only between nodes, and run where predicted faster than
             the flat ones; ``link`` may then state each hop: ``{"intra": {...}, "inter": {...}}``.
+        routes: names of registered routes beyond the built-in ones (`dad_integrations.routes`:
+            a route registered with `register_route`, for example a `routes.codec_route`) that
+            ``"auto"`` may also choose per weight, by the same objective; a lossy one only past the
+            lossless steps. The built-in routes follow ``mode``, ``rank`` and ``rank_route``. Each
+            name is checked at attach: an unknown one, or one that does not run on the engine's
+            layout, raises naming it.
     """
 
     mode: str = "auto"
@@ -190,10 +196,11 @@ class DADConfig:
     route_refresh_steps: int = 200
     route_trial_steps: int = 8
     topology: Any = "auto"
+    routes: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
-        for key in ("layer_kinds", "exclude"):
+        for key in ("layer_kinds", "exclude", "routes"):
             object.__setattr__(self, key, _string_tuple(key, getattr(self, key)))
         self.validate()
 
@@ -244,8 +251,11 @@ class DADConfig:
             raise ValueError(f"dad config key 'topology': {e}") from None
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {tuple(WIRE_DTYPES)}")
-        for key in ("layer_kinds", "exclude"):
+        for key in ("layer_kinds", "exclude", "routes"):
             _string_tuple(key, getattr(self, key))
+        bad = [r for r in self.routes if not r.isidentifier()]
+        if bad:
+            raise ValueError(f"dad config key 'routes': {bad} are not route names")
         bad = [k for k in self.layer_kinds if k not in known_layer_kinds()]
         if bad:
             raise ValueError(f"dad config key 'layer_kinds': unknown kind(s) {bad}; known: {known_layer_kinds()}")

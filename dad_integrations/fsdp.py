@@ -61,6 +61,7 @@ from dad_integrations.exchange.row_shards import RowShardCall
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
 from dad_integrations.fsdp_seams import DADReduceScatter
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.routes import layouts
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +128,8 @@ class FSDPDADSynchronizer(ShardedFacade):
         self.exchanger.log_once = self._log_once
         self.exchanger.start(TorchDistributedAggregator() if rep is None else rep.world,
                              units[0].param.device if units else None, units,
-                             link_probe=None if rep is None else rep.probe_link)
+                             link_probe=None if rep is None else rep.probe_link,
+                             layout=layouts.ROW_SHARDS if rep is None else layouts.REPLICATE_HOP)
         self._forward_hook = self.exchanger.watch_forward(model)
         self._installed = groups
         for module, pg in groups:

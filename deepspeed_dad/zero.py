@@ -35,6 +35,8 @@ from dad_integrations.exchange.levels import build_levels
 from dad_integrations.exchange.node_partitions import NodePartitionCall, node_partition_layout
 from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout, Range
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import check_routes
 
 from .aggregator import DeepSpeedAggregator
 from .checkpointing import RankStateCheckpoints
@@ -105,7 +107,7 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
             config, engine=f"ZeRO-{self.zero_stage}", fallback="DeepSpeed's reduction",
             process_rank=self.aggregator.rank, world_size=world_size, logger=log,
             overhead_names={"counts": "dad.zero.counts", "verify": "dad.zero.verify", "finite": "dad.zero.finite"})
-        self.exchanger.start(self.aggregator, device, self.plan.units)
+        self.exchanger.start(self.aggregator, device, self.plan.units, layout=layouts.PARTITIONS)
         # a step's span for route trials starts at the module's forward (ZeRO-3's all-gathers included)
         self._forward_hook = self.exchanger.watch_forward(engine.module)
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
@@ -116,6 +118,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         # across nodes (a collective: groups, and links measured by time): dAD's routes between nodes only
         self.levels = build_levels(config, self.aggregator, device)
         self._nodes = node_partition_layout(self.levels, self._layout, self.plan.units)
+        if self._nodes is not None:
+            check_routes(config.routes, layouts.NODE_PARTITIONS)
         self._new_backward = True
         self._originals: Dict[str, Any] = {}
         prologue, epilogue = engine._backward_prologue, engine._backward_epilogue

@@ -36,7 +36,8 @@ from dad_integrations.codecs.error_feedback import error_feedback_for
 from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import is_rank_route, raise_unsupported
+from dad_integrations.routes.codec import start_codec
+from dad_integrations.routes.registry import check_routes, get_route, has_codec, is_rank_route, raise_unsupported
 from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteContext
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
@@ -76,6 +77,9 @@ class Exchanger:
 
     def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig,
                  wire_dtype: Optional[torch.dtype], device: torch.device, levels: Optional[Levels] = None):
+        check_routes(config.routes, layouts.FLAT)  # at attach: a route it cannot run raises, naming it
+        if levels is not None and levels.topology.two_level:
+            check_routes(config.routes, layouts.TWO_LEVEL)
         self.plan = plan
         self.aggregator = aggregator
         self.config = config
@@ -351,6 +355,8 @@ class Exchanger:
             m_s = self.rank_allreduce.local(unit, rows, st.sink.local_grad, entry)
             st.shared.add((unit, m_s, self.rank_allreduce.initial_q(unit, st.step), entry))
             return None, None
+        if has_codec(rep):
+            return self._start_codec(unit, rep, st)
         if rep != "rank":
             raise_unsupported(rep, layouts.FLAT)
         payload = self.rank_codec.encode(unit, rows, st.sink.local_grad, entry, st.step)
@@ -373,6 +379,18 @@ class Exchanger:
                 return
             for q, g in grads.items():
                 sink.write(q, self._note(g))
+
+        return finish, handle.traffic
+
+    def _start_codec(self, unit: FactorUnit, rep: str, st: _Step) -> Tuple[Finish, Traffic]:
+        """A route with its own codec (`routes.codec`): the unit's local gradient encoded, its
+        collective over the group; its finish writes the scaled sum."""
+        p, sink, scale = unit.param, st.sink, st.scale
+        handle = start_codec(get_route(rep).codec, sink.local_grad(p, torch.float32), self.aggregator,
+                             name=f"dad.{rep}.{unit.name}")
+
+        def finish() -> None:
+            sink.write(p, self._note(handle.wait().mul_(scale).view(p.shape).to(p.dtype)))
 
         return finish, handle.traffic
 

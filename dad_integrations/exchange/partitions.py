@@ -38,7 +38,8 @@ from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_
 from dad_integrations.exchange.sharded import CallRoutes, ShardedCall, ShardedExchanger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, raise_unsupported, route_names
+from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, has_codec, raise_unsupported, routes_for
+from dad_integrations.routes.codec import start_codec_chunks
 from dad_integrations.routing.router import UnitShape
 
 
@@ -153,6 +154,7 @@ class PartitionCall(ShardedCall):
         routed: List[PartitionItem] = []   # exact factors, or (rank-dAD) P_s^T and Q_s^T as rows
         ranked: Dict[int, Tuple[int, str]] = {}   # components sent, how M_s was reduced
         shared: List[Tuple[FactorUnit, RankItem]] = []   # PowerSGD's all-reduce route
+        coded: List[Tuple[FactorUnit, str]] = []          # routes with a codec of their own
         for unit, rep in routes.routed:
             if rep == "exact":
                 routed.append(self.item(unit))
@@ -164,8 +166,18 @@ class PartitionCall(ShardedCall):
                 local = self.grads[unit.index].view(*unit.shape)
                 shared.append((unit, self.rank_codec.local(unit, self.item(unit).rows,
                                                            lambda p, cdt: local.to(cdt), "rank_allreduce")))
+            elif has_codec(rep):
+                coded.append((unit, rep))
             else:
                 raise_unsupported(rep, layouts.PARTITIONS)
+        for unit, rep in coded:  # each rank's range of the local gradient, to that rank (qgZ's pattern)
+            local = self.grads[unit.index].reshape(-1)
+            chunks = [local[lo:hi] if hi > lo else local[:0] for lo, hi in self.ranges[unit.index]]
+            handle = start_codec_chunks(get_route(rep).codec, chunks, self.aggregator, name=f"dad.{rep}.{unit.name}")
+            self.deliver(unit, handle.wait().mul_(self.scale))
+            entry = self._report(unit.name, rep, unit.param)
+            entry.add_traffic(handle.traffic)
+            report.params.append(entry)
         if shared:
             self._reduce_shared(shared, routes.step, report)
         units = {u.index: u for u in self._units}
@@ -201,7 +213,7 @@ class PartitionCall(ShardedCall):
                             rank=config.rank if self.rank_codec is not None else 0,
                             rounds=rank_allreduce_rounds(config), blocks=it.blocks, world_size=self.S,
                             engine_itemsize=self.itemsize, counts=it.counts, ranges=it.ranges)
-        names = [k for k in route_names() if exact or not get_route(k).needs_rows]
+        names = [k for k in routes_for(config.routes) if exact or not get_route(k).needs_rows]
         pairs = estimates_on(layouts.PARTITIONS, sizing, names)
         return {k: v[0] for k, v in pairs.items()}, {k: v[1] for k, v in pairs.items()}
 

@@ -42,6 +42,7 @@ from dad_integrations.exchange.checks import agree_factors_rebuild
 from dad_integrations.exchange.row_shards import riding_biases, row_unit_shape
 from dad_integrations.exchange.sharded import CallRoutes, Estimates, ShardedCall
 from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import routes_for
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routing.replicate_hop import replicate_hop_bytes
 from dad_integrations.routing.router import RowCounts, UnitShape
@@ -123,7 +124,8 @@ class ReplicateHopCall(ShardedCall):
                                   bias_numel=sum(b.shape[0] for b in self._biases(unit)), nodes=self.groups.nodes,
                                   local=self.groups.local, grad_dtype=self.sink.inp.dtype,
                                   wire_dtype=self.route_wire, rank=self.config.rank,
-                                  rounds=rank_allreduce_rounds(self.config), blocks=unit.blocks)
+                                  rounds=rank_allreduce_rounds(self.config), blocks=unit.blocks,
+                                  names=routes_for(self.config.routes))
         return est, None
 
     def reduce_dense(self, report: ShardedStepReport) -> None:

@@ -24,6 +24,8 @@ from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import agree_factors_rebuild
 from dad_integrations.exchange.sharded import CallRoutes, ShardedCall
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.routes.codec import start_codec_chunks
+from dad_integrations.routes.registry import get_route
 from dad_integrations.routing.router import UnitShape
 
 
@@ -98,6 +100,21 @@ class RowShardCall(ShardedCall):
                 entry.components, entry.method = result.components, item.method
                 entry.add_traffic(result.traffic)
                 report.params.append(entry)
+        for unit, rep in routes.coded:  # biases stay on the engine's reduce-scatter
+            p = unit.param
+            m, n = unit.shape
+            c = -(-m // S)
+            local = torch.zeros(S * c, n, dtype=torch.float32, device=sink.inp.device)
+            local[:m] = sink.local_grad(p, torch.float32)
+            handle = start_codec_chunks(get_route(rep).codec, list(local.view(S, c * n)), self.aggregator,
+                                        name=f"dad.{rep}.{unit.name}")
+            a = min(self.aggregator.rank * c, m)
+            sink.write(p, handle.wait().view(c, n)[:min(a + c, m) - a].mul_(self.scale).to(sink.out.dtype))
+            covered.add(id(p))
+            slot = sink.slot(p)
+            entry = ShardedParamReport.of_shard(slot.name, rep, slot.shape, slot.numel, S, itemsize)
+            entry.add_traffic(handle.traffic)
+            report.params.append(entry)
         self.reduce_rest([s for s in self.slots if id(s.param) not in covered], report)
 
 

@@ -41,7 +41,7 @@ from dad_integrations.logs import OnceLogger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
 from dad_integrations.routes.layouts import Layout
-from dad_integrations.routes.registry import is_rank_route, raise_unsupported
+from dad_integrations.routes.registry import check_routes, has_codec, is_rank_route, raise_unsupported
 from dad_integrations.routing.router import (Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route,
                                              sharded_needs_counts)
 from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
@@ -71,6 +71,11 @@ class CallRoutes:
     @property
     def ranked(self) -> List[Tuple[FactorUnit, str]]:
         return [(u, rep) for u, rep in self.routed if is_rank_route(rep)]
+
+    @property
+    def coded(self) -> List[Tuple[FactorUnit, str]]:
+        """Units on a route that brings its own codec (`routes.codec`)."""
+        return [(u, rep) for u, rep in self.routed if has_codec(rep)]
 
 
 class ShardedCall:
@@ -177,9 +182,12 @@ class ShardedExchanger(TimedRoutes):
         return self._trial
 
     def start(self, aggregator: FactorAggregator, device: torch.device, units: Sequence[FactorUnit],
-              link_probe: Optional[LinkProbe] = None) -> None:
-        """At attach, on every rank together: say what error feedback costs beside the shards
-        (rank 0), and measure the models where routes go by time."""
+              link_probe: Optional[LinkProbe] = None, layout: Optional[Layout] = None) -> None:
+        """At attach, on every rank together: check the config's routes run on ``layout`` (the
+        engine's calls'), say what error feedback costs beside the shards (rank 0), and measure the
+        models where routes go by time."""
+        if layout is not None:
+            check_routes(self.config.routes, layout)
         note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size,
                                      units[0].param.element_size() if units else 4)
         if note is not None and self.process_rank == 0 and not getattr(self.rank_codec, "residual_is_sharded", False):
@@ -283,13 +291,13 @@ class ShardedExchanger(TimedRoutes):
                                                           estimates=estimates, ties=ties))
             self._trial.note(unit, decision)
             rep = decision.representation
-            if rep not in ("dense", "exact") and not is_rank_route(rep):
+            if rep not in ("dense", "exact") and not is_rank_route(rep) and not has_codec(rep):
                 raise_unsupported(rep, call.LAYOUT)
             if is_rank_route(rep):
                 routes.routed.append((unit, rep))
             elif self._flush(call, unit):
                 continue  # its residual rides the engine's reduction this step
-            elif rep == "exact":
+            elif rep != "dense":
                 routes.routed.append((unit, rep))
         call.exchange(routes)
         for unit, _ in routes.ranked:

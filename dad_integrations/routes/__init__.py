@@ -17,11 +17,12 @@ layout a route does not declare. Layouts are in `layouts`.
 """
 from dad_integrations.routes import dense, exact, rank, rank_allreduce  # noqa: F401  (registers them)
 from dad_integrations.routes.layouts import LAYOUTS, Layout
+from dad_integrations.routes.codec import GradientCodec, codec_route, start_codec, start_codec_chunks
 from dad_integrations.routes.registry import (HopBytes, RouteSpec, UnitSizing, UnknownRouteError,
                                               UnsupportedRouteError, all_routes, check_routes, estimates_on,
-                                              get_route, is_rank_route, rank_route_names, register_route,
-                                              route_names, tie_order)
+                                              get_route, has_codec, is_rank_route, rank_route_names,
+                                              register_route, route_names, routes_for, tie_order, unregister_route)
 
-__all__ = ["LAYOUTS", "Layout", "HopBytes", "RouteSpec", "UnitSizing", "UnknownRouteError", "UnsupportedRouteError",
+__all__ = ["GradientCodec", "codec_route", "start_codec", "start_codec_chunks", "has_codec", "routes_for", "unregister_route", "LAYOUTS", "Layout", "HopBytes", "RouteSpec", "UnitSizing", "UnknownRouteError", "UnsupportedRouteError",
            "all_routes", "check_routes", "estimates_on", "get_route", "is_rank_route", "rank_route_names",
            "register_route", "route_names", "tie_order"]

@@ -100,6 +100,11 @@ class RouteSpec:
             partitions: the busiest rank's and the mean; three-hop layouts: `HopBytes`), or None
             where the unit cannot take it (exact factors without agreed counts).
         compute: its local seconds for one unit from the compute model's figures.
+        codec: a route that brings its own codec (`codec.GradientCodec`) runs through every
+            layout's generic exchange (`codec.start_codec`); the built-in routes' codecs are the
+            exchanges' own (None).
+        opt_in: a config must name it in ``routes`` for auto to choose it (every route but the
+            built-in ones).
     """
 
     name: str
@@ -112,6 +117,8 @@ class RouteSpec:
     compute: ComputeFn
     rank_route: Optional[str] = None
     state: Tuple[str, ...] = field(default_factory=tuple)
+    codec: Any = None
+    opt_in: bool = False
 
     @property
     def is_rank(self) -> bool:
@@ -204,6 +211,19 @@ def all_routes() -> List[RouteSpec]:
 def route_names() -> Tuple[str, ...]:
     """Every registered route's name, in tie order."""
     return tuple(s.name for s in all_routes())
+
+
+def routes_for(extra: Sequence[str] = ()) -> Tuple[str, ...]:
+    """The routes a config may be routed by, in tie order: every route that is not opt-in, and the
+    opt-in ones it names (its ``routes``; `get_route` raises on a name it does not know)."""
+    named = {get_route(name).name for name in extra}
+    return tuple(s.name for s in all_routes() if not s.opt_in or s.name in named)
+
+
+def has_codec(name: Optional[str]) -> bool:
+    """Whether ``name`` is a registered route that brings its own codec (the generic exchange)."""
+    spec = _ROUTES.get(name) if name is not None else None
+    return spec is not None and spec.codec is not None
 
 
 def rank_route_names(selector: Optional[str] = None) -> Tuple[str, ...]:

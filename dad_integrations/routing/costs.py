@@ -18,21 +18,23 @@ from dad_integrations.routes import layouts
 from dad_integrations.routes.exact import sharded_exact_bytes as _sharded_exact_bytes
 from dad_integrations.routes.hops import reduce_scatter_bytes  # noqa: F401  (re-exported: callers import it here)
 from dad_integrations.routes.rank import row_shards as _rank_row_shards
-from dad_integrations.routes.registry import UnitSizing, estimates_on, route_names
+from dad_integrations.routes.registry import UnitSizing, estimates_on, routes_for
 
 Blocks = Optional[Sequence[Optional[Tuple[int, int]]]]
 
 
 def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
                    bias_numel: int, rank: int, grad_dtype: torch.dtype, wire_dtype: torch.dtype,
-                   world_size: int, rounds: int = 1, blocks: Blocks = None) -> Dict[str, float]:
+                   world_size: int, rounds: int = 1, blocks: Blocks = None,
+                   names: Optional[Sequence[str]] = None) -> Dict[str, float]:
     """Estimated bytes this rank receives for each route of one unit on the flat layout (each
     route's own byte model, `routes`); ``rounds``: the rank-r all-reduce's P and Q rounds per step
-    (`codecs.rank_allreduce.rank_allreduce_rounds`); ``blocks``: the uses' row blocks. A unit
+    (`codecs.rank_allreduce.rank_allreduce_rounds`); ``blocks``: the uses' row blocks; ``names``:
+    the routes to price (`routes.registry.routes_for`: the built-in ones by default). A unit
     without uses (no ``kinds``) has no exact factors."""
     sizing = UnitSizing(tuple(kinds), tuple(shape), grad_dtype, wire_dtype, rank=rank or 0, rounds=rounds,
                         bias_numel=bias_numel, blocks=blocks, rows=rows_by_rank, world_size=world_size)
-    return estimates_on(layouts.FLAT, sizing, route_names())
+    return estimates_on(layouts.FLAT, sizing, routes_for() if names is None else names)
 
 
 def all_to_all_bytes(nbytes: float, world_size: int) -> float:
@@ -63,7 +65,8 @@ def sharded_rank_allreduce_bytes(shape: Tuple[int, int], rank: int, wire_dtype: 
 
 def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
                            bias_numel: int, grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
-                           world_size: int, rank: int = 0, rounds: int = 1, blocks: Blocks = None) -> Dict[str, float]:
+                           world_size: int, rank: int = 0, rounds: int = 1, blocks: Blocks = None,
+                           names: Optional[Sequence[str]] = None) -> Dict[str, float]:
     """Estimated bytes per rank of each route of one unit on FSDP2's row shards (each route's own
     byte model, `routes`): ``"dense"`` is FSDP2's reduce-scatter of the weight and its biases, in
     the gradients' dtype; the rank routes' biases go through the reduce-scatter. Several biases
@@ -72,7 +75,7 @@ def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows
     has no ``"exact"`` here."""
     sizing = UnitSizing(tuple(kinds), tuple(shape), grad_dtype, wire_dtype, rank=rank or 0, rounds=rounds,
                         bias_numel=bias_numel, blocks=blocks, rows=rows_by_rank, world_size=world_size)
-    return estimates_on(layouts.ROW_SHARDS, sizing, route_names())
+    return estimates_on(layouts.ROW_SHARDS, sizing, routes_for() if names is None else names)
 
 
 def powersgd_bytes(shape: Sequence[int], rank: int, world_size: int, itemsize: int,

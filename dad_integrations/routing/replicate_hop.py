@@ -23,15 +23,15 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import UnitSizing, estimates_on, route_names
+from dad_integrations.routes.registry import UnitSizing, estimates_on, routes_for
 
 
 def replicate_hop_bytes(*, kinds: Sequence[str], shape, rows: Sequence[int], bias_numel: int, nodes: int, local: int,
                         grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype], rank: Optional[int],
-                        rounds: int = 1, blocks=None) -> Dict[str, float]:
+                        rounds: int = 1, blocks=None, names: Optional[Sequence[str]] = None) -> Dict[str, float]:
     """Bytes one rank sends between nodes per route for one unit, from each route's byte model on
     the ``replicate_hop`` layout (`routes`). ``rows``: per use, the most rows any rank captured
     (agreed, so every rank decides alike)."""
     sizing = UnitSizing(tuple(kinds), tuple(shape), grad_dtype, wire_dtype, rank=rank or 0, rounds=rounds,
                         bias_numel=bias_numel, blocks=blocks, rows=list(rows), nodes=nodes, local=local)
-    return estimates_on(layouts.REPLICATE_HOP, sizing, route_names())
+    return estimates_on(layouts.REPLICATE_HOP, sizing, routes_for() if names is None else names)

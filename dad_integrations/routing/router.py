@@ -45,6 +45,7 @@ step's check rebuilds each rank's own gradient from its own rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -52,7 +53,7 @@ import torch
 
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.config import DADConfig
-from dad_integrations.routes.registry import get_route, rank_route_names, tie_order
+from dad_integrations.routes.registry import get_route, rank_route_names, routes_for, tie_order
 from dad_integrations.routing.costs import estimate_bytes, sharded_estimate_bytes, size_exchange_bytes
 from dad_integrations.routing.timing import StepTiming
 
@@ -80,12 +81,13 @@ def rank_selector(config: DADConfig) -> str:
 
 
 def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
-                   rank_route: str = DADConfig.rank_route) -> List[str]:
+                   rank_route: str = DADConfig.rank_route, lossy_allowed: bool = True) -> List[str]:
     """The routes a unit may take among ``available`` (those priced for it), the one statement of
     the modes' rules: ``"exact"`` takes exact factors where it can, else dense; ``"rank"`` a rank
     route of ``rank_route`` where one is available; ``"auto"`` (and ``"rank"`` without one) the
     lossless routes, and ``"auto"`` the rank routes too. Without ``rank_allowed`` (no rank, the
-    lossless steps) no rank route."""
+    lossless steps) no rank route; without ``lossy_allowed`` (the lossless steps) no other lossy
+    route either (the opt-in ones a config names, which ``"auto"`` weighs beside the others)."""
     available = list(available)
     if mode == "exact":
         return ["exact" if "exact" in available else "dense"]
@@ -93,14 +95,16 @@ def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
     if mode == "rank" and ranks:
         return ranks
     lossless = [k for k in available if get_route(k).lossless]
-    return lossless + (ranks if mode == "auto" else [])
+    others = [k for k in available if lossy_allowed and not get_route(k).lossless and not get_route(k).is_rank]
+    return lossless + (ranks + others if mode == "auto" else [])
 
 
 def candidates_at(config: DADConfig, step: Optional[int], available: Iterable[str]) -> List[str]:
     """`allowed_routes` under ``config`` in step ``step`` (`step_config`, `rank_selector`)."""
+    lossy = step is None or step >= config.lossless_steps
     config = step_config(config, step)
     return allowed_routes(config.mode, available, rank_allowed=config.rank is not None,
-                          rank_route=rank_selector(config))
+                          rank_route=rank_selector(config), lossy_allowed=lossy)
 
 
 @dataclass(frozen=True)
@@ -198,9 +202,11 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
     config, world_size, wire_dtype, step = ctx.config, ctx.world_size, ctx.wire_dtype, ctx.step
     first_step, sharded = ctx.first_step, ctx.sharded
     rows_by_rank, last_rows, estimates, ties = seen.rows_by_rank, seen.last_rows, seen.estimates, seen.ties
+    lossy = step is None or step >= config.lossless_steps
     config = step_config(config, step)
     rank_allowed = config.rank is not None
     rank_route = rank_selector(config)
+    pick = functools.partial(choose, rank_allowed=rank_allowed, rank_route=rank_route, lossy_allowed=lossy)
     if seen.dense_only:
         return Route("dense", first_step)
     if not unit.has_factors:  # no rows: decided without counts, never a size exchange
@@ -214,16 +220,16 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
         if size_exchange:
             est = dict(est, exact=est["exact"] + size_exchange_bytes(len(unit.kinds), world_size))
         if timed is None:
-            return Route(choose(mode, est, rank_allowed=rank_allowed, rank_route=rank_route, ties=ties), exchange)
+            return Route(pick(mode, est, ties=ties), exchange)
         seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
                                       world_size=world_size, sharded=sharded, size_exchange=size_exchange)
-        best = choose(mode, seconds, rank_allowed=rank_allowed, rank_route=rank_route, ties=est)
+        best = pick(mode, seconds, ties=est)
         if mode == "auto":
             tied = {k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]}
-            best = choose(mode, tied, rank_allowed=rank_allowed, rank_route=rank_route)
+            best = pick(mode, tied)
         current = seen.current
         if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
-            if choose(mode, {**seconds, current: -1.0}, rank_allowed=rank_allowed, rank_route=rank_route) == current:
+            if pick(mode, {**seconds, current: -1.0}) == current:
                 best = current  # still allowed, and not worth a switch
         return Route(best, exchange, seconds.get("dense", seconds[best]) - seconds[best])
 
@@ -256,16 +262,19 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
         return sharded_estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                                       bias_numel=unit.bias_numel, grad_dtype=unit.dtype, wire_dtype=wire_dtype,
                                       world_size=world_size, rank=config.rank or 0, rounds=rounds,
-                                      blocks=unit.blocks)
+                                      blocks=unit.blocks, names=routes_for(config.routes))
     return estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                           bias_numel=unit.bias_numel, rank=config.rank or 0, grad_dtype=unit.dtype,
-                          wire_dtype=wire_dtype, world_size=world_size, rounds=rounds, blocks=unit.blocks)
+                          wire_dtype=wire_dtype, world_size=world_size, rounds=rounds, blocks=unit.blocks,
+                          names=routes_for(config.routes))
 
 
 def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
-           rank_route: str = DADConfig.rank_route, ties: Optional[Dict[str, float]] = None) -> str:
+           rank_route: str = DADConfig.rank_route, ties: Optional[Dict[str, float]] = None,
+           lossy_allowed: bool = True) -> str:
     """The route of one unit among `allowed_routes`, given agreed estimates (bytes or seconds);
     equal estimates are decided by ``ties`` (where given), then by the registry's tie order."""
-    allowed = allowed_routes(mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route)
+    allowed = allowed_routes(mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route,
+                             lossy_allowed=lossy_allowed)
     ties = ties or {}
     return min(allowed, key=lambda k: (estimates[k], ties.get(k, 0.0), tie_order(k)))

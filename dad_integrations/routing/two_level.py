@@ -38,7 +38,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import HopBytes, UnitSizing, get_route, route_names, tie_order
+from dad_integrations.routes.registry import HopBytes, UnitSizing, get_route, routes_for, tie_order
 from dad_integrations.routing.router import (UnitShape, candidates_at, choose, rank_selector, step_config,
                                              unit_estimates)
 from dad_integrations.routing.timing import StepTiming
@@ -88,7 +88,7 @@ def candidates(config: DADConfig, unit: UnitShape, step: int, *, rows_known: boo
     known."""
     if dense_only:
         return ("dense",)
-    available = [name for name in route_names()
+    available = [name for name in routes_for(config.routes)
                  if get_route(name).supports(layouts.TWO_LEVEL)
                  and (not get_route(name).needs_rows or (rows_known and unit.has_factors))]
     return tuple(candidates_at(config, step, available))

@@ -1,0 +1,315 @@
+"""A route defined entirely in this file runs on every engine dAD attaches to.
+
+The route, ``bf16_sr``, sends each weight's local gradient in bf16 with stochastic rounding (an
+unbiased round to one of the two nearest bf16 values), all-gathered, and sums the gathered payloads
+in fp32 in rank order (bit-identical on every rank). It is one codec (`BF16StochasticRounding`) and
+one registration (`routes.codec_route`), named in the config's ``routes``.
+
+One ``torchrun`` job of 2 CPU ranks (this file is its worker: ``python tests/test_custom_route.py
+OUT.json``) runs it under the synchroniser, DDP's communication hook, FSDP2 and DeepSpeed ZeRO-2
+and ZeRO-3. Per engine: every weight took the route; the bytes the route's byte model predicts for
+each weight equal the bytes its collective counted; one SGD step (lr 1) moved the parameters by the
+average gradient to bf16 rounding (not to fp32 round-off: the route really ran), identically on
+every rank. A layout the route does not declare (two levels, with 4 ranks as 2 nodes) is refused at
+attach, naming the route and the layout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+
+from dad_integrations.codecs.wire import BlockSpec
+from dad_integrations.routes import GradientCodec, codec_route, register_route, route_names
+
+ROUTE = "bf16_sr"
+WORLD = 2
+STEPS = 2  # the first exchanges row counts beside the route; the second is the route alone
+
+
+class BF16StochasticRounding(GradientCodec):
+    """bf16 on the wire, rounded stochastically (unbiased), all-gathered and summed in fp32."""
+
+    collective = "all_gather"
+
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def payload_specs(self, numel: int) -> List[BlockSpec]:
+        return [(torch.bfloat16, (numel,))]
+
+    def encode(self, block: torch.Tensor) -> List[torch.Tensor]:
+        bits = block.float().contiguous().view(torch.int32)
+        noise = torch.randint(0, 1 << 16, bits.shape, generator=self.generator, dtype=torch.int32)
+        # add uniform noise below bf16's last bit, then truncate: rounds up with the right odds
+        rounded = ((bits + noise) & ~0xFFFF).view(torch.float32)
+        return [rounded.to(torch.bfloat16)]
+
+    def decode(self, payloads: Sequence[List[torch.Tensor]]) -> torch.Tensor:
+        total = payloads[0][0].float()
+        for blocks in payloads[1:]:
+            total = total + blocks[0].float()
+        return total
+
+
+def register() -> None:
+    if ROUTE not in route_names():
+        register_route(codec_route(ROUTE, BF16StochasticRounding(), summary="bf16, stochastically rounded"))
+
+
+# -- the worker (inside torchrun) ---------------------------------------------------------------------
+CONFIG = {"mode": "auto", "objective": "bytes", "lossless_steps": 0, "routes": [ROUTE], "verify_first_step": False,
+          "layer_kinds": ["linear"]}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(48, 96, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(96, 24, bias=False))
+
+
+def _batch(rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(64, 48, generator=g)  # 64 rows: exact factors would cost more than bf16
+
+
+def _reference_grads() -> Dict[str, torch.Tensor]:
+    """The average gradient of the last step (of `STEPS` plain SGD steps at lr 1 on the average)."""
+    import torch.distributed as dist
+    model = _model()
+    for _ in range(STEPS - 1):
+        model(_batch(dist.get_rank())).square().mean().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.data -= p.grad / dist.get_world_size()
+            p.grad = None
+    model(_batch(dist.get_rank())).square().mean().backward()
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        out[name] = g / dist.get_world_size()
+    return out
+
+
+def _moved(before: Dict[str, torch.Tensor], after: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> dict:
+    """The SGD step (lr 1) as a gradient, against the reference average: relative error per weight,
+    and whether every rank holds the same parameters."""
+    import torch.distributed as dist
+    errors, same = {}, True
+    for name, g in ref.items():
+        step = before[name] - after[name]
+        errors[name] = float((step - g).norm() / g.norm())
+        gathered = [torch.empty_like(after[name]) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, after[name].contiguous())
+        same = same and all(torch.equal(gathered[0], t) for t in gathered)
+    return {"errors": errors, "ranks_identical": same}
+
+
+def _entries(report, layout: str, world: int, ranges: Dict[str, list] = None) -> List[dict]:
+    """Each weight on the route: the bytes its byte model predicts and the bytes counted. ZeRO's
+    partitions predict the mean over ranks of what each sends (their ranges differ): the counted
+    side is then that mean too."""
+    import torch.distributed as dist
+    from dad_integrations.routes import UnitSizing, get_route
+    out = []
+    for e in sorted(report.params, key=lambda e: e.name):
+        if e.representation != ROUTE:
+            continue
+        sizing = UnitSizing(("linear",), tuple(e.shape), torch.float32, None, world_size=world,
+                            ranges=(ranges or {}).get(e.name))
+        predicted = get_route(ROUTE).bytes_on(layout, sizing)
+        sent = torch.tensor([e.sent_bytes], dtype=torch.float64)
+        if isinstance(predicted, tuple):  # (busiest rank, mean over ranks)
+            dist.all_reduce(sent)
+            predicted, sent = predicted[1], sent / world
+        out.append({"name": e.name, "predicted": float(predicted), "sent": float(sent)})
+    return out
+
+
+def _zero_ranges(engine, stage: int) -> Dict[str, list]:
+    """Every rank's owned element range ``[lo, hi)`` of each weight, by name (ZeRO's partitions)."""
+    import torch.distributed as dist
+    opt, me = engine.optimizer, dist.get_rank()
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    mine = {}
+    if stage == 3:
+        for p in engine.module.parameters():
+            pn = p.partition_numel()
+            mine[names[id(p)]] = (min(me * pn, p.ds_numel), min((me + 1) * pn, p.ds_numel))
+    else:
+        for i, params in enumerate(opt.params_in_partition):
+            for p in params:
+                pid = opt.get_param_id(p)
+                start = opt.grad_start_offset[i][me][pid]
+                dest = opt.grad_partition_insertion_offset[i][me][pid]
+                mine[names[id(p)]] = (start, start + min(p.numel() - start, int(opt.partition_size[i]) - dest))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n: [r.get(n, (0, 0)) for r in every] for n in names.values()}
+
+
+def _full(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.replace("module.", "").replace("_fsdp_wrapped_module.", "")] = t.detach().clone().float()
+    return out
+
+
+def run_synchronizer(ref) -> dict:
+    import torch.distributed as dist
+    from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
+    model = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(**CONFIG))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(STEPS):
+        before = _full(model)
+        model(_batch(dist.get_rank())).square().mean().backward()
+        sync.synchronize()
+        opt.step()
+        opt.zero_grad()
+    out = {**_moved(before, _full(model), ref), "bytes": _entries(sync.last_step_report(), "flat", WORLD)}
+    sync.close()
+    return out
+
+
+def run_ddp_hook(ref) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from dad_integrations import register_dad_comm_hook
+    model = _model()
+    ddp = DDP(model)
+    state = register_dad_comm_hook(ddp, CONFIG)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
+    for _ in range(STEPS):
+        before = _full(model)
+        ddp(_batch(dist.get_rank())).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {**_moved(before, _full(model), ref), "bytes": _entries(state.last_step_report(), "flat", WORLD)}
+
+
+def run_fsdp2(ref) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from dad_integrations.fsdp import enable_dad_fsdp
+    model = _model()
+    for block in (model[0], model[2]):
+        fully_shard(block)
+    fully_shard(model)
+    sync = enable_dad_fsdp(model, CONFIG)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(STEPS):
+        before = _full(model)
+        model(_batch(dist.get_rank())).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out = {**_moved(before, _full(model), ref), "bytes": _entries(sync.last_step_report(), "row_shards", WORLD)}
+    sync.close()
+    return out
+
+
+def run_zero(stage: int, ref) -> dict:
+    import deepspeed
+    import torch.distributed as dist
+    import deepspeed_dad
+    model = _model()
+    zero = {"stage": stage, "reduce_bucket_size": 10 ** 6}
+    if stage == 3:
+        zero.update({"stage3_param_persistence_threshold": 0})
+    cfg = {"train_micro_batch_size_per_gpu": 64, "train_batch_size": 64 * WORLD, "zero_optimization": zero,
+           "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "dad": CONFIG}
+    engine, *_ = deepspeed_dad.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+                                          config=cfg)
+    for _ in range(STEPS):
+        before = _zero_params(engine, stage)
+        engine.backward(engine(_batch(dist.get_rank())).square().mean())
+        engine.step()
+    report = deepspeed_dad.get_attachment(engine).last_step_report()
+    after = _zero_params(engine, stage)
+    return {**_moved(before, after, ref), "bytes": _entries(report, "partitions", WORLD, _zero_ranges(engine, stage))}
+
+
+def _zero_params(engine, stage: int) -> Dict[str, torch.Tensor]:
+    import deepspeed
+    if stage != 3:
+        return _full(engine.module)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return _full(engine.module)
+
+
+def worker(out: Path) -> None:
+    import torch.distributed as dist
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    register()
+    dist.init_process_group("gloo")
+    ref = _reference_grads()
+    results = {"synchronizer": run_synchronizer(ref), "ddp_hook": run_ddp_hook(ref), "fsdp2": run_fsdp2(ref),
+               "zero2": run_zero(2, ref), "zero3": run_zero(3, ref)}
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def refusal_worker(out: Path) -> None:
+    """4 ranks as 2 nodes of 2: the synchroniser runs two-level steps, a layout bf16_sr lacks."""
+    import torch.distributed as dist
+    from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
+    register()
+    dist.init_process_group("gloo")
+    try:
+        DADSynchronizer(_model(), TorchDistributedAggregator(), DADConfig(**CONFIG, topology=2))
+        message = None
+    except ValueError as e:
+        message = str(e)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"message": message}))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+# -- the tests --------------------------------------------------------------------------------------------
+def _run(tmp_path, nproc: int, mode: str) -> dict:
+    from conftest import run_torchrun
+    out = tmp_path / f"{mode}.json"
+    run_torchrun(Path(__file__), nproc, [mode, out], timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_a_route_defined_in_this_file_runs_on_every_engine(tmp_path):
+    results = _run(tmp_path, WORLD, "engines")
+    for engine, r in results.items():
+        assert len(r["bytes"]) == 2, (engine, r)  # both weights took the route
+        for e in r["bytes"]:
+            assert e["predicted"] == e["sent"] > 0, (engine, e)
+        for name, err in r["errors"].items():
+            # bf16 rounding (about 2^-9 per entry), not fp32 round-off and not a lost gradient
+            assert 1e-5 < err < 1e-2, (engine, name, err)
+        assert r["ranks_identical"], engine
+
+
+def test_a_layout_the_route_lacks_is_refused_at_attach(tmp_path):
+    message = _run(tmp_path, 4, "refusal")["message"]
+    assert message is not None and "'bf16_sr'" in message and "'two_level'" in message, message
+
+
+def test_the_route_is_one_registration():
+    register()
+    from dad_integrations.routes import get_route
+    spec = get_route(ROUTE)
+    assert spec.opt_in and not spec.lossless and spec.codec is not None
+    assert set(spec.layouts) == {"flat", "row_shards", "partitions"}
+
+
+if __name__ == "__main__":
+    mode, target = sys.argv[1], Path(sys.argv[2])
+    (worker if mode == "engines" else refusal_worker)(target)
