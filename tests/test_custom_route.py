@@ -10,8 +10,10 @@ OUT.json``) runs it under the synchroniser, DDP's communication hook, FSDP2 and 
 and ZeRO-3. Per engine: every weight took the route; the bytes the route's byte model predicts for
 each weight equal the bytes its collective counted; one SGD step (lr 1) moved the parameters by the
 average gradient to bf16 rounding (not to fp32 round-off: the route really ran), identically on
-every rank. A layout the route does not declare (two levels, with 4 ranks as 2 nodes) is refused at
-attach, naming the route and the layout.
+every rank. A second job of 4 ranks as 2 nodes of 2 runs it between nodes: two-level DDP (the
+synchroniser with ``topology: 2``) and FSDP2 HSDP on a 2 x 2 mesh, the hop between nodes as
+predicted; and refuses at attach, naming them, a route on a layout it does not declare and a route
+nobody registered.
 """
 from __future__ import annotations
 
@@ -259,19 +261,88 @@ def worker(out: Path) -> None:
     os._exit(0)
 
 
-def refusal_worker(out: Path) -> None:
-    """4 ranks as 2 nodes of 2: the synchroniser runs two-level steps, a layout bf16_sr lacks."""
+def _between(report, layout: str, nodes: int, local: int) -> List[dict]:
+    """Each weight on the route: the hop between nodes as predicted and as counted (by the rank that
+    sent it: at two levels only the weight's owner on each node crosses)."""
+    import torch.distributed as dist
+    from dad_integrations.routes import UnitSizing, get_route
+    out = []
+    for e in sorted(report.params, key=lambda e: e.name):
+        if e.representation != ROUTE:
+            continue
+        predicted = get_route(ROUTE).bytes_on(layout, UnitSizing(("linear",), tuple(e.shape), torch.float32, None,
+                                                                 nodes=nodes, local=local))
+        predicted = getattr(predicted, "between", predicted)
+        sent = torch.tensor([e.inter_bytes], dtype=torch.float64)
+        dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+        out.append({"name": e.name, "level": e.level, "predicted": float(predicted), "sent": float(sent)})
+    return out
+
+
+def run_two_level(ref) -> dict:
+    """DDP across 2 nodes of 2 (stated by ``topology``): the owners run the route between nodes."""
     import torch.distributed as dist
     from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
+    model = _model()
+    sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(**CONFIG, topology=2))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(STEPS):  # step 0 is flat (the checked step), step 1 on at two levels
+        before = _full(model)
+        model(_batch(dist.get_rank())).square().mean().backward()
+        sync.synchronize()
+        opt.step()
+        opt.zero_grad()
+    out = {**_moved(before, _full(model), ref), "bytes": _between(sync.last_step_report(), "two_level", 2, 2)}
+    sync.close()
+    return out
+
+
+def run_hsdp(ref) -> dict:
+    """FSDP2 HSDP on a (2 replicas x 2 shards) mesh: the route on the hop between replicas."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from dad_integrations.fsdp import enable_dad_fsdp
+    dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    for block in (model[0], model[2]):
+        fully_shard(block, mesh=dm)
+    fully_shard(model, mesh=dm)
+    sync = enable_dad_fsdp(model, CONFIG)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(STEPS):
+        before = _full(model)
+        model(_batch(dist.get_rank())).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out = {**_moved(before, _full(model), ref), "bytes": _between(sync.last_step_report(), "replicate_hop", 2, 2)}
+    sync.close()
+    return out
+
+
+def _refused(routes: list, **extra) -> str:
+    from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
+    try:
+        DADSynchronizer(_model(), TorchDistributedAggregator(), DADConfig(**{**CONFIG, "routes": routes}, **extra))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def nodes_worker(out: Path) -> None:
+    """4 ranks as 2 nodes of 2: two-level DDP and HSDP; then routes the job cannot run, refused."""
+    import dataclasses
+    import torch.distributed as dist
     register()
     dist.init_process_group("gloo")
-    try:
-        DADSynchronizer(_model(), TorchDistributedAggregator(), DADConfig(**CONFIG, topology=2))
-        message = None
-    except ValueError as e:
-        message = str(e)
+    ref = _reference_grads()
+    results = {"two_level": run_two_level(ref), "hsdp": run_hsdp(ref)}
+    spec = codec_route("flat_only", BF16StochasticRounding(), summary="flat only")
+    register_route(dataclasses.replace(spec, bytes={"flat": spec.bytes["flat"]},
+                                       collectives={"flat": spec.collectives["flat"]}))
+    results["refused"] = {"layout": _refused(["flat_only"], topology=2), "unknown": _refused(["int3"])}
     if dist.get_rank() == 0:
-        out.write_text(json.dumps({"message": message}))
+        out.write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)
@@ -297,9 +368,19 @@ def test_a_route_defined_in_this_file_runs_on_every_engine(tmp_path):
         assert r["ranks_identical"], engine
 
 
-def test_a_layout_the_route_lacks_is_refused_at_attach(tmp_path):
-    message = _run(tmp_path, 4, "refusal")["message"]
-    assert message is not None and "'bf16_sr'" in message and "'two_level'" in message, message
+def test_the_route_runs_between_nodes_and_refusals_name_route_and_layout(tmp_path):
+    results = _run(tmp_path, 4, "nodes")
+    for engine in ("two_level", "hsdp"):
+        r = results[engine]
+        assert len(r["bytes"]) == 2, (engine, r)
+        for e in r["bytes"]:
+            assert e["level"] in ("two_level", "replicate") and e["predicted"] == e["sent"] > 0, (engine, e)
+        for name, err in r["errors"].items():
+            assert 1e-5 < err < 1e-2, (engine, name, err)
+        assert r["ranks_identical"], engine
+    refused = results["refused"]
+    assert "'flat_only'" in refused["layout"] and "'two_level'" in refused["layout"], refused
+    assert "'int3'" in refused["unknown"] and "bf16_sr" in refused["unknown"], refused
 
 
 def test_the_route_is_one_registration():
@@ -307,9 +388,9 @@ def test_the_route_is_one_registration():
     from dad_integrations.routes import get_route
     spec = get_route(ROUTE)
     assert spec.opt_in and not spec.lossless and spec.codec is not None
-    assert set(spec.layouts) == {"flat", "row_shards", "partitions"}
+    assert set(spec.layouts) == {"flat", "row_shards", "partitions", "two_level", "replicate_hop"}
 
 
 if __name__ == "__main__":
     mode, target = sys.argv[1], Path(sys.argv[2])
-    (worker if mode == "engines" else refusal_worker)(target)
+    (worker if mode == "engines" else nodes_worker)(target)

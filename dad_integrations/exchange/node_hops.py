@@ -28,7 +28,7 @@ from dad_integrations.codecs.exact import ExactCodec
 from dad_integrations.codecs.wire import exact_block_specs, pack_into, packed_size, unpack
 from dad_integrations.report import ParamReport
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import is_rank_route, raise_unsupported
+from dad_integrations.routes.registry import has_codec, is_rank_route, raise_unsupported
 
 Spec = Tuple[torch.dtype, Tuple[int, ...]]
 
@@ -56,6 +56,12 @@ class HopItem:
         return sum(p.numel() for p in self.params)
 
 
+def sums_at_owner(rep: str) -> bool:
+    """Routes whose owner compresses the node's dense sum: the rank routes and those with a codec
+    of their own (`routes.codec`)."""
+    return is_rank_route(rep) or has_codec(rep)
+
+
 class NodeHops:
     """Encode and decode both hops inside the node for one synchroniser's items."""
 
@@ -76,7 +82,7 @@ class NodeHops:
                            else torch.cat([g.detach().reshape(-1).to(self.dense_dtype),
                                            torch.ones(1, dtype=self.dense_dtype, device=self.device)]))
             return out
-        if not is_rank_route(it.rep):
+        if not sums_at_owner(it.rep):
             raise_unsupported(it.rep, layouts.TWO_LEVEL)
         cdt = compute_dtype(it.unit.param)
         return [sink.local_grad(q, cdt).reshape(-1) for q in it.params]
@@ -89,7 +95,7 @@ class NodeHops:
                                                                  self.exact.wire(u), u.blocks)),))]
         if it.rep == "dense":
             return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
-        if not is_rank_route(it.rep):
+        if not sums_at_owner(it.rep):
             raise_unsupported(it.rep, layouts.TWO_LEVEL)
         cdt = compute_dtype(it.unit.param)
         return [(cdt, (q.numel(),)) for q in it.params]

@@ -41,7 +41,7 @@ from torch import nn
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.exchange.node_hops import HopItem, NodeHops
+from dad_integrations.exchange.node_hops import HopItem, NodeHops, sums_at_owner
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import is_rank_route
 from dad_integrations.codecs.partition_exact import Range
@@ -172,7 +172,7 @@ class NodePartitionCall(PartitionCall):
     def _between(self, mine: List[HopItem], step: int) -> Tuple[Dict[int, torch.Tensor], Dict[int, Traffic]]:
         """Hop 2 for this rank's units over its cross group: each unit's stretch of this node."""
         units = [it.unit for it in mine]
-        sums = [it.result[0] if is_rank_route(it.rep) else self.grads[it.unit.index] for it in mine]
+        sums = [it.result[0] if sums_at_owner(it.rep) else self.grads[it.unit.index] for it in mine]
         call = _CrossCall(self.nodes.cross, units, sums, [self.node_ranges(u) for u in units], scale=self.scale,
                           itemsize=self.itemsize, dtype=self.dtype)
         # exact: the node's stacked rows; rank routes: none (the node sum is reduced, `ShardedRankCodec.local`)

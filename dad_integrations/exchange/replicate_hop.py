@@ -42,7 +42,8 @@ from dad_integrations.exchange.checks import agree_factors_rebuild
 from dad_integrations.exchange.row_shards import riding_biases, row_unit_shape
 from dad_integrations.exchange.sharded import CallRoutes, Estimates, ShardedCall
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import routes_for
+from dad_integrations.routes.codec import start_codec
+from dad_integrations.routes.registry import get_route, routes_for
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routing.replicate_hop import replicate_hop_bytes
 from dad_integrations.routing.router import RowCounts, UnitShape
@@ -146,16 +147,26 @@ class ReplicateHopCall(ShardedCall):
             entry.inter_bytes = inter
             report.params.append(entry)
             report.params += [self._entry(b, "exact") for b in biases]
-        ranked = routes.ranked
+        ranked, coded = routes.ranked, routes.coded
         rest = [s for s in self.slots if id(s.param) not in covered and
-                not any(s.param is u.param for u, _ in ranked)]
-        if ranked:  # one reduce-scatter inside the node for the rank routes' weights and the rest
+                not any(s.param is u.param for u, _ in ranked + coded)]
+        if ranked or coded:  # one reduce-scatter inside the node for the routed weights and the rest
             slots = [sink.slot(u.param) for u, _ in ranked]
-            sums = self._node_sums(slots + rest)
+            coded_slots = [sink.slot(u.param) for u, _ in coded]
+            sums = self._node_sums(slots + coded_slots + rest)
+            for (u, rep), s in zip(coded, coded_slots):  # a codec of its own, over the replicas
+                handle = start_codec(get_route(rep).codec, sums[id(u.param)], self.groups.cross,
+                                     name=f"dad.replicate.{rep}.{u.name}")
+                sink.write_dense([s], handle.wait().mul_(sink.predivide * self.scale).to(sums[id(u.param)].dtype))
+                entry = self._entry(u.param, rep)
+                entry.add_traffic(handle.traffic)
+                entry.inter_bytes = handle.traffic.sent
+                report.params.append(entry)
             codec = self.rank_codec
             items = [codec.node_local(u, sums[id(u.param)].view(s.rows, -1) * sink.predivide, rep)
                      for (u, rep), s in zip(ranked, slots)]
-            for item, result in zip(items, codec.exchange_node(items, self.scale, routes.step, sink.inp.dtype)):
+            results = codec.exchange_node(items, self.scale, routes.step, sink.inp.dtype) if items else []
+            for item, result in zip(items, results):
                 p = item.unit.param
                 sink.write(p, result.shard)
                 entry = self._entry(p, item.representation)

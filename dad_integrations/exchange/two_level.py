@@ -40,8 +40,9 @@ from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.exchange.node_hops import HopItem, NodeHops
-from dad_integrations.routes.registry import is_rank_route
+from dad_integrations.exchange.node_hops import HopItem, NodeHops, sums_at_owner
+from dad_integrations.routes.codec import start_codec
+from dad_integrations.routes.registry import get_route, has_codec, is_rank_route
 from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.codecs.wire import pack, packed_size, unpack
@@ -269,7 +270,7 @@ class TwoLevelExchanger:
         for it in mine:
             if it.rep == "dense":
                 dense_parts += [(it, i) for i in range(len(it.params))]
-            elif is_rank_route(it.rep):
+            elif sums_at_owner(it.rep):
                 dense_parts += [(it, i) for i in range(1, len(it.params))]  # their biases
         dense = None
         if dense_parts:
@@ -292,6 +293,10 @@ class TwoLevelExchanger:
             rank_handle = cross.all_gather(flat, name=f"dad.twolevel.rank.{ranked[0].name}",
                                            first_dims=[flat.numel()] * self.N)
             self._share(ranked, rank_handle.traffic, lambda it: it.hop_bytes[1], between=True)
+        coded = [(it, start_codec(get_route(it.rep).codec, it.result[0], cross, name=f"dad.twolevel.{it.rep}.{it.name}"))
+                 for it in mine if has_codec(it.rep)]
+        for it, handle in coded:
+            self._share([it], handle.traffic, lambda it: 1.0, between=True)
         shared = [it for it in mine if it.rep == "rank_allreduce"]
         capture = _Capture()
         if shared:
@@ -335,6 +340,8 @@ class TwoLevelExchanger:
         for it in shared:
             left, right = capture.products[id(it.unit.param)]
             it.result = self.hops.product_blocks(it, left, right, scale)
+        for it, handle in coded:  # the average back, beside its biases' (dense, above)
+            it.result = [note(handle.wait().mul_(scale))] + [r * scale for r in it.result[1:]]
 
     # -- 4. from the owner ------------------------------------------------------------------------
     def _from_owner(self, items: List[HopItem], sink: GradSink, note: Callable[[torch.Tensor], torch.Tensor]) -> None:

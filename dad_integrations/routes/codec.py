@@ -10,10 +10,13 @@ A codec says what one rank sends of its block and how the group's payloads rebui
   payloads in rank order keeps every rank's result bit-identical.
 
 `codec_route` turns a codec into a `registry.RouteSpec` that runs on the flat layout (DDP's hook,
-the synchroniser: `start_codec`, the codec's collective over the whole block) and on the sharded
+the synchroniser: `start_codec`, the codec's collective over the whole block), on the sharded
 ones, FSDP2's row shards and ZeRO's partitions (`start_codec_chunks`, qgZ's pattern: each rank's
-part of every block encoded and sent to it by one all-to-all, summed there in fp32 in rank order).
-Biases stay on the dense path beside it, as with the rank routes.
+part of every block encoded and sent to it by one all-to-all, summed there in fp32 in rank order),
+and across nodes on the hop between them: two-level DDP (the node's sum, by its owner, over the
+owners) and HSDP's replicate hop (each rank's shard of its node's sum, over its replicas). ZeRO's
+partitions across nodes are not among them (refused at attach). Biases stay on the dense path
+beside it, as with the rank routes.
 
 Bytes per rank for a weight of ``m n`` numbers, ``P(k)`` the payload of ``k`` numbers, S ranks:
 flat all-gather ``(S-1) P(m n)``, flat all-reduce ``2 (S-1)/S P(m n)``; row shards
@@ -29,8 +32,10 @@ import torch
 from dad_integrations.codecs.wire import BlockSpec, pack, packed_size, unpack
 from dad_integrations.comm.aggregator import CommHandle, FactorAggregator
 from dad_integrations.routes import layouts as L
-from dad_integrations.routes.hops import reduce_scatter_bytes, ring_allreduce_bytes
-from dad_integrations.routes.registry import RouteSpec, UnitSizing
+from dad_integrations.routes.hops import (from_owner, node_itemsize, reduce_scatter_bytes, ring_allreduce_bytes,
+                                          to_owner_dense)
+from dad_integrations.routes.rank import replicate_bias
+from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing
 
 
 class GradientCodec(ABC):
@@ -128,9 +133,23 @@ def codec_route(name: str, codec: GradientCodec, *, summary: str, order: int = 1
         received = [(S - 1) * sizes[d] for d in range(S)]
         return float(max(max(sent), max(received))), sum(sent) / S
 
+    def two_level(s: UnitSizing) -> HopBytes:
+        m, n = s.shape
+        b = node_itemsize(s)
+        between = codec.group_bytes(m * n, s.nodes) + ring_allreduce_bytes(s.bias_numel * b, s.nodes)
+        return HopBytes(to_owner_dense(s), between, *from_owner(s, (m * n + s.bias_numel) * b))
+
+    def replicate_hop(s: UnitSizing) -> float:
+        m, n = s.shape
+        return codec.group_bytes(-(-m // s.local) * n, s.nodes) + replicate_bias(s)
+
     return RouteSpec(name=name, summary=summary, order=order, lossless=lossless, needs_rows=False,
-                     collectives={L.FLAT.name: (kind,), L.ROW_SHARDS.name: (kind,), L.PARTITIONS.name: (kind,)},
-                     bytes={L.FLAT.name: flat, L.ROW_SHARDS.name: row_shards, L.PARTITIONS.name: partitions},
+                     collectives={L.FLAT.name: (kind,), L.ROW_SHARDS.name: ("all_to_all",),
+                                  L.PARTITIONS.name: ("all_to_all",),
+                                  L.TWO_LEVEL.name: ("all_to_all", kind, "all_gather"),
+                                  L.REPLICATE_HOP.name: (kind,)},
+                     bytes={L.FLAT.name: flat, L.ROW_SHARDS.name: row_shards, L.PARTITIONS.name: partitions,
+                            L.TWO_LEVEL.name: two_level, L.REPLICATE_HOP.name: replicate_hop},
                      compute=lambda costs, capture, rows, world_size, calls: 0.0, state=state, codec=codec,
                      opt_in=True)
 
