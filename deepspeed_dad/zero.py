@@ -37,6 +37,7 @@ from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout,
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
 
 from .aggregator import DeepSpeedAggregator
+from .attachment import ATTR
 from .checkpointing import RankStateCheckpoints
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,6 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         self._originals.clear()
         for capture in self.plan.captures:
             capture.remove()
-        from .engine import ATTR
         if getattr(self.engine, ATTR, None) is self:
             delattr(self.engine, ATTR)
 
