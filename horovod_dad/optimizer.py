@@ -21,14 +21,16 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union  # noqa: F401
 
 import torch
 from torch import nn
 
 from dad_integrations import DADConfig, DADSynchronizer, StepReport
+from dad_integrations.engines import banner  # noqa: F401  (importable from here, as before the split)
 
 from ._horovod import Compression, hvd
+from .aggregator import HorovodAggregator  # noqa: F401  (importable from here, as before the split)
 from .arguments import _OP_NAMES, check_named_parameters, dad_config_for
 from .attaching import ModelAttachment
 from .discovery import ModelFinder
