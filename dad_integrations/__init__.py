@@ -1,8 +1,9 @@
 """dad-integrations: distributed auto-differentiation (dAD, rank-dAD) for PyTorch training engines.
 
 Send each layer's gradient factors instead of its gradient, and rebuild the exact average on every
-rank (Baker et al., arXiv 2102.09631). See `DADSynchronizer` for the training-loop API, and
-`register_kind` to teach capture a layer kind of your own.
+rank (Baker et al., arXiv 2102.09631). See `DADSynchronizer` for the training-loop API,
+`register_kind` to teach capture a layer kind of your own, and `save_rank_state` /
+`load_rank_state` for dAD's per-rank state in a checkpoint of your own loop.
 """
 from dad_integrations.capture.layers import Claim, LayerKind, register_kind
 from dad_integrations.comm.aggregator import CommHandle, EqualSizeAggregator, FactorAggregator, Traffic
@@ -10,10 +11,12 @@ from dad_integrations.comm.counter import CollectiveCounter
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.ddp_hook import register_dad_comm_hook
+from dad_integrations.engines.checkpoint import load_rank_state, merge_rank_states, save_rank_state, state_file
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.synchronizer import DADSynchronizer
 
 __all__ = ["Claim", "CollectiveCounter", "CommHandle", "DADConfig", "DADSynchronizer", "EqualSizeAggregator",
            "FactorAggregator", "LayerKind", "ParamReport", "StepReport", "TorchDistributedAggregator", "Traffic",
-           "register_dad_comm_hook", "register_kind"]
+           "load_rank_state", "merge_rank_states", "register_dad_comm_hook", "register_kind", "save_rank_state",
+           "state_file"]
 __version__ = "0.1.0"

@@ -1,3 +1,9 @@
-"""The byte counter's import path in the examples; it lives in `dad_integrations.comm.counter`."""
-from dad_integrations.comm.counter import *  # noqa: F401,F403
-from dad_integrations.comm.counter import CollectiveCounter  # noqa: F401
+"""The byte counter's old path (before issue 26): ``from dad_integrations import CollectiveCounter``
+(it lives in `dad_integrations.comm.counter`). Each name here still works and warns once."""
+from dad_integrations._moved import moved_dir, moved_names
+
+_MOVES = {**dict.fromkeys(("CollectiveCounter", "Traffic"), "dad_integrations"),
+          **dict.fromkeys(("ALL_GROUPS", "Collective", "NAMESPACES", "wire_bytes"), "dad_integrations.comm.counter")}
+__all__ = sorted(_MOVES)  # `import *` takes the moved names (each warning once)
+__getattr__ = moved_names(__name__, _MOVES)
+__dir__ = moved_dir(_MOVES)

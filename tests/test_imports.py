@@ -9,7 +9,7 @@ and none is executed. The layers, lowest first (docs/architecture.md draws them)
 0. ``comm``, ``config``, ``logs``, ``report``, ``rng``: collectives, the config, plain data;
 1. ``capture``: hooks, rows, units, sinks, layer kinds;
 2. ``codecs``: one per representation, with wire packing, error feedback, low-rank kernels;
-3. ``routing``: router, costs, link and compute models, trials, the planner's library;
+3. ``routes`` (the route registry, one module per route) and ``routing``: router, costs, link and compute models, trials, the planner's library;
 4. ``exchange``: the exchangers (per step, and sharded) and their checks;
 5. ``engines`` and the adapters (``synchronizer``, ``ddp_hook``, ``fsdp``, ``accelerate``,
    ``transformers``, the ``plan`` command), and the package's face.
@@ -29,7 +29,7 @@ ENGINE_PACKAGES = ("deepspeed_dad", "horovod_dad")  # built on dad_integrations,
 TRAMPOLINE = "deepspeed_dad_hook"
 MAX_ADAPTER_LINES = 250
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = {"comm": 0, "config": 0, "logs": 0, "report": 0, "rng": 0, "capture": 1, "codecs": 2, "routing": 3, "exchange": 4}
+LAYERS = {"comm": 0, "config": 0, "logs": 0, "report": 0, "rng": 0, "capture": 1, "codecs": 2, "routes": 3, "routing": 3, "exchange": 4}
 ADAPTER_LAYER = 5
 # what the algorithms (layers 0-4) never import: the engines and their adapters
 # (a layer kind may import a model library's layer class: `transformers.pytorch_utils.Conv1D`)
@@ -194,14 +194,14 @@ def test_the_checks_see_a_circle_and_an_upward_import():
 
 
 def test_public_imports_keep_their_paths():
-    """What the README and examples import, the planner's command, and layer-kind registration."""
+    """What the README and examples import, the planner's command, and layer-kind registration
+    (tests/test_public_surface.py reads every documented import; old paths warn there)."""
     import importlib
 
     for name in ("dad_integrations.ddp_hook", "dad_integrations.fsdp", "dad_integrations.accelerate",
-                 "dad_integrations.transformers", "dad_integrations.plan", "dad_integrations.comm_counter",
-                 "dad_integrations.config", "horovod_dad", "deepspeed_dad", "deepspeed_dad_hook"):
+                 "dad_integrations.transformers", "dad_integrations.plan", "dad_integrations.config",
+                 "horovod_dad", "deepspeed_dad", "deepspeed_dad_hook"):
         importlib.import_module(name)
     from dad_integrations import Claim, DADConfig, DADSynchronizer, LayerKind, TorchDistributedAggregator  # noqa: F401
     from dad_integrations import register_kind  # noqa: F401
-    from dad_integrations.comm_counter import CollectiveCounter  # noqa: F401
     assert callable(importlib.import_module("dad_integrations.plan").main)

@@ -100,8 +100,8 @@ def test_slow_inter_link_compresses_between_nodes_fast_one_stays_dense():
 def test_candidates_follow_mode_rank_and_lossless_steps():
     cfg = DADConfig(rank=4, lossless_steps=3)
     assert candidates(cfg, WIDE, 1, rows_known=True, dense_only=False) == ("dense", "exact")
-    assert candidates(cfg, WIDE, 3, rows_known=False, dense_only=False) == ("dense", "rank", "rank_allreduce")
-    assert candidates(DADConfig(mode="rank", rank=2, lossless_steps=0), WIDE, 0, rows_known=True,
-                      dense_only=False) == ("rank", "rank_allreduce")
+    assert set(candidates(cfg, WIDE, 3, rows_known=False, dense_only=False)) == {"dense", "rank", "rank_allreduce"}
+    assert set(candidates(DADConfig(mode="rank", rank=2, lossless_steps=0), WIDE, 0, rows_known=True,
+                          dense_only=False)) == {"rank", "rank_allreduce"}
     assert candidates(DADConfig(mode="exact"), WIDE, 0, rows_known=True, dense_only=False) == ("exact",)
     assert candidates(cfg, WIDE, 5, rows_known=True, dense_only=True) == ("dense",)

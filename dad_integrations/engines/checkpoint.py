@@ -4,7 +4,8 @@ dAD's state (rank-dAD warm-start factors, error-feedback residuals, weights sent
 differs across ranks, so every rank writes its own ``dad_state_rank{r}.pt`` into the checkpoint
 folder and reads its own back. The engines' glue calls these from their checkpoint paths
 (Accelerate's ``save_state`` hooks, DeepSpeed's ``save_checkpoint``, the Trainer's ``on_save``);
-a plain ``torch.distributed`` loop may call them directly.
+a plain ``torch.distributed`` loop calls them directly, from the package's face
+(``from dad_integrations import save_rank_state, load_rank_state``).
 
 Resuming on another number of processes (an elastic restart, a job moved from 8 to 16 nodes) is
 `merge_rank_states`' job: every new rank reads all the old ranks' files and takes their mean

@@ -35,6 +35,8 @@ from dad_integrations.config import DADConfig
 from dad_integrations.codecs.error_feedback import error_feedback_for
 from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.report import ParamReport, StepReport
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import is_rank_route, raise_unsupported
 from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteContext
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
@@ -349,6 +351,8 @@ class Exchanger:
             m_s = self.rank_allreduce.local(unit, rows, st.sink.local_grad, entry)
             st.shared.add((unit, m_s, self.rank_allreduce.initial_q(unit, st.step), entry))
             return None, None
+        if rep != "rank":
+            raise_unsupported(rep, layouts.FLAT)
         payload = self.rank_codec.encode(unit, rows, st.sink.local_grad, entry, st.step)
         if self.config.adaptive_tolerance is None:  # r rows on every rank: it can share a bucket's all-gather
             st.bucket.add(unit, payload, entry)
@@ -386,7 +390,7 @@ class Exchanger:
     def _flush_residual(self, unit: FactorUnit, rep: str, sink: GradSink) -> bool:
         """A unit off the rank routes with a residual left (`ErrorFeedback.flush`): add it to the
         local gradient, so that this dense step sends it; returns whether it did."""
-        if rep in ("rank", "rank_allreduce"):
+        if is_rank_route(rep):
             return False
         residual = self.memory.flush(unit.name)
         if residual is None:

@@ -6,7 +6,7 @@ Its reduce-scatter crosses the slow link with about ``(S-1)/S m n b`` per node a
 three hops, as qgZ does with its INT4 all-to-alls (reduce inside the node, across nodes, scatter
 back), but with dAD's representations on the hop between nodes:
 
-1. **to the owner, inside the node** (`codecs.node_hops.NodeHops.to_owner`, one all-to-all per
+1. **to the owner, inside the node** (`exchange.node_hops.NodeHops.to_owner`, one all-to-all per
    call): every rank's rows (exact) or its local gradient (rank routes) go to the weight's owner,
    one local index fixed at attach (`exchange.levels.assign_owners`), which stacks the rows or sums
    the gradients: the node's contribution;
@@ -41,12 +41,14 @@ from torch import nn
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.node_hops import HopItem, NodeHops
+from dad_integrations.exchange.node_hops import HopItem, NodeHops
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import is_rank_route
 from dad_integrations.codecs.partition_exact import Range
 from dad_integrations.comm.aggregator import Traffic
 from dad_integrations.exchange.levels import Levels, assign_owners
 from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout
-from dad_integrations.exchange.sharded import RANK_ROUTES, CallRoutes
+from dad_integrations.exchange.sharded import CallRoutes
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routing.node_partitions import choose_partition_route
 from dad_integrations.routing.router import Route, RouteContext, UnitEvidence
@@ -104,6 +106,8 @@ class NodePartitionCall(PartitionCall):
     """One ZeRO reduction call across nodes (module doc): dense weights by DeepSpeed's reduce-scatter,
     the others in three hops."""
 
+    LAYOUT = layouts.NODE_PARTITIONS  # the layout its routes run on (`routes.layouts`)
+
     def __init__(self, layout: PartitionLayout, nodes: NodeLayout, *args, **kwargs):
         super().__init__(layout, *args, **kwargs)
         self.nodes = nodes
@@ -132,7 +136,7 @@ class NodePartitionCall(PartitionCall):
         items: List[HopItem] = []
         for unit, rep in routes.routed:
             owner = self.nodes.owner_of[unit.name]
-            if rep in RANK_ROUTES and owner != self.local and self.rank_codec is not None:
+            if is_rank_route(rep) and owner != self.local and self.rank_codec is not None:
                 self._flush_residual(unit)
             it = HopItem(unit.name, [self.grads[unit.index]], owner, unit=unit, rows=self.rows[unit.index], rep=rep)
             if rep == "exact":
@@ -168,7 +172,7 @@ class NodePartitionCall(PartitionCall):
     def _between(self, mine: List[HopItem], step: int) -> Tuple[Dict[int, torch.Tensor], Dict[int, Traffic]]:
         """Hop 2 for this rank's units over its cross group: each unit's stretch of this node."""
         units = [it.unit for it in mine]
-        sums = [it.result[0] if it.rep in RANK_ROUTES else self.grads[it.unit.index] for it in mine]
+        sums = [it.result[0] if is_rank_route(it.rep) else self.grads[it.unit.index] for it in mine]
         call = _CrossCall(self.nodes.cross, units, sums, [self.node_ranges(u) for u in units], scale=self.scale,
                           itemsize=self.itemsize, dtype=self.dtype)
         # exact: the node's stacked rows; rank routes: none (the node sum is reduced, `ShardedRankCodec.local`)

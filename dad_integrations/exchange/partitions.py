@@ -29,7 +29,7 @@ from torch import nn
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, param_shape
-from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range, exchange_bytes
+from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
 from dad_integrations.codecs.wire import sharded_exact_covers
@@ -37,7 +37,8 @@ from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
 from dad_integrations.exchange.sharded import CallRoutes, ShardedCall, ShardedExchanger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.routing.costs import sharded_rank_allreduce_bytes
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, raise_unsupported, route_names
 from dad_integrations.routing.router import UnitShape
 
 
@@ -59,6 +60,8 @@ class PartitionLayout:
 
 class PartitionCall(ShardedCall):
     """One reduction call over flat partitions (see the module doc)."""
+
+    LAYOUT = layouts.PARTITIONS  # the layout its routes run on (`routes.layouts`)
 
     def __init__(self, layout: PartitionLayout, params: Sequence[nn.Parameter], local: Sequence[torch.Tensor],
                  ranges: Sequence[Sequence[Range]], *, scale: float, itemsize: int, dtype: torch.dtype,
@@ -157,10 +160,12 @@ class PartitionCall(ShardedCall):
                 item, components, method = self._rank_item(unit, routes.step)
                 routed.append(item)
                 ranked[unit.index] = (components, method)
-            else:
+            elif rep == "rank_allreduce":
                 local = self.grads[unit.index].view(*unit.shape)
                 shared.append((unit, self.rank_codec.local(unit, self.item(unit).rows,
                                                            lambda p, cdt: local.to(cdt), "rank_allreduce")))
+            else:
+                raise_unsupported(rep, layouts.PARTITIONS)
         if shared:
             self._reduce_shared(shared, routes.step, report)
         units = {u.index: u for u in self._units}
@@ -191,18 +196,14 @@ class PartitionCall(ShardedCall):
         a ``rank``, rank-dAD's r rows (`partition_exact.exchange_bytes`) and PowerSGD's all-reduced
         P and Q, once per power iteration. ``exact`` False (`takes_exact`) leaves "exact" out, so
         that no mode picks it."""
-        S, wire, config = self.S, self.route_wire, self.config
-        numel = it.shape[0] * it.shape[1]
-        dense = float((S - 1) * -(-numel // S) * self.itemsize)
-        busiest, mean = {"dense": dense}, {"dense": dense}
-        if exact and it.counts:
-            busiest["exact"], mean["exact"] = exchange_bytes(it.kinds, it.shape, it.counts, it.ranges, wire, it.blocks)
-        if self.rank_codec is not None:
-            r = min(config.rank, *it.shape)
-            busiest["rank"], mean["rank"] = exchange_bytes(("linear",), it.shape, [[[r]]] * S, it.ranges, wire)
-            busiest["rank_allreduce"] = mean["rank_allreduce"] = rank_allreduce_rounds(config) * float(
-                sharded_rank_allreduce_bytes(it.shape, r, wire, S))
-        return busiest, mean
+        config = self.config
+        sizing = UnitSizing(tuple(it.kinds), tuple(it.shape), self.dtype, self.route_wire,
+                            rank=config.rank if self.rank_codec is not None else 0,
+                            rounds=rank_allreduce_rounds(config), blocks=it.blocks, world_size=self.S,
+                            engine_itemsize=self.itemsize, counts=it.counts, ranges=it.ranges)
+        names = [k for k in route_names() if exact or not get_route(k).needs_rows]
+        pairs = estimates_on(layouts.PARTITIONS, sizing, names)
+        return {k: v[0] for k, v in pairs.items()}, {k: v[1] for k, v in pairs.items()}
 
     def _rank_item(self, unit: FactorUnit, step: int) -> Tuple[PartitionItem, int, str]:
         """Rank-dAD's local half for one weight: this site's ``M_s`` (local gradient plus residual)

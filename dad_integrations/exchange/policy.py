@@ -33,6 +33,7 @@ from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
+from dad_integrations.routes.registry import is_rank_route
 from dad_integrations.routing.link import agree_max, probe_link
 from dad_integrations.routing.router import Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route
 from dad_integrations.routing.timing import StepTiming, build_timing
@@ -40,7 +41,6 @@ from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due
 
 log = logging.getLogger(__name__)
 
-RANK_ROUTES = ("rank", "rank_allreduce")
 TWO_LEVEL = "two_level"  # a route trial's routes arm when it tries two-level steps (`exchange.two_level`)
 
 
@@ -173,7 +173,7 @@ class RoutePolicy:
         capturing rows that no route of the coming steps uses."""
         if unit.rows_unused:
             return
-        if decision.representation in RANK_ROUTES and method == "dense" and not decision.exchange_sizes:
+        if is_rank_route(decision.representation) and method == "dense" and not decision.exchange_sizes:
             # a rank route with no size exchange is the unit's route for good (mode rank; auto's
             # prediction, held), and it reduces from the dense gradient: its rows are of no use,
             # so stop capturing them (saves the hooks' work; reports show 0 rows from then on)

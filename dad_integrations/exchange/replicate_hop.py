@@ -41,6 +41,7 @@ from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import agree_factors_rebuild
 from dad_integrations.exchange.row_shards import riding_biases, row_unit_shape
 from dad_integrations.exchange.sharded import CallRoutes, Estimates, ShardedCall
+from dad_integrations.routes import layouts
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routing.replicate_hop import replicate_hop_bytes
 from dad_integrations.routing.router import RowCounts, UnitShape
@@ -76,6 +77,8 @@ class ReplicateHopCall(ShardedCall):
     reduce-scatter buffers (``inp``: L chunks, already divided by ``predivide``; ``out``: this rank's
     chunk); ``scale`` turns a sum over the world of local gradients into what the engine keeps
     before its post-divide."""
+
+    LAYOUT = layouts.REPLICATE_HOP  # the layout its routes run on (`routes.layouts`)
 
     def __init__(self, slots: List[ShardSlot], out: torch.Tensor, inp: torch.Tensor, predivide: float, scale: float,
                  groups: ReplicateGroups, wire: Optional[torch.dtype], rank_codec: Optional[ReplicateRankCodec],

@@ -39,6 +39,9 @@ from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.logs import OnceLogger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.routes import layouts
+from dad_integrations.routes.layouts import Layout
+from dad_integrations.routes.registry import is_rank_route, raise_unsupported
 from dad_integrations.routing.router import (Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route,
                                              sharded_needs_counts)
 from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
@@ -47,7 +50,6 @@ from dad_integrations.routing.timing import LinkProbe
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-RANK_ROUTES = ("rank", "rank_allreduce")
 Estimates = Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]]]
 
 
@@ -68,11 +70,13 @@ class CallRoutes:
 
     @property
     def ranked(self) -> List[Tuple[FactorUnit, str]]:
-        return [(u, rep) for u, rep in self.routed if rep in RANK_ROUTES]
+        return [(u, rep) for u, rep in self.routed if is_rank_route(rep)]
 
 
 class ShardedCall:
     """One reduction call of a sharded engine, as its adapter describes it (override what applies)."""
+
+    LAYOUT: Layout = layouts.ROW_SHARDS  # the layout its routes run on (`routes.layouts`)
 
     aggregator: FactorAggregator               # the call's group
     route_wire: Optional[torch.dtype] = None   # the wire dtype the router counts in
@@ -279,7 +283,9 @@ class ShardedExchanger(TimedRoutes):
                                                           estimates=estimates, ties=ties))
             self._trial.note(unit, decision)
             rep = decision.representation
-            if rep in RANK_ROUTES:
+            if rep not in ("dense", "exact") and not is_rank_route(rep):
+                raise_unsupported(rep, call.LAYOUT)
+            if is_rank_route(rep):
                 routes.routed.append((unit, rep))
             elif self._flush(call, unit):
                 continue  # its residual rides the engine's reduction this step

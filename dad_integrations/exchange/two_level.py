@@ -18,7 +18,7 @@ bucket (``bucket_cap_mb`` of gradients, in exchange order, as backward finishes 
 4. **from the owner** (one all-gather inside the node): each unit's average, or the factors it is
    rebuilt from where they are fewer bytes; every rank of the node writes it through the same code.
 
-The hops inside the node are `codecs.node_hops`' layouts; the groups, link models and owners come
+The hops inside the node are `exchange.node_hops`' layouts; the groups, link models and owners come
 from `exchange.levels`.
 
 The first step (its factors checked) stays flat; so does every step when the router predicts the
@@ -40,7 +40,8 @@ from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.node_hops import HopItem, NodeHops
+from dad_integrations.exchange.node_hops import HopItem, NodeHops
+from dad_integrations.routes.registry import is_rank_route
 from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.codecs.wire import pack, packed_size, unpack
@@ -223,7 +224,7 @@ class TwoLevelExchanger:
             u = it.unit
             if u is None or u.rows_unused or u.dense_only:
                 continue
-            if it.rep in ("rank", "rank_allreduce") or (timed and it.rep == "dense"):
+            if is_rank_route(it.rep) or (timed and it.rep == "dense"):
                 u.stop_using_rows()
 
     def _flush_residuals(self, items: List[HopItem], sink: GradSink) -> None:
@@ -231,7 +232,7 @@ class TwoLevelExchanger:
         for it in items:
             if it.unit is None:
                 continue
-            if it.owner == self.local and it.rep in ("rank", "rank_allreduce"):
+            if it.owner == self.local and is_rank_route(it.rep):
                 continue
             residual = self.memory.flush(it.name)
             if residual is not None:
@@ -268,7 +269,7 @@ class TwoLevelExchanger:
         for it in mine:
             if it.rep == "dense":
                 dense_parts += [(it, i) for i in range(len(it.params))]
-            elif it.rep in ("rank", "rank_allreduce"):
+            elif is_rank_route(it.rep):
                 dense_parts += [(it, i) for i in range(1, len(it.params))]  # their biases
         dense = None
         if dense_parts:

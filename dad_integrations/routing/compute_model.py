@@ -32,6 +32,7 @@ from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.routing.link import agree_max
 from dad_integrations.codecs.low_rank import orthonormalize
 from dad_integrations.rng import isolated, private_generator
+from dad_integrations.routes.registry import get_route
 
 Shape = Tuple[int, int]
 EXACT_REFERENCE_ROWS = 256   # rows per site at which the exact rebuild is timed
@@ -56,18 +57,13 @@ class ComputeModel:
 
     def seconds(self, representation: str, shape: Shape, *, rows_by_rank: Sequence[Sequence[int]],
                 world_size: int, calls: int = 1) -> float:
-        """Predicted local seconds of ``representation`` for one weight this step."""
-        if representation == "dense":
-            return 0.0
+        """Predicted local seconds of route ``representation`` for one weight this step (the route's
+        own `routes.RouteSpec.compute` over this model's figures)."""
+        spec = get_route(representation)
         costs = self.shapes.get(tuple(shape))
         if costs is None:  # a shape nobody measured (a planner's stated model): no compute known
             return 0.0
-        if representation == "rank_allreduce":
-            return costs.rank_allreduce
-        if representation == "rank":
-            return costs.rank
-        longest = max((sum(r) for r in rows_by_rank), default=0)
-        return costs.exact_per_row * world_size * longest + self.capture_per_call * calls
+        return spec.compute(costs, self.capture_per_call, rows_by_rank, world_size, calls)
 
     def to_list(self, shapes: Sequence[Shape]) -> List[float]:
         out = [self.capture_per_call]

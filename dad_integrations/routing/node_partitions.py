@@ -21,27 +21,25 @@ inputs: every rank decides alike.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional, Tuple
 
 import torch
 
 from dad_integrations.config import DADConfig
-from dad_integrations.routing.router import REPRESENTATIONS, UnitShape
-from dad_integrations.routing.timing import SHARDED_COLLECTIVES
-from dad_integrations.routing.two_level import HopBytes, NodeRows, TwoLevelTiming, candidates, hop_bytes
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import HopBytes, get_route, tie_order
+from dad_integrations.routing.router import UnitShape
+from dad_integrations.routing.two_level import NodeRows, TwoLevelTiming, candidates, level_sizing
 
 
 def partition_hops(rep: str, unit: UnitShape, node_rows: Optional[NodeRows], *, nodes: int, local_size: int,
                    config: DADConfig, wire_dtype: torch.dtype, itemsize: int) -> HopBytes:
-    """Bytes of ``rep`` per hop for one weight (module doc); ``"dense"`` is the engine's
-    reduce-scatter, all of it counted as between nodes."""
-    m, n = unit.shape
-    world = nodes * local_size
-    if rep == "dense":
-        return HopBytes(0.0, (world - 1) / world * m * n * itemsize, 0.0, False)
-    h = hop_bytes(rep, unit, node_rows, nodes=nodes, local_size=local_size, config=config, wire_dtype=wire_dtype)
-    back = (local_size - 1) / local_size * m * n * max(unit.dtype.itemsize, 4) / nodes
-    return HopBytes(h.to_owner, h.between, back, False)
+    """Bytes of route ``rep`` per hop for one weight: its byte model on the ``node_partitions``
+    layout (``"dense"`` is the engine's reduce-scatter, all of it counted as between nodes)."""
+    sizing = dataclasses.replace(level_sizing(unit, node_rows, nodes=nodes, local_size=local_size, config=config,
+                                              wire_dtype=wire_dtype), engine_itemsize=itemsize)
+    return get_route(rep).bytes_on(layouts.NODE_PARTITIONS, sizing)
 
 
 def choose_partition_route(config: DADConfig, unit: UnitShape, node_rows: Optional[NodeRows], *, step: int,
@@ -56,12 +54,12 @@ def choose_partition_route(config: DADConfig, unit: UnitShape, node_rows: Option
                                 wire_dtype=wire_dtype, itemsize=itemsize) for rep in reps}
     between = {rep: h.between for rep, h in hops.items()}
     if timing is None or config.objective != "time":
-        return min(reps, key=lambda k: (between[k], REPRESENTATIONS.index(k))), hops, {}
+        return min(reps, key=lambda k: (between[k], tie_order(k))), hops, {}
     seconds = {}
     for rep, h in hops.items():
         if rep == "dense":
-            seconds[rep] = timing.inter.seconds(SHARDED_COLLECTIVES["dense"], h.between) / local_size
+            seconds[rep] = timing.inter.seconds(get_route(rep).collective(layouts.NODE_PARTITIONS), h.between) / local_size
         else:
             seconds[rep] = timing.seconds(rep, h, unit, node_rows, local_size)
-    best = min(reps, key=lambda k: (seconds[k], between[k], REPRESENTATIONS.index(k)))
+    best = min(reps, key=lambda k: (seconds[k], between[k], tie_order(k)))
     return best, hops, seconds

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.planner import StepPlan, _ms, rate_below
-from dad_integrations.routing.timing import COLLECTIVES, StepTiming
+from dad_integrations.routing.timing import StepTiming, collective_of
 
 
 @dataclass
@@ -48,7 +48,7 @@ class TimePlan:
 def _unit_seconds(timing: StepTiming, route: str, shape, nbytes: float, rows: List[int], sites: int,
                   exchange_sizes: bool) -> float:
     calls = (1 + int(exchange_sizes)) if route == "exact" else 0
-    return (timing.link.seconds(COLLECTIVES[route], nbytes, calls)
+    return (timing.link.seconds(collective_of(route), nbytes, calls)
             + timing.compute.seconds(route, shape, rows_by_rank=[rows] * sites, world_size=sites, calls=len(rows)))
 
 

@@ -31,6 +31,7 @@ from dad_integrations.routing.costs import powersgd_bytes, reduce_scatter_bytes,
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route, sharded_needs_counts, unit_estimates
 from dad_integrations.routing.timing import StepTiming
+from dad_integrations.routes.registry import is_rank_route
 from dad_integrations.routing.two_level import LevelUnit, TwoLevelTiming, choose_two_level, compare_levels, hop_bytes
 
 
@@ -153,7 +154,7 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         d_numel = d_items = 0
         if rep == "exact":
             own += est["exact"]
-        elif rep in ("rank", "rank_allreduce"):
+        elif is_rank_route(rep):
             own += est[rep] - ring_allreduce_bytes(bias_numel * item, s)
             d_numel, d_items = bias_numel, len(u.biases)
         else:

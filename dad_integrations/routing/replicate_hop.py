@@ -22,27 +22,16 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from dad_integrations.codecs.wire import exact_block_specs, packed_size, sharded_exact_covers
-from dad_integrations.comm.aggregator import ring_allreduce_bytes
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import UnitSizing, estimates_on, route_names
 
 
 def replicate_hop_bytes(*, kinds: Sequence[str], shape, rows: Sequence[int], bias_numel: int, nodes: int, local: int,
                         grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype], rank: Optional[int],
                         rounds: int = 1, blocks=None) -> Dict[str, float]:
-    """Bytes one rank sends between nodes per route for one unit (module doc). ``rows``: per use, the most
-    rows any rank captured (agreed, so every rank decides alike)."""
-    m, n = shape
-    R, L = nodes, local
-    c = -(-m // L)
-    gb = grad_dtype.itemsize
-    wire = wire_dtype or grad_dtype
-    bias = ring_allreduce_bytes(-(-bias_numel // L) * gb, R) if bias_numel else 0.0
-    out = {"dense": ring_allreduce_bytes(c * n * gb, R) + bias}
-    if sharded_exact_covers(kinds, blocks):
-        out["exact"] = (R - 1) * float(packed_size(exact_block_specs(kinds, shape, list(rows), wire, blocks)))
-    if rank:
-        r = min(rank, m, n)
-        piece = r * (c + -(-n // L)) * wire.itemsize
-        out["rank"] = (R - 1) * piece + bias
-        out["rank_allreduce"] = rounds * ring_allreduce_bytes(piece, R) + bias
-    return out
+    """Bytes one rank sends between nodes per route for one unit, from each route's byte model on
+    the ``replicate_hop`` layout (`routes`). ``rows``: per use, the most rows any rank captured
+    (agreed, so every rank decides alike)."""
+    sizing = UnitSizing(tuple(kinds), tuple(shape), grad_dtype, wire_dtype, rank=rank or 0, rounds=rounds,
+                        bias_numel=bias_numel, blocks=blocks, rows=list(rows), nodes=nodes, local=local)
+    return estimates_on(layouts.REPLICATE_HOP, sizing, route_names())

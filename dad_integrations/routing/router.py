@@ -4,12 +4,9 @@ A pure function of things every rank agrees on (the config, the unit's shape, th
 row counts of the unit's size exchanges, whether this is the checked first step), so that every
 rank takes the same decision and issues the same collectives in the same order.
 
-Representations (one codec each, see `codecs`):
-
-- ``"exact"``: the unit's factors, all-gathered (lossless dAD); needs every rank's row count;
-- ``"rank"``: rank-r factors of each rank's gradient, all-gathered (rank-dAD);
-- ``"rank_allreduce"``: a rank-r approximation of the average, PowerSGD's all-reduced P and Q;
-- ``"dense"``: the gradient in the dense all-reduce buckets, as DDP sends it.
+Routes are the registry's (`dad_integrations.routes`: ``dense``, ``exact``, ``rank_allreduce``,
+``rank``, one module each with its bytes per layout); which a mode allows is `allowed_routes`, the
+one statement of that rule that every layout's chooser asks.
 
 The two rank routes need no row counts; which one a weight takes is ``rank_route``'s choice, by
 bytes where it is ``"auto"``. At two sites they tie, and the tie goes to the all-reduce: measured
@@ -49,24 +46,61 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.config import DADConfig
+from dad_integrations.routes.registry import get_route, rank_route_names, tie_order
 from dad_integrations.routing.costs import estimate_bytes, sharded_estimate_bytes, size_exchange_bytes
 from dad_integrations.routing.timing import StepTiming
 
-# ties go to the earlier: lossless and simplest first, then the rank-r all-reduce (see above)
-REPRESENTATIONS = ("dense", "exact", "rank_allreduce", "rank")
-RANK_ROUTES = {"allgather": ("rank",), "allreduce": ("rank_allreduce",), "auto": ("rank", "rank_allreduce")}
 RowCounts = Sequence[Sequence[int]]           # by rank, by use
 SWITCH_MARGIN = 0.25  # by time, a unit changes route only for a predicted gain above this share
-# by time, routes predicted within this share of the fastest tie, and ties go by REPRESENTATIONS'
-# order: a difference that small is the compute model's noise (rank-dAD's all-gather and PowerSGD's
-# all-reduce tie in bytes at two sites; their measured compute would otherwise pick one at random)
+# by time, routes predicted within this share of the fastest tie, and ties go by the registry's
+# order (`routes`): a difference that small is the compute model's noise (rank-dAD's all-gather
+# and PowerSGD's all-reduce tie in bytes at two sites; their measured compute would otherwise pick
+# one at random)
 TIE_BAND = 0.05
+
+
+def step_config(config: DADConfig, step: Optional[int]) -> DADConfig:
+    """The config step ``step`` is routed under: before ``lossless_steps`` no rank route (auto,
+    without a rank)."""
+    if step is not None and step < config.lossless_steps and config.rank is not None:
+        return dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
+    return config
+
+
+def rank_selector(config: DADConfig) -> str:
+    """The config's ``rank_route``, except that an adaptive rank applies to each site's own factors:
+    the all-gather route."""
+    return "allgather" if config.adaptive_tolerance is not None else config.rank_route
+
+
+def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
+                   rank_route: str = DADConfig.rank_route) -> List[str]:
+    """The routes a unit may take among ``available`` (those priced for it), the one statement of
+    the modes' rules: ``"exact"`` takes exact factors where it can, else dense; ``"rank"`` a rank
+    route of ``rank_route`` where one is available; ``"auto"`` (and ``"rank"`` without one) the
+    lossless routes, and ``"auto"`` the rank routes too. Without ``rank_allowed`` (no rank, the
+    lossless steps) no rank route."""
+    available = list(available)
+    if mode == "exact":
+        return ["exact" if "exact" in available else "dense"]
+    ranks = [k for k in rank_route_names(rank_route) if k in available] if rank_allowed else []
+    if mode == "rank" and ranks:
+        return ranks
+    lossless = [k for k in available if get_route(k).lossless]
+    return lossless + (ranks if mode == "auto" else [])
+
+
+def candidates_at(config: DADConfig, step: Optional[int], available: Iterable[str]) -> List[str]:
+    """`allowed_routes` under ``config`` in step ``step`` (`step_config`, `rank_selector`)."""
+    config = step_config(config, step)
+    return allowed_routes(config.mode, available, rank_allowed=config.rank is not None,
+                          rank_route=rank_selector(config))
 
 
 @dataclass(frozen=True)
@@ -141,7 +175,7 @@ class UnitEvidence:
             ``rows_by_rank``, or in mode rank): an adapter that knows its exchange's exact sizes
             (ZeRO's partitions, `deepspeed_dad.zero`).
         ties: with ``estimates``, agreed bytes that break their ties before the order of
-            `REPRESENTATIONS` does (ZeRO: estimates on the busiest rank, ties by the mean over ranks).
+            the registry's tie order does (ZeRO: estimates on the busiest rank, ties by the mean over ranks).
         current: the unit's route so far; by time, it is kept unless another is predicted faster
             by more than `SWITCH_MARGIN` (a switch must pay for the noise of the measurements
             and for the residual it flushes).
@@ -164,11 +198,9 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
     config, world_size, wire_dtype, step = ctx.config, ctx.world_size, ctx.wire_dtype, ctx.step
     first_step, sharded = ctx.first_step, ctx.sharded
     rows_by_rank, last_rows, estimates, ties = seen.rows_by_rank, seen.last_rows, seen.estimates, seen.ties
-    if step is not None and step < config.lossless_steps and config.rank is not None:
-        config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
+    config = step_config(config, step)
     rank_allowed = config.rank is not None
-    # an adaptive rank applies to each site's own factors: the all-gather route
-    rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
+    rank_route = rank_selector(config)
     if seen.dense_only:
         return Route("dense", first_step)
     if not unit.has_factors:  # no rows: decided without counts, never a size exchange
@@ -232,14 +264,8 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
 
 def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,
            rank_route: str = DADConfig.rank_route, ties: Optional[Dict[str, float]] = None) -> str:
-    """The representation of one unit (see `REPRESENTATIONS`), given agreed byte estimates; equal
-    estimates are decided by ``ties`` (where given), then by `REPRESENTATIONS`' order."""
-    if mode == "exact":
-        return "exact" if "exact" in estimates else "dense"
-    rank_routes = [k for k in RANK_ROUTES[rank_route] if k in estimates] if rank_allowed else []
-    if mode == "rank" and rank_routes:
-        allowed = rank_routes
-    else:
-        allowed = [k for k in ("dense", "exact") if k in estimates] + (rank_routes if mode == "auto" else [])
+    """The route of one unit among `allowed_routes`, given agreed estimates (bytes or seconds);
+    equal estimates are decided by ``ties`` (where given), then by the registry's tie order."""
+    allowed = allowed_routes(mode, estimates, rank_allowed=rank_allowed, rank_route=rank_route)
     ties = ties or {}
-    return min(allowed, key=lambda k: (estimates[k], ties.get(k, 0.0), REPRESENTATIONS.index(k)))
+    return min(allowed, key=lambda k: (estimates[k], ties.get(k, 0.0), tie_order(k)))

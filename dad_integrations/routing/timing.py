@@ -6,7 +6,7 @@ bytes. For one unit and representation::
     seconds = link.seconds(kind, bytes, calls) + compute.seconds(representation, shape, rows)
 
 ``bytes`` is the cost model's own estimate (`costs`), so the two objectives see the same traffic;
-``kind`` is the collective the route uses (`COLLECTIVES`); ``calls`` counts the collectives a unit
+``kind`` is the collective the route uses (`collective_of`); ``calls`` counts the collectives a unit
 issues alone (exact factors and their size exchange: one all-gather each), which pay the link's
 latency per call. The bucketed routes (dense buckets, the rank routes' shared buckets) pay it once
 per bucket, shared by many units, and count none here.
@@ -41,17 +41,21 @@ from dad_integrations.routing.compute_model import ComputeModel, measure_compute
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.link import LinkModel, probe_link
 from dad_integrations.rng import isolated
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import get_route
 
 log = logging.getLogger(__name__)
 
 LinkProbe = Callable[[FactorAggregator, torch.device], LinkModel]  # measures a link (a collective)
 
-# representation -> collective kind it puts on the wire, unsharded and sharded (FSDP2, ZeRO)
-COLLECTIVES = {"dense": "all_reduce", "exact": "all_gather", "rank": "all_gather", "rank_allreduce": "all_reduce"}
-# (sharded: dense is the engine's reduce-scatter, timed as an all-to-all; the factor routes'
-# all-gather of right factors or Q's carries most of their bytes)
-SHARDED_COLLECTIVES = {"dense": "all_to_all", "exact": "all_gather", "rank": "all_gather",
-                       "rank_allreduce": "all_reduce"}
+
+
+def collective_of(route: str, sharded: bool = False) -> str:
+    """The collective kind the link model times for ``route``: its wire hop on the flat layout,
+    or on FSDP2's row shards for the sharded engines (the engine's reduce-scatter is timed as an
+    all-to-all; the factor routes' all-gather of right factors or Q's carries most of their
+    bytes). ZeRO's partitions and HSDP's hop are timed with the row shards' kinds too."""
+    return get_route(route).collective(layouts.ROW_SHARDS if sharded else layouts.FLAT)
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,10 @@ class StepTiming:
                       rows_by_rank: Sequence[Sequence[int]], world_size: int, sharded: bool = False,
                       size_exchange: bool = False) -> Dict[str, float]:
         """Predicted seconds per representation of one unit, from its byte ``estimates``."""
-        kinds = SHARDED_COLLECTIVES if sharded else COLLECTIVES
         out = {}
         for rep, nbytes in estimates.items():
             calls = (1 + int(size_exchange)) if rep == "exact" else 0
-            out[rep] = (self.link.seconds(kinds[rep], nbytes, calls)
+            out[rep] = (self.link.seconds(collective_of(rep, sharded), nbytes, calls)
                         + self.compute.seconds(rep, shape, rows_by_rank=rows_by_rank, world_size=world_size,
                                                calls=uses)
                         + (self.overhead_s if rep != "dense" else 0.0))

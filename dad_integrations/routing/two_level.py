@@ -27,60 +27,39 @@ compares a whole step of those against the flat routes' step.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
-from dad_integrations.codecs.wire import exact_block_specs, packed_size
-from dad_integrations.comm.aggregator import ring_allreduce_bytes
 from dad_integrations.comm.topology import Topology
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.link import LinkModel
-from dad_integrations.routing.router import REPRESENTATIONS, RANK_ROUTES, UnitShape, choose, unit_estimates
-from dad_integrations.routing.timing import COLLECTIVES, StepTiming
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import HopBytes, UnitSizing, get_route, route_names, tie_order
+from dad_integrations.routing.router import (UnitShape, candidates_at, choose, rank_selector, step_config,
+                                             unit_estimates)
+from dad_integrations.routing.timing import StepTiming
 
 NodeRows = Sequence[Sequence[int]]  # by node, by use: the rows of every rank of the node
 
 
-@dataclass(frozen=True)
-class HopBytes:
-    """Bytes per rank of one unit's route on each hop (see the module doc)."""
-
-    to_owner: float
-    between: float
-    from_owner: float
-    factors_back: bool  # hop 3 moves the factors (rebuilt on every rank), not the average
-
-
 def hop_bytes(rep: str, unit: UnitShape, node_rows: Optional[NodeRows], *, nodes: int, local_size: int,
               config: DADConfig, wire_dtype: torch.dtype) -> HopBytes:
-    """`HopBytes` of ``rep`` for ``unit``; ``node_rows`` only for ``"exact"``."""
-    m, n = unit.shape
-    # the dense hops carry the compute dtype (fp32 for bf16 and fp16 weights, `capture.rows.compute_dtype`)
-    big, b = m * n + unit.bias_numel, max(unit.dtype.itemsize, 4)
-    w = wire_dtype.itemsize
-    share = (local_size - 1) / local_size
-    dense_back = big * b
-    if rep == "exact":
-        packed = [packed_size(exact_block_specs(unit.kinds, unit.shape, r, wire_dtype, unit.blocks))
-                  for r in node_rows]
-        return HopBytes(share * sum(packed) / nodes, (nodes - 1) * max(packed), share * dense_back, False)
-    if rep == "dense":
-        return HopBytes(share * big * b, ring_allreduce_bytes(big * b, nodes), share * dense_back, False)
-    r = min(config.rank, m, n)
-    bias = ring_allreduce_bytes(unit.bias_numel * b, nodes)
-    if rep == "rank":
-        between = (nodes - 1) * r * (m + n) * w + bias
-        factors = nodes * r * (m + n) * b
-    else:
-        between = rank_allreduce_rounds(config) * ring_allreduce_bytes(r * (m + n) * w, nodes) + bias
-        factors = r * (m + n) * b
-    back = factors + unit.bias_numel * b
-    return HopBytes(share * big * b, between, share * min(back, dense_back), back < dense_back)
+    """`HopBytes` of route ``rep`` for ``unit`` (its byte model on the ``two_level`` layout);
+    ``node_rows`` only for ``"exact"``."""
+    return get_route(rep).bytes_on(layouts.TWO_LEVEL, level_sizing(unit, node_rows, nodes=nodes, local_size=local_size,
+                                                                   config=config, wire_dtype=wire_dtype))
+
+
+def level_sizing(unit: UnitShape, node_rows: Optional[NodeRows], *, nodes: int, local_size: int, config: DADConfig,
+                 wire_dtype: torch.dtype) -> UnitSizing:
+    """What the byte models of the two-level layouts need of ``unit``."""
+    return UnitSizing(tuple(unit.kinds), tuple(unit.shape), unit.dtype, wire_dtype, rank=config.rank or 0,
+                      rounds=rank_allreduce_rounds(config), bias_numel=unit.bias_numel, blocks=unit.blocks,
+                      rows=node_rows, nodes=nodes, local=local_size)
 
 
 @dataclass(frozen=True)
@@ -95,7 +74,7 @@ class TwoLevelTiming:
                 local_size: int) -> float:
         """Predicted seconds of one unit's route over the three hops (owners' share: ``1/L``)."""
         t = self.intra.seconds("all_to_all", hops.to_owner, 0) + self.intra.seconds("all_gather", hops.from_owner, 0)
-        t += self.inter.seconds(COLLECTIVES[rep], hops.between, 0) / local_size
+        t += self.inter.seconds(get_route(rep).collective(layouts.TWO_LEVEL), hops.between, 0) / local_size
         if self.compute is not None and rep != "dense":
             rows = node_rows if node_rows is not None else [[0] * len(unit.kinds)]
             t += self.compute.seconds(rep, unit.shape, rows_by_rank=rows, world_size=len(rows),
@@ -104,19 +83,15 @@ class TwoLevelTiming:
 
 
 def candidates(config: DADConfig, unit: UnitShape, step: int, *, rows_known: bool, dense_only: bool) -> Tuple[str, ...]:
-    """The routes ``unit`` may take at two levels in step ``step``: as `router.route` allows them
-    (mode, rank, ``rank_route``, the lossless steps), exact only where its rows are known."""
+    """The routes ``unit`` may take at two levels in step ``step``: the router's rule
+    (`router.candidates_at`) over the routes that run at two levels, exact only where its rows are
+    known."""
     if dense_only:
         return ("dense",)
-    rank_ok = config.rank is not None and step >= config.lossless_steps and config.mode != "exact"
-    exact_ok = rows_known and unit.has_factors
-    rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
-    ranks = tuple(RANK_ROUTES[rank_route]) if rank_ok else ()
-    if config.mode == "exact":
-        return ("exact",) if exact_ok else ("dense",)
-    if config.mode == "rank" and ranks:
-        return ranks
-    return ("dense",) + (("exact",) if exact_ok else ()) + ranks
+    available = [name for name in route_names()
+                 if get_route(name).supports(layouts.TWO_LEVEL)
+                 and (not get_route(name).needs_rows or (rows_known and unit.has_factors))]
+    return tuple(candidates_at(config, step, available))
 
 
 def choose_two_level(config: DADConfig, unit: UnitShape, node_rows: Optional[NodeRows], *, step: int,
@@ -129,9 +104,9 @@ def choose_two_level(config: DADConfig, unit: UnitShape, node_rows: Optional[Nod
                            wire_dtype=wire_dtype) for rep in reps}
     between = {rep: h.between for rep, h in hops.items()}
     if timing is None or config.objective != "time":
-        return min(reps, key=lambda k: (between[k], REPRESENTATIONS.index(k))), hops, {}
+        return min(reps, key=lambda k: (between[k], tie_order(k))), hops, {}
     seconds = {rep: timing.seconds(rep, h, unit, node_rows, local_size) for rep, h in hops.items()}
-    best = min(reps, key=lambda k: (seconds[k], between[k], REPRESENTATIONS.index(k)))
+    best = min(reps, key=lambda k: (seconds[k], between[k], tie_order(k)))
     return best, hops, seconds
 
 
@@ -189,15 +164,13 @@ def flat_choice(config: DADConfig, unit: LevelUnit, *, step: int, world_size: in
     """The flat route of ``unit`` by predicted time, as the router allows it at step ``step``
     (no rank route in the lossless steps; dense for good after a failed check; the all-gather
     for an adaptive rank); returns it, every candidate's bytes per rank and its seconds."""
-    if step < config.lossless_steps and config.rank is not None:
-        config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
+    config = step_config(config, step)
     est = unit_estimates(config, unit.shape, unit.rows_by_rank, world_size, unit.wire_dtype)
     if unit.dense_only:
         est = {"dense": est["dense"]}
     seconds = timing.route_seconds(est, shape=unit.shape.shape, uses=len(unit.shape.kinds),
                                    rows_by_rank=unit.rows_by_rank, world_size=world_size)
-    rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
-    best = choose(config.mode, seconds, rank_allowed=config.rank is not None, rank_route=rank_route)
+    best = choose(config.mode, seconds, rank_allowed=config.rank is not None, rank_route=rank_selector(config))
     return best, est, seconds
 
 

@@ -27,9 +27,10 @@ from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
 from dad_integrations.codecs.wire import exact_block_specs, pack_into, packed_size, unpack
 from dad_integrations.report import ParamReport
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import is_rank_route, raise_unsupported
 
 Spec = Tuple[torch.dtype, Tuple[int, ...]]
-RANK_ROUTES = ("rank", "rank_allreduce")
 
 
 @dataclass
@@ -75,6 +76,8 @@ class NodeHops:
                            else torch.cat([g.detach().reshape(-1).to(self.dense_dtype),
                                            torch.ones(1, dtype=self.dense_dtype, device=self.device)]))
             return out
+        if not is_rank_route(it.rep):
+            raise_unsupported(it.rep, layouts.TWO_LEVEL)
         cdt = compute_dtype(it.unit.param)
         return [sink.local_grad(q, cdt).reshape(-1) for q in it.params]
 
@@ -86,6 +89,8 @@ class NodeHops:
                                                                  self.exact.wire(u), u.blocks)),))]
         if it.rep == "dense":
             return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
+        if not is_rank_route(it.rep):
+            raise_unsupported(it.rep, layouts.TWO_LEVEL)
         cdt = compute_dtype(it.unit.param)
         return [(cdt, (q.numel(),)) for q in it.params]
 

@@ -1,0 +1,67 @@
+"""``dense``: the gradient as the engine reduces it, the route every unit can take.
+
+All-reduce under DDP and Horovod, ``2 (S-1)/S (m n + biases) b`` per rank; the engine's
+reduce-scatter under FSDP2 and ZeRO, ``(S-1) ceil(m/S) n b``; HSDP's all-reduce of the node's shard
+between nodes, ``2 (R-1)/R ceil(m/L) n b``. Lossless, no rows, no state, no compute beyond the
+engine's own: the baseline every other route is priced against.
+"""
+from __future__ import annotations
+
+from dad_integrations.routes import layouts as L
+from dad_integrations.routes.hops import (node_itemsize, reduce_scatter_bytes, ring_allreduce_bytes,
+                                          to_owner_dense)
+from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing, register_route
+
+
+def flat(s: UnitSizing) -> float:
+    m, n = s.shape
+    return ring_allreduce_bytes((m * n + s.bias_numel) * s.wire.itemsize, s.world_size)
+
+
+def row_shards(s: UnitSizing) -> float:
+    gb = s.grad_dtype.itemsize
+    bias = reduce_scatter_bytes((s.bias_numel,), s.world_size, gb) if s.bias_numel else 0.0
+    return reduce_scatter_bytes(s.shape, s.world_size, gb) + bias
+
+
+def partitions(s: UnitSizing):
+    m, n = s.shape
+    S = s.world_size
+    dense = float((S - 1) * -(-(m * n) // S) * s.engine_itemsize)
+    return dense, dense
+
+
+def two_level(s: UnitSizing) -> HopBytes:
+    m, n = s.shape
+    big, b = m * n + s.bias_numel, node_itemsize(s)
+    share = (s.local - 1) / s.local
+    return HopBytes(to_owner_dense(s), ring_allreduce_bytes(big * b, s.nodes), share * big * b, False)
+
+
+def node_partitions(s: UnitSizing) -> HopBytes:
+    # DeepSpeed's own reduce-scatter over all ranks, all of it counted as between nodes
+    m, n = s.shape
+    world = s.nodes * s.local
+    return HopBytes(0.0, (world - 1) / world * m * n * s.engine_itemsize, 0.0, False)
+
+
+def replicate_hop(s: UnitSizing) -> float:
+    m, n = s.shape
+    c, gb = -(-m // s.local), s.grad_dtype.itemsize
+    bias = ring_allreduce_bytes(-(-s.bias_numel // s.local) * gb, s.nodes) if s.bias_numel else 0.0
+    return ring_allreduce_bytes(c * n * gb, s.nodes) + bias
+
+
+DENSE = register_route(RouteSpec(
+    name="dense",
+    summary="the engine's own reduction of the gradient",
+    order=0,
+    lossless=True,
+    needs_rows=False,
+    collectives={L.FLAT.name: ("all_reduce",), L.ROW_SHARDS.name: ("all_to_all",),
+                 L.PARTITIONS.name: ("all_to_all",), L.TWO_LEVEL.name: ("all_to_all", "all_reduce", "all_gather"),
+                 L.NODE_PARTITIONS.name: ("none", "all_to_all", "none"), L.REPLICATE_HOP.name: ("all_reduce",)},
+    bytes={L.FLAT.name: flat, L.ROW_SHARDS.name: row_shards, L.PARTITIONS.name: partitions,
+           L.TWO_LEVEL.name: two_level, L.NODE_PARTITIONS.name: node_partitions, L.REPLICATE_HOP.name: replicate_hop},
+    compute=lambda costs, capture, rows, world_size, calls: 0.0,
+))

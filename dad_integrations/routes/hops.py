@@ -1,0 +1,50 @@
+"""Byte-model pieces several routes share: the collectives' per-rank bytes and the three-hop
+layouts' hops inside a node (`registry.HopBytes`)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from dad_integrations.comm.aggregator import ring_allreduce_bytes
+from dad_integrations.routes.registry import HopBytes, UnitSizing
+
+
+def reduce_scatter_bytes(shape: Sequence[int], world_size: int, itemsize: int) -> float:
+    """Bytes one rank sends in FSDP2's reduce-scatter of one parameter's gradient: ``S - 1`` of its
+    ``S`` chunks of ``ceil(shape[0] / S)`` rows (dim 0 padded to ``S`` equal chunks)."""
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return (world_size - 1) * -(-shape[0] // world_size) * rest * itemsize
+
+
+def node_itemsize(s: UnitSizing) -> int:
+    """The itemsize of the hops inside a node: the compute dtype (fp32 for bf16 and fp16 weights,
+    `capture.rows.compute_dtype`)."""
+    return max(s.grad_dtype.itemsize, 4)
+
+
+def to_owner_dense(s: UnitSizing) -> float:
+    """Hop 1 of a dense or rank route: every rank's dense gradient to the owner (a reduce-scatter)."""
+    m, n = s.shape
+    return (s.local - 1) / s.local * (m * n + s.bias_numel) * node_itemsize(s)
+
+
+def from_owner(s: UnitSizing, back: float) -> HopBytes:
+    """Hop 3's bytes: ``back`` (the factors) where fewer than the average's, else the average."""
+    m, n = s.shape
+    dense_back = (m * n + s.bias_numel) * node_itemsize(s)
+    share = (s.local - 1) / s.local
+    return share * min(back, dense_back), back < dense_back
+
+
+def partition_hops(s: UnitSizing, hops: HopBytes) -> HopBytes:
+    """ZeRO's partitions across nodes (``node_partitions``): hops 1 and 2 as two levels' (an upper
+    bound for hop 2: an owner receives only the covering rows of its node's share), hop 3 only the
+    node's ``1/N`` of the weight, ``(L-1)/L m n b / N``."""
+    m, n = s.shape
+    back = (s.local - 1) / s.local * m * n * node_itemsize(s) / s.nodes
+    return HopBytes(hops.to_owner, hops.between, back, False)
+
+
+__all__ = ["reduce_scatter_bytes", "node_itemsize", "to_owner_dense", "from_owner", "partition_hops",
+           "ring_allreduce_bytes"]

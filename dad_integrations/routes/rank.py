@@ -1,0 +1,104 @@
+"""``rank``: rank-dAD, each rank's own rank-``r`` factors all-gathered.
+
+Each site reduces its gradient (plus its error-feedback residual) to ``P_s Q_s^T`` by a power
+iteration warm-started from its last ``Q_s``, sends ``r (m+n)`` numbers, and every rank rebuilds
+``(1/S) sum_s P_s Q_s^T``, a rank-``S r`` matrix. Lossy, with error feedback; no rows needed.
+
+- flat: ``(S-1) r (m+n) w`` (an all-gather), rebuild ``2 S r m n`` flops;
+- row shards (FSDP2): every ``Q_s`` all-gathered, each rank's rows of every ``P_s`` by all-to-all,
+  ``(S-1) r (n + ceil(m/S)) w`` (`codecs.sharded_rank`);
+- ZeRO's partitions: ``(P_s^T, Q_s^T)`` as ``r`` rows of a linear use, through the exact
+  partition exchange;
+- two levels: the node's sum reduced once by its owner, ``(N-1) r (m+n) w`` between nodes;
+- HSDP's replicate hop: ``(R-1) r (ceil(m/L) + ceil(n/L)) w`` between nodes.
+
+Biases go densely beside it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from dad_integrations.codecs.partition_exact import exchange_bytes
+from dad_integrations.codecs.wire import packed_size, rank_block_specs
+from dad_integrations.routes import layouts as L
+from dad_integrations.routes.hops import (from_owner, node_itemsize, partition_hops, reduce_scatter_bytes,
+                                          ring_allreduce_bytes, to_owner_dense)
+from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing, register_route
+
+
+def _r(s: UnitSizing) -> int:
+    m, n = s.shape
+    return min(s.rank, m, n)
+
+
+def flat(s: UnitSizing) -> Optional[float]:
+    if not s.rank:
+        return None
+    bias = ring_allreduce_bytes(s.bias_numel * s.wire.itemsize, s.world_size)
+    return (s.world_size - 1) * packed_size(rank_block_specs(s.shape, _r(s), s.wire_dtype)) + bias
+
+
+def row_shards(s: UnitSizing) -> Optional[float]:
+    if not s.rank:
+        return None
+    m, n = s.shape
+    S = s.world_size
+    bias = reduce_scatter_bytes((s.bias_numel,), S, s.grad_dtype.itemsize) if s.bias_numel else 0.0
+    return (S - 1) * _r(s) * (n + -(-m // S)) * s.wire.itemsize + bias
+
+
+def partitions(s: UnitSizing):
+    if not s.rank:
+        return None
+    return exchange_bytes(("linear",), s.shape, [[[_r(s)]]] * s.world_size, s.ranges, s.wire_dtype)
+
+
+def two_level(s: UnitSizing) -> Optional[HopBytes]:
+    if not s.rank:
+        return None
+    m, n = s.shape
+    r, b, w = _r(s), node_itemsize(s), s.wire.itemsize
+    between = (s.nodes - 1) * r * (m + n) * w + ring_allreduce_bytes(s.bias_numel * b, s.nodes)
+    back = s.nodes * r * (m + n) * b + s.bias_numel * b  # every node's factors
+    return HopBytes(to_owner_dense(s), between, *from_owner(s, back))
+
+
+def node_partitions(s: UnitSizing) -> Optional[HopBytes]:
+    hops = two_level(s)
+    return None if hops is None else partition_hops(s, hops)
+
+
+def replicate_piece(s: UnitSizing) -> float:
+    """Bytes of one node's ``P`` rows of a shard and a ``1/L`` piece of its ``Q``."""
+    m, n = s.shape
+    return _r(s) * (-(-m // s.local) + -(-n // s.local)) * s.wire.itemsize
+
+
+def replicate_bias(s: UnitSizing) -> float:
+    """A shard's biases, all-reduced densely between nodes."""
+    gb = s.grad_dtype.itemsize
+    return ring_allreduce_bytes(-(-s.bias_numel // s.local) * gb, s.nodes) if s.bias_numel else 0.0
+
+
+def replicate_hop(s: UnitSizing) -> Optional[float]:
+    if not s.rank:
+        return None
+    return (s.nodes - 1) * replicate_piece(s) + replicate_bias(s)
+
+
+RANK = register_route(RouteSpec(
+    name="rank",
+    summary="each rank's own rank-r factors, all-gathered (rank-dAD)",
+    order=3,
+    lossless=False,
+    needs_rows=False,
+    rank_route="allgather",
+    state=("warm_start", "error_feedback"),
+    collectives={L.FLAT.name: ("all_gather",), L.ROW_SHARDS.name: ("all_gather",),
+                 L.PARTITIONS.name: ("all_to_all",), L.TWO_LEVEL.name: ("all_to_all", "all_gather", "all_gather"),
+                 L.NODE_PARTITIONS.name: ("all_to_all", "all_to_all", "all_to_all"),
+                 L.REPLICATE_HOP.name: ("all_gather",)},
+    bytes={L.FLAT.name: flat, L.ROW_SHARDS.name: row_shards, L.PARTITIONS.name: partitions,
+           L.TWO_LEVEL.name: two_level, L.NODE_PARTITIONS.name: node_partitions, L.REPLICATE_HOP.name: replicate_hop},
+    compute=lambda costs, capture, rows, world_size, calls: costs.rank,
+))
