@@ -56,8 +56,9 @@ from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.engines.fsdp_detect import reject_fsdp1
 from dad_integrations.logs import OnceLogger
-from dad_integrations.exchange.replicate_hop import ReplicateGroups, ReplicateHopCall  # noqa: F401  (importable here, as before)
-from dad_integrations.exchange.row_shards import RowShardCall  # noqa: F401  (importable here, as before)
+# ReplicateHopCall and RowShardCall: unused since fsdp_calls.py, kept importable from here
+from dad_integrations.exchange.replicate_hop import ReplicateGroups, ReplicateHopCall  # noqa: F401
+from dad_integrations.exchange.row_shards import RowShardCall  # noqa: F401
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
 from dad_integrations.fsdp_calls import _FSDPCall, _HSDPCall
 from dad_integrations.fsdp_seams import DADReduceScatter

@@ -52,10 +52,12 @@ from dad_integrations.capture.assign import build_plan  # noqa: F401
 from dad_integrations.config import DADConfig
 from dad_integrations.plan_cluster import _check_levels, _level_plan, _levels_header, _time_plan, cluster_shape
 from dad_integrations.plan_cluster import compute_model  # noqa: F401
-from dad_integrations.plan_models import (DTYPES, PRESETS, _maps, build_meta_model, dummy_batch, forward_rows,  # noqa: F401
-                                          load_config, max_positions, model_task, preset_config)
-from dad_integrations.routing.planner import (RowCounts, StepPlan, count_rows, plan_levels_model, plan_model,  # noqa: F401
-                                              plan_sharded_model, render, render_levels, render_sharded)
+from dad_integrations.plan_models import (  # noqa: F401
+    DTYPES, PRESETS, _maps, build_meta_model, dummy_batch, forward_rows, load_config, max_positions, model_task,
+    preset_config)
+from dad_integrations.routing.planner import (  # noqa: F401
+    RowCounts, StepPlan, count_rows, plan_levels_model, plan_model, plan_sharded_model, render, render_levels,
+    render_sharded)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -23,9 +23,9 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch  # noqa: F401  (importable here, as before merging moved to `engines.merge`)
 
 # merging the states of another world size lives in `engines.merge`; every name stays importable here
-from dad_integrations.engines.merge import (_SPARSE_TABLES, _TOP_FROM_RANK0, _TOP_RESTART, _UNIT_FROM_RANK0,  # noqa: F401
-                                            _UNIT_MEAN, _UNIT_RESTART, _UNIT_SHARDED, _UNIT_TABLES, _Mean,
-                                            _merge_top, _merge_unit, best_rank_q, merge_rank_states)
+from dad_integrations.engines.merge import (  # noqa: F401
+    _SPARSE_TABLES, _TOP_FROM_RANK0, _TOP_RESTART, _UNIT_FROM_RANK0, _UNIT_MEAN, _UNIT_RESTART, _UNIT_SHARDED,
+    _UNIT_TABLES, _Mean, _merge_top, _merge_unit, best_rank_q, merge_rank_states)
 
 log = logging.getLogger(__name__)
 
