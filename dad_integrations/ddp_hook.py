@@ -43,7 +43,8 @@ traced, it did nothing, and it cost a graph break): loaded, it is attached again
 `register_dad_comm_hook` on it (with no config: the saved config and state).
 """
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations and
-# accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
+# accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings. Some imports
+# are unused since the split into ddp_attach/ddp_native/ddp_step: kept, names stay importable here.
 import logging
 import weakref
 from concurrent.futures import Future
@@ -62,6 +63,10 @@ from dad_integrations.config import DADConfig
 from dad_integrations.comm.groups import new_group_like
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.synchronizer import DADSynchronizer, in_backward
+from dad_integrations.ddp_attach import DRIVERS as _DRIVERS, attach as _attach, close_previous as _close_previous
+from dad_integrations.ddp_attach import ranks_group as _ranks_group, wrapper_compiled as _wrapper_compiled  # noqa: F401
+from dad_integrations.ddp_native import NativeSteps
+from dad_integrations.ddp_step import StepEnd
 
 log = logging.getLogger(__name__)
 
@@ -105,43 +110,7 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
     return driver.sync
 
 
-def _wrapper_compiled(ddp: nn.parallel.DistributedDataParallel, compiled: Optional[bool]) -> bool:
-    """Whether ``ddp`` itself runs under ``torch.compile`` (said by ``compiled=True``, with no compiled
-    module inside it): then it gets no forward pre-hook. Under compile the pre-hook would only be
-    traced, doing nothing (`DDPDriver.before_forward`), and a hook on DDP costs a graph break: after
-    DDP's own break (its logger's ``set_runtime_stats_and_log``), dynamo traces the ``forward`` of a
-    built-in module that has hooks as a frame of its own (``trace_rules.check_verbose``: "inbuilt
-    nn.Module.forward allowed - module has hooks") and meets the same break again there."""
-    return bool(compiled) and not is_compiled(ddp.module)
-
-
-# per module, the hook of the last DDP around it (weak: a dropped model takes its entry along)
-_DRIVERS: "weakref.WeakKeyDictionary[nn.Module, DDPDriver]" = weakref.WeakKeyDictionary()
-
-
-def _close_previous(module: nn.Module) -> None:
-    """The module was wrapped in a DDP with the dAD hook before (PyTorch's tests wrap one model
-    in a new DDP case after case): the new DDP takes over, as DDP's own reducer does; close the
-    old hook's synchroniser, whose hooks on the module would go on capturing rows for nobody."""
-    previous = _DRIVERS.pop(module, None)
-    if previous is not None and previous.sync is not None and not previous.sync._closed:
-        log.info("dAD: the model was wrapped in a new DDP; the dAD hook of the previous one is closed")
-        previous.sync.close()
-
-
-def _attach(ddp: nn.parallel.DistributedDataParallel, config: Union[DADConfig, Mapping, None],
-            aggregator: Optional[FactorAggregator], timeout: Optional[timedelta],
-            compiled: Optional[bool] = None) -> DADSynchronizer:
-    if aggregator is None:
-        from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
-        aggregator = TorchDistributedAggregator(_ranks_group(ddp.process_group, timeout))
-    # DDP broadcast rank 0's parameters and buffers when it wrapped the model
-    with banner.engine("DDP (comm hook)"):
-        return DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, compiled=compiled,
-                               _driven_by_ddp=True)
-
-
-class DDPDriver:
+class DDPDriver(NativeSteps, StepEnd):
     """Drives a `DADSynchronizer`'s steps from DDP's buckets instead of its own weight hooks.
 
     Buckets come in the same order on every rank. A unit is ready when the buckets of its weight
@@ -188,25 +157,6 @@ class DDPDriver:
             self._reattach(ddp)
         if not self.sync._closed:
             self._park_hooks(ddp)
-
-    def _park_hooks(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        """Before a training forward with no step open: a step whose every unit is sure to go dense
-        (`DADSynchronizer._bookless`, refreshed when a step ends) runs without the per-parameter
-        hooks (they would only note that backward reached each parameter: ~50 Python calls from
-        the autograd thread a step, which DDP's own step does not pay); a step that needs them
-        gets them back. Changed here because this is between steps and outside backward; DDP runs
-        this hook before every forward whose backward it reduces, so no backward is missed. A
-        forward inside ``no_sync()`` opens the step's window now, as its backward's first hook
-        would: the step's span (route trials) starts at its first micro-step, and
-        `DADSynchronizer.load_state_dict` refuses to load between micro-steps."""
-        sync = self.sync
-        if sync._window is not None:  # a step is open (micro-steps): its hooks stay as they are
-            return
-        parked = len(sync._bookless) == len(sync._plan.units)
-        sync._set_param_hooks(not parked)
-        if parked and not ddp.require_backward_grad_sync:
-            sync._clock.forward()
-            sync._current_window()
 
     def _reattach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Attach a new synchroniser to a loaded DDP, with the saved state; register the hook."""
@@ -255,32 +205,6 @@ class DDPDriver:
             if serial:
                 self._run_step(window)
 
-    def on_native_bucket(self, bucket: dist.GradBucket, on_done: Callable[[Optional[BaseException]], None]) -> bool:
-        """If this step goes by DDP's buckets as they are (`_native`, decided at its first bucket):
-        put ``bucket`` on the wire now and, at the last bucket, end the step; returns whether it
-        did (False: the per-parameter path, `on_bucket`). Asked before the bucket's per-parameter
-        views are cut: a native step needs none."""
-        window = self._live_sync()._current_window()
-        if window.native is None:
-            window.native = [] if self._native(window) else False
-        if window.native is False:
-            return False
-        self._add_native(window, bucket.buffer(), bucket.parameters(), bucket.is_last(), on_done)
-        return True
-
-    def _add_native(self, window, buffer: torch.Tensor, params: List[torch.Tensor], last: bool,
-                    on_done: Callable[[Optional[BaseException]], None]) -> None:
-        """One bucket of a native step on the wire (`Exchanger.start_native`: scaled before the sum,
-        as DDP scales its own). The last bucket ends the step right here, on the autograd thread:
-        every collective of the step is issued by then and DDP waits for the buckets' futures next
-        anyway; a hop to dAD's worker thread would only add thread wake-ups and GIL hand-overs."""
-        sync = self.sync
-        with window.lock:
-            window.native.append(sync._exchanger.start_native(buffer, sync.scale) + (params,))
-            window.done.append(on_done)
-        if last:
-            self._run_step(window, inline=True)
-
     def _live_sync(self) -> DADSynchronizer:
         """The synchroniser the hook drives; raises where there is none to drive (loaded, or closed)."""
         sync = self.sync
@@ -289,96 +213,6 @@ class DDPDriver:
         if sync._closed:
             raise RuntimeError("the dAD communication hook was used after close()")
         return sync
-
-    def _run_step(self, window, inline: bool = False) -> None:
-        """The step's last bucket is in: end the step on the worker, or here (``inline``, `_serialised`)."""
-        if inline or self._serialised():
-            window.future = Future()
-            window.future.set_result(self._step(window))
-        else:
-            self.sync._dispatch(window, self._step)
-
-    def _native(self, window) -> bool:
-        """Whether this step goes by DDP's buckets as they are (`RoutePolicy.native_dense`); not in a
-        ``join`` (its shadow and divisor are dAD's to apply)."""
-        ddp = self.ddp() if self.ddp is not None else None
-        config = getattr(ddp, "_join_config", None)
-        if config is not None and config.enable:
-            return False
-        sync = self.sync
-        return sync._exchanger.policy.native_dense(sync._steps, not sync._verified)
-
-    def _serialised(self) -> bool:
-        """Whether this step's exchange runs inline, in the last bucket's hook: on NCCL, a DDP with
-        ``find_unused_parameters=True`` all-reduces its used-parameter map on its own communicator,
-        from the autograd thread, right after that hook returns; dAD's worker thread would race it,
-        and NCCL operations on two communicators enqueued in different orders on different ranks can
-        deadlock. Inline, every dAD collective is enqueued before the map's, on every rank (the step
-        then overlaps nothing). ``serialise`` (True/False) overrides the choice."""
-        if self.serialise is not None:
-            return self.serialise
-        ddp = self.ddp() if self.ddp is not None else None
-        if ddp is None or not getattr(ddp, "find_unused_parameters", False):
-            return False
-        try:
-            return "nccl" in str(dist.get_backend(ddp.process_group)).lower()
-        except (RuntimeError, ValueError):
-            return False
-
-    def _joined(self) -> bool:
-        """This rank has joined (``ddp.join()``): DDP hands over buckets outside any backward."""
-        ddp = self.ddp() if self.ddp is not None else None
-        config = getattr(ddp, "_join_config", None)
-        return bool(config is not None and config.enable and not in_backward())
-
-    def _join_postscale(self, window) -> Tuple[Optional[float], Optional[ParamReport]]:
-        """In a DDP that has entered ``join``: the step's postscale (DDP's divisor: the ranks still
-        training with ``divide_by_initial_world_size=False``, else None for all ranks), having
-        set the window's prior scale; the traffic of counting those ranks (every rank, joined or
-        not, runs that collective in the step). Elsewhere (None, None)."""
-        ddp = self.ddp() if self.ddp is not None else None
-        config = getattr(ddp, "_join_config", None)
-        if config is None or not config.enable:
-            return None, None
-        sync = self.sync
-        flag = torch.tensor([0.0 if window.sink.shadow else 1.0], device=sync._exchanger.device)
-        handle = sync.aggregator.all_reduce(flag, name="dad.join.training", op="sum")
-        active = int(handle.wait()[0])
-        entry = ParamReport("[join: ranks training]", "overhead", ())
-        entry.add_traffic(handle.traffic)
-        world = sync.aggregator.world_size
-        postscale = None if getattr(ddp, "_divide_by_initial_world_size", True) else 1.0 / active
-        window.sink.prior_scale = active * (1.0 / world if postscale is None else postscale)
-        return postscale, entry
-
-    def _step(self, window) -> StepReport:
-        sync = self.sync
-        error: Optional[BaseException] = None
-        report = None
-        try:
-            if window.native:
-                report = sync._exchanger.run_native(window, window.native, sync._names, step=sync._steps)
-                counted = None
-            else:
-                postscale, counted = self._join_postscale(window)
-                report = sync._exchange(window, postscale)
-            if counted is not None:
-                report.params.append(counted)
-        except BaseException as e:
-            error = e
-        with window.lock:
-            done, window.done = window.done, []
-        late = sync._end_step(window)
-        if error is None:
-            try:
-                sync._finish(report, late)
-            except BaseException as e:
-                error = e
-        for callback in done:
-            callback(error)
-        if error is not None:
-            raise error
-        return report
 
 
 def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -402,16 +236,3 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
         offset += p.numel()
     driver.on_bucket(params, views, bucket.is_last(), done, buffer)
     return future
-
-
-def _ranks_group(process_group, timeout: Optional[timedelta] = None):
-    """A new group over the ranks of DDP's group: dAD's collectives run on a background thread,
-    and must not interleave with the user's (or DDP's) own on a shared group. It takes ``timeout``,
-    else DDP's group's timeout, so that a stalled rank fails as soon as it would with DDP."""
-    ranks = dist.get_process_group_ranks(process_group)
-    if len(ranks) != dist.get_world_size():
-        # dist.new_group must be called by every rank of the default group, which a DDP over a
-        # subgroup cannot promise here
-        raise ValueError("DDP runs on a subgroup: pass aggregator=TorchDistributedAggregator(group) with a "
-                         "group made for dAD on every rank (dist.new_group(ranks))")
-    return new_group_like(ranks, base=process_group, timeout=timeout)

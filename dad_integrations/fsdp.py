@@ -56,9 +56,11 @@ from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.engines.fsdp_detect import reject_fsdp1
 from dad_integrations.logs import OnceLogger
-from dad_integrations.exchange.replicate_hop import ReplicateGroups, ReplicateHopCall
-from dad_integrations.exchange.row_shards import RowShardCall
+# ReplicateHopCall and RowShardCall: unused since fsdp_calls.py, kept importable from here
+from dad_integrations.exchange.replicate_hop import ReplicateGroups, ReplicateHopCall  # noqa: F401
+from dad_integrations.exchange.row_shards import RowShardCall  # noqa: F401
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
+from dad_integrations.fsdp_calls import _FSDPCall, _HSDPCall
 from dad_integrations.fsdp_seams import DADReduceScatter
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
@@ -233,53 +235,6 @@ class FSDPDADSynchronizer(ShardedFacade):
         end, self._trial_end = self._trial_end, None
         if end is not None:  # not inside a backward: this call is the step
             end()
-
-
-class _FSDPCall(RowShardCall):
-    """One FSDP reduce-scatter, as `ShardedExchanger.reduce` takes it."""
-
-    def __init__(self, sync: FSDPDADSynchronizer, slots: list, out: torch.Tensor, inp: torch.Tensor, predivide: float,
-                 group: dist.ProcessGroup, op, scale: float, aggregator: TorchDistributedAggregator):
-        super().__init__(slots, out, inp, predivide, aggregator, scale, sync.exchanger.wire, sync.exchanger.rank_codec)
-        self.sync, self.group, self.op = sync, group, op
-
-    def units(self) -> List[FactorUnit]:
-        return [u for u in (self.sync._unit_of.get(id(s.param)) for s in self.slots) if u is not None]
-
-    def take_pairs(self, unit: FactorUnit, use) -> list:
-        return self.sync._committed.take(use)
-
-    def reduce_rest(self, slots: list, report: ShardedStepReport) -> None:
-        seams.reduce_scatter(slots, self.sink, self.group, self.op, report)
-
-    def at_step_end(self, end: Callable[[], None]) -> None:
-        if torch._C._current_graph_task_id() < 0:
-            end()  # not inside a backward: this call is the step
-        else:       # after every group's reduce-scatter, FSDP's final callback included
-            Variable._execution_engine.queue_callback(end)
-
-
-class _HSDPCall(ReplicateHopCall):
-    """One HSDP reduce-scatter, FSDP's part of `exchange.replicate_hop.ReplicateHopCall`."""
-
-    def __init__(self, sync: FSDPDADSynchronizer, slots: list, out: torch.Tensor, inp: torch.Tensor,
-                 predivide: float, scale: float, shard_group: dist.ProcessGroup):
-        ex = sync.exchanger
-        super().__init__(slots, out, inp, predivide, scale, sync._replicate, ex.wire, ex.rank_codec, ex.config)
-        self.sync, self.shard_group = sync, shard_group  # FSDP's reduce-scatter group: the node's ranks
-
-    def units(self) -> List[FactorUnit]:
-        return [u for u in (self.sync._unit_of.get(id(s.param)) for s in self.slots) if u is not None]
-
-    def take_pairs(self, unit: FactorUnit, use) -> list:
-        return self.sync._committed.take(use)
-
-    def reduce_scatter_node(self, compact: torch.Tensor) -> torch.Tensor:
-        result = torch.empty(compact.numel() // self.shard_group.size(), dtype=compact.dtype, device=compact.device)
-        dist.reduce_scatter_tensor(result, compact, op=dist.ReduceOp.SUM, group=self.shard_group)
-        return result
-
-    at_step_end = _FSDPCall.at_step_end
 
 
 def hsdp_config(config: DADConfig) -> DADConfig:

@@ -18,11 +18,13 @@ buckets go and waits; the results land in the step's sink (`.grad`, or DDP's buc
 drives the step through `ddp_hook`). A unit sure to go dense in a step (a held dense route, or
 dense for good) skips the window's bookkeeping in its hooks: it needs no prior and no marks.
 
-This class is the facade over those pieces: it wires the hooks, holds the step's lifecycle
-(open, dispatch, finish), and carries what survives a checkpoint (`state_dict`).
+This class is the facade over those pieces: it wires the hooks (`synchronizer_hooks`), holds the
+step's lifecycle (open, dispatch, finish: `synchronizer_step`), and carries what survives a
+checkpoint (`state_dict`, `synchronizer_state`).
 """
 from __future__ import annotations
 
+# some imports are unused here but kept: names importable from here stay so (ddp_hook's in_backward)
 import atexit
 import contextlib
 import functools
@@ -50,18 +52,17 @@ from dad_integrations.capture.assign import build_plan
 from dad_integrations.exchange.levels import build_levels
 from dad_integrations.exchange.window import StepWindow
 from dad_integrations.exchange.worker import Worker
+from dad_integrations.synchronizer_hooks import ParamHooks
+from dad_integrations.synchronizer_state import STATE_VERSION, load_units_state, units_state
+from dad_integrations.synchronizer_step import _ENGINE_DRAIN_S, StepLifecycle, _abandon
 
 if TYPE_CHECKING:
     from dad_integrations.routing.link import LinkModel
 
 log = logging.getLogger(__name__)
 
-_ENGINE_DRAIN_S = 0.05  # at exit: time given to the engine's threads to release finished collectives
 
-STATE_VERSION = 2
-
-
-class DADSynchronizer:
+class DADSynchronizer(StepLifecycle, ParamHooks):
     """Synchronises every trainable parameter's gradient of ``model`` across ranks.
 
     Args:
@@ -124,31 +125,10 @@ class DADSynchronizer:
         self._exchanger = Exchanger(self._plan, aggregator, self.config, WIRE_DTYPES[self.config.wire_dtype],
                                     device, levels=build_levels(self.config, aggregator, device))
         self._driven_by_ddp = _driven_by_ddp
-        self._sink_type: Type[GradSink] = BucketViewSink if _driven_by_ddp else GradSink
-        self._lock = threading.Lock()
-        self._window: Optional[StepWindow] = None
-        self._accumulating = False
-        self._steps = 0
-        self._verified = not self.config.verify_first_step
-        self._report: Optional[StepReport] = None
-        self._unit_of = {id(q): u for u in self._plan.units for q in u.params}
-        self._param_ids = {u.index: tuple(id(q) for q in u.params) for u in self._plan.units}
+        self._init_step_state()
         self._names = {id(p): n for n, p in model.named_parameters()}  # for reports
-        # units the next step sends dense whatever their rows (`RoutePolicy.dense_for_sure`): their
-        # hooks skip the window's bookkeeping (priors, marks); refreshed after every step
-        self._bookless: frozenset = frozenset()
-        self._param_hooks: list = []
-        self._params_hooked = False
-        self._set_param_hooks(True)
-        # a step's span for route trials starts at its forward (what capture adds counts too)
-        self._clock = StepClock()
-        self._hooks = [ForwardStartHook(model, self._on_root_forward)]
-        self._worker = Worker("dad-sync")
-        self._closed = False
-        # at exit, release a step left in flight (an error before synchronize()), so that its
-        # thread ends cleanly instead of being torn down while it waits
-        self._atexit = functools.partial(_abandon, weakref.ref(self))
-        atexit.register(self._atexit)
+        self._init_hooks(model)
+        self._start_worker()
         banner.announce("DADSynchronizer", self.config, process_rank=aggregator.rank,
                         world_size=aggregator.world_size, factor_weights=len(self._plan.units), dense_params=len(self._plan.dense))
 
@@ -238,39 +218,19 @@ class DADSynchronizer:
         """This rank's dAD state: per weight its rank-dAD warm start and error-feedback residual
         (they differ across ranks: save them per rank) and whether it went dense for good; the
         step count, the first-step check and auto's last agreed row counts."""
-        ex = self._exchanger
         return {"version": STATE_VERSION, "steps": self._steps, "verified": self._verified,
-                "units": {u.name: {"warm_q": ex.warm.q.get(u.name), "residual": ex.memory.state(u.name),
-                                   "shared_q": ex.rank_allreduce.warm.q.get(u.name) if ex.rank_allreduce else None,
-                                   "dense_only": u.dense_only, "rows_unused": u.rows_unused,
-                                   "last_rows": ex.policy.last_rows.get(u.index)}
-                          for u in self._plan.units}}
+                "units": units_state(self._exchanger, self._plan.units)}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore `state_dict`'s state; tensors go to each parameter's device and compute dtype."""
         if self.backward_pending:
             raise RuntimeError("load_state_dict() was called between backward and synchronize()")
-        units = state.get("units") if state.get("version") == STATE_VERSION else state  # version 1: by name
-        by_name = {u.name: u for u in self._plan.units}
-        unknown = sorted(set(units) - set(by_name))
-        if unknown:
-            raise ValueError(f"dAD state for unknown parameters {unknown}: was it saved from another model?")
-        ex = self._exchanger
-        for name, s in units.items():
-            u = by_name[name]
-            ex.warm.load(name, s.get("warm_q"), u.param)
-            ex.memory.load(name, s.get("residual"), u.param)
-            if ex.rank_allreduce is not None:
-                ex.rank_allreduce.warm.load(name, s.get("shared_q"), u.param)
-            u.rows_unused = bool(s.get("rows_unused", False))
-            u.set_dense_only(bool(s.get("dense_only")))
-            if s.get("last_rows") is not None:
-                ex.policy.last_rows[u.index] = [list(map(int, r)) for r in s["last_rows"]]
+        load_units_state(self._exchanger, self._plan.units, state)
         if state.get("version") == STATE_VERSION:
             self._steps = int(state["steps"])
             self._verified = bool(state["verified"]) or not self.config.verify_first_step
-        if ex.policy.trial is not None:  # every rank loads alike: a trial in progress ends on all of them
-            ex.policy.trial.cancel()
+        if self._exchanger.policy.trial is not None:  # every rank loads alike: a trial in progress ends on all
+            self._exchanger.policy.trial.cancel()
         self._clock.cancel()
         self._plan_next_step()
 
@@ -288,151 +248,3 @@ class DADSynchronizer:
         self._set_param_hooks(False)
         self._release()
         atexit.unregister(self._atexit)
-
-    # -- the step's lifecycle (also driven by `ddp_hook`) ---------------------------------------
-    def _current_window(self) -> StepWindow:
-        """The open step's window, opened now if there is none."""
-        with self._lock:
-            if self._window is None:
-                guard_compiled_hooks()  # (dynamo imported after attach: guard from the first step on)
-                self._window = StepWindow(self._plan.units, self._sink_type)
-                self._window.started = self._clock.open()
-            return self._window
-
-    def _dispatch(self, window: StepWindow, job: Callable[[StepWindow], StepReport]) -> None:
-        """Start the step's exchange on the worker (once per step)."""
-        with window.lock:
-            if window.future is None:
-                window.future = self._worker.submit(functools.partial(job, window))
-
-    def _exchange(self, window: StepWindow, postscale: Optional[float] = None) -> StepReport:
-        """Run the step's exchange; ``postscale`` replaces ``postscale_factor`` for this step."""
-        return self._exchanger.run(window, window.sink, step=self._steps, verify=not self._verified,
-                                   prescale=self.prescale_factor,
-                                   postscale=self.postscale_factor if postscale is None else postscale)
-
-    def _end_step(self, window: StepWindow) -> List[str]:
-        """Drop the step's window and rows; returns the weights whose rows arrived after their exchange."""
-        late = [u.name for c in self._plan.captures for u in c.uses if u.pairs] + window.twice
-        for c in self._plan.captures:
-            c.clear()
-        with self._lock:
-            if self._window is window:
-                self._window = None
-        return late
-
-    def _finish(self, report: StepReport, late: List[str]) -> None:
-        """Count the finished step, then raise if this rank saw rows arrive after their exchange.
-
-        The step is counted first: the error is this rank's alone, and a caller that goes on must
-        find every rank in the same state (same step count, same first-step check), or the next
-        step's collectives would not match.
-        """
-        self._report = report
-        self._steps += 1
-        # a step in which no rank had factor rows (synchronize() before any backward, as
-        # hvd.broadcast_optimizer_state does) checked nothing: keep the check for the first real one;
-        # max_rows is agreed by all ranks, so they keep or drop the check together
-        if any(p.max_rows for p in report.params):
-            self._verified = True
-        self._plan_next_step()
-        if late:
-            raise RuntimeError(f"the gradients of {sorted(set(late))} came in twice in one step, after their "
-                               f"exchange had started: a weight used in several reentrant-checkpointed "
-                               f"segments (exclude it with the 'exclude' config key, or use "
-                               f"use_reentrant=False), or backward run twice without no_sync()")
-
-    def _plan_next_step(self) -> None:
-        """Note which units the next step sends dense whatever their rows (see `_bookless`)."""
-        policy, step, verify = self._exchanger.policy, self._steps, not self._verified
-        self._bookless = frozenset(u.index for u in self._plan.units if policy.dense_for_sure(u, step, verify))
-
-    def _set_param_hooks(self, on: bool) -> None:
-        """Register (``on``) or remove the per-parameter hooks: the window's bookkeeping around each
-        accumulation, and readiness outside DDP. Only a step driven by DDP's hook whose every unit
-        is sure to go dense (`_bookless`) may run without them: DDP says when gradients are final,
-        and such units keep no prior and no marks, so the hooks would only note that backward
-        reached the parameters (~50 Python calls a step). The caller changes them between steps,
-        never inside backward (`ddp_hook.DDPDriver.before_forward`)."""
-        if on == self._params_hooked:
-            return
-        self._params_hooked = on
-        if not on:
-            for h in self._param_hooks:
-                h.remove()
-            self._param_hooks = []
-            return
-        units, dense = self._plan.units, self._plan.dense
-        self._param_hooks = [p.register_hook(functools.partial(self._before_accumulate, u, p))
-                             for u in units for p in u.params]
-        self._param_hooks += [p.register_post_accumulate_grad_hook(functools.partial(self._after_accumulate, u))
-                              for u in units for p in u.params]
-        self._param_hooks += [p.register_post_accumulate_grad_hook(self._after_dense_accumulate) for _, p in dense]
-
-    def _release(self) -> None:
-        """Stop the worker thread, abandoning a step in flight (its waits return at once)."""
-        self._closed = True
-        self._exchanger.closed = True
-        window = self._window
-        if window is not None:
-            window.release_all()
-        self._worker.stop()
-
-    # -- hooks ----------------------------------------------------------------------------------
-    def _on_root_forward(self) -> None:
-        """The model's forward: a training step may start here (`routing.trial.StepClock`); an
-        evaluation under ``no_grad``, a recomputation in backward or a micro-step does not."""
-        if self._window is None:
-            self._clock.forward()
-
-    def _on_forward(self) -> None:
-        """A captured layer's forward: refused while the last backward's exchange is pending."""
-        window = self._window
-        if not compiling() and window is not None and window.future is not None and not in_backward():
-            raise RuntimeError(
-                f"a forward pass started after backward_passes_per_step={self.backward_passes_per_step} "
-                f"backward pass(es) without synchronize(): call sync.synchronize() (or the optimizer's "
-                f"step) after every step, accumulate micro-steps inside no_sync(), or increase "
-                f"backward_passes_per_step")
-
-    def _before_accumulate(self, unit: FactorUnit, p: nn.Parameter, grad: torch.Tensor) -> None:
-        window = self._current_window()
-        if unit.index in self._bookless:  # dense whatever .grad held before: no prior to keep
-            window.touch(p)
-        else:
-            window.before_accumulate(p, unit)
-
-    def _after_accumulate(self, unit: FactorUnit, p: nn.Parameter) -> None:
-        window = self._current_window()
-        if unit.index in self._bookless:  # no rows to mark; other gradients' marks still move
-            window.note_accumulated(p)
-        else:
-            window.after_accumulate(p, unit)
-        if self._accumulating or self._driven_by_ddp:  # DDP says when a unit is ready (ddp_hook)
-            return
-        passes = window.count_pass(p)
-        if passes > self.backward_passes_per_step:  # its rows may be on the wire: fail at synchronize()
-            window.twice.append(unit.name)
-        k = self.backward_passes_per_step
-        if passes >= k and all(window.passes.get(q, 0) >= k for q in self._param_ids[unit.index]):
-            window.ready[unit.index].set()
-            self._dispatch(window, self._exchange)
-
-    def _after_dense_accumulate(self, p: nn.Parameter) -> None:
-        window = self._current_window()
-        window.touch(p)
-        window.note_accumulated(p)  # it may share a DDP bucket with factor weights' gradients
-        if not (self._accumulating or self._driven_by_ddp):
-            window.count_pass(p)
-
-
-def _abandon(ref: "weakref.ref[DADSynchronizer]") -> None:
-    sync = ref()
-    if sync is not None:
-        sync._release()
-        sync._worker.join(timeout=5.0)
-        # A gloo worker thread drops its last reference to a finished collective's tensors a
-        # moment after the wait returns, and that needs the GIL; once the interpreter finalises,
-        # taking the GIL ends the thread inside a noexcept destructor (std::terminate). Hand the
-        # GIL over briefly so those threads finish while they still can.
-        time.sleep(_ENGINE_DRAIN_S)

@@ -23,13 +23,14 @@ engine's (``gradient_predivide_factor``, ``prescale_gradients``, the ``"sum"`` a
 reduces elsewhere (the fp32-accumulating BF16 optimizer, overlapped ZeRO 1 communication,
 pipeline/model/sequence parallelism, MoE) are rejected with an error that says why, never ignored.
 ZeRO stages 2 and 3, which reduce-scatter inside backward hooks, are attached by `deepspeed_dad.zero`
-instead (`attach` selects by stage).
+instead (`attach` selects by stage). What the engine must be, and its reduction's scaling and wire
+dtype, are read by `deepspeed_dad.checks`; where the attachment lives, by `deepspeed_dad.attachment`.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union  # noqa: F401
 
 import torch
 
@@ -37,16 +38,18 @@ from dad_integrations import DADConfig, DADSynchronizer, StepReport
 from dad_integrations.engines import banner
 
 from .aggregator import DeepSpeedAggregator
+from .attachment import ATTR, get_attachment  # noqa: F401  get_attachment: re-exported
 from .checkpointing import RankStateCheckpoints
+from .checks import _WIRE_NAMES, check_engine, is_engine, reduction_scales, wire_dtype  # noqa: F401  re-exported
+from .config import DADBlock, parse_block
 
 if TYPE_CHECKING:
     from .zero import ZeroDAD
-from .config import DADBlock, parse_block
 
 log = logging.getLogger(__name__)
 
-ATTR = "_dad_attachment"  # where the attachment lives on the engine
-_WIRE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# the names this module held before `checks` and `attachment` were split out of it
+_check_engine, _wire_dtype, _is_engine = check_engine, wire_dtype, is_engine
 
 
 class DeepSpeedDAD(RankStateCheckpoints):
@@ -62,8 +65,8 @@ class DeepSpeedDAD(RankStateCheckpoints):
         self.engine = engine
         stage = int(engine.zero_optimization_stage())
         self.zero_stage = stage
-        world = _check_engine(engine)
-        wire = _wire_dtype(engine, config)
+        world = check_engine(engine)
+        wire = wire_dtype(engine, config)
         if wire != config.wire_dtype:
             config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
         prescale, postscale = reduction_scales(engine, world)
@@ -184,121 +187,14 @@ def attach(engine: Any, config: Union[DADConfig, DADBlock, Mapping[str, Any], No
     if int(engine.zero_optimization_stage()) in (2, 3):
         from .zero import ZeroDAD, check_zero
         config = block.config
-        world = _check_engine(engine, check_zero(engine, config) if _is_engine(engine) else [])
-        wire = _wire_dtype(engine, config)
+        world = check_engine(engine, check_zero(engine, config) if is_engine(engine) else [])
+        wire = wire_dtype(engine, config)
         if wire != config.wire_dtype:
             config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
         attachment = ZeroDAD(engine, config, world)
         setattr(engine, ATTR, attachment)
         return attachment
     return DeepSpeedDAD(engine, block.config)
-
-
-def _is_engine(engine: Any) -> bool:
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    return isinstance(engine, DeepSpeedEngine)
-
-
-def get_attachment(engine: Any) -> Optional[DeepSpeedDAD]:
-    """The dAD attachment of an engine (made by `attach`, `initialize` or the patched
-    ``deepspeed.initialize``), or None. Accepts Accelerate's wrapped model too."""
-    engine = getattr(engine, "engine", engine)  # accelerate's DeepSpeedEngineWrapper
-    return getattr(engine, ATTR, None)
-
-
-def reduction_scales(engine: Any, world_size: int) -> Tuple[float, float]:
-    """(prescale, postscale) with which DeepSpeed reduces this engine's gradients.
-
-    Mirrors ``DeepSpeedEngine.allreduce_bucket`` and ZeRO's ``average_tensor``: a ``"sum"``
-    all-reduce op does not scale; ``prescale_gradients`` divides by the world size first;
-    otherwise ``gradient_predivide_factor`` f divides by f first and multiplies by f / world after;
-    ZeRO 1's reduce-scatter path divides by the world size first.
-    """
-    if not engine.gradient_average:
-        return 1.0, 1.0
-    if engine.zero_optimization_stage() == 1 and getattr(engine.optimizer, "reduce_scatter", False):
-        return 1.0 / world_size, 1.0
-    if engine.postscale_gradients():
-        f = float(engine.gradient_predivide_factor())
-        return 1.0 / f, f / world_size
-    return 1.0 / world_size, 1.0
-
-
-def _wire_dtype(engine: Any, config: DADConfig) -> Optional[str]:
-    """dAD's wire dtype: DeepSpeed's ``communication_data_type`` when it is set, else the block's."""
-    explicit = engine._config.communication_data_type
-    if explicit is None:
-        return config.wire_dtype
-    model_dtype = engine.get_data_types()[0]
-    if explicit == torch.float32:
-        if model_dtype != torch.float32:
-            raise ValueError(
-                "communication_data_type fp32 with fp16/bf16 parameters is not supported with dAD: factors "
-                "travel in the gradients' dtype or in dad.wire_dtype ('float16'/'bfloat16'); remove "
-                "communication_data_type or set it to the parameters' dtype")
-        name = None
-    elif explicit in _WIRE_NAMES:
-        name = _WIRE_NAMES[explicit]
-    else:
-        raise ValueError(f"communication_data_type {explicit} is not supported with dAD")
-    if config.wire_dtype is not None and config.wire_dtype != name:
-        raise ValueError(f"contradictory settings: DeepSpeed's communication_data_type is {explicit} but "
-                         f"dad config key 'wire_dtype' is {config.wire_dtype!r}; set only one of them")
-    return name
-
-
-def _check_engine(engine: Any, sharded_problems: Optional[List[str]] = None) -> int:
-    """Reject what dAD cannot honour; returns the data-parallel world size. ``sharded_problems``:
-    ZeRO-2/3's own (`deepspeed_dad.zero.check_zero`), for an engine of those stages."""
-    from deepspeed import comm as dist
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    if not isinstance(engine, DeepSpeedEngine):
-        raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
-    problems: List[str] = list(sharded_problems or [])
-    stage = int(engine.zero_optimization_stage())
-    if stage not in (0, 1) and sharded_problems is None:
-        problems.append(f"ZeRO stage {stage} is attached by deepspeed_dad.zero, not here")
-    if engine.optimizer is None:
-        problems.append("the engine has no optimizer (dAD synchronises training gradients)")
-    if isinstance(engine.optimizer, BF16_Optimizer):
-        problems.append("the BF16 optimizer (bf16 with data_types.grad_accum_dtype fp32) accumulates gradients "
-                        "in its own fp32 buffers before reducing them; use bf16 gradient accumulation "
-                        "(the default) or fp32")
-    if stage == 1 and engine.optimizer is not None:
-        opt = engine.optimizer
-        if getattr(opt, "overlap_comm", False):
-            problems.append("zero_optimization.overlap_comm=true reduces ZeRO 1 gradients inside backward hooks; "
-                            "set it to false")
-        if getattr(opt, "use_grad_accum_attribute", False):
-            problems.append("a gradient accumulation dtype different from the parameters' dtype moves ZeRO 1 "
-                            "gradients out of param.grad during backward; remove data_types.grad_accum_dtype")
-        if getattr(opt, "cpu_offload", False):
-            problems.append("ZeRO optimizer offload is not supported with dAD")
-    if getattr(engine, "pipeline_parallelism", False):
-        problems.append("pipeline parallelism is not supported with dAD")
-    if engine.mpu is not None or getattr(engine, "sequence_parallel_size", 1) > 1:
-        problems.append("model/sequence parallelism is not supported with dAD (data parallelism only)")
-    if getattr(engine, "has_moe_layers", False):
-        problems.append("MoE layers (expert-parallel gradient groups) are not supported with dAD")
-    if getattr(engine, "zenflow", False):
-        problems.append("ZenFlow is not supported with dAD")
-    if engine.is_deepcompile_enabled():
-        problems.append("DeepCompile reduces gradients in its compiled graph; it is not supported with dAD")
-    if not engine.managed_gradient_accumulation():
-        problems.append("managed_gradient_accumulation=false is not supported with dAD")
-    if not engine.enable_backward_allreduce:
-        problems.append("the engine's backward all-reduce is disabled (enable_backward_allreduce=False), so "
-                        "there is nothing for dAD to replace")
-    if problems:
-        raise ValueError("dAD cannot be attached to this DeepSpeed engine: " + "; ".join(problems))
-    world = dist.get_world_size()
-    dp_world = dist.get_world_size(group=engine.seq_data_parallel_group)
-    if dp_world != world:
-        raise ValueError(f"dAD needs plain data parallelism over every rank; the data-parallel group has "
-                         f"{dp_world} of {world} ranks")
-    return world
 
 
 @contextlib.contextmanager

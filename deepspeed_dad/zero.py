@@ -39,6 +39,7 @@ from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import check_routes
 
 from .aggregator import DeepSpeedAggregator
+from .attachment import ATTR
 from .checkpointing import RankStateCheckpoints
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,6 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         self._originals.clear()
         for capture in self.plan.captures:
             capture.remove()
-        from .engine import ATTR
         if getattr(self.engine, ATTR, None) is self:
             delattr(self.engine, ATTR)
 

@@ -42,7 +42,7 @@ def reattach(optimizer: Any) -> Optional[DADSynchronizer]:
         (model, config, prefix), residuals = optimizer._dad_deferred, {}
     else:
         return None  # one process outside elastic, or outside the process set: nothing to attach
-    from .optimizer import _requiring_grad_only
+    from .params import requiring_grad_only as _requiring_grad_only
 
     prescale, postscale = optimizer._scale_factors()  # by the current size
     aggregator = HorovodAggregator(optimizer.process_set, prefix=prefix)

@@ -123,13 +123,15 @@ def test_bad_arguments(capsys):
 def test_planner_imports_no_benchmarks_and_transformers_lazily():
     import ast
 
-    tree = ast.parse((ROOT / "dad_integrations" / "plan.py").read_text())
-    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
-    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
-    assert not any(n.startswith(("transformers", "benchmarks", "torch.distributed")) for n in names), names
-    every = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
-    assert not any(n.startswith("benchmarks") for n in every)
+    for module in ("plan.py", "plan_models.py", "plan_cluster.py"):  # the command and its parts
+        tree = ast.parse((ROOT / "dad_integrations" / module).read_text())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not any(n.startswith(("transformers", "benchmarks", "torch.distributed")) for n in names), \
+            (module, names)
+        every = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not any(n.startswith("benchmarks") for n in every), module
 
 
 @pytest.mark.parametrize("preset", ["gpt2", "bert-base", "llama-small"])

@@ -1,0 +1,173 @@
+"""Merging dAD's per-rank states saved by a job of another number of processes (`merge_rank_states`):
+mean error-feedback residuals, what every old rank shared carried over from rank 0, the rest restarted.
+
+Used by `engines.checkpoint` when a checkpoint's world size is not the job's; every name is also
+importable from there.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Mapping, Tuple
+
+import torch
+
+# What one unit's entry holds, and what becomes of it at another size (merge_rank_states' doc says why)
+_UNIT_MEAN = ("residual",)
+# HSDP's replicate hop (`codecs.replicate_rank`): a residual is rank s's rows of its node's, tagged
+# ``shard: [s, L]``; the mean is taken per s (over the old nodes), and each new rank keeps its own s
+_UNIT_SHARDED = ("shard", "residual_shards")
+_UNIT_FROM_RANK0 = ("shared_q",)
+_UNIT_RESTART = {"warm_q": None, "dense_only": False, "rows_unused": False, "last_rows": None}
+_TOP_FROM_RANK0 = ("version", "steps")
+_TOP_RESTART = {"verified": False}
+_UNIT_TABLES = ("units", "rank_routes")  # DADSynchronizer's; FSDP2's and ZeRO-2/3's
+# tables whose ranks may hold different weights: across nodes ZeRO's rank-route state lives on each
+# weight's owners only (`exchange.node_partitions`); a rank without an entry held no residual (it
+# adds zero to the mean), and the all-reduce route's Q is the same on every owner of a weight
+_SPARSE_TABLES = ("rank_routes",)
+
+
+def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
+    """One new rank's dAD state from the S old ranks' ``state_dict()``s (in rank order); returns it
+    and a one-line summary of what carried over. Every new rank gets the same merge.
+
+    - **Error-feedback residuals**: their mean over the S old ranks, so the new ranks' mean is the
+      old one and the average still owes what it owed. A whole residual stays whole. Rank-``q``
+      residuals (``error_feedback_rank``, ``(U, V)``) are re-compressed to rank ``q``: the mean of
+      S of them has rank up to ``S q``, and the memory bound ``q (m+n)`` is what the config asked
+      for; the pair kept is the mean's best rank-``q`` approximation (an exact truncated SVD, no
+      ``m x n`` matrix formed), equal to the mean whenever the mean has rank ``q`` or less.
+    - **The all-reduce route's warm start** (``shared_q``) is the same on every rank: old rank 0's
+      (in a sparse table, ZeRO's across nodes, the first old rank's that holds one: its owners').
+    - **The step count** (synchronised steps, counted alike on every rank; ``lossless_steps`` and
+      the seeds of fresh power iterations read it): old rank 0's, so the new ranks agree on it.
+    - **Restarted**, because they hold per-rank or per-size facts: the all-gather route's own warm
+      starts, auto's last row counts (one per old rank), the first-step check and the decisions
+      taken on it (dense for good, rank-reduced from the dense gradient): the new job re-agrees
+      them on its first step, identically on every rank.
+
+    Raises `ValueError` for a key it does not know how to carry over (state of a newer format),
+    or for old states that disagree on what must be the same everywhere (version, step count,
+    which weights they hold).
+    """
+    merged: Optional[dict] = None
+    table: Optional[str] = None
+    residuals: Dict[str, _Mean] = {}
+    shard_residuals: Dict[str, Dict[int, _Mean]] = {}  # HSDP: per weight, per shard index
+    counts: Dict[Tuple[str, int], int] = {}
+    old_ranks = 0
+    for state in states:
+        state = dict(state)
+        key = next((k for k in _UNIT_TABLES if k in state), None)
+        units = state.pop(key) if key is not None else state  # version 1: the units' table alone
+        top = {} if key is None else state
+        if merged is None:
+            table, merged = key, _merge_top(top)
+            merged_units = {name: _merge_unit(name, entry) for name, entry in units.items()}
+        elif key != table or (key not in _SPARSE_TABLES and set(units) != set(merged_units)) or any(
+                top.get(k) != merged.get(k) for k in _TOP_FROM_RANK0 if k in merged):
+            raise ValueError(f"the old ranks' dAD states disagree (rank {old_ranks} differs from rank 0 in its "
+                             f"format, its weights or its step count): not one job's checkpoint")
+        else:  # a sparse table: the weights some old rank holds, the first holder's shared state
+            for name, entry in units.items():
+                if name not in merged_units:
+                    merged_units[name] = _merge_unit(name, entry)
+                for k in _UNIT_FROM_RANK0:
+                    if merged_units[name].get(k) is None and entry.get(k) is not None:
+                        merged_units[name][k] = entry[k]
+        for name, entry in units.items():
+            if entry.get("shard") is not None:
+                s, width = entry["shard"]
+                merged_units[name]["shard"] = [None, width]
+                counts[(name, s)] = counts.get((name, s), 0) + 1
+                if entry.get("residual") is not None:
+                    shard_residuals.setdefault(name, {}).setdefault(s, _Mean()).add(entry["residual"])
+            elif entry.get("residual") is not None:
+                residuals.setdefault(name, _Mean()).add(entry["residual"])
+        old_ranks += 1
+    if merged is None:
+        raise ValueError("no dAD state to merge")
+    for name, mean in residuals.items():
+        merged_units[name]["residual"] = mean.result(old_ranks)
+    for name, by_shard in shard_residuals.items():
+        # a node's residual is in units of its sum: the mean over nodes keeps what the average owes
+        # at any node count of the same width, ``(1/(R' L)) R' e' = (1/(R L)) sum e``
+        merged_units[name]["residual_shards"] = {s: m.result(counts[(name, s)]) for s, m in by_shard.items()}
+    residuals = {**residuals, **{f"{n}#{s}": m for n, by in shard_residuals.items() for s, m in by.items()}}
+    if table is None:
+        merged = merged_units
+    else:
+        merged[table] = merged_units
+    shared = sum(1 for e in merged_units.values() if e.get("shared_q") is not None)
+    low = sum(1 for m in residuals.values() if m.low_rank)
+    summary = (f"error-feedback residuals of {len(residuals)} weight(s) averaged over the {old_ranks} old ranks"
+               + (f" ({low} kept at their rank q: the mean's best rank-q part)" if low else "")
+               + f"; the all-reduce route's warm starts of {shared} weight(s) carried over; the all-gather "
+                 f"route's warm starts, the first-step check, row counts and dense-for-good decisions restart")
+    return merged, summary
+
+
+def _merge_top(top: Mapping) -> dict:
+    unknown = sorted(set(top) - set(_TOP_FROM_RANK0) - set(_TOP_RESTART))
+    if unknown:
+        raise ValueError(f"dAD state keys {unknown} cannot be carried to another world size (unknown keys)")
+    return {**{k: top[k] for k in _TOP_FROM_RANK0 if k in top}, **{k: v for k, v in _TOP_RESTART.items() if k in top}}
+
+
+def _merge_unit(name: str, entry: Mapping) -> dict:
+    unknown = sorted(set(entry) - set(_UNIT_MEAN) - set(_UNIT_FROM_RANK0) - set(_UNIT_RESTART) - set(_UNIT_SHARDED))
+    if unknown:
+        raise ValueError(f"dAD state of {name!r} has keys {unknown} that cannot be carried to another world "
+                         f"size (unknown keys)")
+    out = {k: v for k, v in _UNIT_RESTART.items() if k in entry}
+    out.update({k: entry.get(k) for k in _UNIT_FROM_RANK0 if k in entry})
+    out.update({k: None for k in _UNIT_MEAN if k in entry})
+    return out
+
+
+class _Mean:
+    """The running sum of one weight's residuals: whole ones summed, rank-q pairs stacked (an old
+    rank without one adds zero)."""
+
+    def __init__(self) -> None:
+        self.dense: Optional[torch.Tensor] = None
+        self.lefts: List[torch.Tensor] = []
+        self.rights: List[torch.Tensor] = []
+
+    @property
+    def low_rank(self) -> bool:
+        return self.dense is None
+
+    def add(self, residual: Any) -> None:
+        if isinstance(residual, (tuple, list)):
+            u, v = residual
+            if self.dense is None:
+                self.lefts.append(u)
+                self.rights.append(v)
+            else:
+                self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
+            return
+        if self.dense is None:  # a whole one among pairs (never saved so; kept correct anyway)
+            self.dense = residual.clone()
+            for u, v in zip(self.lefts, self.rights):
+                self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
+            self.lefts, self.rights = [], []
+        else:
+            self.dense += residual
+
+    def result(self, old_ranks: int) -> Any:
+        if self.dense is not None:
+            return self.dense / old_ranks
+        matrix_rank = self.lefts[0].shape[1]  # the residuals' q
+        return best_rank_q(torch.cat(self.lefts, 1), torch.cat(self.rights, 1) / old_ranks, matrix_rank)
+
+
+def best_rank_q(left: torch.Tensor, right: torch.Tensor, matrix_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The best rank-``matrix_rank`` approximation of ``left @ right.T`` as ``(U, V)``, ``U``
+    orthonormal, as `error_feedback.LowRankErrorFeedback` keeps it: thin QR of both factors and the
+    SVD of the small core (``left``: m x k, ``right``: n x k; costs ``O((m+n) k^2)``, in float64)."""
+    dtype = left.dtype
+    qa, ra = torch.linalg.qr(left.double())
+    qb, rb = torch.linalg.qr(right.double())
+    w, sigma, zh = torch.linalg.svd(ra @ rb.t(), full_matrices=False)
+    keep = min(matrix_rank, sigma.numel())
+    return (qa @ w[:, :keep]).to(dtype), (qb @ (zh[:keep].t() * sigma[:keep])).to(dtype)

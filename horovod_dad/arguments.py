@@ -1,0 +1,118 @@
+"""How each argument of ``hvd.DistributedOptimizer`` maps onto dAD, and the checks of those
+dAD cannot honour (`horovod_dad.optimizer.DADOptimizer` runs them in Horovod's order).
+
+Arguments and dAD:
+
+=========================  ===================================================================
+``named_parameters``       checked as Horovod checks them (tuples, unique names, every optimizer
+                           parameter named); dAD names its collectives after ``model``'s modules
+``compression``            ``Compression.none``; ``Compression.fp16`` sends factors and dense
+                           buckets as float16 (``wire_dtype="float16"``); any other compressor
+                           raises ``ValueError`` (it cannot be applied to factors)
+``backward_passes_per_step``  as Horovod: the exchange starts at the k-th backward pass, with the
+                           factors of all k passes; ``step()`` earlier sends what is there
+``op``                     ``hvd.Average`` and ``hvd.Sum``; ``hvd.Adasum``, ``Min``, ``Max``,
+                           ``Product`` raise ``ValueError`` (dAD rebuilds sums of factors)
+``gradient_predivide_factor``  as Horovod (only with ``op=Average``): prescale ``1/f``, postscale ``f/size``
+``num_groups`` / ``groups``  validated as Horovod validates them; they only group Horovod's
+                           all-reduces for fusion, which dAD's own buckets (``bucket_cap_mb``)
+                           replace, so the result is unchanged
+``sparse_as_dense``        sparse embedding gradients need ``sparse_as_dense=True`` (they then go
+                           through the dense buckets and are made sparse again, as in Horovod);
+                           with ``False`` a model with sparse embeddings raises ``ValueError``
+``process_set``            collectives run over it; a process outside it steps locally, as in Horovod
+``model`` (new, optional)  the module whose factors are captured; it must hold every parameter
+                           of the optimizer (not wrapped in DDP); only the optimizer's parameters
+                           are synchronised, as with Horovod. Without it (as Horovod's own
+                           scripts and tests call it) dAD attaches at the first forward of a
+                           module holding the optimizer's parameters (`discovery`); a step before
+                           any forward all-reduces the gradients as Horovod does
+``dad`` (new)              a `DADConfig` or a dict of its keys
+=========================  ===================================================================
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Union
+
+import torch
+from torch import nn
+
+from dad_integrations import DADConfig
+
+from ._horovod import Compression, hvd
+
+_OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
+for _name in ("Min", "Max", "Product"):
+    if hasattr(hvd, _name):
+        _OP_NAMES.setdefault(getattr(hvd, _name), _name)
+
+
+def dad_config_for(op: Any, gradient_predivide_factor: Any, dad: Union[DADConfig, Mapping[str, Any], None],
+                   compression: Any, groups: Any) -> DADConfig:
+    """The `DADConfig` for these arguments, after refusing what dAD cannot express (``ValueError``)."""
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"op=hvd.{_OP_NAMES.get(op, op)} is not supported with dAD: dAD rebuilds the sum "
+                         f"of every rank's gradient factors, so only op=hvd.Average and op=hvd.Sum can be "
+                         f"expressed (use hvd.DistributedOptimizer for Adasum)")
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
+            or not 0 < gradient_predivide_factor < float("inf"):
+        raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
+    config = DADConfig() if dad is None else DADConfig.from_dict(dad)
+    config = apply_compression(config, compression)
+    check_groups(groups)
+    return config
+
+
+def apply_compression(config: DADConfig, compression: Any) -> DADConfig:
+    """Horovod's fp16 compression is dAD's float16 wire; other compressors cannot act on factors."""
+    if compression is Compression.none:
+        return config
+    if compression is Compression.fp16:
+        if config.wire_dtype not in (None, "float16"):
+            raise ValueError(f"compression=hvd.Compression.fp16 conflicts with dad wire_dtype="
+                             f"{config.wire_dtype!r}; choose one")
+        return DADConfig.from_dict(dict(config.to_dict(), wire_dtype="float16"))
+    raise ValueError(f"compression={getattr(compression, '__name__', compression)!r} is not supported with dAD: "
+                     f"only hvd.Compression.none and hvd.Compression.fp16 (float16 factors and buckets) "
+                     f"can be applied to gradient factors; see also the dad 'wire_dtype' key")
+
+
+def check_groups(groups: Any) -> None:
+    """Horovod's validation of ``groups`` (a positive integer or a list of lists of tensors)."""
+    if groups is None:
+        return
+    if not (isinstance(groups, list) or groups > 0):
+        raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+    if isinstance(groups, list):
+        seen = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+
+
+def check_named_parameters(named_parameters: Any, param_groups: List[dict]) -> Dict[nn.Parameter, str]:
+    """Horovod's checks of ``named_parameters``; returns parameter -> name."""
+    if named_parameters is not None:
+        named_parameters = list(named_parameters)
+    else:
+        named_parameters = [(f"allreduce.noname.{i}.{j}", v) for i, group in enumerate(param_groups)
+                            for j, v in enumerate(group["params"])]
+    if any(not isinstance(p, tuple) for p in named_parameters):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced "
+                         "by model.named_parameters().")
+    seen, dups = set(), set()
+    for k, _ in named_parameters:
+        (dups if k in seen else seen).add(k)
+    if dups:
+        raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: %s"
+                         % ", ".join(sorted(dups)))
+    all_ids = {id(v) for group in param_groups for v in group["params"]}
+    unnamed = all_ids - {id(v) for _, v in named_parameters}
+    if unnamed:
+        raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                         "Python object ids: %s" % ", ".join(str(i) for i in unnamed))
+    return {v: k for k, v in named_parameters}
