@@ -33,6 +33,7 @@ WORLD = 2
 STEPS = 2  # the first exchanges row counts beside the route; the second is the route alone
 
 
+# --8<-- [start:route]
 class BF16StochasticRounding(GradientCodec):
     """bf16 on the wire, rounded stochastically (unbiased), all-gathered and summed in fp32."""
 
@@ -61,6 +62,7 @@ class BF16StochasticRounding(GradientCodec):
 def register() -> None:
     if ROUTE not in route_names():
         register_route(codec_route(ROUTE, BF16StochasticRounding(), summary="bf16, stochastically rounded"))
+# --8<-- [end:route]
 
 
 # -- the worker (inside torchrun) ---------------------------------------------------------------------
