@@ -50,7 +50,7 @@ from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_all
 from dad_integrations.config import DADConfig
 from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
 from dad_integrations.report import ParamReport
-from dad_integrations.routing.router import UnitShape
+from dad_integrations.routing.router import UnitShape, rank_only
 from dad_integrations.routing.two_level import LevelUnit, choose_two_level, compare_levels
 
 log = logging.getLogger(__name__)
@@ -180,8 +180,7 @@ class TwoLevelExchanger:
         u = it.unit
         if u is None or u.dense_only or not u.has_factors or u.rows_unused:
             return False
-        cfg = self.config
-        return not (cfg.mode == "rank" and cfg.rank is not None and step >= cfg.lossless_steps)
+        return not rank_only(self.config, step)
 
     def _route(self, items: List[HopItem], step: int) -> None:
         """Every item's route; row counts all-gathered over the group where any unit may go exact."""

@@ -246,11 +246,16 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
     return Route(None, True)            # exact predicted: refresh the counts, decide on them
 
 
+def rank_only(config: DADConfig, step: int) -> bool:
+    """Mode ``"rank"`` past the lossless steps: every weight takes a rank route (r rows, whatever the
+    batch), so no route needs row counts."""
+    return config.mode == "rank" and config.rank is not None and step >= config.lossless_steps
+
+
 def sharded_needs_counts(config: DADConfig, step: int) -> bool:
     """Whether a sharded reduction call (FSDP2, ZeRO) of synchronised step ``step`` (0-based) agrees
-    on every rank's row counts before routing: not in mode ``"rank"`` past the lossless steps, where
-    `route` sends every weight by a rank route (r rows, whatever the batch)."""
-    return not (config.mode == "rank" and config.rank is not None and step >= config.lossless_steps)
+    on every rank's row counts before routing (not where `rank_only`)."""
+    return not rank_only(config, step)
 
 
 def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, world_size: int,
