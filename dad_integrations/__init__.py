@@ -7,13 +7,14 @@ rank (Baker et al., arXiv 2102.09631). See `DADSynchronizer` for the training-lo
 from dad_integrations.capture.layers import Claim, LayerKind, register_kind
 from dad_integrations.comm.aggregator import CommHandle, EqualSizeAggregator, FactorAggregator, Traffic
 from dad_integrations.comm.counter import CollectiveCounter
+from dad_integrations.comm.errors import CollectiveError
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.ddp_hook import register_dad_comm_hook
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.synchronizer import DADSynchronizer
 
-__all__ = ["Claim", "CollectiveCounter", "CommHandle", "DADConfig", "DADSynchronizer", "EqualSizeAggregator",
+__all__ = ["Claim", "CollectiveCounter", "CollectiveError", "CommHandle", "DADConfig", "DADSynchronizer", "EqualSizeAggregator",
            "FactorAggregator", "LayerKind", "ParamReport", "StepReport", "TorchDistributedAggregator", "Traffic",
            "register_dad_comm_hook", "register_kind"]
 __version__ = "0.1.0"
