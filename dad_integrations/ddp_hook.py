@@ -392,6 +392,7 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
         else:
             future.set_exception(error)
 
+    _raise_in_backward(future)
     if driver.on_native_bucket(bucket, done):
         return future
     params = bucket.parameters()
@@ -402,6 +403,19 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
         offset += p.numel()
     driver.on_bucket(params, views, bucket.is_last(), done, buffer)
     return future
+
+
+def _raise_in_backward(future: torch.futures.Future) -> None:
+    """DDP reads a hook's failed future as ``Unable to cast <error> to Tensor``, a bare RuntimeError.
+    An autograd callback, queued here before DDP's own final one, waits on the future first (DDP
+    waits on it next anyway), so that backward raises dAD's own error (a `CollectiveError`, its
+    chain intact). Outside backward (DDP's join hook) DDP's final callback is not run either."""
+    if not in_backward():
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(future.wait)
+    except RuntimeError:  # no callback queue here (e.g. under compiled autograd): DDP's message stands
+        pass
 
 
 def _ranks_group(process_group, timeout: Optional[timedelta] = None):

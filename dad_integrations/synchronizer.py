@@ -37,6 +37,7 @@ from torch import nn
 
 from dad_integrations.engines import banner
 from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.comm.errors import note_step
 from dad_integrations.exchange.checks import broadcast_model, check_same_model
 from dad_integrations.capture.compiled import compiling, guard_compiled_hooks, is_compiled
 from dad_integrations.capture.hooks import ForwardStartHook
@@ -297,6 +298,7 @@ class DADSynchronizer:
                 guard_compiled_hooks()  # (dynamo imported after attach: guard from the first step on)
                 self._window = StepWindow(self._plan.units, self._sink_type)
                 self._window.started = self._clock.open()
+                note_step(self._steps)  # for the messages of collectives that fail in it
             return self._window
 
     def _dispatch(self, window: StepWindow, job: Callable[[StepWindow], StepReport]) -> None:
