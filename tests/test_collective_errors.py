@@ -79,6 +79,9 @@ def test_timeout_message_and_unknowns():
     answered = PeerInfo(probed=True)
     text = str(collective_error(RuntimeError(TIMEOUT), collective="all_reduce", name="dad.dense.0", peer=answered))
     assert "every other node answered" in text and "a rank stalled" in text
+    text = str(collective_error(RuntimeError(TIMEOUT), collective="all_reduce", name="dad.dense.0",
+                                peer=PeerInfo(alone=True)))
+    assert "every rank is on this node" in text and "a rank stalled" in text
 
 
 def test_engine_type_kept_as_base():

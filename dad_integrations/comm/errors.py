@@ -125,6 +125,7 @@ class PeerInfo:
     node: Optional[str] = None
     silent: Tuple[Tuple[str, Tuple[int, ...]], ...] = ()  # (node label, its ranks) that did not answer
     probed: bool = False  # the other nodes were probed (after a timeout)
+    alone: bool = False  # the directory has no other node: every rank is on this one
 
     def describe(self, fault: EngineFault) -> str:
         """The peer in words, e.g. ``"rank 2 (node 1), at 10.0.0.2:41234"``."""
@@ -138,6 +139,8 @@ class PeerInfo:
         if self.silent:
             nodes = "; ".join(f"{label} ({_ranks(ranks)})" for label, ranks in self.silent)
             return f"unknown (the engine names none); not answering from here: {nodes}"
+        if self.alone:
+            return "unknown (the engine names none); every rank is on this node"
         if self.probed:
             return "unknown (the engine names none); every other node answered a probe"
         return "unknown (the engine names none)"
@@ -164,8 +167,8 @@ def _advice(fault: EngineFault, peer: PeerInfo, timeout: Optional[timedelta]) ->
     if fault.timed_out:
         if peer.silent:
             cause = f"{node or 'those nodes'} cannot be reached from here: a node lost or a cut link"
-        elif peer.probed:
-            cause = "every node answers: a rank stalled (a hang, a slow checkpoint, a debugger, an uneven loop)"
+        elif peer.probed or peer.alone:
+            cause = "the network answers: a rank stalled (a hang, a slow checkpoint, a debugger, an uneven loop)"
         else:
             cause = "a node lost, a cut link or a rank stalled"
         return (f"Likely {cause}. Check: that every rank is alive and in the same step, the link between "

@@ -185,8 +185,8 @@ class PeerDirectory:
             if label is None or label == self.label or addr is None or _is_loopback(addr):
                 continue
             nodes.setdefault(label, (addr, []))[1].append(r)
-        if not nodes:
-            return PeerInfo()
+        if not nodes:  # every rank on this node, or no entries at all
+            return PeerInfo(alone=bool(entries))
         targets = list(nodes.items())[:MAX_PROBED]
         port = 9  # discard: nothing listens there as a rule, and a refusal is an answer
         pool = ThreadPoolExecutor(len(targets), thread_name_prefix="dad-probe")
