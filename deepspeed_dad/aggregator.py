@@ -53,7 +53,7 @@ class DeepSpeedAggregator(EqualSizeAggregator):
         return _group_timeout(self._group)
 
     def peer_directory(self) -> Any:
-        """The group's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
+        """The job's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
         if getattr(self, "_peers", None) is None:
             from dad_integrations.comm.peers import PeerDirectory
             self._peers = PeerDirectory.for_job()

@@ -20,7 +20,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from dad_integrations.comm.errors import CollectiveError, collective_error, is_engine_error
+from dad_integrations.comm.errors import CollectiveError, collective_error, is_engine_error, parse_engine_error
+from dad_integrations.comm.peers import node_label
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -172,8 +173,8 @@ class FactorAggregator(ABC):
         return None
 
     def peer_directory(self) -> Any:
-        """The `comm.peers.PeerDirectory` of this group's ranks (global rank of an address, its
-        node), or None where the backend has none. Backends override it."""
+        """The job's `comm.peers.PeerDirectory` (the global ranks at an address, their node), or
+        None where the backend has none. Backends override it."""
         return None
 
     def topology_hint(self) -> Optional[Tuple[int, int]]:
@@ -216,8 +217,6 @@ class FactorAggregator(ABC):
     def _collective_error(self, exc: BaseException, collective: str, name: str) -> CollectiveError:
         """The engine's ``exc`` in words (`comm.errors.collective_error`): the peer gloo names,
         mapped to its rank and node, or after a timeout the nodes that do not answer a probe."""
-        from dad_integrations.comm.errors import parse_engine_error
-        from dad_integrations.comm.peers import node_label
         directory, peer = None, None
         try:
             directory = self.peer_directory()

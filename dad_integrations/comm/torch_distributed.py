@@ -55,7 +55,7 @@ class TorchDistributedAggregator(EqualSizeAggregator):
         return _group_timeout(self._group)
 
     def peer_directory(self) -> Optional[PeerDirectory]:
-        """The group's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
+        """The job's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
         return self._peers
 
     def topology_hint(self) -> Optional[Tuple[int, int]]:
