@@ -39,6 +39,10 @@ def test_parse_gloo_timeout_and_others():
     f = parse_engine_error("[../gloo/transport/tcp/pair.cc:598] Connection closed by peer [10.0.0.7]:40012")
     assert (f.addr, f.port, f.connection_lost) == ("10.0.0.7", 40012, True)
     assert parse_engine_error("").addr is None
+    f = parse_engine_error("Horovod has been shut down. This was caused by an exception on one of the ranks")
+    assert f.shut_down and not f.timed_out and f.addr is None
+    text = str(collective_error(RuntimeError(f.summary), collective="all_gather", name="dad.meta.w"))
+    assert "another rank failed or left" in text
 
 
 def test_collective_in_words():

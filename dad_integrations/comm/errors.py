@@ -99,7 +99,8 @@ class EngineFault:
     port: Optional[int]
     timed_out: bool
     connection_lost: bool
-    summary: str  # the message's first line, without gloo's source path and its "GLHF" advice
+    summary: str
+    shut_down: bool = False  # Horovod's "has been shut down": another rank failed or left  # the message's first line, without gloo's source path and its "GLHF" advice
 
 
 def parse_engine_error(message: str) -> EngineFault:
@@ -112,7 +113,7 @@ def parse_engine_error(message: str) -> EngineFault:
     m = _PEER.search(message)
     return EngineFault(addr=m.group("addr") if m else None, port=int(m.group("port")) if m else None,
                        timed_out=bool(_TIMEOUT.search(message)), connection_lost=bool(_GONE.search(message)),
-                       summary=line[:400])
+                       summary=line[:400], shut_down="has been shut down" in message)
 
 
 # -- the peer ---------------------------------------------------------------------------------------
@@ -176,6 +177,10 @@ def _advice(fault: EngineFault, peer: PeerInfo, timeout: Optional[timedelta]) ->
                 f"binds to, one all ranks can reach), and whether the timeout"
                 f"{'' if timeout is None else ' of ' + _seconds(timeout)} is too short for a slow step "
                 f"(init_process_group(timeout=...)).")
+    if fault.shut_down:
+        return ("Likely another rank failed or left (its process died, or it raised) and the engine shut "
+                "down. Check: the first error any rank raised, and the exit codes and logs of every rank "
+                "(dmesg for the OOM killer).")
     return ("Check: the first error any rank raised, that every rank is alive and in the same step, "
             "the link between the nodes and GLOO_SOCKET_IFNAME.")
 
