@@ -55,8 +55,8 @@ class DeepSpeedAggregator(EqualSizeAggregator):
     def peer_directory(self) -> Any:
         """The job's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
         if getattr(self, "_peers", None) is None:
-            from dad_integrations.comm.peers import PeerDirectory
-            self._peers = PeerDirectory.for_job()
+            from dad_integrations.comm.torch_distributed import job_peer_directory
+            self._peers = job_peer_directory()
         return self._peers
 
     def topology_hint(self) -> Optional[Tuple[int, int]]:

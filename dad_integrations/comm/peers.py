@@ -110,15 +110,9 @@ class PeerDirectory:
         self._reread = False
 
     @classmethod
-    def for_job(cls) -> Optional["PeerDirectory"]:
-        """The job's directory over the torch.distributed default store (one per process and
-        store), this process' entry published in it; None where there is no store."""
-        try:
-            import torch.distributed as dist
-            store = dist.distributed_c10d._get_default_store()
-            me, world = dist.get_rank(), dist.get_world_size()
-        except Exception:  # noqa: BLE001 - no store, no directory
-            return None
+    def for_job(cls, store, me: int, world: int) -> "PeerDirectory":
+        """The job's directory over its ``store`` (one per process and store), for global rank
+        ``me`` of ``world``, this process' entry published in it."""
         publish(store, me)
         with _lock:
             found = _directories.get(id(store))

@@ -44,7 +44,7 @@ class TorchDistributedAggregator(EqualSizeAggregator):
         self._world = dist.get_world_size(self._group)
         if self._rank < 0:
             raise RuntimeError("this process is not a member of the given process group")
-        self._peers = PeerDirectory.for_job()  # publishes this rank's entry
+        self._peers = job_peer_directory()  # publishes this rank's entry
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -91,3 +91,14 @@ class TorchDistributedAggregator(EqualSizeAggregator):
                              in_sizes: List[int], async_op: bool = False):
         return dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
                                       group=self._group, async_op=async_op)
+
+
+def job_peer_directory() -> Optional[PeerDirectory]:
+    """The job's `PeerDirectory` over torch.distributed's default store (this rank's entry published
+    in it), or None where there is no store to read."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me, world = dist.get_rank(), dist.get_world_size()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return PeerDirectory.for_job(store, me, world)
