@@ -8,6 +8,7 @@ rank (Baker et al., arXiv 2102.09631). See `DADSynchronizer` for the training-lo
 from dad_integrations.capture.layers import Claim, LayerKind, register_kind
 from dad_integrations.comm.aggregator import CommHandle, EqualSizeAggregator, FactorAggregator, Traffic
 from dad_integrations.comm.counter import CollectiveCounter
+from dad_integrations.comm.errors import CollectiveError
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.ddp_hook import register_dad_comm_hook
@@ -15,7 +16,7 @@ from dad_integrations.engines.checkpoint import load_rank_state, merge_rank_stat
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.synchronizer import DADSynchronizer
 
-__all__ = ["Claim", "CollectiveCounter", "CommHandle", "DADConfig", "DADSynchronizer", "EqualSizeAggregator",
+__all__ = ["Claim", "CollectiveCounter", "CollectiveError", "CommHandle", "DADConfig", "DADSynchronizer", "EqualSizeAggregator",
            "FactorAggregator", "LayerKind", "ParamReport", "StepReport", "TorchDistributedAggregator", "Traffic",
            "load_rank_state", "merge_rank_states", "register_dad_comm_hook", "register_kind", "save_rank_state",
            "state_file"]

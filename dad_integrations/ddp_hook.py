@@ -66,7 +66,7 @@ from dad_integrations.synchronizer import DADSynchronizer, in_backward
 from dad_integrations.ddp_attach import DRIVERS as _DRIVERS, attach as _attach, close_previous as _close_previous
 from dad_integrations.ddp_attach import ranks_group as _ranks_group, wrapper_compiled as _wrapper_compiled  # noqa: F401
 from dad_integrations.ddp_native import NativeSteps
-from dad_integrations.ddp_step import StepEnd
+from dad_integrations.ddp_step import StepEnd, raise_in_backward as _raise_in_backward
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +226,7 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
         else:
             future.set_exception(error)
 
+    _raise_in_backward(future)
     if driver.on_native_bucket(bucket, done):
         return future
     params = bucket.parameters()
@@ -236,3 +237,4 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
         offset += p.numel()
     driver.on_bucket(params, views, bucket.is_last(), done, buffer)
     return future
+

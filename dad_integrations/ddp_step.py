@@ -98,3 +98,16 @@ class StepEnd:
         if error is not None:
             raise error
         return report
+
+
+def raise_in_backward(future: torch.futures.Future) -> None:
+    """DDP reads a hook's failed future as ``Unable to cast <error> to Tensor``, a bare RuntimeError.
+    An autograd callback, queued here before DDP's own final one, waits on the future first (DDP
+    waits on it next anyway), so that backward raises dAD's own error (a `CollectiveError`, its
+    chain intact). Outside backward (DDP's join hook) DDP's final callback is not run either."""
+    if not in_backward():
+        return
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(future.wait)
+    except RuntimeError:  # no callback queue here (e.g. under compiled autograd): DDP's message stands
+        pass

@@ -50,6 +50,7 @@ from dad_integrations.capture.committed import CommittedRows
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
+from dad_integrations.comm.errors import note_step
 from dad_integrations.comm.link_spec import level_link_specs
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
 from dad_integrations.config import WIRE_DTYPES, DADConfig
@@ -208,6 +209,7 @@ class FSDPDADSynchronizer(ShardedFacade):
         if ex.report is None or task != self._task or task < 0:
             self._task = task
             ex.begin_step()
+            note_step(ex.steps - 1)  # for the messages of collectives that fail in it
             if ex.trial.trial is not None:  # its span ends where every rank agrees (module doc)
                 end = ex.trial_end(agg, inp.device)
                 if task < 0:

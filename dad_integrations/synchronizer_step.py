@@ -14,6 +14,7 @@ import weakref
 from typing import Callable, List, Optional, Type
 
 from dad_integrations.capture.compiled import guard_compiled_hooks
+from dad_integrations.comm.errors import note_step
 from dad_integrations.capture.sink import BucketViewSink, GradSink
 from dad_integrations.exchange.window import StepWindow
 from dad_integrations.exchange.worker import Worker
@@ -51,6 +52,7 @@ class StepLifecycle:
                 guard_compiled_hooks()  # (dynamo imported after attach: guard from the first step on)
                 self._window = StepWindow(self._plan.units, self._sink_type)
                 self._window.started = self._clock.open()
+                note_step(self._steps)  # for the messages of collectives that fail in it
             return self._window
 
     def _dispatch(self, window: StepWindow, job: Callable[[StepWindow], StepReport]) -> None:

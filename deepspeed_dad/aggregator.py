@@ -45,6 +45,19 @@ class DeepSpeedAggregator(EqualSizeAggregator):
             raise RuntimeError(f"this process (rank {dist.get_rank()}) is not in the group {ranks}")
         self._rank = ranks.index(dist.get_rank())
         self._world = len(ranks)
+        self.peer_directory()  # publishes this rank's entry now, before any collective
+
+    def collective_timeout(self) -> Optional[timedelta]:
+        """The group's timeout (``deepspeed.init_distributed``'s, or the one given)."""
+        from dad_integrations.comm.groups import _group_timeout
+        return _group_timeout(self._group)
+
+    def peer_directory(self) -> Any:
+        """The job's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
+        if getattr(self, "_peers", None) is None:
+            from dad_integrations.comm.torch_distributed import job_peer_directory
+            self._peers = job_peer_directory()
+        return self._peers
 
     def topology_hint(self) -> Optional[Tuple[int, int]]:
         """The launcher's node index and ranks per node (DeepSpeed's ``CROSS_RANK`` and

@@ -28,6 +28,7 @@ import torch
 
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
+from dad_integrations.comm.errors import note_step
 from dad_integrations.config import DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.exchange.checks import check_same_model
@@ -198,6 +199,7 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         if self._new_backward or self.exchanger.report is None:
             self._new_backward = False
             self.exchanger.begin_step()
+            note_step(self.exchanger.steps - 1)  # for the messages of collectives that fail in it
         kw = dict(scale=scale, itemsize=itemsize, dtype=dtype, deliver=deliver)
         call = (NodePartitionCall(self._layout, self._nodes, params, local, ranges, **kw) if self._nodes is not None
                 else PartitionCall(self._layout, params, local, ranges, **kw))

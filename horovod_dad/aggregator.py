@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import threading
+from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -78,6 +79,13 @@ class HorovodAggregator(FactorAggregator):
         if self._world != hvd.size():
             return None
         return int(hvd.cross_rank()), int(hvd.local_size())
+
+    def collective_timeout(self) -> Optional[timedelta]:
+        """Horovod's gloo timeout, ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (Horovod's default: 30 s)."""
+        try:
+            return timedelta(seconds=float(os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS", "30")))
+        except ValueError:
+            return None
 
     def split(self, partition: Sequence[Sequence[int]]) -> "HorovodAggregator":
         """One process set per part: a set registered at ``hvd.init(process_sets=...)`` with

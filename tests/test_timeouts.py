@@ -66,6 +66,9 @@ def _check(results: dict, case: str, timeout_s: float, limit_s: float) -> None:
     assert r["group_timeout_s"] == timeout_s, r
     assert r["raised"], f"{case}: the step returned although rank 1 never took part"
     assert "timed out" in r["error"].lower(), r["traceback"]
+    # dAD's own error, naming the fault (tests/test_faults.py: across nodes), under every engine
+    assert r["error"].startswith("CollectiveError: dAD's "), r["error"]
+    assert f"process group timeout: {timeout_s:g} s" in r["error"], r["error"]
     assert r["elapsed_s"] < limit_s, r
     if case in DAD_STALLS:  # under sharding, in dAD's exchange (not the engine's own collectives)
         assert "dad_integrations" in r["traceback"] or "deepspeed_dad" in r["traceback"], r["traceback"]

@@ -7,15 +7,21 @@ The sharded codecs need a fifth, an all-to-all (FSDP2: equal blocks; ZeRO's elem
 `all_to_all_v`, blocks of agreed, different sizes), which backends may leave out.
 Backends count bytes themselves because only they know what they really handed to the engine
 (padding, size exchanges); each handle carries its own collective's bytes (`CommHandle.traffic`).
+A collective that fails, when issued or waited on, raises `comm.errors.CollectiveError` (the
+engine's exception chained), for every backend alike: the public calls here wrap the backends'.
 """
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+
+from dad_integrations.comm.errors import CollectiveError, collective_error, is_engine_error, parse_engine_error
+from dad_integrations.comm.peers import node_label
 
 REDUCE_OPS = ("sum", "mean")
 
@@ -66,13 +72,25 @@ class CommHandle:
         self._done = False
         self._value: Any = None
         self.traffic: Traffic = traffic if traffic is not None else Traffic()
+        # set by `FactorAggregator`: the engine's error as a `CollectiveError`; run after success
+        self._translate: Optional[Callable[[BaseException], BaseException]] = None
+        self._on_success: Optional[Callable[[], None]] = None
 
     def wait(self) -> Any:
-        """Block until the collective is done; return its result (the same on every call)."""
+        """Block until the collective is done; return its result (the same on every call).
+        Raises `CollectiveError` where the collective failed or timed out."""
         if not self._done:
-            self._value = self._finish()
+            try:
+                self._value = self._finish()
+            except Exception as exc:
+                if self._translate is None or not is_engine_error(exc):
+                    raise
+                raise self._translate(exc) from exc
             self._done = True
             self._finish = None  # drop references to buffers
+            if self._on_success is not None:
+                self._on_success()
+                self._on_success = None
         return self._value
 
 
@@ -113,13 +131,14 @@ class FactorAggregator(ABC):
         """
         if first_dims is not None and len(first_dims) != self.world_size:
             raise ValueError(f"first_dims has {len(first_dims)} entries for {self.world_size} ranks")
-        return self._all_gather(tensor, name, None if first_dims is None else list(first_dims))
+        return self._guarded("all_gather", name, lambda: self._all_gather(
+            tensor, name, None if first_dims is None else list(first_dims)))
 
     def all_reduce(self, tensor: torch.Tensor, *, name: str, op: str = "sum") -> CommHandle:
         """Reduce ``tensor`` over ranks (``"sum"`` or ``"mean"``); ``wait()`` returns the result."""
         if op not in REDUCE_OPS:
             raise ValueError(f"all_reduce op must be one of {REDUCE_OPS}, got {op!r}")
-        return self._all_reduce(tensor, name, op)
+        return self._guarded("all_reduce", name, lambda: self._all_reduce(tensor, name, op))
 
     def all_to_all(self, tensor: torch.Tensor, *, name: str) -> CommHandle:
         """Rank d receives every rank's ``tensor[d]``: ``tensor`` has ``world_size`` equal blocks
@@ -127,7 +146,7 @@ class FactorAggregator(ABC):
         block for this rank. Only backends that implement `_all_to_all` have it."""
         if tensor.shape[0] != self.world_size:
             raise ValueError(f"{name}: all_to_all needs {self.world_size} blocks along dim 0, got {tensor.shape[0]}")
-        return self._all_to_all(tensor.contiguous(), name)
+        return self._guarded("all_to_all", name, lambda: self._all_to_all(tensor.contiguous(), name))
 
     def all_to_all_v(self, tensor: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], *,
                      name: str) -> CommHandle:
@@ -145,7 +164,18 @@ class FactorAggregator(ABC):
         if send_sizes[self.rank] != recv_sizes[self.rank]:
             raise ValueError(f"{name}: this rank sends itself {send_sizes[self.rank]} elements but expects "
                              f"{recv_sizes[self.rank]}")
-        return self._all_to_all_v(tensor.contiguous(), send_sizes, recv_sizes, name)
+        return self._guarded("all_to_all_v", name,
+                             lambda: self._all_to_all_v(tensor.contiguous(), send_sizes, recv_sizes, name))
+
+    def collective_timeout(self) -> Optional[timedelta]:
+        """The timeout of this group's collectives, for error messages; None where the backend
+        cannot tell. Backends override it."""
+        return None
+
+    def peer_directory(self) -> Any:
+        """The job's `comm.peers.PeerDirectory` (the global ranks at an address, their node), or
+        None where the backend has none. Backends override it."""
+        return None
 
     def topology_hint(self) -> Optional[Tuple[int, int]]:
         """What the launcher says of this rank's node: ``(node index, ranks per node)`` in this
@@ -168,6 +198,44 @@ class FactorAggregator(ABC):
         """
         with self._lock:
             return self._traffic.copy()
+
+    # -- errors that name the fault ---------------------------------------------------------------
+    def _guarded(self, collective: str, name: str, issue: Callable[[], CommHandle]) -> CommHandle:
+        """Issue a collective; its failure (issuing or waiting) raises `CollectiveError`."""
+        try:
+            handle = issue()
+        except Exception as exc:
+            if not is_engine_error(exc):
+                raise
+            raise self._collective_error(exc, collective, name) from exc
+        handle._translate = lambda exc: self._collective_error(exc, collective, name)
+        directory = self.peer_directory()
+        if directory is not None:  # once the group has met: every member has published its entry
+            handle._on_success = directory.prefetch
+        return handle
+
+    def _collective_error(self, exc: BaseException, collective: str, name: str) -> CollectiveError:
+        """The engine's ``exc`` in words (`comm.errors.collective_error`): the peer gloo names,
+        mapped to its rank and node, or after a timeout the nodes that do not answer a probe."""
+        directory, peer = None, None
+        try:
+            directory = self.peer_directory()
+            if directory is not None:
+                fault = parse_engine_error(str(exc))
+                if fault.addr:
+                    peer = directory.lookup(fault.addr)
+                elif fault.timed_out:
+                    peer = directory.probe()
+        except Exception:  # noqa: BLE001 - the message then says "unknown"; the error is what matters
+            peer = None
+        rank = directory.me if directory is not None else self.rank
+        node = directory.label if directory is not None else node_label()
+        try:
+            timeout = self.collective_timeout()
+        except Exception:  # noqa: BLE001
+            timeout = None
+        return collective_error(exc, collective=collective, name=name, rank=rank, node=node, timeout=timeout,
+                                peer=peer)
 
     # -- for subclasses -------------------------------------------------------------------------
     @abstractmethod

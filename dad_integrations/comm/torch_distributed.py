@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
-from dad_integrations.comm.groups import new_group_like
+from dad_integrations.comm.groups import _group_timeout, new_group_like
+from dad_integrations.comm.peers import PeerDirectory
 from dad_integrations.comm.topology import checked_partition, launcher_hint
 
 
@@ -43,10 +44,19 @@ class TorchDistributedAggregator(EqualSizeAggregator):
         self._world = dist.get_world_size(self._group)
         if self._rank < 0:
             raise RuntimeError("this process is not a member of the given process group")
+        self._peers = job_peer_directory()  # publishes this rank's entry
 
     @property
     def group(self) -> dist.ProcessGroup:
         return self._group
+
+    def collective_timeout(self) -> Optional[timedelta]:
+        """The group's timeout (``init_process_group``'s, or the one given)."""
+        return _group_timeout(self._group)
+
+    def peer_directory(self) -> Optional[PeerDirectory]:
+        """The job's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
+        return self._peers
 
     def topology_hint(self) -> Optional[Tuple[int, int]]:
         """The launcher's node index and ranks per node (`comm.topology.launcher_hint`: torchrun,
@@ -81,3 +91,14 @@ class TorchDistributedAggregator(EqualSizeAggregator):
                              in_sizes: List[int], async_op: bool = False):
         return dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
                                       group=self._group, async_op=async_op)
+
+
+def job_peer_directory() -> Optional[PeerDirectory]:
+    """The job's `PeerDirectory` over torch.distributed's default store (this rank's entry published
+    in it), or None where there is no store to read."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me, world = dist.get_rank(), dist.get_world_size()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    return PeerDirectory.for_job(store, me, world)
