@@ -10,10 +10,11 @@ from dad_integrations.comm.counter import CollectiveCounter
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.ddp_hook import register_dad_comm_hook
+from dad_integrations.elastic import init_process_group
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.synchronizer import DADSynchronizer
 
 __all__ = ["Claim", "CollectiveCounter", "CommHandle", "DADConfig", "DADSynchronizer", "EqualSizeAggregator",
            "FactorAggregator", "LayerKind", "ParamReport", "StepReport", "TorchDistributedAggregator", "Traffic",
-           "register_dad_comm_hook", "register_kind"]
+           "init_process_group", "register_dad_comm_hook", "register_kind"]
 __version__ = "0.1.0"
