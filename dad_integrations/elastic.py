@@ -20,7 +20,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 CALL = "dad_integrations.init_process_group"  # what the warning tells users to call
-_store: Optional[Any] = None  # the PrefixStore our call gave the default group
+_group: Optional[Any] = None  # the default group our call made (held: its id cannot be reused)
 _warned = False
 
 
@@ -31,9 +31,10 @@ def restart_attempt() -> Optional[int]:
     return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 
 
-def attempt_prefix(attempt: int) -> str:
-    """The store prefix of one attempt of this run."""
-    return f"dad_elastic/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{attempt}/default_pg"
+def attempt_prefix(attempt: int, world_size: int) -> str:
+    """The store prefix of one attempt of this run. The world size is in it too: an agent restarts
+    its workers without counting a restart when nodes join, and the world then grows."""
+    return f"dad_elastic/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{attempt}/world_{world_size}/default_pg"
 
 
 def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
@@ -45,15 +46,15 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     ``env://`` rendezvous, the store is built from the environment exactly as torch builds it
     (``MASTER_ADDR``/``MASTER_PORT``, the agent's store when ``TORCHELASTIC_USE_AGENT_STORE``),
     with ``timeout`` (torch's default for ``backend`` when None) on the store too, and wrapped in a
-    ``PrefixStore`` of the restart attempt: a restarted rank never reads a dead attempt's
-    addresses. Anywhere else, or given a ``store`` or another ``init_method``, it is torch's call
+    ``PrefixStore`` of the restart attempt (and world size): a restarted rank never reads a dead
+    attempt's addresses. Anywhere else, or given a ``store`` or another ``init_method``, it is torch's call
     unchanged. Other keyword arguments (``device_id``, ``pg_options``, ...) pass through.
 
     Every node's agent must count the same restarts (it does when a node is lost: every surviving
     node's workers fail and restart). A node joining later starts at count 0 while the others do
     not; for jobs that grow back, see docs/checkpoints.md.
     """
-    global _store
+    global _group
     attempt = restart_attempt()
     if attempt is None or store is not None or init_method not in (None, "env://"):
         dist.init_process_group(backend, init_method=init_method, timeout=timeout, world_size=world_size,
@@ -67,17 +68,14 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     from torch.distributed.rendezvous import rendezvous
     base, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=timeout))
     base.set_timeout(timeout)
-    prefixed = dist.PrefixStore(attempt_prefix(attempt), base)
+    prefixed = dist.PrefixStore(attempt_prefix(attempt, world_size), base)
     dist.init_process_group(backend, timeout=timeout, world_size=world_size, rank=rank, store=prefixed, **kwargs)
-    _store = prefixed
+    _group = dist.group.WORLD
 
 
 def prefixed_by_attempt() -> bool:
     """Whether the current default group was made by `init_process_group` under torchelastic."""
-    if _store is None or not dist.is_initialized():
-        return False
-    from torch.distributed.distributed_c10d import _get_default_store
-    return _get_default_store() is _store
+    return _group is not None and dist.is_initialized() and dist.group.WORLD is _group
 
 
 def warn_if_unprefixed() -> Optional[str]:
