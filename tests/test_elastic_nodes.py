@@ -27,24 +27,37 @@ from benchmarks.sim_cluster import SimCluster, _kill_namespace_processes, probe
 from conftest import ROOT, WORKERS
 
 WORKER = WORKERS / "elastic_node_loss_worker.py"
+ACCELERATE_CONFIG = ROOT / "examples" / "accelerate" / "multi_node_cpu.yaml"
 LIMIT = 100  # s for the whole job: the test fails (never passes) past it
 # rendezvous on a lost node: the dead agent's heartbeat expires after 1 s x 2, the survivor then
 # waits last_call for more nodes; join_timeout bounds a rendezvous that never completes
 RDZV_CONF = "join_timeout=30,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
-def _torchrun(cluster: SimCluster, node: int, out: Path, work: Path, log: Path) -> subprocess.Popen:
-    """Node ``node``'s torchrun in its namespace, its own session, output to ``log``."""
-    cmd = cluster.exec_prefix(node) + [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-        "--max-restarts", "1", "--monitor-interval", "0.5", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{cluster.addr(0)}:29400", "--rdzv-id", f"{cluster.name}-elastic",
-        "--rdzv-conf", f"is_host={int(node == 0)},{RDZV_CONF}", "--local-addr", cluster.addr(node),
-        str(WORKER), str(out), str(work)]
+def _start(cluster: SimCluster, node: int, launcher: list, log: Path) -> subprocess.Popen:
+    """``launcher`` on node ``node``: in its namespace and its own session, output to ``log``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-               OMP_NUM_THREADS="1", SIM_CLUSTER_NODE=str(node), GLOO_SOCKET_IFNAME=cluster.ifname(node))
-    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+               OMP_NUM_THREADS="1", SIM_CLUSTER_NODE=str(node), GLOO_SOCKET_IFNAME=cluster.ifname(node),
+               ACCELERATE_USE_CPU="1")
+    return subprocess.Popen(cluster.exec_prefix(node) + [sys.executable, "-m", *launcher], env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, cwd=ROOT)
+
+
+def _torchrun(cluster: SimCluster, node: int, out: Path, work: Path, log: Path) -> subprocess.Popen:
+    """Node ``node``'s ``torchrun --nnodes 1:2 --max-restarts 1`` of the node-loss worker."""
+    return _start(cluster, node, [
+        "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "1",
+        "--monitor-interval", "0.5", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.addr(0)}:29400",
+        "--rdzv-id", f"{cluster.name}-elastic", "--rdzv-conf", f"is_host={int(node == 0)},{RDZV_CONF}",
+        "--local-addr", cluster.addr(node), str(WORKER), str(out), str(work)], log)
+
+
+def _stop_all(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 def test_elastic_restart_after_a_node_loss_resumes_on_the_survivor(tmp_path):
@@ -71,10 +84,7 @@ def test_elastic_restart_after_a_node_loss_resumes_on_the_survivor(tmp_path):
         except subprocess.TimeoutExpired:
             pytest.fail(f"node 0 did not finish within {LIMIT} s:\n{logs[0].read_text()[-6000:]}")
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            _stop_all(procs)
     text = logs[0].read_text()
     assert procs[0].returncode == 0, text[-8000:]
     assert procs[1].returncode == -signal.SIGKILL
@@ -111,3 +121,38 @@ def test_restart_warning_at_attach_and_the_timeout_honoured():
     assert proc.stderr.count("dAD: this is torchelastic restart 1") == 1
     assert "Call dad_integrations.init_process_group(backend=...)" in proc.stderr
     assert r["error"] and "attempt_1/world_2" in r["error"] and 3 <= r["timeout_s"] < 10, r
+
+
+def test_accelerate_multi_node_launch_restarts_with_the_shipped_call(tmp_path):
+    """Accelerate's multi-node launch (one ``accelerate launch --max_restarts 1`` per node, its
+    static rendezvous, 1 process per node), the group made by `dad_integrations.init_process_group`
+    before ``Accelerator()``: node 1's rank SIGKILLs itself in the middle of step 5 of 8; both agents
+    restart; Accelerate keeps the group it was given, and the job resumes from the step-4
+    ``save_state`` and ends bit for bit where an uninterrupted run ends, on both ranks."""
+    ok, reason = probe()
+    if not ok:
+        pytest.skip(f"no simulated cluster here: {reason}")
+    out, logs = tmp_path / "out.json", [tmp_path / "node0.log", tmp_path / "node1.log"]
+    worker = WORKERS / "elastic_accelerate_worker.py"
+    with SimCluster(nodes=2) as cluster:
+        procs = [_start(cluster, i, [
+            "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONFIG), "--num_machines", "2",
+            "--num_processes", "2", "--machine_rank", str(i), "--main_process_ip", cluster.addr(0),
+            "--main_process_port", "29401", "--max_restarts", "1", "--monitor_interval", "0.5",
+            str(worker), str(out), str(tmp_path)], logs[i]) for i in range(2)]
+        try:
+            for p in procs:
+                p.wait(timeout=LIMIT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job did not finish within {LIMIT} s:\n{logs[0].read_text()[-4000:]}")
+        finally:
+            _stop_all(procs)
+    texts = [log.read_text() for log in logs]
+    assert [p.returncode for p in procs] == [0, 0], texts[0][-4000:] + texts[1][-4000:]
+    assert "exitcode: -9" in texts[1]  # node 1's rank was killed
+    ranks = json.loads(out.read_text())["ranks"]
+    for r in ranks:
+        assert r["attempt"] == 1 and r["resumed_from"] == 4 and r["world"] == 2, r
+        assert r["group_kept"] and r["params_equal"] and r["ranks_identical"], r
+    print(f"accelerate: resumed from step 4 at world 2, losses {ranks[0]['losses']} "
+          f"(uninterrupted {ranks[0]['straight_losses'][4:]})")
