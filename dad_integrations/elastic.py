@@ -4,8 +4,8 @@ torchrun's agent (c10d rendezvous, torch >= 2.4) hosts one TCPStore for the whol
 every attempt the same ``MASTER_ADDR``/``MASTER_PORT``; torch's ``env://`` init keys the default
 group under ``default_pg/`` whatever the attempt. A restarted gloo rank can then read a dead
 attempt's peer addresses: ``connectFullMesh ... Connection refused``, or a wait far past the
-timeout (pytorch/pytorch#135712). `init_process_group` builds the store as torch does and puts it
-under a prefix of its own per restart attempt; `warn_if_unprefixed` says so at attach when a
+timeout (pytorch/pytorch#135712). `init_process_group` builds the store as torch does and puts
+the group's keys under a prefix of their own per restart attempt; `warn_if_unprefixed` says so at attach when a
 restarted job did not use it.
 """
 from __future__ import annotations
@@ -31,6 +31,12 @@ def restart_attempt() -> Optional[int]:
     return int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 
 
+def shared_store() -> bool:
+    """Whether the ranks use the agent's store, which outlives attempts (torchrun's default; with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` each attempt's rank 0 hosts a fresh one instead)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def attempt_prefix(attempt: int, world_size: int) -> str:
     """The store prefix of one attempt of this run. The world size is in it too: an agent restarts
     its workers without counting a restart when nodes join, and the world then grows."""
@@ -42,29 +48,31 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                        store: Optional[dist.Store] = None, **kwargs: Any) -> None:
     """A drop-in for `torch.distributed.init_process_group` that survives torchelastic restarts.
 
-    Under torchelastic (``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` set) with the
-    ``env://`` rendezvous, the store is built from the environment exactly as torch builds it
-    (``MASTER_ADDR``/``MASTER_PORT``, the agent's store when ``TORCHELASTIC_USE_AGENT_STORE``),
-    with ``timeout`` (torch's default for ``backend`` when None) on the store too, and wrapped in a
-    ``PrefixStore`` of the restart attempt (and world size): a restarted rank never reads a dead
-    attempt's addresses. Anywhere else, or given a ``store`` or another ``init_method``, it is torch's call
-    unchanged. Other keyword arguments (``device_id``, ``pg_options``, ...) pass through.
+    Under torchelastic (``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` set) on the
+    agent's shared store (``TORCHELASTIC_USE_AGENT_STORE``) with the ``env://`` rendezvous, the
+    store is built from the environment exactly as torch builds it (a client of the agent's store
+    at ``MASTER_ADDR``/``MASTER_PORT``), with ``timeout`` (torch's default for ``backend`` when
+    None) on the store too, and wrapped in a ``PrefixStore`` of the restart attempt (and world
+    size): a restarted rank never reads a dead attempt's addresses. Anywhere else, or given a
+    ``store`` or another ``init_method``, it is torch's call unchanged. Other keyword arguments
+    (``device_id``, ``pg_options``, ...) pass through.
 
     Every node's agent must count the same restarts (it does when a node is lost: every surviving
     node's workers fail and restart). A node joining later starts at count 0 while the others do
-    not; for jobs that grow back, see docs/checkpoints.md.
+    not; for jobs that grow back, run torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a
+    fresh store per attempt, and then this is torch's call).
     """
     global _group
     attempt = restart_attempt()
-    if attempt is None or store is not None or init_method not in (None, "env://"):
+    if attempt is None or not shared_store() or store is not None or init_method not in (None, "env://"):
         dist.init_process_group(backend, init_method=init_method, timeout=timeout, world_size=world_size,
                                 rank=rank, store=store, **kwargs)
         return
     if timeout is None:
         # torch's own choice when none is given (30 min for gloo, 10 for nccl)
         from torch.distributed.distributed_c10d import Backend, _get_default_timeout
-        timeout = _get_default_timeout(Backend(backend or "gloo"))
-    # torch's env:// handler: RANK/WORLD_SIZE unless given, the agent's store or rank 0's
+        timeout = _get_default_timeout(Backend(backend or "undefined"))
+    # torch's env:// handler: RANK/WORLD_SIZE unless given, a client of the agent's store
     from torch.distributed.rendezvous import rendezvous
     base, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=timeout))
     base.set_timeout(timeout)
@@ -84,8 +92,7 @@ def warn_if_unprefixed() -> Optional[str]:
     message, or None when there is nothing to say. Call it on rank 0 only."""
     global _warned
     attempt = restart_attempt()
-    if (_warned or not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            or not dist.is_initialized() or prefixed_by_attempt()):
+    if _warned or not attempt or not shared_store() or not dist.is_initialized() or prefixed_by_attempt():
         return None
     _warned = True
     message = (f"dAD: this is torchelastic restart {attempt}, and the default process group was made "
