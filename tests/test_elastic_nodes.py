@@ -28,10 +28,11 @@ from conftest import ROOT, WORKERS
 
 WORKER = WORKERS / "elastic_node_loss_worker.py"
 ACCELERATE_CONFIG = ROOT / "examples" / "accelerate" / "multi_node_cpu.yaml"
-LIMIT = 100  # s for the whole job: the test fails (never passes) past it
+LIMIT = 150  # s for the whole job (about 30 s on 2 idle cores): the test fails, never passes, past it
 # rendezvous on a lost node: the dead agent's heartbeat expires after 1 s x 2, the survivor then
-# waits last_call for more nodes; join_timeout bounds a rendezvous that never completes
-RDZV_CONF = "join_timeout=30,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+# waits last_call for more nodes (at the start too: long enough for both nodes to join the first
+# round); join_timeout bounds a rendezvous that never completes
+RDZV_CONF = "join_timeout=30,last_call_timeout=3,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
 
 
 def _start(cluster: SimCluster, node: int, launcher: list, log: Path) -> subprocess.Popen:
@@ -62,15 +63,16 @@ def _stop_all(procs: list) -> None:
 
 def test_elastic_restart_after_a_node_loss_resumes_on_the_survivor(tmp_path):
     """Node 1 is lost in the middle of step 7 of 12 (world 4, checkpoints every 2 steps); node 0's
-    agent restarts its ranks, which resume from the step-6 checkpoint at world 2 within 30 s of the
-    kill, end with identical parameters on both ranks, and carry the loss on: the resumed losses
-    stay below the first step's and end within 10 % of plain DDP resumed from the same checkpoint
-    at the same world size. No restart warning (the shipped call was used)."""
+    agent restarts its ranks, which resume from the step-6 checkpoint at world 2 within 45 s of the
+    kill (12-23 s measured), end with identical parameters on both ranks, and carry the loss on:
+    the resumed losses stay below the first step's and end within 10 % of plain DDP resumed from
+    the same checkpoint at the same world size. No restart warning (the shipped call was used)."""
     ok, reason = probe()
     if not ok:
         pytest.skip(f"no simulated cluster here: {reason}")
     out, logs = tmp_path / "out.json", [tmp_path / "node0.log", tmp_path / "node1.log"]
     with SimCluster(nodes=2) as cluster:
+        started = time.time()
         procs = [_torchrun(cluster, i, out, tmp_path, logs[i]) for i in range(2)]
         try:
             deadline = time.monotonic() + LIMIT
@@ -81,6 +83,7 @@ def test_elastic_restart_after_a_node_loss_resumes_on_the_survivor(tmp_path):
             killed_at = time.time()
             _kill_namespace_processes(cluster.netns(1))  # SIGKILL: agent and ranks, as a node dies
             procs[0].wait(timeout=max(1.0, deadline - time.monotonic()))
+            ended = time.time()
         except subprocess.TimeoutExpired:
             pytest.fail(f"node 0 did not finish within {LIMIT} s:\n{logs[0].read_text()[-6000:]}")
         finally:
@@ -92,13 +95,15 @@ def test_elastic_restart_after_a_node_loss_resumes_on_the_survivor(tmp_path):
     before = [json.loads(line) for line in (tmp_path / "attempt0.jsonl").read_text().splitlines()]
     r = json.loads(out.read_text())
     resumed_in = r["first_resumed_step_end"] - killed_at
-    print(f"world {before[0]['world']} -> {r['world']}, resumed from step {r['resumed_from']} "
+    print(f"node 1 lost {killed_at - started:.1f} s after the launch, the job ended {ended - killed_at:.1f} s "
+          f"after the loss; world {before[0]['world']} -> {r['world']}, resumed from step {r['resumed_from']} "
           f"{resumed_in:.1f} s after the kill; loss {before[0]['loss']:.4f} -> {before[-1]['loss']:.4f} "
           f"(step {before[-1]['step']}) -> {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}; DDP from the same "
           f"checkpoint {r['ref_losses'][-1]:.4f}; ranks identical {r['ranks_identical']}")
-    assert [b["world"] for b in before] == [4] * len(before) and before[-1]["step"] == 6
+    assert [b["world"] for b in before] == [4] * len(before), "the nodes did not start together"
+    assert before[-1]["step"] == 6
     assert r["attempt"] == 1 and r["world"] == 2 and r["resumed_from"] == r["ref_from"] == 6
-    assert 0 < resumed_in < 30, resumed_in
+    assert 0 < resumed_in < 45, resumed_in  # torch's default rendezvous settings alone take ~45 s
     assert r["ranks_identical"]
     assert len(r["losses"]) == len(r["ref_losses"]) == 6
     assert max(r["losses"]) < before[0]["loss"], (before[0], r["losses"])  # carried on, not started over
