@@ -64,7 +64,7 @@ def test_torchrun_elastic_restart_resumes_equal_to_an_uninterrupted_run(tmp_path
     resume from the step-4 checkpoint (dAD's per-rank state files among it) and end bit for bit
     where an uninterrupted run with the same checkpoint boundaries ends: parameters and dAD state
     (a same-size resume is exact, so equality, not only identical ranks, is what to assert).
-    The worker prefixes its store keys by attempt (its init_group says why)."""
+    The worker makes its group with `dad_integrations.init_process_group` (store keyed by attempt)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1:1", "--nproc-per-node", "2",

@@ -25,6 +25,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
+from dad_integrations import elastic
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -94,4 +96,5 @@ def announce(default_engine: str, config: "DADConfig", *, process_rank: int, wor
     _logger().info(line)
     for handler in _logger().handlers:
         handler.flush()
+    elastic.warn_if_unprefixed()  # a torchelastic restart on torch's unprefixed store, said once
     return line

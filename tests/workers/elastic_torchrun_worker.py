@@ -84,28 +84,16 @@ def train(ckpt: str, kill: bool) -> Tuple[torch.Tensor, torch.Tensor, int]:
     return out
 
 
-def init_group(attempt: int) -> None:
-    """The default group, its store keys under the attempt's own prefix.
-
-    torchrun's agent keeps one store across restarts, and torch 2.13's ``env://`` init does not
-    prefix by attempt: a restarted gloo rank may read the dead attempt's peer addresses and fail to
-    connect (seen with and without dAD, under the c10d and static rendezvous alike)."""
-    from datetime import timedelta
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"/attempt_{attempt}", store), rank=rank,
-                            world_size=world)
-
-
 def main() -> None:
     out_path, work = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)
     import faulthandler
     faulthandler.dump_traceback_later(240, exit=True)  # a hung attempt fails the job with its stacks
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    init_group(attempt)
+    # the shipped call: the store keyed by the attempt (torchrun's store outlives a dead attempt)
+    from datetime import timedelta
+    from dad_integrations import init_process_group
+    init_process_group("gloo", timeout=timedelta(seconds=120))
     params, state, start = train(os.path.join(work, "elastic"), kill=attempt == 0)
     if attempt == 0:
         raise SystemExit("attempt 0 was to be killed at step %d" % KILL_AT)
