@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 
@@ -77,9 +77,9 @@ def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.
         else:
             links = measure_levels(aggregator, intra, cross, device)
         timing = TwoLevelTiming(links[0], links[1])
-        if aggregator.rank == 0:
-            log.info("dAD: %s; inside a node %s; between nodes %s", topology.describe(), links[0].describe(),
-                     links[1].describe())
+        if aggregator.rank == 0:  # the details; `describe_hops` says the line users see
+            log.debug("dAD: %s; inside a node %s; between nodes %s", topology.describe(), links[0].describe(),
+                      links[1].describe())
     return Levels(topology, intra, cross, timing, measured=timing is not None and config.link is None)
 
 
@@ -93,3 +93,49 @@ def measure_levels(world: FactorAggregator, intra: FactorAggregator, cross: Fact
     agreed = agree_max(world, local, device, name="dad.link.levels")
     k = len(agreed) // 2
     return [LinkModel.from_list(agreed[:k], measured=True), LinkModel.from_list(agreed[k:], measured=True)]
+
+
+def _nodes_text(nodes: int, local: int) -> str:
+    return f"{nodes} node{'s' if nodes != 1 else ''} x {local} rank{'s' if local != 1 else ''}"
+
+
+def describe_hops(config: DADConfig, aggregator: FactorAggregator, levels: Optional[Levels],
+                  link: Optional[Any] = None, *, two_level: Optional[bool] = None) -> str:
+    """The attach line of the job's shape and links (`logs.say` shows it on rank 0):
+    ``"dAD across 2 nodes x 2 ranks: two levels; inside a node all-reduce 80 Gbit/s, 20 us
+    (measured); between nodes all-reduce 1 Gbit/s, 300 us (measured)"``, or one link where the
+    steps are flat. ``link``: the flat steps' `routing.link.LinkModel` (None: routes by bytes);
+    ``two_level``: whether the adapter runs two-level steps on ``levels`` (default: where built).
+    No collective: a flat job's nodes come from the launcher's hint where there is one."""
+    from dad_integrations.comm.link_spec import level_link_specs
+    from dad_integrations.routing.link import LinkModel
+
+    world = aggregator.world_size
+    unmodelled = "mode exact" if config.mode == "exact" else "routes by bytes"
+    if link is None and config.link is not None and level_link_specs(config.link) is None:
+        link = LinkModel.from_spec(config.link)  # stated: no measurement needed to name it
+    if levels is not None:
+        topo = levels.topology
+        shape = _nodes_text(topo.num_nodes, topo.local_size)
+        if two_level is None or two_level:
+            if levels.timing is None:
+                return f"dAD across {shape}: two levels; links not modelled ({unmodelled})"
+            return (f"dAD across {shape}: two levels; inside a node {levels.timing.intra.brief()}; "
+                    f"between nodes {levels.timing.inter.brief()}")
+        why = "flat (this engine's steps here)"
+    else:
+        hint = aggregator.topology_hint()
+        local = hint[1] if hint is not None and hint[1] > 0 and world % hint[1] == 0 else None
+        if isinstance(config.topology, int) and world % config.topology == 0:
+            local = config.topology
+        shape = _nodes_text(world // local, local) if local is not None else f"{world} ranks"
+        if config.topology == "flat":
+            why = "flat (topology: flat)"
+        elif local is not None and world // local > 1 and local == 1:
+            why = "flat (one rank per node)"
+        elif local is not None and world // local == 1:
+            why = "flat (one node)"
+        else:
+            why = "flat"
+    link_text = f"link {link.brief()}" if link is not None else f"link not modelled ({unmodelled})"
+    return f"dAD across {shape}: {why}; {link_text}"
