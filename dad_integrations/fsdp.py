@@ -209,12 +209,12 @@ class FSDPDADSynchronizer(ShardedFacade):
         if ex.report is None or task != self._task or task < 0:
             self._task = task
             ex.begin_step()
-            if ex.trial.trial is not None:  # its span ends where every rank agrees (module doc)
-                end = ex.trial_end(agg, inp.device)
-                if task < 0:
-                    self._trial_end = end
-                else:
-                    Variable._execution_engine.queue_callback(end)
+            # the step's end, where every rank agrees: a route trial's span ends, its routes are said
+            end = ex.trial_end(agg, inp.device)
+            if task < 0:
+                self._trial_end = end
+            else:
+                Variable._execution_engine.queue_callback(end)
         ex.note_local(inp)  # the step's finiteness, agreed when it ends
         S = group.size()
         fps = self._with_grad.pop(id(pg), None)

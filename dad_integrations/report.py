@@ -176,7 +176,7 @@ def route_summary(params: Sequence[ParamReport]) -> str:
         text += f"; sent {sent / allreduce:.2f}x all-reduce's bytes"
     inter = sum(p.inter_bytes for p in params)
     if inter:
-        text += f" ({_fmt(inter)} between nodes)"
+        text += f", {_fmt(inter)} received between nodes"
     return text
 
 

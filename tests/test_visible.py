@@ -38,7 +38,6 @@ class _Agg:
 
 def test_say_shows_rank_zero_at_default_levels(capsys):
     """`logs.say`: on stderr with no logging configured, rank 0 only; rank None says it everywhere."""
-    assert logging.getLogger(SAY_LOGGER).propagate is True or True  # (set up on first use)
     assert say("dAD test line one", rank=1) is None
     assert say("dAD test line two", rank=0) == "dAD test line two"
     assert say("dAD test line three", rank=None) == "dAD test line three"
@@ -69,7 +68,7 @@ def test_route_summary_counts_routes_per_hop_and_bytes():
               ParamReport("c", "rank", (8, 8), sent_bytes=40, allreduce_bytes=200, level="two_level", inter_bytes=2048),
               ParamReport("dad.counts", "overhead", (2,), sent_bytes=50)]
     text = route_summary(params)
-    assert text == "flat: 1 dense, 1 exact; between nodes: 1 rank; sent 0.50x all-reduce's bytes (2.0 KB between nodes)", text
+    assert text == "flat: 1 dense, 1 exact; between nodes: 1 rank; sent 0.50x all-reduce's bytes, 2.0 KB received between nodes", text
 
 
 def test_exact_mode_on_a_fast_link_with_many_rows_warns():

@@ -20,6 +20,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from dad_integrations.config import DADConfig
+from dad_integrations.report import ParamReport
 from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.costs import size_exchange_bytes
 from dad_integrations.routing.link import LinkModel
@@ -59,6 +60,33 @@ def mode_cost_line(config: DADConfig, units: Sequence[Tuple[UnitShape, Optional[
         auto = choose("auto", seconds, rank_allowed=rank_allowed, rank_route=rank_route)
         mode_s, dense_s, auto_s = mode_s + seconds[mine], dense_s + seconds["dense"], auto_s + seconds[auto]
         auto_routes[auto] += 1
+    return _line(config, mode_s, dense_s, auto_s, auto_routes, link, sharded, name)
+
+
+def report_cost_line(config: DADConfig, params: Sequence[ParamReport], *, link: LinkModel, sharded: bool = True,
+                     name: str = "dAD") -> Optional[str]:
+    """`mode_cost_line` from a step's report (the sharded engines' first step): each weight's
+    counted bytes on its route's collective against its share of the engine's own reduction on
+    the link (the wire alone), and auto as the cheaper of the two per weight."""
+    if config.mode == "auto":
+        return None
+    mode_s = dense_s = auto_s = 0.0
+    auto_routes: Counter = Counter()
+    for p in params:
+        if p.representation == "overhead":  # dAD's own collectives (row counts, checks): one call each
+            mode_s += link.seconds("all_gather", p.sent_bytes, 1)
+            continue
+        own = getattr(p, "reduce_scatter_bytes", 0.0) or p.allreduce_bytes
+        d = link.seconds(collective_of("dense", sharded), own, 0)
+        m = d if p.representation == "dense" else link.seconds(
+            collective_of(p.representation, sharded), p.sent_bytes, 2 if p.representation == "exact" else 0)
+        mode_s, dense_s, auto_s = mode_s + m, dense_s + d, auto_s + min(m, d)
+        auto_routes[p.representation if m < d else "dense"] += 1
+    return _line(config, mode_s, dense_s, auto_s, auto_routes, link, sharded, name)
+
+
+def _line(config: DADConfig, mode_s: float, dense_s: float, auto_s: float, auto_routes: Counter, link: LinkModel,
+          sharded: bool, name: str) -> Optional[str]:
     if dense_s <= 0.0 or mode_s <= (1.0 + MARGIN) * dense_s:
         return None
     own = "reduce-scatter" if sharded else "all-reduce"

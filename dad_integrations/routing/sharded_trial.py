@@ -35,6 +35,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.logs import say
 from dad_integrations.report import ParamReport, route_summary
 from dad_integrations.routing.link import LinkModel, agree_max
+from dad_integrations.routing.mode_cost import report_cost_line
 from dad_integrations.routing.trial import RouteTrial, StepClock, TrialOutcome, next_refresh, refresh_due
 from dad_integrations.routing.router import Route
 from dad_integrations.routing.timing import EngineTiming, StepTiming
@@ -194,6 +195,8 @@ class ShardedTrial:
         after the first steady step and each refresh) the routes, where they changed."""
         if not params:
             return
+        if step == 0:
+            self._say_mode_cost(params)
         summary = route_summary(params)
         arm = self.arm(step)
         if arm in (None, "routes"):
@@ -206,6 +209,18 @@ class ShardedTrial:
             how = (f"by the models, link {timing.link.brief()}" if timing is not None else
                    f"mode {self.config.mode}" if self.config.mode != "auto" else "by bytes")
             self.say(f"{self.name} routes at step {step}: {summary} ({how})")
+
+    def _say_mode_cost(self, params: Sequence[ParamReport]) -> None:
+        """After the first step: warn where mode exact or rank is predicted to slow the exchange past
+        the engine's own reduce-scatter (`mode_cost.report_cost_line`: the step's counted bytes on the
+        models' link or the stated one; none is measured for it)."""
+        cfg = self.config
+        link = self.timing.link if self.timing is not None else (
+            LinkModel.from_spec(cfg.link) if cfg.link is not None else None)
+        if cfg.mode in ("exact", "rank") and link is not None:
+            line = report_cost_line(cfg, params, link=link, sharded=True, name=self.name)
+            if line is not None:
+                say(line, rank=self._rank, level=logging.WARNING)
 
     def cancel(self) -> None:
         """A checkpoint was loaded: forget a trial in progress and the step's start."""
