@@ -129,7 +129,7 @@ def test_compile_line_only_where_compile_is_in_use(monkeypatch, caplog):
 @pytest.fixture(scope="module")
 def visible_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("visible") / "out.json"
-    proc = run_torchrun(WORKERS / "visible_worker.py", 2, [out, "trial,exact"], timeout=300)
+    proc = run_torchrun(WORKERS / "visible_worker.py", 2, [out, "trial,exact,fsdp-exact"], timeout=300)
     return json.loads(out.read_text())["ranks"], proc.stderr
 
 
@@ -157,5 +157,17 @@ def test_exact_mode_on_a_fast_link_warns_once(visible_job):
     assert said[1] == "dAD across 1 node x 2 ranks: flat (one node); link all-reduce 100 Gbit/s, 0 us (stated)", said
     warned = [s for s in said if s.startswith("dAD: mode exact is predicted to slow the step here")]
     assert len(warned) == 1 and "mode auto would take" in warned[0], said
-    assert stderr.count("mode exact is predicted to slow the step") == 1
+    assert stderr.count("dAD: mode exact is predicted to slow the step") == 1
     assert any(s.startswith("dAD routes at step 1: flat: 4 exact; sent ") for s in said), said
+
+
+def test_fsdp2_exact_on_a_fast_link_warns_from_the_first_steps_bytes(visible_job):
+    ranks, stderr = visible_job
+    said = ranks[0]["fsdp-exact"]["said"]
+    assert said[0].startswith("dAD attached to FSDP2: mode exact"), said
+    assert said[1] == "dAD across 1 node x 2 ranks: flat (one node); link all-reduce 100 Gbit/s, 0 us (stated)", said
+    warned = [s for s in said if s.startswith("dAD/FSDP2: mode exact is predicted to slow the step here")]
+    assert len(warned) == 1 and "the engine's own reduce-scatter" in warned[0], said
+    assert any(s.startswith("dAD/FSDP2 routes at step 1: flat: 4 exact; sent ") for s in said), said
+    assert ranks[1]["fsdp-exact"]["said"] == []
+    assert stderr.count("dAD/FSDP2: mode exact is predicted") == 1

@@ -4,9 +4,12 @@ Nothing configures logging here, as in a user's script. Each rank records the li
 ``dad_integrations.banner`` channel (`logs.say`) and any torch.compile line on ``dad_integrations``
 (recorded at INFO), per case; rank 0 writes them all. Dynamo is imported, as DeepSpeed and
 Transformers do, but nothing is compiled. Cases:
-- ``trial``: mode auto, rank 4, a measured link, a short route trial after the lossless steps;
+- ``trial``: mode auto, rank 4, a measured link, a short route trial after the lossless steps (a
+  1024 x 1024 weight of 2 rows a rank: exact factors are predicted faster on any link, so the
+  refresh compresses and a trial runs, whatever the machine's load);
 - ``exact``: mode exact on a stated 100 Gbit/s link with 512 rows a rank (exact factors cost more
-  than the all-reduce).
+  than the all-reduce);
+- ``fsdp-exact``: the same under FSDP2 (the warning from the first step's counted bytes).
 """
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ from models import write_and_exit  # noqa: E402
 
 from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator  # noqa: E402
 
-CASES = {"trial": dict(mode="auto", rank=4, objective="time", route_trial_steps=4, route_refresh_steps=1000, lossless_steps=2),
+CASES = {"fsdp-exact": dict(mode="exact", link={"bandwidth": "100gbit"}),
+         "trial": dict(mode="auto", rank=4, objective="time", route_trial_steps=4, route_refresh_steps=1000, lossless_steps=2),
          "exact": dict(mode="exact", link={"bandwidth": "100gbit"})}
-STEPS = {"trial": 8, "exact": 3}
+STEPS = {"trial": 16, "exact": 3, "fsdp-exact": 3}
+WIDTH, ROWS = {"trial": (1024, 2)}, (256, 512)  # per case, else the default
 
 
 class Lines(logging.Handler):
@@ -42,14 +47,24 @@ def run(case: str, said: Lines, compile_lines: Lines) -> Dict[str, list]:
     said.lines.clear()
     compile_lines.lines.clear()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
-    sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(**CASES[case]))
+    width, rows = WIDTH.get(case, ROWS)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(), torch.nn.Linear(width, 8))
+    if case.startswith("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        from dad_integrations.fsdp import enable_dad_fsdp
+        for layer in (model[0], model[2], model):
+            fully_shard(layer)
+        sync = enable_dad_fsdp(model, DADConfig(**CASES[case]))
+    else:
+        sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(**CASES[case]))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(STEPS[case]):
         g = torch.Generator().manual_seed(10 * step + dist.get_rank())
-        x, y = torch.randn(512, 256, generator=g), torch.randn(512, 8, generator=g)
+        x, y = torch.randn(rows, width, generator=g), torch.randn(rows, 8, generator=g)
         torch.nn.functional.mse_loss(model(x), y).backward()
-        sync.synchronize()
+        if not case.startswith("fsdp"):
+            sync.synchronize()
         opt.step()
         opt.zero_grad()
     report = sync.last_step_report()
