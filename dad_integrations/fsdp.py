@@ -140,7 +140,8 @@ class FSDPDADSynchronizer(ShardedFacade):
             seams.install(module, pg, self._reduce, self._with_grad)
         banner.announce("FSDP2", self.config, process_rank=dist.get_rank(), world_size=dist.get_world_size(),
                         factor_weights=len(units), dense_params=banner.dense_count(model, units),
-                        hops=self.exchanger.describe_hops(TorchDistributedAggregator() if rep is None else rep.world))
+                        hops=self.exchanger.describe_hops(TorchDistributedAggregator() if rep is None else rep.world,
+                                                          layout=None if rep is None else "HSDP"))
 
     @property
     def _trial(self):

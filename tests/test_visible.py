@@ -57,6 +57,9 @@ def test_attach_line_names_nodes_links_and_levels():
     assert "(topology: flat)" in describe_hops(DADConfig(topology="flat"), _Agg(4, (0, 2)), None, FAST)
     measured = LinkModel.from_list(SLOW.to_list(), measured=True)
     levels = Levels(Topology.consecutive(4, 2, 0), None, None, TwoLevelTiming(FAST, measured))
+    hsdp = describe_hops(DADConfig(), _Agg(4, (0, 2)), None, measured, layout="HSDP")
+    assert hsdp == ("dAD across 2 nodes x 2 ranks: two levels (HSDP: its reduce-scatter inside a node, dAD's "
+                    "routes between nodes); between nodes all-reduce 1 Gbit/s, 300 us (measured)"), hsdp
     two = describe_hops(DADConfig(), _Agg(4), levels, FAST)
     assert two == ("dAD across 2 nodes x 2 ranks: two levels; inside a node all-reduce 100 Gbit/s, 0 us (stated); "
                    "between nodes all-reduce 1 Gbit/s, 300 us (measured)"), two

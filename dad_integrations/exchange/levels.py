@@ -100,20 +100,21 @@ def _nodes_text(nodes: int, local: int) -> str:
 
 
 def describe_hops(config: DADConfig, aggregator: FactorAggregator, levels: Optional[Levels],
-                  link: Optional[Any] = None, *, two_level: Optional[bool] = None) -> str:
+                  link: Optional[Any] = None, *, two_level: Optional[bool] = None,
+                  layout: Optional[str] = None) -> str:
     """The attach line of the job's shape and links (`logs.say` shows it on rank 0):
     ``"dAD across 2 nodes x 2 ranks: two levels; inside a node all-reduce 80 Gbit/s, 20 us
     (measured); between nodes all-reduce 1 Gbit/s, 300 us (measured)"``, or one link where the
     steps are flat. ``link``: the flat steps' `routing.link.LinkModel` (None: routes by bytes);
-    ``two_level``: whether the adapter runs two-level steps on ``levels`` (default: where built).
+    ``two_level``: whether the adapter runs two-level steps on ``levels`` (default: where built);
+    ``layout="HSDP"``: FSDP2 on a 2-D mesh, whose replicate hop between nodes ``link`` times.
     No collective: a flat job's nodes come from the launcher's hint where there is one."""
-    from dad_integrations.comm.link_spec import level_link_specs
     from dad_integrations.routing.link import LinkModel
 
     world = aggregator.world_size
     unmodelled = "mode exact" if config.mode == "exact" else "routes by bytes"
-    if link is None and config.link is not None and level_link_specs(config.link) is None:
-        link = LinkModel.from_spec(config.link)  # stated: no measurement needed to name it
+    if link is None and config.link is not None:  # stated: named without a measurement (per hop: the
+        link = LinkModel.from_spec(config.link)   # one between nodes, which flat steps cross)
     if levels is not None:
         topo = levels.topology
         shape = _nodes_text(topo.num_nodes, topo.local_size)
@@ -137,5 +138,10 @@ def describe_hops(config: DADConfig, aggregator: FactorAggregator, levels: Optio
             why = "flat (one node)"
         else:
             why = "flat"
+    if layout == "HSDP":  # the engine reduces inside a node, dAD's routes run between nodes
+        why = "two levels (HSDP: its reduce-scatter inside a node, dAD's routes between nodes)"
+        link_text = (f"between nodes {link.brief()}" if link is not None else
+                     f"between nodes link not modelled ({unmodelled})")
+        return f"dAD across {shape}: {why}; {link_text}"
     link_text = f"link {link.brief()}" if link is not None else f"link not modelled ({unmodelled})"
     return f"dAD across {shape}: {why}; {link_text}"

@@ -211,11 +211,11 @@ class ShardedExchanger(TimedRoutes):
             self.log.warning("dAD/%s: %s", self.engine, note)
 
     def describe_hops(self, aggregator: FactorAggregator, levels: Optional[Levels] = None,
-                      two_level: Optional[bool] = None) -> str:
+                      two_level: Optional[bool] = None, layout: Optional[str] = None) -> str:
         """The attach line of the job's nodes and links (`exchange.levels.describe_hops`)."""
         timing = self._trial.timing
         return describe_hops(self.config, aggregator, levels, timing.link if timing is not None else None,
-                             two_level=two_level)
+                             two_level=two_level, layout=layout)
 
     def watch_forward(self, model: torch.nn.Module) -> ForwardStartHook:
         """A step's span for route trials starts at the root module's forward (the engine's
