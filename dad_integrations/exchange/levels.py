@@ -64,7 +64,8 @@ def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.
         intra, cross = level_aggregators(topology, aggregator)
     except NotImplementedError as e:
         if config.topology == "auto":
-            log.warning("dAD: %s; the %s run flat", e, topology.describe())
+            if aggregator.rank == 0:  # the same on every rank: said once
+                log.warning("dAD: %s; the %s run flat", e, topology.describe())
             return None
         raise
     timing = None
