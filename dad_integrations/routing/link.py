@@ -86,8 +86,9 @@ class LinkModel:
         """The all-reduce figures users compare links by, and where they came from:
         ``"all-reduce 1.2 Gbit/s, 45 us (measured)"``."""
         c = self.all_reduce
-        return (f"all-reduce {c.beta * 8 / 1e9:.3g} Gbit/s, {c.alpha * 1e6:.0f} us "
-                f"({'measured' if self.measured else 'stated'})")
+        gbit = c.beta * 8 / 1e9
+        rate = f"{gbit:,.0f}" if gbit >= 100 else f"{gbit:.3g}"  # (a fit all latency: a huge rate, in full)
+        return f"all-reduce {rate} Gbit/s, {c.alpha * 1e6:.0f} us ({'measured' if self.measured else 'stated'})"
 
     def describe(self) -> str:
         parts = [f"{k} {getattr(self, k).alpha * 1e6:.0f} us + {getattr(self, k).beta * 8 / 1e9:.3g} Gbit/s"
