@@ -99,6 +99,7 @@ def test_watch_line_said_once_by_rank_zero(capsys):
         assert trial.active and trial.cause == "watch"
         err = capsys.readouterr().err
         assert ("a new route trial" in err) == (rank == 0), (rank, err)
+        assert trial.news.startswith("dAD: the routes steps now take ")  # for the reports, on every rank
 
 
 def test_sharded_residual_note_says_dtype_and_owners():
@@ -142,12 +143,12 @@ def test_trial_run_shows_attach_links_and_decision_on_rank_zero_only(visible_job
     assert r1["said"] == [] and ranks[1]["exact"]["said"] == []
     said = r0["said"]
     assert said[0].startswith("dAD attached to DADSynchronizer: mode auto, rank 4"), said
-    assert said[1].startswith("dAD across 1 node x 2 ranks: flat (one node); link all-reduce "), said
-    assert said[1].endswith("(measured)"), said
+    assert said[1] == "dAD across 1 node x 2 ranks: flat (one node); link all-reduce 1 Gbit/s, 300 us (measured)", said
     trials = [s for s in said if s.startswith("dAD route trial after step 2 (refresh): ")]
     assert len(trials) == 1 and "ms/step, all dense" in trials[0] and "routes tried: flat: " in trials[0], said
     assert "x all-reduce's bytes" in trials[0], trials
-    decisions = [s for s in said if " route trial after step " in s]  # (a watch may start another)
+    # the last decision said: a trial's, or a watch's that started another (under load)
+    decisions = [s for s in said if " route trial after step " in s or s.endswith(": a new route trial")]
     assert r0["decision"] == decisions[-1] and r0["links"]["flat"].startswith("all-reduce "), r0
     assert ranks[1]["trial"]["decision"] == decisions[-1]  # every rank's report carries it
     for line in said:  # shown at default levels, once (rank 1 prints none of them)

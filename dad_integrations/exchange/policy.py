@@ -304,6 +304,8 @@ class RoutePolicy:
 
         two_level = self.two_level_trial()
         outcome = trial.end_of_step(step, seconds, agree, self._next_refresh(step))
+        if trial.news:  # the watch started a trial: its line is the last decision said
+            self.decision, trial.news = trial.news, ""
         if outcome is None:
             return
         if two_level:  # two-level steps against the flat routes: the loser waits for the next refresh

@@ -164,6 +164,8 @@ class ShardedTrial:
                 trial.begin(step, dict(self._routes), self._saved)
         else:
             outcome = trial.end_of_step(step, seconds, agree, self.next_refresh(step))
+            if trial.news:  # the watch started a trial: its line is the last decision said
+                self.decision, trial.news = trial.news, ""
         if outcome is not None:
             self._dense_until = None if outcome.kept else self.next_refresh(step)
             if self.engine.timing is not None:

@@ -197,6 +197,7 @@ class RouteTrial:
     watch_interval: int = 0                      # grows while watch-started trials confirm the choice
     rank: int = 0                                # this rank in the trial's group: rank 0 says the watch's news
     name: str = "dAD"                            # what the watch's line starts with
+    news: str = ""                               # the watch's last line, until the owner takes it (reports)
 
     @property
     def active(self) -> bool:
@@ -265,9 +266,9 @@ class RouteTrial:
         (observed,) = agree([watch.summary(step)])
         if observed > watch.limit_s and self.fits(step, next_refresh):
             # the agreed figure, the same on every rank: said once, by rank 0
-            say(f"{self.name}: the {watch.arm} steps now take {observed * 1e3:.1f} ms (lower quartile of "
-                f"{watch.interval}), above the trial's {watch.limit_s * 1e3:.1f} ms: a new route trial",
-                rank=self.rank)
+            self.news = (f"{self.name}: the {watch.arm} steps now take {observed * 1e3:.1f} ms (lower quartile "
+                         f"of {watch.interval}), above the trial's {watch.limit_s * 1e3:.1f} ms: a new route trial")
+            say(self.news, rank=self.rank)
             previous = self.outcomes[-1]
             self.begin(step, self.routes, previous.predicted_saving_s, cause="watch")
         return None

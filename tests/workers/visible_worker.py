@@ -5,8 +5,9 @@ Nothing configures logging here, as in a user's script. Each rank records the li
 (recorded at INFO), per case; rank 0 writes them all. Dynamo is imported, as DeepSpeed and
 Transformers do, but nothing is compiled. Cases:
 - ``trial``: mode auto, rank 4, a measured link, a short route trial after the lossless steps (a
-  1024 x 1024 weight of 2 rows a rank: exact factors are predicted faster on any link, so the
-  refresh compresses and a trial runs, whatever the machine's load);
+  1024 x 1024 weight of 2 rows a rank). The probe is replaced by one that "measures" 1 Gbit/s and
+  300 us on every rank: on a loaded machine a real probe's fit may be all latency, and then the
+  refresh compresses nothing and no trial runs;
 - ``exact``: mode exact on a stated 100 Gbit/s link with 512 rows a rank (exact factors cost more
   than the all-reduce);
 - ``fsdp-exact``: the same under FSDP2 (the warning from the first step's counted bytes).
@@ -26,6 +27,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import write_and_exit  # noqa: E402
 
 from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator  # noqa: E402
+from dad_integrations.exchange import policy  # noqa: E402
+from dad_integrations.routing import timing  # noqa: E402
+from dad_integrations.routing.link import LinkModel  # noqa: E402
 
 CASES = {"fsdp-exact": dict(mode="exact", link={"bandwidth": "100gbit"}),
          "trial": dict(mode="auto", rank=4, objective="time", route_trial_steps=4, route_refresh_steps=1000, lossless_steps=2),
@@ -73,7 +77,13 @@ def run(case: str, said: Lines, compile_lines: Lines) -> Dict[str, list]:
             "links": dict(report.links), "decision": report.decision}
 
 
+def _slow_probe(*args, **kwargs) -> LinkModel:
+    """A link "measured" alike on every rank (no collective): routes compress, a trial runs."""
+    return LinkModel.from_list(LinkModel.from_spec({"bandwidth": "1gbit", "latency_us": 300}).to_list(), measured=True)
+
+
 def main() -> None:
+    timing.probe_link = policy.probe_link = _slow_probe
     dist.init_process_group("gloo")
     said, compile_lines = Lines(), Lines()
     logging.getLogger("dad_integrations.banner").addHandler(said)  # beside its own stderr handler
