@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
