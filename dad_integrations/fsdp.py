@@ -140,7 +140,9 @@ class FSDPDADSynchronizer(ShardedFacade):
                 seams.take_replicate_hop(pg)
             seams.install(module, pg, self._reduce, self._with_grad)
         banner.announce("FSDP2", self.config, process_rank=dist.get_rank(), world_size=dist.get_world_size(),
-                        factor_weights=len(units), dense_params=banner.dense_count(model, units))
+                        factor_weights=len(units), dense_params=banner.dense_count(model, units),
+                        hops=self.exchanger.describe_hops(TorchDistributedAggregator() if rep is None else rep.world,
+                                                          layout=None if rep is None else "HSDP"))
 
     @property
     def _trial(self):
@@ -210,12 +212,12 @@ class FSDPDADSynchronizer(ShardedFacade):
             self._task = task
             ex.begin_step()
             note_step(ex.steps - 1)  # for the messages of collectives that fail in it
-            if ex.trial.trial is not None:  # its span ends where every rank agrees (module doc)
-                end = ex.trial_end(agg, inp.device)
-                if task < 0:
-                    self._trial_end = end
-                else:
-                    Variable._execution_engine.queue_callback(end)
+            # the step's end, where every rank agrees: a route trial's span ends, its routes are said
+            end = ex.trial_end(agg, inp.device)
+            if task < 0:
+                self._trial_end = end
+            else:
+                Variable._execution_engine.queue_callback(end)
         ex.note_local(inp)  # the step's finiteness, agreed when it ends
         S = group.size()
         fps = self._with_grad.pop(id(pg), None)

@@ -1,8 +1,20 @@
-"""Messages said once: a fallback that applies at every step is worth one line, at the first."""
+"""dAD's messages: said once (`OnceLogger`), and said where users look (`say`).
+
+`say` is the channel for what a user of a run should see at default log levels: the attach line
+(`engines.banner`), the job's nodes and links, each route decision, a mode predicted to cost time.
+Hugging Face's scripts and the ``Trainer`` drop INFO records, and Python's default is WARNING, so
+these lines go to their own logger, ``dad_integrations.banner`` (a public name: users silence it
+with ``logging.getLogger("dad_integrations.banner").setLevel(logging.WARNING)``), which has its own
+stderr handler, is shown at INFO unless the user set a level, and does not propagate (a root
+handler would print each line twice).
+"""
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Optional, Set
+
+SAY_LOGGER = "dad_integrations.banner"  # a public name (users silence it), not a module path
 
 
 class OnceLogger:
@@ -17,3 +29,45 @@ class OnceLogger:
         if key not in self._said:
             self._said.add(key)
             self.logger.log(self.level, self.prefix + message, *args)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (a test's or a launcher's redirection)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def say_logger() -> logging.Logger:
+    """The ``dad_integrations.banner`` logger, with its stderr handler added on first use."""
+    logger = logging.getLogger(SAY_LOGGER)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False  # its own handler shows it; the root's would repeat it
+        if logger.level == logging.NOTSET:  # shown at default levels, unless the user set one
+            logger.setLevel(logging.INFO)
+    return logger
+
+
+def say(message: str, *, rank: Optional[int] = 0, level: int = logging.INFO) -> Optional[str]:
+    """Show ``message`` at default log levels; returns it where it was said (None elsewhere).
+
+    ``rank``: this process's rank in the caller's group; the line is said on rank 0 only (what
+    every rank would say alike). None says it on every rank: only for what differs by rank."""
+    if rank is not None and rank != 0:
+        return None
+    logger = say_logger()
+    logger.log(level, message)
+    for handler in logger.handlers:
+        handler.flush()
+    return message

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 
 @dataclass
@@ -44,11 +44,19 @@ class ParamReport:
 
 @dataclass
 class StepReport:
-    """All parameters of one synchronised step."""
+    """All parameters of one synchronised step.
+
+    links: each hop's link the routes were chosen by (``"flat"``, or ``"intra"`` and ``"inter"``
+        at two levels), as said at attach (``"all-reduce 1.2 Gbit/s, 45 us (measured)"``);
+    decision: the last route decision said (a route trial's, a watch's, a refresh's), with its
+        evidence: the line rank 0 showed (`logs.say`).
+    """
 
     step: int
     world_size: int
     params: List[ParamReport] = field(default_factory=list)
+    links: Dict[str, str] = field(default_factory=dict)
+    decision: str = ""
 
     @property
     def totals(self) -> Dict[str, float]:
@@ -72,7 +80,11 @@ class StepReport:
 
     def to_dict(self) -> dict:
         return {"step": self.step, "world_size": self.world_size, "totals": self.totals,
-                "params": [asdict(p) for p in self.params]}
+                "params": [asdict(p) for p in self.params], "links": dict(self.links), "decision": self.decision}
+
+    def routes_by_hop(self) -> str:
+        """The step's routes per hop and their bytes against all-reduce's, in one phrase (`route_summary`)."""
+        return route_summary(self.params)
 
     def table(self, limit: Optional[int] = None) -> str:
         """A fixed-width table, one line per parameter, then the totals."""
@@ -137,6 +149,35 @@ class ShardedStepReport(StepReport):
             out["inter_bytes"] = float(sum(p.inter_bytes for p in self.params))
             out["ratio_replicate"] = out["inter_bytes"] / rep
         return out
+
+
+HOP_NAMES = {"flat": "flat", "two_level": "between nodes"}
+
+
+def route_summary(params: Sequence[ParamReport]) -> str:
+    """Routes per hop (weights per route) and the bytes against the engine's own (all-reduce's; the
+    sharded engines' reduce-scatter's):
+    ``"flat: 10 exact, 18 dense; sent 0.31x all-reduce's bytes"``; at two levels the hop between
+    nodes counts what this rank received over it."""
+    counts: Dict[str, Dict[str, int]] = {}
+    for p in params:
+        if p.representation != "overhead":
+            by_rep = counts.setdefault(p.level, {})
+            by_rep[p.representation] = by_rep.get(p.representation, 0) + 1
+    hops = [f"{HOP_NAMES.get(level, level)}: " + ", ".join(f"{n} {rep}" for rep, n in sorted(reps.items()))
+            for level, reps in sorted(counts.items())]
+    sent = sum(p.sent_bytes for p in params)
+    allreduce = sum(p.allreduce_bytes for p in params)
+    scatter = sum(getattr(p, "reduce_scatter_bytes", 0.0) for p in params)  # the sharded engines' own
+    text = "; ".join(hops) if hops else "no weights"
+    if scatter:
+        text += f"; sent {sent / scatter:.2f}x the reduce-scatter's bytes"
+    elif allreduce:
+        text += f"; sent {sent / allreduce:.2f}x all-reduce's bytes"
+    inter = sum(p.inter_bytes for p in params)
+    if inter:
+        text += f", {_fmt(inter)} received between nodes"
+    return text
 
 
 def _fmt(nbytes: float) -> str:

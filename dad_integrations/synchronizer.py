@@ -110,9 +110,8 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
         except StopIteration:
             raise ValueError("the model has no parameters") from None
 
-        # graphs compiled before now were built without capture and without guards on hooks
-        guard_compiled_hooks()
         self.compiled = is_compiled(model) if compiled is None else bool(compiled)
+        guard_compiled_hooks(announce=self.compiled)  # graphs compiled before now: no capture, no guards
         self._plan = build_plan(model, self.config, on_forward=self._on_forward, compiled=self.compiled)
         try:
             check_same_model(self._plan, aggregator, device)
@@ -129,8 +128,8 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
         self._names = {id(p): n for n, p in model.named_parameters()}  # for reports
         self._init_hooks(model)
         self._start_worker()
-        banner.announce("DADSynchronizer", self.config, process_rank=aggregator.rank,
-                        world_size=aggregator.world_size, factor_weights=len(self._plan.units), dense_params=len(self._plan.dense))
+        banner.announce("DADSynchronizer", self.config, process_rank=aggregator.rank, world_size=aggregator.world_size,
+                        factor_weights=len(self._plan.units), dense_params=len(self._plan.dense), hops=self._exchanger.describe_hops())
 
     # -- public API -----------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -109,7 +109,7 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
             config, engine=f"ZeRO-{self.zero_stage}", fallback="DeepSpeed's reduction",
             process_rank=self.aggregator.rank, world_size=world_size, logger=log,
             overhead_names={"counts": "dad.zero.counts", "verify": "dad.zero.verify", "finite": "dad.zero.finite"})
-        self.exchanger.start(self.aggregator, device, self.plan.units, layout=layouts.PARTITIONS)
+        self.exchanger.start(self.aggregator, device, self.plan.units, layout=layouts.PARTITIONS, residual_note=False)
         # a step's span for route trials starts at the module's forward (ZeRO-3's all-gathers included)
         self._forward_hook = self.exchanger.watch_forward(engine.module)
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
@@ -122,6 +122,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         self._nodes = node_partition_layout(self.levels, self._layout, self.plan.units)
         if self._nodes is not None:
             check_routes(config.routes, layouts.NODE_PARTITIONS)
+        # across nodes the residuals live on each weight's owner (node sums): say what is held
+        self.exchanger.say_residuals(self.levels.topology.local_size if self._nodes is not None else 1)
         self._new_backward = True
         self._originals: Dict[str, Any] = {}
         prologue, epilogue = engine._backward_prologue, engine._backward_epilogue
@@ -145,7 +147,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         seam = Zero2Seam if self.zero_stage == 2 else Zero3Seam
         self._seam = seam(self, engine.optimizer)
         banner.announce(f"DeepSpeed ZeRO-{self.zero_stage}", config, process_rank=self.aggregator.rank,
-                        world_size=world_size, factor_weights=len(self._unit_of), dense_params=banner.dense_count(engine.module, self.units))
+                        world_size=world_size, factor_weights=len(self._unit_of), dense_params=banner.dense_count(engine.module, self.units),
+                        hops=self.exchanger.describe_hops(self.aggregator, self.levels, self._nodes is not None))
         if self.aggregator.rank == 0:
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
                      self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")

@@ -130,9 +130,11 @@ def tap(key: torch.Tensor, saved: Sequence[Optional[torch.Tensor]],
 _GUARDED = False
 
 
-def guard_compiled_hooks() -> int:
+def guard_compiled_hooks(announce: bool = False) -> int:
     """Make dynamo guard on module hooks, and drop every graph compiled before (see the module
-    doc); returns how many compiled functions were dropped.
+    doc); returns how many compiled functions were dropped. The change is said (INFO) only where
+    compile is in use: ``announce`` (the model is compiled) or graphs were dropped; a process
+    that merely imported dynamo (DeepSpeed, Transformers do) hears nothing of it.
 
     Called when dAD attaches and when a step opens: dynamo is imported only by a process that
     compiles (importing it costs over a second), so until it is, nothing was compiled and there is
@@ -145,12 +147,15 @@ def guard_compiled_hooks() -> int:
         if _GUARDED:
             return 0
         _GUARDED = True
-        if dynamo_config.skip_nnmodule_hook_guards:
-            dynamo_config.skip_nnmodule_hook_guards = False
-            log.info("dAD: torch.compile now guards on module hooks (torch._dynamo.config."
-                     "skip_nnmodule_hook_guards=False): a graph compiled without dAD's capture is never "
-                     "reused for a model with it")
-    return _drop_compiled_graphs()
+        changed = bool(dynamo_config.skip_nnmodule_hook_guards)
+        dynamo_config.skip_nnmodule_hook_guards = False
+    dropped = _drop_compiled_graphs()
+    if changed:
+        log.log(logging.INFO if announce or dropped else logging.DEBUG,
+                "dAD: torch.compile now guards on module hooks (torch._dynamo.config."
+                "skip_nnmodule_hook_guards=False): a graph compiled without dAD's capture is never "
+                "reused for a model with it")
+    return dropped
 
 
 def _drop_compiled_graphs() -> int:

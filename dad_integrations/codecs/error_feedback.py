@@ -152,16 +152,25 @@ class LowRankErrorFeedback(ErrorFeedback):
             super().load(name, residual, like)
 
 
-def sharded_residual_note(config, shapes, world_size: int, itemsize: int) -> Optional[str]:
-    """Under FSDP2 or ZeRO: what whole residuals would cost beside the gradient shards they sit
-    next to (``shapes`` the weights rank routes may take), and how to bound it; None where the
-    config keeps no whole residual (no rank, no error feedback, or ``error_feedback_rank``)."""
+def sharded_residual_note(config, shapes, world_size: int, itemsize: int, owners_per_node: int = 1) -> Optional[str]:
+    """Under FSDP2 or ZeRO: what whole residuals cost beside the gradient shards they sit next to
+    (``shapes`` the weights rank routes may take; ``itemsize`` the residuals' own, the compute
+    dtype's: fp32 for bf16 and fp16 weights), and how to bound it; None where the config keeps no
+    whole residual (no rank, no error feedback, or ``error_feedback_rank``). ``owners_per_node``:
+    across nodes with ZeRO's two-level routes, residuals live on each weight's owner (one of the
+    node's ranks, of node sums), so a rank holds about ``1/owners_per_node`` of them."""
     if config.rank is None or not config.error_feedback or config.error_feedback_rank is not None or not shapes:
         return None
     whole = sum(m * n for m, n in shapes) * itemsize
     low = sum(min(16, m, n) * (m + n) if min(m, n) > 16 else m * n for m, n in shapes) * itemsize
-    return (f"error feedback keeps one whole residual per rank-routed weight on every rank: up to "
-            f"{whole / 2 ** 20:,.1f} MiB here, {world_size}x these weights' gradient shards "
+    kind = {2: "16-bit", 4: "fp32", 8: "fp64"}.get(itemsize, f"{itemsize}-byte")
+    owners = max(1, int(owners_per_node))
+    held, low = whole / owners, low / owners
+    where = ("on every rank" if owners == 1 else
+             f"on its owner only (residuals of node sums; each of a node's {owners} ranks owns about 1/{owners} "
+             "of the weights)")
+    return (f"error feedback keeps one whole {kind} residual per rank-routed weight {where}: up to "
+            f"{held / 2 ** 20:,.1f} MiB here, {world_size / owners:g}x these weights' gradient shards "
             f"({whole / world_size / 2 ** 20:,.1f} MiB); 'error_feedback_rank': 16 would keep "
             f"{low / 2 ** 20:,.1f} MiB (part of its gain: docs/reference/config.md, error_feedback_rank), 'error_feedback': false none")
 

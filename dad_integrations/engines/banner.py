@@ -7,8 +7,9 @@ announce themselves through channels of their own (DeepSpeed's ``logger`` has it
 
     dAD attached to DeepSpeed ZeRO-0: mode auto, rank 4, objective time, 12 weights by factors, 4 parameters dense, world size 2
 
-The line goes to the ``dad_integrations.engines.banner`` logger, which has its own stderr handler and
-does not propagate (a root handler would print it a second time). Silence it with
+The line goes through `logs.say` to the ``dad_integrations.banner`` logger, which has its own
+stderr handler and does not propagate (a root handler would print it a second time); the job's
+nodes and links, route decisions and costly modes are said there too. Silence it with
 ``logging.getLogger("dad_integrations.banner").setLevel(logging.WARNING)``.
 
 Once per attach. Only the objects that do the work announce (`DADSynchronizer`, FSDP2's and
@@ -21,11 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
-import sys
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from dad_integrations import elastic
+from dad_integrations.logs import SAY_LOGGER, say
 
 if TYPE_CHECKING:
     from torch import nn
@@ -33,36 +33,9 @@ if TYPE_CHECKING:
     from dad_integrations.capture.units import FactorUnit
     from dad_integrations.config import DADConfig
 
-LOGGER_NAME = "dad_integrations.banner"  # a public name (users silence it), not the module path
+LOGGER_NAME = SAY_LOGGER  # a public name (users silence it), not the module path
 
 _engine: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("dad_banner_engine", default=None)
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is at the time (a test's or a launcher's redirection)."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-def _logger() -> logging.Logger:
-    logger = logging.getLogger(LOGGER_NAME)
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False  # its own handler shows it; the root's would repeat it
-        if logger.level == logging.NOTSET:  # shown at default levels, unless the user set one
-            logger.setLevel(logging.INFO)
-    return logger
 
 
 @contextlib.contextmanager
@@ -83,18 +56,19 @@ def dense_count(model: "nn.Module", units: Sequence["FactorUnit"]) -> int:
 
 
 def announce(default_engine: str, config: "DADConfig", *, process_rank: int, world_size: int,
-             factor_weights: int, dense_params: int) -> Optional[str]:
+             factor_weights: int, dense_params: int, hops: Optional[str] = None) -> Optional[str]:
     """Show the attach line on rank 0 (``process_rank``: this process's rank in dAD's group);
     returns the line (None elsewhere). ``default_engine`` names the engine when no `engine` block
-    encloses the call."""
+    encloses the call. ``hops`` (`exchange.levels.describe_hops`: the nodes, each hop's link, flat
+    or two levels) is said on the next line."""
     if process_rank != 0:
         return None
     name = _engine.get() or default_engine
     rank_text = f"rank {config.rank}" if config.rank is not None else "no rank routes"
     line = (f"dAD attached to {name}: mode {config.mode}, {rank_text}, objective {config.objective}, "
             f"{factor_weights} weights by factors, {dense_params} parameters dense, world size {world_size}")
-    _logger().info(line)
-    for handler in _logger().handlers:
-        handler.flush()
+    said = say(line, rank=process_rank)
+    if hops is not None:
+        say(hops, rank=process_rank)
     elastic.warn_if_unprefixed()  # a torchelastic restart on torch's unprefixed store, said once
-    return line
+    return said

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +42,8 @@ from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteCo
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.exchange.policy import TWO_LEVEL, RoutePolicy
-from dad_integrations.exchange.levels import Levels
+from dad_integrations.exchange.levels import Levels, describe_hops
+from dad_integrations.routing.link import LinkModel
 from dad_integrations.exchange.two_level import TwoLevelExchanger
 from dad_integrations.exchange.window import StepWindow
 
@@ -97,6 +98,7 @@ class Exchanger:
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
         self.policy = RoutePolicy(plan, aggregator, config, device, self.memory)  # measures the models
+        self.policy.wire_dtype = wire_dtype
         # two levels (nodes of several ranks): steps that compress only between nodes, where faster
         self.two_level: Optional[TwoLevelExchanger] = None
         if levels is not None and levels.topology.two_level:
@@ -207,14 +209,33 @@ class Exchanger:
             self.rank_codec.commit(keep=keep)
             self.rank_allreduce.commit(keep=keep)
         self.memory.settle_flushed(sent=keep)  # a skipped step: the residuals it flushed are still owed
-        self._close_step(st.window, st.step)
-        return StepReport(st.step, self.aggregator.world_size, list(st.report.values()))
+        params = list(st.report.values())
+        self._close_step(st.window, st.step, params)
+        return self._report(st.step, params)
 
-    def _close_step(self, window: StepWindow, step: int) -> None:
-        """The step's exchange is over: its span to the route trial, the next step's preparation
-        (whether it goes flat or at two levels among them)."""
+    def describe_hops(self) -> str:
+        """The attach line of the job's nodes and links (`exchange.levels.describe_hops`)."""
+        timing = self.policy.timing
+        return describe_hops(self.config, self.aggregator, self.two_level.levels if self.two_level else None,
+                             timing.link if timing is not None else None)
+
+    def _report(self, step: int, params: List[ParamReport]) -> StepReport:
+        """The step's report, with each hop's link and the last decision said (`report.StepReport`)."""
+        links = {}
+        if self.policy.timing is not None:
+            links["flat"] = self.policy.timing.link.brief()
+        elif self.config.link is not None:  # stated, though routes go by bytes or the mode
+            links["flat"] = LinkModel.from_spec(self.config.link).brief()
+        levels = self.two_level.levels if self.two_level is not None else None
+        if levels is not None and levels.timing is not None:
+            links.update(intra=levels.timing.intra.brief(), inter=levels.timing.inter.brief())
+        return StepReport(step, self.aggregator.world_size, params, links=links, decision=self.policy.decision)
+
+    def _close_step(self, window: StepWindow, step: int, params: Sequence[ParamReport] = ()) -> None:
+        """The step's exchange is over (``params``: its report): its span to the route trial, the
+        next step's preparation (whether it goes flat or at two levels among them)."""
         policy = self.policy
-        policy.end_step(step, getattr(window, "started", None))
+        policy.end_step(step, getattr(window, "started", None), params)
         if self.two_level is not None:
             before = policy.two_level
             trial = policy.trial
@@ -259,8 +280,8 @@ class Exchanger:
             total = handle.wait()
             if total is not buffer:  # sent in the wire dtype
                 buffer.copy_(total)
-        self._close_step(window, step)  # the step's span (route trials) ends here
-        return StepReport(step, s, report)
+        self._close_step(window, step, report)  # the step's span (route trials) ends here
+        return self._report(step, report)
 
     def _state_pending(self) -> bool:
         """Whether a non-finite step would drop something: this step's rank-route state (warm

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,8 +33,11 @@ from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
+from dad_integrations.logs import say
+from dad_integrations.report import ParamReport, route_summary
 from dad_integrations.routes.registry import is_rank_route
-from dad_integrations.routing.link import agree_max, probe_link
+from dad_integrations.routing.link import LinkModel, agree_max, probe_link
+from dad_integrations.routing.mode_cost import mode_cost_line
 from dad_integrations.routing.router import Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route
 from dad_integrations.routing.timing import StepTiming, build_timing
 from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due
@@ -66,7 +69,7 @@ class RoutePolicy:
                          dtype=compute_dtype(plan.units[0].param)) if plan.units else None)
         # on a measured link, routes that compress are checked against all-dense on the job's steps
         self.trial: Optional[RouteTrial] = (
-            RouteTrial(config.route_trial_steps)
+            RouteTrial(config.route_trial_steps, rank=aggregator.rank)
             if self.timing is not None and config.link is None and config.mode == "auto" else None)
         self.clock: Callable[[], float] = time.perf_counter  # the end of a step's span (`StepClock`)
         # the next step goes at two levels (`exchange.two_level`): nothing is held dense for it
@@ -76,6 +79,12 @@ class RoutePolicy:
         self.two_level_routes: Dict[int, str] = {}
         self.two_level_saving = 0.0
         self.two_level_vetoed = False  # a route trial found the two-level steps slower than all dense
+        # what users see (`logs.say`, rank 0): the last decision with its evidence (also in each
+        # step's report), the routes last said, and the last routes-arm step's routes and bytes
+        self.decision = ""
+        self.wire_dtype: Optional[torch.dtype] = None  # the factors' (the exchanger's), for `mode_cost_line`
+        self._said_routes = ""
+        self._tried = ""
 
     # -- which steps choose anew, which hold ------------------------------------------------------
     def refresh_due(self, step: int) -> bool:
@@ -190,11 +199,61 @@ class RoutePolicy:
         if self.timing is not None:
             self.timing = dataclasses.replace(self.timing, link=link)
 
-    def end_step(self, step: int, started: Optional[float]) -> None:
-        """Step ``step``'s exchange is over (``started``: the start of its span, `StepClock`): its
-        span to the route trial, then the next step's preparation."""
+    def end_step(self, step: int, started: Optional[float], params: Sequence[ParamReport] = ()) -> None:
+        """Step ``step``'s exchange is over (``started``: the start of its span, `StepClock`;
+        ``params``: its report): its span to the route trial, what users see of the routes, then
+        the next step's preparation."""
+        arm = self.trial.arm(step) if self.trial is not None else None
+        summary = route_summary(params) if params else ""
+        if arm in (None, "routes") and summary:
+            self._tried = summary  # a route trial's decision line names the routes it tried
         self._run_trial(step, None if started is None else self.clock() - started)
+        if step == 0:
+            self._say_mode_cost()
+        if summary and arm is None and (self.trial is None or not self.trial.active):
+            self._say_routes(step, summary)
         self._prepare_refresh(step + 1)
+
+    def say(self, line: str) -> None:
+        """A decision, with its evidence: shown on rank 0 (`logs.say`), kept for the reports."""
+        self.decision = line
+        say(line, rank=self.aggregator.rank)
+
+    def _say_mode_cost(self) -> None:
+        """After the first step (its row counts agreed): warn where mode exact or rank is predicted
+        to slow the exchange past the engine's own (`routing.mode_cost`). The link: the models',
+        the stated one, or (exact mode on a measured link) probed once here: a collective, at the
+        same point on every rank."""
+        config = self.config
+        if config.mode not in ("exact", "rank") or not self.plan.units:
+            return
+        if self.timing is not None:
+            link = self.timing.link
+        elif config.link is not None:  # (a spec per hop: the hop between nodes, which flat steps cross)
+            link = LinkModel.from_spec(config.link)
+        elif config.objective == "time":
+            link = probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather"))
+        else:
+            return
+        units = [(UnitShape(tuple(u.kinds), u.shape, u.bias_numel, u.param.dtype, u.blocks), self.last_rows.get(u.index))
+                 for u in self.plan.units if not u.dense_only]
+        line = mode_cost_line(config, units, world_size=self.aggregator.world_size,
+                              wire_dtype=self.wire_dtype or self.plan.units[0].param.dtype, link=link,
+                              compute=self.timing.compute if self.timing is not None else None)
+        if line is not None:
+            say(line, rank=self.aggregator.rank, level=logging.WARNING)
+
+    def _say_routes(self, step: int, summary: str) -> None:
+        """After the first steady step and each refresh (no route trial under way): the routes,
+        where they changed since last said."""
+        if step < 1 or (step > 1 and not self.refresh_due(step)) or summary == self._said_routes:
+            return
+        self._said_routes = summary
+        if self.timing is None:
+            how = f"mode {self.config.mode}" if self.config.mode != "auto" else "by bytes"
+        else:
+            how = f"by the models, link {self.timing.link.brief()}"
+        self.say(f"dAD routes at step {step}: {summary} ({how})")
 
     def drop_rows(self) -> None:
         """Every unit goes dense next step: capture nothing (a step that costs what DDP's does)."""
@@ -245,6 +304,8 @@ class RoutePolicy:
 
         two_level = self.two_level_trial()
         outcome = trial.end_of_step(step, seconds, agree, self._next_refresh(step))
+        if trial.news:  # the watch started a trial: its line is the last decision said
+            self.decision, trial.news = trial.news, ""
         if outcome is None:
             return
         if two_level:  # two-level steps against the flat routes: the loser waits for the next refresh
@@ -258,9 +319,10 @@ class RoutePolicy:
                 self._use_rows(i for i, rep in trial.routes.items() if rep == "exact")
             else:
                 self.drop_rows()
-        if self.aggregator.rank == 0:
-            log.info("dAD route trial after step %d (%s): %s; overhead per compressed weight now %.2f ms",
-                     outcome.step, outcome.cause, outcome.describe(), outcome.overhead_s * 1e3)
+        self._said_routes = ""
+        self.say(f"dAD route trial after step {outcome.step} ({outcome.cause}): {outcome.describe()}; "
+                 f"routes tried: {'two levels, ' if two_level else ''}{self._tried or 'none'}; overhead per "
+                 f"compressed weight now {outcome.overhead_s * 1e3:.2f} ms")
 
     def _begin_trial(self, trial: RouteTrial, step: int) -> None:
         """Routes were chosen anew in step ``step``: try them against all-dense where any compresses

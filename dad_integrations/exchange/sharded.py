@@ -31,12 +31,13 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from dad_integrations.capture.hooks import ForwardStartHook
-from dad_integrations.capture.rows import Rows, concat_rows
+from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.error_feedback import sharded_residual_note
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import WIRE_DTYPES, DADConfig
+from dad_integrations.exchange.levels import Levels, describe_hops
 from dad_integrations.logs import OnceLogger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
@@ -176,26 +177,45 @@ class ShardedExchanger(TimedRoutes):
         self.steps = 0                    # steps begun (a backward that reduces)
         self._verified: set = set()       # units whose first call was checked
         self._rank_touched = False        # this step took a rank route or flushed a residual
+        self._units_noted: List[FactorUnit] = []  # the units `say_residuals` counts
 
     @property
     def trial(self) -> ShardedTrial:
         return self._trial
 
     def start(self, aggregator: FactorAggregator, device: torch.device, units: Sequence[FactorUnit],
-              link_probe: Optional[LinkProbe] = None, layout: Optional[Layout] = None) -> None:
+              link_probe: Optional[LinkProbe] = None, layout: Optional[Layout] = None,
+              residual_note: bool = True) -> None:
         """At attach, on every rank together: check the config's routes run on ``layout`` (the
-        engine's calls'), say what error feedback costs beside the shards (rank 0), and measure the
-        models where routes go by time."""
+        engine's calls'), say what error feedback costs beside the shards (rank 0; ``residual_note``
+        False: the adapter calls `say_residuals` once it knows where residuals live), and measure
+        the models where routes go by time."""
         if layout is not None:
             check_routes(self.config.routes, layout)
-        note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size,
-                                     units[0].param.element_size() if units else 4)
-        if note is not None and self.process_rank == 0 and not getattr(self.rank_codec, "residual_is_sharded", False):
-            self.log.warning("dAD/%s: %s", self.engine, note)
+        self._units_noted = list(units)
+        if residual_note:
+            self.say_residuals()
         if link_probe is not None:  # the link routes are timed on, where not the group's own (HSDP)
             self._trial.engine.probe = link_probe
         if units:
             self._trial.start(units, aggregator, device)
+
+    def say_residuals(self, owners_per_node: int = 1) -> None:
+        """Rank 0 warns what error feedback's whole residuals hold (`sharded_residual_note`), in the
+        residuals' own dtype (the compute dtype: fp32 for bf16 and fp16 weights), where they live."""
+        units = self._units_noted
+        itemsize = torch.empty((), dtype=compute_dtype(units[0].param)).element_size() if units else 4
+        note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size, itemsize,
+                                     owners_per_node)
+        if note is not None and self.process_rank == 0 and not getattr(self.rank_codec, "residual_is_sharded", False):
+            self.log.warning("dAD/%s: %s", self.engine, note)
+
+    def describe_hops(self, aggregator: FactorAggregator, levels: Optional[Levels] = None,
+                      two_level: Optional[bool] = None, layout: Optional[str] = None) -> str:
+        """The attach line of the job's nodes and links (`exchange.levels.describe_hops`)."""
+        timing = self._trial.timing
+        return describe_hops(self.config, aggregator, levels, timing.link if timing is not None else None,
+                             two_level=two_level, layout=layout)
 
     def watch_forward(self, model: torch.nn.Module) -> ForwardStartHook:
         """A step's span for route trials starts at the root module's forward (the engine's
@@ -205,14 +225,22 @@ class ShardedExchanger(TimedRoutes):
     def trial_end(self, aggregator: FactorAggregator, device: torch.device) -> Callable[[], None]:
         """What ends the open step's route-trial span, for the adapter to run where every rank
         agrees that the step's last reduction is over (a collective may run)."""
-        return functools.partial(self._trial.end, self.steps - 1, agree_on(aggregator, device))
+        step, report, end = self.steps - 1, self.report, self._trial.end
+
+        def run() -> None:
+            if report is not None:  # what users see of the step's routes (rank 0)
+                self._trial.note_report(step, report.params)
+            end(step, agree_on(aggregator, device))
+        return run
 
     # -- a step -----------------------------------------------------------------------------------
     def begin_step(self) -> ShardedStepReport:
         """The step's first reduction call: a new report, nothing pending in the rank routes (a step
         that never reached its end leaves no trace), the route trial's step opened."""
         self.steps += 1
-        self.report = ShardedStepReport(self.steps, self.world_size)
+        timing = self._trial.timing
+        self.report = ShardedStepReport(self.steps, self.world_size, decision=self._trial.decision,
+                                        links={"flat": timing.link.brief()} if timing is not None else {})
         if self.rank_codec is not None:
             self.rank_codec.start_step()
         self._rank_touched = False

@@ -111,9 +111,8 @@ class TwoLevelExchanger:
             flat, two = self.predicted_seconds(step, policy.last_rows, flat_timing)
             choice = two < flat
             policy.two_level_saving = flat - two
-            if self.world.rank == 0:
-                log.info("dAD: step %d on, %s: predicted %.2f ms a step at two levels, %.2f ms flat",
-                         step, "two levels" if choice else "flat", two * 1e3, flat * 1e3)
+            policy.say(f"dAD: step {step} on, {'two levels' if choice else 'flat'}: predicted {two * 1e3:.2f} ms "
+                       f"a step at two levels, {flat * 1e3:.2f} ms flat")
         self.chosen = choice
         return choice
 

@@ -82,6 +82,14 @@ class LinkModel:
         """The config's ``link`` form of this model (per kind), e.g. to route another run by it."""
         return {k: {"bandwidth": getattr(self, k).beta, "latency_us": getattr(self, k).alpha * 1e6} for k in KINDS}
 
+    def brief(self) -> str:
+        """The all-reduce figures users compare links by, and where they came from:
+        ``"all-reduce 1.2 Gbit/s, 45 us (measured)"``."""
+        c = self.all_reduce
+        gbit = c.beta * 8 / 1e9
+        rate = f"{gbit:,.0f}" if gbit >= 100 else f"{gbit:.3g}"  # (a fit all latency: a huge rate, in full)
+        return f"all-reduce {rate} Gbit/s, {c.alpha * 1e6:.0f} us ({'measured' if self.measured else 'stated'})"
+
     def describe(self) -> str:
         parts = [f"{k} {getattr(self, k).alpha * 1e6:.0f} us + {getattr(self, k).beta * 8 / 1e9:.3g} Gbit/s"
                  for k in KINDS]

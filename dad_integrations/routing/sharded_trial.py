@@ -32,7 +32,10 @@ import torch
 
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
+from dad_integrations.logs import say
+from dad_integrations.report import ParamReport, route_summary
 from dad_integrations.routing.link import LinkModel, agree_max
+from dad_integrations.routing.mode_cost import report_cost_line
 from dad_integrations.routing.trial import RouteTrial, StepClock, TrialOutcome, next_refresh, refresh_due
 from dad_integrations.routing.router import Route
 from dad_integrations.routing.timing import EngineTiming, StepTiming
@@ -60,6 +63,9 @@ class ShardedTrial:
         self._routes: Dict[int, str] = {}     # unit index -> its route this step
         self._dense_until: Optional[int] = None  # all dense decided: every step before this one
         self._dropped: set = set()            # units whose capture this piece switched off
+        self.decision = ""                    # the last decision said, with its evidence (reports)
+        self._tried = ""                      # the last routes-arm step's routes and bytes
+        self._said_routes = ""
 
     # -- set-up -----------------------------------------------------------------------------------
     def start(self, units: Sequence[FactorUnit], aggregator: FactorAggregator, device: torch.device) -> None:
@@ -71,7 +77,7 @@ class ShardedTrial:
         cfg = self.config
         if (self.engine.timing is not None and cfg.link is None and cfg.mode == "auto"
                 and cfg.route_trial_steps > 0):
-            self.trial = RouteTrial(cfg.route_trial_steps)
+            self.trial = RouteTrial(cfg.route_trial_steps, rank=self._rank, name=self.name)
 
     @property
     def timing(self) -> Optional[StepTiming]:
@@ -158,13 +164,15 @@ class ShardedTrial:
                 trial.begin(step, dict(self._routes), self._saved)
         else:
             outcome = trial.end_of_step(step, seconds, agree, self.next_refresh(step))
+            if trial.news:  # the watch started a trial: its line is the last decision said
+                self.decision, trial.news = trial.news, ""
         if outcome is not None:
             self._dense_until = None if outcome.kept else self.next_refresh(step)
             if self.engine.timing is not None:
                 self.engine.timing = dataclasses.replace(self.engine.timing, overhead_s=outcome.overhead_s)
-            if self.log_decisions:
-                log.info("%s route trial after step %d (%s): %s", self.name, outcome.step, outcome.cause,
-                         outcome.describe())
+            self._said_routes = ""
+            self.say(f"{self.name} route trial after step {outcome.step} ({outcome.cause}): {outcome.describe()}; "
+                     f"routes tried: {self._tried or 'none'}")
         nxt = step + 1
         if self.refresh(nxt):
             trial.stop_watching()
@@ -174,6 +182,47 @@ class ShardedTrial:
         else:
             self._use_rows()
         return outcome
+
+    @property
+    def _rank(self) -> int:
+        return 0 if self.log_decisions else 1
+
+    def say(self, line: str) -> None:
+        """A decision, with its evidence: shown on rank 0 (`logs.say`), kept for the reports."""
+        self.decision = line
+        say(line, rank=self._rank)
+
+    def note_report(self, step: int, params: Sequence[ParamReport]) -> None:
+        """Step ``step``'s report, before `end`: the routes a trial tries, and (no trial under way,
+        after the first steady step and each refresh) the routes, where they changed."""
+        if not params:
+            return
+        if step == 0:
+            self._say_mode_cost(params)
+        summary = route_summary(params)
+        arm = self.arm(step)
+        if arm in (None, "routes"):
+            self._tried = summary
+        active = self.trial is not None and (self.trial.active or (self.refresh(step) and self._compressed))
+        if (arm is None and not active and (step == 1 or (step > 1 and self.refresh(step)))
+                and summary != self._said_routes):
+            self._said_routes = summary
+            timing = self.timing
+            how = (f"by the models, link {timing.link.brief()}" if timing is not None else
+                   f"mode {self.config.mode}" if self.config.mode != "auto" else "by bytes")
+            self.say(f"{self.name} routes at step {step}: {summary} ({how})")
+
+    def _say_mode_cost(self, params: Sequence[ParamReport]) -> None:
+        """After the first step: warn where mode exact or rank is predicted to slow the exchange past
+        the engine's own reduce-scatter (`mode_cost.report_cost_line`: the step's counted bytes on the
+        models' link or the stated one; none is measured for it)."""
+        cfg = self.config
+        link = self.timing.link if self.timing is not None else (
+            LinkModel.from_spec(cfg.link) if cfg.link is not None else None)
+        if cfg.mode in ("exact", "rank") and link is not None:
+            line = report_cost_line(cfg, params, link=link, sharded=True, name=self.name)
+            if line is not None:
+                say(line, rank=self._rank, level=logging.WARNING)
 
     def cancel(self) -> None:
         """A checkpoint was loaded: forget a trial in progress and the step's start."""

@@ -106,8 +106,8 @@ def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregato
         compute = measure_compute(shapes, rank=config.rank, world_size=aggregator.world_size,
                                   iterations=config.power_iterations, error_feedback=config.error_feedback,
                                   device=device, dtype=dtype, aggregator=aggregator)
-    if aggregator.rank == 0:
-        log.info("dAD: routes by predicted time; link %s (%s); capture %.1f us per call",
+    if aggregator.rank == 0:  # the details; the attach line users see says the link (`exchange.levels`)
+        log.debug("dAD: routes by predicted time; link %s (%s); capture %.1f us per call",
                  link.describe(), "measured" if link.measured else "stated", compute.capture_per_call * 1e6)
     return StepTiming(link, compute)
 

@@ -61,6 +61,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from dad_integrations.logs import say
+
 log = logging.getLogger(__name__)
 
 KEEP_MARGIN = 0.02   # compressed routes must beat all-dense by this share of the step to win a pair
@@ -193,6 +195,9 @@ class RouteTrial:
     outcomes: List[TrialOutcome] = field(default_factory=list)
     watch: Optional[Watch] = None
     watch_interval: int = 0                      # grows while watch-started trials confirm the choice
+    rank: int = 0                                # this rank in the trial's group: rank 0 says the watch's news
+    name: str = "dAD"                            # what the watch's line starts with
+    news: str = ""                               # the watch's last line, until the owner takes it (reports)
 
     @property
     def active(self) -> bool:
@@ -260,8 +265,10 @@ class RouteTrial:
             return None
         (observed,) = agree([watch.summary(step)])
         if observed > watch.limit_s and self.fits(step, next_refresh):
-            log.info("dAD: the %s steps now take %.1f ms (lower quartile of %d), above the trial's %.1f ms: "
-                     "a new route trial", watch.arm, observed * 1e3, watch.interval, watch.limit_s * 1e3)
+            # the agreed figure, the same on every rank: said once, by rank 0
+            self.news = (f"{self.name}: the {watch.arm} steps now take {observed * 1e3:.1f} ms (lower quartile "
+                         f"of {watch.interval}), above the trial's {watch.limit_s * 1e3:.1f} ms: a new route trial")
+            say(self.news, rank=self.rank)
             previous = self.outcomes[-1]
             self.begin(step, self.routes, previous.predicted_saving_s, cause="watch")
         return None

@@ -287,7 +287,8 @@ class Banners(logging.Handler):
         self.lines: List[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+        if record.getMessage().startswith("dAD attached to "):  # the channel says routes too (`logs.say`)
+            self.lines.append(record.getMessage())
 
 
 BANNERS = Banners()
