@@ -157,6 +157,24 @@ def _zero_ranges(engine, stage: int) -> Dict[str, list]:
     return {n: [r.get(n, (0, 0)) for r in every] for n in names.values()}
 
 
+def _train(model: torch.nn.Module, forward, step=None, params=None) -> Dict[str, torch.Tensor]:
+    """`STEPS` SGD steps (lr 1) of ``forward``'s squared output; returns the parameters before the
+    last (``step``: the engine's step in place of the optimiser's; ``params``: how to read them)."""
+    import torch.distributed as dist
+    params = params or (lambda: _full(model))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0) if step is None else None
+    for _ in range(STEPS):
+        before = params()
+        loss = forward(_batch(dist.get_rank())).square().mean()
+        if opt is None:
+            step(loss)
+            continue
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return before
+
+
 def _full(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
@@ -166,40 +184,26 @@ def _full(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def run_synchronizer(ref) -> dict:
-    import torch.distributed as dist
     from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
     model = _model()
     sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(**CONFIG))
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    for _ in range(STEPS):
-        before = _full(model)
-        model(_batch(dist.get_rank())).square().mean().backward()
-        sync.synchronize()
-        opt.step()
-        opt.zero_grad()
+    before = _train(model, model, step=lambda loss: _sync_step(model, sync, loss))
     out = {**_moved(before, _full(model), ref), "bytes": _entries(sync.last_step_report(), "flat", WORLD)}
     sync.close()
     return out
 
 
 def run_ddp_hook(ref) -> dict:
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from dad_integrations import register_dad_comm_hook
     model = _model()
     ddp = DDP(model)
     state = register_dad_comm_hook(ddp, CONFIG)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1.0)
-    for _ in range(STEPS):
-        before = _full(model)
-        ddp(_batch(dist.get_rank())).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    before = _train(model, ddp)
     return {**_moved(before, _full(model), ref), "bytes": _entries(state.last_step_report(), "flat", WORLD)}
 
 
 def run_fsdp2(ref) -> dict:
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from dad_integrations.fsdp import enable_dad_fsdp
     model = _model()
@@ -207,20 +211,13 @@ def run_fsdp2(ref) -> dict:
         fully_shard(block)
     fully_shard(model)
     sync = enable_dad_fsdp(model, CONFIG)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    for _ in range(STEPS):
-        before = _full(model)
-        model(_batch(dist.get_rank())).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    before = _train(model, model)
     out = {**_moved(before, _full(model), ref), "bytes": _entries(sync.last_step_report(), "row_shards", WORLD)}
     sync.close()
     return out
 
 
 def run_zero(stage: int, ref) -> dict:
-    import deepspeed
-    import torch.distributed as dist
     import deepspeed_dad
     model = _model()
     zero = {"stage": stage, "reduce_bucket_size": 10 ** 6}
@@ -230,13 +227,21 @@ def run_zero(stage: int, ref) -> dict:
            "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "dad": CONFIG}
     engine, *_ = deepspeed_dad.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
                                           config=cfg)
-    for _ in range(STEPS):
-        before = _zero_params(engine, stage)
-        engine.backward(engine(_batch(dist.get_rank())).square().mean())
-        engine.step()
+    before = _train(engine, engine, step=lambda loss: (engine.backward(loss), engine.step()),
+                    params=lambda: _zero_params(engine, stage))
     report = deepspeed_dad.get_attachment(engine).last_step_report()
     after = _zero_params(engine, stage)
     return {**_moved(before, after, ref), "bytes": _entries(report, "partitions", WORLD, _zero_ranges(engine, stage))}
+
+
+def _sync_step(model: torch.nn.Module, sync, loss: torch.Tensor) -> None:
+    """Backward, the synchroniser's average, one SGD step at lr 1."""
+    loss.backward()
+    sync.synchronize()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+            p.grad = None
 
 
 def _zero_params(engine, stage: int) -> Dict[str, torch.Tensor]:
@@ -283,17 +288,11 @@ def _between(report, layout: str, nodes: int, local: int) -> List[dict]:
 
 def run_two_level(ref) -> dict:
     """DDP across 2 nodes of 2 (stated by ``topology``): the owners run the route between nodes."""
-    import torch.distributed as dist
     from dad_integrations import DADConfig, DADSynchronizer, TorchDistributedAggregator
     model = _model()
     sync = DADSynchronizer(model, TorchDistributedAggregator(), DADConfig(**CONFIG, topology=2))
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    for _ in range(STEPS):  # step 0 is flat (the checked step), step 1 on at two levels
-        before = _full(model)
-        model(_batch(dist.get_rank())).square().mean().backward()
-        sync.synchronize()
-        opt.step()
-        opt.zero_grad()
+    # step 0 is flat (the checked step), step 1 on at two levels
+    before = _train(model, model, step=lambda loss: _sync_step(model, sync, loss))
     out = {**_moved(before, _full(model), ref), "bytes": _between(sync.last_step_report(), "two_level", 2, 2)}
     sync.close()
     return out
@@ -301,7 +300,6 @@ def run_two_level(ref) -> dict:
 
 def run_hsdp(ref) -> dict:
     """FSDP2 HSDP on a (2 replicas x 2 shards) mesh: the route on the hop between replicas."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from dad_integrations.fsdp import enable_dad_fsdp
@@ -311,12 +309,7 @@ def run_hsdp(ref) -> dict:
         fully_shard(block, mesh=dm)
     fully_shard(model, mesh=dm)
     sync = enable_dad_fsdp(model, CONFIG)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    for _ in range(STEPS):
-        before = _full(model)
-        model(_batch(dist.get_rank())).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+    before = _train(model, model)
     out = {**_moved(before, _full(model), ref), "bytes": _between(sync.last_step_report(), "replicate_hop", 2, 2)}
     sync.close()
     return out

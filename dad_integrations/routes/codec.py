@@ -31,11 +31,10 @@ import torch
 
 from dad_integrations.codecs.wire import BlockSpec, pack, packed_size, unpack
 from dad_integrations.comm.aggregator import CommHandle, FactorAggregator
-from dad_integrations.routes import layouts as L
 from dad_integrations.routes.hops import (from_owner, node_itemsize, reduce_scatter_bytes, ring_allreduce_bytes,
                                           to_owner_dense)
 from dad_integrations.routes.rank import replicate_bias
-from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing
+from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing, per_layout
 
 
 class GradientCodec(ABC):
@@ -144,12 +143,9 @@ def codec_route(name: str, codec: GradientCodec, *, summary: str, order: int = 1
         return codec.group_bytes(-(-m // s.local) * n, s.nodes) + replicate_bias(s)
 
     return RouteSpec(name=name, summary=summary, order=order, lossless=lossless, needs_rows=False,
-                     collectives={L.FLAT.name: (kind,), L.ROW_SHARDS.name: ("all_to_all",),
-                                  L.PARTITIONS.name: ("all_to_all",),
-                                  L.TWO_LEVEL.name: ("all_to_all", kind, "all_gather"),
-                                  L.REPLICATE_HOP.name: (kind,)},
-                     bytes={L.FLAT.name: flat, L.ROW_SHARDS.name: row_shards, L.PARTITIONS.name: partitions,
-                            L.TWO_LEVEL.name: two_level, L.REPLICATE_HOP.name: replicate_hop},
                      compute=lambda costs, capture, rows, world_size, calls: 0.0, state=state, codec=codec,
-                     opt_in=True)
+                     opt_in=True, **per_layout(flat=((kind,), flat), row_shards=(("all_to_all",), row_shards),
+                                               partitions=(("all_to_all",), partitions),
+                                               two_level=(("all_to_all", kind, "all_gather"), two_level),
+                                               replicate_hop=((kind,), replicate_hop)))
 

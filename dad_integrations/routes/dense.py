@@ -7,10 +7,9 @@ engine's own: the baseline every other route is priced against.
 """
 from __future__ import annotations
 
-from dad_integrations.routes import layouts as L
 from dad_integrations.routes.hops import (node_itemsize, reduce_scatter_bytes, ring_allreduce_bytes,
                                           to_owner_dense)
-from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing, register_route
+from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
 
 def flat(s: UnitSizing) -> float:
@@ -58,10 +57,13 @@ DENSE = register_route(RouteSpec(
     order=0,
     lossless=True,
     needs_rows=False,
-    collectives={L.FLAT.name: ("all_reduce",), L.ROW_SHARDS.name: ("all_to_all",),
-                 L.PARTITIONS.name: ("all_to_all",), L.TWO_LEVEL.name: ("all_to_all", "all_reduce", "all_gather"),
-                 L.NODE_PARTITIONS.name: ("none", "all_to_all", "none"), L.REPLICATE_HOP.name: ("all_reduce",)},
-    bytes={L.FLAT.name: flat, L.ROW_SHARDS.name: row_shards, L.PARTITIONS.name: partitions,
-           L.TWO_LEVEL.name: two_level, L.NODE_PARTITIONS.name: node_partitions, L.REPLICATE_HOP.name: replicate_hop},
+    **per_layout(
+        flat=(("all_reduce",), flat),
+        row_shards=(("all_to_all",), row_shards),
+        partitions=(("all_to_all",), partitions),
+        two_level=(("all_to_all", "all_reduce", "all_gather"), two_level),
+        node_partitions=(("none", "all_to_all", "none"), node_partitions),
+        replicate_hop=(("all_reduce",), replicate_hop),
+    ),
     compute=lambda costs, capture, rows, world_size, calls: 0.0,
 ))

@@ -20,10 +20,9 @@ from typing import Optional
 
 from dad_integrations.codecs.partition_exact import exchange_bytes
 from dad_integrations.codecs.wire import packed_size, rank_block_specs
-from dad_integrations.routes import layouts as L
 from dad_integrations.routes.hops import (from_owner, node_itemsize, partition_hops, reduce_scatter_bytes,
                                           ring_allreduce_bytes, to_owner_dense)
-from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing, register_route
+from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
 
 def _r(s: UnitSizing) -> int:
@@ -94,11 +93,13 @@ RANK = register_route(RouteSpec(
     needs_rows=False,
     rank_route="allgather",
     state=("warm_start", "error_feedback"),
-    collectives={L.FLAT.name: ("all_gather",), L.ROW_SHARDS.name: ("all_gather",),
-                 L.PARTITIONS.name: ("all_to_all",), L.TWO_LEVEL.name: ("all_to_all", "all_gather", "all_gather"),
-                 L.NODE_PARTITIONS.name: ("all_to_all", "all_to_all", "all_to_all"),
-                 L.REPLICATE_HOP.name: ("all_gather",)},
-    bytes={L.FLAT.name: flat, L.ROW_SHARDS.name: row_shards, L.PARTITIONS.name: partitions,
-           L.TWO_LEVEL.name: two_level, L.NODE_PARTITIONS.name: node_partitions, L.REPLICATE_HOP.name: replicate_hop},
+    **per_layout(
+        flat=(("all_gather",), flat),
+        row_shards=(("all_gather",), row_shards),
+        partitions=(("all_to_all",), partitions),
+        two_level=(("all_to_all", "all_gather", "all_gather"), two_level),
+        node_partitions=(("all_to_all", "all_to_all", "all_to_all"), node_partitions),
+        replicate_hop=(("all_gather",), replicate_hop),
+    ),
     compute=lambda costs, capture, rows, world_size, calls: costs.rank,
 ))

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dad_integrations.routes import layouts as L
 from dad_integrations.routes.hops import (from_owner, node_itemsize, partition_hops, reduce_scatter_bytes,
                                           ring_allreduce_bytes, to_owner_dense)
 from dad_integrations.routes.rank import replicate_bias, replicate_piece
-from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing, register_route
+from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
 
 def _pq(s: UnitSizing, itemsize: int) -> float:
@@ -76,11 +75,13 @@ RANK_ALLREDUCE = register_route(RouteSpec(
     needs_rows=False,
     rank_route="allreduce",
     state=("warm_start", "error_feedback"),
-    collectives={L.FLAT.name: ("all_reduce",), L.ROW_SHARDS.name: ("all_reduce",),
-                 L.PARTITIONS.name: ("all_reduce",), L.TWO_LEVEL.name: ("all_to_all", "all_reduce", "all_gather"),
-                 L.NODE_PARTITIONS.name: ("all_to_all", "all_reduce", "all_to_all"),
-                 L.REPLICATE_HOP.name: ("all_reduce",)},
-    bytes={L.FLAT.name: flat, L.ROW_SHARDS.name: row_shards, L.PARTITIONS.name: partitions,
-           L.TWO_LEVEL.name: two_level, L.NODE_PARTITIONS.name: node_partitions, L.REPLICATE_HOP.name: replicate_hop},
+    **per_layout(
+        flat=(("all_reduce",), flat),
+        row_shards=(("all_reduce",), row_shards),
+        partitions=(("all_reduce",), partitions),
+        two_level=(("all_to_all", "all_reduce", "all_gather"), two_level),
+        node_partitions=(("all_to_all", "all_reduce", "all_to_all"), node_partitions),
+        replicate_hop=(("all_reduce",), replicate_hop),
+    ),
     compute=lambda costs, capture, rows, world_size, calls: costs.rank_allreduce,
 ))

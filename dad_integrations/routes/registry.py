@@ -156,6 +156,13 @@ class RouteSpec:
 _ROUTES: Dict[str, RouteSpec] = {}
 
 
+def per_layout(**layouts: Tuple[Tuple[str, ...], ByteModel]) -> Dict[str, Dict[str, Any]]:
+    """``collectives`` and ``bytes`` for a `RouteSpec` from one ``layout=(collectives by hop, byte
+    model)`` entry per layout it runs on."""
+    return {"collectives": {name: kinds for name, (kinds, _) in layouts.items()},
+            "bytes": {name: model for name, (_, model) in layouts.items()}}
+
+
 def _layout_name(layout: Union[str, Layout]) -> str:
     return layout.name if isinstance(layout, Layout) else layout
 
