@@ -16,24 +16,18 @@ import os
 import signal
 import sys
 from datetime import timedelta
-from typing import Optional, Tuple
+from typing import Tuple
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
-from elastic_node_loss_worker import CONFIG, MODEL, batch  # noqa: E402
+from elastic_node_loss_worker import CONFIG, MODEL, batch, latest  # noqa: E402
 
 STEPS, EVERY, KILL_AT = 8, 2, 5
 
 
-def latest(ckpt: str) -> Optional[int]:
-    try:
-        with open(os.path.join(ckpt, "latest")) as f:
-            return int(f.read())
-    except FileNotFoundError:
-        return None
 
 
 def train(accelerator, ckpt: str, kill: bool) -> Tuple[torch.Tensor, int, list]:

@@ -19,13 +19,14 @@ import os
 import sys
 import time
 from datetime import timedelta
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
+from elastic_torchrun_worker import latest, save  # noqa: E402  (the checkpoint's layout, shared)
 
 CONFIG = {"mode": "rank", "rank": 2, "error_feedback": True}
 STEPS, EVERY, KILL_AT = 12, 2, 7
@@ -39,29 +40,8 @@ def batch(step: int, rank: int) -> dict:
     return {"x": x, "y": torch.tanh(x @ TEACHER)}
 
 
-def latest(ckpt: str) -> Optional[int]:
-    try:
-        with open(os.path.join(ckpt, "latest")) as f:
-            return int(f.read())
-    except FileNotFoundError:
-        return None
 
 
-def save(ckpt: str, step: int, ddp, opt, sync) -> None:
-    """dAD's state from every rank, model and optimizer from rank 0, then ``latest`` (written once
-    all are on disk: a rank killed mid-save leaves the last whole checkpoint named)."""
-    from dad_integrations.engines.checkpoint import save_rank_state
-    folder = os.path.join(ckpt, f"step{step}")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    save_rank_state(sync, folder, rank, world, step=step)
-    if rank == 0:
-        torch.save({"model": ddp.module.state_dict(), "optimizer": opt.state_dict()}, os.path.join(folder, "train.pt"))
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(ckpt, "latest.tmp"), "w") as f:
-            f.write(str(step))
-        os.replace(os.path.join(ckpt, "latest.tmp"), os.path.join(ckpt, "latest"))
-    dist.barrier()
 
 
 def mean_loss(loss: torch.Tensor) -> float:
