@@ -379,11 +379,14 @@ def test_the_route_runs_between_nodes_and_refusals_name_route_and_layout(tmp_pat
 
 
 def test_the_route_is_one_registration():
+    from dad_integrations.routes import get_route, unregister_route
     register()
-    from dad_integrations.routes import get_route
-    spec = get_route(ROUTE)
-    assert spec.opt_in and not spec.lossless and spec.codec is not None
-    assert set(spec.layouts) == {"flat", "row_shards", "partitions", "two_level", "replicate_hop"}
+    try:
+        spec = get_route(ROUTE)
+        assert spec.opt_in and not spec.lossless and spec.codec is not None
+        assert set(spec.layouts) == {"flat", "row_shards", "partitions", "two_level", "replicate_hop"}
+    finally:
+        unregister_route(ROUTE)  # this process's registry as the other tests expect it
 
 
 if __name__ == "__main__":

@@ -119,6 +119,9 @@ def test_compile_line_only_where_compile_is_in_use(monkeypatch, caplog):
 
     from dad_integrations.capture import compiled
 
+    # nothing compiled in this process (a test before may have compiled: its graphs would be dropped,
+    # and dropping them is said, rightly)
+    monkeypatch.setattr(compiled, "_drop_compiled_graphs", lambda: 0)
     for announce in (False, True):
         monkeypatch.setattr(compiled, "_GUARDED", False)
         monkeypatch.setattr(dynamo_config, "skip_nnmodule_hook_guards", True)
