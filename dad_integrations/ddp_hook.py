@@ -43,28 +43,24 @@ traced, it did nothing, and it cost a graph break): loaded, it is attached again
 `register_dad_comm_hook` on it (with no config: the saved config and state).
 """
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations and
-# accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings. Some imports
-# are unused since the split into ddp_attach/ddp_native/ddp_step: kept, names stay importable here.
+# accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 import logging
 import weakref
-from concurrent.futures import Future
 from datetime import timedelta
-from typing import Callable, List, Mapping, Optional, Tuple, Union
+from typing import Callable, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dad_integrations.engines import banner
 from dad_integrations.comm.aggregator import FactorAggregator
-from dad_integrations.capture.compiled import compiling, is_compiled
+from dad_integrations.capture.compiled import compiling
 from dad_integrations.capture.hooks import remove_detached_captures
 from dad_integrations.config import DADConfig
-from dad_integrations.comm.groups import new_group_like
-from dad_integrations.report import ParamReport, StepReport
-from dad_integrations.synchronizer import DADSynchronizer, in_backward
+from dad_integrations.routing.trial import in_backward
+from dad_integrations.synchronizer import DADSynchronizer
 from dad_integrations.ddp_attach import DRIVERS as _DRIVERS, attach as _attach, close_previous as _close_previous
-from dad_integrations.ddp_attach import ranks_group as _ranks_group, wrapper_compiled as _wrapper_compiled  # noqa: F401
+from dad_integrations.ddp_attach import wrapper_compiled as _wrapper_compiled
 from dad_integrations.ddp_native import NativeSteps
 from dad_integrations.ddp_step import StepEnd, raise_in_backward as _raise_in_backward
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Dict, List, Mapping, Optional, Union
+from typing import Callable, Dict, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -57,9 +57,7 @@ from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.engines.fsdp_detect import reject_fsdp1
 from dad_integrations.logs import OnceLogger
-# ReplicateHopCall and RowShardCall: unused since fsdp_calls.py, kept importable from here
-from dad_integrations.exchange.replicate_hop import ReplicateGroups, ReplicateHopCall  # noqa: F401
-from dad_integrations.exchange.row_shards import RowShardCall  # noqa: F401
+from dad_integrations.exchange.replicate_hop import ReplicateGroups
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
 from dad_integrations.fsdp_calls import _FSDPCall, _HSDPCall
 from dad_integrations.fsdp_seams import DADReduceScatter

@@ -40,24 +40,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from dataclasses import asdict
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
-import torch
 
-# the models and the cluster options live in plan_models and plan_cluster; every name importable
-# from here before that split still is (hence the unused imports)
-from dad_integrations.capture.assign import build_plan  # noqa: F401
+# the models and the cluster options live in plan_models and plan_cluster; the public names defined
+# here before that split are still importable from here
 from dad_integrations.config import DADConfig
 from dad_integrations.plan_cluster import _check_levels, _level_plan, _levels_header, _time_plan, cluster_shape
-from dad_integrations.plan_cluster import compute_model  # noqa: F401
-from dad_integrations.plan_models import (  # noqa: F401
-    DTYPES, PRESETS, _maps, build_meta_model, dummy_batch, forward_rows, load_config, max_positions, model_task,
-    preset_config)
-from dad_integrations.routing.planner import (  # noqa: F401
-    RowCounts, StepPlan, count_rows, plan_levels_model, plan_model, plan_sharded_model, render, render_levels,
-    render_sharded)
+from dad_integrations.plan_cluster import compute_model  # noqa: F401  (importable here, as before the split)
+from dad_integrations.plan_models import dummy_batch, preset_config  # noqa: F401  (importable here, as before)
+from dad_integrations.plan_models import (DTYPES, PRESETS, build_meta_model, forward_rows, load_config, max_positions,
+                                          model_task)
+from dad_integrations.routing.planner import plan_model, plan_sharded_model, render, render_levels, render_sharded
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

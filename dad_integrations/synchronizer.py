@@ -24,37 +24,26 @@ checkpoint (`state_dict`, `synchronizer_state`).
 """
 from __future__ import annotations
 
-# some imports are unused here but kept: names importable from here stay so (ddp_hook's in_backward)
 import atexit
 import contextlib
-import functools
 import logging
-import threading
-import time
-import weakref
-from typing import TYPE_CHECKING, Callable, Iterator, List, Mapping, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Iterator, List, Mapping, Optional, Tuple, Union
 
-import torch
 from torch import nn
 
 from dad_integrations.engines import banner
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import broadcast_model, check_same_model
-from dad_integrations.capture.compiled import compiling, guard_compiled_hooks, is_compiled
-from dad_integrations.capture.hooks import ForwardStartHook
+from dad_integrations.capture.compiled import guard_compiled_hooks, is_compiled
 from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.exchange.exchanger import Exchanger
 from dad_integrations.report import StepReport
-from dad_integrations.routing.trial import StepClock, in_backward
-from dad_integrations.capture.sink import BucketViewSink, GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.exchange.levels import build_levels
-from dad_integrations.exchange.window import StepWindow
-from dad_integrations.exchange.worker import Worker
 from dad_integrations.synchronizer_hooks import ParamHooks
 from dad_integrations.synchronizer_state import STATE_VERSION, load_units_state, units_state
-from dad_integrations.synchronizer_step import _ENGINE_DRAIN_S, StepLifecycle, _abandon
+from dad_integrations.synchronizer_step import StepLifecycle
 
 if TYPE_CHECKING:
     from dad_integrations.routing.link import LinkModel

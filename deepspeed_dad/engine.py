@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple, Union  # noqa: F401
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 
@@ -38,9 +38,9 @@ from dad_integrations import DADConfig, DADSynchronizer, StepReport
 from dad_integrations.engines import banner
 
 from .aggregator import DeepSpeedAggregator
-from .attachment import ATTR, get_attachment  # noqa: F401  get_attachment: re-exported
+from .attachment import ATTR, get_attachment  # noqa: F401  (importable here, as before the split)
 from .checkpointing import RankStateCheckpoints
-from .checks import _WIRE_NAMES, check_engine, is_engine, reduction_scales, wire_dtype  # noqa: F401  re-exported
+from .checks import check_engine, is_engine, reduction_scales, wire_dtype
 from .config import DADBlock, parse_block
 
 if TYPE_CHECKING:

@@ -21,17 +21,15 @@ import contextlib
 import logging
 import os
 import warnings
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union  # noqa: F401
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from dad_integrations import DADConfig, DADSynchronizer, StepReport
-from dad_integrations.engines import banner  # noqa: F401  (importable from here, as before the split)
 
 from ._horovod import Compression, hvd
-from .aggregator import HorovodAggregator  # noqa: F401  (importable from here, as before the split)
-from .arguments import _OP_NAMES, check_named_parameters, dad_config_for
+from .arguments import check_named_parameters, dad_config_for
 from .attaching import ModelAttachment
 from .discovery import ModelFinder
 from .params import unique
@@ -39,10 +37,6 @@ from .params import unique
 from .state import OptimizerState
 
 # the names this module held before `arguments`, `attaching`, `params` and `state` were split out of it
-from .arguments import apply_compression as _apply_compression, check_groups as _check_groups  # noqa: E402,F401
-from .arguments import check_named_parameters as _check_named_parameters  # noqa: E402,F401
-from .params import requiring_grad_only as _requiring_grad_only, sparse_to_dense as _sparse_to_dense  # noqa: E402,F401
-from .params import unique as _unique  # noqa: E402,F401
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,12 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Iterable, Optional
 
-import torch  # noqa: F401  (importable here, as before merging moved to `engines.merge`)
+import torch
 
-# merging the states of another world size lives in `engines.merge`; every name stays importable here
-from dad_integrations.engines.merge import (  # noqa: F401
-    _SPARSE_TABLES, _TOP_FROM_RANK0, _TOP_RESTART, _UNIT_FROM_RANK0, _UNIT_MEAN, _UNIT_RESTART, _UNIT_SHARDED,
-    _UNIT_TABLES, _Mean, _merge_top, _merge_unit, best_rank_q, merge_rank_states)
+# merging the states of another world size lives in `engines.merge`; its public names stay importable here
+from dad_integrations.engines.merge import best_rank_q, merge_rank_states  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -204,7 +204,10 @@ class RoutePolicy:
         ``params``: its report): its span to the route trial, what users see of the routes, then
         the next step's preparation."""
         arm = self.trial.arm(step) if self.trial is not None else None
-        summary = route_summary(params) if params else ""
+        # the summary is read where a trial may begin or is tried, or the routes may be said: not on
+        # every step (a steady dense step costs what the engine's does)
+        wanted = params and (arm == "routes" or step <= 1 or self.refresh_due(step))
+        summary = route_summary(params) if wanted else ""
         if arm in (None, "routes") and summary:
             self._tried = summary  # a route trial's decision line names the routes it tried
         self._run_trial(step, None if started is None else self.clock() - started)

@@ -199,8 +199,10 @@ class ShardedTrial:
             return
         if step == 0:
             self._say_mode_cost(params)
-        summary = route_summary(params)
         arm = self.arm(step)
+        if not (arm == "routes" or step <= 1 or self.refresh(step)):
+            return  # nothing to try or say this step: no summary built (steady steps stay cheap)
+        summary = route_summary(params)
         if arm in (None, "routes"):
             self._tried = summary
         active = self.trial is not None and (self.trial.active or (self.refresh(step) and self._compressed))
