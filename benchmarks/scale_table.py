@@ -180,8 +180,8 @@ def sharded_table(rank: int, geometries: Sequence[str] = SHARDED_GEOMETRIES, tok
                   sites=SHARDED_SITES) -> List[dict]:
     """Bytes per rank and steady-state step under FSDP2 (`plan.sharded_steady_state`): FSDP2's
     reduce-scatter against dAD exact, auto lossless and auto at ``rank``, fp32 gradients."""
-    from dad_integrations.plan import build_meta_model, load_config, max_positions as positions_of, \
-        sharded_steady_state
+    from dad_integrations.plan import build_meta_model, load_config, max_positions as positions_of
+    from dad_integrations.routing.planner import sharded_steady_state
 
     rows = []
     for g in geometries:
