@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu_check --json benchmarks/results/gpu_check.json    # a few minutes
     python -m benchmarks.gpu_check --device cpu --tiny                          # the same checks, small, on CPU
+    python -m benchmarks.gpu_check --render benchmarks/results/gpu_check.json > benchmarks/results/gpu_check.md
 
 Without CUDA (and without ``--device cpu``) it prints that it skipped and exits 0. Parts:
 
@@ -163,6 +164,35 @@ def nccl_ordering() -> Dict[str, object]:
     return {"ranks": [json.load(open(f"{out}.{r}")) for r in range(2)]}
 
 
+def render(out: Dict[str, object]) -> str:
+    """The results of one run as markdown (docs/benchmarks.md includes it)."""
+    lo = out["layer_overhead"]
+    a = out.get("args", {"tiny": False, "batch": 8, "seq": 1024, "rank": 4, "sites": 8})  # older runs: defaults
+    lines = [f"Device: {out['device']}; {'a tiny GPT-2' if a['tiny'] else 'GPT-2 small geometry'}, batch "
+             f"{a['batch']} x {a['seq']} tokens, rank {a['rank']}, {a['sites']} sites simulated.", "",
+             "| check | result |", "|---|---|"]
+    for e in out["exactness"]:
+        lines.append(f"| rebuild from captured rows, {e['precision']} | max relative error "
+                     f"{e['max_rel_err']:.2e} over {e['weights']} weights |")
+    lines.append(f"| backward pass | {lo['backward_s'] * 1e3:.2f} ms |")
+    for k, v in lo["totals"].items():
+        lines.append(f"| compute model, route `{k[:-2]}`, all weights | {v * 1e3:.2f} ms "
+                     f"({lo['of_backward'][k] * 100:.1f} % of backward) |")
+    for s in out["step_overhead"]:
+        share = s["dad_step_overhead_of_backward"]
+        lines.append(f"| {s['precision']}: rank reduction of every weight | {s['rank_reduction_s'] * 1e3:.2f} ms "
+                     f"({s['rank_reduction_of_backward'] * 100:.1f} % of a {s['backward_s'] * 1e3:.2f} ms backward) |")
+        lines.append(f"| {s['precision']}: whole rank-dAD step over a null aggregator, minus forward+backward | "
+                     f"{s['dad_step_overhead_s'] * 1e3:.2f} ms "
+                     f"({'n/a' if share is None else f'{share * 100:.1f} %'} of backward) |")
+    nccl = out["nccl_ordering"]
+    lines.append("| NCCL ordering | " + (f"skipped: {nccl['skipped']}" if "skipped" in nccl else
+                                          ", ".join(f"rank {r['rank']}: {'ok' if r.get('ok') else r.get('error')}"
+                                                    for r in nccl["ranks"])) + " |")
+    lines.append(f"| failures | {'; '.join(out['failures']) or 'none'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda")
@@ -173,14 +203,20 @@ def main(argv=None) -> int:
     p.add_argument("--sites", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--render", metavar="JSON", help="print a saved run's results as markdown and exit")
     args = p.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)), end="")
+        return 0
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here: skipped (run it where one is, or pass --device cpu --tiny)")
         return 0
     if device.type == "cpu":
         torch.set_num_threads(1)  # as the CPU tests run; two threads per rank oversubscribe small machines
-    out: Dict[str, object] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    out: Dict[str, object] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "args": {k: getattr(args, k) for k in ("tiny", "batch", "seq", "rank", "sites")}}
     out["exactness"] = [exactness(pr, args.tiny, device, args.batch, args.seq) for pr in ("fp32", "bf16")]
     out["layer_overhead"] = layer_overhead(args.tiny, device, args.batch, args.seq, args.rank, args.sites, args.reps)
     overhead_args = argparse.Namespace(tiny=args.tiny, seq=args.seq, batch=args.batch, rank=args.rank,
