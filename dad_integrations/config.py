@@ -110,8 +110,7 @@ class DADConfig:
             directions carry over, its tail is dropped. None (the default) keeps it whole. Under
             FSDP2 and ZeRO, where a whole residual per rank costs S times the weight's gradient
             shard, it gives back most of the memory sharding saved, for part of error feedback's
-            gain (GPT-2 at two ranks: q=16 kept 69 % of it with 9 % of the residual's numbers,
-            `benchmarks/results/convergence_error_feedback_memory_2ranks.md`).
+            gain (measured in `benchmarks/results/convergence_error_feedback_memory_2ranks.md`).
         adaptive_tolerance: in (0, 1]; send the fewest components (at most ``rank``) whose
             captured share of the local gradient's energy reaches it (each site's own factors: it
             makes the rank route the all-gather).
@@ -136,9 +135,8 @@ class DADConfig:
         lossless_steps: the first this many synchronised steps take no rank route (auto without
             a rank: exact factors or dense, whichever is cheaper), as PowerSGD's hook all-reduces
             its first ``start_powerSGD_iter`` steps. Default 10 (``$DAD_LOSSLESS_STEPS`` changes
-            it for configs that do not name it): it kept dAD within 1 % of PowerSGD with a 30-step
-            warm-up at steps 30, 60 and 300 (3 seeds, AdamW and SGD), where 0 missed by 4.1 % at
-            step 60 and 2 by 3.3 % (`benchmarks/results/convergence_early_training_2ranks.md`).
+            it for configs that do not name it; `benchmarks/results/convergence_early_training_2ranks.md`
+            measures it against 0 and 2 and PowerSGD's 30-step warm-up).
             It costs 10 dense steps once. Modes ``"rank"`` and ``"auto"`` with a rank only.
         objective: what auto minimises per weight. ``"time"`` (the default; ``$DAD_OBJECTIVE``
             changes it for configs that do not name one): the predicted seconds of each route, its

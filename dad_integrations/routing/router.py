@@ -9,9 +9,9 @@ Routes are the registry's (`dad_integrations.routes`: ``dense``, ``exact``, ``ra
 one statement of that rule that every layout's chooser asks.
 
 The two rank routes need no row counts; which one a weight takes is ``rank_route``'s choice, by
-bytes where it is ``"auto"``. At two sites they tie, and the tie goes to the all-reduce: measured
-(`benchmarks/convergence.py`, byte GPT-2, 2 ranks, 2 seeds) it trained to PowerSGD's held-out loss
-where the all-gather's rank ``2 r`` rebuild, from each site's own noisier subspace, ended 3.7 % above.
+bytes where it is ``"auto"``. At two sites they tie, and the tie goes to the all-reduce: it trained to PowerSGD's held-out loss,
+where the all-gather's rank ``2 r`` rebuild, from each site's own noisier subspace, ended above
+(`benchmarks/results/convergence_allgather_2ranks.md`).
 Embeddings take them too (from their dense local gradient, as PowerSGD compresses them).
 
 Against PowerSGD. PowerSGD's hook sends each matrix as ``r (m+n)`` all-reduced (or dense where

@@ -50,8 +50,8 @@ Cost: for self-attention a step's rows are the ``N L`` tokens of every call, ``N
 numbers for ``in_proj`` (``X`` sent once for q, k and v) against ``3 E^2`` for its gradient, and
 ``N L 2E`` for ``out_proj`` against ``E^2``: exact factors pay only while a rank's tokens stay
 below about ``3E/4`` (``E/2`` for ``out_proj``); beyond, "auto" routes dense or rank.
-The mode costs a Python call per tensor operation of the module's forward (about 55 per call:
-on CPU ~0.3-1.5 ms per attention forward, paid only while capturing).
+The mode costs a Python call per tensor operation of the module's forward (about 55 per call,
+paid only while capturing).
 """
 from __future__ import annotations
 

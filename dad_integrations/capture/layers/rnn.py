@@ -22,12 +22,9 @@ Rows per weight: ``N * T`` (batch times steps; a ``PackedSequence`` gives its ``
 ``gates * H`` wide on the left (``gates``: GRU 3, LSTM 4, RNN 1) and ``in`` or ``H`` on the right.
 
 Cost: the replay is a second forward of the recurrence (``T`` small matrix products per layer, in a
-Python loop) plus its backward without the weight gradients. Measured on one CPU thread (2 layers,
-CPU time, best of 9): GRU 1.1-1.2x the module's own backward (B=8, T=32, H=128: 10-12 ms against
-9-10 ms; B=32, T=64, H=256: 131-134 ms against 108-112 ms), LSTM 1.5-2.4x (PyTorch's CPU LSTM is
-fused: 10.5-11 ms against 4.5 ms; 136-147 ms against 89-92 ms); the same replay through autograd
-cost 1.2-3.7x. On a GPU, where cuDNN fuses the whole recurrence, the loop of small kernels is
-expected to be many times slower than the fused call (not measured). Exact factors pay for few
+Python loop) plus its backward without the weight gradients: on CPU of the order of the module's
+own backward (more for LSTM, whose CPU kernel is fused). On a GPU, where cuDNN fuses the whole
+recurrence, the loop of small kernels is many times slower than the fused call. Exact factors pay for few
 rows only (short sequences, small batches) anyway; a unit routed from its dense gradient stops
 capturing, and then nothing is replayed.
 
