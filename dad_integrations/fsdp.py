@@ -130,7 +130,7 @@ class FSDPDADSynchronizer(ShardedFacade):
         self.exchanger.start(TorchDistributedAggregator() if rep is None else rep.world,
                              units[0].param.device if units else None, units,
                              link_probe=None if rep is None else rep.probe_link,
-                             layout=layouts.ROW_SHARDS if rep is None else layouts.REPLICATE_HOP)
+                             layout=layouts.layout_for("fsdp2" if rep is None else "hsdp"))
         self._forward_hook = self.exchanger.watch_forward(model)
         self._installed = groups
         for module, pg in groups:
