@@ -124,7 +124,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         if self._nodes is not None:
             check_routes(config.routes, layouts.layout_for("zero", across_nodes=True))
         # across nodes the residuals live on each weight's owner (node sums): say what is held
-        self.exchanger.say_residuals(self.levels.topology.local_size if self._nodes is not None else 1)
+        self.exchanger.say_residuals(layouts.layout_for("zero", across_nodes=self._nodes is not None),
+                                     None if self._nodes is None else self._nodes.owner_of)
         self._new_backward = True
         self._originals: Dict[str, Any] = {}
         prologue, epilogue = engine._backward_prologue, engine._backward_epilogue
