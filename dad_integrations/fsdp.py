@@ -90,7 +90,7 @@ class FSDPDADSynchronizer(ShardedFacade):
             raise ValueError("enable_dad_fsdp: 'adaptive_tolerance' is not supported under FSDP2 (the sharded rank "
                              "routes exchange equal blocks of r components from every rank); leave it unset")
         reject_fsdp1(model, "enable_dad_fsdp")
-        self._log_once = OnceLogger(log, "dAD/FSDP2: ")
+        self._log_once = OnceLogger(log, "dAD/FSDP2: ", rank=dist.get_rank())  # the model's: rank 0 says it
         self._closed = False
         self._task: Optional[int] = None
         self._aggregators: Dict[int, TorchDistributedAggregator] = {}

@@ -228,3 +228,77 @@ def test_sharded_exact_mode_on_a_fast_link_warns(sharded_job, case, engine, link
     assert len(warned) == 1 and f"({link}); mode auto would take" in warned[0], said
     assert stderr.count(warned[0]) == 1
     assert all(r[case]["said"] == [] for r in ranks[1:])
+
+
+# Lines said on every rank because they differ by rank (or run where there is one process), by
+# (module, function): everything else the library logs or warns sits under a rank test.
+EVERY_RANK = {
+    ("dad_integrations/accelerate.py", "enable_dad"): "a single process",
+    ("dad_integrations/transformers.py", "on_train_begin"): "a single process",
+    ("dad_integrations/capture/layers/mha.py", "_post_hook"): "this process's torch function mode stack",
+    ("dad_integrations/elastic.py", "warn_if_unprefixed"): "called by banner.announce, on rank 0 only",
+    ("dad_integrations/engines/registry.py", "load_entry_points"): "this node's installed adapters",
+    ("horovod_dad/optimizer.py", "DADOptimizer"): "Horovod's own warning, on every rank as Horovod's",
+    ("horovod_dad/optimizer.py", "_synchronizing_step"): "Horovod's own warning (its ported test checks each rank)",
+}
+
+
+def _log_calls(path):
+    """(line, function, call, gated) for every ``log.*``/``warnings.warn`` call in ``path``:
+    gated where an enclosing ``if`` tests a rank (``rank``, ``is_main_process``)."""
+    import ast
+
+    found = []
+
+    def visit(node, guards, func):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, [], child.name)
+                continue
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                    and child.func.attr in ("warning", "info", "error", "warn")
+                    and ast.unparse(child.func.value) in ("log", "logger", "self.log", "warnings")):
+                gated = any(k in g for g in guards for k in ("rank", "is_main_process"))
+                found.append((child.lineno, func, ast.unparse(child.func), gated))
+            if isinstance(child, ast.If):
+                test = ast.unparse(child.test)
+                for part in child.body + child.orelse:
+                    visit(ast.Module(body=[part], type_ignores=[]), guards + [test], func)
+                continue
+            visit(child, guards, func)
+
+    visit(ast.parse(path.read_text()), [], "<module>")
+    return found
+
+
+def test_rank_invariant_lines_come_from_rank_zero():
+    """Item 1: what every rank would say alike (the model's layout, a config's consequence, an
+    agreed decision) is said by rank 0 only; the exceptions differ by rank or run alone (`EVERY_RANK`)."""
+    from conftest import ROOT
+
+    ungated = []
+    for pkg in ("dad_integrations", "deepspeed_dad", "horovod_dad"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            ungated += [(rel, line, func, call) for line, func, call, gated in _log_calls(path)
+                        if not gated and (rel, func) not in EVERY_RANK]
+    assert not ungated, ungated
+
+
+def test_once_logger_and_process_rank(monkeypatch, caplog):
+    """`OnceLogger` says each line once, on rank 0 only (its ``rank``, else `process_rank`, which
+    reads the launcher's variables before a process group is up)."""
+    from dad_integrations.logs import OnceLogger, process_rank
+
+    logger = logging.getLogger("dad_integrations.test_once")
+    monkeypatch.setenv("RANK", "1")
+    assert process_rank() == 1
+    with caplog.at_level(logging.WARNING, logger="dad_integrations.test_once"):
+        OnceLogger(logger, "x: ")("said on rank 1?")
+        OnceLogger(logger, "x: ", rank=0)("said on rank 0")
+        once = OnceLogger(logger, "x: ", rank=0)
+        once("twice")
+        once("twice")
+    assert [r.getMessage() for r in caplog.records] == ["x: said on rank 0", "x: twice"]
+    monkeypatch.setenv("RANK", "0")
+    assert process_rank() == 0

@@ -41,7 +41,7 @@ def new_group_like(ranks: Sequence[int], *, base: Optional[dist.ProcessGroup] = 
         base = default
     if timeout is None:
         timeout = _group_timeout(base)
-        if timeout is None:
+        if timeout is None and dist.get_rank() == 0:  # the same group on every rank
             log.warning("could not read the timeout of process group %s; dAD's group gets torch's default", base)
     if backend is None and base is not default:
         backend = dist.get_backend(base)

@@ -172,7 +172,7 @@ class ShardedExchanger(TimedRoutes):
         self.rank_codec = rank_codec or (ShardedRankCodec(config, self.wire) if config.rank is not None else None)
         self._trial = ShardedTrial(config, f"dAD/{engine}", log_decisions=process_rank == 0)
         self.log = logger
-        self.log_once = OnceLogger(logger, f"dAD/{engine}: ")
+        self.log_once = OnceLogger(logger, f"dAD/{engine}: ", rank=process_rank)  # agreed: rank 0 says it
         self.report: Optional[ShardedStepReport] = None
         self.steps = 0                    # steps begun (a backward that reduces)
         self._verified: set = set()       # units whose first call was checked
