@@ -57,8 +57,8 @@ NODE_PARTITIONS = Layout("node_partitions", ("to_owner", "between", "from_owner"
                          keeps="its flat element range of the average; each weight's owner sums the node's "
                                "gradients and rebuilds the node's stretch", residuals="owner")
 REPLICATE_HOP = Layout("replicate_hop", ("between",), (BETWEEN,), sharded=True,
-                       keeps="its row block of the node's shard; the ranks holding the same rows on each node "
-                             "exchange between nodes", residuals="rows",
+                       keeps="its row block (`ceil(m/L)` rows) of the average, the same on every node; the "
+                             "ranks holding the same rows on each node exchange between nodes", residuals="rows",
                        engine_inside="FSDP2's reduce-scatter over the node's ranks before the hop (`dense`, the rank "
                                      "routes); exact factors cross first, then run FSDP2's sharded exact exchange "
                                      "inside the node")
