@@ -177,10 +177,11 @@ def sharded_residual_note(config, shapes, world_size: int, itemsize: int, held=N
     mine, shards = residual_bytes(held, itemsize), residual_bytes(shapes, itemsize) / world_size
     low = sum(min(16, m, n) * (m + n) if min(m, n) > 16 else m * n for m, n in held) * itemsize
     kind = {2: "16-bit", 4: "fp32", 8: "fp64"}.get(itemsize, f"{itemsize}-byte")
+    bound = (f"'error_feedback_rank': 16 would keep {_size(low)} (part of its gain: docs/reference/config.md, "
+             f"error_feedback_rank), " if low < mine else "")  # small weights: a rank-16 pair holds more
     return (f"error feedback ({kind}) keeps {where}: up to {_size(mine)} a rank ({len(held)} of {len(shapes)} "
             f"weights), {mine / shards:.1f}x a rank's gradient shards of these weights ({_size(shards)}); "
-            f"'error_feedback_rank': 16 would keep {_size(low)} (part of its gain: docs/reference/config.md, "
-            f"error_feedback_rank), 'error_feedback': false none")
+            f"{bound}'error_feedback': false none")
 
 
 def error_feedback_for(config) -> ErrorFeedback:
