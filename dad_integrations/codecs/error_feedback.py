@@ -161,8 +161,11 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 2 ** 20:,.1f} MiB" if nbytes >= 0.05 * 2 ** 20 else f"{nbytes / 2 ** 10:,.1f} KiB"
 
 
+EVERY_RANK = "one whole m x n residual per rank-routed weight, on every rank"
+
+
 def sharded_residual_note(config, shapes, world_size: int, itemsize: int, held=None,
-                          where: str = "one whole m x n residual per rank-routed weight, on every rank") -> Optional[str]:
+                          where: str = EVERY_RANK) -> Optional[str]:
     """Under FSDP2 or ZeRO: what whole residuals cost beside the gradient shards they sit next to,
     and how to bound it; None where the config keeps no whole residual (no rank, mode exact, no
     error feedback, or ``error_feedback_rank``). ``shapes``: the weights rank routes may take;

@@ -249,7 +249,8 @@ class ShardedExchanger(TimedRoutes):
         def run() -> None:
             if report is not None:  # what users see of the step's routes (rank 0); the link a mode's
                 # cost is priced on, where none is modelled, measured here (on every rank alike)
-                self._trial.note_report(step, report.params, probe=lambda: self._trial.engine.probe(aggregator, device))
+                self._trial.note_report(step, report.params,
+                                        probe=lambda: self._trial.engine.probe(aggregator, device))
             end(step, agree_on(aggregator, device))
         return run
 

@@ -82,14 +82,17 @@ class EngineLayouts:
 ONE_NODE = "one node, one rank a node, or `topology: \"flat\"`"
 NODES = "`N` nodes of `L` ranks (`N, L > 1`)"
 ENGINES: Dict[str, EngineLayouts] = {e.key: e for e in (
-    EngineLayouts("synchronizer", ("DDP's communication hook", "DADSynchronizer", "Horovod's DADOptimizer (across nodes: process sets)",
-                                   "DeepSpeed ZeRO-0 and ZeRO-1", "Accelerate and the Trainer on DDP or ZeRO-0/1"),
-                  ((ONE_NODE, FLAT), (NODES + ": steps at two levels where predicted faster (the first step flat)", TWO_LEVEL)),
+    EngineLayouts("synchronizer", ("DDP's communication hook", "DADSynchronizer",
+                                   "Horovod's DADOptimizer (across nodes: process sets)", "DeepSpeed ZeRO-0 and ZeRO-1",
+                                   "Accelerate and the Trainer on DDP or ZeRO-0/1"),
+                  ((ONE_NODE, FLAT),
+                   (NODES + ": steps at two levels where predicted faster (the first step flat)", TWO_LEVEL)),
                   "dad_integrations.exchange.exchanger"),
     EngineLayouts("fsdp2", ("FSDP2 (1-D mesh)", "Accelerate and the Trainer on FSDP2"),
                   (("any: a 1-D mesh is one level, across nodes too", ROW_SHARDS),), "dad_integrations.fsdp"),
     EngineLayouts("hsdp", ("FSDP2 HSDP (2-D mesh)", "Accelerate and the Trainer on HSDP"),
-                  (("a `(\"replicate\", \"shard\")` mesh: shards inside a node, replicas across nodes", REPLICATE_HOP),),
+                  (("a `(\"replicate\", \"shard\")` mesh: shards inside a node, replicas across nodes",
+                    REPLICATE_HOP),),
                   "dad_integrations.fsdp"),
     EngineLayouts("zero", ("DeepSpeed ZeRO-2 and ZeRO-3", "Accelerate and the Trainer on ZeRO-2/3"),
                   ((ONE_NODE, PARTITIONS), (NODES, NODE_PARTITIONS)), "deepspeed_dad.zero"),
