@@ -15,29 +15,16 @@ handler would print each line twice).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Optional, Set
 
 SAY_LOGGER = "dad_integrations.banner"  # a public name (users silence it), not a module path
 
 
-# where no process group is up yet: the launchers' variables (torchrun, DeepSpeed's, Accelerate's,
-# horovodrun, Open MPI)
-RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")
-
-
 def process_rank() -> int:
-    """This process's rank: in torch.distributed's default group where it is up, else the
-    launcher's (`RANK_VARIABLES`), else 0 (one process)."""
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    for name in RANK_VARIABLES:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    """This process's rank (`comm.groups.process_rank`: the default group's, else the launcher's)."""
+    from dad_integrations.comm.groups import process_rank as rank  # torch.distributed lives in comm
+    return rank()
 
 
 class OnceLogger:
