@@ -11,6 +11,8 @@ import threading
 import warnings
 from typing import Any, Callable, List, Mapping, Set
 
+from dad_integrations.logs import process_rank
+
 _warned: Set[str] = set()  # "old.module.name"s already warned about in this process
 _lock = threading.Lock()
 
@@ -38,6 +40,7 @@ def _warn_once(old: str, new: str) -> None:
         if old in _warned:
             return
         _warned.add(old)
-    # stacklevel 3: past this helper and the module's __getattr__, to the line that imported it
-    warnings.warn(f"{old} has moved to {new}; import it from there (the old path will be removed)",
-                  FutureWarning, stacklevel=3)
+    if process_rank() == 0:  # every rank imports alike: rank 0 says it
+        # stacklevel 3: past this helper and the module's __getattr__, to the line that imported it
+        warnings.warn(f"{old} has moved to {new}; import it from there (the old path will be removed)",
+                      FutureWarning, stacklevel=3)

@@ -97,8 +97,9 @@ def enable_dad(accelerator, model: nn.Module,
     ddp = _find_ddp(accelerator, model)
     sync = register_dad_comm_hook(ddp, config, compiled=_compiles(accelerator, model))
     _checkpoint_with_accelerator(accelerator, ddp, sync)
-    log.info("dAD enabled on Accelerate (%s, %d processes) as DDP's communication hook",
-             kind, accelerator.num_processes)
+    if accelerator.is_main_process:  # the same on every process
+        log.info("dAD enabled on Accelerate (%s, %d processes) as DDP's communication hook",
+                 kind, accelerator.num_processes)
     return sync
 
 
@@ -167,11 +168,12 @@ def _enable_on_fsdp(accelerator, model: nn.Module, config: Union[DADConfig, Mapp
     sync = enable_dad_fsdp(root, config)
     if keeps_state(sync):  # the rank routes' residuals and warm starts, one file per rank
         _checkpoint_with_accelerator(accelerator, root, sync)
-    else:
+    elif accelerator.is_main_process:  # the same on every process
         log.info("dAD under FSDP2 keeps no state between steps in mode %s: accelerator.save_state writes "
                  "no dAD file and load_state needs none", sync.config.mode)
-    log.info("dAD enabled on Accelerate (FSDP2, %d processes) inside FSDP2's gradient reduce-scatter",
-             accelerator.num_processes)
+    if accelerator.is_main_process:
+        log.info("dAD enabled on Accelerate (FSDP2, %d processes) inside FSDP2's gradient reduce-scatter",
+                 accelerator.num_processes)
     return sync
 
 

@@ -15,6 +15,7 @@ from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.comm.groups import new_group_like
 from dad_integrations.config import DADConfig
 from dad_integrations.engines import banner
+from dad_integrations.logs import process_rank
 from dad_integrations.synchronizer import DADSynchronizer
 
 log = logging.getLogger("dad_integrations.ddp_hook")  # the hook's logger, as before the split
@@ -39,7 +40,8 @@ def close_previous(module: nn.Module) -> None:
     old hook's synchroniser, whose hooks on the module would go on capturing rows for nobody."""
     previous = DRIVERS.pop(module, None)
     if previous is not None and previous.sync is not None and not previous.sync._closed:
-        log.info("dAD: the model was wrapped in a new DDP; the dAD hook of the previous one is closed")
+        if process_rank() == 0:  # the same on every rank
+            log.info("dAD: the model was wrapped in a new DDP; the dAD hook of the previous one is closed")
         previous.sync.close()
 
 

@@ -90,7 +90,7 @@ class FSDPDADSynchronizer(ShardedFacade):
             raise ValueError("enable_dad_fsdp: 'adaptive_tolerance' is not supported under FSDP2 (the sharded rank "
                              "routes exchange equal blocks of r components from every rank); leave it unset")
         reject_fsdp1(model, "enable_dad_fsdp")
-        self._log_once = OnceLogger(log, "dAD/FSDP2: ")
+        self._log_once = OnceLogger(log, "dAD/FSDP2: ", rank=dist.get_rank())  # the model's: rank 0 says it
         self._closed = False
         self._task: Optional[int] = None
         self._aggregators: Dict[int, TorchDistributedAggregator] = {}
@@ -130,7 +130,7 @@ class FSDPDADSynchronizer(ShardedFacade):
         self.exchanger.start(TorchDistributedAggregator() if rep is None else rep.world,
                              units[0].param.device if units else None, units,
                              link_probe=None if rep is None else rep.probe_link,
-                             layout=layouts.ROW_SHARDS if rep is None else layouts.REPLICATE_HOP)
+                             layout=layouts.layout_for("fsdp2" if rep is None else "hsdp"))
         self._forward_hook = self.exchanger.watch_forward(model)
         self._installed = groups
         for module, pg in groups:

@@ -1,4 +1,8 @@
-"""dAD's messages: said once (`OnceLogger`), and said where users look (`say`).
+"""dAD's messages: said once (`OnceLogger`), by one rank (`process_rank`), and said where users look (`say`).
+
+What every rank would say alike (the model's layout, a config's consequence, an agreed decision) is
+said by rank 0 only; a line that differs by rank (an error naming a peer, this process's own state)
+is said where it happens.
 
 `say` is the channel for what a user of a run should see at default log levels: the attach line
 (`engines.banner`), the job's nodes and links, each route decision, a mode predicted to cost time.
@@ -17,18 +21,29 @@ from typing import Optional, Set
 SAY_LOGGER = "dad_integrations.banner"  # a public name (users silence it), not a module path
 
 
-class OnceLogger:
-    """Logs each message (or each ``key``) once, with ``prefix`` in front: ``"dAD/FSDP2: ..."``."""
+def process_rank() -> int:
+    """This process's rank (`comm.groups.process_rank`: the default group's, else the launcher's)."""
+    from dad_integrations.comm.groups import process_rank as rank  # torch.distributed lives in comm
+    return rank()
 
-    def __init__(self, logger: logging.Logger, prefix: str = "", level: int = logging.WARNING):
-        self.logger, self.prefix, self.level = logger, prefix, level
+
+class OnceLogger:
+    """Logs each message (or each ``key``) once, with ``prefix`` in front: ``"dAD/FSDP2: ..."``;
+    on rank 0 only (``rank``: this process's rank in the caller's group; None reads
+    `process_rank` at each message), since what it says is the same on every rank: a message that
+    differs by rank goes to the logger itself."""
+
+    def __init__(self, logger: logging.Logger, prefix: str = "", level: int = logging.WARNING,
+                 rank: Optional[int] = None):
+        self.logger, self.prefix, self.level, self.rank = logger, prefix, level, rank
         self._said: Set[str] = set()
 
     def __call__(self, message: str, *args: object, key: Optional[str] = None) -> None:
         key = message if key is None else key
         if key not in self._said:
             self._said.add(key)
-            self.logger.log(self.level, self.prefix + message, *args)
+            if (process_rank() if self.rank is None else self.rank) == 0:
+                self.logger.log(self.level, self.prefix + message, *args)
 
 
 class _StderrHandler(logging.StreamHandler):

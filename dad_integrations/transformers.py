@@ -81,7 +81,8 @@ class DADCallback(TrainerCallback):
             self.sync = enable_dad_fsdp(getattr(model, "_orig_mod", model), self.config)
             if resume is not None and keeps_state(self.sync):  # exact/auto under FSDP2 keep none
                 self._load_rank_state(resume, state, world)
-            log.info("dAD enabled for Trainer (FSDP2: inside its gradient reduce-scatter)")
+            if dist.get_rank() == 0:  # the same on every rank
+                log.info("dAD enabled for Trainer (FSDP2: inside its gradient reduce-scatter)")
             return
         wrapper, adapter = _wrapper_of(model)
         if wrapper is None:
@@ -103,7 +104,8 @@ class DADCallback(TrainerCallback):
                 self.sync = adapter.attach(wrapper, self.config)
                 if self.sync is not None and resume is not None and adapter.load_checkpoint_state is not None:
                     adapter.load_checkpoint_state(wrapper, resume)
-        log.info("dAD enabled for Trainer (%s)", type(wrapper).__name__)
+        if dist.get_rank() == 0:  # the same on every rank
+            log.info("dAD enabled for Trainer (%s)", type(wrapper).__name__)
 
     def _load_rank_state(self, resume: str, state, world: int) -> None:
         payload = load_rank_state(self.sync, resume, dist.get_rank(), world)

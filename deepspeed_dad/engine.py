@@ -36,6 +36,7 @@ import torch
 
 from dad_integrations import DADConfig, DADSynchronizer, StepReport
 from dad_integrations.engines import banner
+from dad_integrations.logs import process_rank
 
 from .aggregator import DeepSpeedAggregator
 from .attachment import ATTR, get_attachment  # noqa: F401  (importable here, as before the split)
@@ -182,7 +183,8 @@ def attach(engine: Any, config: Union[DADConfig, DADBlock, Mapping[str, Any], No
     if getattr(engine, ATTR, None) is not None:
         raise ValueError("dAD is already attached to this engine")
     if not block.enabled:
-        log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
+        if process_rank() == 0:  # the same config on every rank
+            log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
         return None
     if int(engine.zero_optimization_stage()) in (2, 3):
         from .zero import ZeroDAD, check_zero

@@ -14,6 +14,7 @@ import os
 from typing import Any, Callable, Tuple
 
 import deepspeed_dad_hook as hook
+from dad_integrations.logs import process_rank
 
 from .accelerate_compat import let_accelerate_skip_dad_block
 from .config import BLOCK_KEY, split_config
@@ -48,7 +49,7 @@ def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], re
                 break
     config, block = split_config(source) if source is not None else (None, None)
     if block is None:
-        if require_block:
+        if require_block and process_rank() == 0:  # the same config on every rank
             log.warning("the DeepSpeed config has no 'dad' block: DeepSpeed's own all-reduce is kept")
         return ds_initialize(*args, **kwargs)  # the caller's arguments, untouched
 
@@ -62,7 +63,7 @@ def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], re
     result = ds_initialize(*bound.args, **bound.kwargs)
     if block.enabled:
         attach(result[0], block)
-    else:
+    elif process_rank() == 0:
         log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
     return result
 
@@ -113,7 +114,8 @@ def patch_deepspeed_initialize() -> None:
     let_accelerate_skip_dad_block()
     hook.wrap_deepspeed(deepspeed, by_hook=False)
     _explicit = True
-    log.info("deepspeed.initialize now attaches dAD to engines whose config has an enabled 'dad' block")
+    if process_rank() == 0:
+        log.info("deepspeed.initialize now attaches dAD to engines whose config has an enabled 'dad' block")
 
 
 def unpatch_deepspeed_initialize() -> None:

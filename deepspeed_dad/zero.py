@@ -109,7 +109,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
             config, engine=f"ZeRO-{self.zero_stage}", fallback="DeepSpeed's reduction",
             process_rank=self.aggregator.rank, world_size=world_size, logger=log,
             overhead_names={"counts": "dad.zero.counts", "verify": "dad.zero.verify", "finite": "dad.zero.finite"})
-        self.exchanger.start(self.aggregator, device, self.plan.units, layout=layouts.PARTITIONS, residual_note=False)
+        self.exchanger.start(self.aggregator, device, self.plan.units, layout=layouts.layout_for("zero"),
+                             residual_note=False)
         # a step's span for route trials starts at the module's forward (ZeRO-3's all-gathers included)
         self._forward_hook = self.exchanger.watch_forward(engine.module)
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
@@ -121,9 +122,10 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         self.levels = build_levels(config, self.aggregator, device)
         self._nodes = node_partition_layout(self.levels, self._layout, self.plan.units)
         if self._nodes is not None:
-            check_routes(config.routes, layouts.NODE_PARTITIONS)
+            check_routes(config.routes, layouts.layout_for("zero", across_nodes=True))
         # across nodes the residuals live on each weight's owner (node sums): say what is held
-        self.exchanger.say_residuals(self.levels.topology.local_size if self._nodes is not None else 1)
+        self.exchanger.say_residuals(layouts.layout_for("zero", across_nodes=self._nodes is not None),
+                                     None if self._nodes is None else self._nodes.owner_of)
         self._new_backward = True
         self._originals: Dict[str, Any] = {}
         prologue, epilogue = engine._backward_prologue, engine._backward_epilogue

@@ -116,8 +116,8 @@ class Zero2Seam(_Seam):
         for p in params:
             offsets.append(offsets[-1] + p.numel())
         if offsets[-1] != tensor.numel():  # not the bucket layout this seam knows: DeepSpeed's own
-            self.dad._log_once(f"a ZeRO-2 reduction of {tensor.numel()} elements for a bucket of {offsets[-1]}: "
-                               f"DeepSpeed's reduction kept")
+            self.dad.exchanger.log_once(f"a ZeRO-2 reduction of {tensor.numel()} elements for a bucket of "
+                                        f"{offsets[-1]}: DeepSpeed's reduction kept")
             return original(tensor, communication_data_type)
         views = [tensor.narrow(0, offsets[k], p.numel()) for k, p in enumerate(params)]
         owned = self._reduce_in_place(params, views, ranges, tensor.element_size())

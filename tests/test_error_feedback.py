@@ -85,7 +85,7 @@ def test_at_q_of_the_smaller_side_the_residual_is_kept_whole():
 def test_the_sharded_note_says_what_whole_residuals_cost_and_how_to_bound_them():
     shapes = [(4096, 1024), (8, 8)]  # 16 MiB and 256 B of fp32 residuals; rank 16 keeps 16 x 5120 numbers
     note = sharded_residual_note(DADConfig(mode="rank", rank=2), shapes, 4, 4)
-    assert "up to 16.0 MiB here, 4x these weights' gradient shards (4.0 MiB)" in note, note
+    assert "up to 16.0 MiB a rank (2 of 2 weights), 4.0x a rank's gradient shards of these weights (4.0 MiB)" in note, note
     assert "'error_feedback_rank': 16 would keep 0.3 MiB" in note, note
     for quiet in (DADConfig(mode="rank", rank=2, error_feedback_rank=4), DADConfig(mode="rank", rank=2,
                   error_feedback=False), DADConfig(mode="exact")):

@@ -104,12 +104,17 @@ def test_watch_line_said_once_by_rank_zero(capsys):
 
 def test_sharded_residual_note_says_dtype_and_owners():
     """Item 6: the note counts the residuals' own dtype (fp32 for bf16 weights: itemsize 4) and,
-    across nodes under ZeRO, that they live on the owners (1/L of them per rank)."""
-    shapes = [(4096, 1024)]
+    across nodes under ZeRO, that they live on the owners: the figure is the busiest owner's."""
+    from dad_integrations.routes.layouts import RESIDUALS
+
+    shapes = [(4096, 1024), (1024, 1024), (1024, 1024)]
     every = sharded_residual_note(DADConfig(mode="rank", rank=2), shapes, 4, 4)
-    assert "one whole fp32 residual per rank-routed weight on every rank: up to 16.0 MiB here" in every, every
-    owners = sharded_residual_note(DADConfig(mode="rank", rank=2), shapes, 4, 4, owners_per_node=2)
-    assert "on its owner only" in owners and "up to 8.0 MiB here, 2x these weights' gradient shards" in owners, owners
+    assert ("one whole m x n residual per rank-routed weight, on every rank: up to 24.0 MiB a rank (3 of 3 "
+            "weights), 4.0x a rank's gradient shards of these weights (6.0 MiB)") in every, every
+    where = RESIDUALS["owner"].replace("`", "")
+    owners = sharded_residual_note(DADConfig(mode="rank", rank=2), shapes, 4, 4, held=shapes[:1], where=where)
+    assert "on the weight's owner only" in owners and "up to 16.0 MiB a rank (1 of 3 weights), 2.7x" in owners, owners
+    assert sharded_residual_note(DADConfig(mode="exact", rank=2), shapes, 4, 4) is None
 
 
 def test_compile_line_only_where_compile_is_in_use(monkeypatch, caplog):
@@ -179,3 +184,121 @@ def test_fsdp2_exact_on_a_fast_link_warns_from_the_first_steps_bytes(visible_job
     assert any(s.startswith("dAD/FSDP2 routes at step 1: flat: 4 exact; sent ") for s in said), said
     assert ranks[1]["fsdp-exact"]["said"] == []
     assert stderr.count("dAD/FSDP2: mode exact is predicted") == 1
+
+
+@pytest.fixture(scope="module")
+def sharded_job(tmp_path_factory):
+    """FSDP2 and ZeRO on 2 ranks; ZeRO-3 on 4 ranks as 2 nodes of 2 (``topology: 2``)."""
+    pytest.importorskip("deepspeed")
+    out = {}
+    for nproc, cases in ((2, "fsdp-residuals,zero3-residuals,fsdp-exact-measured,zero2-exact-stated,"
+                             "zero3-exact-measured"), (4, "zero3-nodes-residuals")):
+        path = tmp_path_factory.mktemp(f"sharded{nproc}") / "out.json"
+        proc = run_torchrun(WORKERS / "sharded_said_worker.py", nproc, [path, cases], timeout=400)
+        out[nproc] = json.loads(path.read_text())["ranks"], proc.stderr
+    return out
+
+
+@pytest.mark.parametrize("nproc,case", [(2, "fsdp-residuals"), (2, "zero3-residuals"), (4, "zero3-nodes-residuals")])
+def test_residual_warning_states_the_memory_allocated(sharded_job, nproc, case):
+    """Item 6: the attach warning's figure is what error feedback holds after the steps on the
+    busiest rank (every rank under FSDP2 and ZeRO on one node; the owners across nodes), where the
+    layout keeps them; rank 0 says it, once."""
+    ranks, stderr = sharded_job[nproc]
+    said = ranks[0][case]["said_bytes"]
+    held = [r[case]["held_bytes"] for r in ranks]
+    assert said is not None and said == max(held), (said, held)
+    warned = [w for w in ranks[0][case]["warned"] if "error feedback (fp32) keeps" in w]
+    where = "on the weight's owner only" if "nodes" in case else "per rank-routed weight, on every rank"
+    assert len(warned) == 1 and where in warned[0], ranks[0][case]["warned"]
+    if "nodes" in case:  # the owners hold them: some rank holds less than the busiest
+        assert min(held) < said and "(2 of 3 weights)" in warned[0], (held, warned)
+    assert all(not r[case]["warned"] for r in ranks[1:]), [r[case]["warned"] for r in ranks[1:]]
+
+
+@pytest.mark.parametrize("case,engine,link", [("fsdp-exact-measured", "FSDP2", "measured"),
+                                               ("zero2-exact-stated", "ZeRO-2", "stated"),
+                                               ("zero3-exact-measured", "ZeRO-3", "measured")])
+def test_sharded_exact_mode_on_a_fast_link_warns(sharded_job, case, engine, link):
+    """Item 5: under FSDP2 and ZeRO, on a stated link and on one measured after the first step
+    (mode exact has no models of its own), rank 0 warns once; the other ranks say nothing."""
+    ranks, stderr = sharded_job[2]
+    said = ranks[0][case]["said"]
+    warned = [s for s in said if s.startswith(f"dAD/{engine}: mode exact is predicted to slow the step here")]
+    assert len(warned) == 1 and f"({link}); mode auto would take" in warned[0], said
+    assert stderr.count(warned[0]) == 1
+    assert all(r[case]["said"] == [] for r in ranks[1:])
+
+
+# Lines said on every rank because they differ by rank (or run where there is one process), by
+# (module, function): everything else the library logs or warns sits under a rank test.
+EVERY_RANK = {
+    ("dad_integrations/accelerate.py", "enable_dad"): "a single process",
+    ("dad_integrations/transformers.py", "on_train_begin"): "a single process",
+    ("dad_integrations/capture/layers/mha.py", "_post_hook"): "this process's torch function mode stack",
+    ("dad_integrations/elastic.py", "warn_if_unprefixed"): "called by banner.announce, on rank 0 only",
+    ("dad_integrations/engines/registry.py", "load_entry_points"): "this node's installed adapters",
+    ("horovod_dad/optimizer.py", "DADOptimizer"): "Horovod's own warning, on every rank as Horovod's",
+    ("horovod_dad/optimizer.py", "_synchronizing_step"): "Horovod's own warning (its ported test checks each rank)",
+}
+
+
+def _log_calls(path):
+    """(line, function, call, gated) for every ``log.*``/``warnings.warn`` call in ``path``:
+    gated where an enclosing ``if`` tests a rank (``rank``, ``is_main_process``)."""
+    import ast
+
+    found = []
+
+    def visit(node, guards, func):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, [], child.name)
+                continue
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                    and child.func.attr in ("warning", "info", "error", "warn")
+                    and ast.unparse(child.func.value) in ("log", "logger", "self.log", "warnings")):
+                gated = any(k in g for g in guards for k in ("rank", "is_main_process"))
+                found.append((child.lineno, func, ast.unparse(child.func), gated))
+            if isinstance(child, ast.If):
+                test = ast.unparse(child.test)
+                for part in child.body + child.orelse:
+                    visit(ast.Module(body=[part], type_ignores=[]), guards + [test], func)
+                continue
+            visit(child, guards, func)
+
+    visit(ast.parse(path.read_text()), [], "<module>")
+    return found
+
+
+def test_rank_invariant_lines_come_from_rank_zero():
+    """Item 1: what every rank would say alike (the model's layout, a config's consequence, an
+    agreed decision) is said by rank 0 only; the exceptions differ by rank or run alone (`EVERY_RANK`)."""
+    from conftest import ROOT
+
+    ungated = []
+    for pkg in ("dad_integrations", "deepspeed_dad", "horovod_dad"):
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            ungated += [(rel, line, func, call) for line, func, call, gated in _log_calls(path)
+                        if not gated and (rel, func) not in EVERY_RANK]
+    assert not ungated, ungated
+
+
+def test_once_logger_and_process_rank(monkeypatch, caplog):
+    """`OnceLogger` says each line once, on rank 0 only (its ``rank``, else `process_rank`, which
+    reads the launcher's variables before a process group is up)."""
+    from dad_integrations.logs import OnceLogger, process_rank
+
+    logger = logging.getLogger("dad_integrations.test_once")
+    monkeypatch.setenv("RANK", "1")
+    assert process_rank() == 1
+    with caplog.at_level(logging.WARNING, logger="dad_integrations.test_once"):
+        OnceLogger(logger, "x: ")("said on rank 1?")
+        OnceLogger(logger, "x: ", rank=0)("said on rank 0")
+        once = OnceLogger(logger, "x: ", rank=0)
+        once("twice")
+        once("twice")
+    assert [r.getMessage() for r in caplog.records] == ["x: said on rank 0", "x: twice"]
+    monkeypatch.setenv("RANK", "0")
+    assert process_rank() == 0

@@ -16,7 +16,7 @@ from dad_integrations.capture.hooks import Use
 from dad_integrations.capture.layers import Claim, LayerKind, kind_of, registered_kinds
 from dad_integrations.capture.units import BiasUse, FactorUnit, SyncPlan, param_shape
 from dad_integrations.config import DADConfig
-from dad_integrations.logs import OnceLogger
+from dad_integrations.logs import OnceLogger, process_rank
 
 log = logging.getLogger(__name__)
 _log_once = OnceLogger(log, level=logging.INFO)
@@ -122,9 +122,10 @@ def _claims(model: nn.Module, config: DADConfig, excluded, compiled: bool = Fals
             if compiled and not kind.compiles:
                 # still registered by the claim (a composite keeps `linear` off its children),
                 # but with no uses: the weights fall to the floor below
-                log.warning("dAD: %r (%s) is not captured under torch.compile (dynamo cannot trace its "
-                            "capture): its weights are routed from their dense gradients (rank routes where "
-                            "the mode allows, else dense)", mod_name, kind.name)
+                if process_rank() == 0:  # the model's: the same on every rank
+                    log.warning("dAD: %r (%s) is not captured under torch.compile (dynamo cannot trace its "
+                                "capture): its weights are routed from their dense gradients (rank routes "
+                                "where the mode allows, else dense)", mod_name, kind.name)
                 for c in kind.claims(module):
                     claimed.setdefault(_registration(module, c.attr), None)
                 continue

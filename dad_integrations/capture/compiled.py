@@ -46,6 +46,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from dad_integrations.logs import process_rank
+
 log = logging.getLogger(__name__)
 
 Deliver = Callable[[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]], None]
@@ -175,7 +177,7 @@ def _drop_compiled_graphs() -> int:
             if code is not None and _debug_get_cache_entry_list(code):
                 reset_code(code)
                 dropped += 1
-    if dropped:
+    if dropped and process_rank() == 0:  # every rank drops its own, alike
         log.info("dAD: dropped the graphs of %d function(s) compiled before dAD was attached (built "
                  "without its capture hooks or guards on them); they recompile at their next call", dropped)
     return dropped

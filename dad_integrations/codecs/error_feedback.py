@@ -152,27 +152,39 @@ class LowRankErrorFeedback(ErrorFeedback):
             super().load(name, residual, like)
 
 
-def sharded_residual_note(config, shapes, world_size: int, itemsize: int, owners_per_node: int = 1) -> Optional[str]:
-    """Under FSDP2 or ZeRO: what whole residuals cost beside the gradient shards they sit next to
-    (``shapes`` the weights rank routes may take; ``itemsize`` the residuals' own, the compute
-    dtype's: fp32 for bf16 and fp16 weights), and how to bound it; None where the config keeps no
-    whole residual (no rank, no error feedback, or ``error_feedback_rank``). ``owners_per_node``:
-    across nodes with ZeRO's two-level routes, residuals live on each weight's owner (one of the
-    node's ranks, of node sums), so a rank holds about ``1/owners_per_node`` of them."""
-    if config.rank is None or not config.error_feedback or config.error_feedback_rank is not None or not shapes:
+def residual_bytes(shapes, itemsize: int) -> int:
+    """Bytes of one whole residual per weight of ``shapes`` (``(m, n)`` each) at ``itemsize``."""
+    return sum(m * n for m, n in shapes) * itemsize
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2 ** 20:,.1f} MiB" if nbytes >= 0.05 * 2 ** 20 else f"{nbytes / 2 ** 10:,.1f} KiB"
+
+
+EVERY_RANK = "one whole m x n residual per rank-routed weight, on every rank"
+
+
+def sharded_residual_note(config, shapes, world_size: int, itemsize: int, held=None,
+                          where: str = EVERY_RANK) -> Optional[str]:
+    """Under FSDP2 or ZeRO: what whole residuals cost beside the gradient shards they sit next to,
+    and how to bound it; None where the config keeps no whole residual (no rank, mode exact, no
+    error feedback, or ``error_feedback_rank``). ``shapes``: the weights rank routes may take;
+    ``held``: those one rank holds residuals of at most (default: all of them; across nodes under
+    ZeRO the busiest owner's, `routes.layouts.RESIDUALS`); ``where``: where they live;
+    ``itemsize``: the residuals' own, the compute dtype's (fp32 for bf16 and fp16 weights). The
+    figure said is `residual_bytes` of ``held``, what the codec allocates there."""
+    if (config.rank is None or config.mode == "exact" or not config.error_feedback
+            or config.error_feedback_rank is not None or not shapes):
         return None
-    whole = sum(m * n for m, n in shapes) * itemsize
-    low = sum(min(16, m, n) * (m + n) if min(m, n) > 16 else m * n for m, n in shapes) * itemsize
+    held = list(shapes if held is None else held)
+    mine, shards = residual_bytes(held, itemsize), residual_bytes(shapes, itemsize) / world_size
+    low = sum(min(16, m, n) * (m + n) if min(m, n) > 16 else m * n for m, n in held) * itemsize
     kind = {2: "16-bit", 4: "fp32", 8: "fp64"}.get(itemsize, f"{itemsize}-byte")
-    owners = max(1, int(owners_per_node))
-    held, low = whole / owners, low / owners
-    where = ("on every rank" if owners == 1 else
-             f"on its owner only (residuals of node sums; each of a node's {owners} ranks owns about 1/{owners} "
-             "of the weights)")
-    return (f"error feedback keeps one whole {kind} residual per rank-routed weight {where}: up to "
-            f"{held / 2 ** 20:,.1f} MiB here, {world_size / owners:g}x these weights' gradient shards "
-            f"({whole / world_size / 2 ** 20:,.1f} MiB); 'error_feedback_rank': 16 would keep "
-            f"{low / 2 ** 20:,.1f} MiB (part of its gain: docs/reference/config.md, error_feedback_rank), 'error_feedback': false none")
+    bound = (f"'error_feedback_rank': 16 would keep {_size(low)} (part of its gain: docs/reference/config.md, "
+             f"error_feedback_rank), " if low < mine else "")  # small weights: a rank-16 pair holds more
+    return (f"error feedback ({kind}) keeps {where}: up to {_size(mine)} a rank ({len(held)} of {len(shapes)} "
+            f"weights), {mine / shards:.1f}x a rank's gradient shards of these weights ({_size(shards)}); "
+            f"{bound}'error_feedback': false none")
 
 
 def error_feedback_for(config) -> ErrorFeedback:

@@ -203,8 +203,8 @@ class ShardedRankCodec:
             flag = (~self._local_ok).to(torch.float32).reshape(1)
         handle = aggregator.all_reduce(flag, name="dad.sharded.rank.finite", op="sum")
         keep = float(handle.wait()[0]) == 0.0
-        if not keep:
-            log.info("dAD/FSDP2: a non-finite step: rank-route residuals and warm starts kept from the step before")
+        if not keep and aggregator.rank == 0:  # agreed: the same on every rank
+            log.info("dAD: a non-finite step: rank-route residuals and warm starts kept from the step before")
         self.commit(keep)
         self._local_ok = None
         return handle.traffic

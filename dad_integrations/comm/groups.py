@@ -10,6 +10,7 @@ for half an hour. `new_group_like` creates the group with the timeout of the gro
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -17,7 +18,24 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-__all__ = ["new_group_like"]
+__all__ = ["new_group_like", "process_rank"]
+
+# where no process group is up yet: the launchers' variables (torchrun, DeepSpeed's, Accelerate's,
+# horovodrun, Open MPI)
+RANK_VARIABLES = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK")
+
+
+def process_rank() -> int:
+    """This process's rank: in torch.distributed's default group where it is up, else the
+    launcher's (`RANK_VARIABLES`), else 0 (one process). Lines every rank would say alike are said
+    where it is 0 (`logs.OnceLogger`)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for name in RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def new_group_like(ranks: Sequence[int], *, base: Optional[dist.ProcessGroup] = None,
@@ -41,7 +59,7 @@ def new_group_like(ranks: Sequence[int], *, base: Optional[dist.ProcessGroup] = 
         base = default
     if timeout is None:
         timeout = _group_timeout(base)
-        if timeout is None:
+        if timeout is None and dist.get_rank() == 0:  # the same group on every rank
             log.warning("could not read the timeout of process group %s; dAD's group gets torch's default", base)
     if backend is None and base is not default:
         backend = dist.get_backend(base)

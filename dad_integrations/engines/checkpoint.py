@@ -74,8 +74,9 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
     if not os.path.isfile(path):
         found = glob.glob(os.path.join(glob.escape(directory), f"{_prefix(index)}*.pt"))
         if not found:
-            log.info("dAD: %s holds no dAD state (saved without dAD); rank-dAD warm starts and error "
-                     "feedback start afresh", directory)
+            if rank == 0:  # every rank finds none alike
+                log.info("dAD: %s holds no dAD state (saved without dAD); rank-dAD warm starts and error "
+                         "feedback start afresh", directory)
             return None
         payload = _read(state_file(directory, 0, index), 0, None, len(found))
     else:

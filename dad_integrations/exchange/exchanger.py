@@ -78,9 +78,10 @@ class Exchanger:
 
     def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig,
                  wire_dtype: Optional[torch.dtype], device: torch.device, levels: Optional[Levels] = None):
-        check_routes(config.routes, layouts.FLAT)  # at attach: a route it cannot run raises, naming it
+        # at attach: a route it cannot run raises, naming it (its layouts: `routes.layouts.ENGINES`)
+        check_routes(config.routes, layouts.layout_for("synchronizer"))
         if levels is not None and levels.topology.two_level:
-            check_routes(config.routes, layouts.TWO_LEVEL)
+            check_routes(config.routes, layouts.layout_for("synchronizer", across_nodes=True))
         self.plan = plan
         self.aggregator = aggregator
         self.config = config

@@ -33,7 +33,7 @@ import torch
 from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.error_feedback import sharded_residual_note
+from dad_integrations.codecs.error_feedback import residual_bytes, sharded_residual_note
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import WIRE_DTYPES, DADConfig
@@ -41,7 +41,7 @@ from dad_integrations.exchange.levels import Levels, describe_hops
 from dad_integrations.logs import OnceLogger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
-from dad_integrations.routes.layouts import Layout
+from dad_integrations.routes.layouts import RESIDUALS, Layout
 from dad_integrations.routes.registry import check_routes, has_codec, is_rank_route, raise_unsupported
 from dad_integrations.routing.router import (Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route,
                                              sharded_needs_counts)
@@ -172,12 +172,13 @@ class ShardedExchanger(TimedRoutes):
         self.rank_codec = rank_codec or (ShardedRankCodec(config, self.wire) if config.rank is not None else None)
         self._trial = ShardedTrial(config, f"dAD/{engine}", log_decisions=process_rank == 0)
         self.log = logger
-        self.log_once = OnceLogger(logger, f"dAD/{engine}: ")
+        self.log_once = OnceLogger(logger, f"dAD/{engine}: ", rank=process_rank)  # agreed: rank 0 says it
         self.report: Optional[ShardedStepReport] = None
         self.steps = 0                    # steps begun (a backward that reduces)
         self._verified: set = set()       # units whose first call was checked
         self._rank_touched = False        # this step took a rank route or flushed a residual
         self._units_noted: List[FactorUnit] = []  # the units `say_residuals` counts
+        self.residual_bytes_said: Optional[int] = None  # the figure `say_residuals` said
 
     @property
     def trial(self) -> ShardedTrial:
@@ -194,21 +195,39 @@ class ShardedExchanger(TimedRoutes):
             check_routes(self.config.routes, layout)
         self._units_noted = list(units)
         if residual_note:
-            self.say_residuals()
+            self.say_residuals(layout or layouts.ROW_SHARDS)
         if link_probe is not None:  # the link routes are timed on, where not the group's own (HSDP)
             self._trial.engine.probe = link_probe
         if units:
             self._trial.start(units, aggregator, device)
 
-    def say_residuals(self, owners_per_node: int = 1) -> None:
-        """Rank 0 warns what error feedback's whole residuals hold (`sharded_residual_note`), in the
-        residuals' own dtype (the compute dtype: fp32 for bf16 and fp16 weights), where they live."""
-        units = self._units_noted
+    def say_residuals(self, layout: Layout, owner_of: Optional[Mapping[str, int]] = None) -> Optional[str]:
+        """Rank 0 warns what error feedback's whole residuals will hold (`sharded_residual_note`), in
+        their own dtype (the compute dtype: fp32 for bf16 and fp16 weights), where ``layout`` keeps
+        them (`routes.layouts.RESIDUALS`): on every rank, or on each weight's owner (``owner_of``:
+        unit name -> local index), whose busiest one the figure counts. Sets
+        ``residual_bytes_said`` (None where nothing is said); returns the line (rank 0)."""
+        units = [u for u in self._units_noted if not u.dense_only]
+        self.residual_bytes_said = None
+        if layout.residuals == "rows" or getattr(self.rank_codec, "residual_is_sharded", False):
+            return None  # sharded like the gradient (HSDP's replicate hop): nothing beyond the engine's
+        held = units
+        if layout.residuals == "owner" and owner_of:
+            by_owner: Dict[int, List[FactorUnit]] = {}
+            for u in units:
+                by_owner.setdefault(owner_of[u.name], []).append(u)
+            held = max(by_owner.values(), key=lambda us: (sum(u.shape[0] * u.shape[1] for u in us), -len(us)),
+                       default=[])
         itemsize = torch.empty((), dtype=compute_dtype(units[0].param)).element_size() if units else 4
         note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size, itemsize,
-                                     owners_per_node)
-        if note is not None and self.process_rank == 0 and not getattr(self.rank_codec, "residual_is_sharded", False):
+                                     held=[u.shape for u in held], where=RESIDUALS[layout.residuals].replace("`", ""))
+        if note is None:
+            return None
+        self.residual_bytes_said = residual_bytes([u.shape for u in held], itemsize)
+        if self.process_rank == 0:
             self.log.warning("dAD/%s: %s", self.engine, note)
+            return note
+        return None
 
     def describe_hops(self, aggregator: FactorAggregator, levels: Optional[Levels] = None,
                       two_level: Optional[bool] = None, layout: Optional[str] = None) -> str:
@@ -228,8 +247,10 @@ class ShardedExchanger(TimedRoutes):
         step, report, end = self.steps - 1, self.report, self._trial.end
 
         def run() -> None:
-            if report is not None:  # what users see of the step's routes (rank 0)
-                self._trial.note_report(step, report.params)
+            if report is not None:  # what users see of the step's routes (rank 0); the link a mode's
+                # cost is priced on, where none is modelled, measured here (on every rank alike)
+                self._trial.note_report(step, report.params,
+                                        probe=lambda: self._trial.engine.probe(aggregator, device))
             end(step, agree_on(aggregator, device))
         return run
 

@@ -192,13 +192,14 @@ class ShardedTrial:
         self.decision = line
         say(line, rank=self._rank)
 
-    def note_report(self, step: int, params: Sequence[ParamReport]) -> None:
+    def note_report(self, step: int, params: Sequence[ParamReport],
+                    probe: Optional[Callable[[], LinkModel]] = None) -> None:
         """Step ``step``'s report, before `end`: the routes a trial tries, and (no trial under way,
         after the first steady step and each refresh) the routes, where they changed."""
         if not params:
             return
         if step == 0:
-            self._say_mode_cost(params)
+            self._say_mode_cost(params, probe)
         arm = self.arm(step)
         if not (arm == "routes" or step <= 1 or self.refresh(step)):
             return  # nothing to try or say this step: no summary built (steady steps stay cheap)
@@ -214,14 +215,19 @@ class ShardedTrial:
                    f"mode {self.config.mode}" if self.config.mode != "auto" else "by bytes")
             self.say(f"{self.name} routes at step {step}: {summary} ({how})")
 
-    def _say_mode_cost(self, params: Sequence[ParamReport]) -> None:
+    def _say_mode_cost(self, params: Sequence[ParamReport], probe: Optional[Callable[[], LinkModel]] = None) -> None:
         """After the first step: warn where mode exact or rank is predicted to slow the exchange past
         the engine's own reduce-scatter (`mode_cost.report_cost_line`: the step's counted bytes on the
-        models' link or the stated one; none is measured for it)."""
+        models' link, the stated one, or (exact mode on a measured link, objective time) the link
+        ``probe`` measures here: a collective, at the same point on every rank)."""
         cfg = self.config
+        if cfg.mode not in ("exact", "rank"):
+            return
         link = self.timing.link if self.timing is not None else (
             LinkModel.from_spec(cfg.link) if cfg.link is not None else None)
-        if cfg.mode in ("exact", "rank") and link is not None:
+        if link is None and cfg.objective == "time" and probe is not None:
+            link = probe()
+        if link is not None:
             line = report_cost_line(cfg, params, link=link, sharded=True, name=self.name)
             if line is not None:
                 say(line, rank=self._rank, level=logging.WARNING)

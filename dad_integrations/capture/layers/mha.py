@@ -69,6 +69,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode
 from dad_integrations.capture import compiled
 from dad_integrations.capture.hooks import HookedCapture, Use
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
+from dad_integrations.logs import process_rank
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,9 @@ class MHACapture(HookedCapture):
                     return self.by_key[k]
         if not self._warned:  # its rows are missing: the first-step check sends the weight dense
             self._warned = True
-            log.warning("dAD: %s: a linear call on a weight (or slice of in_proj_weight) of no use; not captured",
-                        self.name)
+            if process_rank() == 0:  # the model's: the same on every rank
+                log.warning("dAD: %s: a linear call on a weight (or slice of in_proj_weight) of no use; "
+                            "not captured", self.name)
         return None
 
     def linear_call(self, args: tuple, kwargs: dict, out) -> None:
