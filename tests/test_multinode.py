@@ -117,8 +117,15 @@ def test_ddp_checkpoint_resumes_on_another_shape(ddp, cluster, shape, tmp_path):
         assert r["worst"] < 1e-6 and r["identical"], r  # the mean residual carried over
 
 
-def test_accelerate_across_two_nodes(cluster, tmp_path):
-    _check(_launch(cluster, "accelerate", tmp_path, _cases()))
+@pytest.fixture(scope="module")
+def accelerate(cluster, tmp_path_factory):
+    """One accelerate launch for the engine's cases and the Trainer's (a launch costs more than they do)."""
+    return _launch(cluster, "accelerate", tmp_path_factory.mktemp("mn_accelerate"),
+                   {**_cases(), "trainer": {"kind": "trainer"}})
+
+
+def test_accelerate_across_two_nodes(accelerate):
+    _check(accelerate)
 
 
 def test_horovod_across_two_nodes(cluster, tmp_path):
@@ -146,12 +153,10 @@ def test_deepspeed_zero_0_and_1_across_two_nodes(cluster, tmp_path):
             assert "two_level" in r["levels"], (case, r["levels"])
 
 
-def test_trainer_with_dad_callback_across_two_nodes(cluster, tmp_path):
+def test_trainer_with_dad_callback_across_two_nodes(accelerate):
     """`transformers.Trainer` with `DADCallback` (exact) under one ``accelerate launch`` per node ends
-    where a plain Trainer ends, on every rank alike (`workers/trainer_worker.py`)."""
-    out = tmp_path / "trainer.json"
-    cluster.accelerate(WORKERS / "trainer_worker.py", [out], env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
-                       timeout=300)
-    for rank, r in enumerate(json.loads(out.read_text())):
+    where a plain Trainer ends, on every rank alike (`workers/trainer_worker.train`, in the engine's
+    launch)."""
+    for rank, r in enumerate(_ok(accelerate, "trainer")):
         assert r["identical"] and r["moved"] > 0, rank
         assert r["rel_diff"] < TOL, f"rank {rank}: {r['rel_diff']:.2e} from the plain Trainer"
