@@ -172,14 +172,14 @@ def test_link_cut_mid_run(cluster, tmp_path):
 # 2 nodes x 1 rank, `workers/route_fault_worker.py`: DDP + dAD's hook, mode auto on the measured link
 # (unshaped veth: fast), route trials of TRIAL_STEPS steps. Step 0 routes every weight by a rank route
 # (the link stated slow right after attach, as a noisy probe could), the trial of steps 1-4 finds all
-# dense faster on the real link, and from step WATCH_FROM the dense steps are watched: every
-# TRIAL_STEPS steps the ranks agree on their lower quartile and compare it with the trial's figures.
+# dense faster on the real link (a round more where it was split), and from the next step the dense
+# steps are watched: every TRIAL_STEPS steps (at 8, 12, 16, ... whatever the rounds) the ranks agree
+# on their lower quartile and compare it with the trial's figures.
 # The faults come from here, at steps the ranks report, as torchft's EventInjector injects them
 # (`_inject`); the ranks report their routes and the last decision from the public `StepReport`.
 
 ROUTE_WORKER = WORKERS / "route_fault_worker.py"
 TRIAL_STEPS = 4              # the worker's route_trial_steps: also the watch's interval
-WATCH_FROM = 1 + TRIAL_STEPS  # the first watched step (the trial is steps 1-4)
 ROUTE_LIMIT_S = 120.0        # a rank gives up (writes "hung") this long after its start; ~10 s idle
 NEW_TRIAL = "a new route trial"  # the watch's line (`routing.trial.RouteTrial.end_of_step`)
 
@@ -272,7 +272,7 @@ def route_job(cluster, tmp_path_factory):
     assert first["cause"] == "refresh" and first["step"] == 0 and not first["kept"], (
         f"premise: on the unshaped link the step-0 trial should keep all dense: {first}")
     assert first["routes_s"] > first["dense_s"], first
-    return out, results, within
+    return out, results, within, 1 + 2 * first["pairs"]  # and the first watched step
 
 
 def test_slow_rank_is_not_a_slow_link(route_job):
@@ -282,12 +282,12 @@ def test_slow_rank_is_not_a_slow_link(route_job):
     checked) the watch starts no route trial (a pause stretches one step per rank in a watch
     interval; the lower quartile reads the link, not the pause): the only trial is step 0's, and
     every weight stays dense."""
-    _, results, _ = route_job  # no error, no hang: `_inject` asserted it
+    _, results, _, watched_from = route_job  # no error, no hang: `_inject` asserted it
     for r, res in results.items():
         assert not _watch_lines(res["steps"][:PARK + 1]), f"rank {r}: the watch read a paused rank as a slow link"
         assert [t["cause"] for t in res["trials"] if t["step"] <= PARK] == ["refresh"], res["trials"]
     steps = results[0]["steps"]
-    assert all(s["routes"] == ["dense"] for s in steps[WATCH_FROM:PARK + 1]), steps
+    assert all(s["routes"] == ["dense"] for s in steps[watched_from:PARK + 1]), steps
     waited = sorted(s["seconds"] for s in steps[:PARK + 1])[-len(PAUSES):]
     print(f"rank 0's longest steps {[round(w, 2) for w in waited]} s; pauses {[p for _, p in PAUSES]} s")
     assert all(w > 0.8 for w in waited), waited  # each pause held rank 0 up mid-run
@@ -300,7 +300,7 @@ def test_link_slowed_mid_run_watch_moves_routes(route_job):
     TRIAL_STEPS = 4 steps), starts a route trial at once, the rank routes win it, and every weight
     is sent by a rank route from at most TRIAL_STEPS + MAX_ROUNDS * TRIAL_STEPS + 1 = 17 steps after
     the change (8 when the first round decides) to the end. No refresh falls in the run."""
-    out, results, within = route_job
+    out, results, within, _ = route_job
     res = results[0]
     trace = [(s["step"], s["routes"]) for s in res["steps"]]
     assert not _watch_lines(res["steps"][:PARK + 1]), "the watch started a trial before the link changed"
