@@ -50,6 +50,8 @@ def test_collective_in_words():
     assert describe_collective("all_gather", "dad.twolevel.exact.fc.weight") == \
         "all_gather of exact factors between nodes (dad.twolevel.exact.fc.weight)"
     assert describe_collective("all_reduce", "dad.dense.3") == "all_reduce of dense gradients (dad.dense.3)"
+    assert describe_collective("all_to_all_v", "dad.twolevel.to_owner.fc.weight") == \
+        "all_to_all_v of gradients to their owners inside the node (dad.twolevel.to_owner.fc.weight)"
     assert describe_collective("all_reduce", "user.thing") == "all_reduce (user.thing)"
 
 

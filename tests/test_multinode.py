@@ -10,7 +10,9 @@ launcher (``topology: "auto"``) and runs its two-level routes; each job checks, 
 - the owner-sharded residual: ``sum e_k = sum e_(k-1) + sum g_k - S G_k`` per step and weight, each
   residual held by its owner only (one rank per node), about ``1/L`` of the residual bytes per rank;
 - a topology that cannot hold raises at attach on every rank (never a hang);
-and the DDP job's checkpoint resumes at 1 node x 2 ranks and at 2 nodes x 1 rank.
+and the DDP job's checkpoint resumes at 1 node x 2 ranks and at 2 nodes x 1 rank. The Accelerate
+launch also trains `transformers.Trainer` with `DADCallback` against a plain Trainer. (DeepSpeed
+ZeRO 0 and 1 across nodes: `test_multinode_zero.py`, in its DeepSpeed launch.)
 
 Skipped, with the reason, where namespaces cannot be made (not root); CI runs as root.
 """
@@ -117,8 +119,15 @@ def test_ddp_checkpoint_resumes_on_another_shape(ddp, cluster, shape, tmp_path):
         assert r["worst"] < 1e-6 and r["identical"], r  # the mean residual carried over
 
 
-def test_accelerate_across_two_nodes(cluster, tmp_path):
-    _check(_launch(cluster, "accelerate", tmp_path, _cases()))
+@pytest.fixture(scope="module")
+def accelerate(cluster, tmp_path_factory):
+    """One accelerate launch for the engine's cases and the Trainer's (a launch costs more than they do)."""
+    return _launch(cluster, "accelerate", tmp_path_factory.mktemp("mn_accelerate"),
+                   {**_cases(), "trainer": {"kind": "trainer"}})
+
+
+def test_accelerate_across_two_nodes(accelerate):
+    _check(accelerate)
 
 
 def test_horovod_across_two_nodes(cluster, tmp_path):
@@ -126,32 +135,10 @@ def test_horovod_across_two_nodes(cluster, tmp_path):
     _check(_launch(cluster, "horovod", tmp_path, _cases()))
 
 
-def test_deepspeed_zero_0_and_1_across_two_nodes(cluster, tmp_path):
-    """DeepSpeed ZeRO 0 and 1 with a "dad" block, the engine under ``torchrun --nnodes 2`` (DeepSpeed's
-    own launcher starts remote nodes over ssh, which the simulated cluster has not; it sets the same
-    node variables, `comm.topology.LAUNCHER_ENV`): the parameters after 3 steps equal a plain
-    DeepSpeed engine's, trained alongside on the same data, and the steps after the first ran at two
-    levels. One launch for both stages."""
-    pytest.importorskip("deepspeed")
-    cases = {f"zero{stage}": {"kind": "match", "model": "gpt2", "stage": stage, "steps": 3, "dad": {"mode": "exact"}}
-             for stage in (0, 1)}
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
-    cluster.torchrun(WORKERS / "deepspeed_worker.py", [tmp_path / "out.json", tmp_path / "cases.json"], env=env,
-                     timeout=300)
-    out = json.loads((tmp_path / "out.json").read_text())
-    for case in cases:
-        for r in _ok(out, case):
-            assert r["model"] < TOL and r["identical"], (case, r["model"])
-            assert "two_level" in r["levels"], (case, r["levels"])
-
-
-def test_trainer_with_dad_callback_across_two_nodes(cluster, tmp_path):
+def test_trainer_with_dad_callback_across_two_nodes(accelerate):
     """`transformers.Trainer` with `DADCallback` (exact) under one ``accelerate launch`` per node ends
-    where a plain Trainer ends, on every rank alike (`workers/trainer_worker.py`)."""
-    out = tmp_path / "trainer.json"
-    cluster.accelerate(WORKERS / "trainer_worker.py", [out], env=dict(os.environ, TOKENIZERS_PARALLELISM="false"),
-                       timeout=300)
-    for rank, r in enumerate(json.loads(out.read_text())):
+    where a plain Trainer ends, on every rank alike (`workers/trainer_worker.train`, in the engine's
+    launch)."""
+    for rank, r in enumerate(_ok(accelerate, "trainer")):
         assert r["identical"] and r["moved"] > 0, rank
         assert r["rel_diff"] < TOL, f"rank {rank}: {r['rel_diff']:.2e} from the plain Trainer"

@@ -11,6 +11,8 @@ alongside on the same (uneven) batches:
 - auto with a rank under a slow inter-node link: rank routes between nodes, the error-feedback
   identity ``G_dad = G_ds + 1/S sum_s (e_old_s - e_new_s)`` (residuals held by one owner per node),
   the state through ``save_checkpoint`` / ``load_checkpoint``;
+- ZeRO 0 and 1 with a "dad" block (`workers/deepspeed_worker.py`'s "match" cases, in the same
+  launch): the parameters after 3 steps equal a plain DeepSpeed engine's, at two levels;
 and a second, one-node job (1 x 2 ranks) resumes the 2 x 2 job's dAD state: the mean residual, what
 the average still owes, carries over.
 
@@ -43,6 +45,8 @@ def job(tmp_path_factory):
                          "zero": {"zero_hpz_partition_size": 2}},
         "z3-auto-rank": {"kind": "rank", "stage": 3, "model": "gpt2", "steps": 3, "lr": 0.0, "dad": AUTO,
                          "resume_step": 0, "save_state": str(work / "state")},
+        **{f"zero{stage}": {"kind": "ds_match", "model": "gpt2", "stage": stage, "steps": 3, "dad": {"mode": "exact"}}
+           for stage in (0, 1)},
     }
     (work / "cases.json").write_text(json.dumps(cases))
     env = dict(os.environ, DS_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
@@ -78,6 +82,16 @@ def test_zero3_auto_rank_across_two_nodes(job):
         assert r["identity"] and max(r["identity"]) < 1e-5, r["identity"]  # the residuals hold what is owed
         assert r["resumed"]["state_equal"] and r["resumed"]["moved"], r["resumed"]
         assert r["identical"] and r["finite"]
+
+
+def test_deepspeed_zero_0_and_1_across_two_nodes(job):
+    """DeepSpeed ZeRO 0 and 1 with a "dad" block (`workers/deepspeed_worker.run_match`, in this job's
+    launch): the parameters after 3 steps equal a plain DeepSpeed engine's, trained alongside on the
+    same data, and the steps after the first ran at two levels."""
+    for case in ("zero0", "zero1"):
+        for r in _ok(job[1], case):
+            assert r["model"] < TOL and r["identical"], (case, r["model"])
+            assert "two_level" in r["levels"], (case, r["levels"])
 
 
 def test_zero3_state_resumes_on_one_node(job, tmp_path):

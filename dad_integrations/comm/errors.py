@@ -62,6 +62,7 @@ KINDS: Dict[str, str] = {
     "dad.dense": "dense gradients",
     "dad.twolevel.exact": "exact factors between nodes", "dad.twolevel.rank": "rank-compressed factors between nodes",
     "dad.twolevel.dense": "dense gradients between nodes", "dad.twolevel.counts": "factor row counts between nodes",
+    "dad.twolevel.to_owner": "gradients to their owners inside the node",
     "dad.twolevel.from_owner": "results from their owners inside the node",
     "dad.replicate": "the replicate hop's factors", "dad.zero": "ZeRO partitions",
     "dad.sharded": "sharded factors", "dad.partition": "partitioned exact factors",

@@ -15,7 +15,9 @@ ENGINE: "ddp" (DDP + `register_dad_comm_hook`), "accelerate" (`enable_dad` after
       is what the residuals hold), which ranks hold residuals (the units' owners only, after a
       two-level step) and the residual bytes per rank; ``save``: a folder to save the state to;
   "resume":   load the state a job of another shape saved in ``load`` (``old_sum``: its residual
-      sum per weight, ``old_world``), check that the mean residual carried over, train on.
+      sum per weight, ``old_world``), check that the mean residual carried over, train on;
+  "trainer":  (accelerate) `transformers.Trainer` plain and with `DADCallback`, exact: how far apart
+      they end, whether they moved, ranks identical.
 """
 from __future__ import annotations
 
@@ -213,7 +215,27 @@ def run_resume(eng: Engine, case: dict) -> dict:
     return {"worst": worst, "identical": eng.identical(mine)}
 
 
-RUNNERS = {"mismatch": run_mismatch, "exact": run_exact, "residual": run_residual, "resume": run_resume}
+def run_trainer(eng: Engine, case: dict) -> dict:
+    """`transformers.Trainer` twice from the same weights on the same data, plain and with
+    `DADCallback` (exact), as `workers/trainer_worker.py` trains them (Accelerate only: the
+    Trainer takes the launcher's state)."""
+    import tempfile
+
+    from trainer_worker import train
+    from dad_integrations.transformers import DADCallback
+    if ENGINE != "accelerate":
+        raise ValueError("the trainer case runs under accelerate launch")
+    init = models.build("gpt2")
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, _, _ = train(init, [], tmp)
+        mine, _, _ = train(init, [DADCallback({"mode": "exact"})], tmp)
+    start = torch.cat([p.detach().reshape(-1) for p in init.parameters()])
+    return {"rel_diff": float((mine - ref).norm() / ref.norm()), "moved": float((mine - start).norm()),
+            "identical": bool(torch.equal(eng.sum(mine), mine.double() * eng.world))}
+
+
+RUNNERS = {"mismatch": run_mismatch, "exact": run_exact, "residual": run_residual, "resume": run_resume,
+           "trainer": run_trainer}
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ and checked equal on every rank; bytes of DeepSpeed's own collectives and of dAD
 "rank" (rank-dAD: the error-feedback identity against DeepSpeed's average at fixed parameters, a
 non-finite step, the state through a checkpoint, training; `run_rank`; ``save_state``: dAD's state
 and the residuals' sums saved there at the end), "resume" (that state loaded at another world size:
-the mean residual carried over; `run_resume`), "error" (a config that must be refused: the message).
+the mean residual carried over; `run_resume`), "error" (a config that must be refused: the message),
+"ds_match" (`deepspeed_worker`'s "match", for ZeRO 0 and 1, in the same launch).
 """
 from __future__ import annotations
 
@@ -415,6 +416,15 @@ def run_error(case: dict) -> dict:
     return {"error": None}
 
 
+def run_ds_match(case: dict) -> dict:
+    """`deepspeed_worker`'s "match" (ZeRO 0 or 1 against a plain engine), in this launch: one
+    process start instead of two where a test checks both (its bytes counted by this worker's
+    counter)."""
+    import deepspeed_worker
+    deepspeed_worker.COUNTER = COUNTER
+    return deepspeed_worker.run_match(case)
+
+
 def main() -> None:
     global COUNTER, OUT_DIR
     out_path, cases_path = sys.argv[1], sys.argv[2]
@@ -425,8 +435,8 @@ def main() -> None:
     COUNTER = CollectiveCounter(dist).install()
     with open(cases_path) as f:
         cases = json.load(f)
-    run_cases({"match": run_match, "rank": run_rank, "error": run_error, "trial": run_trial, "resume": run_resume},
-              cases, out_path, "zero_worker")
+    run_cases({"match": run_match, "rank": run_rank, "error": run_error, "trial": run_trial, "resume": run_resume,
+               "ds_match": run_ds_match}, cases, out_path, "zero_worker")
 
 if __name__ == "__main__":
     main()
