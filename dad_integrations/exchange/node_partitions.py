@@ -32,6 +32,7 @@ is shared by the owners of a weight, the all-gather route's is each owner's own.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -155,9 +156,7 @@ class NodePartitionCall(PartitionCall):
     def _flush_residual(self, unit: FactorUnit) -> None:
         """A residual this rank holds but does not compensate (not the owner) rides its local
         gradient to the owner: sent, never lost (settled at the step's end, as `ShardedExchanger`'s)."""
-        residual = self.rank_codec.flush(unit.name)
-        if residual is not None:
-            self.add_residual(unit, residual)
+        self.rank_codec.state.flush(unit.name, functools.partial(self.add_residual, unit))
 
     def node_ranges(self, unit: FactorUnit) -> List[Range]:
         """Each node's stretch of the weight: ``[min lo, max hi)`` over its ranks' owned ranges (a

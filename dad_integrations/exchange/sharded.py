@@ -13,13 +13,13 @@ both engines and in the same order on every rank:
    that fails goes by the engine's reduction for good;
 4. per unit, its route (`router.route` with ``sharded=True``, the engine's own byte estimates where
    it has them); a unit leaving the rank routes flushes its error-feedback residual into the
-   engine's reduction (`ErrorFeedback.flush`);
+   engine's reduction (`RouteState.flush`);
 5. the call's exchanges (the adapter's), then the step's finiteness: once per step, when the
    engine's last reduction is over, the ranks agree whether every local gradient was finite and
-   keep the rank routes' residuals and warm starts only if so (`ShardedRankCodec.end_step`).
+   keep the rank routes' residuals and warm starts only if so (`RouteState.end_step`).
 
-It also holds what carries over between steps (the step count, the rank routes' state, the route
-trial) and shows it through `ShardedFacade`, the adapters' common public face.
+It also holds what carries over between steps (the step count, the rank routes' `RouteState`, the
+route trial) and shows it through `ShardedFacade`, the adapters' common public face.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.error_feedback import sharded_residual_note
-from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
+from dad_integrations.codecs.route_state import STATE_VERSION, RouteState, route_table
+from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.exchange.levels import Levels, describe_hops
@@ -50,7 +51,6 @@ from dad_integrations.routing.timing import LinkProbe
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
 Estimates = Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]]]
 
 
@@ -167,9 +167,10 @@ class ShardedExchanger(TimedRoutes):
         self.names = dict(overhead_names)
         self.process_rank, self.world_size = process_rank, world_size
         self.wire = WIRE_DTYPES[config.wire_dtype]
-        # the rank routes' error feedback and warm starts (None without a rank)
-        # (an adapter may bring its own: HSDP's replicate hop, `codecs.replicate_rank`)
+        # the rank routes' codec (None without a rank; an adapter may bring its own: HSDP's replicate
+        # hop, `codecs.replicate_rank`) and their error feedback and warm starts
         self.rank_codec = rank_codec or (ShardedRankCodec(config, self.wire) if config.rank is not None else None)
+        self.state: RouteState = self.rank_codec.state if self.rank_codec is not None else RouteState(config)
         self._trial = ShardedTrial(config, f"dAD/{engine}", log_decisions=process_rank == 0)
         self.log = logger
         self.log_once = OnceLogger(logger, f"dAD/{engine}: ")
@@ -207,7 +208,7 @@ class ShardedExchanger(TimedRoutes):
         itemsize = torch.empty((), dtype=compute_dtype(units[0].param)).element_size() if units else 4
         note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size, itemsize,
                                      owners_per_node)
-        if note is not None and self.process_rank == 0 and not getattr(self.rank_codec, "residual_is_sharded", False):
+        if note is not None and self.process_rank == 0 and self.state.shard is None:
             self.log.warning("dAD/%s: %s", self.engine, note)
 
     def describe_hops(self, aggregator: FactorAggregator, levels: Optional[Levels] = None,
@@ -241,24 +242,22 @@ class ShardedExchanger(TimedRoutes):
         timing = self._trial.timing
         self.report = ShardedStepReport(self.steps, self.world_size, decision=self._trial.decision,
                                         links={"flat": timing.link.brief()} if timing is not None else {})
-        if self.rank_codec is not None:
-            self.rank_codec.start_step()
+        self.state.start_step()
         self._rank_touched = False
         self._trial.open(self.steps - 1)
         return self.report
 
     def note_local(self, local: torch.Tensor) -> None:
         """Fold local gradients into the step's finiteness (rank routes only)."""
-        if self.rank_codec is not None:
-            self.rank_codec.note_local(local)
+        self.state.note_local(local)
 
     def end_rank_step(self, aggregator: FactorAggregator, report: Optional[ShardedStepReport] = None) -> None:
         """After a step that took a rank route or flushed a residual: agree its finiteness over the
         ranks (one all-reduce of one number), keep or drop its rank-route state."""
-        if self.rank_codec is None or not self._rank_touched:
+        if not self._rank_touched:
             return
         self._rank_touched = False
-        traffic = self.rank_codec.end_step(aggregator)
+        traffic = self.state.end_step(aggregator=aggregator)
         report = report if report is not None else self.report
         if report is not None:
             report.params.append(ShardedParamReport.overhead(self.names["finite"], 1, traffic))
@@ -273,12 +272,10 @@ class ShardedExchanger(TimedRoutes):
 
     def _flush(self, call: ShardedCall, unit: FactorUnit) -> bool:
         """A unit off the rank routes with a residual left: it rides the engine's reduction now."""
-        residual = self.rank_codec.flush(unit.name) if self.rank_codec is not None else None
-        if residual is None:
-            return False
-        self._touch_rank(call, unit)
-        call.add_residual(unit, residual)
-        return True
+        def add(residual: torch.Tensor) -> None:
+            self._touch_rank(call, unit)
+            call.add_residual(unit, residual)
+        return self.state.flush(unit.name, add)
 
     # -- a call -----------------------------------------------------------------------------------
     def reduce(self, call: ShardedCall) -> None:
@@ -348,13 +345,13 @@ class ShardedExchanger(TimedRoutes):
 
     # -- state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "steps": self.steps,
-                "rank_routes": self.rank_codec.state_dict() if self.rank_codec is not None else {}}
+        return {"version": STATE_VERSION, "steps": self.steps, "rank_routes": self.state.state_dict()}
 
     def load_state_dict(self, state: Mapping, params: Mapping[str, torch.nn.Parameter]) -> None:
-        if state.get("version") != STATE_VERSION:
+        """`state_dict`'s state, or one of version 1 (the same table)."""
+        if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"dAD/{self.engine} state of version {state.get('version')!r}, expected {STATE_VERSION}")
-        load_rank_route_state(self.rank_codec, dict(state.get("rank_routes") or {}), params)
+        self.state.load_state_dict(route_table(state), params)
         self.steps = int(state.get("steps", 0))
         self.report = None
         self._trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
@@ -376,7 +373,7 @@ class ShardedFacade:
     def keeps_state(self) -> bool:
         """Whether `state_dict` holds anything between steps: only the rank routes do (error-feedback
         residuals, warm starts); exact factors and the engine's reduction keep nothing."""
-        return self.exchanger.rank_codec is not None
+        return self.exchanger.state.enabled
 
     @property
     def rank_codec(self) -> Optional[ShardedRankCodec]:
