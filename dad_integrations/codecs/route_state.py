@@ -121,11 +121,6 @@ class RouteState:
         return True
 
     @property
-    def flushed(self) -> bool:
-        """This step flushed a residual."""
-        return bool(self._flushed)
-
-    @property
     def pending(self) -> bool:
         """A non-finite step would drop something: new warm starts or residuals, or flushed ones."""
         return bool(self._pending or self._flushed)
@@ -144,9 +139,9 @@ class RouteState:
             self._local_ok = ok if self._local_ok is None else self._local_ok & ok
 
     def end_step(self, finite: bool = True, aggregator: Optional[FactorAggregator] = None) -> Traffic:
-        """The step is over: keep what it held if it was ``finite`` and every result noted was, and
-        (given an ``aggregator``: the local gradients noted) every rank's local gradients were, agreed
-        by one all-reduce of one number; else drop it. Returns the agreement's bytes."""
+        """Keep what the step held if it was ``finite``, every result noted was and (given the
+        ``aggregator`` of the local gradients noted) every rank's local gradients were, agreed by one
+        all-reduce of one number; else drop it. Returns the agreement's bytes."""
         keep, traffic = finite and self._finite, Traffic()
         if aggregator is not None:
             bad = torch.zeros(1, device=self._device) if self._local_ok is None else (

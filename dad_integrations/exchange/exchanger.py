@@ -289,7 +289,9 @@ class Exchanger:
         counts = [int(r[0].shape[0]) for r in rows]
         decision, rows_by_rank, traffic = self._decide(unit, rows, counts, st)
         rep = decision.representation
-        if not self.policy.holds_residuals(st.step) and self._flush_residual(unit, rep, st.sink):
+        # off the rank routes with a residual left: this dense step sends it (`RouteState.flush`)
+        if not is_rank_route(rep) and not self.policy.holds_residuals(st.step) and self.state.flush(
+                unit.name, functools.partial(st.sink.add_local, unit.param)):
             rep = "dense"  # it carries the residual this step; its route applies from the next
         entry = self._report_unit(unit, rep, counts, rows_by_rank, overlapped, st.report)
         finish, sent = self._start(unit, rep, rows, rows_by_rank, entry, st)
@@ -407,11 +409,6 @@ class Exchanger:
             sink.write_product(unit.param, *self.rank_codec.decode(unit, note(torch.cat(handle.wait())), scale))
 
         return finish, handle.traffic
-
-    def _flush_residual(self, unit: FactorUnit, rep: str, sink: GradSink) -> bool:
-        """A unit off the rank routes with a residual left (`RouteState.flush`): add it to the
-        local gradient, so that this dense step sends it; returns whether it did."""
-        return not is_rank_route(rep) and self.state.flush(unit.name, functools.partial(sink.add_local, unit.param))
 
     def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> Tuple[List[List[int]], Traffic]:
         """Exchange every rank's row counts and first-step check; returns the counts by rank."""

@@ -140,12 +140,12 @@ class RoutePolicy:
         buckets, `ddp_hook`): every unit dense whatever its rows (held dense between refreshes, a
         route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
         what DDP's is, with no per-parameter packing on dAD's worker (`Exchanger.run_native`)."""
-        state, memory, units = self.state, self.state.memory, self.plan.units
-        if self.two_level or verify or state.flushed or not all(self.dense_for_sure(u, step, verify) for u in units):
+        state, units = self.state, self.plan.units
+        if self.two_level or verify or state.pending or not all(self.dense_for_sure(u, step, verify) for u in units):
             return False
         if self.holds_residuals(step):
             return True
-        return not (memory.enabled and any(memory.dense(u.name) is not None for u in units))
+        return not (state.memory.enabled and any(state.memory.dense(u.name) is not None for u in units))
 
     # -- one unit's route --------------------------------------------------------------------------
     def propose(self, unit: FactorUnit, shape: UnitShape, ctx: RouteContext, step: int,

@@ -103,7 +103,7 @@ class ShardedCall:
 
     def local_of(self, unit: FactorUnit) -> Optional[torch.Tensor]:
         """The unit's local gradient, where the step's finiteness is read per unit (None: the
-        adapter notes the whole call, `ShardedExchanger.note_local`)."""
+        adapter notes the whole call, `RouteState.note_local`)."""
         return None
 
     def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
@@ -247,10 +247,6 @@ class ShardedExchanger(TimedRoutes):
         self._trial.open(self.steps - 1)
         return self.report
 
-    def note_local(self, local: torch.Tensor) -> None:
-        """Fold local gradients into the step's finiteness (rank routes only)."""
-        self.state.note_local(local)
-
     def end_rank_step(self, aggregator: FactorAggregator, report: Optional[ShardedStepReport] = None) -> None:
         """After a step that took a rank route or flushed a residual: agree its finiteness over the
         ranks (one all-reduce of one number), keep or drop its rank-route state."""
@@ -265,7 +261,7 @@ class ShardedExchanger(TimedRoutes):
     def _touch_rank(self, call: ShardedCall, unit: FactorUnit) -> None:
         local = call.local_of(unit)
         if local is not None:
-            self.note_local(local)
+            self.state.note_local(local)
         if not self._rank_touched:
             self._rank_touched = True
             call.at_step_end(functools.partial(self.end_rank_step, call.aggregator, self.report))
@@ -343,19 +339,6 @@ class ShardedExchanger(TimedRoutes):
             unit.set_dense_only(True)
         return [u for u in live if not u.dense_only]
 
-    # -- state ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "steps": self.steps, "rank_routes": self.state.state_dict()}
-
-    def load_state_dict(self, state: Mapping, params: Mapping[str, torch.nn.Parameter]) -> None:
-        """`state_dict`'s state, or one of version 1 (the same table)."""
-        if state.get("version") not in (1, STATE_VERSION):
-            raise ValueError(f"dAD/{self.engine} state of version {state.get('version')!r}, expected {STATE_VERSION}")
-        self.state.load_state_dict(route_table(state), params)
-        self.steps = int(state.get("steps", 0))
-        self.report = None
-        self._trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
-
 
 class ShardedFacade:
     """The public face FSDP2's and ZeRO's adapters share, over their `ShardedExchanger`
@@ -383,12 +366,19 @@ class ShardedFacade:
         """This rank's dAD state: the steps taken (``lossless_steps`` counts them) and, per
         rank-routed weight, its warm starts and residual. They differ across ranks: save per rank
         (`engines.checkpoint.save_rank_state`)."""
-        return self.exchanger.state_dict()
+        ex = self.exchanger
+        return {"version": STATE_VERSION, "steps": ex.steps, "rank_routes": ex.state.state_dict()}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore `state_dict`'s state (tensors onto each weight's device and compute dtype); call
-        it between steps. Raises, naming them, for weights this model does not have."""
-        self.exchanger.load_state_dict(state, {u.name: u.param for u in self.plan.units})
+        """Restore `state_dict`'s state, or version 1's (the same table), tensors onto each weight's
+        device and compute dtype; call it between steps. Raises, naming them, for weights this model
+        does not have."""
+        ex = self.exchanger
+        if state.get("version") not in (1, STATE_VERSION):
+            raise ValueError(f"dAD/{ex.engine} state of version {state.get('version')!r}, expected {STATE_VERSION}")
+        ex.state.load_state_dict(route_table(state), {u.name: u.param for u in self.plan.units})
+        ex.steps, ex.report = int(state.get("steps", 0)), None
+        ex.trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
 
     def set_link(self, link) -> None:
         """`routing.sharded_trial.TimedRoutes.set_link`."""
