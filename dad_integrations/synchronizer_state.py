@@ -24,7 +24,7 @@ def load_units_state(ex: Exchanger, units: Sequence[FactorUnit], state: Mapping)
     Returns whether it holds the step count and the first-step check (versions 2 and 3). Raises
     `ValueError` for weights this model does not have."""
     versioned = state.get("version") in (2, STATE_VERSION)
-    units_in = state.get("units") if versioned else state
+    units_in = state.get("units", {}) if versioned else state  # (none in FSDP2's and ZeRO's: their routes load)
     by_name = {u.name: u for u in units}
     unknown = sorted(set(units_in) - set(by_name))
     if unknown:
