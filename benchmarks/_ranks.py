@@ -158,7 +158,7 @@ class Runner:
     def error_feedback_bytes(self) -> int:
         """Bytes of error-feedback residuals this rank holds (dAD's, or PowerSGD's hook's)."""
         if self.sync is not None:
-            memory = self.sync._exchanger.memory
+            memory = self.sync._exchanger.state.memory
             held = [memory.dense(u.name) for u in self.sync.units]
             return sum(t.numel() * t.element_size() for t in held if t is not None)
         if self.hook_state is not None:

@@ -216,7 +216,7 @@ class FSDPDADSynchronizer(ShardedFacade):
                 self._trial_end = end
             else:
                 Variable._execution_engine.queue_callback(end)
-        ex.note_local(inp)  # the step's finiteness, agreed when it ends
+        ex.state.note_local(inp)  # the step's finiteness, agreed when it ends
         S = group.size()
         fps = self._with_grad.pop(id(pg), None)
         slots = None if fps is None or self._closed else seams.slots_of(fps, self._names, inp, S)

@@ -42,7 +42,7 @@ from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.exchange.levels import build_levels
 from dad_integrations.synchronizer_hooks import ParamHooks
-from dad_integrations.synchronizer_state import STATE_VERSION, load_units_state, units_state
+from dad_integrations.synchronizer_state import load_units_state, sync_state
 from dad_integrations.synchronizer_step import StepLifecycle
 
 if TYPE_CHECKING:
@@ -206,15 +206,13 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
         """This rank's dAD state: per weight its rank-dAD warm start and error-feedback residual
         (they differ across ranks: save them per rank) and whether it went dense for good; the
         step count, the first-step check and auto's last agreed row counts."""
-        return {"version": STATE_VERSION, "steps": self._steps, "verified": self._verified,
-                "units": units_state(self._exchanger, self._plan.units)}
+        return sync_state(self._exchanger, self._plan.units, self._steps, self._verified)
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore `state_dict`'s state; tensors go to each parameter's device and compute dtype."""
         if self.backward_pending:
             raise RuntimeError("load_state_dict() was called between backward and synchronize()")
-        load_units_state(self._exchanger, self._plan.units, state)
-        if state.get("version") == STATE_VERSION:
+        if load_units_state(self._exchanger, self._plan.units, state):
             self._steps = int(state["steps"])
             self._verified = bool(state["verified"]) or not self.config.verify_first_step
         if self._exchanger.policy.trial is not None:  # every rank loads alike: a trial in progress ends on all

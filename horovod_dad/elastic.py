@@ -61,14 +61,13 @@ def reattach(optimizer: Any) -> Optional[DADSynchronizer]:
 
 def _residuals(sync: DADSynchronizer) -> Dict[str, torch.Tensor]:
     """This rank's residuals, whole (a rank-q one expanded), by weight name."""
-    memory = sync._exchanger.memory
+    memory = sync._exchanger.state.memory
     return {u.name: memory.dense(u.name) for u in sync.units if memory.dense(u.name) is not None}
 
 
 def _mean_residuals(sync: DADSynchronizer, residuals: Dict[str, torch.Tensor], prefix: str) -> int:
     """Load into ``sync`` each weight's mean residual over the ranks that hold one; returns how many."""
-    state = sync.state_dict()
-    kept = 0
+    means: Dict[str, dict] = {}
     for unit in sync.units:  # the same order on every rank
         mine = residuals.get(unit.name)
         p = unit.param
@@ -80,10 +79,9 @@ def _mean_residuals(sync: DADSynchronizer, residuals: Dict[str, torch.Tensor], p
                               process_set=sync.aggregator._process_set)
         count = float(total[-1])
         if count > 0:
-            state["units"][unit.name]["residual"] = (total[:-1] / count).reshape(p.shape)
-            kept += 1
-    sync.load_state_dict(state)
-    return kept
+            means[unit.name] = {"residual": (total[:-1] / count).reshape(p.shape)}
+    sync.load_state_dict({**sync.state_dict(), "rank_routes": means})  # a new synchroniser's: nothing else
+    return len(means)
 
 
 def _register() -> None:

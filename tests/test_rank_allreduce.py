@@ -6,8 +6,8 @@ from torch import nn
 
 from dad_integrations import DADSynchronizer, TorchDistributedAggregator
 from dad_integrations.config import DADConfig
-from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
+from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.assign import build_plan
 
@@ -20,7 +20,8 @@ def test_factor_products_equal_dense_products():
     unit = plan.units[0]
     d, x = torch.randn(5, 30, dtype=torch.float64), torch.randn(5, 40, dtype=torch.float64)
     dense_m = d.t() @ x
-    codec = RankAllReduceCodec(DADConfig(mode="rank", rank=3, rank_route="allreduce"), None, ErrorFeedback(False))
+    config = DADConfig(mode="rank", rank=3, rank_route="allreduce", error_feedback=False)
+    codec = RankAllReduceCodec(config, None, RouteState(config))
     entry = ParamReport(unit.name, "rank_allreduce", (30, 40))
     m_s = codec.local(unit, [(d, x)], lambda p, dtype: dense_m, entry)
     assert entry.method == "factors"  # 5 rows: cheaper than the 30 x 40 matrix
@@ -111,12 +112,12 @@ def test_sharded_power_iterations_approach_the_svd_optimum(group):
         unit = plan.units[0]
         codec = ShardedRankCodec(DADConfig(mode="rank", rank=r, rank_route="allreduce", error_feedback=False,
                                            power_iterations=k), None)
-        codec.start_step()
+        codec.state.start_step()
         rows = [(target.t().contiguous(), torch.eye(n, dtype=F64))]  # D^T X = target
         item = codec.local(unit, rows, lambda p, dtype: target, "rank_allreduce")
         assert item.method == "dense"
         (res,) = codec.exchange([item], TorchDistributedAggregator(), 1.0, 0, F64)
-        codec.end_step(TorchDistributedAggregator())
+        codec.state.end_step(aggregator=TorchDistributedAggregator())
         ratios[k] = _error_over_optimum(res.shard, target, r)  # one rank: its shard is every row
         assert res.traffic.handed == k * r * (m + n) * 8
         for c in plan.captures:
@@ -142,7 +143,7 @@ def test_first_residual_is_what_the_local_gradient_lost(group, route):
     sync.synchronize()
     (entry,) = [p for p in sync.last_step_report().params if p.name == "weight"]
     assert entry.representation == ("rank_allreduce" if route == "allreduce" else "rank")
-    residual = sync._exchanger.memory.dense("weight")
+    residual = sync._exchanger.state.memory.dense("weight")
     lost = ref.weight.grad - model.weight.grad
     assert float(lost.norm()) > 1e-2 * float(ref.weight.grad.norm())  # rank 2 of 10 x 12 is lossy
     torch.testing.assert_close(residual, lost, rtol=1e-5, atol=1e-6)

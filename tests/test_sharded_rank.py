@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
-from dad_integrations.codecs.rank import RankCodec, WarmStart
+from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
 from dad_integrations.codecs.sharded_exact import shard_span
 from dad_integrations.codecs.sharded_rank import (ShardedRankCodec, gathered_shard, reduced_elements, reduced_shard,
                                                    row_blocks)
 from dad_integrations.config import DADConfig
-from dad_integrations.codecs.error_feedback import error_feedback_for
+from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.assign import build_plan
@@ -154,9 +154,9 @@ def _step_both(route: str, unit, config: DADConfig, grads: List[torch.Tensor], s
 
     def body(rank, agg):
         u, plan = _unit("linear" if unit.factors_only else "embedding", *unit.param.shape, config.rank)
-        memory = error_feedback_for(config)
-        whole = (RankCodec(config, None, memory, WarmStart(config.warm_start)) if route == "rank"
-                 else RankAllReduceCodec(config, None, memory))
+        whole_state = RouteState(config)
+        whole = (RankCodec(config, None, whole_state) if route == "rank"
+                 else RankAllReduceCodec(config, None, whole_state))
         sharded = ShardedRankCodec(config, None)
         out = []
         for step in range(steps):
@@ -173,13 +173,13 @@ def _step_both(route: str, unit, config: DADConfig, grads: List[torch.Tensor], s
                 item = (u, whole.local(u, [], local_grad, entry), whole.initial_q(u, step), entry)
                 whole.start([item], agg, GradSink({}), scale, lambda t: t)()
                 full = u.param.grad.clone()
-            sharded.start_step()
-            sharded.note_local(m_s)
+            sharded.state.start_step()
+            sharded.state.note_local(m_s)
             item = sharded.local(u, [], local_grad, route)
             shard = sharded.exchange([item], agg, scale, step, F64)[0].shard
-            sharded.end_step(agg)
-            whole.commit(True)
-            out.append((full, shard, memory.dense(u.name), sharded.memory.dense(u.name)))
+            sharded.state.end_step(aggregator=agg)
+            whole_state.end_step()
+            out.append((full, shard, whole_state.memory.dense(u.name), sharded.memory.dense(u.name)))
         for c in plan.captures:
             c.remove()
         return out
@@ -251,9 +251,9 @@ def test_factor_products_equal_dense_products_and_rebuild_at_full_rank(route):
         q, p = torch.randn(n, 3, dtype=F64), torch.randn(m, 3, dtype=F64)
         torch.testing.assert_close(item.local.mm(q), dense[rank] @ q)
         torch.testing.assert_close(item.local.rmm(p), dense[rank].t() @ p)
-        codec.start_step()
+        codec.state.start_step()
         shard = codec.exchange([item], agg, 1.0 / world, 0, F64)[0].shard
-        codec.end_step(agg)
+        codec.state.end_step(aggregator=agg)
         for c in plan.captures:
             c.remove()
         return shard
@@ -273,7 +273,7 @@ def test_a_non_finite_step_leaves_residuals_and_warm_starts_untouched(route, ef_
 
     def state(codec):  # a low-rank residual is a pair (U, V): one entry each
         flat = {}
-        for name, s in codec.state_dict().items():
+        for name, s in codec.state.state_dict().items():
             for k, v in s.items():
                 for i, t in enumerate(v if isinstance(v, tuple) else (v,)):
                     if t is not None:
@@ -288,11 +288,11 @@ def test_a_non_finite_step_leaves_residuals_and_warm_starts_untouched(route, ef_
             m_s = _local_grads(world, m, n, step)[rank]
             if step == 1 and rank == 1:
                 m_s = m_s * float("nan")
-            codec.start_step()
-            codec.note_local(m_s)
+            codec.state.start_step()
+            codec.state.note_local(m_s)
             item = codec.local(unit, [], lambda p, dtype, g=m_s: g, route)
             shard = codec.exchange([item], agg, 1.0 / world, step, F64)[0].shard
-            traffic = codec.end_step(agg)
+            traffic = codec.state.end_step(aggregator=agg)
             assert traffic.calls == 1  # the finiteness agreement: one all-reduce of one number
             states.append(state(codec))
             finite.append(bool(torch.isfinite(shard).all()))
@@ -305,33 +305,3 @@ def test_a_non_finite_step_leaves_residuals_and_warm_starts_untouched(route, ef_
         assert states[0] and states[0].keys() == states[1].keys()
         assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])     # step 1 left no trace
         assert any(not torch.equal(states[1][k], states[2][k]) for k in states[1])  # step 2 moved on
-
-
-
-@pytest.mark.parametrize("ef_rank", [None, 2])
-def test_a_flushed_residual_is_owed_again_after_a_non_finite_step(ef_rank):
-    """FSDP2 and ZeRO add the residual of a weight leaving the rank routes to that step's dense
-    reduction (`ShardedRankCodec.flush`); a step that is not finite sends nothing, so `end_step`'s
-    verdict (here `commit`) puts the residual back, as does a step that never ended (the next
-    `start_step`); a finite step leaves it sent, owed no more."""
-    codec = ShardedRankCodec(DADConfig(mode="rank", rank=2, error_feedback_rank=ef_rank), None)
-    residual = codec.memory.pack("w", torch.randn(6, 4, dtype=F64))
-    expected = None
-    for verdict in ("not finite", "never ended", "finite"):
-        codec.memory.keep("w", residual)
-        expected = codec.memory.dense("w").clone()
-        codec.start_step()
-        assert torch.equal(codec.flush("w"), expected)
-        assert codec.memory.dense("w") is None and codec.flush("w") is None  # flushed once
-        if verdict == "not finite":
-            codec.commit(keep=False)
-            assert torch.equal(codec.memory.dense("w"), expected)
-            codec.memory.residuals.pop("w")
-        elif verdict == "never ended":
-            codec.start_step()
-            assert torch.equal(codec.memory.dense("w"), expected)
-            codec.memory.residuals.pop("w")
-        else:
-            codec.commit(keep=True)
-            codec.start_step()
-            assert codec.memory.dense("w") is None

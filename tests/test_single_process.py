@@ -373,11 +373,11 @@ def test_state_loads_onto_the_parameters_dtype(group):
     model(torch.randn(9, 4, dtype=torch.float64)).pow(2).sum().backward()
     sync.synchronize()
     state = sync.state_dict()
-    assert any(s["residual"] is not None for s in state["units"].values())
-    for s in state["units"].values():  # as if saved from a float32 run
+    assert any(s["residual"] is not None for s in state["rank_routes"].values())
+    for s in state["rank_routes"].values():  # as if saved from a float32 run
         s["warm_q"], s["residual"] = (None if t is None else t.float() for t in (s["warm_q"], s["residual"]))
     sync.load_state_dict(state)
-    for s in sync.state_dict()["units"].values():
+    for s in sync.state_dict()["rank_routes"].values():
         assert all(t is None or t.dtype == torch.float64 for t in (s["warm_q"], s["residual"]))
     model.zero_grad()
     model(torch.randn(9, 4, dtype=torch.float64)).pow(2).sum().backward()

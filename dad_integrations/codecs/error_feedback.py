@@ -19,13 +19,13 @@ Two memories, one interface (`error_feedback_for` picks by the config):
   ``q >= min(m, n)`` it keeps the residual whole.
 
 A step whose gradient is not finite (an fp16 overflow that the loss scaler will skip) leaves the
-residual as it was: the next finite step trains as if the bad one had not happened. Codecs that
-learn this only at the step's end hold `pack`'s result until then and `keep` it.
+residual as it was: `route_state.RouteState` holds `pack`'s result until the step's end and `keep`s
+it only then, and takes residuals out for dense steps (`RouteState.flush`).
 """
 from __future__ import annotations
 
 import zlib
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -41,7 +41,6 @@ class ErrorFeedback:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.residuals: Dict[str, Packed] = {}
-        self.flushed: List[Tuple[str, Packed]] = []  # taken out this step by `flush`
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` (a new tensor; ``grad`` is not changed)."""
@@ -68,27 +67,6 @@ class ErrorFeedback:
     def dense(self, name: str) -> Optional[torch.Tensor]:
         """``name``'s residual as one ``m x n`` tensor (None when there is none)."""
         return self.residuals.get(name)
-
-    def flush(self, name: str) -> Optional[torch.Tensor]:
-        """Take ``name``'s residual out, as one ``m x n`` tensor, for a dense step to send: the unit
-        left the rank routes (its rows fell, routing by time chose again, a checkpoint brought a
-        residual), and the dense average then carries the mean residual, what the ranks still owed.
-        Every rank took the same routes, so every rank flushes the same units. What was taken is
-        held until the step's end (`settle_flushed`): a step that is not finite sent nothing.
-        None where there is no residual."""
-        residual = self.dense(name) if self.enabled else None
-        if residual is None:
-            return None
-        self.flushed.append((name, self.residuals.pop(name)))
-        return residual
-
-    def settle_flushed(self, sent: bool) -> None:
-        """The step that flushed residuals is over: forget them if it was ``sent`` (finite), else
-        put them back, still owed."""
-        flushed, self.flushed = self.flushed, []
-        if not sent:
-            for name, stored in flushed:
-                self.keep(name, stored)
 
     def load(self, name: str, residual: Optional[Packed], like: torch.Tensor) -> None:
         """Restore a residual onto ``like``'s device (in the dtype the codec computes in); a residual

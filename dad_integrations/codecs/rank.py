@@ -6,18 +6,19 @@ the factors or on the dense gradient, or an exact truncated SVD when rows are fe
 rank ``S r`` matrix, with one ``S r m n`` matmul. Bytes per rank: ``(S-1) r (m+n)``; the biases
 go through the dense buckets.
 
-Warm start (`WarmStart`, as PowerSGD): each step's power iteration starts from the previous
-step's Q, so one iteration suffices once training settles. Error feedback
-(`error_feedback.ErrorFeedback`): the local residual is added to the next step's gradient; the
-reduction then runs on the dense compensated gradient.
+Warm start (as PowerSGD): each step's power iteration starts from the previous step's Q, so one
+iteration suffices once training settles. Error feedback: the local residual is added to the next
+step's gradient; the reduction then runs on the dense compensated gradient. Both are the
+synchroniser's `route_state.RouteState`.
 
 Non-finite gradients: a rank whose local gradient holds NaN or Inf sends a non-finite payload, so
 every rank rebuilds a non-finite gradient, as all-reduce gives: the power iteration spreads the NaN
 into P and Q by itself (no pass over the gradient to check it); where the reduction could raise on
 that rank alone (the exact SVD) or would drop components (adaptive tolerance), the input is checked
-and r rows of NaN go instead. New warm starts and residuals are held back until the step is
-over (`commit`): a step with any non-finite gradient (one a loss scaler will skip) keeps those of
-the step before, on every rank alike, so the next finite step trains as if it had not happened.
+and r rows of NaN go instead. New warm starts and residuals are held back until the step is over
+(`RouteState.end_step`): a step with any non-finite gradient (one a loss scaler will skip) keeps
+those of the step before, on every rank alike, so the next finite step trains as if it had not
+happened.
 """
 from __future__ import annotations
 
@@ -27,65 +28,22 @@ import torch
 from torch import nn
 
 from dad_integrations.config import DADConfig
-from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, choose_method, reduce_rank
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.finite import finite_flag
-
-
-class WarmStart:
-    """The previous step's right factor Q per unit, seeding the next power iteration."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.q: dict = {}
-
-    def initial(self, unit: FactorUnit, n: int, r: int, dtype: torch.dtype, step: int) -> torch.Tensor:
-        q = self.q.get(unit.name) if self.enabled else None
-        if q is None or q.shape != (n, r):
-            # the same seed on every rank: ranks start from one subspace
-            gen = torch.Generator(device=unit.param.device).manual_seed(1_000_003 * unit.index + step)
-            q = torch.randn(n, r, generator=gen, device=unit.param.device, dtype=dtype)
-        return q
-
-    def update(self, unit: FactorUnit, q: Optional[torch.Tensor]) -> None:
-        if self.enabled:
-            self.q[unit.name] = q
-
-    def load(self, name: str, q: Optional[torch.Tensor], like: torch.Tensor) -> None:
-        if q is None:
-            self.q.pop(name, None)
-        else:
-            self.q[name] = q.to(device=like.device, dtype=compute_dtype(like))
+from dad_integrations.codecs.route_state import RouteState
 
 
 class RankCodec:
     """Encode a unit's local gradient as ``[P^T | Q^T]``; decode every rank's into a rank-S·r product."""
 
-    def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype], memory: ErrorFeedback,
-                 warm: WarmStart):
+    def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype], state: RouteState):
         self.config = config
         self.wire_dtype = wire_dtype
-        self.memory = memory
-        self.warm = warm
-        self._pending: list = []  # (unit, low-rank factors, residual or None) of this step
-
-    @property
-    def has_pending(self) -> bool:
-        """This step holds state that `commit` keeps or drops."""
-        return bool(self._pending)
-
-    def commit(self, keep: bool) -> None:
-        """End of step: keep this step's warm starts and residuals, or (a non-finite step) drop them."""
-        pending, self._pending = self._pending, []
-        if not keep:
-            return
-        for unit, low, residual in pending:
-            self.warm.update(unit, low.warm)
-            if residual is not None:
-                self.memory.keep(unit.name, self.memory.pack(unit.name, residual))
+        self.state = state  # residuals and this route's warm starts (each rank's own Q_s)
+        self.memory, self.warm = state.memory, state.own
 
     def encode(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: Callable[[nn.Parameter, torch.dtype], torch.Tensor],
                entry: ParamReport, step: int, *, dense: bool = False) -> torch.Tensor:
@@ -113,10 +71,9 @@ class RankCodec:
             return torch.full((r, m + n), float("nan"), dtype=wire, device=p.device)
         low = reduce_rank(grad, r, method=method, q_init=self.warm.initial(unit, n, r, cdt, step),
                           iterations=cfg.power_iterations, tolerance=cfg.adaptive_tolerance)
-        # the residual now, not at commit: without a residual yet, the compensated gradient is the
+        # the residual now, not at the step's end: without a residual yet, the compensated gradient is the
         # local gradient itself, which may be .grad, and the decode overwrites .grad with the average
-        residual = residual_of(grad.dense, low.p, low.q, owned) if self.memory.enabled else None
-        self._pending.append((unit, low, residual))
+        self.state.hold(self.warm, unit, low.warm, self.state.residual(unit.name, grad.dense, low.p, low.q, owned))
         pq, qq = low.p, low.q
         if cfg.adaptive_tolerance is None and low.components < r:  # fixed sizes: no size exchange
             pq = torch.nn.functional.pad(pq, (0, r - low.components))
@@ -167,19 +124,6 @@ class RankBucket:
     def _front_run(self) -> int:
         dtype = self.items[0][1].dtype if self.items else None
         return next((i for i, (_, p, _) in enumerate(self.items) if p.dtype != dtype), len(self.items))
-
-
-def residual_of(compensated: torch.Tensor, p: torch.Tensor, q: torch.Tensor, owned: bool) -> torch.Tensor:
-    """``compensated - p q^T``, what a rank route left out: one fused ``addmm``, in place where
-    ``compensated`` is the codec's own copy (the local gradient plus the last residual) that neither
-    factor views (a full-rank reduction returns the gradient itself as a factor)."""
-    if owned and not _shares_storage(compensated, p) and not _shares_storage(compensated, q):
-        return compensated.addmm_(p, q.t(), alpha=-1)
-    return torch.addmm(compensated, p, q.t(), alpha=-1)
-
-
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _reduction_is_safe(grad: LocalGradient, method: str, tolerance: Optional[float]) -> bool:

@@ -15,8 +15,8 @@ average), not S r. Where rows are few and there is no residual, ``M_s Q = D^T (X
 ``M_s^T P = X^T (D P)`` are computed from the factors (``N r (m+n)`` instead of ``m n r``).
 
 Error feedback keeps ``M_s - P (P^T M_s)``, what this rank's own contribution lost; warm start keeps
-the all-reduced Q. Both are committed at the end of the step, and only if the step was finite
-(`RankCodec.commit`'s rule). Payloads of consecutive units share one all-reduce for P and one for Q
+the all-reduced Q. Both are kept at the end of the step, and only if the step was finite
+(`route_state.RouteState`). Payloads of consecutive units share one all-reduce for P and one for Q
 per round (bucketed by ``bucket_cap_mb``), as PowerSGD's DDP hook does per bucket; their P's of one
 shape go through one batched QR. The residual is computed while the last Q all-reduce is on the
 wire, in place in the compensated gradient where that is this codec's own copy.
@@ -32,13 +32,13 @@ from torch import nn
 
 from dad_integrations.comm.aggregator import CommHandle, FactorAggregator, Traffic
 from dad_integrations.config import DADConfig
-from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, method_costs, orthonormalize_flat
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.rank import WarmStart, _cat, residual_of
+from dad_integrations.codecs.rank import _cat
+from dad_integrations.codecs.route_state import RouteState
 
 Item = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport]  # unit, M_s, Q, report entry
 Queued = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport, torch.Tensor]  # ... and M_s Q
@@ -132,14 +132,13 @@ class SharedPowerIteration:
 class RankAllReduceCodec:
     """Encode ``M_s Q``; after the P all-reduce, ``M_s^T P``; decode ``scale * P Q^T``."""
 
-    def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype], memory: ErrorFeedback):
+    def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype], state: RouteState):
         self.config = config
         self.wire_dtype = wire_dtype
-        self.memory = memory
-        # the last all-reduced Q (the same on every rank); without warm start a fresh Q drawn from a
-        # seed every rank shares
-        self.warm = WarmStart(config.warm_start)
-        self._pending: list = []
+        self.state = state
+        # residuals, and the last all-reduced Q (the same on every rank; without warm start a fresh Q
+        # drawn from a seed every rank shares)
+        self.memory, self.warm = state.memory, state.shared
         self._owned: set = set()  # unit names whose M_s is this codec's own copy (grad + residual)
 
     def local(self, unit: FactorUnit, rows: Sequence[Rows],
@@ -163,8 +162,7 @@ class RankAllReduceCodec:
                                  right=_cat([right.to(cdt) for _, right in rows]))
         grad = local_grad(p, cdt)
         compensated = self.memory.compensate(unit.name, grad)
-        if compensated is not grad:
-            self._owned.add(unit.name)
+        (self._owned.add if compensated is not grad else self._owned.discard)(unit.name)
         return LocalGradient(dense=compensated)
 
     def start(self, items: Sequence[Union[Item, Queued]], aggregator: FactorAggregator, sink: GradSink,
@@ -189,7 +187,7 @@ class RankAllReduceCodec:
             for i, ((unit, m_s, _, _), basis, q_local) in enumerate(zip(items, bases, q_locals)):
                 if m_s.dense is None:
                     continue
-                residuals[i] = residual_of(m_s.dense, basis, q_local, unit.name in self._owned)
+                residuals[i] = self.state.residual(unit.name, m_s.dense, basis, q_local, unit.name in self._owned)
 
         def finish() -> None:
             bases, _, q_alls = rounds.finish(residual)
@@ -198,29 +196,13 @@ class RankAllReduceCodec:
                 entry.add_traffic(traffic)
                 sink.write_product(unit.param, basis * scale, q_all.t())
                 self._owned.discard(unit.name)
-                self._pending.append((unit, q_all, res))
+                self.state.hold(self.warm, unit, q_all, res)
 
         return finish
 
     def initial_q(self, unit: FactorUnit, step: int) -> torch.Tensor:
         m, n = unit.shape
         return self.warm.initial(unit, n, min(self.config.rank, m, n), compute_dtype(unit.param), step)
-
-    @property
-    def has_pending(self) -> bool:
-        """This step holds state that `commit` keeps or drops."""
-        return bool(self._pending)
-
-    def commit(self, keep: bool) -> None:
-        """End of step: keep the shared Q's and the residuals, or (a non-finite step) drop them."""
-        pending, self._pending = self._pending, []
-        self._owned.clear()
-        if not keep:
-            return
-        for unit, q_all, residual in pending:
-            self.warm.update(unit, q_all)
-            if residual is not None:
-                self.memory.keep(unit.name, self.memory.pack(unit.name, residual))
 
 
 class AllReduceBucket:

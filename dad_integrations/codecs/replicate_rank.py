@@ -38,7 +38,7 @@ Every rank of a shard column (the ranks holding the same rows on each node) comp
 numbers in the same order, so the replicas stay identical bit for bit, as HSDP's all-reduce keeps
 them. A non-finite ``M_s`` spreads NaN through the power iterations to every rank, as the dense
 reduction would; its residuals and warm starts are dropped at the step's end
-(`sharded_rank.ShardedRankCodec.end_step`, whose bookkeeping this codec inherits).
+(`route_state.RouteState`, which also saves each residual tagged with its rows).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.low_rank import orthonormalize
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
+from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.codecs.sharded_rank import ROUTES, RankShard, ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import DADConfig
@@ -72,44 +73,12 @@ class ReplicateItem:
 class ReplicateRankCodec(ShardedRankCodec):
     """The two rank routes on the replicate hop (module doc). ``intra``: the node's L ranks (the
     shard group); ``cross``: the R ranks holding the same rows on each node (the replicate group).
-    Error feedback, warm starts and a step's finiteness are the 1-D codec's."""
+    Error feedback, warm starts and a step's finiteness are its `RouteState`'s."""
 
     def __init__(self, config: DADConfig, wire_dtype, intra: FactorAggregator, cross: FactorAggregator):
-        super().__init__(config, wire_dtype)
+        # each rank keeps its rows of its node's residual (module doc): the state says which
+        super().__init__(config, wire_dtype, RouteState(config, shard=(intra.rank, intra.world_size)))
         self.intra, self.cross = intra, cross
-
-    residual_is_sharded = True  # each rank keeps its rows of its node's residual (module doc)
-
-    # -- state -----------------------------------------------------------------------------------
-    def state_dict(self):
-        """The 1-D codec's state, each entry tagged ``shard: [s, L]``: its residual is rows s of its
-        node's, which `engines.checkpoint.merge_rank_states` averages per s at another node count."""
-        out = super().state_dict()
-        for entry in out.values():
-            entry["shard"] = [self.intra.rank, self.intra.world_size]
-        return out
-
-    def load_state_dict(self, state, params) -> None:
-        """`ShardedRankCodec.load_state_dict`, keeping this rank's rows: its own residual, or its
-        rows' mean over the old nodes (``residual_shards``, from another node count). The shard
-        width L must be the saved one (a resharded residual would need every node's rows)."""
-        s, width = self.intra.rank, self.intra.world_size
-        own = {}
-        for name, entry in state.items():
-            entry = dict(entry)
-            saved = entry.pop("shard", None)
-            if saved is not None and saved[1] != width:
-                raise ValueError(f"dAD state of {name!r} was saved with {saved[1]} shards per node, this job has "
-                                 f"{width}: HSDP's rank-route residuals resume at the same shard width (any node "
-                                 f"count), or set 'error_feedback': false to start them afresh")
-            shards = entry.pop("residual_shards", None)
-            if shards is not None:
-                entry["residual"] = shards.get(s, shards.get(str(s)))
-            elif saved is not None and saved[0] is not None and saved[0] != s:
-                raise ValueError(f"dAD state of {name!r} holds rows {saved[0]} of the node's residual, but this "
-                                 f"rank keeps rows {s}: not this rank's file")
-            own[name] = entry
-        super().load_state_dict(own, params)
 
     def node_local(self, unit: FactorUnit, node_rows: torch.Tensor, representation: str) -> ReplicateItem:
         """``M_s``: this rank's rows (``c x n``, padded) of the node's sum, plus its residual."""
@@ -184,7 +153,7 @@ class ReplicateRankCodec(ShardedRankCodec):
             qs = [q.to(dt) for q, dt in zip(_split(joined, [q.shape for q in q_nodes]), dtypes)]
         out = []
         for it, basis, q_node, q_all, t in zip(items, bases, q_nodes, qs, traffic):
-            self._pending.append((self.shared, it.unit, q_all, self._node_residual(it, basis, q_node)))
+            self.state.hold(self.shared, it.unit, q_all, self._node_residual(it, basis, q_node))
             out.append(RankShard((basis * scale) @ q_all.t(), t, it.rank))
         return out
 
@@ -210,7 +179,7 @@ class ReplicateRankCodec(ShardedRankCodec):
             q_all = [j[1][i] for j in joined]     # per node: Q_node
             left = torch.cat([p.to(dtypes[i]) for p in p_nodes], dim=1) * scale
             right = torch.cat([q.to(dtypes[i]) for q in q_all], dim=1)
-            self._pending.append((self.warm, it.unit, q_node, self._node_residual(it, basis, q_node)))
+            self.state.hold(self.warm, it.unit, q_node, self._node_residual(it, basis, q_node))
             out.append(RankShard(left @ right.t(), t, it.rank))
         return out
 
@@ -231,9 +200,7 @@ class ReplicateRankCodec(ShardedRankCodec):
 
     def _node_residual(self, it: ReplicateItem, basis: torch.Tensor, q_node: torch.Tensor):
         """``M_s - P^_s Q_node^T``: this rank's rows of what its node did not send."""
-        if not self.memory.enabled:
-            return None
-        return self.memory.pack(it.unit.name, torch.addmm(it.local, basis, q_node.t(), alpha=-1))
+        return self.state.residual(it.unit.name, it.local, basis, q_node)
 
 
 def _split(flat: torch.Tensor, shapes) -> List[torch.Tensor]:

@@ -48,17 +48,17 @@ site's own ``Q_s``, the all-reduce from the shared ``Q'``. Memory: the residual 
 (what FSDP saves by sharding the gradient, error feedback spends again); it cannot be sharded, since
 site s compresses its whole ``M_s``, and no rank but s knows ``M_s``. ``error_feedback_rank: q``
 keeps its rank-q part instead (`error_feedback.LowRankErrorFeedback`, ``q (m+n)`` numbers, packed
-as soon as the residual is computed, so no whole residual waits for `end_step` either);
+as soon as the residual is computed, so no whole residual waits for the step's end either);
 ``error_feedback: false`` frees it.
 
 **Non-finite steps.** A site whose local gradient holds NaN or Inf sends a non-finite ``P_s`` and
 ``Q_s``, so every rank rebuilds a non-finite shard, as the reduce-scatter gives: a power iteration
 spreads the NaN by itself (both routes); the all-gather route's exact SVD, which could raise on
 that rank alone, checks its factors first and sends NaN instead. New residuals and warm starts
-wait in the codec until the step is over (`end_step`): one all-reduce of one number tells every
-rank whether any rank's local gradients (all of FSDP's reduce-scatter inputs of the step,
-`note_local`) were non-finite, and such a step (one a loss scaler skips) keeps the state of the
-step before, on every rank alike.
+wait in the synchroniser's `route_state.RouteState` until the step is over: one all-reduce of one
+number tells every rank whether any rank's local gradients (all of FSDP's reduce-scatter inputs of
+the step, `RouteState.note_local`) were non-finite, and such a step (one a loss scaler skips) keeps
+the state of the step before, on every rank alike.
 
 **Embeddings** (token ids, no linear factors) are reduced from their dense local gradient, which
 FSDP's reduce-scatter input holds whole, as the unsharded codecs reduce them (PowerSGD compresses
@@ -75,7 +75,6 @@ the same units and routes in the same order.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -84,16 +83,13 @@ from torch import nn
 
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import DADConfig
-from dad_integrations.codecs.error_feedback import error_feedback_for
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, choose_method, method_costs, reduce_rank
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.finite import finite_flag
-from dad_integrations.codecs.rank import WarmStart, _cat, _reduction_is_safe
+from dad_integrations.codecs.rank import _cat, _reduction_is_safe
 from dad_integrations.codecs.rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
+from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.codecs.sharded_exact import shard_span
-
-log = logging.getLogger(__name__)
 
 ROUTES = ("rank", "rank_allreduce")
 LocalGrad = Callable[[nn.Parameter, torch.dtype], torch.Tensor]
@@ -158,67 +154,15 @@ class RankShard:
 
 
 class ShardedRankCodec:
-    """The two rank routes under sharding, with error feedback and warm starts (module doc).
+    """The two rank routes under sharding, with error feedback and warm starts from ``state``
+    (module doc): `local` then `exchange` for the units that take a rank route, every rank alike."""
 
-    Per step: `start_step`, `note_local` for every reduce-scatter input, `local` then `exchange` for
-    the units that take a rank route, and `end_step` once backward is over (every rank alike).
-    """
-
-    def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype]):
+    def __init__(self, config: DADConfig, wire_dtype: Optional[torch.dtype], state: Optional[RouteState] = None):
         self.config = config
         self.wire_dtype = wire_dtype
-        self.memory = error_feedback_for(config)
-        self.warm = WarmStart(config.warm_start)    # each site's own Q_s (all-gather route)
-        self.shared = WarmStart(config.warm_start)  # the all-reduced Q (all-reduce route)
-        self._pending: List[tuple] = []             # (warm store, unit, Q, residual or None)
-        self._local_ok: Optional[torch.Tensor] = None  # on the device: no host sync per FSDP group
-        self._device: Optional[torch.device] = None
-
-    # -- a step ---------------------------------------------------------------------------------
-    def start_step(self) -> None:
-        """A new step: nothing pending (a step that never reached `end_step` leaves no trace, and
-        the residuals it flushed are owed again)."""
-        self.memory.settle_flushed(sent=False)
-        self._pending, self._local_ok = [], None
-
-    def flush(self, name: str) -> Optional[torch.Tensor]:
-        """`ErrorFeedback.flush`: the residual of a weight leaving the rank routes, settled at
-        `end_step`."""
-        return self.memory.flush(name)
-
-    def note_local(self, inp: torch.Tensor) -> None:
-        """Fold one of this rank's reduce-scatter inputs (its local gradients) into the step's
-        finiteness; `end_step` agrees it over ranks."""
-        self._device = inp.device
-        ok = finite_flag(inp)
-        self._local_ok = ok if self._local_ok is None else self._local_ok & ok
-
-    def end_step(self, aggregator: FactorAggregator) -> Traffic:
-        """Agree whether every rank's local gradients were finite this step (one all-reduce of one
-        number) and keep this step's residuals and warm starts only if so (else put back the
-        residuals it flushed); returns its bytes."""
-        if self._local_ok is None:
-            flag = torch.zeros(1, device=self._device)
-        else:
-            flag = (~self._local_ok).to(torch.float32).reshape(1)
-        handle = aggregator.all_reduce(flag, name="dad.sharded.rank.finite", op="sum")
-        keep = float(handle.wait()[0]) == 0.0
-        if not keep and aggregator.rank == 0:  # agreed: the same on every rank
-            log.info("dAD: a non-finite step: rank-route residuals and warm starts kept from the step before")
-        self.commit(keep)
-        self._local_ok = None
-        return handle.traffic
-
-    def commit(self, keep: bool) -> None:
-        """Keep this step's warm starts and residuals, or (a non-finite step) drop them."""
-        pending, self._pending = self._pending, []
-        self.memory.settle_flushed(sent=keep)
-        if not keep:
-            return
-        for store, unit, q, residual in pending:
-            store.update(unit, q)
-            if residual is not None:
-                self.memory.keep(unit.name, residual)
+        self.state = state or RouteState(config)
+        # residuals, each site's own Q_s (all-gather route), the all-reduced Q (all-reduce route)
+        self.memory, self.warm, self.shared = self.state.memory, self.state.own, self.state.shared
 
     # -- one unit's local side ------------------------------------------------------------------
     def local(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, representation: str) -> RankItem:
@@ -309,7 +253,7 @@ class ShardedRankCodec:
 
     def reduce_own(self, it: RankItem, step: int) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """This site's ``(P_s, Q_s)`` padded to r columns, and its component count; NaN where its
-        gradient is not finite. The warm start and residual wait in `_pending` until `end_step`.
+        gradient is not finite. The warm start and residual wait in the `RouteState` until the step's end.
         (The all-gather route's local half; `deepspeed_dad.zero` sends the pair its own way.)"""
         unit, r = it.unit, it.rank
         m, n = unit.shape
@@ -321,8 +265,7 @@ class ShardedRankCodec:
                     torch.full((n, r), nan, dtype=cdt, device=device), r)
         low = reduce_rank(it.local, r, method=it.method, q_init=self.warm.initial(unit, n, r, cdt, step),
                           iterations=self.config.power_iterations)
-        residual = self._residual(unit, it.local.dense, low.p, low.q) if self.memory.enabled else None
-        self._pending.append((self.warm, unit, low.warm, residual))
+        self.state.hold(self.warm, unit, low.warm, self.state.residual(unit.name, it.local.dense, low.p, low.q))
         p, q = low.p, low.q
         if low.components < r:  # equal blocks on every rank: no size exchange
             p = torch.nn.functional.pad(p, (0, r - low.components))
@@ -351,46 +294,11 @@ class ShardedRankCodec:
             if self.memory.enabled:
                 for i, (it, basis, q_local) in enumerate(zip(items, bases, q_locals)):
                     if it.local.dense is not None:
-                        residuals[i] = self._residual(it.unit, it.local.dense, basis, q_local)
+                        residuals[i] = self.state.residual(it.unit.name, it.local.dense, basis, q_local)
 
         bases, _, q_alls = rounds.finish(residual)
         out = []
         for it, basis, q_all, res, traffic in zip(items, bases, q_alls, residuals, rounds.traffic):
-            self._pending.append((self.shared, it.unit, q_all, res))
+            self.state.hold(self.shared, it.unit, q_all, res)
             out.append(RankShard(rebuild(it, basis, q_all), traffic, it.rank))
         return out
-
-    def _residual(self, unit: FactorUnit, compensated: torch.Tensor, p: torch.Tensor, q: torch.Tensor):
-        """``compensated - p q^T`` as the memory keeps it (`ErrorFeedback.pack`), computed now while
-        the step's tensors are at hand and held in `_pending` until `end_step`."""
-        return self.memory.pack(unit.name, torch.addmm(compensated, p, q.t(), alpha=-1))
-
-    # -- state ------------------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, dict]:
-        """This rank's state per unit name: own and shared warm starts, residual (they differ across
-        ranks: save them per rank)."""
-        names = set(self.warm.q) | set(self.shared.q) | set(self.memory.residuals)
-        return {name: {"warm_q": self.warm.q.get(name), "shared_q": self.shared.q.get(name),
-                       "residual": self.memory.state(name)} for name in sorted(names)}
-
-    def load_state_dict(self, state: Dict[str, dict], params: Dict[str, nn.Parameter]) -> None:
-        """Restore `state_dict`'s state onto ``params`` (by unit name)'s device and compute dtype."""
-        for name, s in state.items():
-            like = params[name]
-            self.warm.load(name, s.get("warm_q"), like)
-            self.shared.load(name, s.get("shared_q"), like)
-            self.memory.load(name, s.get("residual"), like)
-
-
-def load_rank_route_state(codec: Optional[ShardedRankCodec], routes: Dict[str, dict],
-                          params: Dict[str, nn.Parameter]) -> None:
-    """Load a synchroniser's saved ``rank_routes`` (`ShardedRankCodec.state_dict`) into ``codec``;
-    raises, naming them, for weights not in ``params`` (by unit name) or for rank-route state where
-    the config has no rank (``codec`` None). Shared by FSDP2's and ZeRO's synchronisers."""
-    unknown = sorted(set(routes) - set(params))
-    if unknown:
-        raise ValueError(f"dAD state for unknown weights {unknown}: was it saved from another model?")
-    if routes and codec is None:
-        raise ValueError("this dAD state holds rank-route state, but the config has no 'rank'")
-    if codec is not None:
-        codec.load_state_dict(dict(routes), params)

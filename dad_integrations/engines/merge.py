@@ -19,7 +19,9 @@ _UNIT_FROM_RANK0 = ("shared_q",)
 _UNIT_RESTART = {"warm_q": None, "dense_only": False, "rows_unused": False, "last_rows": None}
 _TOP_FROM_RANK0 = ("version", "steps")
 _TOP_RESTART = {"verified": False}
-_UNIT_TABLES = ("units", "rank_routes")  # DADSynchronizer's; FSDP2's and ZeRO-2/3's
+# a state's tables: DADSynchronizer's per-weight flags (and, to version 2, its rank-route state); every
+# synchroniser's rank-route state (`codecs.route_state`); a state may hold both
+_UNIT_TABLES = ("units", "rank_routes")
 # tables whose ranks may hold different weights: across nodes ZeRO's rank-route state lives on each
 # weight's owners only (`exchange.node_partitions`); a rank without an entry held no residual (it
 # adds zero to the mean), and the all-reduce route's Q is the same on every owner of a weight
@@ -50,54 +52,52 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
     which weights they hold).
     """
     merged: Optional[dict] = None
-    table: Optional[str] = None
-    residuals: Dict[str, _Mean] = {}
-    shard_residuals: Dict[str, Dict[int, _Mean]] = {}  # HSDP: per weight, per shard index
-    counts: Dict[Tuple[str, int], int] = {}
+    layout: Tuple[str, ...] = ()
+    tables: Dict[Optional[str], Dict[str, dict]] = {}  # merged, by table (None: version 1's only table)
+    residuals: Dict[Tuple[Optional[str], str], _Mean] = {}
+    shard_residuals: Dict[Tuple[Optional[str], str], Dict[int, _Mean]] = {}  # HSDP: per weight, per shard
+    counts: Dict[Tuple[Optional[str], str, int], int] = {}
     old_ranks = 0
     for state in states:
         state = dict(state)
-        key = next((k for k in _UNIT_TABLES if k in state), None)
-        units = state.pop(key) if key is not None else state  # version 1: the units' table alone
-        top = {} if key is None else state
+        keys = tuple(k for k in _UNIT_TABLES if k in state)
+        own = {k: state.pop(k) for k in keys} or {None: state}  # version 1: the units' table alone
+        top = state if keys else {}
         if merged is None:
-            table, merged = key, _merge_top(top)
-            merged_units = {name: _merge_unit(name, entry) for name, entry in units.items()}
-        elif key != table or (key not in _SPARSE_TABLES and set(units) != set(merged_units)) or any(
-                top.get(k) != merged.get(k) for k in _TOP_FROM_RANK0 if k in merged):
+            layout, merged = keys, _merge_top(top)
+            tables = {k: {name: _merge_unit(name, e) for name, e in t.items()} for k, t in own.items()}
+        elif keys != layout or any(top.get(k) != merged.get(k) for k in _TOP_FROM_RANK0 if k in merged) or any(
+                k not in _SPARSE_TABLES and set(t) != set(tables[k]) for k, t in own.items()):
             raise ValueError(f"the old ranks' dAD states disagree (rank {old_ranks} differs from rank 0 in its "
                              f"format, its weights or its step count): not one job's checkpoint")
-        else:  # a sparse table: the weights some old rank holds, the first holder's shared state
-            for name, entry in units.items():
-                if name not in merged_units:
-                    merged_units[name] = _merge_unit(name, entry)
-                for k in _UNIT_FROM_RANK0:
-                    if merged_units[name].get(k) is None and entry.get(k) is not None:
-                        merged_units[name][k] = entry[k]
-        for name, entry in units.items():
-            if entry.get("shard") is not None:
-                s, width = entry["shard"]
-                merged_units[name]["shard"] = [None, width]
-                counts[(name, s)] = counts.get((name, s), 0) + 1
-                if entry.get("residual") is not None:
-                    shard_residuals.setdefault(name, {}).setdefault(s, _Mean()).add(entry["residual"])
-            elif entry.get("residual") is not None:
-                residuals.setdefault(name, _Mean()).add(entry["residual"])
+        else:  # a sparse table: the weights some old rank holds; the first holder's shared state
+            for k, t in own.items():
+                for name, entry in t.items():
+                    into = tables[k].setdefault(name, _merge_unit(name, entry))
+                    into.update({f: entry[f] for f in _UNIT_FROM_RANK0
+                                 if into.get(f) is None and entry.get(f) is not None})
+        for k, t in own.items():
+            for name, entry in t.items():
+                if entry.get("shard") is not None:
+                    s, width = entry["shard"]
+                    tables[k][name]["shard"] = [None, width]
+                    counts[(k, name, s)] = counts.get((k, name, s), 0) + 1
+                    if entry.get("residual") is not None:
+                        shard_residuals.setdefault((k, name), {}).setdefault(s, _Mean()).add(entry["residual"])
+                elif entry.get("residual") is not None:
+                    residuals.setdefault((k, name), _Mean()).add(entry["residual"])
         old_ranks += 1
     if merged is None:
         raise ValueError("no dAD state to merge")
-    for name, mean in residuals.items():
-        merged_units[name]["residual"] = mean.result(old_ranks)
-    for name, by_shard in shard_residuals.items():
+    for (k, name), mean in residuals.items():
+        tables[k][name]["residual"] = mean.result(old_ranks)
+    for (k, name), by_shard in shard_residuals.items():
         # a node's residual is in units of its sum: the mean over nodes keeps what the average owes
         # at any node count of the same width, ``(1/(R' L)) R' e' = (1/(R L)) sum e``
-        merged_units[name]["residual_shards"] = {s: m.result(counts[(name, s)]) for s, m in by_shard.items()}
-    residuals = {**residuals, **{f"{n}#{s}": m for n, by in shard_residuals.items() for s, m in by.items()}}
-    if table is None:
-        merged = merged_units
-    else:
-        merged[table] = merged_units
-    shared = sum(1 for e in merged_units.values() if e.get("shared_q") is not None)
+        tables[k][name]["residual_shards"] = {s: m.result(counts[(k, name, s)]) for s, m in by_shard.items()}
+    residuals.update({(k, f"{n}#{s}"): m for (k, n), by in shard_residuals.items() for s, m in by.items()})
+    merged = tables[None] if not layout else {**merged, **tables}
+    shared = sum(1 for t in tables.values() for e in t.values() if e.get("shared_q") is not None)
     low = sum(1 for m in residuals.values() if m.low_rank)
     summary = (f"error-feedback residuals of {len(residuals)} weight(s) averaged over the {old_ranks} old ranks"
                + (f" ({low} kept at their rank q: the mean's best rank-q part)" if low else "")

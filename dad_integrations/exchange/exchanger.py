@@ -17,6 +17,7 @@ one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,11 +29,10 @@ from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_all
 from dad_integrations.exchange.checks import why_factors_fail, factors_rebuild_local_grad
 from dad_integrations.codecs.dense import DenseBuckets, bucket_dtype
 from dad_integrations.codecs.exact import ExactCodec, local_rebuild
-from dad_integrations.codecs.finite import finite_flag
-from dad_integrations.codecs.rank import RankBucket, RankCodec, WarmStart
+from dad_integrations.codecs.rank import RankBucket, RankCodec
 from dad_integrations.codecs.rank_allreduce import AllReduceBucket, RankAllReduceCodec
 from dad_integrations.config import DADConfig
-from dad_integrations.codecs.error_feedback import error_feedback_for
+from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.routes import layouts
@@ -72,9 +72,9 @@ class _Step:
 
 
 class Exchanger:
-    """Runs the collectives of each step; holds what carries over between steps for the codecs
-    (warm starts and error-feedback residuals of the rank codecs). Which route each unit takes is
-    its `policy`'s (`policy.RoutePolicy`)."""
+    """Runs the collectives of each step; holds what carries over between steps for the rank codecs
+    (`state`: warm starts, error-feedback residuals). Which route each unit takes is its `policy`'s
+    (`policy.RoutePolicy`)."""
 
     def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig,
                  wire_dtype: Optional[torch.dtype], device: torch.device, levels: Optional[Levels] = None):
@@ -88,17 +88,15 @@ class Exchanger:
         self.wire_dtype = wire_dtype
         self.device = device
         self.exact = ExactCodec(wire_dtype, device)
-        self.memory = error_feedback_for(config)
-        self.warm = WarmStart(config.warm_start)
+        self.state = RouteState(config)
         lossy = config.rank is not None
-        self.rank_codec = RankCodec(config, wire_dtype, self.memory, self.warm) if lossy else None
-        self.rank_allreduce = RankAllReduceCodec(config, wire_dtype, self.memory) if lossy else None
+        self.rank_codec = RankCodec(config, wire_dtype, self.state) if lossy else None
+        self.rank_allreduce = RankAllReduceCodec(config, wire_dtype, self.state) if lossy else None
         self.closed = False
-        self._finite = True  # every synchronised result of the step so far is finite
         # one dtype for every dense bucket, whatever goes dense in a step (as one call over all of them)
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
-        self.policy = RoutePolicy(plan, aggregator, config, device, self.memory)  # measures the models
+        self.policy = RoutePolicy(plan, aggregator, config, device, self.state)  # measures the models
         self.policy.wire_dtype = wire_dtype
         # two levels (nodes of several ranks): steps that compress only between nodes, where faster
         self.two_level: Optional[TwoLevelExchanger] = None
@@ -106,7 +104,7 @@ class Exchanger:
             if levels.timing is not None and self.policy.timing is not None:
                 levels.timing = dataclasses.replace(levels.timing, compute=self.policy.timing.compute)
             self.two_level = TwoLevelExchanger(plan, levels, config, wire_dtype, device, world=aggregator,
-                                               memory=self.memory, exact=self.exact, rank_codec=self.rank_codec,
+                                               state=self.state, exact=self.exact, rank_codec=self.rank_codec,
                                                rank_allreduce=self.rank_allreduce, dense_dtype=self.dense_dtype)
 
     def _await(self, window: StepWindow, i: int, sure: List[bool], dense: DenseBuckets) -> None:
@@ -132,7 +130,7 @@ class Exchanger:
         (`routing.trial.StepClock`) to the end of this call is the step's span a route trial times."""
         st = self._open_step(window, sink, step, verify, prescale, postscale)
         if self.policy.two_level:
-            st.report.update(self.two_level.run(window, sink, step=step, scale=st.scale, note=self._note,
+            st.report.update(self.two_level.run(window, sink, step=step, scale=st.scale, note=self.state.note,
                                                 take_rows=lambda u: self._take_rows(u, window),
                                                 check_open=self._check_open))
             self.policy.two_level_routes = dict(self.two_level.routes)
@@ -168,7 +166,7 @@ class Exchanger:
         dense = DenseBuckets(self.aggregator, sink, bucket_cap_mb=self.config.bucket_cap_mb, dtype=self.dense_dtype,
                              account=account, prescale=prescale, postscale=postscale,
                              early=lambda: not window.flush.is_set())
-        self._finite = True
+        self.state.start_step()
         return _Step(window, sink, step, verify, prescale * (1.0 / s if postscale is None else postscale), report,
                      dense, RankBucket(self.config.bucket_cap_mb * 2 ** 20),
                      AllReduceBucket(self.config.bucket_cap_mb * 2 ** 20))
@@ -201,15 +199,11 @@ class Exchanger:
     def _finish_step(self, st: _Step) -> StepReport:
         """Wait for the dense buckets, keep or drop the step's rank-route state, close the step."""
         # whether the results are finite only decides whether rank-route state is kept
-        finite = st.dense.finish(check_finite=self._state_pending())
+        finite = st.dense.finish(check_finite=self.state.pending)
         for name, entry in st.report.items():
             if entry.representation == "dense":
                 entry.overlapped = name in st.dense.overlapped  # its all-reduce began during backward
-        keep = finite and self._finite
-        if self.rank_codec is not None:
-            self.rank_codec.commit(keep=keep)
-            self.rank_allreduce.commit(keep=keep)
-        self.memory.settle_flushed(sent=keep)  # a skipped step: the residuals it flushed are still owed
+        self.state.end_step(finite)
         params = list(st.report.values())
         self._close_step(st.window, st.step, params)
         return self._report(st.step, params)
@@ -284,18 +278,6 @@ class Exchanger:
         self._close_step(window, step, report)  # the step's span (route trials) ends here
         return self._report(step, report)
 
-    def _state_pending(self) -> bool:
-        """Whether a non-finite step would drop something: this step's rank-route state (warm
-        starts, residuals) or residuals it flushed."""
-        return bool(self.memory.flushed) or any(c is not None and c.has_pending
-                                                for c in (self.rank_codec, self.rank_allreduce))
-
-    def _note(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Remember whether a synchronised result is finite (the same on every rank: all see it)."""
-        if self._finite and self.config.rank is not None:
-            self._finite = bool(finite_flag(tensor))
-        return tensor
-
     def _check_open(self) -> None:
         if self.closed:
             raise StepClosed("dAD synchroniser closed with a step in flight")
@@ -308,7 +290,9 @@ class Exchanger:
         counts = [int(r[0].shape[0]) for r in rows]
         decision, rows_by_rank, traffic = self._decide(unit, rows, counts, st)
         rep = decision.representation
-        if not self.policy.holds_residuals(st.step) and self._flush_residual(unit, rep, st.sink):
+        # off the rank routes with a residual left: this dense step sends it (`RouteState.flush`)
+        if not is_rank_route(rep) and not self.policy.holds_residuals(st.step) and self.state.flush(
+                unit.name, functools.partial(st.sink.add_local, unit.param)):
             rep = "dense"  # it carries the residual this step; its route applies from the next
         entry = self._report_unit(unit, rep, counts, rows_by_rank, overlapped, st.report)
         finish, sent = self._start(unit, rep, rows, rows_by_rank, entry, st)
@@ -400,7 +384,7 @@ class Exchanger:
                 sink.write_unused(unit.param)
                 return
             for q, g in grads.items():
-                sink.write(q, self._note(g))
+                sink.write(q, self.state.note(g))
 
         return finish, handle.traffic
 
@@ -412,7 +396,7 @@ class Exchanger:
                              name=f"dad.{rep}.{unit.name}")
 
         def finish() -> None:
-            sink.write(p, self._note(handle.wait().mul_(scale).view(p.shape).to(p.dtype)))
+            sink.write(p, self.state.note(handle.wait().mul_(scale).view(p.shape).to(p.dtype)))
 
         return finish, handle.traffic
 
@@ -420,23 +404,12 @@ class Exchanger:
         """The all-gather of one unit's rank-r payload of its own (its row count differs by rank:
         ``adaptive_tolerance``); its finish rebuilds the average."""
         handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}")
-        sink, scale = st.sink, st.scale
+        sink, scale, note = st.sink, st.scale, self.state.note
 
         def finish() -> None:
-            sink.write_product(unit.param, *self.rank_codec.decode(unit, self._note(torch.cat(handle.wait())), scale))
+            sink.write_product(unit.param, *self.rank_codec.decode(unit, note(torch.cat(handle.wait())), scale))
 
         return finish, handle.traffic
-
-    def _flush_residual(self, unit: FactorUnit, rep: str, sink: GradSink) -> bool:
-        """A unit off the rank routes with a residual left (`ErrorFeedback.flush`): add it to the
-        local gradient, so that this dense step sends it; returns whether it did."""
-        if is_rank_route(rep):
-            return False
-        residual = self.memory.flush(unit.name)
-        if residual is None:
-            return False
-        sink.add_local(unit.param, residual)
-        return True
 
     def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> Tuple[List[List[int]], Traffic]:
         """Exchange every rank's row counts and first-step check; returns the counts by rank."""
@@ -458,7 +431,7 @@ class Exchanger:
     # -- the shared buckets of the rank routes ------------------------------------------------------
     def _send_shared(self, st: _Step) -> Finish:
         """The rank-r all-reduce route's bucket (`RankAllReduceCodec.start`)."""
-        return self.rank_allreduce.start(st.shared.take(), self.aggregator, st.sink, st.scale, self._note)
+        return self.rank_allreduce.start(st.shared.take(), self.aggregator, st.sink, st.scale, self.state.note)
 
     def _send_rank_bucket(self, st: _Step) -> Finish:
         """One all-gather for the rank-r payloads of several units (fewer, larger collectives)."""
@@ -473,7 +446,7 @@ class Exchanger:
         sink, scale = st.sink, st.scale
 
         def finish() -> None:
-            gathered = [self._note(g) for g in handle.wait()]
+            gathered = [self.state.note(g) for g in handle.wait()]
             offset = 0
             for unit, payload, _ in items:
                 k = payload.numel()

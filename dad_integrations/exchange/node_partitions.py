@@ -32,6 +32,7 @@ is shared by the owners of a weight, the all-gather route's is each owner's own.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -137,7 +138,9 @@ class NodePartitionCall(PartitionCall):
         for unit, rep in routes.routed:
             owner = self.nodes.owner_of[unit.name]
             if is_rank_route(rep) and owner != self.local and self.rank_codec is not None:
-                self._flush_residual(unit)
+                # a residual this rank holds but does not compensate (not the owner) rides its local
+                # gradient to the owner: sent, never lost (`RouteState.flush`)
+                self.rank_codec.state.flush(unit.name, functools.partial(self.add_residual, unit))
             it = HopItem(unit.name, [self.grads[unit.index]], owner, unit=unit, rows=self.rows[unit.index], rep=rep)
             if rep == "exact":
                 by_rank = routes.counts[unit.index]
@@ -151,13 +154,6 @@ class NodePartitionCall(PartitionCall):
         results, between = self._between(mine, routes.step) if mine else ({}, {})
         from_owner = self._from_owner(items, results)
         self._report_items(items, report, to_owner, between, from_owner)
-
-    def _flush_residual(self, unit: FactorUnit) -> None:
-        """A residual this rank holds but does not compensate (not the owner) rides its local
-        gradient to the owner: sent, never lost (settled at the step's end, as `ShardedExchanger`'s)."""
-        residual = self.rank_codec.flush(unit.name)
-        if residual is not None:
-            self.add_residual(unit, residual)
 
     def node_ranges(self, unit: FactorUnit) -> List[Range]:
         """Each node's stretch of the weight: ``[min lo, max hi)`` over its ranks' owned ranges (a

@@ -30,7 +30,7 @@ import torch
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, SyncPlan
-from dad_integrations.codecs.error_feedback import ErrorFeedback
+from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.logs import say
@@ -53,12 +53,12 @@ class RoutePolicy:
     (`trial`). Every rank holds the same policy state and asks it in the same order."""
 
     def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig, device: torch.device,
-                 memory: ErrorFeedback):
+                 state: RouteState):
         self.plan = plan
         self.aggregator = aggregator
         self.config = config
         self.device = device
-        self.memory = memory  # read only: which residuals a dense step still owes
+        self.state = state  # read only: which residuals a dense step still owes
         self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
         self.last_route: Dict[int, str] = {}       # unit index -> representation of its last step
         self.saved: Dict[int, float] = {}          # unit index -> predicted seconds its route saves (by time)
@@ -140,12 +140,12 @@ class RoutePolicy:
         buckets, `ddp_hook`): every unit dense whatever its rows (held dense between refreshes, a
         route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
         what DDP's is, with no per-parameter packing on dAD's worker (`Exchanger.run_native`)."""
-        memory, units = self.memory, self.plan.units
-        if self.two_level or verify or memory.flushed or not all(self.dense_for_sure(u, step, verify) for u in units):
+        state, units = self.state, self.plan.units
+        if self.two_level or verify or state.pending or not all(self.dense_for_sure(u, step, verify) for u in units):
             return False
         if self.holds_residuals(step):
             return True
-        return not (memory.enabled and any(memory.dense(u.name) is not None for u in units))
+        return not (state.memory.enabled and any(state.memory.dense(u.name) is not None for u in units))
 
     # -- one unit's route --------------------------------------------------------------------------
     def propose(self, unit: FactorUnit, shape: UnitShape, ctx: RouteContext, step: int,

@@ -13,13 +13,13 @@ both engines and in the same order on every rank:
    that fails goes by the engine's reduction for good;
 4. per unit, its route (`router.route` with ``sharded=True``, the engine's own byte estimates where
    it has them); a unit leaving the rank routes flushes its error-feedback residual into the
-   engine's reduction (`ErrorFeedback.flush`);
+   engine's reduction (`RouteState.flush`);
 5. the call's exchanges (the adapter's), then the step's finiteness: once per step, when the
    engine's last reduction is over, the ranks agree whether every local gradient was finite and
-   keep the rank routes' residuals and warm starts only if so (`ShardedRankCodec.end_step`).
+   keep the rank routes' residuals and warm starts only if so (`RouteState.end_step`).
 
-It also holds what carries over between steps (the step count, the rank routes' state, the route
-trial) and shows it through `ShardedFacade`, the adapters' common public face.
+It also holds what carries over between steps (the step count, the rank routes' `RouteState`, the
+route trial) and shows it through `ShardedFacade`, the adapters' common public face.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.error_feedback import residual_bytes, sharded_residual_note
-from dad_integrations.codecs.sharded_rank import ShardedRankCodec, load_rank_route_state
+from dad_integrations.codecs.route_state import STATE_VERSION, RouteState, route_table
+from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.exchange.levels import Levels, describe_hops
@@ -50,7 +51,6 @@ from dad_integrations.routing.timing import LinkProbe
 
 log = logging.getLogger(__name__)
 
-STATE_VERSION = 1
 Estimates = Tuple[Optional[Dict[str, float]], Optional[Dict[str, float]]]
 
 
@@ -103,7 +103,7 @@ class ShardedCall:
 
     def local_of(self, unit: FactorUnit) -> Optional[torch.Tensor]:
         """The unit's local gradient, where the step's finiteness is read per unit (None: the
-        adapter notes the whole call, `ShardedExchanger.note_local`)."""
+        adapter notes the whole call, `RouteState.note_local`)."""
         return None
 
     def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
@@ -167,9 +167,10 @@ class ShardedExchanger(TimedRoutes):
         self.names = dict(overhead_names)
         self.process_rank, self.world_size = process_rank, world_size
         self.wire = WIRE_DTYPES[config.wire_dtype]
-        # the rank routes' error feedback and warm starts (None without a rank)
-        # (an adapter may bring its own: HSDP's replicate hop, `codecs.replicate_rank`)
+        # the rank routes' codec (None without a rank; an adapter may bring its own: HSDP's replicate
+        # hop, `codecs.replicate_rank`) and their error feedback and warm starts
         self.rank_codec = rank_codec or (ShardedRankCodec(config, self.wire) if config.rank is not None else None)
+        self.state: RouteState = self.rank_codec.state if self.rank_codec is not None else RouteState(config)
         self._trial = ShardedTrial(config, f"dAD/{engine}", log_decisions=process_rank == 0)
         self.log = logger
         self.log_once = OnceLogger(logger, f"dAD/{engine}: ", rank=process_rank)  # agreed: rank 0 says it
@@ -209,7 +210,7 @@ class ShardedExchanger(TimedRoutes):
         ``residual_bytes_said`` (None where nothing is said); returns the line (rank 0)."""
         units = [u for u in self._units_noted if not u.dense_only]
         self.residual_bytes_said = None
-        if layout.residuals == "rows" or getattr(self.rank_codec, "residual_is_sharded", False):
+        if layout.residuals == "rows" or self.state.shard is not None:
             return None  # sharded like the gradient (HSDP's replicate hop): nothing beyond the engine's
         held = units
         if layout.residuals == "owner" and owner_of:
@@ -262,24 +263,18 @@ class ShardedExchanger(TimedRoutes):
         timing = self._trial.timing
         self.report = ShardedStepReport(self.steps, self.world_size, decision=self._trial.decision,
                                         links={"flat": timing.link.brief()} if timing is not None else {})
-        if self.rank_codec is not None:
-            self.rank_codec.start_step()
+        self.state.start_step()
         self._rank_touched = False
         self._trial.open(self.steps - 1)
         return self.report
 
-    def note_local(self, local: torch.Tensor) -> None:
-        """Fold local gradients into the step's finiteness (rank routes only)."""
-        if self.rank_codec is not None:
-            self.rank_codec.note_local(local)
-
     def end_rank_step(self, aggregator: FactorAggregator, report: Optional[ShardedStepReport] = None) -> None:
         """After a step that took a rank route or flushed a residual: agree its finiteness over the
         ranks (one all-reduce of one number), keep or drop its rank-route state."""
-        if self.rank_codec is None or not self._rank_touched:
+        if not self._rank_touched:
             return
         self._rank_touched = False
-        traffic = self.rank_codec.end_step(aggregator)
+        traffic = self.state.end_step(aggregator=aggregator)
         report = report if report is not None else self.report
         if report is not None:
             report.params.append(ShardedParamReport.overhead(self.names["finite"], 1, traffic))
@@ -287,19 +282,17 @@ class ShardedExchanger(TimedRoutes):
     def _touch_rank(self, call: ShardedCall, unit: FactorUnit) -> None:
         local = call.local_of(unit)
         if local is not None:
-            self.note_local(local)
+            self.state.note_local(local)
         if not self._rank_touched:
             self._rank_touched = True
             call.at_step_end(functools.partial(self.end_rank_step, call.aggregator, self.report))
 
     def _flush(self, call: ShardedCall, unit: FactorUnit) -> bool:
         """A unit off the rank routes with a residual left: it rides the engine's reduction now."""
-        residual = self.rank_codec.flush(unit.name) if self.rank_codec is not None else None
-        if residual is None:
-            return False
-        self._touch_rank(call, unit)
-        call.add_residual(unit, residual)
-        return True
+        def add(residual: torch.Tensor) -> None:
+            self._touch_rank(call, unit)
+            call.add_residual(unit, residual)
+        return self.state.flush(unit.name, add)
 
     # -- a call -----------------------------------------------------------------------------------
     def reduce(self, call: ShardedCall) -> None:
@@ -367,19 +360,6 @@ class ShardedExchanger(TimedRoutes):
             unit.set_dense_only(True)
         return [u for u in live if not u.dense_only]
 
-    # -- state ------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "steps": self.steps,
-                "rank_routes": self.rank_codec.state_dict() if self.rank_codec is not None else {}}
-
-    def load_state_dict(self, state: Mapping, params: Mapping[str, torch.nn.Parameter]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"dAD/{self.engine} state of version {state.get('version')!r}, expected {STATE_VERSION}")
-        load_rank_route_state(self.rank_codec, dict(state.get("rank_routes") or {}), params)
-        self.steps = int(state.get("steps", 0))
-        self.report = None
-        self._trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
-
 
 class ShardedFacade:
     """The public face FSDP2's and ZeRO's adapters share, over their `ShardedExchanger`
@@ -397,7 +377,7 @@ class ShardedFacade:
     def keeps_state(self) -> bool:
         """Whether `state_dict` holds anything between steps: only the rank routes do (error-feedback
         residuals, warm starts); exact factors and the engine's reduction keep nothing."""
-        return self.exchanger.rank_codec is not None
+        return self.exchanger.state.enabled
 
     @property
     def rank_codec(self) -> Optional[ShardedRankCodec]:
@@ -407,12 +387,19 @@ class ShardedFacade:
         """This rank's dAD state: the steps taken (``lossless_steps`` counts them) and, per
         rank-routed weight, its warm starts and residual. They differ across ranks: save per rank
         (`engines.checkpoint.save_rank_state`)."""
-        return self.exchanger.state_dict()
+        ex = self.exchanger
+        return {"version": STATE_VERSION, "steps": ex.steps, "rank_routes": ex.state.state_dict()}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore `state_dict`'s state (tensors onto each weight's device and compute dtype); call
-        it between steps. Raises, naming them, for weights this model does not have."""
-        self.exchanger.load_state_dict(state, {u.name: u.param for u in self.plan.units})
+        """Restore `state_dict`'s state, or version 1's (the same table), tensors onto each weight's
+        device and compute dtype; call it between steps. Raises, naming them, for weights this model
+        does not have."""
+        ex = self.exchanger
+        if state.get("version") not in (1, STATE_VERSION):
+            raise ValueError(f"dAD/{ex.engine} state of version {state.get('version')!r}, expected {STATE_VERSION}")
+        ex.state.load_state_dict(route_table(state), {u.name: u.param for u in self.plan.units})
+        ex.steps, ex.report = int(state.get("steps", 0)), None
+        ex.trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
 
     def set_link(self, link) -> None:
         """`routing.sharded_trial.TimedRoutes.set_link`."""

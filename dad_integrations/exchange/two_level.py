@@ -29,6 +29,7 @@ gradient (sent, never lost), one on the owner is compensated into its node's sum
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -38,13 +39,13 @@ from torch import nn
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
-from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.codecs.exact import ExactCodec
 from dad_integrations.exchange.node_hops import HopItem, NodeHops, sums_at_owner
 from dad_integrations.routes.codec import start_codec
 from dad_integrations.routes.registry import get_route, has_codec, is_rank_route
 from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
+from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.codecs.wire import pack, packed_size, unpack
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
 from dad_integrations.config import DADConfig
@@ -68,16 +69,16 @@ class _Capture(GradSink):
 
 class TwoLevelExchanger:
     """Runs the two-level steps of one synchroniser (see the module doc). Shares the flat
-    exchanger's codecs and error feedback, so a step may be flat or two-level, whichever is
+    exchanger's codecs and `RouteState`, so a step may be flat or two-level, whichever is
     predicted faster, without losing a residual."""
 
     def __init__(self, plan: SyncPlan, levels: Levels, config: DADConfig, wire_dtype: Optional[torch.dtype],
-                 device: torch.device, *, world: FactorAggregator, memory: ErrorFeedback, exact: ExactCodec,
+                 device: torch.device, *, world: FactorAggregator, state: RouteState, exact: ExactCodec,
                  rank_codec: Optional[RankCodec], rank_allreduce: Optional[RankAllReduceCodec],
                  dense_dtype: torch.dtype):
         self.plan, self.levels, self.config = plan, levels, config
         self.wire_dtype, self.device, self.world = wire_dtype, device, world
-        self.memory, self.exact, self.rank_codec, self.rank_allreduce = memory, exact, rank_codec, rank_allreduce
+        self.state, self.exact, self.rank_codec, self.rank_allreduce = state, exact, rank_codec, rank_allreduce
         self.dense_dtype = dense_dtype
         self.hops = NodeHops(exact, dense_dtype, config.rank, levels.topology.num_nodes, device)
         topo = levels.topology
@@ -131,9 +132,7 @@ class TwoLevelExchanger:
     def switched(self, policy, to_two_level: bool) -> None:
         """The steps change level: warm starts drop (a flat step's Q is every rank's, a two-level
         step's only its owners'), and rows are captured again (two-level exact factors use them)."""
-        for codec in (self.rank_codec, self.rank_allreduce):
-            if codec is not None:
-                codec.warm.q.clear()
+        self.state.drop_warm_starts()
         if to_two_level:
             policy._use_rows(u.index for u in self.plan.units)
 
@@ -233,9 +232,7 @@ class TwoLevelExchanger:
                 continue
             if it.owner == self.local and is_rank_route(it.rep):
                 continue
-            residual = self.memory.flush(it.name)
-            if residual is not None:
-                sink.add_local(it.unit.param, residual)
+            self.state.flush(it.name, functools.partial(sink.add_local, it.unit.param))
 
     def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
         s = self.world.world_size

@@ -310,7 +310,7 @@ def run_vs_powersgd(case: dict) -> dict:
 
 
 def _tensors(state: dict) -> dict:
-    return {(u, k): v for u, s in state["units"].items() for k, v in s.items() if isinstance(v, torch.Tensor)}
+    return {(u, k): v for u, s in state["rank_routes"].items() for k, v in s.items() if isinstance(v, torch.Tensor)}
 
 
 def run_broadcast(case: dict) -> dict:

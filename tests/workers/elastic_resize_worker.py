@@ -35,7 +35,7 @@ ENGINE_CONFIG = {"accelerate": {**CONFIG, "rank_route": "allreduce"}}  # a share
 
 
 def units_of(state: dict) -> Dict[str, dict]:
-    return state["units"] if "units" in state else state["rank_routes"]
+    return state["rank_routes"]
 
 
 def residual_report(sync: Any, old_dir: str) -> dict:

@@ -193,7 +193,7 @@ def rank_state(sync) -> dict:
     if codec is None:
         return {}
     out = {}
-    for name, st in codec.state_dict().items():
+    for name, st in codec.state.state_dict().items():
         for k, v in st.items():
             if isinstance(v, tuple):  # a residual kept at rank q (error_feedback_rank): (U, V)
                 out.update({f"{name}.{k}.{i}": t.clone() for i, t in enumerate(v)})
@@ -233,21 +233,38 @@ def predicted_bytes(entry, world: int, rank: int) -> float:
     return fn(matrix_shape(entry.shape), rank, torch.float32, world)
 
 
+def version_1(sync) -> dict:
+    """``sync``'s state as FSDP2's synchroniser wrote it before `RouteState` (version 1), literally."""
+    st = sync.rank_codec.state
+    names = set(st.own.q) | set(st.shared.q) | set(st.memory.residuals)
+    return {"version": 1, "steps": sync.exchanger.steps,
+            "rank_routes": {name: {"warm_q": st.own.q.get(name), "shared_q": st.shared.q.get(name),
+                                   "residual": st.memory.state(name)} for name in sorted(names)}}
+
+
 def resume(sync, model: nn.Module, config: dict):
     """Save ``sync``'s state through ``torch.save``, close it, attach a new synchroniser to ``model``
-    and load the state into it, as a resumed run does; returns it and what the load kept."""
+    and load the state into it, as a resumed run does; returns it and what the load kept. The state
+    in version 1's format goes through another synchroniser first (``old_format_equal``)."""
     saved, steps = rank_state(sync), sync.state_dict()["steps"]
-    buf = io.BytesIO()
+    buf, old = io.BytesIO(), io.BytesIO()
     torch.save(sync.state_dict(), buf)
+    torch.save(version_1(sync), old)
     sync.close()
+    older = enable_dad_fsdp(model, config)
+    old.seek(0)
+    older.load_state_dict(torch.load(old, weights_only=False))
+    from_old, old_steps = rank_state(older), older.state_dict()["steps"]
+    older.close()
     new = enable_dad_fsdp(model, config)
     fresh = rank_state(new)
     buf.seek(0)
     new.load_state_dict(torch.load(buf, weights_only=False))
     loaded = rank_state(new)
-    return new, {"fresh_empty": not fresh, "steps": [steps, new.state_dict()["steps"]], "numel": sum(
+    return new, {"fresh_empty": not fresh, "steps": [steps, new.state_dict()["steps"], old_steps], "numel": sum(
         v.numel() for v in saved.values()), "state_equal": saved.keys() == loaded.keys() and all(
-        torch.equal(saved[k], loaded[k]) for k in saved)}
+        torch.equal(saved[k], loaded[k]) for k in saved), "old_format_equal": saved.keys() == from_old.keys() and all(
+        torch.equal(saved[k], from_old[k]) for k in saved)}
 
 
 def run_trial(case: dict) -> dict:

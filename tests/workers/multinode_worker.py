@@ -144,7 +144,7 @@ def run_exact(eng: Engine, case: dict) -> dict:
 
 
 def _residuals(sync) -> dict:
-    memory = sync._exchanger.memory
+    memory = sync._exchanger.state.memory
     return {u.name: memory.dense(u.name) for u in sync.units}
 
 

@@ -44,8 +44,9 @@ def flat_state(sync: Any) -> torch.Tensor:
     parts: List[torch.Tensor] = []
     state = sync.state_dict()
     parts.append(torch.tensor([float(state["steps"])]))
-    units = state["units"] if "units" in state else state["rank_routes"]  # ZeRO-2/3: the rank routes' state
-    for name, entry in sorted(units.items()):
+    # the rank routes' state, then (DADSynchronizer) each weight's flags
+    entries = sorted(state["rank_routes"].items()) + sorted(state.get("units", {}).items())
+    for name, entry in entries:
         for key, value in sorted(entry.items()):
             if isinstance(value, torch.Tensor):
                 parts.append(value.detach().float().reshape(-1).cpu())

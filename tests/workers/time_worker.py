@@ -77,7 +77,7 @@ def run_flush_to_exact(case: dict) -> dict:
             ref = _wide()
             ref.load_state_dict(model.state_dict())
             torch.nn.functional.mse_loss(ref(x), y).backward()
-            residuals = sync.state_dict()["units"] if step == 3 else {}
+            residuals = sync.state_dict()["rank_routes"] if step == 3 else {}
             for name, p in ref.named_parameters():
                 r = residuals.get(name, {}).get("residual")
                 if r is not None:
@@ -161,7 +161,7 @@ def run_trial(case: dict) -> dict:
         routes = sorted({p.representation for p in report.params if p.shape and len(p.shape) == 2})
         out["routes"].append(routes)
         out["captured"].append(sum(c.enabled for c in sync._plan.captures))
-        out["held"].append(len(sync._exchanger.memory.residuals))
+        out["held"].append(len(sync._exchanger.state.memory.residuals))
         out["native"].append(sum(n == "dad.dense.native" for n in agg.names[before:]))
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -172,7 +172,7 @@ def run_trial(case: dict) -> dict:
     out["trials"] = [dataclasses.asdict(t) for t in sync.route_trials]
     out["overhead_s"] = sync.timing.overhead_s
     out["digest"] = _digest(model)
-    out["residuals_after"] = sum(s["residual"] is not None for s in sync.state_dict()["units"].values())
+    out["residuals_after"] = sum(s["residual"] is not None for s in sync.state_dict()["rank_routes"].values())
     if net is model:
         sync.close()
     return out
@@ -273,7 +273,7 @@ def run(case: dict) -> dict:
         if (case["name"] == "fast" or flushing) and step >= 1 and not skipped:
             residuals = {}
             if flushing and step == flush_step:
-                for name, s in sync.state_dict()["units"].items():
+                for name, s in sync.state_dict()["rank_routes"].items():
                     if s["residual"] is not None:
                         residuals[name] = s["residual"]
                 out["flushed"] = len(residuals)
@@ -285,7 +285,7 @@ def run(case: dict) -> dict:
         loss.backward()
         sync.synchronize()
         if skipped:  # skipped as a loss scaler skips it: no optimizer step; residuals still owed
-            out["kept_after_skip"] = sum(s["residual"] is not None for s in sync.state_dict()["units"].values())
+            out["kept_after_skip"] = sum(s["residual"] is not None for s in sync.state_dict()["rank_routes"].values())
             opt.zero_grad(set_to_none=True)
             out["routes"].append(["skipped"])
             continue
@@ -297,7 +297,7 @@ def run(case: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     out["digest"] = _digest(model)
-    out["residuals_after"] = sum(s["residual"] is not None for s in sync.state_dict()["units"].values())
+    out["residuals_after"] = sum(s["residual"] is not None for s in sync.state_dict()["rank_routes"].values())
     out["link"] = sync.timing.link.to_list()
     sync.close()
     return out
