@@ -127,15 +127,20 @@ def test_compile_line_only_where_compile_is_in_use(monkeypatch, caplog):
     # nothing compiled in this process (a test before may have compiled: its graphs would be dropped,
     # and dropping them is said, rightly)
     monkeypatch.setattr(compiled, "_drop_compiled_graphs", lambda: 0)
-    for announce in (False, True):
-        monkeypatch.setattr(compiled, "_GUARDED", False)
-        monkeypatch.setattr(dynamo_config, "skip_nnmodule_hook_guards", True)
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="dad_integrations"):
-            compiled.guard_compiled_hooks(announce=announce)
-        assert dynamo_config.skip_nnmodule_hook_guards is False
-        said = [r for r in caplog.records if r.levelno >= logging.INFO and "guards on module hooks" in r.getMessage()]
-        assert bool(said) == announce, (announce, caplog.text)
+    # dynamo's config by its own patch: monkeypatch's undo deletes the option from torch's config module
+    before = dynamo_config.skip_nnmodule_hook_guards
+    try:
+        for announce in (False, True):
+            monkeypatch.setattr(compiled, "_GUARDED", False)
+            dynamo_config.skip_nnmodule_hook_guards = True
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="dad_integrations"):
+                compiled.guard_compiled_hooks(announce=announce)
+            assert dynamo_config.skip_nnmodule_hook_guards is False
+            said = [r for r in caplog.records if r.levelno >= logging.INFO and "guards on module hooks" in r.getMessage()]
+            assert bool(said) == announce, (announce, caplog.text)
+    finally:
+        dynamo_config.skip_nnmodule_hook_guards = before
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.error_feedback import Packed, error_feedback_for
 from dad_integrations.codecs.finite import finite_flag
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.comm.groups import process_rank
 from dad_integrations.config import DADConfig
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class RouteState:
                 ~self._local_ok).to(torch.float32).reshape(1)
             handle = aggregator.all_reduce(bad, name="dad.sharded.rank.finite", op="sum")
             keep, traffic = keep and float(handle.wait()[0]) == 0.0, handle.traffic
-        if not keep and self.pending:
+        if not keep and self.pending and process_rank() == 0:  # agreed: every rank drops alike
             log.info("dAD: a non-finite step: rank-route residuals and warm starts kept from the step before")
         self._settle(keep)
         self._finite, self._local_ok = True, None
