@@ -40,7 +40,7 @@ its left go, at their place in d's ``c`` columns, into the same slice (zero else
 decode and the bytes are those of a whole-row use; a split bias (``in_proj_bias`` over the
 whole-height call and the slices) is the sum of its uses' D columns, each already in its rows.
 Units without uses (PowerSGD's floor), and blocks on a non-linear use, never come here
-(`wire.sharded_exact_covers`; `exchange` refuses them).
+(`exact.sharded_exact_covers`; `exchange` refuses them).
 
 The pure functions (`shard_span`, `encode_sliced`, `decode_sliced`, `decode_whole`) hold the
 algebra; `ShardedExactCodec.exchange` runs the collectives through a `FactorAggregator`.
@@ -56,8 +56,7 @@ from torch import nn
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.capture.rows import Rows, compute_dtype, deterministic_index_add, output_grad_rows
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.wire import sharded_exact_covers
+from dad_integrations.codecs.exact import ExactCodec, sharded_exact_covers
 
 RowCounts = Sequence[Sequence[int]]   # by rank, by use
 Block = Optional[Tuple[int, int]]     # a use's row block (offset, height) of the matrix view
