@@ -40,11 +40,10 @@ from torch import nn
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import ExactCodec
+from dad_integrations.codecs.exact import ExactCodec, Range
 from dad_integrations.exchange.node_hops import HopItem, NodeHops, sums_at_owner
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import is_rank_route
-from dad_integrations.codecs.partition_exact import Range
 from dad_integrations.comm.aggregator import Traffic
 from dad_integrations.exchange.levels import Levels, assign_owners
 from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout
