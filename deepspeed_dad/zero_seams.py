@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
 import torch
 
-from dad_integrations.codecs.partition_exact import Range
+from dad_integrations.codecs.exact import Range
 
 _Z3 = "_DeepSpeedZeroOptimizer_Stage3__"  # name-mangled private methods of the stage-3 optimizer
 

@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from dad_integrations.codecs.wire import exact_block_specs, packed_size, rank_block_specs
+from dad_integrations.codecs.exact import exact_block_specs
+from dad_integrations.codecs.wire import packed_size, rank_block_specs
 from dad_integrations.config import DADConfig
 from dad_integrations.routes import (LAYOUTS, RouteSpec, UnitSizing, UnknownRouteError, UnsupportedRouteError,
                                      get_route, rank_route_names, register_route, route_names, routes_for)

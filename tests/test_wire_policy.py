@@ -3,7 +3,8 @@ import torch
 
 from dad_integrations.routing.costs import estimate_bytes
 from dad_integrations.routing.router import choose as choose_representation
-from dad_integrations.codecs.wire import exact_block_specs, pack, packed_size, unpack
+from dad_integrations.codecs.exact import exact_block_specs
+from dad_integrations.codecs.wire import pack, packed_size, unpack
 
 
 def test_pack_round_trip_mixed_dtypes():

@@ -1,26 +1,244 @@
-"""Exact factors (lossless dAD): each rank's rows, all-gathered, rebuilt as a sum of outer products.
+"""Exact factors (lossless dAD) over a region of a weight's rows: one cut, one rebuild.
 
-For a weight with uses u (m x n, its matrix view), rank s holds rows ``(left_su, right_su)`` with
-``G_s = sum_u left_su^T right_su`` (a use with a row block adds into its rows); the ranks all-gather every block, and each rebuilds
-``G = scale * sum_s G_s`` with one matmul per use over all ranks' rows stacked, and each bias as
-the sum of its use's output-gradient rows. Cost per rank: ``N (m+n)`` numbers sent, one
-``S N m n`` matmul. One packed buffer per unit and rank (float rows in the wire dtype, int32 ids
-for embeddings), so a unit costs one collective.
+A weight's matrix view is ``m x n``. Rank s holds, per use u, rows ``(left_su, right_su)``
+(`capture.rows`): row i of its gradient is ``left_su[:, i]^T right_su``, or for an ``embedding``
+(``left_su``: token ids) the sum of the D rows whose id is i. A use over a row block ``(o, h)``
+(a q/k/v slice of a packed projection, a conv group) has ``h`` left columns, rows ``o:o+h``. A rank
+keeping rows ``[r0, r1)`` of the average needs, with ``[a, b) = [r0, r1) ∩ [o, o+h)``,
+
+    G[r0:r1] = scale * sum_s sum_u left_su[:, a-o:b-o]^T right_su      (linear, conv1d)
+    G[r0:r1] = scale * sum_s index_add(ids_su in [r0, r1) minus r0, their D rows)   (embedding)
+
+so of each rank's use: the right whole and the left's columns over ``[a, b)`` (nothing where they
+miss), or the ids in its rows and their D rows (`cut`, the one encoder). `rebuild`, the one
+decoder, adds every source's cut into those rows, one matmul or index add per use and source, one
+source after another as an engine sums the ranks' gradients (the sharded engines' round-off is
+matched that way; under `Whole` every rank's rows are stacked as one source, one matmul per use).
+A riding bias is the sum of its uses' D rows: a linear use's D is its left, whose cut columns are
+the bias' rows; a conv1d's is its right, cut along the bias' own length.
+
+The *region* says which rows each rank keeps, and so which collective moves the cuts:
+
+* `Whole`: all rows everywhere (DDP, Horovod, the synchroniser, two levels). Every cut is the
+  rank's whole rows, so one packed buffer per rank is all-gathered (`ExactCodec`): ``N (m+n)``
+  numbers sent per rank, one ``S N m n`` matmul;
+* `RowShards`: FSDP2's ``Shard(0)`` (`codecs.sharded_exact`: rights all-gathered, lefts' cuts by
+  all-to-all);
+* `Ranges`: ZeRO's flat element ranges, each rank its covering rows (`codecs.partition_exact`:
+  every cut by one all-to-all with per-rank sizes).
+
+On the wire a cut is two blocks per use (`exact_block_specs`): the left's columns (int32 ids for an
+embedding) and the right rows, in the wire dtype.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from dad_integrations.capture.rows import Rows, add_bias_grad, add_rebuilt_grad, compute_dtype
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.capture.rows import Block, Rows, add_bias_grad, add_rebuilt_grad, compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.wire import ID_DTYPE, exact_block_specs, pack, packed_size, unpack
+from dad_integrations.codecs.wire import ID_DTYPE, BlockSpec, pack, packed_size, unpack
+
+Blocks = Optional[Sequence[Block]]  # per use; None: every use covers every row
+Range = Tuple[int, int]             # [lo, hi) of the flattened weight; lo >= hi: nothing
+Span = Tuple[int, int, int]         # rows [r0, r1) a rank keeps, and the rows its result holds (padded)
+# per riding bias: (its use's index, or the indices of the uses of a split bias, its length)
+BiasUses = Sequence[Tuple[Union[int, Sequence[int]], int]]
+
+
+def shard_span(rank: int, world_size: int, m: int) -> Span:
+    """``(a, b, c)``: rank's rows ``[a, b)`` of a dim 0 of ``m`` split as ``torch.chunk`` (FSDP2's
+    ``Shard(0)``) does, and ``c = ceil(m/S)``, the padded rows of every shard."""
+    c = -(-m // world_size)
+    return min(rank * c, m), min((rank + 1) * c, m), c
+
+
+def covering_rows(lo: int, hi: int, n: int) -> Tuple[int, int]:
+    """Rows ``[r0, r1)`` of an ``m x n`` weight that hold its flat elements ``[lo, hi)`` ((0, 0) if empty)."""
+    if hi <= lo:
+        return 0, 0
+    return lo // n, -(-hi // n)
+
+
+class Whole:
+    """Every rank keeps every row."""
+
+    def rows(self, dest: int, m: int, n: int) -> Span:
+        return 0, m, m
+
+
+@dataclass(frozen=True)
+class RowShards:
+    """FSDP2's ``Shard(0)`` over ``world_size`` ranks: rows by `shard_span`, padded to ``c``."""
+
+    world_size: int
+
+    def rows(self, dest: int, m: int, n: int) -> Span:
+        return shard_span(dest, self.world_size, m)
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """ZeRO's flat element ranges, one per rank: each keeps the covering rows of its range. (ZeRO
+    partitions biases on their own: none rides here.)"""
+
+    ranges: Tuple[Range, ...]
+
+    def rows(self, dest: int, m: int, n: int) -> Span:
+        r0, r1 = covering_rows(*self.ranges[dest], n)
+        return r0, r1, r1 - r0
+
+
+Region = Union[Whole, RowShards, Ranges]
+WHOLE = Whole()
+
+
+def use_span(block: Block, r0: int, r1: int, m: int) -> Tuple[int, int]:
+    """The rows ``[a, b)`` of ``[r0, r1)`` that a use over ``block`` adds into (its left's columns
+    ``a - o : b - o``); empty (``b <= a``) where they do not meet."""
+    off, height = block if block is not None else (0, m)
+    return max(r0, off), min(r1, off + height)
+
+
+def _block(blocks: Blocks, u: int) -> Block:
+    return blocks[u] if blocks is not None else None
+
+
+def cut(kinds: Sequence[str], shape: Tuple[int, int], rows: Sequence[Rows], wire: torch.dtype,
+        blocks: Blocks = None, region: Region = WHOLE, dest: int = 0) -> List[torch.Tensor]:
+    """What rank ``dest`` of ``region`` needs of this rank's ``rows``: per use, its left's columns
+    over ``dest``'s rows (none, and no right, where the use's rows miss them) and its right, or the
+    ids in ``dest``'s rows (relative to its first) and their D rows; floats in ``wire``, ids int32."""
+    m, n = shape
+    r0, r1, _ = region.rows(dest, m, n)
+    out: List[torch.Tensor] = []
+    for u, (kind, (left, right)) in enumerate(zip(kinds, rows)):
+        if kind == "embedding":
+            if r0 > 0 or r1 < m:  # some rows only: the ids that fall in them
+                keep = (left >= r0) & (left < r1)
+                left, right = left[keep] - r0, right[keep]
+            out += [left.to(ID_DTYPE), right.to(wire)]
+            continue
+        block = _block(blocks, u)
+        a, b = use_span(block, r0, r1, m)
+        if b <= a:
+            out += [left[:0, :0].to(wire), right[:0].to(wire)]
+        else:
+            off = block[0] if block is not None else 0
+            out += [left[:, a - off:b - off].to(wire), right.to(wire)]
+    return out
+
+
+def exact_block_specs(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[int], wire: torch.dtype,
+                      blocks: Blocks = None, region: Region = WHOLE, dest: int = 0) -> List[BlockSpec]:
+    """The layout of `cut`'s blocks from a rank with ``counts[u]`` rows in use u (for an embedding
+    use: its ids in ``dest``'s rows, all of them under `Whole`)."""
+    m, n = shape
+    r0, r1, _ = region.rows(dest, m, n)
+    specs: List[BlockSpec] = []
+    for u, (kind, k) in enumerate(zip(kinds, counts)):
+        if kind == "embedding":
+            specs += [(ID_DTYPE, (k,)), (wire, (k, n))]
+        else:
+            a, b = use_span(_block(blocks, u), r0, r1, m)
+            specs += [(wire, (k if b > a else 0, max(b - a, 0))), (wire, (k if b > a else 0, n))]
+    return specs
+
+
+def use_counts(kinds: Sequence[str], rows: Sequence[Rows], spans: Sequence[Tuple[int, int]]) -> List[List[int]]:
+    """This rank's counts per use: ``[rows]``, and for an embedding use also how many of its ids fall
+    in each destination's rows ``spans[d]`` (what `cut` sends it; the `Ranges` exchange agrees them)."""
+    out = []
+    for kind, (left, _) in zip(kinds, rows):
+        k = [int(left.shape[0])]
+        if kind == "embedding":
+            k += [int(((left >= r0) & (left < r1)).sum()) if r1 > r0 else 0 for r0, r1 in spans]
+        out.append(k)
+    return out
+
+
+def agree_counts(mine: Sequence[Sequence[Sequence[int]]], aggregator: FactorAggregator, name: str,
+                 device: torch.device) -> Tuple[List[List[List[List[int]]]], Traffic]:
+    """Every rank's counts, shaped as this rank's ``mine`` (by unit, by use, a few ints: the same
+    shape on every rank), by unit, by rank, by use: one all-gather of int64 for all units."""
+    flat = torch.tensor([c for unit in mine for k in unit for c in k], dtype=torch.int64, device=device)
+    handle = aggregator.all_gather(flat, name=name, first_dims=[flat.numel()] * aggregator.world_size)
+    out: List[list] = [[] for _ in mine]
+    for values in handle.wait():
+        it = iter(values.tolist())
+        for unit, by_rank in zip(mine, out):
+            by_rank.append([[next(it) for _ in k] for k in unit])
+    return out, handle.traffic
+
+
+def pairs(blocks: Sequence[torch.Tensor]) -> List[Rows]:
+    """One source's cut, as `cut` lays it out flat, as ``(left, right)`` per use."""
+    return list(zip(blocks[0::2], blocks[1::2]))
+
+
+def rebuild(kinds: Sequence[str], shape: Tuple[int, int], sources: Sequence[Sequence[Rows]], dtype: torch.dtype,
+            blocks: Blocks = None, region: Region = WHOLE, dest: int = 0,
+            biases: BiasUses = ()) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """``dest``'s rows of ``sum_s G_s`` from every source's cut (``sources[s][u]``: use u's pair),
+    ``(height, n)`` in ``dtype`` (padding rows zero), and its part of each riding bias, padded alike:
+    the sum of its uses' D rows (a split bias, ``in_proj_bias`` over the whole call and its q/k/v
+    slices: each use in its rows). Sources add one after another, as an engine sums the ranks'
+    gradients; rows stacked into one source (`ExactCodec.stacked_rows`) cost one matmul per use."""
+    m, n = shape
+    r0, r1, height = region.rows(dest, m, n)
+    device = sources[0][0][1].device if sources and sources[0] else None
+    spans = [(r0, r1) if k == "embedding" else use_span(_block(blocks, u), r0, r1, m) for u, k in enumerate(kinds)]
+    weight = torch.zeros((height, n), dtype=dtype, device=device)
+    values = [torch.zeros(region.rows(dest, length, 1)[2], dtype=dtype, device=device) for _, length in biases]
+    for rows in sources:
+        for kind, (left, right), (a, b) in zip(kinds, rows, spans):
+            if b > a:  # a linear-like cut's columns are rows a:b; an embedding cut's ids are relative to r0
+                add_rebuilt_grad(kind, weight, (left.long() if kind == "embedding" else left, right), (a - r0, b - a))
+        for value, (uses, length) in zip(values, biases):
+            b0, b1, _ = region.rows(dest, length, 1)  # a bias is a column: cut and padded as the rows are
+            for u in ((uses,) if isinstance(uses, int) else uses):
+                (left, right), (a, b) = rows[u], spans[u]
+                if kinds[u] != "linear":  # conv1d: D is the right, whole, cut along the bias' own length
+                    add_bias_grad(kinds[u], value, (left, right[:, b0:b1]), (0, b1 - b0))
+                elif b > a:               # D is the left: the cut's columns are rows a:b, the bias' too
+                    add_bias_grad("linear", value, (left, right), (a - r0, b - a))
+    return weight, values
+
+
+def bias_uses(unit: FactorUnit) -> BiasUses:
+    """The unit's riding biases as (the indices of their uses, their length)."""
+    return [(tuple(unit.uses.index(u) for u in b.uses), b.param.shape[0]) for b in unit.biases]
+
+
+def rebuild_unit(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype) -> Dict[nn.Parameter, torch.Tensor]:
+    """`rebuild` of a unit from one source's ``rows`` (a rank's own, or every rank's stacked), all of
+    it: by parameter, the weight's gradient, then each riding bias'."""
+    weight, values = rebuild(unit.kinds, unit.shape, [rows], dtype, unit.blocks, biases=bias_uses(unit))
+    return dict(zip(unit.params, [weight] + values))
+
+
+local_rebuild = rebuild_unit  # (unit, rows, dtype): this rank's own gradients, from its own rows
+
+
+def sharded_exact_covers(kinds: Sequence[str], blocks: Blocks = None) -> bool:
+    """Whether the exchanges of exact factors over `RowShards` and `Ranges` carry a unit with uses
+    ``kinds`` and row ``blocks``: it needs uses, and a use with a row block must be ``linear`` (its
+    D columns are then those rows of a split bias), as a packed attention projection's q/k/v slices
+    are. Embedding uses take whole factors under row shards, which place no blocks."""
+    if not kinds:
+        return False
+    if blocks is None:
+        return True
+    return "embedding" not in kinds and all(b is None or k == "linear" for k, b in zip(kinds, blocks))
 
 
 class ExactCodec:
-    """Encode a unit's rows as one byte buffer; decode every rank's buffers into its gradients."""
+    """The `Whole` region's collective: a unit's rows as one packed buffer per rank (its cut), all
+    gathered; every rank rebuilds the whole average."""
 
     def __init__(self, wire_dtype: Optional[torch.dtype], device: torch.device):
         self.wire_dtype = wire_dtype
@@ -31,28 +249,25 @@ class ExactCodec:
         return self.wire_dtype or unit.param.dtype
 
     def encode(self, unit: FactorUnit, rows: Sequence[Rows]) -> torch.Tensor:
-        wire = self.wire(unit)
-        blocks = []
-        for kind, (left, right) in zip(unit.kinds, rows):
-            blocks += [left.to(ID_DTYPE) if kind == "embedding" else left.to(wire), right.to(wire)]
-        return pack(blocks, self.device)
+        return pack(cut(unit.kinds, unit.shape, rows, self.wire(unit), unit.blocks), self.device)
+
+    def _specs(self, unit: FactorUnit, counts: Sequence[int]) -> List[BlockSpec]:
+        return exact_block_specs(unit.kinds, unit.shape, counts, self.wire(unit), unit.blocks)
 
     def sizes(self, unit: FactorUnit, rows_by_rank: Sequence[Sequence[int]]) -> List[int]:
         """Every rank's buffer length, from the agreed row counts (no size exchange needed)."""
-        return [packed_size(exact_block_specs(unit.kinds, unit.shape, r, self.wire(unit), unit.blocks))
-                for r in rows_by_rank]
+        return [packed_size(self._specs(unit, r)) for r in rows_by_rank]
 
     def stacked_rows(self, unit: FactorUnit, buffers: Sequence[torch.Tensor],
                      rows_by_rank: Sequence[Sequence[int]]) -> List[Rows]:
         """Per use, every rank's rows stacked in rank order (ids as int64, floats in the compute dtype)."""
         cdt = compute_dtype(unit.param)
-        per_rank = [unpack(buf, exact_block_specs(unit.kinds, unit.shape, r, self.wire(unit), unit.blocks))
-                    for buf, r in zip(buffers, rows_by_rank)]
+        per_rank = [unpack(buf, self._specs(unit, r)) for buf, r in zip(buffers, rows_by_rank)]
         out = []
         for u, kind in enumerate(unit.kinds):
-            left = torch.cat([blk[2 * u] for blk in per_rank])
-            right = torch.cat([blk[2 * u + 1] for blk in per_rank])
-            out.append((left.long() if kind == "embedding" else left.to(cdt), right.to(cdt)))
+            left = torch.cat([blocks[2 * u] for blocks in per_rank])
+            right = torch.cat([blocks[2 * u + 1] for blocks in per_rank]).to(cdt)
+            out.append((left.long() if kind == "embedding" else left.to(cdt), right))
         return out
 
     def decode(self, unit: FactorUnit, buffers: Sequence[torch.Tensor], rows_by_rank: Sequence[Sequence[int]],
@@ -61,31 +276,7 @@ class ExactCodec:
         used the weight (its gradient then stays as it is, as with DDP)."""
         if not any(any(r) for r in rows_by_rank):
             return None
-        p = unit.param
-        grad = torch.zeros(unit.shape, dtype=compute_dtype(p), device=p.device)
-        gathered = self.stacked_rows(unit, buffers, rows_by_rank)
-        for use, rows in zip(unit.uses, gathered):
-            add_rebuilt_grad(use.kind, grad, rows, use.block)
-        out = {p: grad.mul_(scale)}
-        for b in unit.biases:
-            bias = torch.zeros(b.param.shape, dtype=grad.dtype, device=p.device)
-            for use in b.uses:
-                add_bias_grad(use.kind, bias, gathered[unit.uses.index(use)], use.block)
-            out[b.param] = bias.mul_(scale)
-        return out
-
-
-def local_rebuild(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype) -> Dict[nn.Parameter, torch.Tensor]:
-    """This rank's gradients of the weight and its biases, rebuilt from its own rows."""
-    p = unit.param
-    grad = torch.zeros(unit.shape, dtype=dtype, device=p.device)  # the matrix view
-    for use, (left, right) in zip(unit.uses, rows):
-        add_rebuilt_grad(use.kind, grad, (left if use.kind == "embedding" else left.to(dtype), right.to(dtype)),
-                         use.block)
-    out = {p: grad}
-    for b in unit.biases:
-        bias = torch.zeros(b.param.shape, dtype=dtype, device=p.device)
-        for use in b.uses:
-            add_bias_grad(use.kind, bias, rows[unit.uses.index(use)], use.block)
-        out[b.param] = bias
-    return out
+        grads = rebuild_unit(unit, self.stacked_rows(unit, buffers, rows_by_rank), compute_dtype(unit.param))
+        for g in grads.values():
+            g.mul_(scale)
+        return grads

@@ -2,7 +2,7 @@
 its own rows of the rank-r average.
 
 Notation: a weight ``m x n`` sharded along dim 0 over S ranks; rank d keeps rows
-``[a, b) = [d c, min((d+1) c, m))``, ``c = ceil(m/S)`` (`sharded_exact.shard_span`; trailing shards
+``[a, b) = [d c, min((d+1) c, m))``, ``c = ceil(m/S)`` (`exact.shard_span`; trailing shards
 may be short or empty, FSDP pads each to c rows); ``M_s`` is site s's local gradient plus its
 error-feedback residual; ``w`` the wire itemsize; ``scale`` what FSDP's reduce-scatter would
 multiply the sum of the local gradients by (``1/S`` for its default average).
@@ -88,8 +88,8 @@ from dad_integrations.codecs.low_rank import LocalGradient, choose_method, metho
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.rank import _cat, _reduction_is_safe
 from dad_integrations.codecs.rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
+from dad_integrations.codecs.exact import covering_rows, shard_span
 from dad_integrations.codecs.route_state import RouteState
-from dad_integrations.codecs.sharded_exact import shard_span
 
 ROUTES = ("rank", "rank_allreduce")
 LocalGrad = Callable[[nn.Parameter, torch.dtype], torch.Tensor]
@@ -127,7 +127,7 @@ def reduced_elements(basis: torch.Tensor, q: torch.Tensor, lo: int, hi: int, sca
     n = q.shape[0]
     if hi <= lo:
         return basis.new_zeros(0)
-    first, last = lo // n, -(-hi // n)
+    first, last = covering_rows(lo, hi, n)
     return ((basis[first:last] * scale) @ q.t()).reshape(-1)[lo - first * n:hi - first * n]
 
 

@@ -5,7 +5,7 @@ bytes; each block is padded to 8 bytes so that every block can be viewed back in
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -71,36 +71,6 @@ def unpack(buffer: torch.Tensor, specs: Sequence[BlockSpec]) -> List[torch.Tenso
 ID_DTYPE = torch.int32
 
 
-def exact_block_specs(kinds: Sequence[str], shape: Tuple[int, int], rows: Sequence[int],
-                      wire_dtype: torch.dtype, blocks: Optional[Sequence[Optional[Tuple[int, int]]]] = None
-                      ) -> List[BlockSpec]:
-    """Block layout of a unit's exact factors for one rank with ``rows[u]`` rows in use u; a use
-    with a row block ``(offset, height)`` (``blocks[u]``) has ``height`` columns on its left."""
-    m, n = shape
-    specs: List[BlockSpec] = []
-    for u, (kind, r) in enumerate(zip(kinds, rows)):
-        if kind == "embedding":
-            specs += [(ID_DTYPE, (r,)), (wire_dtype, (r, n))]
-        else:
-            block = blocks[u] if blocks is not None else None
-            specs += [(wire_dtype, (r, m if block is None else block[1])), (wire_dtype, (r, n))]
-    return specs
-
-
 def rank_block_specs(shape: Tuple[int, int], components: int, wire_dtype: torch.dtype) -> List[BlockSpec]:
     m, n = shape
     return [(wire_dtype, (components, m + n))]
-
-
-def sharded_exact_covers(kinds: Sequence[str], blocks: Optional[Sequence[Optional[Tuple[int, int]]]] = None) -> bool:
-    """Whether the sharded exchanges of exact factors (FSDP2's column slices, `codecs.sharded_exact`;
-    ZeRO's covering rows, `codecs.partition_exact`) carry a unit with uses ``kinds`` and row
-    ``blocks``: it needs uses, and a use with a row block ``(offset, height)`` must be ``linear``
-    (its left's ``height`` columns are rows ``offset:offset+height`` of the matrix view, and its D
-    columns are those rows of a split bias), as a packed attention projection's q/k/v slices are.
-    Embedding uses take whole factors there, which place no blocks."""
-    if not kinds:
-        return False
-    if blocks is None:
-        return True
-    return "embedding" not in kinds and all(b is None or k == "linear" for k, b in zip(kinds, blocks))

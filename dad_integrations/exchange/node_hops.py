@@ -25,7 +25,7 @@ from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.wire import exact_block_specs, pack_into, packed_size, unpack
+from dad_integrations.codecs.wire import pack_into, packed_size, unpack
 from dad_integrations.report import ParamReport
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import has_codec, is_rank_route, raise_unsupported
@@ -90,9 +90,7 @@ class NodeHops:
     def send_specs(self, it: HopItem, local: int) -> List[Spec]:
         """The layout of what local rank ``local`` sends for the item."""
         if it.rep == "exact":
-            u = it.unit
-            return [(torch.uint8, (packed_size(exact_block_specs(u.kinds, u.shape, it.rank_rows[local],
-                                                                 self.exact.wire(u), u.blocks)),))]
+            return [(torch.uint8, tuple(self.exact.sizes(it.unit, [it.rank_rows[local]])))]
         if it.rep == "dense":
             return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
         if not sums_at_owner(it.rep):

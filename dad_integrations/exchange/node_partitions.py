@@ -37,20 +37,18 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import ExactCodec
+from dad_integrations.codecs.exact import ExactCodec, Range
 from dad_integrations.exchange.node_hops import HopItem, NodeHops, sums_at_owner
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import is_rank_route
-from dad_integrations.codecs.partition_exact import Range
 from dad_integrations.comm.aggregator import Traffic
 from dad_integrations.exchange.levels import Levels, assign_owners
 from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout
 from dad_integrations.exchange.sharded import CallRoutes
-from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.report import ShardedStepReport
 from dad_integrations.routing.node_partitions import choose_partition_route
 from dad_integrations.routing.router import Route, RouteContext, UnitEvidence
 from dad_integrations.routing.two_level import node_rows_of

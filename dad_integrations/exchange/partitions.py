@@ -29,10 +29,10 @@ from torch import nn
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, param_shape
-from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem, Range
+from dad_integrations.codecs.exact import Range, sharded_exact_covers
+from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
-from dad_integrations.codecs.wire import sharded_exact_covers
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
 from dad_integrations.exchange.sharded import CallRoutes, ShardedCall, ShardedExchanger
@@ -252,7 +252,7 @@ class PartitionCall(ShardedCall):
 def takes_exact(unit: FactorUnit) -> bool:
     """Whether the partition exchange of exact factors can carry ``unit``: uses over whole rows or
     linear uses over row blocks (`codecs.partition_exact` slices every use's left by the covering
-    rows of the matrix view it meets; `codecs.wire.sharded_exact_covers`). Units without
+    rows of the matrix view it meets; `codecs.exact.sharded_exact_covers`). Units without
     uses (PowerSGD's floor) go dense or by a rank route."""
     return sharded_exact_covers(unit.kinds, unit.blocks)
 

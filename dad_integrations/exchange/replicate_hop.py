@@ -33,7 +33,6 @@ from torch import nn
 
 from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import ExactCodec
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
 from dad_integrations.codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
@@ -211,14 +210,13 @@ class ReplicateHopCall(ShardedCall):
         """Rows across nodes, then the column's rows through the sharded exact exchange inside the node."""
         g = self.groups
         world = [list(c) for c in counts]  # by world rank
-        whole = ExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
-        column = [world[r] for r in g.column(g.shard)]
+        codec = ShardedExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
+        whole, column = codec.whole, [world[r] for r in g.column(g.shard)]
         gather = g.cross.all_gather(whole.encode(unit, self.rows[unit.index]), name=f"dad.replicate.{unit.name}",
                                     first_dims=whole.sizes(unit, column))
         stacked = whole.stacked_rows(unit, gather.wait(), column)
         intra_counts = [[sum(world[r][u] for r in g.column(s)) for u in range(len(unit.uses))]
                         for s in range(g.local)]
-        codec = ShardedExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
         result = codec.exchange(unit, stacked, intra_counts, g.intra, self.scale)
         return result.shards, gather.traffic + result.traffic, gather.traffic.sent
 

@@ -13,14 +13,15 @@ rank's row count agreed first (a size exchange) and costs:
 - two levels: every rank's rows to the owner, the node's rows all-gathered between nodes,
   ``(N-1) max_k R_k (m+n) w``, the average back.
 
-Bytes come from the same block specs the codecs pack (`codecs.wire.exact_block_specs`).
+Bytes come from the same block specs the codecs pack (`codecs.exact.exact_block_specs`).
 """
 from __future__ import annotations
 
 from typing import Optional
 
+from dad_integrations.codecs.exact import exact_block_specs, sharded_exact_covers
 from dad_integrations.codecs.partition_exact import exchange_bytes
-from dad_integrations.codecs.wire import exact_block_specs, packed_size, sharded_exact_covers
+from dad_integrations.codecs.wire import packed_size
 from dad_integrations.routes.hops import node_itemsize, partition_hops
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 

@@ -71,7 +71,7 @@ def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows
     byte model, `routes`): ``"dense"`` is FSDP2's reduce-scatter of the weight and its biases, in
     the gradients' dtype; the rank routes' biases go through the reduce-scatter. Several biases
     are counted as one of ``bias_numel`` (their padding may differ by a row each). A unit without
-    uses, or with row ``blocks`` on a use other than ``linear`` (`codecs.wire.sharded_exact_covers`),
+    uses, or with row ``blocks`` on a use other than ``linear`` (`codecs.exact.sharded_exact_covers`),
     has no ``"exact"`` here."""
     sizing = UnitSizing(tuple(kinds), tuple(shape), grad_dtype, wire_dtype, rank=rank or 0, rounds=rounds,
                         bias_numel=bias_numel, blocks=blocks, rows=rows_by_rank, world_size=world_size)

@@ -11,7 +11,7 @@ A kind is one module in this package holding one `LayerKind` subclass, registere
   (`rows`), its row block of the weight's matrix view (packed q/k/v, convolution groups), and the
   module whose forward runs it;
 
-Byte costs follow from the uses' layouts and blocks (`codecs.wire.exact_block_specs`), so the router,
+Byte costs follow from the uses' layouts and blocks (`codecs.exact.exact_block_specs`), so the router,
 the cost model and the planner need nothing per kind. A parameter no kind claims (or claimed by
 some of its users only) is not a factor unit: with two or more dimensions it still takes the rank
 routes from its dense gradient (`capture.assign.build_plan`), as PowerSGD compresses every matrix.
