@@ -491,3 +491,37 @@ def test_sharded_trial_holds_all_dense_until_the_next_refresh():
     assert all(forced[5:20])                                  # all dense until the refresh at 20
     assert not any(forced[20:])                               # routed anew: nothing compressed, no trial
     assert pieces.next_refresh(3) == 20 and pieces.refresh(20) and not pieces.refresh(19)
+
+
+def test_sharded_watch_trial_after_all_dense_tries_the_routes():
+    """After a trial decided all dense, the watch's new trial (the dense steps slowed: a link cut)
+    must send its routes-arm steps by the routes, not by the all-dense hold: under ZeRO-3 across 2
+    nodes (issue 37, tried again) its routes arm ran dense ("routes tried: flat: 28 dense; sent
+    1.00x") and the decision rested on two arms of dense steps."""
+    from dad_integrations.routing.trial import RouteTrial
+    from dad_integrations.routing.router import Route
+    from dad_integrations.routing.sharded_trial import ShardedTrial
+
+    pieces = ShardedTrial(DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0,
+                                    route_trial_steps=4, route_refresh_steps=100))
+    pieces.trial = RouteTrial(4)
+    units = [type("Unit", (), {"index": i})() for i in range(3)]
+    now = [0.0]
+    pieces.clock.clock = lambda: now[0]
+    forced, arms = {}, {}
+    for step in range(40):
+        pieces.forward()
+        pieces.open(step)
+        forced[step], arms[step] = pieces.dense(step), pieces.arm(step)
+        compress = not forced[step]
+        for unit in units:
+            pieces.note(unit, Route("rank" if compress else "dense", False, 0.01))
+        slow = step >= 10  # the link slows: dense steps 10x, the routes' steps less so
+        now[0] += (1.0 if compress else 0.1) if not slow else (1.5 if compress else 5.0)
+        pieces.end(step, lambda values: list(values))
+    first, *rest = pieces.outcomes
+    assert not first.kept and first.cause == "refresh"
+    assert rest and rest[0].cause == "watch", rest
+    watch_routes = [k for k, a in arms.items() if a == "routes" and k > 5]
+    assert watch_routes and not any(forced[k] for k in watch_routes), (watch_routes, forced)
+    assert rest[0].kept  # the routes, really tried, were faster

@@ -125,11 +125,13 @@ class ShardedTrial:
 
     def dense(self, step: int) -> bool:
         """Every weight of step ``step`` goes by the engine's own reduce-scatter (a dense-arm step,
-        or all dense decided until the next refresh)."""
+        or all dense decided until the next refresh, except a watch-started trial's routes steps)."""
         if self.trial is None:
             return False
         if self.trial.forces_dense(step):
             return True
+        if self.trial.arm(step) == "routes":  # a watch-started trial tries the routes, hold or not
+            return False
         return self._dense_until is not None and step < self._dense_until
 
     def arm(self, step: int) -> Optional[str]:
