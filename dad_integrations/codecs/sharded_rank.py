@@ -90,7 +90,8 @@ from dad_integrations.codecs.low_rank import LocalGradient, choose_method, metho
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.finite import finite_flag
 from dad_integrations.codecs.rank import WarmStart, _cat, _reduction_is_safe
-from dad_integrations.codecs.rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
+from dad_integrations.codecs.power_iteration import PowerIteration
+from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.sharded_exact import shard_span
 
 log = logging.getLogger(__name__)
@@ -331,16 +332,16 @@ class ShardedRankCodec:
 
     def _shared_power_iteration(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
                                 wire: torch.dtype, rebuild: Optional[SharedRebuild]) -> List[RankShard]:
-        """PowerSGD's rounds for ``items`` (`rank_allreduce.SharedPowerIteration`): per power
+        """PowerSGD's rounds for ``items`` (`power_iteration.PowerIteration` over ``agg``): per power
         iteration, P all-reduced, orthonormalised, Q all-reduced."""
         S, rank = agg.world_size, agg.rank
         if rebuild is None:
             def rebuild(it: RankItem, basis: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
                 return reduced_shard(basis, q, rank, S, scale)
         dtypes = [compute_dtype(it.unit.param) for it in items]
-        rounds = SharedPowerIteration([it.local for it in items], dtypes, [it.rank for it in items], agg, wire,
-                                      f"dad.sharded.powersgd.{items[0].unit.name}",
-                                      rank_allreduce_rounds(self.config), lambda t: t)
+        rounds = PowerIteration([it.local for it in items], dtypes, [it.rank for it in items],
+                                rank_allreduce_rounds(self.config), sites=agg, wire=wire,
+                                name=f"dad.sharded.powersgd.{items[0].unit.name}")
         # param_shape: ZeRO-3 empties p.data
         rounds.start([self.shared.initial(it.unit, it.unit.shape[1], it.rank, dtype, step)
                       for it, dtype in zip(items, dtypes)])
