@@ -124,7 +124,7 @@ class ReplicateRankCodec(ShardedRankCodec):
         for route in ROUTES:
             chosen = [(i, it) for i, it in enumerate(items) if it.representation == route]
             if chosen:
-                run = self._powersgd if route == "rank_allreduce" else self._rank_dad
+                run = self._allreduce_route if route == "rank_allreduce" else self._rank_dad
                 out.update(zip([i for i, _ in chosen], run([it for _, it in chosen], scale, step, wire)))
         return [out[i] for i in range(len(items))]
 
@@ -139,7 +139,7 @@ class ReplicateRankCodec(ShardedRankCodec):
         it.start([warm.initial(i.unit, i.unit.shape[1], i.rank, dt, step) for i, dt in zip(items, it.dtypes)])
         return (*it.finish(), it.traffic)
 
-    def _powersgd(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
+    def _allreduce_route(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
         bases, q_nodes, q_alls, traffic = self._iterate(items, self.shared, step, wire,
                                                         rank_allreduce_rounds(self.config), True, "dad.replicate")
         out = []

@@ -268,8 +268,8 @@ class ShardedRankCodec:
         out: Dict[int, RankShard] = {}
         finish = self._start_gather([items[i] for i in gather], aggregator, scale, step, wire) if gather else None
         if shared:  # its two rounds run while the all-gather route's collectives are in flight
-            out.update(zip(shared, self._shared_power_iteration([items[i] for i in shared], aggregator, scale,
-                                                                step, wire, rebuild)))
+            out.update(zip(shared, self._rank_allreduce([items[i] for i in shared], aggregator, scale, step, wire,
+                                                        rebuild)))
         if finish is not None:
             out.update(zip(gather, finish()))
         return [out[i] for i in range(len(items))]
@@ -330,8 +330,8 @@ class ShardedRankCodec:
             q = torch.nn.functional.pad(q, (0, r - low.components))
         return p, q, low.components
 
-    def _shared_power_iteration(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
-                                wire: torch.dtype, rebuild: Optional[SharedRebuild]) -> List[RankShard]:
+    def _rank_allreduce(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
+                        wire: torch.dtype, rebuild: Optional[SharedRebuild]) -> List[RankShard]:
         """PowerSGD's rounds for ``items`` (`power_iteration.PowerIteration` over ``agg``): per power
         iteration, P all-reduced, orthonormalised, Q all-reduced."""
         S, rank = agg.world_size, agg.rank
