@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from conftest import WORKERS, result, run_torchrun
-from dad_integrations.codecs.low_rank import LocalGradient, orthonormalize, orthonormalize_flat, qr, reduce_rank
+from dad_integrations.codecs.low_rank import LocalGradient, reduce_rank
+from dad_integrations.codecs.power_iteration import orthonormalize, orthonormalize_flat, qr
 from dad_integrations.plan import main as plan_main
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

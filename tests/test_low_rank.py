@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from dad_integrations.codecs.finite import finite_flag
-from dad_integrations.codecs.low_rank import (LocalGradient, choose_method, orthonormalize, orthonormalize_flat, reduce_rank,
-                                       truncated_svd)
+from dad_integrations.codecs.low_rank import LocalGradient, choose_method, reduce_rank, truncated_svd
+from dad_integrations.codecs.power_iteration import orthonormalize, orthonormalize_flat
 
 
 def factors(n_rows=40, m=30, n=20, seed=0, decay=True):

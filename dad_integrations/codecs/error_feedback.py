@@ -30,7 +30,7 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 
 from dad_integrations.capture.rows import compute_dtype
-from dad_integrations.codecs.low_rank import LocalGradient, power_iteration
+from dad_integrations.codecs.power_iteration import LocalGradient, power_iteration
 
 Packed = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 

@@ -1,8 +1,9 @@
 """Rank-r reduction of one site's local gradient, for rank-dAD.
 
-The local gradient ``M`` (m x n) of a weight is known two ways: as factors ``M = L^T R`` with
-``L`` (N x m) and ``R`` (N x n) captured rows, or densely, as autograd has already computed it.
-Three ways to get ``M ~= P Q^T`` with r components, chosen per call by flop count:
+The local gradient ``M`` (m x n) of a weight is known two ways (`power_iteration.LocalGradient`):
+as factors ``M = L^T R`` with ``L`` (N x m) and ``R`` (N x n) captured rows, or densely, as
+autograd has already computed it. Three ways to get ``M ~= P Q^T`` with r components, chosen per
+call by flop count:
 
 - ``"factors"``: subspace (power) iteration on the factors, ``M q = L^T (R q)`` and
   ``M^T p = R^T (L p)``: ``4 N r (m+n)`` flops per iteration, never forming M. Best when N is small.
@@ -11,66 +12,18 @@ Three ways to get ``M ~= P Q^T`` with r components, chosen per call by flop coun
 - ``"svd"``: exact truncated SVD through thin QRs of ``L^T`` and ``R^T``; the SVD of the small
   core gives the best rank-r approximation. ``~2 N^2 (m+n)`` flops: best when N is tiny.
 
-As in PowerSGD, the iteration warm-starts from the previous step's Q, so one iteration suffices
-once training settles; unlike the paper authors' code it returns exactly r components (fewer only
-where the gradient's rank is lower).
+As in PowerSGD, the iteration (`power_iteration`, the one the shared routes run) warm-starts from
+the previous step's Q, so one iteration suffices once training settles; unlike the paper authors'
+code it returns exactly r components (fewer only where the gradient's rank is lower).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-
-class LocalGradient:
-    """A weight's local gradient ``M`` (m x n), held densely or as factors ``left^T right``."""
-
-    def __init__(self, *, dense: Optional[torch.Tensor] = None, left: Optional[torch.Tensor] = None,
-                 right: Optional[torch.Tensor] = None):
-        if (dense is None) == (left is None or right is None):
-            raise ValueError("give either dense or both left and right")
-        self.dense, self.left, self.right = dense, left, right
-
-    @property
-    def device(self) -> torch.device:
-        return (self.dense if self.dense is not None else self.left).device
-
-    @property
-    def shape(self) -> torch.Size:
-        if self.dense is not None:
-            return self.dense.shape
-        return torch.Size((self.left.shape[1], self.right.shape[1]))
-
-    def mm(self, q: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``M @ q`` (m x r), into ``out`` where given.
-
-        The thin ``q`` (n x r) is read column-major (a copy of ``n r`` numbers where it is not):
-        MKL's ``(m x n)(n x r)`` product runs 3-4x faster so than with a row-major ``q`` (GPT-2's
-        MLP weights, r = 4, one thread)."""
-        if self.dense is not None:
-            return torch.mm(self.dense, _column_major(q), out=out)
-        return torch.mm(self.left.t(), self.right @ q, out=out)
-
-    def rmm(self, p: torch.Tensor) -> torch.Tensor:
-        """``M^T @ p`` (n x r, a column-major view of `rmm_t`'s result)."""
-        return self.rmm_t(p).t()
-
-    def rmm_t(self, p: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``(M^T p)^T = p^T M`` (r x n, row-major), into ``out`` where given: a ``(r x m)(m x n)``
-        product, 3-4x faster on CPU than ``M^T p`` as ``(n x m)(m x r)`` with M read transposed."""
-        if self.dense is not None:
-            return torch.mm(p.t(), self.dense, out=out)
-        return torch.mm((self.left @ p).t(), self.right, out=out)
-
-    def energy(self) -> torch.Tensor:
-        """``||M||_F^2``; on factors, ``sum((L L^T) * (R R^T))`` costs ``N^2 (m+n)``."""
-        if self.dense is not None:
-            return self.dense.pow(2).sum()
-        return ((self.left @ self.left.t()) * (self.right @ self.right.t())).sum()
-
-    def to_dense(self) -> torch.Tensor:
-        return self.dense if self.dense is not None else self.left.t() @ self.right
+from dad_integrations.codecs.power_iteration import HALF, LocalGradient, power_iteration, qr
 
 
 @dataclass
@@ -85,71 +38,11 @@ class LowRank:
     warm: Optional[torch.Tensor]
 
 
-# no QR or SVD kernel takes these: neither LAPACK on CPU ("geqrf_cpu" not implemented for
-# 'BFloat16') nor cuSOLVER / MAGMA on CUDA
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def qr(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Thin QR ``a = Q R`` (batched over leading dims), in ``a``'s dtype, for any float dtype.
-
-    fp16/bf16 are factorised in fp32 and the factors cast back: Q is then orthonormal to the half
-    dtype's rounding, whatever the conditioning, where Gram-Schmidt in half precision (PowerSGD's
-    hook's way) loses orthogonality on ill-conditioned inputs; the casts copy the thin ``a`` twice.
-    Every QR and SVD of the rank routes comes through here, so callers need no casts of their own.
-    fp32 and fp64 go to the kernel unchanged (the same bits as ``torch.linalg.qr``)."""
-    if a.dtype in _HALF:
-        q, r = torch.linalg.qr(a.float(), mode="reduced")
-        return q.to(a.dtype), r.to(a.dtype)
-    return torch.linalg.qr(a, mode="reduced")
-
-
 def svd(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Thin SVD ``a = U diag(S) Vh``, for any float dtype (fp16/bf16 in fp32, as `qr`)."""
-    if a.dtype in _HALF:
+    """Thin SVD ``a = U diag(S) Vh``, for any float dtype (fp16/bf16 in fp32, as `power_iteration.qr`)."""
+    if a.dtype in HALF:
         return tuple(t.to(a.dtype) for t in torch.linalg.svd(a.float(), full_matrices=False))
     return torch.linalg.svd(a, full_matrices=False)
-
-
-def orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``p`` (thin QR; rank-deficient inputs stay finite), in ``p``'s
-    dtype: orthonormal to that dtype's precision (see `qr`)."""
-    return qr(p)[0]
-
-
-def orthonormalize_flat(flat: torch.Tensor, shapes: Sequence[Tuple[int, int]],
-                        dtypes: Sequence[torch.dtype]) -> List[torch.Tensor]:
-    """`orthonormalize` of each ``(m, r)`` block of ``flat`` (row-major blocks, one after another),
-    in ``dtypes``: consecutive blocks of one shape and dtype go through one batched QR (as PowerSGD's
-    hook batches same-shape matrices), one call per run instead of per block (a transformer's layers
-    repeat their shapes); on CPU the same bits as one QR each (`test_low_rank`), and every rank
-    runs the same calls, so ranks agree on any device."""
-    out: List[torch.Tensor] = []
-    offset, i = 0, 0
-    while i < len(shapes):
-        j = i + 1
-        while j < len(shapes) and shapes[j] == shapes[i] and dtypes[j] == dtypes[i]:
-            j += 1
-        m, r = shapes[i]
-        block = flat[offset:offset + (j - i) * m * r].view(j - i, m, r).to(dtypes[i])
-        out.extend(qr(block)[0].unbind(0))
-        offset += (j - i) * m * r
-        i = j
-    return out
-
-
-def _column_major(q: torch.Tensor) -> torch.Tensor:
-    """``q`` laid out column-major (itself where it already is)."""
-    return q.t().contiguous().t()
-
-
-def power_iteration(m: LocalGradient, q: torch.Tensor, iterations: int) -> tuple:
-    """Subspace iteration from ``q`` (n x r): returns orthonormal ``p`` (m x r) and ``q = M^T p``."""
-    p = None
-    for _ in range(iterations):
-        p = orthonormalize(m.mm(q))
-        q = m.rmm(p)
-    return p, q
 
 
 def truncated_svd(left: torch.Tensor, right: torch.Tensor, rank: int) -> tuple:

@@ -21,7 +21,8 @@ per round (bucketed by ``bucket_cap_mb``), as PowerSGD's DDP hook does per bucke
 shape go through one batched QR. The residual is computed while the last Q all-reduce is on the
 wire, in place in the compensated gradient where that is this codec's own copy.
 
-`SharedPowerIteration` holds the rounds; `codecs.sharded_rank` runs the same under FSDP2 and ZeRO.
+`power_iteration.PowerIteration` runs the rounds (over the sites' group); `codecs.sharded_rank`
+runs the same under FSDP2 and ZeRO, `codecs.replicate_rank` on HSDP's replicate hop.
 """
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from dad_integrations.comm.aggregator import CommHandle, FactorAggregator, Traffic
+from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.capture.rows import Rows, compute_dtype
-from dad_integrations.codecs.low_rank import LocalGradient, method_costs, orthonormalize_flat
+from dad_integrations.codecs.low_rank import LocalGradient, method_costs
+from dad_integrations.codecs.power_iteration import Note, PowerIteration
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
@@ -42,7 +44,6 @@ from dad_integrations.codecs.route_state import RouteState
 
 Item = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport]  # unit, M_s, Q, report entry
 Queued = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport, torch.Tensor]  # ... and M_s Q
-Note = Callable[[torch.Tensor], torch.Tensor]
 
 
 def rank_allreduce_rounds(config: DADConfig) -> int:
@@ -50,83 +51,6 @@ def rank_allreduce_rounds(config: DADConfig) -> int:
     (m x r) and one of Q (n x r) per power iteration. Bytes per rank and weight:
     ``rounds * 2 (S-1)/S * r (m+n) * wire itemsize`` (biases go through the dense buckets)."""
     return config.power_iterations
-
-
-class SharedPowerIteration:
-    """PowerSGD's rounds for several weights at once, each round one all-reduce of their P's and
-    one of their Q's: ``P = sum_s M_s Q``, ``P^ = orth(P)``, ``Q = sum_s M_s^T P^``.
-
-    Buffers: the P's are written straight into one flat buffer (``(m, r)`` row-major blocks) and
-    the Q's into another (``(r, n)`` blocks, ``Q^T``): the products need no concatenation, and the
-    all-reduced Q's come out column-major, the layout the next ``M Q`` reads fastest.
-    """
-
-    def __init__(self, grads: Sequence[LocalGradient], dtypes: Sequence[torch.dtype], rank: Sequence[int],
-                 aggregator: FactorAggregator, wire: torch.dtype, name: str, rounds: int, note: Note):
-        self.grads, self.dtypes, self.rank = list(grads), list(dtypes), list(rank)
-        self.aggregator, self.wire, self.name, self.rounds, self.note = aggregator, wire, name, rounds, note
-        self.traffic = [Traffic() for _ in self.grads]  # each weight's share of every round
-        self._p: Optional[CommHandle] = None
-
-    def start(self, qs: Sequence[torch.Tensor], ps: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
-        """The first round's P all-reduce, from ``qs`` (n x r each, the same on every rank); ``ps``
-        holds each weight's ``M_s Q`` where already computed (None: computed here)."""
-        self._p = self._p_round(qs, ps)
-
-    def finish(self, before_last_wait: Optional[Callable[[List[torch.Tensor], List[torch.Tensor]], None]] = None
-               ) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
-        """The remaining rounds; returns per weight ``P^`` (m x r), this rank's own ``M_s^T P^`` and
-        the all-reduced Q (n x r each) of the last round. ``before_last_wait(bases, q_locals)``
-        runs while the last Q all-reduce is on the wire."""
-        for i in range(self.rounds):
-            shapes = [(g.shape[0], r) for g, r in zip(self.grads, self.rank)]
-            bases = orthonormalize_flat(self.note(self._p.wait()), shapes, self.dtypes)
-            q_flat, q_locals = self._products([(r, g.shape[1]) for g, r in zip(self.grads, self.rank)],
-                                              [lambda out, g=g, b=b: g.rmm_t(b, out=out)
-                                               for g, b in zip(self.grads, bases)])
-            # the all-reduce sums in place: the send buffer must not be this rank's own Q's
-            q_handle = self._all_reduce(q_flat.to(self.wire, copy=True), "q", [q.numel() for q in q_locals])
-            q_locals = [q.t() for q in q_locals]
-            if i + 1 == self.rounds and before_last_wait is not None:
-                before_last_wait(bases, q_locals)
-            q_sum, q_alls, offset = self.note(q_handle.wait()), [], 0
-            for q, dtype in zip(q_locals, self.dtypes):
-                q_alls.append(q_sum[offset:offset + q.numel()].view(q.shape[1], q.shape[0]).to(dtype).t())
-                offset += q.numel()
-            if i + 1 < self.rounds:
-                self._p = self._p_round(q_alls)
-        return bases, q_locals, q_alls
-
-    def _p_round(self, qs: Sequence[torch.Tensor], done: Optional[Sequence[Optional[torch.Tensor]]] = None
-                 ) -> CommHandle:
-        done = done or [None] * len(qs)
-        flat, ps = self._products([(g.shape[0], r) for g, r in zip(self.grads, self.rank)],
-                                  [(lambda out, g=g, q=q: g.mm(q, out=out)) if p is None else (lambda out, p=p: p)
-                                   for g, q, p in zip(self.grads, qs, done)])
-        return self._all_reduce(flat.to(self.wire), "p", [p.numel() for p in ps])
-
-    def _products(self, shapes: Sequence[Tuple[int, int]], products: Sequence[Callable]
-                  ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        """One flat buffer (the first weight's dtype) holding every ``product(out)``, and each
-        product in its weight's dtype (a view of the buffer where that is the buffer's)."""
-        device = self.grads[0].device
-        flat = torch.empty(sum(a * b for a, b in shapes), dtype=self.dtypes[0], device=device)
-        views, offset = [], 0
-        for (a, b), product, dtype in zip(shapes, products, self.dtypes):
-            view = flat[offset:offset + a * b].view(a, b)
-            result = product(view) if dtype == flat.dtype else product(None)
-            if result is not view:  # computed before, or of another compute dtype than the buffer's
-                view.copy_(result)
-            views.append(result)
-            offset += a * b
-        return flat, views
-
-    def _all_reduce(self, flat: torch.Tensor, kind: str, sizes: List[int]) -> CommHandle:
-        handle = self.aggregator.all_reduce(flat, name=f"{self.name}.{kind}", op="sum")
-        total = sum(sizes)
-        for i, k in enumerate(sizes):
-            self.traffic[i] = self.traffic[i] + handle.traffic.share(k / total)
-        return handle
 
 
 class RankAllReduceCodec:
@@ -173,17 +97,14 @@ class RankAllReduceCodec:
         done = [it[4] if len(it) > 4 else None for it in items]
         items = [it[:4] for it in items]
         wire = self.wire_dtype or items[0][0].param.dtype
-        rounds = SharedPowerIteration([m_s for _, m_s, _, _ in items],
-                                      [compute_dtype(u.param) for u, _, _, _ in items],
-                                      [q.shape[1] for _, _, q, _ in items], aggregator, wire,
-                                      f"dad.powersgd.{items[0][0].name}", rank_allreduce_rounds(self.config), note)
+        rounds = PowerIteration([m_s for _, m_s, _, _ in items], [compute_dtype(u.param) for u, _, _, _ in items],
+                                [q.shape[1] for _, _, q, _ in items], rank_allreduce_rounds(self.config),
+                                sites=aggregator, wire=wire, name=f"dad.powersgd.{items[0][0].name}", note=note)
         rounds.start([q for _, _, q, _ in items], done)
         residuals: list = [None] * len(items)
 
         def residual(bases: List[torch.Tensor], q_locals: List[torch.Tensor]) -> None:
             """``M_s - P^ (M_s^T P^)^T``, what this rank's own contribution loses (while Q travels)."""
-            if not self.memory.enabled:
-                return
             for i, ((unit, m_s, _, _), basis, q_local) in enumerate(zip(items, bases, q_locals)):
                 if m_s.dense is None:
                     continue
@@ -210,7 +131,7 @@ class AllReduceBucket:
 
     Each unit's first product ``M_s Q`` is computed as it joins: while backward still runs,
     not after the bucket's last unit, when the step waits for the all-reduce (the same product
-    and bits, `SharedPowerIteration.start`)."""
+    and bits, `PowerIteration.start`)."""
 
     def __init__(self, cap_bytes: float):
         self.cap_bytes = cap_bytes

@@ -34,6 +34,9 @@ warm-started from the node's last ``Q_node``), then between nodes rank s all-gat
 
 ``(R-1) r (c + n/L) w`` between nodes per rank. The residual is ``M_s - P^_s Q_node^T``, as above.
 
+Both run `power_iteration.PowerIteration` with the node as its ``rows`` group (and the nodes as its
+``sites`` for the all-reduce): the iteration every other rank route runs.
+
 Every rank of a shard column (the ranks holding the same rows on each node) computes from the same
 numbers in the same order, so the replicas stay identical bit for bit, as HSDP's all-reduce keeps
 them. A non-finite ``M_s`` spreads NaN through the power iterations to every rank, as the dense
@@ -48,19 +51,13 @@ import torch
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.low_rank import orthonormalize
+from dad_integrations.codecs.power_iteration import LocalGradient, PowerIteration, piece_span, split_blocks
+from dad_integrations.codecs.rank import WarmStart
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.codecs.sharded_rank import ROUTES, RankShard, ShardedRankCodec
-from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
-
-
-def piece_span(numel: int, pieces: int, index: int) -> Tuple[int, int]:
-    """Elements ``[lo, hi)`` of piece ``index`` when ``numel`` is cut into ``pieces`` near-equal
-    pieces (the last ones may be shorter or empty)."""
-    size = -(-numel // pieces)
-    return min(index * size, numel), min((index + 1) * size, numel)
 
 
 class ReplicateItem:
@@ -96,82 +93,43 @@ class ReplicateRankCodec(ShardedRankCodec):
         for route in ROUTES:
             chosen = [(i, it) for i, it in enumerate(items) if it.representation == route]
             if chosen:
-                run = self._powersgd if route == "rank_allreduce" else self._rank_dad
+                run = self._allreduce_route if route == "rank_allreduce" else self._rank_dad
                 out.update(zip([i for i, _ in chosen], run([it for _, it in chosen], scale, step, wire)))
         return [out[i] for i in range(len(items))]
 
-    # -- the pieces both routes share ----------------------------------------------------------
-    def _basis(self, items, qs, wire, across: bool, traffic: List[Traffic]) -> List[torch.Tensor]:
-        """P^_s for each item: ``M_s Q`` (all-reduced between nodes where ``across``), its L row
-        blocks all-gathered inside the node and orthonormalised alike on every rank."""
-        ps = [it.local @ q for it, q in zip(items, qs)]
-        flat = torch.cat([p.reshape(-1) for p in ps]).to(wire)
-        if across:
-            handle = self.cross.all_reduce(flat, name=f"dad.replicate.p.{items[0].unit.name}", op="sum")
-            flat = handle.wait()
-            _share(traffic, handle.traffic, [p.numel() for p in ps])
-        gathered = self.intra.all_gather(flat, name=f"dad.replicate.p_blocks.{items[0].unit.name}",
-                                         first_dims=[flat.numel()] * self.intra.world_size).wait()
-        bases, offset, s = [], 0, self.intra.rank
-        for it, p in zip(items, ps):
-            full = torch.cat([g[offset:offset + p.numel()].view(p.shape) for g in gathered]).to(p.dtype)
-            c = p.shape[0]
-            bases.append(orthonormalize(full)[s * c:(s + 1) * c])
-            offset += p.numel()
-        return bases
-
-    def _node_q(self, items, bases) -> List[torch.Tensor]:
-        """``Q_node = sum_s M_s^T P^_s`` (n x r), all-reduced inside the node."""
-        qs = [it.local.t() @ b for it, b in zip(items, bases)]
-        flat = self.intra.all_reduce(torch.cat([q.reshape(-1) for q in qs]),
-                                     name=f"dad.replicate.q_node.{items[0].unit.name}", op="sum").wait()
-        return _split(flat, [q.shape for q in qs])
-
-    def _pieces(self, flat: torch.Tensor) -> Tuple[int, int]:
-        return piece_span(flat.numel(), self.intra.world_size, self.intra.rank)
-
-    def _gather_pieces(self, piece: torch.Tensor, numel: int, name: str) -> torch.Tensor:
-        """Every local rank's piece of a flat ``numel`` tensor (`piece_span`), joined inside the node."""
-        L = self.intra.world_size
-        dims = [piece_span(numel, L, k)[1] - piece_span(numel, L, k)[0] for k in range(L)]
-        return torch.cat(self.intra.all_gather(piece, name=name, first_dims=dims).wait())
-
     # -- the routes ------------------------------------------------------------------------------
-    def _powersgd(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
-        traffic = [Traffic() for _ in items]
-        dtypes = [compute_dtype(it.unit.param) for it in items]
-        qs = [self.shared.initial(it.unit, it.unit.shape[1], it.rank, dt, step) for it, dt in zip(items, dtypes)]
-        for _ in range(rank_allreduce_rounds(self.config)):
-            bases = self._basis(items, qs, wire, True, traffic)
-            q_nodes = self._node_q(items, bases)
-            flat = torch.cat([q.reshape(-1) for q in q_nodes]).to(wire)
-            lo, hi = self._pieces(flat)
-            handle = self.cross.all_reduce(flat[lo:hi].clone(), name=f"dad.replicate.q.{items[0].unit.name}",
-                                           op="sum")
-            _share(traffic, handle.traffic, [q.numel() for q in q_nodes])
-            joined = self._gather_pieces(handle.wait(), flat.numel(), f"dad.replicate.q_pieces.{items[0].unit.name}")
-            qs = [q.to(dt) for q, dt in zip(_split(joined, [q.shape for q in q_nodes]), dtypes)]
+    def _iterate(self, items: Sequence[ReplicateItem], warm: WarmStart, step: int, wire, rounds: int,
+                 across: bool, name: str) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], list]:
+        """`PowerIteration` of the items' rows of their node's ``M`` from ``warm`` (``rows``: the node;
+        summed over the nodes too where ``across``): per item ``P^_s``, ``Q_node``, Q and traffic."""
+        it = PowerIteration([LocalGradient(dense=i.local) for i in items], [compute_dtype(i.unit.param) for i in items],
+                            [i.rank for i in items], rounds, sites=self.cross if across else None, rows=self.intra,
+                            wire=wire, name=f"{name}.{items[0].unit.name}")
+        it.start([warm.initial(i.unit, i.unit.shape[1], i.rank, dt, step) for i, dt in zip(items, it.dtypes)])
+        return (*it.finish(), it.traffic)
+
+    def _allreduce_route(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
+        bases, q_nodes, q_alls, traffic = self._iterate(items, self.shared, step, wire,
+                                                        rank_allreduce_rounds(self.config), True, "dad.replicate")
         out = []
-        for it, basis, q_node, q_all, t in zip(items, bases, q_nodes, qs, traffic):
+        for it, basis, q_node, q_all, t in zip(items, bases, q_nodes, q_alls, traffic):
             self.state.hold(self.shared, it.unit, q_all, self._node_residual(it, basis, q_node))
             out.append(RankShard((basis * scale) @ q_all.t(), t, it.rank))
         return out
 
     def _rank_dad(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
-        traffic = [Traffic() for _ in items]
         dtypes = [compute_dtype(it.unit.param) for it in items]
-        qs = [self.warm.initial(it.unit, it.unit.shape[1], it.rank, dt, step) for it, dt in zip(items, dtypes)]
-        for _ in range(max(1, self.config.power_iterations)):
-            bases = self._basis(items, qs, wire, False, traffic)
-            qs = self._node_q(items, bases)
+        bases, qs, _, _ = self._iterate(items, self.warm, step, wire, max(1, self.config.power_iterations), False,
+                                        "dad.replicate.node")
         q_flat = torch.cat([q.reshape(-1) for q in qs])
-        lo, hi = self._pieces(q_flat)
+        lo, hi = piece_span(q_flat.numel(), self.intra.world_size, self.intra.rank)
         send = torch.cat([torch.cat([b.reshape(-1) for b in bases]), q_flat[lo:hi]]).to(wire)
         handle = self.cross.all_gather(send, name=f"dad.replicate.rank.{items[0].unit.name}",
                                        first_dims=[send.numel()] * self.cross.world_size)
         p_numel = sum(b.numel() for b in bases)
         received = handle.wait()
-        _share(traffic, handle.traffic, [b.numel() + q.numel() // self.intra.world_size for b, q in zip(bases, qs)])
+        sizes = [b.numel() + q.numel() // self.intra.world_size for b, q in zip(bases, qs)]
+        traffic = [handle.traffic.share(k / (float(sum(sizes)) or 1.0)) for k in sizes]
         joined = self._join_node_pieces(received, p_numel, q_flat.numel(), items)
         out = []
         for i, (it, basis, q_node, t) in enumerate(zip(items, bases, qs, traffic)):
@@ -193,25 +151,11 @@ class ReplicateRankCodec(ShardedRankCodec):
                                          first_dims=[d * len(received) for d in dims]).wait()
         per_node = []
         for k, g in enumerate(received):
-            p_blocks = _split(g[:p_numel], [(it.local.shape[0], it.rank) for it in items])
+            p_blocks = split_blocks(g[:p_numel], [(it.local.shape[0], it.rank) for it in items])
             q_flat = torch.cat([gathered[l].view(len(received), dims[l])[k] for l in range(L)])
-            per_node.append((p_blocks, _split(q_flat, [(it.unit.shape[1], it.rank) for it in items])))
+            per_node.append((p_blocks, split_blocks(q_flat, [(it.unit.shape[1], it.rank) for it in items])))
         return per_node
 
     def _node_residual(self, it: ReplicateItem, basis: torch.Tensor, q_node: torch.Tensor):
         """``M_s - P^_s Q_node^T``: this rank's rows of what its node did not send."""
         return self.state.residual(it.unit.name, it.local, basis, q_node)
-
-
-def _split(flat: torch.Tensor, shapes) -> List[torch.Tensor]:
-    out, offset = [], 0
-    for a, b in shapes:
-        out.append(flat[offset:offset + a * b].view(a, b))
-        offset += a * b
-    return out
-
-
-def _share(traffic: List[Traffic], total: Traffic, sizes: Sequence[int]) -> None:
-    whole = float(sum(sizes)) or 1.0
-    for i, size in enumerate(sizes):
-        traffic[i] = traffic[i] + total.share(size / whole)

@@ -86,9 +86,10 @@ from dad_integrations.config import DADConfig
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, choose_method, method_costs, reduce_rank
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.rank import _cat, _reduction_is_safe
-from dad_integrations.codecs.rank_allreduce import SharedPowerIteration, rank_allreduce_rounds
 from dad_integrations.codecs.exact import covering_rows, shard_span
+from dad_integrations.codecs.power_iteration import PowerIteration
+from dad_integrations.codecs.rank import _cat, _reduction_is_safe
+from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.route_state import RouteState
 
 ROUTES = ("rank", "rank_allreduce")
@@ -211,8 +212,8 @@ class ShardedRankCodec:
         out: Dict[int, RankShard] = {}
         finish = self._start_gather([items[i] for i in gather], aggregator, scale, step, wire) if gather else None
         if shared:  # its two rounds run while the all-gather route's collectives are in flight
-            out.update(zip(shared, self._shared_power_iteration([items[i] for i in shared], aggregator, scale,
-                                                                step, wire, rebuild)))
+            out.update(zip(shared, self._rank_allreduce([items[i] for i in shared], aggregator, scale, step, wire,
+                                                        rebuild)))
         if finish is not None:
             out.update(zip(gather, finish()))
         return [out[i] for i in range(len(items))]
@@ -272,18 +273,18 @@ class ShardedRankCodec:
             q = torch.nn.functional.pad(q, (0, r - low.components))
         return p, q, low.components
 
-    def _shared_power_iteration(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
-                                wire: torch.dtype, rebuild: Optional[SharedRebuild]) -> List[RankShard]:
-        """PowerSGD's rounds for ``items`` (`rank_allreduce.SharedPowerIteration`): per power
+    def _rank_allreduce(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
+                        wire: torch.dtype, rebuild: Optional[SharedRebuild]) -> List[RankShard]:
+        """PowerSGD's rounds for ``items`` (`power_iteration.PowerIteration` over ``agg``): per power
         iteration, P all-reduced, orthonormalised, Q all-reduced."""
         S, rank = agg.world_size, agg.rank
         if rebuild is None:
             def rebuild(it: RankItem, basis: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
                 return reduced_shard(basis, q, rank, S, scale)
         dtypes = [compute_dtype(it.unit.param) for it in items]
-        rounds = SharedPowerIteration([it.local for it in items], dtypes, [it.rank for it in items], agg, wire,
-                                      f"dad.sharded.powersgd.{items[0].unit.name}",
-                                      rank_allreduce_rounds(self.config), lambda t: t)
+        rounds = PowerIteration([it.local for it in items], dtypes, [it.rank for it in items],
+                                rank_allreduce_rounds(self.config), sites=agg, wire=wire,
+                                name=f"dad.sharded.powersgd.{items[0].unit.name}")
         # param_shape: ZeRO-3 empties p.data
         rounds.start([self.shared.initial(it.unit, it.unit.shape[1], it.rank, dtype, step)
                       for it, dtype in zip(items, dtypes)])

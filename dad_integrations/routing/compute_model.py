@@ -30,7 +30,7 @@ from torch import nn
 
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.routing.link import agree_max
-from dad_integrations.codecs.low_rank import orthonormalize
+from dad_integrations.codecs.power_iteration import LocalGradient, power_iteration
 from dad_integrations.rng import isolated, private_generator
 from dad_integrations.routes.registry import get_route
 
@@ -87,8 +87,8 @@ def measure_compute(shapes: Iterable[Shape], *, rank: Optional[int], world_size:
     costs: Dict[Shape, ShapeCosts] = {}
     for m, n in distinct:
         costs[(m, n)] = ShapeCosts(
-            rank_allreduce=_rank_allreduce_seconds(m, n, rank, iterations, error_feedback, device, dtype)
-            if rank else 0.0,
+            rank_allreduce=_rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype,
+                                         shared=True) if rank else 0.0,
             rank=_rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype) if rank else 0.0,
             exact_per_row=_exact_seconds(m, n, world_size, device, dtype) / (world_size * EXACT_REFERENCE_ROWS))
     model = ComputeModel(costs, _capture_seconds(device, dtype))
@@ -111,51 +111,29 @@ def _timed(fn: Callable[[], None], device: torch.device, reps: int = REPS) -> fl
     return statistics.median(times)
 
 
-def _compensated_power_iteration(g: torch.Tensor, residual: Optional[torch.Tensor], q: torch.Tensor,
-                                 iterations: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rank routes' shared local work: error-feedback compensation and the power iteration."""
-    mat = g + residual if residual is not None else g
-    p = None
-    for _ in range(iterations):
-        p = orthonormalize(mat @ q)
-        q = mat.t() @ p
-    return mat, p, q
-
-
-def _rank_allreduce_seconds(m: int, n: int, rank: int, iterations: int, error_feedback: bool,
-                            device: torch.device, dtype: torch.dtype) -> float:
+def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, error_feedback: bool,
+                  device: torch.device, dtype: torch.dtype, *, shared: bool = False) -> float:
+    """A rank route's local work on an ``m x n`` gradient: error-feedback compensation, the routes'
+    own power iteration (`power_iteration`), the residual, and the rebuild: ``P Q^T`` (``shared``:
+    PowerSGD's) or rank-dAD's rank-``S r`` one."""
     r = min(rank, m, n)
     gen = private_generator(device)  # test matrices from dAD's own generator: the caller's stay put
     g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
     residual = torch.zeros_like(g) if error_feedback else None
     q = torch.randn(n, r, device=device, dtype=dtype, generator=gen)
+    gathered = None if shared else [torch.randn(world_size * r, k, device=device, dtype=dtype, generator=gen)
+                                    for k in (m, n)]
     out = torch.empty_like(g)
 
     def step() -> None:
-        mat, p, qq = _compensated_power_iteration(g, residual, q, iterations)
-        torch.mm(p, qq.t(), out=out)
+        mat = g + residual if residual is not None else g
+        p, qq = power_iteration(LocalGradient(dense=mat), q, iterations)
+        if shared or residual is not None:
+            torch.mm(p, qq.t(), out=out)
         if residual is not None:
             torch.sub(mat, out, out=residual)
-
-    return _timed(step, device)
-
-
-def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, error_feedback: bool,
-                  device: torch.device, dtype: torch.dtype) -> float:
-    r = min(rank, m, n)
-    gen = private_generator(device)
-    g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
-    residual = torch.zeros_like(g) if error_feedback else None
-    q = torch.randn(n, r, device=device, dtype=dtype, generator=gen)
-    gathered_p = torch.randn(world_size * r, m, device=device, dtype=dtype, generator=gen)
-    gathered_q = torch.randn(world_size * r, n, device=device, dtype=dtype, generator=gen)
-    out = torch.empty_like(g)
-
-    def step() -> None:
-        mat, p, qq = _compensated_power_iteration(g, residual, q, iterations)
-        if residual is not None:
-            torch.sub(mat, p @ qq.t(), out=residual)
-        torch.mm(gathered_p.t(), gathered_q, out=out)
+        if gathered is not None:
+            torch.mm(gathered[0].t(), gathered[1], out=out)
 
     return _timed(step, device)
 
