@@ -52,9 +52,8 @@ import torch
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.power_iteration import LocalGradient, PowerIteration, piece_span, split_blocks
-from dad_integrations.codecs.rank import WarmStart
 from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
-from dad_integrations.codecs.route_state import RouteState
+from dad_integrations.codecs.route_state import RouteState, WarmStart
 from dad_integrations.codecs.sharded_rank import ROUTES, RankShard, ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
