@@ -1,10 +1,18 @@
-"""One codec per representation a unit's gradient can take on the wire (see `router`).
+"""Codecs: how one unit's gradient is encoded, moved and decoded, below the route registry (`routes`).
 
-* `exact`: the unit's factors, all-gathered (lossless dAD);
-* `rank`: rank-r factors of each rank's gradient, all-gathered (rank-dAD), with warm start;
-* `dense`: the dense all-reduce buckets.
+* `exact`: exact factors (lossless dAD), one cut and one rebuild over a region of the weight's rows
+  (`Whole`, `RowShards`, `Ranges`); the collectives that move them per layout: the flat all-gather
+  (`exact`), FSDP2's row shards (`sharded_exact`), ZeRO's element ranges (`partition_exact`);
+* `power_iteration`: the one power iteration every rank route runs, a site's own (rank-dAD) or
+  PowerSGD's all-reduced one, over a batch, on whole matrices or row shards;
+* `rank`, `rank_allreduce`: the flat rank routes (each rank's own factors all-gathered; PowerSGD's
+  ``P`` and ``Q`` all-reduced); `sharded_rank` under FSDP2 and ZeRO; `replicate_rank` on HSDP's
+  replicate hop;
+* `route_state`: what the rank routes carry between steps (warm starts, error feedback, pending
+  state, finiteness, the checkpoint format); `error_feedback` its residual memories;
+* `dense`: the dense all-reduce buckets; `wire`: packing; `low_rank`: a site's rank-r reduction,
+  by method; `finite`: the finiteness flag.
 
-Each encodes this rank's local gradient into a payload and decodes the gathered or reduced
-payloads into the synchronised gradient; `exchange.Exchanger` runs their collectives in order.
-A new representation is a new module here plus its line in `router.route`.
+A new route does not start here: it is one module registered in `routes` (`routes.codec` for a
+codec of one's own).
 """
