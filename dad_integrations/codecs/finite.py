@@ -1,9 +1,8 @@
 """Finiteness of a gradient or a synchronised result in one cheap pass.
 
-``torch.isfinite(t).all()`` writes a boolean mask as large as ``t`` and reduces it: on one CPU
-thread 3.3 ms for GPT-2-quick's ten weight gradients, against 0.22 ms for one ``aminmax`` pass
-(min and max propagate NaN, and an Inf is a min or a max), the check the codecs run per weight or
-per bucket.
+``torch.isfinite(t).all()`` writes a boolean mask as large as ``t`` and reduces it; one ``aminmax``
+pass reads ``t`` once and writes two numbers (min and max propagate NaN, and an Inf is a min or a
+max): the check the codecs run per weight or per bucket.
 """
 from __future__ import annotations
 

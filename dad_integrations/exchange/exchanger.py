@@ -139,8 +139,8 @@ class Exchanger:
         if not self.plan.dense:
             st.dense.send()  # every unit is routed: the last units' bucket need not wait for backward's end
         # else the always-dense parameters (norms, biases of dense layers) join it when backward
-        # ends, which follows the last unit closely: one collective fewer (a gloo call's latency,
-        # 0.5-2.5 ms here) than a small bucket of their own
+        # ends, which follows the last unit closely: one collective fewer (a call's latency)
+        # than a small bucket of their own
         for f in previous:
             f()
         window.flush.wait()  # backward is over: every dense gradient is final
