@@ -159,3 +159,21 @@ def test_aggregator_error_is_translated(group):
     assert info.value.__cause__ is not None and not isinstance(info.value.__cause__, CollectiveError)
     with pytest.raises(ValueError):  # a usage error is not a collective's failure
         agg.all_gather(torch.ones(2, 3), name="dad.exact.w", first_dims=[5])
+
+
+def test_every_collective_name_says_what_it_carries():
+    """Each collective name the packages hand an aggregator (``name="dad...."``) has a `KINDS` entry:
+    an error in it says what it carried, not only its name."""
+    import pathlib
+    import re
+
+    from dad_integrations.comm.errors import KINDS, describe_collective
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    names = set()
+    for pkg in ("dad_integrations", "deepspeed_dad", "horovod_dad"):
+        for path in (root / pkg).rglob("*.py"):
+            names.update(m.group(1).rstrip(".") for m in re.finditer(r'name=f?"(dad\.[a-z_.]+)', path.read_text()))
+    assert len(names) > 20, names
+    silent = sorted(n for n in names if " of " not in describe_collective("all_reduce", n))
+    assert not silent, f"collective names without a KINDS entry: {silent} (known: {sorted(KINDS)})"

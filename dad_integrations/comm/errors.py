@@ -60,7 +60,7 @@ KINDS: Dict[str, str] = {
     "dad.exact": "exact factors", "dad.rank": "rank-compressed factors", "dad.meta": "factor row counts",
     "dad.dense.native": "dense gradient buckets (DDP's own step)", "dad.dense.flags": "dense-bucket flags",
     "dad.dense": "dense gradients",
-    "dad.twolevel.exact": "exact factors between nodes", "dad.twolevel.rank": "rank-compressed factors between nodes",
+    "dad.twolevel": "a route's payload between nodes", "dad.twolevel.exact": "exact factors between nodes", "dad.twolevel.rank": "rank-compressed factors between nodes",
     "dad.twolevel.dense": "dense gradients between nodes", "dad.twolevel.counts": "factor row counts between nodes",
     "dad.twolevel.to_owner": "gradients to their owners inside the node",
     "dad.twolevel.from_owner": "results from their owners inside the node",
@@ -70,6 +70,10 @@ KINDS: Dict[str, str] = {
     "dad.broadcast": "the initial parameters (attach)", "dad.verify": "the first-step check",
     "dad.link": "link measurements", "dad.trial": "the route trial's agreement",
     "dad.compute": "compute measurements", "dad.join": "DDP join's count of ranks training",
+    "dad.powersgd": "PowerSGD's all-reduced P and Q", "dad.sharded.powersgd": "PowerSGD's P and Q of row shards",
+    "dad.sharded.rank.finite": "the step's finiteness flag", "dad.zero.finite": "the step's finiteness flag",
+    "dad.fsdp.finite": "the step's finiteness flag", "dad.fsdp.row_counts": "factor row counts",
+    "dad.fsdp.verify": "the first-step check", "dad.zero.verify": "the first-step check",
 }
 
 
