@@ -9,7 +9,7 @@ the last step's, which every rank holds alike):
 
 ``power_iterations`` k repeats both rounds k times, each from the last round's all-reduced Q
 (subspace iteration on the average: its error falls towards the truncated SVD's). Bytes per rank
-and weight: ``k 2 (S-1)/S r (m+n)`` (`rank_allreduce_rounds`), flat in the number of sites S, where
+and weight: ``k 2 (S-1)/S r (m+n)``, flat in the number of sites S, where
 rank-dAD's all-gather (`codecs.rank`) moves ``(S-1) r (m+n)``; the rebuild has rank r (of the
 average), not S r. Where rows are few and there is no residual, ``M_s Q = D^T (X Q)`` and
 ``M_s^T P = X^T (D P)`` are computed from the factors (``N r (m+n)`` instead of ``m n r``).
@@ -44,13 +44,6 @@ from dad_integrations.codecs.route_state import RouteState
 
 Item = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport]  # unit, M_s, Q, report entry
 Queued = Tuple[FactorUnit, LocalGradient, torch.Tensor, ParamReport, torch.Tensor]  # ... and M_s Q
-
-
-def rank_allreduce_rounds(config: DADConfig) -> int:
-    """All-reduce rounds per step of PowerSGD's route, unsharded, FSDP2 and ZeRO alike: one of P
-    (m x r) and one of Q (n x r) per power iteration. Bytes per rank and weight:
-    ``rounds * 2 (S-1)/S * r (m+n) * wire itemsize`` (biases go through the dense buckets)."""
-    return config.power_iterations
 
 
 class RankAllReduceCodec:
@@ -98,7 +91,7 @@ class RankAllReduceCodec:
         items = [it[:4] for it in items]
         wire = self.wire_dtype or items[0][0].param.dtype
         rounds = PowerIteration([m_s for _, m_s, _, _ in items], [compute_dtype(u.param) for u, _, _, _ in items],
-                                [q.shape[1] for _, _, q, _ in items], rank_allreduce_rounds(self.config),
+                                [q.shape[1] for _, _, q, _ in items], self.config.power_iterations,
                                 sites=aggregator, wire=wire, name=f"dad.powersgd.{items[0][0].name}", note=note)
         rounds.start([q for _, _, q, _ in items], done)
         residuals: list = [None] * len(items)

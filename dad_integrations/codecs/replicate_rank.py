@@ -52,7 +52,6 @@ import torch
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.power_iteration import LocalGradient, PowerIteration, piece_span, split_blocks
-from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.route_state import RouteState, WarmStart
 from dad_integrations.codecs.sharded_rank import ROUTES, RankShard, ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator
@@ -109,7 +108,7 @@ class ReplicateRankCodec(ShardedRankCodec):
 
     def _allreduce_route(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
         bases, q_nodes, q_alls, traffic = self._iterate(items, self.shared, step, wire,
-                                                        rank_allreduce_rounds(self.config), True, "dad.replicate")
+                                                        self.config.power_iterations, True, "dad.replicate")
         out = []
         for it, basis, q_node, q_all, t in zip(items, bases, q_nodes, q_alls, traffic):
             self.state.hold(self.shared, it.unit, q_all, self._node_residual(it, basis, q_node))

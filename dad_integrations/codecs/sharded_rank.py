@@ -89,7 +89,6 @@ from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import covering_rows, shard_span
 from dad_integrations.codecs.power_iteration import PowerIteration
 from dad_integrations.codecs.rank import _cat, _reduction_is_safe
-from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.route_state import RouteState
 
 ROUTES = ("rank", "rank_allreduce")
@@ -283,7 +282,7 @@ class ShardedRankCodec:
                 return reduced_shard(basis, q, rank, S, scale)
         dtypes = [compute_dtype(it.unit.param) for it in items]
         rounds = PowerIteration([it.local for it in items], dtypes, [it.rank for it in items],
-                                rank_allreduce_rounds(self.config), sites=agg, wire=wire,
+                                self.config.power_iterations, sites=agg, wire=wire,
                                 name=f"dad.sharded.powersgd.{items[0].unit.name}")
         # param_shape: ZeRO-3 empties p.data
         rounds.start([self.shared.initial(it.unit, it.unit.shape[1], it.rank, dtype, step)

@@ -31,7 +31,6 @@ from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, param_shape
 from dad_integrations.codecs.exact import Range, sharded_exact_covers
 from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem
-from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
@@ -211,7 +210,7 @@ class PartitionCall(ShardedCall):
         config = self.config
         sizing = UnitSizing(tuple(it.kinds), tuple(it.shape), self.dtype, self.route_wire,
                             rank=config.rank if self.rank_codec is not None else 0,
-                            rounds=rank_allreduce_rounds(config), blocks=it.blocks, world_size=self.S,
+                            rounds=config.power_iterations, blocks=it.blocks, world_size=self.S,
                             engine_itemsize=self.itemsize, counts=it.counts, ranges=it.ranges)
         names = [k for k in routes_for(config.routes) if exact or not get_route(k).needs_rows]
         pairs = estimates_on(layouts.PARTITIONS, sizing, names)

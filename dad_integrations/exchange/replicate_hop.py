@@ -35,7 +35,6 @@ from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
 from dad_integrations.codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
-from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import agree_factors_rebuild
 from dad_integrations.exchange.row_shards import riding_biases, row_unit_shape
@@ -124,7 +123,7 @@ class ReplicateHopCall(ShardedCall):
                                   bias_numel=sum(b.shape[0] for b in self._biases(unit)), nodes=self.groups.nodes,
                                   local=self.groups.local, grad_dtype=self.sink.inp.dtype,
                                   wire_dtype=self.route_wire, rank=self.config.rank,
-                                  rounds=rank_allreduce_rounds(self.config), blocks=unit.blocks,
+                                  rounds=self.config.power_iterations, blocks=unit.blocks,
                                   names=routes_for(self.config.routes))
         return est, None
 

@@ -29,7 +29,7 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
                    names: Optional[Sequence[str]] = None) -> Dict[str, float]:
     """Estimated bytes this rank receives for each route of one unit on the flat layout (each
     route's own byte model, `routes`); ``rounds``: the rank-r all-reduce's P and Q rounds per step
-    (`codecs.rank_allreduce.rank_allreduce_rounds`); ``blocks``: the uses' row blocks; ``names``:
+    (``DADConfig.power_iterations``); ``blocks``: the uses' row blocks; ``names``:
     the routes to price (`routes.registry.routes_for`: the built-in ones by default). A unit
     without uses (no ``kinds``) has no exact factors."""
     sizing = UnitSizing(tuple(kinds), tuple(shape), grad_dtype, wire_dtype, rank=rank or 0, rounds=rounds,

@@ -51,7 +51,6 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.config import DADConfig
 from dad_integrations.routes.registry import get_route, rank_route_names, routes_for, tie_order
 from dad_integrations.routing.costs import estimate_bytes, sharded_estimate_bytes, size_exchange_bytes
@@ -262,7 +261,7 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
                    wire_dtype: torch.dtype, *, sharded: bool = False) -> Dict[str, float]:
     """`costs.estimate_bytes` for one unit under ``config``; `costs.sharded_estimate_bytes` when
     ``sharded`` (``unit.dtype`` is then FSDP's reduce dtype)."""
-    rounds = rank_allreduce_rounds(config)
+    rounds = config.power_iterations
     if sharded:
         return sharded_estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
                                       bias_numel=unit.bias_numel, grad_dtype=unit.dtype, wire_dtype=wire_dtype,

@@ -32,7 +32,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from dad_integrations.codecs.rank_allreduce import rank_allreduce_rounds
 from dad_integrations.comm.topology import Topology
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel
@@ -58,7 +57,7 @@ def level_sizing(unit: UnitShape, node_rows: Optional[NodeRows], *, nodes: int, 
                  wire_dtype: torch.dtype) -> UnitSizing:
     """What the byte models of the two-level layouts need of ``unit``."""
     return UnitSizing(tuple(unit.kinds), tuple(unit.shape), unit.dtype, wire_dtype, rank=config.rank or 0,
-                      rounds=rank_allreduce_rounds(config), bias_numel=unit.bias_numel, blocks=unit.blocks,
+                      rounds=config.power_iterations, bias_numel=unit.bias_numel, blocks=unit.blocks,
                       rows=node_rows, nodes=nodes, local=local_size)
 
 
