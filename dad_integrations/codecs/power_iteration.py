@@ -67,10 +67,6 @@ class LocalGradient:
             return torch.mm(self.dense, _column_major(q), out=out)
         return torch.mm(self.left.t(), self.right @ q, out=out)
 
-    def rmm(self, p: torch.Tensor) -> torch.Tensor:
-        """``M^T @ p`` (n x r, a column-major view of `rmm_t`'s result)."""
-        return self.rmm_t(p).t()
-
     def rmm_t(self, p: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``(M^T p)^T = p^T M`` (r x n, row-major), into ``out`` where given: a ``(r x m)(m x n)``
         product, 3-4x faster on CPU than ``M^T p`` as ``(n x m)(m x r)`` with M read transposed."""
