@@ -12,7 +12,7 @@ from conftest import result, run_cases
 from dad_integrations import DADConfig
 from dad_integrations.capture.layers import kind_of
 from dad_integrations.capture.rows import add_bias_grad, add_rebuilt_grad
-from dad_integrations.capture.layers.conv import conv_rows, output_positions
+from dad_integrations.capture.layers.conv import conv_rows
 from dad_integrations.capture.assign import build_plan
 
 TOL = 1e-5  # fp32 round-off, relative per parameter (floored at 1e-6 of the whole gradient's norm)
@@ -32,7 +32,7 @@ ROWS_CASES = [
 @pytest.mark.parametrize("case", range(len(ROWS_CASES)))
 def test_rows_rebuild_autograd(case):
     """``sum_g D_g^T X_g`` into group g's row block (and ``sum D_g`` into its bias block) is
-    autograd's gradient, and `output_positions` counts the rows per image."""
+    autograd's gradient, with one row per image and output position."""
     torch.manual_seed(case)
     build, spatial = ROWS_CASES[case]
     m = build().double()
@@ -40,7 +40,6 @@ def test_rows_rebuild_autograd(case):
     y = m(x)
     g = torch.randn_like(y)
     y.backward(g)
-    assert output_positions(m, spatial) == y[0, 0].numel()
     grad = torch.zeros(m.out_channels, m.weight[0].numel(), dtype=torch.double)
     bias = torch.zeros(m.out_channels, dtype=torch.double)
     h = m.out_channels // m.groups

@@ -10,7 +10,7 @@ import torch
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.partition_exact import (PartitionExactCodec, PartitionItem, block_specs,
-                                                     counts_length, covering_rows, decode, encode, use_counts)
+                                                     covering_rows, decode, encode, use_counts)
 from dad_integrations.capture.rows import add_rebuilt_grad
 from dad_integrations.codecs.wire import packed_size
 
@@ -83,7 +83,8 @@ def test_owned_elements_equal_the_slice_of_the_full_sum(kinds, shape, counts, la
         for s in range(world):  # what the receiver computes from the counts matches what was sent
             specs = block_specs(kinds, shape, agreed[s], d, ranges[d], F64)
             assert [(t.dtype, tuple(t.shape)) for t in received[s]] == [(dt, sh) for dt, sh in specs]
-            assert sum(len(k) for k in agreed[s]) == counts_length(kinds, world)
+            # per use: [rows], and an embedding's ids for each rank
+            assert [len(k) for k in agreed[s]] == [1 + world if k == "embedding" else 1 for k in kinds]
         owned = decode(kinds, shape, received, (lo, hi), F64)
         assert owned.shape == (max(0, hi - lo),)
         torch.testing.assert_close(owned, full[lo:hi], rtol=1e-12, atol=1e-12)

@@ -400,16 +400,21 @@ def test_broadcast_in_chunks_keeps_every_dtype(group):
 def test_dense_marks_keep_unused_none_and_real_nan(group):
     """The dense buckets' NaN marks: a parameter without a gradient stays None, a gradient whose
     first element really is NaN stays a (non-finite) gradient, the others are untouched."""
-    from dad_integrations.codecs.dense import allreduce_dense
+    from dad_integrations.codecs.dense import DenseBuckets
     from dad_integrations.capture.sink import GradSink
+
+    def reduce(items):
+        buckets = DenseBuckets(TorchDistributedAggregator(), GradSink({}), bucket_cap_mb=1, dtype=torch.float32,
+                               account=lambda name, p, traffic: names.append(name))
+        for name, p in items:
+            buckets.add(name, p)
+        return buckets.finish()
 
     used, unused, nan_first = (nn.Parameter(torch.ones(3)) for _ in range(3))
     used.grad = torch.tensor([1.0, 2.0, 3.0])
     nan_first.grad = torch.tensor([float("nan"), 5.0, 6.0])
     names = []
-    finite = allreduce_dense([("used", used), ("unused", unused), ("nan", nan_first)], TorchDistributedAggregator(),
-                             GradSink({}), bucket_cap_mb=1, wire_dtype=None,
-                             account=lambda name, p, traffic: names.append(name))
+    finite = reduce([("used", used), ("unused", unused), ("nan", nan_first)])
     assert not finite
     assert unused.grad is None
     torch.testing.assert_close(used.grad, torch.tensor([1.0, 2.0, 3.0]))
@@ -418,9 +423,7 @@ def test_dense_marks_keep_unused_none_and_real_nan(group):
     names.clear()
     unused.grad = torch.zeros(3)
     nan_first.grad = torch.ones(3)
-    assert allreduce_dense([("used", used), ("unused", unused), ("nan", nan_first)], TorchDistributedAggregator(),
-                           GradSink({}), bucket_cap_mb=1, wire_dtype=None,
-                           account=lambda name, p, traffic: names.append(name))
+    assert reduce([("used", used), ("unused", unused), ("nan", nan_first)])
     assert "[dense flags]" not in names  # every gradient present: no extra round
 
 

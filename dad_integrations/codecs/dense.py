@@ -28,7 +28,7 @@ it only to decide whether a step's rank-route state (residuals, warm starts) is 
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -136,27 +136,6 @@ class DenseBuckets:
         for (name, p), total in sums:
             self.sink.write_dense_scaled(p, total.view_as(p), self.postscale, had_grad.get(id(p), True))
         return finite
-
-
-def allreduce_dense(items: Sequence[DenseItem], aggregator: FactorAggregator, sink: GradSink, *,
-                    bucket_cap_mb: float, wire_dtype: Optional[torch.dtype], account: Account,
-                    prescale: float = 1.0, postscale: Optional[float] = None) -> bool:
-    """Reduce the gradients of ``items`` over ranks: ``postscale * sum(prescale * g)``, into ``sink``.
-
-    ``postscale`` None averages (``1 / world_size``). ``prescale`` is applied before the wire cast,
-    as Horovod's and DeepSpeed's gradient pre-division is, to keep fp16 sums in range.
-    ``account`` gets each parameter's share of its bucket's traffic (and the resolving round's,
-    under the name `FLAGS` with no parameter). Returns whether every reduced gradient is finite.
-    All at once (every gradient final): `DenseBuckets` without a smaller first bucket.
-    """
-    if not items:
-        return True
-    buckets = DenseBuckets(aggregator, sink, bucket_cap_mb=bucket_cap_mb,
-                           dtype=bucket_dtype((p for _, p in items), wire_dtype), account=account,
-                           prescale=prescale, postscale=postscale, first_bucket_mb=None)
-    for name, p in items:
-        buckets.add(name, p)
-    return buckets.finish()
 
 
 def _local(grad: Optional[torch.Tensor], p: nn.Parameter, prescale: float, dtype: torch.dtype) -> torch.Tensor:

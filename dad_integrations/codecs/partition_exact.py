@@ -31,11 +31,6 @@ from dad_integrations.codecs.wire import BlockSpec, pack_into, packed_size, unpa
 Counts = Sequence[Sequence[int]]  # by use: [rows] (linear, conv1d) or [rows, ids for rank 0, ..., S-1]
 
 
-def counts_length(kinds: Sequence[str], world_size: int) -> int:
-    """Length of one rank's count vector for a unit (`use_counts` flattened)."""
-    return sum(1 + world_size if k == "embedding" else 1 for k in kinds)
-
-
 def use_counts(kinds: Sequence[str], rows: Sequence[Rows], ranges: Sequence[Range], n: int) -> List[List[int]]:
     """This rank's counts, per use: ``[rows]``, and for an embedding use also how many of its ids
     fall in each rank's covering rows (what that rank will receive)."""

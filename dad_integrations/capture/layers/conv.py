@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -57,18 +57,6 @@ CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # exact pays only below C_out C_in/G k / (C_out + C_in k) < C_out/G rows per rank: beyond 8 groups
 # that is under one late-layer image (ResNeXt's 32 groups at 7x7: 29 rows, one image has 49)
 MAX_GROUPS = 8
-
-def output_positions(module: nn.Module, spatial: Sequence[int]) -> int:
-    """Output positions of one image through ``module`` for an input of spatial size ``spatial``
-    (``L`` of ``rows = images x L``), with the module's padding, dilation and stride."""
-    pad = module._reversed_padding_repeated_twice
-    nd = len(module.kernel_size)
-    out = 1
-    for i, (size, k, s, d) in enumerate(zip(spatial, module.kernel_size, module.stride, module.dilation)):
-        j = nd - 1 - i  # the padding list runs from the last dimension
-        padded = size + pad[2 * j] + pad[2 * j + 1]
-        out *= max((padded - d * (k - 1) - 1) // s + 1, 0)
-    return out
 
 
 def pad_like_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
