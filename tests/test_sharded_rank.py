@@ -17,7 +17,7 @@ from torch import nn
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
-from dad_integrations.codecs.sharded_exact import shard_span
+from dad_integrations.codecs.exact import shard_span
 from dad_integrations.codecs.sharded_rank import (ShardedRankCodec, gathered_shard, reduced_elements, reduced_shard,
                                                    row_blocks)
 from dad_integrations.config import DADConfig

@@ -28,7 +28,6 @@ from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import (BiasUses, Blocks, ExactCodec, RowShards, agree_counts, bias_uses, cut,
                                            pairs, rebuild, sharded_exact_covers, use_span)
-from dad_integrations.codecs.exact import shard_span  # noqa: F401  (re-exported: callers import it here)
 
 RowCounts = Sequence[Sequence[int]]   # by rank, by use
 
