@@ -103,18 +103,13 @@ def qr(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return torch.linalg.qr(a, mode="reduced")
 
 
-def orthonormalize(p: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``p`` (thin QR; rank-deficient inputs stay finite), in ``p``'s
-    dtype: orthonormal to that dtype's precision (see `qr`)."""
-    return qr(p)[0]
-
-
 def orthonormalize_flat(flat: torch.Tensor, shapes: Shapes, dtypes: Sequence[torch.dtype]) -> List[torch.Tensor]:
-    """`orthonormalize` of each ``(m, r)`` block of ``flat`` (row-major blocks, one after another),
-    in ``dtypes``: consecutive blocks of one shape and dtype go through one batched QR (as PowerSGD's
-    hook batches same-shape matrices), one call per run instead of per block (a transformer's layers
-    repeat their shapes); on CPU the same bits as one QR each (`test_low_rank`), and every rank
-    runs the same calls, so ranks agree on any device."""
+    """Orthonormal columns spanning each ``(m, r)`` block of ``flat`` (row-major blocks, one after
+    another; thin QR, `qr`: rank-deficient blocks stay finite), in ``dtypes``: consecutive blocks
+    of one shape and dtype go through one batched QR (as PowerSGD's hook batches same-shape
+    matrices), one call per run instead of per block (a transformer's layers repeat their shapes);
+    on CPU the same bits as one QR each (`test_low_rank`), and every rank runs the same calls, so
+    ranks agree on any device."""
     out: List[torch.Tensor] = []
     offset, i = 0, 0
     while i < len(shapes):
