@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
-from dad_integrations.codecs.sharded_exact import (ShardedExactCodec, decode_sliced, decode_whole, encode_sliced,
-                                                   shard_span)
+from dad_integrations.codecs.exact import shard_span
+from dad_integrations.codecs.sharded_exact import ShardedExactCodec, decode_sliced, decode_whole, encode_sliced
 from dad_integrations.config import DADConfig
 from dad_integrations.capture.rows import add_rebuilt_grad, output_grad_rows
 from dad_integrations.capture.sink import ShardSink, ShardSlot
