@@ -50,7 +50,7 @@ from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout
 from dad_integrations.exchange.sharded import CallRoutes
 from dad_integrations.report import ShardedStepReport
 from dad_integrations.routing.node_partitions import choose_partition_route
-from dad_integrations.routing.router import Route, RouteContext, UnitEvidence
+from dad_integrations.routing.router import Route, RouteContext, UnitEvidence, spare_seconds
 from dad_integrations.routing.two_level import node_rows_of
 
 
@@ -124,7 +124,7 @@ class NodePartitionCall(PartitionCall):
             local_size=self.L, wire_dtype=self.route_wire, itemsize=self.itemsize, timing=self.nodes.levels.timing,
             dense_only=evidence.dense_only)
         saved = seconds["dense"] - seconds[rep] if seconds and "dense" in seconds else 0.0
-        return Route(rep, True, saved)
+        return Route(rep, True, saved, spare_seconds(seconds, rep) if "dense" in seconds else 0.0)
 
     # -- the exchange -----------------------------------------------------------------------------
     def exchange(self, routes: CallRoutes) -> None:

@@ -129,12 +129,15 @@ class Route:
     ``representation`` is None when it is decided on this step's row counts (after the size
     exchange); ``exchange_sizes`` says whether the unit's size exchange runs. ``saved_s``: by
     time, the seconds per step the representation is predicted to save against dense (what a
-    route trial checks, `route_trial`).
+    route trial checks, `route_trial`). ``spare_s``: by time in mode auto, where the unit goes
+    dense, the seconds its fastest other route is predicted to take beyond dense (what the watch
+    of a decision no trial checked allows its steps to slow by, `trial.RouteTrial.watch_untried`).
     """
 
     representation: Optional[str]
     exchange_sizes: bool
     saved_s: float = 0.0
+    spare_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,8 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
         if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
             if pick(mode, {**seconds, current: -1.0}) == current:
                 best = current  # still allowed, and not worth a switch
-        return Route(best, exchange, seconds.get("dense", seconds[best]) - seconds[best])
+        return Route(best, exchange, seconds.get("dense", seconds[best]) - seconds[best],
+                     spare_seconds(seconds, best) if mode == "auto" else 0.0)
 
     if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size
@@ -243,6 +247,13 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
     if predicted.representation != "exact":
         return predicted                # no counts needed
     return Route(None, True)            # exact predicted: refresh the counts, decide on them
+
+
+def spare_seconds(seconds: Dict[str, float], chosen: str) -> float:
+    """Where ``chosen`` is dense: the predicted seconds of the fastest other route priced
+    (``seconds``) beyond dense's; 0 otherwise, or where no other route is priced."""
+    others = [t for k, t in seconds.items() if k != "dense"]
+    return max(0.0, min(others) - seconds["dense"]) if chosen == "dense" and others else 0.0
 
 
 def rank_only(config: DADConfig, step: int) -> bool:
