@@ -390,24 +390,81 @@ def test_inconclusive_trial_extends_then_keeps_the_prediction():
 
 def test_sustained_miss_starts_a_new_trial():
     """After a decision the chosen steps are watched: their lower quartile over a watch interval
-    above both arms' trial medians (by WATCH_MARGIN) starts a new trial at once; a single slow step
-    does not; a trial that would not end before the next refresh is not started; a watch-started
-    trial that confirms the choice doubles the interval."""
+    above both arms' trial medians (by WATCH_MARGIN) makes the next step a refresh (routes chosen
+    anew on the link measured again) and the trial after it has cause "watch"; a single slow step
+    does not; a miss whose trial would not end before the next refresh asks for none; a
+    watch-started trial that confirms the choice doubles the interval."""
     from dad_integrations.routing.trial import RouteTrial
 
     trial = RouteTrial(steps=4)
     trial.begin(0, {0: "rank"}, predicted_saving_s=0.01)
     (out,) = _run_trial(trial, 0, [0.05, 0.10, 0.10, 0.05])
     assert out.kept and trial.watch is not None and trial.watch.interval == 4
-    assert _run_trial(trial, 4, [0.05, 2.0, 0.05, 0.05]) == [] and not trial.active  # one burst: no miss
-    assert _run_trial(trial, 8, [0.2, 0.2, 0.2, 0.2]) == [] and trial.active      # the link slowed
-    assert trial.cause == "watch" and trial.start == 12 and trial.routes == {0: "rank"}
-    (again,) = _run_trial(trial, 12, [0.2, 0.4, 0.4, 0.2])  # routes still faster: confirmed
+    assert _run_trial(trial, 4, [0.05, 2.0, 0.05, 0.05]) == [] and trial.refresh_at is None  # one burst: no miss
+    assert _run_trial(trial, 8, [0.2, 0.2, 0.2, 0.2]) == [] and not trial.active     # the link slowed
+    assert trial.refresh_at == 13 and trial.watch is None
+    trial.begin(13, {0: "rank_allreduce"}, predicted_saving_s=0.02)  # the owner's refresh: routes anew
+    assert trial.cause == "watch" and trial.start == 13 and trial.routes == {0: "rank_allreduce"}
+    (again,) = _run_trial(trial, 13, [0.2, 0.4, 0.4, 0.2])  # routes still faster: confirmed
     assert again.kept and again.cause == "watch" and trial.watch.interval == 8
     # near the next refresh (step 30): no room for a trial; the refresh chooses anew anyway
-    assert _run_trial(trial, 16, [0.9] * 8, next_refresh=30) == [] and not trial.active
+    assert _run_trial(trial, 17, [0.9] * 8, next_refresh=30) == [] and trial.refresh_at == 13
     trial.stop_watching()
-    assert trial.watch is None and _run_trial(trial, 24, [5.0] * 8) == [] and not trial.active
+    assert trial.watch is None and _run_trial(trial, 25, [5.0] * 8) == [] and trial.refresh_at == 13
+
+
+def test_untried_decision_is_watched_against_its_first_interval():
+    """A refresh that begins no trial (the models chose all dense) is watched too: the first
+    interval's agreed lower quartile plus the models' spare seconds (what the other routes were
+    predicted to cost beyond dense) and WATCH_MARGIN is the limit; a paused rank (one long step an
+    interval) is no miss; a slower link (every step) is, and asks for a refresh at the next step. A
+    re-choice that lands on dense again takes the missed figure as its baseline (the limit only
+    rises); a regular refresh measures a new one."""
+    from dad_integrations.routing.trial import WATCH_MARGIN, RouteTrial
+
+    trial = RouteTrial(steps=4)
+    seen = []
+
+    def agree(values):
+        seen.append(len(values))
+        return list(values)
+
+    def feed(start, times, next_refresh=1000):
+        for k, t in enumerate(times, start=start + 1):
+            assert trial.end_of_step(k, t, agree, next_refresh) is None
+
+    trial.watch_untried(0, "dense", spare_s=0.02)
+    feed(0, [0.06, 0.05, 0.30, 0.05])                  # the baseline: lower quartile 0.05
+    assert trial.watch.limit_s == pytest.approx((0.05 + 0.02) * (1 + WATCH_MARGIN)) and seen == [2]
+    feed(4, [0.05, 3.0, 0.06, 0.05] * 2 + [0.075] * 4)  # pauses, then slower but within the spare
+    assert trial.refresh_at is None and seen == [2, 1, 1, 1]  # one number an interval
+    feed(16, [0.5, 0.5, 0.6, 0.5])                     # the link slowed
+    assert trial.refresh_at == 21 and trial.watch is None and not trial.active
+    assert trial.missed.startswith("dAD: the dense steps now take 500.0 ms (lower quartile of 4), above the "
+                                   "baseline's 77.0 ms: the link measured again and routes chosen anew")
+    trial.watch_untried(21, "dense", spare_s=0.02)     # the refresh chose dense again
+    assert trial.watch.interval == 4 and trial.watch.since == 22
+    assert trial.watch.limit_s == pytest.approx((0.5 + 0.02) * (1 + WATCH_MARGIN))
+    feed(21, [0.5, 0.55, 0.5, 0.5] * 2)                # the slower steps are the new normal
+    assert trial.refresh_at == 21 and seen[-1] == 1
+    trial.watch_untried(50, "dense")                   # a regular refresh: a new baseline
+    assert trial.watch.interval == 4 and trial.watch.limit_s is None
+    trial.refresh_at = 55
+    trial.begin(55, {0: "rank"}, 0.01)                 # a refresh the watch asked for began a trial
+    assert trial.cause == "watch" and trial.news.endswith(": a new route trial")
+    assert RouteTrial(steps=0).watch_untried(0, "dense") is None  # no trials: no watch
+
+
+def test_router_spare_seconds():
+    """`Route.spare_s`: by time in mode auto, where dense wins, what its fastest rival costs beyond it."""
+    from dad_integrations.routing.router import spare_seconds
+
+    assert spare_seconds({"dense": 1.0, "rank": 1.5, "exact": 3.0}, "dense") == 0.5
+    assert spare_seconds({"dense": 1.0, "rank": 0.5}, "rank") == 0.0
+    assert spare_seconds({"dense": 1.0}, "dense") == 0.0
+    slow = route(RouteContext(DADConfig(mode="auto", rank=4, objective="time"), world_size=2, wire_dtype=torch.float32,
+                              timing=_timing("100gbit")), SHAPE, UnitEvidence(rows_by_rank=[[4096]] * 2))
+    assert slow.representation == "dense" and slow.spare_s > 0 and slow.saved_s == 0.0
 
 
 def test_calibrated_overhead_charges_non_dense_routes():
@@ -525,3 +582,38 @@ def test_sharded_watch_trial_after_all_dense_tries_the_routes():
     watch_routes = [k for k, a in arms.items() if a == "routes" and k > 5]
     assert watch_routes and not any(forced[k] for k in watch_routes), (watch_routes, forced)
     assert rest[0].kept  # the routes, really tried, were faster
+
+
+def test_sharded_untried_dense_is_watched_and_a_miss_measures_the_link_again():
+    """`ShardedTrial` after a refresh whose routes are all dense (no trial): the steps are watched
+    against their first interval plus the models' spare seconds; a slower link (every step) makes
+    the next step a refresh whose first reduction measures the link again (`EngineTiming.get`), and
+    routes that compress there begin a trial with cause "watch", said as the last decision."""
+    from dad_integrations.routing.router import Route
+    from dad_integrations.routing.sharded_trial import ShardedTrial
+    from dad_integrations.routing.trial import RouteTrial
+
+    pieces = ShardedTrial(DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0,
+                                    route_trial_steps=4, route_refresh_steps=1000))
+    pieces.trial = RouteTrial(4)
+    pieces.engine.timing = _timing("10gbit")
+    probed = []
+    pieces.engine.probe = lambda aggregator, device: probed.append(1) or _timing("20mbit").link
+    units = [type("Unit", (), {"index": i})() for i in range(3)]
+    now = [0.0]
+    pieces.clock.clock = lambda: now[0]
+    for step in range(14):
+        pieces.forward()
+        pieces.open(step)
+        assert not pieces.dense(step)
+        timing = pieces.models(None, None, step)
+        rep = "rank" if timing.link.all_reduce.beta < 1e8 else "dense"  # the models on the link measured
+        for unit in units:
+            pieces.note(unit, Route(rep, False, 0.0, 0.001 if rep == "dense" else 0.0))
+        now[0] += 0.1 if step < 9 else 0.6   # the link slows after step 8
+        pieces.end(step, lambda values: list(values))
+        assert pieces.refresh(step + 1) == (step + 1 == 13), step  # the miss at the check of step 12
+    watch_limit = (0.1 + 0.003) * 1.1
+    assert probed == [1] and pieces.trial.active and pieces.trial.cause == "watch" and pieces.trial.start == 13
+    assert pieces.decision.endswith(": a new route trial") and f"{watch_limit * 1e3:.1f} ms" in pieces.decision
+    assert pieces.dense(15) and pieces.dense(16) and not pieces.dense(14)  # R D D R

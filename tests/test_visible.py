@@ -96,6 +96,8 @@ def test_watch_line_said_once_by_rank_zero(capsys):
         trial.begin(0, {0: "rank"}, predicted_saving_s=0.01)
         for k, t in enumerate([0.05, 0.10, 0.10, 0.05, 0.2, 0.2, 0.2, 0.2], start=1):
             trial.end_of_step(k, t, lambda v: list(v), 1000)
+        assert trial.refresh_at == 9 and not capsys.readouterr().err  # said where its refresh tries routes
+        trial.begin(9, {0: "rank"}, predicted_saving_s=0.01)
         assert trial.active and trial.cause == "watch"
         err = capsys.readouterr().err
         assert ("a new route trial" in err) == (rank == 0), (rank, err)

@@ -10,6 +10,8 @@ decide it. The exchanger (`exchanger.Exchanger`) runs the collectives and asks i
   they change together, on every rank, whatever the models learn in between.
 - **Trying** (`routing.trial.RouteTrial`, on a measured link in mode ``"auto"``): after a refresh
   the next steps alternate its routes and all dense; the outcome holds until the next refresh.
+  Every decision's steps are watched (after a trial, against its figures; after a refresh that
+  begins none, against their first interval): a miss makes the next step a refresh.
 - **Capture on and off**: a unit whose rows no route of the coming steps uses stops capturing
   them (the hooks' work saved; a step whose every unit goes dense costs what DDP's does), and
   captures them again before a step whose route may use them.
@@ -62,6 +64,7 @@ class RoutePolicy:
         self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
         self.last_route: Dict[int, str] = {}       # unit index -> representation of its last step
         self.saved: Dict[int, float] = {}          # unit index -> predicted seconds its route saves (by time)
+        self.spare: Dict[int, float] = {}          # unit index -> predicted seconds another route costs beyond dense
         # objective "time": the agreed link and compute models (measured here: a collective),
         # timed in the dtype the rank codecs compute in (fp32 for fp16/bf16 weights)
         self.timing: Optional[StepTiming] = (
@@ -89,10 +92,11 @@ class RoutePolicy:
     # -- which steps choose anew, which hold ------------------------------------------------------
     def refresh_due(self, step: int) -> bool:
         """Whether step ``step`` chooses every route again (objective ``"time"``): every
-        ``route_refresh_steps``, and when the lossless steps end (not step 0, which exchanges
-        every unit's sizes anyway)."""
-        return self.timing is not None and refresh_due(step, self.config.route_refresh_steps,
-                                                       self.config.lossless_steps)
+        ``route_refresh_steps``, when the lossless steps end (not step 0, which exchanges every
+        unit's sizes anyway), and the step after a watch missed (`RouteTrial.refresh_at`)."""
+        return self.timing is not None and (
+            refresh_due(step, self.config.route_refresh_steps, self.config.lossless_steps)
+            or (self.trial is not None and self.trial.refresh_at == step))
 
     def _next_refresh(self, step: int) -> int:
         """The first step after ``step`` that chooses every route again."""
@@ -175,6 +179,7 @@ class RoutePolicy:
         (chosen anew) its predicted saving for a route trial."""
         if not held:
             self.saved[unit.index] = decision.saved_s
+            self.spare[unit.index] = decision.spare_s
         self.last_route[unit.index] = decision.representation
 
     def settle_capture(self, unit: FactorUnit, decision: Route, method: Optional[str], verify: bool) -> None:
@@ -294,12 +299,14 @@ class RoutePolicy:
 
     def _run_trial(self, step: int, seconds: Optional[float]) -> None:
         """End of step ``step`` (``seconds``: its span on this rank): start a route trial after
-        routes were chosen anew, judge one, or watch the last decision (`routing.trial`)."""
+        routes were chosen anew (or watch them, where none begins), judge one, or watch the last
+        decision (`routing.trial`)."""
         trial = self.trial
         if trial is None:
             return
         if not trial.active and (step == 0 or self.refresh_due(step)):
             self._begin_trial(trial, step)
+            self._take_news(trial)
             return
 
         def agree(values):
@@ -307,8 +314,7 @@ class RoutePolicy:
 
         two_level = self.two_level_trial()
         outcome = trial.end_of_step(step, seconds, agree, self._next_refresh(step))
-        if trial.news:  # the watch started a trial: its line is the last decision said
-            self.decision, trial.news = trial.news, ""
+        self._take_news(trial)
         if outcome is None:
             return
         if two_level:  # two-level steps against the flat routes: the loser waits for the next refresh
@@ -327,15 +333,24 @@ class RoutePolicy:
                  f"routes tried: {'two levels, ' if two_level else ''}{self._tried or 'none'}; overhead per "
                  f"compressed weight now {outcome.overhead_s * 1e3:.2f} ms")
 
+    def _take_news(self, trial: RouteTrial) -> None:
+        if trial.news:  # a missed watch's refresh began a trial: its line is the last decision said
+            self.decision, trial.news = trial.news, ""
+
     def _begin_trial(self, trial: RouteTrial, step: int) -> None:
         """Routes were chosen anew in step ``step``: try them against all-dense where any compresses
-        and the trial ends before the next refresh."""
+        and the trial ends before the next refresh; else watch the steps they take."""
         if self.two_level:  # this step went at two levels: try them against the flat routes
             compressed = [i for i, rep in self.two_level_routes.items() if rep != "dense"]
             if compressed and trial.fits(step, self._next_refresh(step)):
                 trial.begin(step, {u.index: TWO_LEVEL for u in self.plan.units}, self.two_level_saving)
+            else:
+                trial.watch_untried(step, "routes" if compressed else "dense")
             return
         compressed = [u.index for u in self.plan.units if self.last_route.get(u.index, "dense") != "dense"]
         if compressed and trial.fits(step, self._next_refresh(step)):
             trial.begin(step, {u.index: self.last_route.get(u.index, "dense") for u in self.plan.units},
                         sum(self.saved.get(i, 0.0) for i in compressed))
+        else:
+            trial.watch_untried(step, "routes" if compressed else "dense",
+                                0.0 if compressed else sum(self.spare.get(u.index, 0.0) for u in self.plan.units))

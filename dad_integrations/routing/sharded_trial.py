@@ -9,7 +9,9 @@ whose routes compress any weight begins a `route_trial.RouteTrial`; its dense-ar
 every weight by the engine's own reduce-scatter (capture off; residuals wait for the routes), its
 routes-arm steps route as the models say. All dense decided: every weight takes the engine's
 reduce-scatter (its first step carries the residuals), capture off, until the next refresh. The
-decision's `route_trial.Watch` runs as under DDP.
+decision's `route_trial.Watch` runs as under DDP, after a refresh that begins no trial too (its
+steps against their first interval); a miss makes the next step a refresh (the link measured
+again at its first reduction, `EngineTiming.get`).
 
 The adapter calls, per step and on every rank alike:
 
@@ -60,6 +62,7 @@ class ShardedTrial:
         self._started = 0.0
         self._compressed = 0                  # weights routed off dense this step
         self._saved = 0.0                     # their predicted saving this step
+        self._spare = 0.0                     # dense weights: what other routes are predicted to cost beyond
         self._routes: Dict[int, str] = {}     # unit index -> its route this step
         self._dense_until: Optional[int] = None  # all dense decided: every step before this one
         self._dropped: set = set()            # units whose capture this piece switched off
@@ -89,8 +92,9 @@ class ShardedTrial:
             self.engine.timing = dataclasses.replace(self.engine.timing, link=link)
 
     def models(self, aggregator: FactorAggregator, device: torch.device, step: int) -> Optional[StepTiming]:
-        """`EngineTiming.get`: the models for step ``step`` (measured again at a refresh)."""
-        return self.engine.get(aggregator, device, step)
+        """`EngineTiming.get`: the models for step ``step`` (measured again at a refresh, and at the
+        one a missed watch asked for)."""
+        return self.engine.get(aggregator, device, step, again=self.trial is not None and self.trial.refresh_at == step)
 
     @property
     def outcomes(self) -> List[TrialOutcome]:
@@ -98,8 +102,10 @@ class ShardedTrial:
 
     # -- refreshes --------------------------------------------------------------------------------
     def refresh(self, step: int) -> bool:
-        """Whether step ``step`` chooses routes anew (the exchanger's rule, step 0 included)."""
-        return step == 0 or refresh_due(step, self.config.route_refresh_steps, self._lossless)
+        """Whether step ``step`` chooses routes anew (the exchanger's rule, step 0 included; the step
+        after a missed watch)."""
+        return (step == 0 or refresh_due(step, self.config.route_refresh_steps, self._lossless)
+                or (self.trial is not None and self.trial.refresh_at == step))
 
     def next_refresh(self, step: int) -> int:
         return next_refresh(step, self.config.route_refresh_steps, self._lossless)
@@ -119,7 +125,7 @@ class ShardedTrial:
         if self.step == step:
             return
         self.step = step
-        self._compressed, self._saved, self._routes = 0, 0.0, {}
+        self._compressed, self._saved, self._spare, self._routes = 0, 0.0, 0.0, {}
         if self.trial is not None:
             self._started = self.clock.open()
 
@@ -148,6 +154,8 @@ class ShardedTrial:
         if decision.representation not in (None, "dense"):
             self._compressed += 1
             self._saved += decision.saved_s
+        else:
+            self._spare += decision.spare_s
 
     def end(self, step: int, agree: Callable[[Sequence[float]], List[float]]) -> Optional[TrialOutcome]:
         """Step ``step``'s reductions are over (every rank calls this alike): begin, judge or watch
@@ -164,10 +172,13 @@ class ShardedTrial:
             self._dense_until = None
             if self._compressed and trial.fits(step, self.next_refresh(step)):
                 trial.begin(step, dict(self._routes), self._saved)
+            else:  # no trial: the steps are watched against their first interval
+                trial.watch_untried(step, "routes" if self._compressed else "dense",
+                                    0.0 if self._compressed else self._spare)
         else:
             outcome = trial.end_of_step(step, seconds, agree, self.next_refresh(step))
-            if trial.news:  # the watch started a trial: its line is the last decision said
-                self.decision, trial.news = trial.news, ""
+        if trial.news:  # a missed watch's refresh began a trial: its line is the last decision said
+            self.decision, trial.news = trial.news, ""
         if outcome is not None:
             self._dense_until = None if outcome.kept else self.next_refresh(step)
             if self.engine.timing is not None:

@@ -116,7 +116,8 @@ class EngineTiming:
     """`StepTiming` for engines whose reductions run inside the engine's own hooks (FSDP2, ZeRO):
     measured at attach (`start`: every rank attaches together; not inside backward, where the
     compute model's timed backward of a probe layer could not run), the link measured again at the
-    first reduction of every ``route_refresh_steps``-th step (where the config states none).
+    first reduction of every ``route_refresh_steps``-th step (where the config states none) and of
+    the step a missed watch makes a refresh.
     `sharded_trial.ShardedTrial` owns one, and checks the routes it predicts against all dense on
     the job's steps (route trials, as `route_trial` under the unsharded engines)."""
 
@@ -132,11 +133,14 @@ class EngineTiming:
     def start(self, shapes: Iterable[Tuple[int, int]], aggregator: FactorAggregator, device: torch.device) -> None:
         self.timing = build_timing(self.config, shapes, aggregator, device, probe=self.probe)
 
-    def get(self, aggregator: FactorAggregator, device: torch.device, step: int) -> Optional[StepTiming]:
-        """The models for synchronised step ``step`` (0-based)."""
+    def get(self, aggregator: FactorAggregator, device: torch.device, step: int,
+            again: bool = False) -> Optional[StepTiming]:
+        """The models for synchronised step ``step`` (0-based); ``again``: measure the link anew in
+        this step whatever the refresh rule says (a missed watch's refresh; every rank alike)."""
         if self.timing is None:
             return None
-        if self.config.link is None and step > self._probed_step and step % self.config.route_refresh_steps == 0:
+        due = again or step % self.config.route_refresh_steps == 0
+        if self.config.link is None and step > self._probed_step and due:
             self.timing = dataclasses.replace(self.timing, link=self.probe(aggregator, device))
             self._probed_step = step
         return self.timing

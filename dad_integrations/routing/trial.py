@@ -30,11 +30,21 @@ slowest-rank time (one all-gather), so all decide alike, and per pair the differ
 
 A burst of load from elsewhere lands in one or two steps: it spoils a pair, not the decision.
 
-**Catching a wrong choice** (`Watch`). After a decision the chosen arm's steps are watched: every
-``route_trial_steps`` steps the ranks agree on their lower quartile, and where it exceeds the slower
-of the two arms' trial medians by `WATCH_MARGIN` (the choice's steps now take longer than either
-route measured; a link that slowed, a trial a burst misled) a new trial starts at once instead of
-at the next refresh. Each such trial that confirms the choice doubles the watch's interval (a
+**Catching a wrong choice** (`Watch`). After every decision the chosen arm's steps are watched:
+every ``route_trial_steps`` steps the ranks agree on their lower quartile (a paused rank stretches
+one step of an interval, a slower link every step). After a trial the limit is the slower of the
+two arms' trial medians plus `WATCH_MARGIN` (the choice's steps now take longer than either route
+measured: a link that slowed, a trial a burst misled). After a refresh that begins no trial (the
+models chose all dense, as on a fast link, or no trial fits) the first interval is the baseline:
+the limit is its lower quartile plus what the models predicted the other routes would cost beyond
+it (`Route.spare_s`, summed: the routes arm as predicted, no trial having measured it), plus
+`WATCH_MARGIN` (`RouteTrial.watch_untried`).
+
+A miss makes the next step a refresh (`RouteTrial.refresh_at`): the link is measured again,
+routes are chosen anew for it, and a trial (cause ``"watch"``) tries them against all dense where
+they compress. Where the arm stays with no trial, the missed figure is its new baseline (a lasting
+load is taken in; the limit only rises, and a link that changes while a baseline would be measured
+is still caught). A watch-started trial that confirms the choice doubles the watch's interval (a
 machine under lasting load does not re-trial every few steps).
 
 **Calibration.** The miss between the predicted and the measured saving (median of the pairs),
@@ -49,7 +59,9 @@ once decided, holds until the next refresh).
 Costs: a trial runs half its steps on the slower arm: ``route_trial_steps / 2`` to
 ``MAX_ROUNDS * route_trial_steps / 2`` steps per refresh (every ``route_refresh_steps``, 200 by
 default); a trial that would not end before the next refresh is not started. The watch costs one
-all-gather of one number every ``route_trial_steps`` steps. Nothing here draws random numbers.
+all-gather of one number (8 bytes a rank; two, the first interval after a decision no trial
+checked) every ``route_trial_steps`` steps, and a link probe where it misses. Nothing here draws
+random numbers.
 """
 from __future__ import annotations
 
@@ -68,7 +80,7 @@ log = logging.getLogger(__name__)
 KEEP_MARGIN = 0.02   # compressed routes must beat all-dense by this share of the step to win a pair
 CONSISTENT = 0.75    # share of the pairs one side must win to decide
 MAX_ROUNDS = 3       # rounds of route_trial_steps before the models' prediction is kept
-WATCH_MARGIN = 0.10  # the chosen arm's steps may exceed both arms' trial medians by this share
+WATCH_MARGIN = 0.10  # the chosen arm's steps may exceed both arms' (trial or predicted) figures by this share
 
 def in_backward() -> bool:
     """True while autograd runs a backward pass (checkpointing recomputes forwards there)."""
@@ -162,12 +174,15 @@ def judge(routes: Sequence[float], dense: Sequence[float], margin: float = KEEP_
 
 @dataclass
 class Watch:
-    """The chosen arm's steps after a decision, checked against the trial (see the module doc)."""
+    """The chosen arm's steps after a decision, checked against the trial or, without one, against
+    their own first interval (see the module doc)."""
 
     arm: str             # "routes" or "dense"
-    limit_s: float       # a sustained step time above this is a miss
+    limit_s: Optional[float]  # a sustained step time above this is a miss; None: set by the first check
     interval: int        # steps per check
     since: int           # the first watched step
+    spare_s: float = 0.0  # no trial: what the models predict the other routes cost beyond the arm's
+    tried: bool = True   # the limit is a trial's figure (else the first interval's, `watch_untried`)
     durations: Dict[int, float] = field(default_factory=dict)
 
     def due(self, step: int) -> bool:
@@ -198,6 +213,10 @@ class RouteTrial:
     rank: int = 0                                # this rank in the trial's group: rank 0 says the watch's news
     name: str = "dAD"                            # what the watch's line starts with
     news: str = ""                               # the watch's last line, until the owner takes it (reports)
+    refresh_at: Optional[int] = None             # the step a missed watch asked to choose routes anew
+    missed: str = ""                             # what that watch saw (said where its refresh begins a trial)
+    missed_arm: str = ""                         # the arm it watched
+    missed_s: float = 0.0                        # the agreed figure it missed with
 
     @property
     def active(self) -> bool:
@@ -211,18 +230,43 @@ class RouteTrial:
         """Whether a trial begun after step ``step`` ends, at its longest, before ``next_refresh``."""
         return self.pairs_per_round > 0 and step + MAX_ROUNDS * 2 * self.pairs_per_round < next_refresh
 
-    def begin(self, step: int, routes: Dict[int, str], predicted_saving_s: float, cause: str = "refresh") -> None:
-        """Try ``routes`` against all-dense from step ``step + 1``."""
+    def begin(self, step: int, routes: Dict[int, str], predicted_saving_s: float, cause: Optional[str] = None) -> None:
+        """Try ``routes`` against all-dense from step ``step + 1``; ``cause``: ``"watch"`` where step
+        ``step`` is the refresh a missed watch asked for (`refresh_at`), else ``"refresh"``."""
+        cause = cause or ("watch" if step == self.refresh_at else "refresh")
         self.start, self.rounds, self.cause = step, 1, cause
         self.routes = dict(routes)
         self.predicted_saving_s = float(predicted_saving_s)
         self.durations, self.agreed, self.watch = {}, [], None
         if cause == "refresh":
             self.watch_interval = self.steps
+        elif self.missed:  # the agreed figures, the same on every rank: said once, by rank 0
+            self.news = f"{self.missed}: a new route trial"
+            say(self.news, rank=self.rank)
+
+    def watch_untried(self, step: int, arm: str, spare_s: float = 0.0) -> None:
+        """Routes were chosen anew in step ``step`` and no trial begins: watch the ``arm`` steps from
+        step ``step + 1``, against their first interval's lower quartile plus ``spare_s`` (the
+        models' predicted cost of the other routes beyond it) and `WATCH_MARGIN`. Where step
+        ``step`` is a missed watch's refresh that kept its arm, the missed interval is the baseline
+        instead (the limit only rises: a lasting load is taken in, and a link that changes while a
+        new baseline would be measured is still caught)."""
+        self.watch = None
+        if not self.steps:
+            return
+        kept = step == self.refresh_at and arm == self.missed_arm
+        if step != self.refresh_at:
+            self.watch_interval = self.steps
+        spare_s = max(0.0, float(spare_s))
+        limit = (self.missed_s + spare_s) * (1.0 + WATCH_MARGIN) if kept else None
+        log.debug("%s: routes chosen anew at step %d, no trial: the %s steps watched from step %d%s", self.name,
+                  step, arm, step + 1, f" against {limit * 1e3:.1f} ms" if kept else "")
+        self.watch = Watch(arm, limit, max(self.watch_interval, 1), step + 1, spare_s, tried=False)
 
     def cancel(self) -> None:
         """Drop a trial in progress and the watch (a checkpoint was loaded: its steps are not these)."""
         self.start, self.durations, self.agreed, self.watch = None, {}, [], None
+        self.refresh_at, self.missed, self.missed_arm, self.missed_s = None, "", "", 0.0
 
     def arm(self, step: int) -> Optional[str]:
         """``"routes"`` or ``"dense"`` for a step of the trial (``R D D R`` per two pairs), else None."""
@@ -248,8 +292,8 @@ class RouteTrial:
                     next_refresh: int) -> Optional[TrialOutcome]:
         """Step ``step`` took ``seconds`` on this rank: note it; at the end of a round, agree and
         judge (a collective on every rank alike); returns the outcome when the trial is decided. A
-        watched step may start a new trial (`begin`, cause ``"watch"``) where it ends before
-        ``next_refresh`` (which chooses routes anew anyway)."""
+        watched step that misses asks for a refresh at step ``step + 1`` (`refresh_at`) where the
+        trial after it ends before ``next_refresh`` (which chooses routes anew anyway)."""
         if self.active:
             if seconds is not None and self.arm(step) is not None:
                 self.durations[step] = seconds
@@ -263,14 +307,25 @@ class RouteTrial:
             watch.durations[step] = seconds
         if not watch.due(step):
             return None
+        if watch.limit_s is None:  # the first interval after a decision no trial checked: the baseline
+            observed, spare = agree([watch.summary(step), watch.spare_s])
+            if observed <= 0.0:  # no step of the interval was timed (on any rank): the next one is the baseline
+                return None
+            watch.limit_s = (observed + spare) * (1.0 + WATCH_MARGIN)
+            log.debug("%s: the %s steps take %.1f ms (lower quartile of %d), the models' spare %.1f ms: watched "
+                      "against %.1f ms", self.name, watch.arm, observed * 1e3, watch.interval, spare * 1e3,
+                      watch.limit_s * 1e3)
+            return None
         (observed,) = agree([watch.summary(step)])
-        if observed > watch.limit_s and self.fits(step, next_refresh):
-            # the agreed figure, the same on every rank: said once, by rank 0
-            self.news = (f"{self.name}: the {watch.arm} steps now take {observed * 1e3:.1f} ms (lower quartile "
-                         f"of {watch.interval}), above the trial's {watch.limit_s * 1e3:.1f} ms: a new route trial")
-            say(self.news, rank=self.rank)
-            previous = self.outcomes[-1]
-            self.begin(step, self.routes, previous.predicted_saving_s, cause="watch")
+        log.debug("%s: step %d, the %s steps take %.1f ms (lower quartile of %d), limit %.1f ms", self.name, step,
+                  watch.arm, observed * 1e3, watch.interval, watch.limit_s * 1e3)
+        if observed > watch.limit_s and self.fits(step + 1, next_refresh):
+            source = "the trial's" if watch.tried else "the baseline's"
+            self.missed = (f"{self.name}: the {watch.arm} steps now take {observed * 1e3:.1f} ms (lower quartile "
+                           f"of {watch.interval}), above {source} {watch.limit_s * 1e3:.1f} ms: the link measured "
+                           f"again and routes chosen anew")
+            self.missed_arm, self.missed_s, self.refresh_at, self.watch = watch.arm, observed, step + 1, None
+            log.debug("%s", self.missed)
         return None
 
     def _end_round(self, step: int, agree: Agree) -> Optional[TrialOutcome]:
@@ -306,8 +361,7 @@ class RouteTrial:
                                self.overhead_s, pairs=len(routes),
                                routes_won=sum(r < (1.0 - KEEP_MARGIN) * d for r, d in zip(routes, dense)),
                                median_difference_s=difference, conclusive=verdict is not None, cause=self.cause)
-        if (self.cause == "watch" and self.outcomes and self.outcomes[-1].kept == kept
-                and self.watch_interval > 0):
+        if self.cause == "watch" and self.missed_arm == ("routes" if kept else "dense") and self.watch_interval > 0:
             self.watch_interval *= 2  # the choice confirmed: a lasting load need not re-trial as often
         self.outcomes.append(outcome)
         self.start = None
