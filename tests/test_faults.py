@@ -15,9 +15,10 @@ Faults the route choice must read right: 2 nodes x 1 rank, mode auto on the meas
 (`workers/route_fault_worker.py`), the routes and decisions read from the public `StepReport` and
 `route_trials`:
 
-- a link slowed mid-run (unshaped to 20 Mbit/s with ``tc``): the watch starts a route trial at its
-  first check after the change and the weights move from all dense to a rank route within a stated
-  number of steps;
+- a link slowed mid-run (unshaped to 20 Mbit/s with ``tc``), from all dense chosen by the models
+  (no trial): the watch sees the dense steps slow at its first check after the change, the next
+  step measures the link again and routes anew, a route trial follows, and the weights move from
+  all dense to a rank route within a stated number of steps;
 - a slow rank (one rank stopped with SIGSTOP for 1-3 s, three times): no error, and no route trial
   (the watch does not read one slow rank as a slow link).
 
@@ -171,18 +172,17 @@ def test_link_cut_mid_run(cluster, tmp_path):
 # ---------------------------------------------------------------- faults the route choice must read right
 #
 # 2 nodes x 1 rank, `workers/route_fault_worker.py`: DDP + dAD's hook, mode auto on the measured link
-# (unshaped veth: fast), route trials of TRIAL_STEPS steps. Step 0 routes every weight by a rank route
-# (the link stated slow right after attach, as a noisy probe could), the trial of steps 1-4 finds all
-# dense faster on the real link (a round more where it was split), and from the next step the dense
-# steps are watched: every TRIAL_STEPS steps (at 8, 12, 16, ... whatever the rounds) the ranks agree
-# on their lower quartile and compare it with the trial's figures.
+# (unshaped veth: fast), route trials of TRIAL_STEPS steps. At step 0 the models choose every weight
+# dense (the fast link), so no trial runs, and from step 1 the dense steps are watched against their
+# own first interval: every TRIAL_STEPS steps (the baseline at 4, then checks at 8, 12, 16, ...) the
+# ranks agree on their lower quartile.
 # The faults come from here, at steps the ranks report, as torchft's EventInjector injects them
 # (`_inject`); the ranks report their routes and the last decision from the public `StepReport`.
 
 ROUTE_WORKER = WORKERS / "route_fault_worker.py"
 TRIAL_STEPS = 4              # the worker's route_trial_steps: also the watch's interval
 ROUTE_LIMIT_S = 120.0        # a rank gives up (writes "hung") this long after its start; ~10 s idle
-NEW_TRIAL = "a new route trial"  # the watch's line (`routing.trial.RouteTrial.end_of_step`)
+NEW_TRIAL = "a new route trial"  # the watch's line, where its refresh begins a trial (`RouteTrial.begin`)
 
 
 def _inject(out: Path, procs: list, events: list, limit_s: float = ROUTE_LIMIT_S + 15) -> dict:
@@ -227,7 +227,7 @@ def _inject(out: Path, procs: list, events: list, limit_s: float = ROUTE_LIMIT_S
 
 
 def _watch_lines(steps: list) -> list:
-    """The steps whose report's last decision is the watch's (it starts a trial at once)."""
+    """The steps whose report's last decision is the watch's (a refresh it asked for began a trial)."""
     return [s["step"] for s in steps if NEW_TRIAL in s["decision"]]
 
 
@@ -243,7 +243,7 @@ def route_job(cluster, tmp_path_factory):
     """The job's results: per rank, its route trials and each step's routes and last decision."""
     from dad_integrations.routing.trial import MAX_ROUNDS
     out = tmp_path_factory.mktemp("route_faults")
-    within = TRIAL_STEPS + MAX_ROUNDS * TRIAL_STEPS + 1  # see the link test
+    within = TRIAL_STEPS + 3 + MAX_ROUNDS * TRIAL_STEPS  # see the link test
     steps = PARK + within + 2
     procs = _start(cluster, out, [steps, PARK, ROUTE_LIMIT_S], worker=ROUTE_WORKER, local=1)
 
@@ -268,12 +268,12 @@ def route_job(cluster, tmp_path_factory):
     for r, res in results.items():
         assert [s["step"] for s in res["steps"]] == list(range(steps)), r
     res = results[0]
-    print("\n".join(str((s["step"], s["routes"], round(s["seconds"] * 1e3, 1))) for s in res["steps"]))
-    first = res["trials"][0]  # the premise of both cases
-    assert first["cause"] == "refresh" and first["step"] == 0 and not first["kept"], (
-        f"premise: on the unshaped link the step-0 trial should keep all dense: {first}")
-    assert first["routes_s"] > first["dense_s"], first
-    return out, results, within, 1 + 2 * first["pairs"]  # and the first watched step
+    print("\n".join(str((s["step"], s["routes"], round(s["seconds"] * 1e3, 1), s["link"])) for s in res["steps"]))
+    print("".join(line for line in (out / "log.0").read_text().splitlines(True) if "steps" in line))
+    # the premise of both cases: the models chose all dense on the unshaped link, and no trial ran
+    assert res["steps"][0]["routes"] == ["dense"] and "route trial" not in res["steps"][1]["decision"], (
+        f"premise: on the unshaped link the models should choose all dense: {res['steps'][:2]}")
+    return out, results, within
 
 
 def test_slow_rank_is_not_a_slow_link(route_job):
@@ -281,14 +281,14 @@ def test_slow_rank_is_not_a_slow_link(route_job):
     continued (SIGCONT), on the fast link: no rank raises, every step of both ranks ends, rank 0
     waited out each pause in a step, and up to the link's change (step PARK = 24, whose interval is
     checked) the watch starts no route trial (a pause stretches one step per rank in a watch
-    interval; the lower quartile reads the link, not the pause): the only trial is step 0's, and
-    every weight stays dense."""
-    _, results, _, watched_from = route_job  # no error, no hang: `_inject` asserted it
+    interval; the lower quartile reads the link, not the pause): no trial at all, and every weight
+    stays dense."""
+    _, results, _ = route_job  # no error, no hang: `_inject` asserted it
     for r, res in results.items():
         assert not _watch_lines(res["steps"][:PARK + 1]), f"rank {r}: the watch read a paused rank as a slow link"
-        assert [t["cause"] for t in res["trials"] if t["step"] <= PARK] == ["refresh"], res["trials"]
+        assert [t for t in res["trials"] if t["step"] <= PARK] == [], res["trials"]
     steps = results[0]["steps"]
-    assert all(s["routes"] == ["dense"] for s in steps[watched_from:PARK + 1]), steps
+    assert all(s["routes"] == ["dense"] for s in steps[:PARK + 1]), steps
     waited = sorted(s["seconds"] for s in steps[:PARK + 1])[-len(PAUSES):]
     print(f"rank 0's longest steps {[round(w, 2) for w in waited]} s; pauses {[p for _, p in PAUSES]} s")
     assert all(w > 0.8 for w in waited), waited  # each pause held rank 0 up mid-run
@@ -296,26 +296,31 @@ def test_slow_rank_is_not_a_slow_link(route_job):
 
 def test_link_slowed_mid_run_watch_moves_routes(route_job):
     """The link between the nodes drops from unshaped (several Gbit/s) to 20 Mbit/s between steps
-    PARK (24) and 25 (the ranks park there while `tc` reshapes both ends of the veth): the watch
-    sees the dense steps above the trial's figures at its first check after the change (within
-    TRIAL_STEPS = 4 steps), starts a route trial at once, the rank routes win it, and every weight
-    is sent by a rank route from at most TRIAL_STEPS + MAX_ROUNDS * TRIAL_STEPS + 1 = 17 steps after
-    the change (8 when the first round decides) to the end. No refresh falls in the run."""
-    out, results, within, _ = route_job
+    PARK (24) and 25 (the ranks park there while `tc` reshapes both ends of the veth), with every
+    weight dense by the models' choice (no trial before): the watch sees the dense steps above their
+    baseline at its first check whose interval holds three slow steps of four (its lower quartile),
+    at most TRIAL_STEPS + 2 steps after the change (checks are TRIAL_STEPS apart; a miss on load
+    before the change shifts them by the refresh it asked for); the next step measures the link
+    again and routes anew (rank routes), a route trial follows (cause "watch"), the rank routes win
+    it, and every weight is sent by a rank route from at most TRIAL_STEPS + 3 + MAX_ROUNDS *
+    TRIAL_STEPS = 19 steps after the change (9 to 11 when the first round decides) to the end. No
+    refresh falls in the run."""
+    out, results, within = route_job
     res = results[0]
     trace = [(s["step"], s["routes"]) for s in res["steps"]]
     assert not _watch_lines(res["steps"][:PARK + 1]), "the watch started a trial before the link changed"
-    watched = _watch_lines(res["steps"])
-    assert watched and PARK < watched[0] <= PARK + TRIAL_STEPS, (watched, trace)
-    trial = res["trials"][1]
+    watched = _watch_lines(res["steps"])  # the refresh the watch asked for, whose trial begins
+    assert watched and PARK + 1 < watched[0] <= PARK + TRIAL_STEPS + 3, (watched, trace)
+    assert res["steps"][watched[0]]["routes"] != ["dense"], trace  # routes chosen anew for the slow link
+    (trial,) = res["trials"]
     assert trial["cause"] == "watch" and trial["step"] == watched[0] and trial["kept"], res["trials"]
     assert trial["routes_s"] < trial["dense_s"], trial
     # the first step from which every weight stays on a rank route to the end
     held = next((s["step"] for s in res["steps"]
                  if all("dense" not in t["routes"] for t in res["steps"][s["step"]:])), None)
     assert held is not None, f"the routes did not stay compressed to the end: {trace}"
-    print(f"link slowed after step {PARK}: watch at step {watched[0]}, rank routes held from step {held} "
-          f"({held - PARK} steps after the change; bound {within})")
+    print(f"link slowed after step {PARK}: new routes and a trial at step {watched[0]}, rank routes held from step "
+          f"{held} ({held - PARK} steps after the change; bound {within})")
     assert held - PARK <= within, (held, trace)
     assert "(watch): routes kept" in res["steps"][-1]["decision"], res["steps"][-1]["decision"]
     assert (out / "log.0").read_text().count(NEW_TRIAL) == 1  # said once, on rank 0's stderr

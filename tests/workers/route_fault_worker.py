@@ -7,10 +7,10 @@ DDP + `register_dad_comm_hook`, mode auto on a measured link (objective "time", 
 steps, route trials of 4 steps, no refresh within the run). The model, 48 linear layers of 80 x 80,
 is chosen for wide margins on a loaded 2-core machine: its rank routes (3 power iterations: 6
 small all-reduces a weight) take 2-6x DDP's one bucket on the unshaped link, and its dense
-gradient (1.2 MB) takes ~0.5 s a step at 20 Mbit/s, 4-10x the rank routes. Right after attach
-the link is stated at 1 Mbit/s (`set_link`, as a noisy probe could misjudge it): step 0 routes
-every weight by a rank route, and the route trial of steps 1-4 measures them against all dense on
-the real link, whose verdict the watch then checks.
+gradient (1.2 MB) takes ~0.5 s a step at 20 Mbit/s, 4-10x the rank routes. On the unshaped link
+the models choose every weight dense at step 0, and no trial runs: the dense steps are watched
+against their first interval (`routing.trial.RouteTrial.watch_untried`). The trial's watch lines
+(DEBUG, `dad_integrations.routing.trial`) go to the rank's log: the baseline and limit, any miss.
 
 Each step appends one line to ``OUT_DIR/steps.<rank>.jsonl`` (the step's routes and the last
 decision, both from the public `StepReport`; the loop's seconds on it) and rewrites
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import sys
 import threading
@@ -34,7 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SLOW = {"bandwidth": "1mbit", "latency_us": 100}
 LAYERS, WIDTH, BATCH = 48, 80, 16
 CONFIG = dict(mode="auto", rank=2, power_iterations=3, objective="time", lossless_steps=0, route_trial_steps=4,
               route_refresh_steps=100_000)
@@ -63,6 +63,9 @@ def main() -> None:
 
     threading.Thread(target=watchdog, daemon=True).start()
     from dad_integrations import DADConfig, register_dad_comm_hook
+    watch_log = logging.getLogger("dad_integrations.routing.trial")  # the watch's baseline, limit, misses
+    watch_log.setLevel(logging.DEBUG)
+    watch_log.addHandler(logging.StreamHandler(sys.stderr))
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -70,7 +73,6 @@ def main() -> None:
     net = nn.Sequential(*layers)
     model = nn.parallel.DistributedDataParallel(net)
     sync = register_dad_comm_hook(model, DADConfig(**CONFIG))
-    sync.set_link(SLOW)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
     error = None
@@ -85,7 +87,7 @@ def main() -> None:
             report = sync.last_step_report()
             routes = sorted({p.representation for p in report.params if len(p.shape) == 2})
             log.write(json.dumps({"step": report.step, "routes": routes, "decision": report.decision,
-                                  "seconds": time.perf_counter() - t0}) + "\n")
+                                  "link": report.links.get("flat", ""), "seconds": time.perf_counter() - t0}) + "\n")
             write(os.path.join(out_dir, f"progress.{rank}"), {"step": step})
             if step == park_at:
                 write(os.path.join(out_dir, f"parked.{rank}"), {"step": step})
