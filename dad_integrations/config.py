@@ -158,8 +158,9 @@ class DADConfig:
             pairs (``R D D R ...``) for rounds of this many steps (an even number >= 2; up to 3
             rounds while the evidence is split, `route_trial`); a step is timed from its forward
             to the end of its exchange. The routes are kept where they beat all-dense in 3 of 4
-            pairs; the difference calibrates the compute model, and the chosen steps are watched
-            so that a sustained miss tries again at once. 0 trusts the models without a trial.
+            pairs; the difference calibrates the compute model. The chosen steps are watched (also
+            where a refresh chose all dense and ran no trial): a sustained miss measures the link
+            and routes anew at once. 0 trusts the models without a trial.
         topology: which ranks share a node (`comm.topology`): ``"auto"`` (the default) asks the
             launcher (torchrun, Horovod), else the hostnames; an integer states the ranks per node
             (consecutive ranks share one); ``"flat"`` treats the group as one level. With more than
