@@ -443,10 +443,14 @@ def test_untried_decision_is_watched_against_its_first_interval():
     assert trial.missed.startswith("dAD: the dense steps now take 500.0 ms (lower quartile of 4), above the "
                                    "baseline's 77.0 ms: the link measured again and routes chosen anew")
     trial.watch_untried(21, "dense", spare_s=0.02)     # the refresh chose dense again
-    assert trial.watch.interval == 4 and trial.watch.since == 22
-    assert trial.watch.limit_s == pytest.approx((0.5 + 0.02) * (1 + WATCH_MARGIN))
+    assert trial.watch.interval == 4 and trial.watch.since == 22 and trial.watch.baseline_s == 0.5
     feed(21, [0.5, 0.55, 0.5, 0.5] * 2)                # the slower steps are the new normal
-    assert trial.refresh_at == 21 and seen[-1] == 1
+    assert trial.watch.limit_s == pytest.approx((0.5 + 0.02) * (1 + WATCH_MARGIN))
+    assert trial.refresh_at == 21 and seen[-2:] == [2, 1]  # the spare agreed at the first check
+    trial.watch_untried(21, "dense", spare_s=0.02)     # (again) a link that slows in the first interval
+    feed(21, [0.5, 2.0, 2.0, 2.0])                     # is caught at its first check
+    assert trial.refresh_at == 26
+    trial.refresh_at = None
     trial.watch_untried(50, "dense")                   # a regular refresh: a new baseline
     assert trial.watch.interval == 4 and trial.watch.limit_s is None
     trial.refresh_at = 55

@@ -183,6 +183,7 @@ class Watch:
     since: int           # the first watched step
     spare_s: float = 0.0  # no trial: what the models predict the other routes cost beyond the arm's
     tried: bool = True   # the limit is a trial's figure (else the first interval's, `watch_untried`)
+    baseline_s: Optional[float] = None  # untried: the baseline where not the first interval's (a missed figure)
     durations: Dict[int, float] = field(default_factory=dict)
 
     def due(self, step: int) -> bool:
@@ -257,11 +258,10 @@ class RouteTrial:
         kept = step == self.refresh_at and arm == self.missed_arm
         if step != self.refresh_at:
             self.watch_interval = self.steps
-        spare_s = max(0.0, float(spare_s))
-        limit = (self.missed_s + spare_s) * (1.0 + WATCH_MARGIN) if kept else None
-        log.debug("%s: routes chosen anew at step %d, no trial: the %s steps watched from step %d%s", self.name,
-                  step, arm, step + 1, f" against {limit * 1e3:.1f} ms" if kept else "")
-        self.watch = Watch(arm, limit, max(self.watch_interval, 1), step + 1, spare_s, tried=False)
+        log.debug("%s: routes chosen anew at step %d, no trial: the %s steps watched from step %d", self.name,
+                  step, arm, step + 1)
+        self.watch = Watch(arm, None, max(self.watch_interval, 1), step + 1, max(0.0, float(spare_s)), tried=False,
+                           baseline_s=self.missed_s if kept else None)
 
     def cancel(self) -> None:
         """Drop a trial in progress and the watch (a checkpoint was loaded: its steps are not these)."""
@@ -307,16 +307,19 @@ class RouteTrial:
             watch.durations[step] = seconds
         if not watch.due(step):
             return None
-        if watch.limit_s is None:  # the first interval after a decision no trial checked: the baseline
+        if watch.limit_s is None:  # the first check of a decision no trial checked: the spare agreed too
             observed, spare = agree([watch.summary(step), watch.spare_s])
-            if observed <= 0.0:  # no step of the interval was timed (on any rank): the next one is the baseline
+            baseline = observed if watch.baseline_s is None else watch.baseline_s
+            if baseline <= 0.0:  # no step of the interval was timed (on any rank): the next one is the baseline
                 return None
-            watch.limit_s = (observed + spare) * (1.0 + WATCH_MARGIN)
-            log.debug("%s: the %s steps take %.1f ms (lower quartile of %d), the models' spare %.1f ms: watched "
-                      "against %.1f ms", self.name, watch.arm, observed * 1e3, watch.interval, spare * 1e3,
-                      watch.limit_s * 1e3)
-            return None
-        (observed,) = agree([watch.summary(step)])
+            watch.limit_s = (baseline + spare) * (1.0 + WATCH_MARGIN)
+            log.debug("%s: the %s steps take %.1f ms (lower quartile of %d), baseline %.1f ms, the models' spare "
+                      "%.1f ms: watched against %.1f ms", self.name, watch.arm, observed * 1e3, watch.interval,
+                      baseline * 1e3, spare * 1e3, watch.limit_s * 1e3)
+            if watch.baseline_s is None:
+                return None
+        else:
+            (observed,) = agree([watch.summary(step)])
         log.debug("%s: step %d, the %s steps take %.1f ms (lower quartile of %d), limit %.1f ms", self.name, step,
                   watch.arm, observed * 1e3, watch.interval, watch.limit_s * 1e3)
         if observed > watch.limit_s and self.fits(step + 1, next_refresh):
