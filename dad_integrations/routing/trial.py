@@ -54,7 +54,7 @@ charges to each non-dense route (`timing.StepTiming.overhead_s`).
 **Where.** Every engine that routes by time on a measured link: the unsharded ones through
 `exchange.Exchanger`, FSDP2 and ZeRO-2/3 through `sharded_trial.ShardedTrial` (their routes are
 chosen per step by the models; a dense step there is the engine's own reduce-scatter, and all dense,
-once decided, holds until the next refresh).
+once decided, holds until the next refresh, or the one a missed watch asks for).
 
 Costs: a trial runs half its steps on the slower arm: ``route_trial_steps / 2`` to
 ``MAX_ROUNDS * route_trial_steps / 2`` steps per refresh (every ``route_refresh_steps``, 200 by
