@@ -18,7 +18,7 @@ the refresh's routes (R) and every weight dense with capture off (D) in pairs, `
 error-feedback residuals for the next R step instead of flushing them (`RouteTrial.holds_residuals`):
 each arm then costs what its steady steps cost (under DDP a D step is DDP's own buckets), not what
 leaving the other arm costs: a D step right after an R step that flushed them would leave DDP's
-buckets for dAD's packed path (about 20 ms more on the benchmark's model). A round is
+buckets for dAD's packed path. A round is
 ``route_trial_steps`` steps (``route_trial_steps // 2`` pairs). At the end of a round every rank takes each step's
 slowest-rank time (one all-gather), so all decide alike, and per pair the difference
 ``routes - dense``:
