@@ -35,17 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fault_worker import write  # noqa: E402  (results appear whole: the test polls for them)
+
 LAYERS, WIDTH, BATCH = 48, 80, 16
 CONFIG = dict(mode="auto", rank=2, power_iterations=3, objective="time", lossless_steps=0, route_trial_steps=4,
               route_refresh_steps=100_000)
 GROUP_TIMEOUT_S = 30.0  # a pause of a few seconds is far below it; a lost peer still fails within it
-
-
-def write(path: str, result: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, path)  # the test polls for the file: it must appear whole
 
 
 def main() -> None:
