@@ -13,6 +13,7 @@ import torch
 
 from conftest import ROOT
 from dad_integrations.engines.checkpoint import load_rank_state, save_rank_state, state_file
+from dad_integrations.logs import SAY_LOGGER
 
 
 class FakeSync:
@@ -64,14 +65,20 @@ def test_resumes_at_another_world_size_with_the_mean_residual(tmp_path, caplog):
     for rank in range(4):
         save_rank_state(StateSync(_v2_state(rank, residuals[rank])), str(tmp_path), rank, 4, global_step=7)
     old_mean = torch.stack(residuals).double().sum(0) / 4
-    for new_world in (2, 8):
-        loaded = []
-        for rank in range(new_world):
-            sync = StateSync({})
-            with caplog.at_level(logging.INFO, logger="dad_integrations.engines.checkpoint"):
+    said = logging.getLogger(SAY_LOGGER)  # shown at default levels, by its own handler
+    said.addHandler(caplog.handler)
+    try:
+        loaded_by_world = {}
+        for new_world in (2, 8):
+            loaded_by_world[new_world] = [None] * new_world
+            for rank in range(new_world):
+                sync = StateSync({})
                 payload = load_rank_state(sync, str(tmp_path), rank, new_world)
-            assert payload["global_step"] == 7 and payload["resized_from"] == 4 and payload["rank"] == rank
-            loaded.append(sync.state)
+                assert payload["global_step"] == 7 and payload["resized_from"] == 4 and payload["rank"] == rank
+                loaded_by_world[new_world][rank] = sync.state
+    finally:
+        said.removeHandler(caplog.handler)
+    for new_world, loaded in loaded_by_world.items():
         new_mean = torch.stack([s["units"]["h.weight"]["residual"] for s in loaded]).double().sum(0) / new_world
         assert float((new_mean - old_mean).norm() / old_mean.norm()) < 1e-6
         for s in loaded:

@@ -24,6 +24,7 @@ import torch
 
 # merging the states of another world size lives in `engines.merge`; its public names stay importable here
 from dad_integrations.engines.merge import best_rank_q, merge_rank_states  # noqa: F401
+from dad_integrations.logs import say
 
 log = logging.getLogger(__name__)
 
@@ -119,9 +120,9 @@ def _load_resized(sync: Any, directory: str, process_rank: int, world_size: int,
     meta = {k: v for k, v in first.items() if k != "state"}
     merged, summary = merge_rank_states(_old_states(first.pop("state"), directory, index, saved_world))
     sync.load_state_dict(merged)
-    if process_rank == 0:
-        log.info("dAD: resuming on %d processes from dAD state saved by %d (%s): %s", world_size, saved_world,
-                 directory, summary)
+    # shown at default levels: a job resumed at another size should see what its dAD state became
+    say(f"dAD: resuming on {world_size} processes from dAD state saved by {saved_world} ({directory}): {summary}",
+        rank=process_rank)
     return {**meta, "state": merged, "rank": process_rank, "world_size": world_size, "resized_from": saved_world}
 
 
