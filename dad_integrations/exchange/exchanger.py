@@ -8,11 +8,8 @@ all-gather per ``bucket_cap_mb``), or a place in the dense buckets (`codecs.dens
 full bucket is all-reduced at once, the last one when the last unit is routed). The rebuild of one
 unit overlaps the next unit's collective, and collectives started before backward ends overlap the
 rest of backward. When backward is over (`StepWindow.flush`), the parameters that are always dense
-(norms, excluded parameters) follow in the last buckets, and the step waits for every bucket.
-
-Costs per weight (m x n), S ranks, N local rows: exact factors gather ``N (m+n)`` numbers per rank
-and rebuild with one ``S N m n`` matmul; rank-r factors gather ``r (m+n)`` per rank and rebuild with
-one ``S r m n`` matmul; dense buckets move ``2 (S-1)/S m n`` like all-reduce.
+(norms, excluded parameters) follow in the last buckets, and the step waits for every bucket. Each
+route's bytes are its module's (`dad_integrations.routes`).
 """
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.exchange.checks import why_factors_fail, factors_rebuild_local_grad
 from dad_integrations.codecs.dense import DenseBuckets, bucket_dtype
 from dad_integrations.codecs.exact import ExactCodec, local_rebuild
@@ -44,7 +41,7 @@ from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.exchange.policy import TWO_LEVEL, RoutePolicy
 from dad_integrations.exchange.levels import Levels, describe_hops
 from dad_integrations.routing.link import LinkModel
-from dad_integrations.exchange.two_level import TwoLevelExchanger
+from dad_integrations.exchange.two_level import TwoLevelExchanger, gather_payloads, param_entry
 from dad_integrations.exchange.window import StepWindow
 
 log = logging.getLogger(__name__)
@@ -157,10 +154,7 @@ class Exchanger:
 
         def account(name: str, p: Optional[nn.Parameter], traffic: Traffic) -> None:
             if name not in report:
-                shape = tuple(p.shape) if p is not None else ()
-                ar = ring_allreduce_bytes(p.numel() * p.element_size(), s) if p is not None else 0.0
-                report[name] = ParamReport(name, "dense" if p is not None else "overhead", shape,
-                                           allreduce_bytes=ar)
+                report[name] = param_entry(name, "dense", p, s) if p is not None else ParamReport(name, "overhead", ())
             report[name].add_traffic(traffic)
 
         dense = DenseBuckets(self.aggregator, sink, bucket_cap_mb=self.config.bucket_cap_mb, dtype=self.dense_dtype,
@@ -263,8 +257,7 @@ class Exchanger:
         for buffer, send, handle, params in buckets:
             numel = max(buffer.numel(), 1)
             for p in params:
-                entry = ParamReport(names.get(id(p), "?"), "dense", tuple(p.shape), overlapped=True,
-                                    allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s))
+                entry = param_entry(names.get(id(p), "?"), "dense", p, s, overlapped=True)
                 entry.add_traffic(handle.traffic.share(p.numel() / numel))
                 report.append(entry)
         for u in self.plan.units:  # rows a forward still captured (after the checked first step) are
@@ -315,9 +308,8 @@ class Exchanger:
                 st: _Step) -> Tuple[Route, Optional[RowCounts], Traffic]:
         """The unit's route this step (`RoutePolicy`), after the size exchange where it needs one;
         returns it, every rank's row counts (None without a size exchange) and their traffic."""
-        p = unit.param
-        shape = UnitShape(tuple(unit.kinds), unit.shape, unit.bias_numel, p.dtype, unit.blocks)
-        ctx = RouteContext(self.config, self.aggregator.world_size, self.wire_dtype or p.dtype, step=st.step,
+        shape = UnitShape.of(unit)
+        ctx = RouteContext(self.config, self.aggregator.world_size, self.wire_dtype or shape.dtype, step=st.step,
                            first_step=st.verify, timing=self.policy.timing)
         decision, held = self.policy.propose(unit, shape, ctx, st.step, st.verify)
         rows_by_rank, traffic = None, Traffic()
@@ -332,16 +324,12 @@ class Exchanger:
     def _report_unit(self, unit: FactorUnit, rep: str, counts: List[int], rows_by_rank: Optional[RowCounts],
                      overlapped: bool, report: Dict[str, ParamReport]) -> ParamReport:
         """The report entries of the unit's weight (returned) and biases."""
-        s, p = self.aggregator.world_size, unit.param
-        entry = ParamReport(unit.name, rep, tuple(p.shape), rows=sum(counts),
-                            max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0,
-                            allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(), s),
-                            overlapped=overlapped)
+        s = self.aggregator.world_size
+        entry = param_entry(unit.name, rep, unit.param, s, rows=sum(counts), overlapped=overlapped,
+                            max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0)
         report[unit.name] = entry
         for b in unit.biases:
-            report[b.name] = ParamReport(b.name, rep if rep == "exact" else "dense", tuple(b.param.shape),
-                                         allreduce_bytes=ring_allreduce_bytes(
-                                             b.param.numel() * b.param.element_size(), s))
+            report[b.name] = param_entry(b.name, rep if rep == "exact" else "dense", b.param, s)
         return entry
 
     def _start(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
@@ -436,23 +424,18 @@ class Exchanger:
     def _send_rank_bucket(self, st: _Step) -> Finish:
         """One all-gather for the rank-r payloads of several units (fewer, larger collectives)."""
         items = st.bucket.take()
-        flat = torch.cat([payload.reshape(-1) for _, payload, _ in items])
-        agg = self.aggregator
-        handle = agg.all_gather(flat, name=f"dad.rank.{items[0][0].name}", first_dims=[flat.numel()] * agg.world_size)
+        handle, stacked = gather_payloads(self.aggregator, [payload for _, payload, _ in items],
+                                          f"dad.rank.{items[0][0].name}", self.state.note)
+        total = sum(payload.numel() for _, payload, _ in items)
         overlapped = not st.window.flush.is_set()  # sent while backward still runs?
         for _, payload, entry in items:
-            entry.add_traffic(handle.traffic.share(payload.numel() / flat.numel()))
+            entry.add_traffic(handle.traffic.share(payload.numel() / total))
             entry.overlapped = overlapped
         sink, scale = st.sink, st.scale
 
         def finish() -> None:
-            gathered = [self.state.note(g) for g in handle.wait()]
-            offset = 0
-            for unit, payload, _ in items:
-                k = payload.numel()
-                stacked = torch.cat([g[offset:offset + k].view(payload.shape) for g in gathered])
-                sink.write_product(unit.param, *self.rank_codec.decode(unit, stacked, scale))
-                offset += k
+            for (unit, _, _), factors in zip(items, stacked()):
+                sink.write_product(unit.param, *self.rank_codec.decode(unit, factors, scale))
 
         return finish
 

@@ -52,9 +52,30 @@ from dad_integrations.config import DADConfig
 from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.router import UnitShape, rank_only
-from dad_integrations.routing.two_level import LevelUnit, choose_two_level, compare_levels
+from dad_integrations.routing.two_level import LevelUnit, choose_two_level, compare_levels, node_rows_of
 
 log = logging.getLogger(__name__)
+
+
+def param_entry(name: str, rep: str, p: torch.Tensor, world_size: int, **fields) -> ParamReport:
+    """A parameter's report entry, with what all-reduce would move for it."""
+    return ParamReport(name, rep, tuple(p.shape), allreduce_bytes=ring_allreduce_bytes(p.numel() * p.element_size(),
+                                                                                        world_size), **fields)
+
+
+def gather_payloads(group: FactorAggregator, payloads: Sequence[torch.Tensor], name: str,
+                    note: Callable[[torch.Tensor], torch.Tensor]):
+    """One all-gather of several units' rank-r payloads (fewer, larger collectives); returns its
+    handle and what waits for it: each payload's blocks from every rank, stacked in rank order."""
+    flat = torch.cat([p.reshape(-1) for p in payloads])
+    handle = group.all_gather(flat, name=name, first_dims=[flat.numel()] * group.world_size)
+
+    def stacked() -> List[torch.Tensor]:
+        pieces = [note(g).split([p.numel() for p in payloads]) for g in handle.wait()]
+        return [torch.cat([pc[j].view(p.shape) for pc in pieces]) for j, p in enumerate(payloads)]
+
+    return handle, stacked
+
 
 class _Capture(GradSink):
     """A sink that keeps what a codec writes (the owner's results, sent on by hop 3)."""
@@ -122,9 +143,8 @@ class TwoLevelExchanger:
         """The step's predicted seconds ``(flat, two levels)``, each unit on its fastest route
         (`routing.two_level.compare_levels`), on the row counts of its last size exchange."""
         s = self.world.world_size
-        units = [LevelUnit(UnitShape(tuple(u.kinds), u.shape, u.bias_numel, u.param.dtype, u.blocks),
-                           last_rows.get(u.index) or [[0] * len(u.kinds)] * s, self.wire_dtype or u.param.dtype,
-                           u.dense_only) for u in self.plan.units]
+        units = [LevelUnit(UnitShape.of(u), last_rows.get(u.index) or [[0] * len(u.kinds)] * s,
+                           self.wire_dtype or u.param.dtype, u.dense_only) for u in self.plan.units]
         c = compare_levels(self.config, units, step=step, topology=self.levels.topology, flat_timing=flat_timing,
                            timing=self.levels.timing)
         return c.flat, c.two_level
@@ -166,49 +186,45 @@ class TwoLevelExchanger:
         self._route(items, step)
         self.routes.update({it.unit.index: it.rep for it in items if it.unit is not None})
         self._settle_capture(items)
-        self._flush_residuals(items, sink)
-        for it in items:
+        for it in items:  # residuals this rank holds but will not compensate this step go into its gradient
+            if it.unit is not None and not (it.owner == self.local and is_rank_route(it.rep)):
+                self.state.flush(it.name, functools.partial(sink.add_local, it.unit.param))
             it.entries = self._entries(it, report)
-        mine = self._to_owner(items, sink)
+        # 2. to the owners: one all-to-all inside the node; this rank's items come back with the
+        # node's contributions summed (dense, rank routes) or stacked (exact)
+        mine, traffic = self.hops.to_owner(items, sink, self.levels.intra, self.local,
+                                           f"dad.twolevel.to_owner.{items[0].name}")
+        self._share(items, traffic, lambda it: it.hop_bytes[0] or it.numel)
         self._between(mine, scale, note, step)
         self._from_owner(items, sink, note)
 
     # -- 1. routes --------------------------------------------------------------------------------
-    def _may_exact(self, it: HopItem, step: int) -> bool:
-        u = it.unit
-        if u is None or u.dense_only or not u.has_factors or u.rows_unused:
-            return False
-        return not rank_only(self.config, step)
-
     def _route(self, items: List[HopItem], step: int) -> None:
         """Every item's route; row counts all-gathered over the group where any unit may go exact."""
         for it in items:
             if it.unit is not None:
                 it.counts = [int(r[0].shape[0]) for r in it.rows]
-        maybe = [it for it in items if self._may_exact(it, step)]
+        lossless = not rank_only(self.config, step)
+        maybe = [it for it in items if lossless and it.unit is not None and it.unit.has_factors
+                 and not (it.unit.dense_only or it.unit.rows_unused)]
         if maybe:
             mine = torch.tensor([c for it in maybe for c in it.counts], dtype=torch.int64, device=self.device)
-            s = self.world.world_size
             table = self.world.all_gather(mine, name=f"dad.twolevel.counts.{maybe[0].name}",
-                                          first_dims=[mine.numel()] * s).wait()
-            table = [t.tolist() for t in table]
-            topo, offset = self.levels.topology, 0
-            for it in maybe:
-                k = len(it.counts)
-                by_rank = [row[offset:offset + k] for row in table]
+                                          first_dims=[mine.numel()] * self.world.world_size).wait()
+            topo = self.levels.topology
+            columns = [t.split([len(it.counts) for it in maybe]) for t in table]
+            for j, it in enumerate(maybe):
+                by_rank = [col[j].tolist() for col in columns]
                 it.rank_rows = [by_rank[r] for r in topo.intra_ranks(topo.node)]
-                it.node_rows = [[sum(by_rank[r][u] for r in ranks) for u in range(k)] for ranks in topo.nodes]
-                offset += k
-        timing = self.levels.timing
+                it.node_rows = node_rows_of(by_rank, topo)
         for it in items:
             if it.unit is None:
                 it.rep = "dense"
                 continue
             u = it.unit
-            shape = UnitShape(tuple(u.kinds), u.shape, u.bias_numel, u.param.dtype, u.blocks)
-            it.rep, hops, _ = choose_two_level(self.config, shape, it.node_rows, step=step, nodes=self.N,
+            it.rep, hops, _ = choose_two_level(self.config, UnitShape.of(u), it.node_rows, step=step, nodes=self.N,
                                                local_size=self.L, wire_dtype=self.wire_dtype or u.param.dtype,
-                                               timing=timing, dense_only=u.dense_only)
+                                               timing=self.levels.timing, dense_only=u.dense_only)
             chosen = hops[it.rep]
             it.hop_bytes = (chosen.to_owner, chosen.between, chosen.from_owner)
             it.factors_back = chosen.factors_back
@@ -225,68 +241,40 @@ class TwoLevelExchanger:
             if is_rank_route(it.rep) or (timed and it.rep == "dense"):
                 u.stop_using_rows()
 
-    def _flush_residuals(self, items: List[HopItem], sink: GradSink) -> None:
-        """Residuals this rank holds but will not compensate this step go into its gradient."""
-        for it in items:
-            if it.unit is None:
-                continue
-            if it.owner == self.local and is_rank_route(it.rep):
-                continue
-            self.state.flush(it.name, functools.partial(sink.add_local, it.unit.param))
-
     def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
-        s = self.world.world_size
         out = []
         for i, q in enumerate(it.params):
             rep = it.rep if i == 0 or it.rep in ("exact", "dense") else "dense"
             name = it.name if i == 0 or it.unit is None else it.unit.biases[i - 1].name
-            entry = ParamReport(name, rep, tuple(q.shape), level="two_level",
-                                rows=sum(it.counts) if (i == 0 and it.counts) else 0,
-                                allreduce_bytes=ring_allreduce_bytes(q.numel() * q.element_size(), s))
-            report[name] = entry
-            out.append(entry)
+            report[name] = param_entry(name, rep, q, self.world.world_size, level="two_level",
+                                       rows=sum(it.counts) if (i == 0 and it.counts) else 0)
+            out.append(report[name])
         return out
-
-    # -- 2. to the owner --------------------------------------------------------------------------
-    def _to_owner(self, items: List[HopItem], sink: GradSink) -> List[HopItem]:
-        """To the owners: one all-to-all inside the node; returns this rank's items, with the node's
-        contributions summed (dense, rank routes) or stacked (exact) in ``it.rows`` / ``it.result``."""
-        mine, traffic = self.hops.to_owner(items, sink, self.levels.intra, self.local,
-                                           f"dad.twolevel.to_owner.{items[0].name}")
-        self._share(items, traffic, lambda it: it.hop_bytes[0] or it.numel)
-        return mine
 
     # -- 3. between nodes -------------------------------------------------------------------------
     def _between(self, mine: List[HopItem], scale: float, note, step: int) -> None:
-        """Hop 2 for this rank's items, over its cross group; leaves each item's hop-3 blocks in
-        ``it.result``."""
+        """Hop 2 for this rank's items, over its cross group: each kind of route's collective started
+        in a fixed order, then waited for; leaves each item's hop-3 blocks in ``it.result``."""
         cross = self.levels.cross
-        dense_parts = []  # (item, block index): node sums all-reduced together
-        for it in mine:
-            if it.rep == "dense":
-                dense_parts += [(it, i) for i in range(len(it.params))]
-            elif sums_at_owner(it.rep):
-                dense_parts += [(it, i) for i in range(1, len(it.params))]  # their biases
-        dense = None
+        # node sums all-reduced together: dense units', and the biases of the routes that sum at the owner
+        dense_parts = [(it, i) for it in mine for i in range(len(it.params))
+                       if it.rep == "dense" or (i > 0 and sums_at_owner(it.rep))]
         if dense_parts:
             flat = torch.cat([it.result[i].to(self.dense_dtype) for it, i in dense_parts])
             dense = cross.all_reduce(flat, name=f"dad.twolevel.dense.{dense_parts[0][0].name}", op="sum")
             self._share([it for it, _ in dense_parts], dense.traffic, lambda it: it.numel, between=True)
         exact = [it for it in mine if it.rep == "exact"]
-        gathered = None
         if exact:
             payload = torch.cat([self.exact.encode(it.unit, it.rows) for it in exact])
-            sizes = [sum(self.exact.sizes(it.unit, it.node_rows)[k] for it in exact) for k in range(self.N)]
-            gathered = cross.all_gather(payload, name=f"dad.twolevel.exact.{exact[0].name}", first_dims=sizes)
+            sizes = [self.exact.sizes(it.unit, it.node_rows) for it in exact]  # by item, by node
+            gathered = cross.all_gather(payload, name=f"dad.twolevel.exact.{exact[0].name}",
+                                        first_dims=[sum(s[k] for s in sizes) for k in range(self.N)])
             self._share(exact, gathered.traffic, lambda it: it.hop_bytes[1], between=True)
         ranked = [it for it in mine if it.rep == "rank"]
-        rank_handle = None
         if ranked:
-            payloads = [self.rank_codec.encode(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
-                        for it in ranked]
-            flat = torch.cat([p.reshape(-1) for p in payloads])
-            rank_handle = cross.all_gather(flat, name=f"dad.twolevel.rank.{ranked[0].name}",
-                                           first_dims=[flat.numel()] * self.N)
+            rank_handle, stacked = gather_payloads(
+                cross, [self.rank_codec.encode(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
+                        for it in ranked], f"dad.twolevel.rank.{ranked[0].name}", note)
             self._share(ranked, rank_handle.traffic, lambda it: it.hop_bytes[1], between=True)
         coded = [(it, start_codec(get_route(it.rep).codec, it.result[0], cross, name=f"dad.twolevel.{it.rep}.{it.name}"))
                  for it in mine if has_codec(it.rep)]
@@ -296,45 +284,31 @@ class TwoLevelExchanger:
         capture = _Capture()
         if shared:
             codec = self.rank_allreduce
-            queued = []
-            for it in shared:
-                m_s = codec.local(it.unit, [], self.hops.node_grad(it), it.entries[0], dense=True)
-                queued.append((it.unit, m_s, codec.initial_q(it.unit, step), it.entries[0]))
+            queued = [(it.unit, codec.local(it.unit, [], self.hops.node_grad(it), it.entries[0], dense=True),
+                       codec.initial_q(it.unit, step), it.entries[0]) for it in shared]
             before = [it.entries[0].received_bytes for it in shared]
             codec.start(queued, cross, capture, scale, note)()
             for it, b in zip(shared, before):  # the codec added its rounds' share to the entries
                 it.entries[0].inter_bytes += it.entries[0].received_bytes - b
-        if dense is not None:
+        if dense_parts:
             total = note(dense.wait())
-            offset = 0
-            for it, i in dense_parts:
-                k = it.result[i].numel()
-                it.result[i] = total[offset:offset + k]
-                offset += k
+            for (it, i), part in zip(dense_parts, total.split([it.result[i].numel() for it, i in dense_parts])):
+                it.result[i] = part
         for it in mine:
             if it.rep == "dense":
                 it.result = [self.hops.dense_average(r, scale) for r in it.result]
-        if gathered is not None:
-            buffers, offsets = gathered.wait(), [0] * self.N
-            for it in exact:
-                sizes = self.exact.sizes(it.unit, it.node_rows)
-                bufs = [buffers[k][offsets[k]:offsets[k] + sizes[k]] for k in range(self.N)]
-                offsets = [o + s for o, s in zip(offsets, sizes)]
-                grads = self.exact.decode(it.unit, bufs, it.node_rows, scale)
+        if exact:
+            buffers = gathered.wait()
+            parts = [buffers[k].split([s[k] for s in sizes]) for k in range(self.N)]
+            for j, it in enumerate(exact):
+                grads = self.exact.decode(it.unit, [parts[k][j] for k in range(self.N)], it.node_rows, scale)
                 it.result = [note(grads[q]) if grads is not None else
                              torch.zeros(q.shape, dtype=compute_dtype(q), device=self.device) for q in it.params]
-        if rank_handle is not None:
-            stacked = [note(g) for g in rank_handle.wait()]
-            offset = 0
-            for it, payload in zip(ranked, payloads):
-                k = payload.numel()
-                factors = torch.cat([g[offset:offset + k].view(payload.shape) for g in stacked])
-                left, right = self.rank_codec.decode(it.unit, factors, scale)
-                it.result = self.hops.product_blocks(it, left, right, scale)
-                offset += k
+        if ranked:
+            for it, factors in zip(ranked, stacked()):
+                it.result = self.hops.product_blocks(it, *self.rank_codec.decode(it.unit, factors, scale), scale)
         for it in shared:
-            left, right = capture.products[id(it.unit.param)]
-            it.result = self.hops.product_blocks(it, left, right, scale)
+            it.result = self.hops.product_blocks(it, *capture.products[id(it.unit.param)], scale)
         for it, handle in coded:  # the average back, beside its biases' (dense, above)
             it.result = [note(handle.wait().mul_(scale))] + [r * scale for r in it.result[1:]]
 

@@ -24,7 +24,7 @@ from dad_integrations.report import ParamReport
 from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.costs import size_exchange_bytes
 from dad_integrations.routing.link import LinkModel
-from dad_integrations.routing.router import RowCounts, UnitShape, choose, rank_selector, unit_estimates
+from dad_integrations.routing.router import RowCounts, UnitShape, choose, step_rules, unit_estimates
 from dad_integrations.routing.timing import StepTiming, collective_of
 
 MARGIN = 0.10  # the mode's predicted exchange may exceed the engine's own by this share unsaid
@@ -39,7 +39,7 @@ def mode_cost_line(config: DADConfig, units: Sequence[Tuple[UnitShape, Optional[
     if config.mode == "auto" or not units:
         return None
     timing = StepTiming(link, compute) if compute is not None else None
-    rank_allowed, rank_route = config.rank is not None, rank_selector(config)
+    _, rules = step_rules(config, None)
     mode_s = dense_s = auto_s = 0.0
     auto_routes: Counter = Counter()
     for unit, rows in units:
@@ -53,11 +53,11 @@ def mode_cost_line(config: DADConfig, units: Sequence[Tuple[UnitShape, Optional[
         else:  # the wire alone (exact factors' compute is a copy; the rank routes' is not counted)
             seconds = {rep: link.seconds(collective_of(rep, sharded), b, 2 if rep == "exact" else 0)
                        for rep, b in est.items()}
-        if not unit.has_factors and (config.mode == "exact" or not rank_allowed):
+        if not unit.has_factors and (config.mode == "exact" or not rules["rank_allowed"]):
             mine = "dense"
         else:
-            mine = choose(config.mode, seconds, rank_allowed=rank_allowed, rank_route=rank_route)
-        auto = choose("auto", seconds, rank_allowed=rank_allowed, rank_route=rank_route)
+            mine = choose(config.mode, seconds, **rules)
+        auto = choose("auto", seconds, **rules)
         mode_s, dense_s, auto_s = mode_s + seconds[mine], dense_s + seconds["dense"], auto_s + seconds[auto]
         auto_routes[auto] += 1
     return _line(config, mode_s, dense_s, auto_s, auto_routes, link, sharded, name)

@@ -9,10 +9,8 @@ Routes are the registry's (`dad_integrations.routes`: ``dense``, ``exact``, ``ra
 one statement of that rule that every layout's chooser asks.
 
 The two rank routes need no row counts; which one a weight takes is ``rank_route``'s choice, by
-bytes where it is ``"auto"``. At two sites they tie, and the tie goes to the all-reduce: it trained to PowerSGD's held-out loss,
-where the all-gather's rank ``2 r`` rebuild, from each site's own noisier subspace, ended above
-(`benchmarks/results/convergence_allgather_2ranks.md`).
-Embeddings take them too (from their dense local gradient, as PowerSGD compresses them).
+bytes where it is ``"auto"`` (a tie, as at two sites, goes by the registry's tie order: the
+all-reduce). Embeddings take them too (from their dense local gradient, as PowerSGD compresses them).
 
 Against PowerSGD. PowerSGD's hook sends each matrix as ``r (m+n)`` all-reduced (or dense where
 that does not compress it twofold) and everything else dense. Auto with ``rank=r`` takes the
@@ -29,18 +27,11 @@ on the current counts. Counts of a unit that goes dense or rank-r are not refres
 later shrink, it stays on that route (sticky after the first steps; it never costs more bytes
 than its route).
 
-Sharded (FSDP2, ``sharded=True``): the baseline is FSDP2's reduce-scatter, not an all-reduce; exact
-factors are exchanged as `codecs.sharded_exact` does and the rank routes as `codecs.sharded_rank`
-does (every ``Q_s`` all-gathered and each rank's rows of every ``P_s`` by all-to-all; or PowerSGD's
-P and Q all-reduced whole), all weighed by `costs.sharded_estimate_bytes`. The dense
-reduce-scatter is always a candidate, so auto never sends more than it per weight. The sharded
-all-gather route moves ``(S-1) r (n + m/S)`` against the all-reduce's ``2 (S-1)/S r (m+n)``: fewer
-bytes whenever ``n (S-2) < m`` (always at two sites, where without sharding they tie), so
-``rank_route`` ``"auto"`` takes it there by bytes; ``"allreduce"`` keeps PowerSGD's rank-r average.
-Embeddings take the rank routes too (from their dense local gradient). Each sharded reduction call
-agrees on its weights' row counts (one all-gather) before routing, except in mode ``"rank"`` past
-the lossless steps (`sharded_needs_counts`): every weight then takes a rank route, and the first
-step's check rebuilds each rank's own gradient from its own rows.
+Sharded (FSDP2, ZeRO: ``sharded=True``): the baseline is the engine's reduce-scatter, always a
+candidate, so auto never sends more than it per weight; every route is priced on the
+``row_shards`` layout (`costs.sharded_estimate_bytes`). Each sharded reduction call agrees on its
+weights' row counts (one all-gather) before routing, except in mode ``"rank"`` past the lossless
+steps (`sharded_needs_counts`).
 """
 from __future__ import annotations
 
@@ -52,8 +43,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from dad_integrations.config import DADConfig
-from dad_integrations.routes.registry import get_route, rank_route_names, routes_for, tie_order
-from dad_integrations.routing.costs import estimate_bytes, sharded_estimate_bytes, size_exchange_bytes
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, rank_route_names, routes_for, tie_order
+from dad_integrations.routing.costs import size_exchange_bytes
 from dad_integrations.routing.timing import StepTiming
 
 RowCounts = Sequence[Sequence[int]]           # by rank, by use
@@ -65,18 +57,15 @@ SWITCH_MARGIN = 0.25  # by time, a unit changes route only for a predicted gain 
 TIE_BAND = 0.05
 
 
-def step_config(config: DADConfig, step: Optional[int]) -> DADConfig:
-    """The config step ``step`` is routed under: before ``lossless_steps`` no rank route (auto,
-    without a rank)."""
-    if step is not None and step < config.lossless_steps and config.rank is not None:
-        return dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
-    return config
-
-
-def rank_selector(config: DADConfig) -> str:
-    """The config's ``rank_route``, except that an adaptive rank applies to each site's own factors:
-    the all-gather route."""
-    return "allgather" if config.adaptive_tolerance is not None else config.rank_route
+def step_rules(config: DADConfig, step: Optional[int]) -> Tuple[DADConfig, Dict[str, object]]:
+    """The config step ``step`` is routed under, and `allowed_routes`' keywords for it: before
+    ``lossless_steps`` no lossy route (auto, without a rank); an adaptive rank applies to each
+    site's own factors, so it takes the all-gather route."""
+    lossy = step is None or step >= config.lossless_steps
+    if not lossy and config.rank is not None:
+        config = dataclasses.replace(config, mode="auto", rank=None, adaptive_tolerance=None)
+    rank_route = "allgather" if config.adaptive_tolerance is not None else config.rank_route
+    return config, dict(rank_allowed=config.rank is not None, rank_route=rank_route, lossy_allowed=lossy)
 
 
 def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
@@ -99,11 +88,9 @@ def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
 
 
 def candidates_at(config: DADConfig, step: Optional[int], available: Iterable[str]) -> List[str]:
-    """`allowed_routes` under ``config`` in step ``step`` (`step_config`, `rank_selector`)."""
-    lossy = step is None or step >= config.lossless_steps
-    config = step_config(config, step)
-    return allowed_routes(config.mode, available, rank_allowed=config.rank is not None,
-                          rank_route=rank_selector(config), lossy_allowed=lossy)
+    """`allowed_routes` under ``config`` in step ``step`` (`step_rules`)."""
+    config, rules = step_rules(config, step)
+    return allowed_routes(config.mode, available, **rules)
 
 
 @dataclass(frozen=True)
@@ -120,6 +107,11 @@ class UnitShape:
     def has_factors(self) -> bool:
         """A unit without uses (PowerSGD's floor) has no exact factors: dense or a rank route."""
         return bool(self.kinds)
+
+    @classmethod
+    def of(cls, unit, dtype: Optional[torch.dtype] = None) -> "UnitShape":
+        """The shape of a `capture.units.FactorUnit` (``dtype``: its weight's unless given)."""
+        return cls(tuple(unit.kinds), unit.shape, unit.bias_numel, dtype or unit.param.dtype, unit.blocks)
 
 
 @dataclass(frozen=True)
@@ -201,14 +193,10 @@ NO_EVIDENCE = UnitEvidence()
 def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) -> Route:
     """The route of one unit this step: ``ctx`` for the step, ``seen`` for what is known of the
     unit (see their attributes)."""
-    config, world_size, wire_dtype, step = ctx.config, ctx.world_size, ctx.wire_dtype, ctx.step
-    first_step, sharded = ctx.first_step, ctx.sharded
-    rows_by_rank, last_rows, estimates, ties = seen.rows_by_rank, seen.last_rows, seen.estimates, seen.ties
-    lossy = step is None or step >= config.lossless_steps
-    config = step_config(config, step)
-    rank_allowed = config.rank is not None
-    rank_route = rank_selector(config)
-    pick = functools.partial(choose, rank_allowed=rank_allowed, rank_route=rank_route, lossy_allowed=lossy)
+    world_size, wire_dtype, first_step, sharded = ctx.world_size, ctx.wire_dtype, ctx.first_step, ctx.sharded
+    config, rules = step_rules(ctx.config, ctx.step)
+    rank_allowed = rules["rank_allowed"]
+    pick = functools.partial(choose, **rules, ties=seen.ties)
     if seen.dense_only:
         return Route("dense", first_step)
     if not unit.has_factors:  # no rows: decided without counts, never a size exchange
@@ -222,28 +210,28 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
         if size_exchange:
             est = dict(est, exact=est["exact"] + size_exchange_bytes(len(unit.kinds), world_size))
         if timed is None:
-            return Route(pick(mode, est, ties=ties), exchange)
+            return Route(pick(mode, est), exchange)
         seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
                                       world_size=world_size, sharded=sharded, size_exchange=size_exchange)
         best = pick(mode, seconds, ties=est)
         if mode == "auto":
             tied = {k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]}
-            best = pick(mode, tied)
+            best = pick(mode, tied, ties=None)
         current = seen.current
         if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
-            if pick(mode, {**seconds, current: -1.0}) == current:
+            if pick(mode, {**seconds, current: -1.0}, ties=None) == current:
                 best = current  # still allowed, and not worth a switch
         return Route(best, exchange, seconds.get("dense", seconds[best]) - seconds[best],
                      spare_seconds(seconds, best) if mode == "auto" else 0.0)
 
     if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size
-        return decide(config.mode, no_rows, estimates, first_step and unit.has_factors)
-    if rows_by_rank is not None:
-        return decide(config.mode, rows_by_rank, estimates, True)
-    if first_step or ctx.refresh or config.mode == "exact" or last_rows is None:
+        return decide(config.mode, no_rows, seen.estimates, first_step and unit.has_factors)
+    if seen.rows_by_rank is not None:
+        return decide(config.mode, seen.rows_by_rank, seen.estimates, True)
+    if first_step or ctx.refresh or config.mode == "exact" or seen.last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)
-    predicted = decide(config.mode, last_rows, None, False, size_exchange=True)
+    predicted = decide(config.mode, seen.last_rows, None, False, size_exchange=True)
     if predicted.representation != "exact":
         return predicted                # no counts needed
     return Route(None, True)            # exact predicted: refresh the counts, decide on them
@@ -270,18 +258,13 @@ def sharded_needs_counts(config: DADConfig, step: int) -> bool:
 
 def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, world_size: int,
                    wire_dtype: torch.dtype, *, sharded: bool = False) -> Dict[str, float]:
-    """`costs.estimate_bytes` for one unit under ``config``; `costs.sharded_estimate_bytes` when
-    ``sharded`` (``unit.dtype`` is then FSDP's reduce dtype)."""
-    rounds = config.power_iterations
-    if sharded:
-        return sharded_estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
-                                      bias_numel=unit.bias_numel, grad_dtype=unit.dtype, wire_dtype=wire_dtype,
-                                      world_size=world_size, rank=config.rank or 0, rounds=rounds,
-                                      blocks=unit.blocks, names=routes_for(config.routes))
-    return estimate_bytes(kinds=unit.kinds, shape=unit.shape, rows_by_rank=rows_by_rank,
-                          bias_numel=unit.bias_numel, rank=config.rank or 0, grad_dtype=unit.dtype,
-                          wire_dtype=wire_dtype, world_size=world_size, rounds=rounds, blocks=unit.blocks,
-                          names=routes_for(config.routes))
+    """Bytes per rank of each of ``config``'s routes for one unit (its byte model, `routes`) on the
+    flat layout (`costs.estimate_bytes`), or on the sharded engines' row shards where ``sharded``
+    (`costs.sharded_estimate_bytes`; ``unit.dtype`` is then the engine's reduce dtype)."""
+    sizing = UnitSizing(tuple(unit.kinds), tuple(unit.shape), unit.dtype, wire_dtype, rank=config.rank or 0,
+                        rounds=config.power_iterations, bias_numel=unit.bias_numel, blocks=unit.blocks,
+                        rows=rows_by_rank, world_size=world_size)
+    return estimates_on(layouts.ROW_SHARDS if sharded else layouts.FLAT, sizing, routes_for(config.routes))
 
 
 def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,

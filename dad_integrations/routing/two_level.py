@@ -11,18 +11,11 @@ each unit through three hops; one local rank, its *owner*, does the unit's work:
 3. **from the owner, inside the node** (one all-gather per bucket): the average, or where fewer
    bytes the factors it is rebuilt from (P and Q; every node's rank-r factors).
 
-Bytes per unit (m x n, b the gradient's itemsize, w the wire's), with ``R_k`` node k's rows:
-
-    hop 1   (L-1)/L m n b  (dense and rank routes)        (L-1)/L sum_k R_k/N (m+n) w  (exact)
-    hop 2   dense 2 (N-1)/N m n b, exact (N-1) max_k R_k (m+n) w, rank (N-1) r (m+n) w,
-            rank_allreduce k 2 (N-1)/N r (m+n) w
-    hop 3   (L-1)/L min(m n, what rebuilds it) b
-
-The ``L`` owners of a node run their hop-2 collectives side by side on the one link between
+Each hop's bytes are the routes' byte models on the ``two_level`` layout (`routes`). The ``L`` owners of a node run their hop-2 collectives side by side on the one link between
 nodes, and their local work side by side too: per unit, hop 2 and the owner's compute count
 ``1/L`` of their time (the cross link is measured with every cross group busy at once, so its
 fitted rate is each group's share). `TwoLevelTiming.seconds` adds the hops up; `choose_two_level`
-takes the fastest route (or the fewest bytes, objective ``"bytes"``), and `two_level_faster`
+takes the fastest route (or the fewest bytes, objective ``"bytes"``), and `compare_levels`
 compares a whole step of those against the flat routes' step.
 """
 from __future__ import annotations
@@ -38,8 +31,7 @@ from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import HopBytes, UnitSizing, get_route, routes_for, tie_order
-from dad_integrations.routing.router import (UnitShape, candidates_at, choose, rank_selector, step_config,
-                                             unit_estimates)
+from dad_integrations.routing.router import UnitShape, candidates_at, choose, step_rules, unit_estimates
 from dad_integrations.routing.timing import StepTiming
 
 NodeRows = Sequence[Sequence[int]]  # by node, by use: the rows of every rank of the node
@@ -161,16 +153,15 @@ def node_rows_of(rows_by_rank: Sequence[Sequence[int]], topology: Topology) -> L
 def flat_choice(config: DADConfig, unit: LevelUnit, *, step: int, world_size: int,
                 timing: StepTiming) -> Tuple[str, Dict[str, float], Dict[str, float]]:
     """The flat route of ``unit`` by predicted time, as the router allows it at step ``step``
-    (no rank route in the lossless steps; dense for good after a failed check; the all-gather
-    for an adaptive rank); returns it, every candidate's bytes per rank and its seconds."""
-    config = step_config(config, step)
+    (`router.step_rules`; dense for good after a failed check); returns it, every candidate's
+    bytes per rank and its seconds."""
+    config, rules = step_rules(config, step)
     est = unit_estimates(config, unit.shape, unit.rows_by_rank, world_size, unit.wire_dtype)
     if unit.dense_only:
         est = {"dense": est["dense"]}
     seconds = timing.route_seconds(est, shape=unit.shape.shape, uses=len(unit.shape.kinds),
                                    rows_by_rank=unit.rows_by_rank, world_size=world_size)
-    best = choose(config.mode, seconds, rank_allowed=config.rank is not None, rank_route=rank_selector(config))
-    return best, est, seconds
+    return choose(config.mode, seconds, **rules), est, seconds
 
 
 def compare_levels(config: DADConfig, units: Sequence[LevelUnit], *, step: int, topology: Topology,
@@ -189,10 +180,3 @@ def compare_levels(config: DADConfig, units: Sequence[LevelUnit], *, step: int, 
                                               timing=timing, dense_only=u.dense_only)
         out.append(LevelChoice(flat, flat_seconds[flat], est[flat], rep, seconds[rep], hops[rep], rows))
     return LevelComparison(tuple(out), sum(c.flat_seconds for c in out), sum(c.seconds for c in out))
-
-
-def two_level_faster(config: DADConfig, units: Sequence[LevelUnit], *, step: int, topology: Topology,
-                     flat_timing: StepTiming, timing: TwoLevelTiming) -> bool:
-    """Whether a step of ``units`` is predicted faster at two levels than flat (`compare_levels`)."""
-    return compare_levels(config, units, step=step, topology=topology, flat_timing=flat_timing,
-                          timing=timing).two_level_faster
