@@ -35,7 +35,7 @@ from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.routes import layouts
 from dad_integrations.routes.codec import start_codec
 from dad_integrations.routes.registry import check_routes, get_route, has_codec, is_rank_route, raise_unsupported
-from dad_integrations.routing.router import Route, RowCounts, UnitShape, RouteContext
+from dad_integrations.routing.router import Route, RowCounts, RouteContext
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.exchange.policy import TWO_LEVEL, RoutePolicy
@@ -100,9 +100,7 @@ class Exchanger:
         if levels is not None and levels.topology.two_level:
             if levels.timing is not None and self.policy.timing is not None:
                 levels.timing = dataclasses.replace(levels.timing, compute=self.policy.timing.compute)
-            self.two_level = TwoLevelExchanger(plan, levels, config, wire_dtype, device, world=aggregator,
-                                               state=self.state, exact=self.exact, rank_codec=self.rank_codec,
-                                               rank_allreduce=self.rank_allreduce, dense_dtype=self.dense_dtype)
+            self.two_level = TwoLevelExchanger(self, levels)
 
     def _await(self, window: StepWindow, i: int, sure: List[bool], dense: DenseBuckets) -> None:
         """Wait until unit ``i`` is ready. Units sure to go dense that do not fill the open dense
@@ -127,9 +125,7 @@ class Exchanger:
         (`routing.trial.StepClock`) to the end of this call is the step's span a route trial times."""
         st = self._open_step(window, sink, step, verify, prescale, postscale)
         if self.policy.two_level:
-            st.report.update(self.two_level.run(window, sink, step=step, scale=st.scale, note=self.state.note,
-                                                take_rows=lambda u: self._take_rows(u, window),
-                                                check_open=self._check_open))
+            st.report.update(self.two_level.run(window, sink, step=step, scale=st.scale))
             self.policy.two_level_routes = dict(self.two_level.routes)
             return self._finish_step(st)
         previous = self._exchange_units(st)
@@ -306,19 +302,20 @@ class Exchanger:
 
     def _decide(self, unit: FactorUnit, rows: List[Rows], counts: List[int],
                 st: _Step) -> Tuple[Route, Optional[RowCounts], Traffic]:
-        """The unit's route this step (`RoutePolicy`), after the size exchange where it needs one;
-        returns it, every rank's row counts (None without a size exchange) and their traffic."""
-        shape = UnitShape.of(unit)
-        ctx = RouteContext(self.config, self.aggregator.world_size, self.wire_dtype or shape.dtype, step=st.step,
+        """The unit's route this step (`RoutePolicy.decide`), every rank's row counts (None without
+        a size exchange) and their traffic."""
+        ctx = RouteContext(self.config, self.aggregator.world_size, self.wire_dtype or unit.param.dtype, step=st.step,
                            first_step=st.verify, timing=self.policy.timing)
-        decision, held = self.policy.propose(unit, shape, ctx, st.step, st.verify)
-        rows_by_rank, traffic = None, Traffic()
-        if decision.exchange_sizes:
+        traffic = Traffic()
+
+        def agree() -> RowCounts:
+            nonlocal traffic
             ok = (unit.dense_only or not st.verify or not unit.has_factors
                   or factors_rebuild_local_grad(unit, rows, st.sink))
             rows_by_rank, traffic = self._agree(unit, ok, counts)
-            decision = self.policy.given_rows(unit, shape, ctx, decision, held, rows_by_rank)
-        self.policy.commit(unit, decision, held)
+            return rows_by_rank
+
+        decision, rows_by_rank = self.policy.decide(unit, ctx, st.step, st.verify, agree)
         return decision, rows_by_rank, traffic
 
     def _report_unit(self, unit: FactorUnit, rep: str, counts: List[int], rows_by_rank: Optional[RowCounts],

@@ -1,7 +1,7 @@
 """Route policy: which route each unit takes in a step, and what carries over between steps to
 decide it. The exchanger (`exchanger.Exchanger`) runs the collectives and asks its `RoutePolicy`.
 
-- **Choosing** (`RoutePolicy.propose`, `RoutePolicy.given_rows`): the router
+- **Choosing** (`RoutePolicy.decide`): the router
   (`routing.router.route`) decides from the unit's shape and what is known of its rows: auto's
   prediction from the last agreed row counts (`last_rows`) before a size exchange, every rank's
   counts after one.
@@ -152,35 +152,32 @@ class RoutePolicy:
         return not (state.memory.enabled and any(state.memory.dense(u.name) is not None for u in units))
 
     # -- one unit's route --------------------------------------------------------------------------
-    def propose(self, unit: FactorUnit, shape: UnitShape, ctx: RouteContext, step: int,
-                verify: bool) -> Tuple[Route, bool]:
-        """The unit's route before any size exchange, and whether it is held (by time, between
-        refreshes: the route chosen at the last one). Where ``Route.exchange_sizes`` is set the
-        exchanger agrees every rank's row counts and asks `given_rows`; either way it ends with
-        `commit`."""
+    def decide(self, unit: FactorUnit, ctx: RouteContext, step: int, verify: bool,
+               agree: Callable[[], RowCounts]) -> Tuple[Route, Optional[RowCounts]]:
+        """The unit's route this step: held (by time, between refreshes: the route chosen at the
+        last one) or the router's. Where the route exchanges sizes, ``agree`` agrees every rank's
+        row counts first and the router decides on them (a held route stays, unless the first-step
+        check sent the unit dense for good). Returns it and the counts (None without a size
+        exchange); the unit keeps it until the next refresh, with (chosen anew) its predicted saving
+        for a route trial."""
+        shape = UnitShape.of(unit)
         held = self._held_route(unit, step, verify)
         if held is not None:
-            return Route(held, held == "exact"), True
-        evidence = UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index))
-        return route(dataclasses.replace(ctx, refresh=self.refresh_due(step)), shape, evidence), False
-
-    def given_rows(self, unit: FactorUnit, shape: UnitShape, ctx: RouteContext, proposed: Route, held: bool,
-                   rows_by_rank: RowCounts) -> Route:
-        """The route once every rank's row counts are agreed (a held route stays, unless the
-        size exchange's first-step check sent the unit dense for good)."""
-        self.last_rows[unit.index] = rows_by_rank
-        if held and not unit.dense_only:
-            return proposed
-        return route(ctx, shape, UnitEvidence(dense_only=unit.dense_only, rows_by_rank=rows_by_rank,
-                                              current=self.last_route.get(unit.index)))
-
-    def commit(self, unit: FactorUnit, decision: Route, held: bool) -> None:
-        """The unit takes ``decision`` this step: the route it holds until the next refresh, and
-        (chosen anew) its predicted saving for a route trial."""
-        if not held:
+            decision = Route(held, held == "exact")
+        else:
+            evidence = UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index))
+            decision = route(dataclasses.replace(ctx, refresh=self.refresh_due(step)), shape, evidence)
+        rows_by_rank = None
+        if decision.exchange_sizes:
+            rows_by_rank = self.last_rows[unit.index] = agree()
+            if held is None or unit.dense_only:
+                decision = route(ctx, shape, UnitEvidence(dense_only=unit.dense_only, rows_by_rank=rows_by_rank,
+                                                          current=self.last_route.get(unit.index)))
+        if held is None:
             self.saved[unit.index] = decision.saved_s
             self.spare[unit.index] = decision.spare_s
         self.last_route[unit.index] = decision.representation
+        return decision, rows_by_rank
 
     def settle_capture(self, unit: FactorUnit, decision: Route, method: Optional[str], verify: bool) -> None:
         """After the unit's codec has started (``method``: how a rank route reduced it): stop

@@ -1,25 +1,15 @@
 """Two-level steps: reduce inside the node, compress only between nodes, gather inside the node.
 
-On ``N`` nodes of ``L`` ranks (`comm.topology`) every unit has an *owner*, one local index,
-fixed at attach so that the unit's error-feedback residual and warm start live on one rank per
-node (``1/L`` of flat PowerSGD's memory per rank). Units are assigned whole, largest first to the
-least loaded owner (`exchange.levels.assign_owners`: about ``1/L`` of the step's work each). A step goes bucket by
-bucket (``bucket_cap_mb`` of gradients, in exchange order, as backward finishes them):
-
-1. the bucket's routes (`routing.two_level.choose_two_level`), on row counts all-gathered over the
-   whole group where a unit may go exact: every rank decides alike;
-2. **to the owner** (one all-to-all inside the node): each rank's rows (exact) or its dense
-   gradient (every other route), which the owner sums: a reduce-scatter by owner;
-3. **between nodes** (the owner's cross group: the owners of those units on every node): one
-   all-reduce of the dense units' node sums (and the rank routes' biases), one all-gather of the
-   exact units' node rows, one of the rank-dAD units' factors of their node sum, and PowerSGD's
-   P and Q all-reduces (`codecs.rank_allreduce`) for the rest; each only where the bucket has such
-   units, and the same on every member of the group, whose units and routes are the same;
-4. **from the owner** (one all-gather inside the node): each unit's average, or the factors it is
-   rebuilt from where they are fewer bytes; every rank of the node writes it through the same code.
-
-The hops inside the node are `exchange.node_hops`' layouts; the groups, link models and owners come
-from `exchange.levels`.
+The hops and what each moves are `routing.two_level`'s. On ``N`` nodes of ``L`` ranks
+(`comm.topology`) every unit has an *owner*, one local index, fixed at attach so that the unit's
+error-feedback residual and warm start live on one rank per node (``1/L`` of flat PowerSGD's
+memory per rank); `exchange.levels.assign_owners` gives each about ``1/L`` of the step's work. A
+step goes bucket by bucket (``bucket_cap_mb`` of gradients, in exchange order, as backward
+finishes them): its routes (`routing.two_level.choose_two_level`, on row counts all-gathered over
+the whole group where a unit may go exact: every rank decides alike); to the owners (one
+all-to-all inside the node, `exchange.node_hops`); between nodes, each kind of route's collective
+over the owner's cross group, only where the bucket has such units, the same on every member of
+the group; from the owners (one all-gather inside the node), which every rank writes alike.
 
 The first step (its factors checked) stays flat; so does every step when the router predicts the
 flat routes faster (`Exchanger`). Codecs, residuals and warm starts are the flat exchanger's: a
@@ -31,24 +21,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from dad_integrations.capture.rows import Rows, compute_dtype
+from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.sink import GradSink
-from dad_integrations.capture.units import FactorUnit, SyncPlan
-from dad_integrations.codecs.exact import ExactCodec
 from dad_integrations.exchange.node_hops import HopItem, NodeHops, sums_at_owner
 from dad_integrations.routes.codec import start_codec
 from dad_integrations.routes.registry import get_route, has_codec, is_rank_route
-from dad_integrations.codecs.rank import RankCodec
-from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
-from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.codecs.wire import pack, packed_size, unpack
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
-from dad_integrations.config import DADConfig
 from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.router import UnitShape, rank_only
@@ -93,16 +77,14 @@ class TwoLevelExchanger:
     exchanger's codecs and `RouteState`, so a step may be flat or two-level, whichever is
     predicted faster, without losing a residual."""
 
-    def __init__(self, plan: SyncPlan, levels: Levels, config: DADConfig, wire_dtype: Optional[torch.dtype],
-                 device: torch.device, *, world: FactorAggregator, state: RouteState, exact: ExactCodec,
-                 rank_codec: Optional[RankCodec], rank_allreduce: Optional[RankAllReduceCodec],
-                 dense_dtype: torch.dtype):
-        self.plan, self.levels, self.config = plan, levels, config
-        self.wire_dtype, self.device, self.world = wire_dtype, device, world
-        self.state, self.exact, self.rank_codec, self.rank_allreduce = state, exact, rank_codec, rank_allreduce
-        self.dense_dtype = dense_dtype
-        self.hops = NodeHops(exact, dense_dtype, config.rank, levels.topology.num_nodes, device)
-        topo = levels.topology
+    def __init__(self, flat, levels: Levels):
+        """``flat``: the synchroniser's `exchanger.Exchanger`, whose codecs, state and rows this shares."""
+        self.flat, self.levels, self.plan, self.config = flat, levels, flat.plan, flat.config
+        self.world, self.wire_dtype, self.device = flat.aggregator, flat.wire_dtype, flat.device
+        self.dense_dtype, self.state = flat.dense_dtype, flat.state
+        self.exact, self.rank_codec, self.rank_allreduce = flat.exact, flat.rank_codec, flat.rank_allreduce
+        self.hops = NodeHops(self.exact, self.dense_dtype, self.config.rank, levels.topology.num_nodes, self.device)
+        topo, plan = levels.topology, self.plan
         self.local, self.L, self.N = topo.local_rank, topo.local_size, topo.num_nodes
         costs = [float(u.param.numel()) for u in plan.units] + [float(q.numel()) for _, q in plan.dense]
         owners = assign_owners(costs, self.L)
@@ -157,9 +139,7 @@ class TwoLevelExchanger:
             policy._use_rows(u.index for u in self.plan.units)
 
     # -- the step ---------------------------------------------------------------------------------
-    def run(self, window, sink: GradSink, *, step: int, scale: float,
-            take_rows: Callable[[FactorUnit], List[Rows]], note: Callable[[torch.Tensor], torch.Tensor],
-            check_open: Callable[[], None]) -> Dict[str, ParamReport]:
+    def run(self, window, sink: GradSink, *, step: int, scale: float) -> Dict[str, ParamReport]:
         """Exchange every unit and dense parameter of one step; returns the report entries."""
         report: Dict[str, ParamReport] = {}
         self.routes = {}
@@ -168,21 +148,21 @@ class TwoLevelExchanger:
         size = 0
         for unit in self.plan.units:
             window.ready[unit.index].wait()
-            check_open()
+            self.flat._check_open()
             bucket.append(HopItem(unit.name, list(unit.params), self.owner_of[unit.name], unit=unit,
-                                rows=take_rows(unit)))
+                                  rows=self.flat._take_rows(unit, window)))
             size += sum(q.numel() * q.element_size() for q in unit.params)
             if size >= cap:
-                self._bucket(bucket, sink, step, scale, note, report)
+                self._bucket(bucket, sink, step, scale, report)
                 bucket, size = [], 0
         window.flush.wait()  # backward is over: the always-dense parameters are final
-        check_open()
+        self.flat._check_open()
         bucket += [HopItem(name, [q], self.owner_of[name]) for name, q in self.plan.dense]
         if bucket:
-            self._bucket(bucket, sink, step, scale, note, report)
+            self._bucket(bucket, sink, step, scale, report)
         return report
 
-    def _bucket(self, items: List[HopItem], sink: GradSink, step: int, scale: float, note, report) -> None:
+    def _bucket(self, items: List[HopItem], sink: GradSink, step: int, scale: float, report) -> None:
         self._route(items, step)
         self.routes.update({it.unit.index: it.rep for it in items if it.unit is not None})
         self._settle_capture(items)
@@ -195,8 +175,8 @@ class TwoLevelExchanger:
         mine, traffic = self.hops.to_owner(items, sink, self.levels.intra, self.local,
                                            f"dad.twolevel.to_owner.{items[0].name}")
         self._share(items, traffic, lambda it: it.hop_bytes[0] or it.numel)
-        self._between(mine, scale, note, step)
-        self._from_owner(items, sink, note)
+        self._between(mine, scale, step)
+        self._from_owner(items, sink)
 
     # -- 1. routes --------------------------------------------------------------------------------
     def _route(self, items: List[HopItem], step: int) -> None:
@@ -252,10 +232,10 @@ class TwoLevelExchanger:
         return out
 
     # -- 3. between nodes -------------------------------------------------------------------------
-    def _between(self, mine: List[HopItem], scale: float, note, step: int) -> None:
+    def _between(self, mine: List[HopItem], scale: float, step: int) -> None:
         """Hop 2 for this rank's items, over its cross group: each kind of route's collective started
         in a fixed order, then waited for; leaves each item's hop-3 blocks in ``it.result``."""
-        cross = self.levels.cross
+        cross, note = self.levels.cross, self.state.note
         # node sums all-reduced together: dense units', and the biases of the routes that sum at the owner
         dense_parts = [(it, i) for it in mine for i in range(len(it.params))
                        if it.rep == "dense" or (i > 0 and sums_at_owner(it.rep))]
@@ -276,8 +256,8 @@ class TwoLevelExchanger:
                 cross, [self.rank_codec.encode(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
                         for it in ranked], f"dad.twolevel.rank.{ranked[0].name}", note)
             self._share(ranked, rank_handle.traffic, lambda it: it.hop_bytes[1], between=True)
-        coded = [(it, start_codec(get_route(it.rep).codec, it.result[0], cross, name=f"dad.twolevel.{it.rep}.{it.name}"))
-                 for it in mine if has_codec(it.rep)]
+        coded = [(it, start_codec(get_route(it.rep).codec, it.result[0], cross,
+                                  name=f"dad.twolevel.{it.rep}.{it.name}")) for it in mine if has_codec(it.rep)]
         for it, handle in coded:
             self._share([it], handle.traffic, lambda it: 1.0, between=True)
         shared = [it for it in mine if it.rep == "rank_allreduce"]
@@ -313,11 +293,11 @@ class TwoLevelExchanger:
             it.result = [note(handle.wait().mul_(scale))] + [r * scale for r in it.result[1:]]
 
     # -- 4. from the owner ------------------------------------------------------------------------
-    def _from_owner(self, items: List[HopItem], sink: GradSink, note: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _from_owner(self, items: List[HopItem], sink: GradSink) -> None:
         """From the owners: one all-gather inside the node of every owner's results; every rank
         writes them, and notes whether they are finite (so that every rank, not only the owners,
         keeps or drops the step's rank-route state alike)."""
-        mine = [it for it in items if it.owner == self.local]
+        mine, note = [it for it in items if it.owner == self.local], self.state.note
         blocks = [b.to(dtype) for it in mine for b, (dtype, _) in zip(it.result, self.hops.result_specs(it))]
         payload = pack(blocks, self.device) if blocks else torch.empty(0, dtype=torch.uint8, device=self.device)
         specs = [[s for it in items if it.owner == j for s in self.hops.result_specs(it)] for j in range(self.L)]

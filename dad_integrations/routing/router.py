@@ -44,7 +44,8 @@ import torch
 
 from dad_integrations.config import DADConfig
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, rank_route_names, routes_for, tie_order
+from dad_integrations.routes.registry import (UnitSizing, estimates_on, get_route, rank_route_names, routes_for,
+                                              tie_order)
 from dad_integrations.routing.costs import size_exchange_bytes
 from dad_integrations.routing.timing import StepTiming
 

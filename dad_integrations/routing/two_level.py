@@ -11,11 +11,12 @@ each unit through three hops; one local rank, its *owner*, does the unit's work:
 3. **from the owner, inside the node** (one all-gather per bucket): the average, or where fewer
    bytes the factors it is rebuilt from (P and Q; every node's rank-r factors).
 
-Each hop's bytes are the routes' byte models on the ``two_level`` layout (`routes`). The ``L`` owners of a node run their hop-2 collectives side by side on the one link between
-nodes, and their local work side by side too: per unit, hop 2 and the owner's compute count
-``1/L`` of their time (the cross link is measured with every cross group busy at once, so its
-fitted rate is each group's share). `TwoLevelTiming.seconds` adds the hops up; `choose_two_level`
-takes the fastest route (or the fewest bytes, objective ``"bytes"``), and `compare_levels`
+Each hop's bytes are the routes' byte models on the ``two_level`` layout (`routes`). The ``L``
+owners of a node run their hop-2 collectives side by side on the one link between nodes, and their
+local work side by side too: per unit, hop 2 and the owner's compute count ``1/L`` of their time
+(the cross link is measured with every cross group busy at once, so its fitted rate is each
+group's share). `TwoLevelTiming.seconds` adds the hops up; `choose_two_level` takes the fastest
+route (or the fewest bytes, objective ``"bytes"``), and `compare_levels`
 compares a whole step of those against the flat routes' step.
 """
 from __future__ import annotations
