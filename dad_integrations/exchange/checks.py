@@ -107,14 +107,9 @@ def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Uni
 
 def why_factors_fail(name: str, ok_by_rank: Sequence[bool], rows_by_rank: Sequence[Sequence[int]]) -> str:
     """What the first step's check found for weight ``name``, from every rank's verdict and row
-    counts (per use): the same text on every rank.
-
-    No rows at all on a failing rank means the capture never ran there, although the weight has a
-    gradient: under ``torch.compile``, a graph compiled without dAD's capture (a hook-less copy of
-    the model compiled before dAD was attached, on a torch whose dynamo did not guard on hooks), a
-    layer kind that does not capture while dynamo traces, or capture hooks removed; without
-    compile, a weight used only outside its layers. Rows that rebuild something else mean a use
-    outside the captured layers, or a gradient hook that changes the gradient."""
+    counts (per use): the same text on every rank. No rows at all on a failing rank means the
+    capture never ran there (under ``torch.compile``, on a torch whose dynamo did not guard on
+    hooks, a graph compiled without it; or capture hooks removed)."""
     failing = [r for r, ok in enumerate(ok_by_rank) if not ok]
     if failing and all(sum(rows_by_rank[r]) == 0 for r in failing):
         return (f"the capture of {name!r} did not run on rank(s) {failing} (no rows, though the weight has a "

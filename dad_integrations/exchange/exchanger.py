@@ -38,9 +38,8 @@ from dad_integrations.routes.registry import check_routes, get_route, has_codec,
 from dad_integrations.routing.router import Route, RowCounts, RouteContext
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
-from dad_integrations.exchange.policy import TWO_LEVEL, RoutePolicy
+from dad_integrations.exchange.policy import RoutePolicy
 from dad_integrations.exchange.levels import Levels, describe_hops
-from dad_integrations.routing.link import LinkModel
 from dad_integrations.exchange.two_level import TwoLevelExchanger, gather_payloads, param_entry
 from dad_integrations.exchange.window import StepWindow
 
@@ -79,11 +78,8 @@ class Exchanger:
         check_routes(config.routes, layouts.layout_for("synchronizer"))
         if levels is not None and levels.topology.two_level:
             check_routes(config.routes, layouts.layout_for("synchronizer", across_nodes=True))
-        self.plan = plan
-        self.aggregator = aggregator
-        self.config = config
-        self.wire_dtype = wire_dtype
-        self.device = device
+        self.plan, self.aggregator, self.config = plan, aggregator, config
+        self.wire_dtype, self.device = wire_dtype, device
         self.exact = ExactCodec(wire_dtype, device)
         self.state = RouteState(config)
         lossy = config.rank is not None
@@ -200,17 +196,13 @@ class Exchanger:
 
     def describe_hops(self) -> str:
         """The attach line of the job's nodes and links (`exchange.levels.describe_hops`)."""
-        timing = self.policy.timing
         return describe_hops(self.config, self.aggregator, self.two_level.levels if self.two_level else None,
-                             timing.link if timing is not None else None)
+                             self.policy.flat_link())
 
     def _report(self, step: int, params: List[ParamReport]) -> StepReport:
         """The step's report, with each hop's link and the last decision said (`report.StepReport`)."""
-        links = {}
-        if self.policy.timing is not None:
-            links["flat"] = self.policy.timing.link.brief()
-        elif self.config.link is not None:  # stated, though routes go by bytes or the mode
-            links["flat"] = LinkModel.from_spec(self.config.link).brief()
+        link = self.policy.flat_link()
+        links = {"flat": link.brief()} if link is not None else {}
         levels = self.two_level.levels if self.two_level is not None else None
         if levels is not None and levels.timing is not None:
             links.update(intra=levels.timing.intra.brief(), inter=levels.timing.inter.brief())
@@ -219,18 +211,9 @@ class Exchanger:
     def _close_step(self, window: StepWindow, step: int, params: Sequence[ParamReport] = ()) -> None:
         """The step's exchange is over (``params``: its report): its span to the route trial, the
         next step's preparation (whether it goes flat or at two levels among them)."""
-        policy = self.policy
-        policy.end_step(step, getattr(window, "started", None), params)
+        self.policy.end_step(step, getattr(window, "started", None), params)
         if self.two_level is not None:
-            before = policy.two_level
-            trial = policy.trial
-            arm = trial.arm(step + 1) if trial is not None else None
-            if arm is not None and TWO_LEVEL in trial.routes.values():  # a trial of two-level steps
-                policy.two_level = arm == "routes"
-            else:
-                policy.two_level = self.two_level.prefer(step + 1, policy)
-            if before != policy.two_level:
-                self.two_level.switched(policy, policy.two_level)
+            self.two_level.choose_level(step + 1, self.policy)
 
     def start_native(self, buffer: torch.Tensor, scale: float):
         """Put one of DDP's buckets on the wire as it is (`RoutePolicy.native_dense`), in the dense

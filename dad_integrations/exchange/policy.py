@@ -8,10 +8,8 @@ decide it. The exchanger (`exchanger.Exchanger`) runs the collectives and asks i
 - **Holding** (objective ``"time"``): routes are chosen at a refresh (`routing.trial.refresh_due`:
   every ``route_refresh_steps``, and when the lossless steps end) and held until the next, so that
   they change together, on every rank, whatever the models learn in between.
-- **Trying** (`routing.trial.RouteTrial`, on a measured link in mode ``"auto"``): after a refresh
-  the next steps alternate its routes and all dense; the outcome holds until the next refresh.
-  Every decision's steps are watched (after a trial, against its figures; after a refresh that
-  begins none, against their first interval): a miss makes the next step a refresh.
+- **Trying** (`routing.trial`, on a measured link in mode ``"auto"``): after a refresh its routes
+  are tried against all dense, and every decision's steps are watched.
 - **Capture on and off**: a unit whose rows no route of the coming steps uses stops capturing
   them (the hooks' work saved; a step whose every unit goes dense costs what DDP's does), and
   captures them again before a step whose route may use them.
@@ -185,17 +183,21 @@ class RoutePolicy:
         if unit.rows_unused:
             return
         if is_rank_route(decision.representation) and method == "dense" and not decision.exchange_sizes:
-            # a rank route with no size exchange is the unit's route for good (mode rank; auto's
-            # prediction, held), and it reduces from the dense gradient: its rows are of no use,
-            # so stop capturing them (saves the hooks' work; reports show 0 rows from then on)
+            # the unit's route for good (mode rank; auto's prediction, held), from the dense gradient
             unit.stop_using_rows()
-        elif self.last_route[unit.index] == "dense" and self.timing is not None and not verify:
-            # routed by time and dense until the next refresh: capture nothing, so that a step whose
-            # every unit goes dense costs what DDP's does (rows come back before the refresh). Not a
-            # unit only flushing its residual through the dense buckets: its route may be exact
+        elif decision.representation == "dense" and self.timing is not None and not verify:
+            # dense by time until the next refresh (not a unit only flushing its residual through
+            # the dense buckets: its route may be exact)
             unit.stop_using_rows()
 
     # -- between steps -------------------------------------------------------------------------------
+    def flat_link(self) -> Optional[LinkModel]:
+        """The flat steps' link: the models' where routed by time, else the stated one (per hop: the
+        one between nodes, which flat steps cross), else None."""
+        if self.timing is not None:
+            return self.timing.link
+        return LinkModel.from_spec(self.config.link) if self.config.link is not None else None
+
     def set_link(self, link) -> None:
         """Route by ``link`` (a `routing.link.LinkModel`, the same on every rank) from the next refresh on."""
         if self.timing is not None:
@@ -232,16 +234,12 @@ class RoutePolicy:
         config = self.config
         if config.mode not in ("exact", "rank") or not self.plan.units:
             return
-        if self.timing is not None:
-            link = self.timing.link
-        elif config.link is not None:  # (a spec per hop: the hop between nodes, which flat steps cross)
-            link = LinkModel.from_spec(config.link)
-        elif config.objective == "time":
+        link = self.flat_link()
+        if link is None and config.objective == "time":
             link = probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather"))
-        else:
+        if link is None:
             return
-        units = [(UnitShape(tuple(u.kinds), u.shape, u.bias_numel, u.param.dtype, u.blocks), self.last_rows.get(u.index))
-                 for u in self.plan.units if not u.dense_only]
+        units = [(UnitShape.of(u), self.last_rows.get(u.index)) for u in self.plan.units if not u.dense_only]
         line = mode_cost_line(config, units, world_size=self.aggregator.world_size,
                               wire_dtype=self.wire_dtype or self.plan.units[0].param.dtype, link=link,
                               compute=self.timing.compute if self.timing is not None else None)

@@ -35,7 +35,7 @@ from dad_integrations.codecs.wire import pack, packed_size, unpack
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
 from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
 from dad_integrations.report import ParamReport
-from dad_integrations.routing.router import UnitShape, rank_only
+from dad_integrations.routing.router import Route, UnitShape, rank_only
 from dad_integrations.routing.two_level import LevelUnit, choose_two_level, compare_levels, node_rows_of
 
 log = logging.getLogger(__name__)
@@ -131,12 +131,18 @@ class TwoLevelExchanger:
                            timing=self.levels.timing)
         return c.flat, c.two_level
 
-    def switched(self, policy, to_two_level: bool) -> None:
-        """The steps change level: warm starts drop (a flat step's Q is every rank's, a two-level
-        step's only its owners'), and rows are captured again (two-level exact factors use them)."""
-        self.state.drop_warm_starts()
-        if to_two_level:
-            policy._use_rows(u.index for u in self.plan.units)
+    def choose_level(self, step: int, policy) -> None:
+        """Whether step ``step`` goes at two levels (``policy.two_level``): as a route trial of
+        two-level steps tries, else as `prefer` says. Where the level changes, warm starts drop (a
+        flat step's Q is every rank's, a two-level step's only its owners'), and rows are captured
+        again (two-level exact factors use them)."""
+        before = policy.two_level
+        arm = policy.trial.arm(step) if policy.two_level_trial() else None
+        policy.two_level = arm == "routes" if arm is not None else self.prefer(step, policy)
+        if before != policy.two_level:
+            self.state.drop_warm_starts()
+            if policy.two_level:
+                policy._use_rows(u.index for u in self.plan.units)
 
     # -- the step ---------------------------------------------------------------------------------
     def run(self, window, sink: GradSink, *, step: int, scale: float) -> Dict[str, ParamReport]:
@@ -165,8 +171,10 @@ class TwoLevelExchanger:
     def _bucket(self, items: List[HopItem], sink: GradSink, step: int, scale: float, report) -> None:
         self._route(items, step)
         self.routes.update({it.unit.index: it.rep for it in items if it.unit is not None})
-        self._settle_capture(items)
-        for it in items:  # residuals this rank holds but will not compensate this step go into its gradient
+        for it in items:
+            if it.unit is not None and not it.unit.dense_only:  # a rank route reduces the node's dense sum
+                self.flat.policy.settle_capture(it.unit, Route(it.rep, False), "dense", verify=False)
+            # residuals this rank holds but will not compensate this step go into its gradient
             if it.unit is not None and not (it.owner == self.local and is_rank_route(it.rep)):
                 self.state.flush(it.name, functools.partial(sink.add_local, it.unit.param))
             it.entries = self._entries(it, report)
@@ -208,18 +216,6 @@ class TwoLevelExchanger:
             chosen = hops[it.rep]
             it.hop_bytes = (chosen.to_owner, chosen.between, chosen.from_owner)
             it.factors_back = chosen.factors_back
-
-    def _settle_capture(self, items: List[HopItem]) -> None:
-        """Stop capturing rows no route of the coming steps uses (the hooks' work saved), as the flat
-        policy does: a rank route reduces the node's dense sum; by time, a route holds until the
-        next refresh, which captures every unit's rows again (`RoutePolicy._prepare_refresh`)."""
-        timed = self.levels.timing is not None and self.config.objective == "time"
-        for it in items:
-            u = it.unit
-            if u is None or u.rows_unused or u.dense_only:
-                continue
-            if is_rank_route(it.rep) or (timed and it.rep == "dense"):
-                u.stop_using_rows()
 
     def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
         out = []
