@@ -335,17 +335,16 @@ class RoutePolicy:
     def _begin_trial(self, trial: RouteTrial, step: int) -> None:
         """Routes were chosen anew in step ``step``: try them against all-dense where any compresses
         and the trial ends before the next refresh; else watch the steps they take."""
+        units = self.plan.units
         if self.two_level:  # this step went at two levels: try them against the flat routes
+            routes = {u.index: TWO_LEVEL for u in units}
             compressed = [i for i, rep in self.two_level_routes.items() if rep != "dense"]
-            if compressed and trial.fits(step, self._next_refresh(step)):
-                trial.begin(step, {u.index: TWO_LEVEL for u in self.plan.units}, self.two_level_saving)
-            else:
-                trial.watch_untried(step, "routes" if compressed else "dense")
-            return
-        compressed = [u.index for u in self.plan.units if self.last_route.get(u.index, "dense") != "dense"]
-        if compressed and trial.fits(step, self._next_refresh(step)):
-            trial.begin(step, {u.index: self.last_route.get(u.index, "dense") for u in self.plan.units},
-                        sum(self.saved.get(i, 0.0) for i in compressed))
+            saving, spare = self.two_level_saving, 0.0
         else:
-            trial.watch_untried(step, "routes" if compressed else "dense",
-                                0.0 if compressed else sum(self.spare.get(u.index, 0.0) for u in self.plan.units))
+            routes = {u.index: self.last_route.get(u.index, "dense") for u in units}
+            compressed = [i for i, rep in routes.items() if rep != "dense"]
+            saving, spare = sum(self.saved.get(i, 0.0) for i in compressed), sum(self.spare.get(i, 0.0) for i in routes)
+        if compressed and trial.fits(step, self._next_refresh(step)):
+            trial.begin(step, routes, saving)
+        else:
+            trial.watch_untried(step, "routes" if compressed else "dense", 0.0 if compressed else spare)

@@ -88,6 +88,13 @@ def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
     return lossless + (ranks + others if mode == "auto" else [])
 
 
+def choose_at(config: DADConfig, step: Optional[int], estimates: Dict[str, float],
+              ties: Optional[Dict[str, float]] = None) -> str:
+    """`choose` under ``config`` in step ``step`` (`step_rules`)."""
+    config, rules = step_rules(config, step)
+    return choose(config.mode, estimates, ties=ties, **rules)
+
+
 def candidates_at(config: DADConfig, step: Optional[int], available: Iterable[str]) -> List[str]:
     """`allowed_routes` under ``config`` in step ``step`` (`step_rules`)."""
     config, rules = step_rules(config, step)

@@ -31,8 +31,8 @@ from dad_integrations.config import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import HopBytes, UnitSizing, get_route, routes_for, tie_order
-from dad_integrations.routing.router import UnitShape, candidates_at, choose, step_rules, unit_estimates
+from dad_integrations.routes.registry import HopBytes, UnitSizing, get_route, routes_for
+from dad_integrations.routing.router import UnitShape, candidates_at, choose_at, step_rules, unit_estimates
 from dad_integrations.routing.timing import StepTiming
 
 NodeRows = Sequence[Sequence[int]]  # by node, by use: the rows of every rank of the node
@@ -89,17 +89,18 @@ def candidates(config: DADConfig, unit: UnitShape, step: int, *, rows_known: boo
 def choose_two_level(config: DADConfig, unit: UnitShape, node_rows: Optional[NodeRows], *, step: int,
                      nodes: int, local_size: int, wire_dtype: torch.dtype, timing: Optional[TwoLevelTiming],
                      dense_only: bool = False) -> Tuple[str, Dict[str, HopBytes], Dict[str, float]]:
-    """The route of ``unit`` at two levels; returns it, every candidate's `HopBytes` and their
-    predicted seconds (empty by bytes). A pure function of agreed inputs: every rank decides alike."""
+    """The route of ``unit`` at two levels (`router.choose_at` on the bytes between nodes, or by
+    time on the predicted seconds, those bytes breaking ties); returns it, every candidate's
+    `HopBytes` and their predicted seconds (empty by bytes). A pure function of agreed inputs:
+    every rank decides alike."""
     reps = candidates(config, unit, step, rows_known=node_rows is not None, dense_only=dense_only)
     hops = {rep: hop_bytes(rep, unit, node_rows, nodes=nodes, local_size=local_size, config=config,
                            wire_dtype=wire_dtype) for rep in reps}
     between = {rep: h.between for rep, h in hops.items()}
     if timing is None or config.objective != "time":
-        return min(reps, key=lambda k: (between[k], tie_order(k))), hops, {}
+        return choose_at(config, step, between), hops, {}
     seconds = {rep: timing.seconds(rep, h, unit, node_rows, local_size) for rep, h in hops.items()}
-    best = min(reps, key=lambda k: (seconds[k], between[k], tie_order(k)))
-    return best, hops, seconds
+    return choose_at(config, step, seconds, ties=between), hops, seconds
 
 
 # -- a whole step, flat against two levels ---------------------------------------------------------------
@@ -156,13 +157,12 @@ def flat_choice(config: DADConfig, unit: LevelUnit, *, step: int, world_size: in
     """The flat route of ``unit`` by predicted time, as the router allows it at step ``step``
     (`router.step_rules`; dense for good after a failed check); returns it, every candidate's
     bytes per rank and its seconds."""
-    config, rules = step_rules(config, step)
-    est = unit_estimates(config, unit.shape, unit.rows_by_rank, world_size, unit.wire_dtype)
+    est = unit_estimates(step_rules(config, step)[0], unit.shape, unit.rows_by_rank, world_size, unit.wire_dtype)
     if unit.dense_only:
         est = {"dense": est["dense"]}
     seconds = timing.route_seconds(est, shape=unit.shape.shape, uses=len(unit.shape.kinds),
                                    rows_by_rank=unit.rows_by_rank, world_size=world_size)
-    return choose(config.mode, seconds, **rules), est, seconds
+    return choose_at(config, step, seconds), est, seconds
 
 
 def compare_levels(config: DADConfig, units: Sequence[LevelUnit], *, step: int, topology: Topology,
