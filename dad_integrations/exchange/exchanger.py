@@ -99,11 +99,10 @@ class Exchanger:
             self.two_level = TwoLevelExchanger(self, levels)
 
     def _await(self, window: StepWindow, i: int, sure: List[bool], dense: DenseBuckets) -> None:
-        """Wait until unit ``i`` is ready. Units sure to go dense that do not fill the open dense
-        bucket need nothing done before the unit that fills it: wait for that one first (then most
-        of those before it are ready too), so that the worker wakes about once per bucket, not once
-        per unit (each wake takes the GIL from the autograd thread). Order and results do not
-        depend on it: every unit is routed in exchange order, once it is ready."""
+        """Wait until unit ``i`` is ready; where the units sure to go dense after it do not fill the
+        open dense bucket, for the unit that fills it first, so that the worker wakes about once per
+        bucket, not per unit (each wake takes the GIL from the autograd thread). Order and results
+        do not depend on it."""
         units = self.plan.units
         j, room = i, dense.room()
         while j + 1 < len(units) and sure[j]:

@@ -1,10 +1,8 @@
 """The two levels of a job, built once at attach: the topology (`comm.topology`), its intra-node
 and cross-node aggregators, each hop's agreed link model, and which local rank owns each unit.
 
-`build_levels` is a collective: it may all-gather the ranks' nodes, it creates the groups (every rank
-enters every group's creation), and by time it measures both hops on every node and every cross
-group at once (as a step loads them), agreeing on the slowest figures. `assign_owners` gives each
-local rank about ``1/L`` of the units' work (largest first, to the least loaded).
+`build_levels` is a collective (it may all-gather the ranks' nodes, every rank enters every
+group's creation, and by time `measure_levels` agrees on the slowest figures).
 """
 from __future__ import annotations
 
@@ -49,9 +47,9 @@ def assign_owners(costs: Sequence[float], local_size: int) -> List[int]:
 
 def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.device) -> Optional[Levels]:
     """The two levels of ``aggregator``'s group at attach, or None where the job is flat (one node,
-    one rank per node, ``topology: "flat"``). Collectives: every rank calls it at the same point.
-    Builds the intra-node and cross-node groups and, by time, measures each hop's link (every node
-    and every cross group at once, as a step loads them) unless ``link`` states them."""
+    one rank per node, ``topology: "flat"``): the intra-node and cross-node groups and, by time,
+    each hop's link (`measure_levels`, unless ``link`` states them). Every rank calls it at the
+    same point."""
     from dad_integrations.comm.link_spec import level_link_specs
     from dad_integrations.comm.topology import level_aggregators, resolve_topology
     from dad_integrations.routing.link import LinkModel
