@@ -68,7 +68,31 @@ class Use:
         return dict(self.__dict__, pairs=[], enabled=False)
 
 
-class ModuleCapture(Use):
+def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A forward hook's first input, positional or keyword."""
+    return args[0] if args else next(iter(kwargs.values()))
+
+
+class CallGrads:
+    """Pairs each call with its own output gradient, through a hook on the output tensor: `on_grad`
+    keeps ``take`` until that gradient arrives; `clear` drops what never got one."""
+
+    _calls = 0
+
+    def on_grad(self, output: torch.Tensor, take: Callable[[torch.Tensor], None]) -> None:
+        """Call ``take(grad)`` (detached) when ``output``'s gradient arrives."""
+        key = self._calls
+        self._calls += 1
+        self._pending[key] = take
+        output.register_hook(functools.partial(self._grad_hook, key))
+
+    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
+        take = self._pending.pop(key, None)
+        if take is not None:
+            take(grad.detach())
+
+
+class ModuleCapture(Use, CallGrads):
     """Collects ``(left, right)`` row pairs of one module's calls: one use (see `layers`), its rows
     from ``rows_of_call(module, input, output_grad)``.
 
@@ -80,8 +104,7 @@ class ModuleCapture(Use):
                  on_forward: Optional[Callable[[], None]] = None):
         super().__init__(name, module, kind)
         self.rows_of_call = rows_of_call
-        self._pending: Dict[int, torch.Tensor] = {}
-        self._calls = 0
+        self._pending: Dict[int, Callable] = {}
         self._on_forward = on_forward
         self.arrived: Optional[Callable[[], None]] = None  # told when a compiled call's rows arrive
         self._key = compiled.register(self._delivered)
@@ -105,16 +128,8 @@ class ModuleCapture(Use):
             self._on_forward()
         if not self.enabled:
             return
-        inputs = args[0] if args else next(iter(kwargs.values()))
-        key = self._calls
-        self._calls += 1
-        self._pending[key] = inputs.detach()
-        output.register_hook(functools.partial(self._grad_hook, key))
-
-    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
-        inputs = self._pending.pop(key, None)
-        if inputs is not None:
-            self.pairs.append(self.rows_of_call(self.module, inputs, grad.detach()))
+        inputs = call_input(args, kwargs).detach()
+        self.on_grad(output, lambda grad: self.pairs.append(self.rows_of_call(self.module, inputs, grad)))
 
     def _compiled_forward(self, args: tuple, kwargs: dict, output: torch.Tensor):
         """The traced hook: the output wrapped so that its backward delivers the rows
@@ -122,8 +137,7 @@ class ModuleCapture(Use):
         flag read while tracing would be guarded on, and every route change would recompile."""
         if getattr(self, "detached", False) or not self.param().requires_grad:
             return None
-        inputs = args[0] if args else next(iter(kwargs.values()))
-        return compiled.tap(self._key, [inputs], [output])[0]
+        return compiled.tap(self._key, [call_input(args, kwargs)], [output])[0]
 
     def _delivered(self, saved: list, grads: list) -> None:
         """A compiled call's input and output gradient (in its backward, eagerly)."""
@@ -156,14 +170,13 @@ class ModuleCapture(Use):
         state["detached"] = True
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
 
-
-class HookedCapture:
+class HookedCapture(CallGrads):
     """Base of a capture whose hooks feed several uses (an attention module's projections, a
     recurrent layer's weights, a grouped convolution's groups): a layer kind's capture subclasses
-    it, registers its hooks through `hook` and calls `opened` at every forward it captures.
+    it, registers its hooks through `hook`, calls `opened` at every forward it captures and pairs
+    calls with their gradients through `on_grad` (eager) or `compiled_key` (compiled: its rows
+    arrive at `_add_delivered`).
 
     Like `ModuleCapture` it pickles detached (hooks that do nothing, no synchroniser), and
     `remove_detached_captures` removes it from a loaded model.
@@ -177,15 +190,26 @@ class HookedCapture:
         self.detached = False
         self.arrived: Optional[Callable[[], None]] = None  # told when a compiled call's rows arrive
         self._key: Optional[torch.Tensor] = None  # a subclass that captures under compile registers one
+        self._pending: Dict[int, Callable] = {}
 
     def compiled_key(self) -> torch.Tensor:
-        """The key of this capture's compiled path (`compiled.tap`), registered on first use: its
-        rows arrive at ``self._delivered(saved, grads)``."""
+        """The key of this capture's compiled path (`compiled.tap`), registered on first use."""
         if self._key is None:
             self._key = compiled.register(self._delivered)
         return self._key
 
-    def _delivered(self, saved: list, grads: list) -> None:  # pragma: no cover - subclasses that tap
+    def _wanted(self) -> bool:
+        """Whether some use keeps rows now."""
+        return any(u.enabled for u in self.uses)
+
+    def _delivered(self, saved: list, grads: list) -> None:
+        """A compiled call's saved tensors and outputs' gradients (in its backward, eagerly)."""
+        if not self.detached and grads[0] is not None and self._wanted():
+            if self.arrived is not None:
+                self.arrived()
+            self._add_delivered(saved, grads)
+
+    def _add_delivered(self, saved: list, grads: list) -> None:  # pragma: no cover - subclasses that tap
         raise NotImplementedError
 
     def hook(self, handle) -> None:
@@ -201,6 +225,7 @@ class HookedCapture:
         """Drop the rows of the window, and whatever waits for a gradient."""
         for u in self.uses:
             u.clear()
+        self._pending.clear()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -210,15 +235,12 @@ class HookedCapture:
         self._key = None
         self.clear()
 
-    transient: tuple = ()  # names of per-step attributes (dicts) a subclass keeps: pickled empty
+    transient: tuple = ("_pending",)  # names of per-step attributes (dicts): pickled empty
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__, _on_forward=None, detached=True, arrived=None, _key=None)
         state.update({k: {} for k in self.transient})
         return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
 
 
 class ForwardStartHook:
@@ -242,9 +264,6 @@ class ForwardStartHook:
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__, _on_forward=None, detached=True)
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
 
 
 def remove_detached_captures(model: nn.Module) -> int:

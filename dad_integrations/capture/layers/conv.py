@@ -35,7 +35,6 @@ for calls whose use is enabled, and released with the step's rows.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Dict, List, Tuple
@@ -45,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dad_integrations.capture import compiled
-from dad_integrations.capture.hooks import HookedCapture, Use
+from dad_integrations.capture.hooks import HookedCapture, Use, call_input
 from dad_integrations.capture.rows import Rows
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
 from dad_integrations.logs import OnceLogger
@@ -112,8 +111,6 @@ class ConvCapture(HookedCapture):
     """The hooks of one convolution: its raw input kept at forward, its rows formed when this
     call's output gradient arrives (paired through the output tensor, not by call order)."""
 
-    transient = ("_pending",)
-
     def __init__(self, name: str, module: nn.Module, on_forward=None):
         g = module.groups
         if g == 1:
@@ -122,8 +119,6 @@ class ConvCapture(HookedCapture):
             h = module.out_channels // g
             self.by_key = {f"g{i}": Use(f"{name}[g{i}]", module, "linear", block=(i * h, h)) for i in range(g)}
         super().__init__(name, module, list(self.by_key.values()), on_forward)
-        self._pending: Dict[int, torch.Tensor] = {}
-        self._calls = 0
         self.compiled_key()
         self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
 
@@ -133,39 +128,21 @@ class ConvCapture(HookedCapture):
             return None
         if not self.uses[0].param().requires_grad:
             return None  # frozen now: no gradient will take these rows
+        x = call_input(args, kwargs)
         if compiled.compiling():  # traced: the rows come from the output's backward (`compiled`)
-            x = args[0] if args else next(iter(kwargs.values()))
             return compiled.tap(self.compiled_key(), [x], [output])[0]
         self.opened()  # also when disabled: the step's window opens here
-        if not any(u.enabled for u in self.uses):
-            return
-        x = args[0] if args else next(iter(kwargs.values()))
-        key = self._calls
-        self._calls += 1
-        self._pending[key] = x.detach()
-        output.register_hook(functools.partial(self._grad_hook, key))
-
-    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
-        x = self._pending.pop(key, None)
-        if x is None:
-            return
-        self._add(x, grad.detach())
+        if self._wanted():
+            x = x.detach()
+            self.on_grad(output, lambda grad: self._add(x, grad))
 
     def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:
         for use, rows in zip(self.uses, conv_rows(self.module, x, grad)):
             if use.enabled:
                 use.pairs.append(rows)
 
-    def _delivered(self, saved: list, grads: list) -> None:
-        """A compiled call's input and output gradient (in its backward, eagerly)."""
-        if not self.detached and grads[0] is not None and any(u.enabled for u in self.uses):
-            if self.arrived is not None:
-                self.arrived()
-            self._add(saved[0], grads[0])
-
-    def clear(self) -> None:
-        super().clear()
-        self._pending.clear()
+    def _add_delivered(self, saved: list, grads: list) -> None:
+        self._add(saved[0], grads[0])
 
 
 @register_kind

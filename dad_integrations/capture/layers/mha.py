@@ -145,8 +145,6 @@ class MHACapture(HookedCapture):
         uses["out_proj"] = Use(f"{name}.out_proj.weight", module, "linear", "out_proj.weight")
         super().__init__(name, module, list(uses.values()), on_forward)
         self.by_key = uses
-        self._pending: Dict[int, Tuple[Use, torch.Tensor]] = {}  # call -> (use, input), until its grad
-        self._calls = 0
         # per thread (the mode stack is thread-local), the modes the pre-hook pushed, one per open call
         self._modes: Dict[int, List[Optional[_LinearCalls]]] = {}
         self._warned = False
@@ -219,20 +217,9 @@ class MHACapture(HookedCapture):
         use = self._use_of(w)
         if use is None or not use.enabled or not w.requires_grad:
             return
-        key = self._calls
-        self._calls += 1
-        self._pending[key] = (use, x.detach())
-        out.register_hook(functools.partial(self._grad_hook, key))
-
-    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            use, x = pending
-            use.pairs.append((grad.detach().reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])))
-
-    def clear(self) -> None:
-        super().clear()
-        self._pending.clear()
+        x = x.detach()
+        self.on_grad(out, lambda grad: use.pairs.append((grad.reshape(-1, grad.shape[-1]),
+                                                         x.reshape(-1, x.shape[-1]))))
 
     def remove(self) -> None:
         super().remove()

@@ -230,6 +230,23 @@ def when_all_grads(tensors: Sequence[torch.Tensor], fn) -> None:
             t.register_hook(functools.partial(inner, i))
 
 
+def _call(args: tuple, kwargs: dict) -> tuple:
+    """A call's input and initial state, ``(x, hx)``."""
+    return (args[0] if args else kwargs["input"]), (args[1] if len(args) > 1 else kwargs.get("hx"))
+
+
+def _pair(state) -> tuple:
+    """``(h, c)`` of an LSTM's state, ``(h, None)`` of the others'."""
+    return state if isinstance(state, tuple) else (state, None)
+
+
+def _replay_order(state: torch.Tensor, unbatched: bool, sorted_idx: Optional[torch.Tensor]) -> torch.Tensor:
+    """A ``(layers, B, H)`` state (or its gradient) as the replay takes it: batched, sequences sorted as packed."""
+    if unbatched:
+        state = state.unsqueeze(1)
+    return state.index_select(1, sorted_idx) if sorted_idx is not None else state
+
+
 def layer_weights(module: nn.RNNBase, k: int) -> Weights:
     """Layer ``k``'s (w_ih, w_hh, b_ih, b_hh), detached (biases None without ``bias``)."""
     def get(name: str) -> Optional[torch.Tensor]:
@@ -276,10 +293,9 @@ class RNNCapture(HookedCapture):
         self.opened()  # also when disabled: the step's window opens here
         if not self._wanted():
             return
-        x = args[0] if args else kwargs["input"]
-        hx = args[1] if len(args) > 1 else kwargs.get("hx")
-        h_n, c_n = state if isinstance(state, tuple) else (state, None)
-        saved = self._saved_call(module, x, hx)
+        x, hx = _call(args, kwargs)
+        h_n, c_n = _pair(state)
+        saved = self._saved_call(module, x, *_pair(hx))
         saved["dtype"] = out_t.dtype  # under autocast the module ran in bf16/fp16: so does the replay
         epoch = self._epoch
         watched = [t for t in (out_t, h_n, c_n) if t is not None]
@@ -297,27 +313,20 @@ class RNNCapture(HookedCapture):
         there, as in eager mode. A ``PackedSequence`` (its batch sizes are data) is not captured
         under compile: its weights' rows are missing, and the first step's check routes them
         from their dense gradients."""
-        x = args[0] if args else kwargs["input"]
+        x, hx = _call(args, kwargs)
         if isinstance(x, PackedSequence):
             return None
-        hx = args[1] if len(args) > 1 else kwargs.get("hx")
-        h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
-        h_n, c_n = state if isinstance(state, tuple) else (state, None)
-        outs = compiled.tap(self.compiled_key(), [x, h0, c0], [t for t in (out, h_n, c_n) if t is not None])
+        h_n, c_n = _pair(state)
+        outs = compiled.tap(self.compiled_key(), [x, *_pair(hx)], [t for t in (out, h_n, c_n) if t is not None])
         return outs[0], ((outs[1], outs[2]) if c_n is not None else outs[1])
 
-    def _delivered(self, saved: list, grads: list) -> None:
+    def _add_delivered(self, saved: list, grads: list) -> None:
         """A compiled call's input, initial states and outputs' gradients (in its backward)."""
-        if self.detached or not self._wanted() or grads[0] is None:
-            return
-        if self.arrived is not None:
-            self.arrived()
-        x, h0, c0 = saved
-        call = self._saved_call(self.module, x, (h0, c0) if self.module.mode == "LSTM" and h0 is not None else h0)
+        call = self._saved_call(self.module, *saved)
         call["dtype"] = grads[0].dtype
         self._append(self.module, call, *(list(grads) + [None])[:3])
 
-    def _saved_call(self, module: nn.RNNBase, x, hx) -> dict:
+    def _saved_call(self, module: nn.RNNBase, x, h0, c0) -> dict:
         """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H)."""
         layers, hidden = module.num_layers, module.hidden_size
         sorted_idx = None
@@ -333,18 +342,8 @@ class RNNCapture(HookedCapture):
             else:
                 steps, batch = x.shape[0], x.shape[1]
             sizes = [batch] * steps
-        h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
-        states = []
-        for s in (h0, c0) if module.mode == "LSTM" else (h0,):
-            if s is None:
-                s = rows.new_zeros(layers, batch, hidden)
-            else:
-                s = s.detach()
-                if unbatched:
-                    s = s.unsqueeze(1)
-                if sorted_idx is not None:
-                    s = s.index_select(1, sorted_idx)
-            states.append(s)
+        states = [_replay_order(s.detach(), unbatched, sorted_idx) if s is not None
+                  else rows.new_zeros(layers, batch, hidden) for s in ((h0, c0) if module.mode == "LSTM" else (h0,))]
         return {"rows": rows.detach(), "packed": isinstance(x, PackedSequence), "sizes": sizes,
                 "sorted": sorted_idx, "unbatched": unbatched,
                 "h0": states[0], "c0": states[1] if len(states) > 1 else None,
@@ -368,14 +367,8 @@ class RNNCapture(HookedCapture):
         x = saved["rows"]
         if not saved["packed"]:  # input and output gradient as time-major rows
             x, g_out = (self._time_major(module, t, unbatched) for t in (x, g_out))
-        finals = []
-        for g in (g_hn, g_cn):
-            if g is not None:
-                if unbatched:
-                    g = g.unsqueeze(1)
-                if sorted_idx is not None:  # the module returned the states in the caller's order
-                    g = g.index_select(1, sorted_idx)
-            finals.append(g)
+        # (the module returned the final states in the caller's order)
+        finals = [None if g is None else _replay_order(g, unbatched, sorted_idx) for g in (g_hn, g_cn)]
         dt = saved["dtype"]
         weights = [tuple(w.to(dt) if w is not None else None for w in ws) for ws in saved["weights"]]
         c0 = saved["c0"].to(dt) if saved["c0"] is not None else None
