@@ -43,12 +43,13 @@ class Traffic:
     calls: int = 0
 
     def __add__(self, other: "Traffic") -> "Traffic":
-        return Traffic(self.handed + other.handed, self.sent + other.sent,
-                       self.received + other.received, self.calls + other.calls)
+        return Traffic(*(a + b for a, b in zip(self._values(), other._values())))
 
     def __sub__(self, other: "Traffic") -> "Traffic":
-        return Traffic(self.handed - other.handed, self.sent - other.sent,
-                       self.received - other.received, self.calls - other.calls)
+        return Traffic(*(a - b for a, b in zip(self._values(), other._values())))
+
+    def _values(self) -> Tuple[float, float, float, int]:
+        return self.handed, self.sent, self.received, self.calls
 
     def copy(self) -> "Traffic":
         return Traffic(self.handed, self.sent, self.received, self.calls)
@@ -131,6 +132,9 @@ class FactorAggregator(ABC):
         """
         if first_dims is not None and len(first_dims) != self.world_size:
             raise ValueError(f"first_dims has {len(first_dims)} entries for {self.world_size} ranks")
+        if first_dims is not None and first_dims[self.rank] != tensor.shape[0]:
+            raise ValueError(f"{name}: first_dims says {first_dims[self.rank]} rows for this rank, "
+                             f"the tensor has {tensor.shape[0]}")
         return self._guarded("all_gather", name, lambda: self._all_gather(
             tensor, name, None if first_dims is None else list(first_dims)))
 
@@ -259,10 +263,6 @@ class FactorAggregator(ABC):
         received = (sum(recv_sizes) - recv_sizes[me]) * itemsize
         return self._count(Traffic(handed=sum(send_sizes) * itemsize, sent=sent, received=received, calls=1))
 
-    def _count_all_to_all(self, nbytes: float) -> Traffic:
-        """Count an all-to-all of ``nbytes`` handed (``1/S`` of it stays on this rank)."""
-        wire = (self.world_size - 1) / self.world_size * nbytes
-        return self._count(Traffic(handed=nbytes, sent=wire, received=wire, calls=1))
 
     def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> Traffic:
         """Count a ring all-gather in which rank s contributes ``nbytes_per_rank[s]`` bytes;
@@ -271,11 +271,11 @@ class FactorAggregator(ABC):
         others = sum(nbytes_per_rank) - own
         return self._count(Traffic(handed=own, sent=own * (self.world_size - 1), received=others, calls=1))
 
-    def _count_all_reduce(self, nbytes: float) -> Traffic:
-        """Count a ring all-reduce of ``nbytes``; returns that call's traffic (also added to the
-        running sum)."""
-        wire = ring_allreduce_bytes(nbytes, self.world_size)
-        return self._count(Traffic(handed=nbytes, sent=wire, received=wire, calls=1))
+    def _count_all_reduce(self, nbytes: float, kind: str = "all_reduce") -> Traffic:
+        """Count a ring all-reduce (or a collective of another `wire_bytes` ``kind``) of ``nbytes``
+        handed; returns that call's traffic (also added to the running sum)."""
+        sent, received = wire_bytes(kind, nbytes, self.world_size)
+        return self._count(Traffic(handed=nbytes, sent=sent, received=received, calls=1))
 
     def _count(self, call: Traffic) -> Traffic:
         with self._lock:
@@ -286,6 +286,32 @@ class FactorAggregator(ABC):
 def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``."""
     return 2.0 * (world_size - 1) / world_size * nbytes
+
+
+def wire_bytes(kind: str, nbytes: float, world_size: int) -> Tuple[float, float]:
+    """(sent, received) bytes of one rank for a collective of ``kind`` handed ``nbytes``: ring
+    models (`CollectiveCounter`'s kinds; an all-to-all keeps ``1/S`` on this rank)."""
+    s = max(int(world_size), 1)
+    if kind == "all_reduce":
+        w = ring_allreduce_bytes(nbytes, s)
+    elif kind == "all_gather":
+        w = float((s - 1) * nbytes)
+    elif kind in ("reduce_scatter", "all_to_all"):
+        w = (s - 1) / s * nbytes
+    elif kind in ("broadcast", "reduce"):
+        w = float(nbytes) if s > 1 else 0.0
+    else:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    return w, w
+
+
+def _finish(work: Any, result: Callable[[], Any]) -> Callable[[], Any]:
+    """A handle's ``finish``: wait for the engine's ``work`` (None: done already), then ``result()``."""
+    def finish() -> Any:
+        if work is not None:
+            work.wait()
+        return result()
+    return finish
 
 
 class EqualSizeAggregator(FactorAggregator):
@@ -319,25 +345,13 @@ class EqualSizeAggregator(FactorAggregator):
         out = tensor.new_empty(sum(recv_sizes))
         traffic = self._count_all_to_all_v(tensor.element_size(), send_sizes, recv_sizes)
         work = self._engine_all_to_all_v(out, tensor, recv_sizes, send_sizes, async_op=True)
-
-        def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            return out
-
-        return CommHandle(finish, traffic)
+        return CommHandle(_finish(work, lambda: out), traffic)
 
     def _all_to_all(self, tensor: torch.Tensor, name: str) -> CommHandle:
         out = torch.empty_like(tensor)
-        traffic = self._count_all_to_all(tensor.numel() * tensor.element_size())
+        traffic = self._count_all_reduce(tensor.numel() * tensor.element_size(), "all_to_all")
         work = self._engine_all_to_all(out, tensor, async_op=True)
-
-        def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            return out
-
-        return CommHandle(finish, traffic)
+        return CommHandle(_finish(work, lambda: out), traffic)
 
     def _gather_equal(self, out: List[torch.Tensor], tensor: torch.Tensor,
                       async_op: bool = False) -> Tuple[Any, Traffic]:
@@ -357,32 +371,15 @@ class EqualSizeAggregator(FactorAggregator):
         traffic = Traffic()
         if first_dims is None:
             first_dims, traffic = self._exchange_first_dims(tensor)
-        elif first_dims[self.rank] != tensor.shape[0]:
-            raise ValueError(f"{name}: first_dims says {first_dims[self.rank]} rows for this rank, "
-                             f"the tensor has {tensor.shape[0]}")
         longest = max(first_dims)
         if tensor.shape[0] < longest:
             pad = tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))
             tensor = torch.cat([tensor, pad])
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         work, gathered = self._gather_equal(out, tensor, async_op=True)
-
-        def finish() -> List[torch.Tensor]:
-            if work is not None:
-                work.wait()
-            return [t[:n] for t, n in zip(out, first_dims)]
-
-        return CommHandle(finish, traffic + gathered)
+        return CommHandle(_finish(work, lambda: [t[:n] for t, n in zip(out, first_dims)]), traffic + gathered)
 
     def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle:
         traffic = self._count_all_reduce(tensor.numel() * tensor.element_size())
         work = self._engine_all_reduce(tensor, async_op=True)
-
-        def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            if op == "mean":
-                tensor.div_(self.world_size)
-            return tensor
-
-        return CommHandle(finish, traffic)
+        return CommHandle(_finish(work, lambda: tensor.div_(self.world_size) if op == "mean" else tensor), traffic)

@@ -25,7 +25,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
-from dad_integrations.comm.aggregator import Traffic
+from dad_integrations.comm.aggregator import Traffic, wire_bytes
 
 __all__ = ["ALL_GROUPS", "Collective", "CollectiveCounter", "NAMESPACES"]
 
@@ -62,18 +62,14 @@ TORCH_DISTRIBUTED: Dict[str, Collective] = {
     "reduce": _c("reduce", 0, "tensor", 3),
 }
 
+# ``deepspeed.comm`` mirrors torch.distributed, with keywords of its own and two helpers
 DEEPSPEED_COMM: Dict[str, Collective] = {
-    "all_reduce": _c("all_reduce", 0, "tensor", 2),
-    "all_reduce_coalesced": _c("all_reduce", 0, "tensors", 2),
-    "all_gather": _c("all_gather", 1, "tensor", 2),
+    **{name: c for name, c in TORCH_DISTRIBUTED.items() if name != "all_gather_coalesced"},
     "all_gather_into_tensor": _c("all_gather", 1, "tensor", 2),
     "allgather_fn": _c("all_gather", 1, "input_tensor", 2),
-    "reduce_scatter": _c("reduce_scatter", 1, "input_list", 3),
     "reduce_scatter_tensor": _c("reduce_scatter", 1, "tensor", 3),
     "reduce_scatter_fn": _c("reduce_scatter", 1, "tensor", 3),
     "all_to_all_single": _c("all_to_all", 1, "tensor", 4),
-    "broadcast": _c("broadcast", 0, "tensor", 2),
-    "reduce": _c("reduce", 0, "tensor", 3),
 }
 
 HOROVOD_TORCH: Dict[str, Collective] = {
@@ -127,22 +123,6 @@ def _nbytes(given: Any) -> int:
     tensors = given if isinstance(given, (list, tuple)) else [given]
     # duck-typed: no torch import needed, and non-tensors (None, ints) count nothing
     return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
-
-
-def wire_bytes(kind: str, nbytes: float, world_size: int) -> Tuple[float, float]:
-    """(sent, received) bytes of one rank for a collective of ``kind`` handed ``nbytes``."""
-    s = max(int(world_size), 1)
-    if kind == "all_reduce":
-        w = 2.0 * (s - 1) / s * nbytes
-    elif kind == "all_gather":
-        w = float((s - 1) * nbytes)
-    elif kind in ("reduce_scatter", "all_to_all"):
-        w = (s - 1) / s * nbytes
-    elif kind in ("broadcast", "reduce"):
-        w = float(nbytes) if s > 1 else 0.0
-    else:
-        raise ValueError(f"unknown collective kind {kind!r}")
-    return w, w
 
 
 class CollectiveCounter:
