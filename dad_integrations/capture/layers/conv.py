@@ -1,37 +1,20 @@
 """``nn.Conv1d``/``Conv2d``/``Conv3d``: ``dW = D^T unfold(X)``, one row per image and output position.
 
-A convolution is a linear map applied at every output position ``l`` to the input patch under the
-kernel there. With the weight viewed as its matrix (PowerSGD's ``view(C_out, -1)``, columns
-``C_in/g x k_1 x ... x k_d``, channel-major), the patch is a row of the *unfolded* input (im2col)
-in the same column order, and
+A convolution is a linear map applied at every output position to the input patch under the
+kernel. With the weight viewed as its matrix (PowerSGD's ``view(C_out, -1)``, columns
+``C_in/g x k_1 x ... x k_d``), the patch is a row of the *unfolded* input (im2col) in the same
+column order, so a conv is the ``linear`` row layout with ``rows = images x output positions``:
+``D: (N L, C_out)``, ``X: (N L, C_in/g * prod(k))``, ``db = sum D``.
 
-    dW = sum_{n,l} d_{n,l} x_{n,l}^T = D^T X        D: (N L, C_out),  X: (N L, C_in/g * prod(k))
-    db = sum_{n,l} d_{n,l}
+The unfold pads the input exactly as the module does (`pad_like_module`: int/tuple, ``"valid"``,
+``"same"`` and non-zero ``padding_mode``), then windows each spatial dimension with
+``Tensor.unfold``. A grouped convolution (``groups = G``) is G independent ones: G uses
+``"g0"`` .. ``"g{G-1}"``, each a row block of the weight with the unfold of its own input channels,
+and a split bias. Depthwise convolutions and more than `MAX_GROUPS` groups are not claimed (their
+rows never shrink with G while the gradient does): the coverage floor takes them.
 
-so a conv is the ``linear`` row layout with ``rows = images x output positions``. Exact factors
-cost ``N L (C_out + C_in/g prod(k))`` numbers against the gradient's ``C_out C_in/g prod(k)``:
-they pay only where few images and few output positions meet many channels (late layers, one or
-two images per rank); the router weighs that per step.
-
-The unfold pads the input exactly as the module does: ``_reversed_padding_repeated_twice`` holds
-the padding of an int/tuple ``padding``, of ``"valid"`` (none) and of ``"same"`` (asymmetric,
-the extra one at the end, as ATen pads it), and a ``padding_mode`` other than zeros (reflect,
-replicate, circular) pads with that mode before a padding-free convolution. Then each spatial
-dimension is windowed with ``Tensor.unfold`` (window ``dilation (k-1) + 1`` at step ``stride``,
-every ``dilation``-th tap kept) and one permute/reshape copy lays the rows out.
-
-Grouped convolutions (``groups = G``) are G independent convolutions: group g's output channels
-are the row block ``(g C_out/G, C_out/G)`` of the matrix view and its right rows the unfold of
-its own input channels only (split first, as BackPACK does). So a grouped conv has G uses,
-``"g0"`` .. ``"g{G-1}"``, and a split bias. Its rows do not shrink with G while its gradient
-does (``C_out C_in k / G``): exact pays only below ``C_out/G`` rows. Depthwise convolutions
-(one input channel per group) and more than `MAX_GROUPS` groups are not claimed: their weight
-falls to the coverage floor (dense or rank routes from its dense gradient), as costs would always
-rule out exact factors while capture would still unfold every input.
-
-Memory: the forward hook keeps a reference to the raw input (autograd keeps it for the weight
-gradient anyway); the k-times larger unfolded rows are formed at the output-gradient hook, only
-for calls whose use is enabled, and released with the step's rows.
+Memory: the forward hook keeps a reference to the raw input (autograd keeps it anyway); the
+unfolded rows are formed at the output-gradient hook, only for enabled uses.
 """
 from __future__ import annotations
 
