@@ -1,14 +1,11 @@
 """`FactorAggregator`: the only way dAD algorithms talk to a communication engine.
 
-A backend (torch.distributed, Horovod, DeepSpeed) is a small adapter over one engine's collectives.
-The algorithms need four things: all-gather of rows whose first dimension differs per rank,
-all-reduce, rank / world size, and the bytes each call put on the wire (for the step report).
-The sharded codecs need a fifth, an all-to-all (FSDP2: equal blocks; ZeRO's element ranges:
-`all_to_all_v`, blocks of agreed, different sizes), which backends may leave out.
-Backends count bytes themselves because only they know what they really handed to the engine
-(padding, size exchanges); each handle carries its own collective's bytes (`CommHandle.traffic`).
-A collective that fails, when issued or waited on, raises `comm.errors.CollectiveError` (the
-engine's exception chained), for every backend alike: the public calls here wrap the backends'.
+A backend (torch.distributed, Horovod, DeepSpeed) is a small adapter over one engine's collectives:
+all-gather of rows whose first dimension differs per rank, all-reduce, rank / world size and,
+optionally, all-to-all (equal blocks, or `all_to_all_v`'s agreed sizes) for the sharded codecs.
+Backends count the bytes they really hand to the engine (padding, size exchanges); each handle
+carries its own collective's bytes (`CommHandle.traffic`). A failing collective raises
+`comm.errors.CollectiveError` for every backend alike: the public calls here wrap the backends'.
 """
 from __future__ import annotations
 
@@ -28,14 +25,9 @@ REDUCE_OPS = ("sum", "mean")
 
 @dataclass
 class Traffic:
-    """Bytes of one collective (a handle's ``traffic``) or the running sum of an aggregator's.
-
-    handed: bytes of the tensors handed to the engine's collectives (padding included).
-    sent / received: bytes this rank puts on / takes off the wire, for ring algorithms:
-    an all-gather of b bytes per rank sends and receives ``(S-1) * b``; an all-reduce of b bytes
-    sends and receives ``2 (S-1)/S * b``.
-    calls: number of collectives issued.
-    """
+    """Bytes of one collective (a handle's ``traffic``) or the running sum of an aggregator's:
+    ``handed`` to the engine (padding included), ``sent`` / ``received`` on the wire by this rank
+    (ring algorithms: `wire_bytes`), and the number of ``calls``."""
 
     handed: float = 0.0
     sent: float = 0.0
@@ -62,10 +54,9 @@ class Traffic:
 class CommHandle:
     """An in-flight collective. `wait()` blocks until it is done and returns its result.
 
-    ``traffic`` holds the bytes of exactly this collective, including any size exchange the
-    backend issued for it. Attribute bytes to a span of work by adding up its handles' ``traffic``:
-    unlike the difference of two `FactorAggregator.traffic` snapshots, that cannot pick up
-    collectives another thread issued in between.
+    ``traffic`` holds the bytes of exactly this collective (any size exchange included): add up
+    handles' ``traffic`` to attribute bytes to a span of work (snapshots of
+    `FactorAggregator.traffic` also hold what other threads issued in between).
     """
 
     def __init__(self, finish: Callable[[], Any], traffic: Optional[Traffic] = None):
@@ -195,11 +186,7 @@ class FactorAggregator(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot make subgroups: set topology to 'flat'")
 
     def traffic(self) -> Traffic:
-        """A snapshot of the bytes counted so far, over all collectives of every thread.
-
-        To attribute bytes to particular collectives read their handles' ``traffic``: the
-        difference of two snapshots also holds whatever other threads issued in between.
-        """
+        """A snapshot of the bytes counted so far, over all collectives of every thread (see `CommHandle`)."""
         with self._lock:
             return self._traffic.copy()
 

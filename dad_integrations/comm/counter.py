@@ -1,22 +1,14 @@
 """`CollectiveCounter`: bytes handed to an engine's collectives, counted at the engine's own API.
 
-A check of dAD's byte accounting (or a baseline's, in the benchmarks) needs the sizes of the
-tensors that really reached the engine. The counter wraps the collective functions of one module
-namespace — ``torch.distributed``, ``deepspeed.comm`` or ``horovod.torch`` — by name, so it sees
-every caller that looks them up on that module at call time (dAD's backends, DDP's communication
-hooks, DeepSpeed's engine). It never imports an engine: the caller passes the module object.
+The counter wraps the collective functions of one module namespace (``torch.distributed``,
+``deepspeed.comm`` or ``horovod.torch``) by name, so it sees every caller that looks them up on
+that module at call time (dAD's backends, DDP's hooks, DeepSpeed's engine); it never imports an
+engine. Wire bytes follow `comm.aggregator.wire_bytes` (Horovod's all-gather of different sizes
+per rank: received bytes assume the others' size is ours).
 
-    import torch.distributed as dist
-    with CollectiveCounter(dist) as counter:
+    with CollectiveCounter(torch.distributed) as counter:
         ...                                           # a training step
-    counter.traffic().handed                          # every group
-    counter.traffic(group=aggregator.group).sent      # one group only
-
-Wire bytes follow the ring model of `dad_integrations.comm.aggregator`: an all-reduce of b bytes sends
-and receives ``2 (S-1)/S b`` per rank, an all-gather of b bytes per rank ``(S-1) b`` (Horovod's
-all-gather of different sizes per rank: the received bytes assume the others' size is ours), a
-reduce-scatter or all-to-all of b bytes ``(S-1)/S b``; a broadcast or reduce is counted as a
-pipelined chain, b each way.
+    counter.traffic(group=aggregator.group).sent      # one group only (default: every group)
 """
 from __future__ import annotations
 

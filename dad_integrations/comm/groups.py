@@ -1,11 +1,8 @@
 """Process groups for dAD that keep the user's timeout.
 
-dAD's collectives run on a background thread while backward runs, so they get a process group of
-their own (on a shared group they could interleave with the user's or the engine's collectives in
-a different order on different ranks). ``torch.distributed.new_group`` without ``timeout=`` gives
-that group torch's default (30 minutes for gloo, 10 for NCCL), not the timeout the user passed to
-``init_process_group``: with one rank stalled, DDP fails after the user's timeout, dAD would block
-for half an hour. `new_group_like` creates the group with the timeout of the group it stands in for.
+dAD's collectives run on a background thread, so they get a group of their own. ``new_group``
+without ``timeout=`` gives it torch's default (30 min for gloo), not ``init_process_group``'s:
+`new_group_like` creates it with the timeout of the group it stands in for.
 """
 from __future__ import annotations
 
