@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from dad_integrations.capture.hooks import Use
+from dad_integrations.capture.hooks import Use, owner_of
 from dad_integrations.capture.layers import Claim, LayerKind, kind_of, registered_kinds
 from dad_integrations.capture.units import BiasUse, FactorUnit, SyncPlan, param_shape
 from dad_integrations.config import DADConfig
@@ -166,22 +166,14 @@ def _rides_as_bias(p: nn.Parameter, name: str, regs, claimed: Claims, captures, 
     return False
 
 
-def _owner(module: nn.Module, attr: str) -> Tuple[Optional[nn.Module], str]:
-    """The module that holds dotted ``attr`` from ``module`` (None: no such path), and its last name."""
-    *path, leaf = attr.split(".")
-    for part in path:
-        module = getattr(module, part, None)
-    return module, leaf
-
-
 def _is_parameter(module: nn.Module, attr: str) -> bool:
     """Whether dotted ``attr`` from ``module`` names a registered parameter (not one computed in
     forward by a parametrization or a hook, as ``weight_norm`` does)."""
-    owner, leaf = _owner(module, attr)
+    owner, leaf = owner_of(module, attr)
     return isinstance(owner, nn.Module) and owner._parameters.get(leaf) is not None
 
 
 def _registration(module: nn.Module, attr: str) -> Tuple[int, str]:
     """The (id(owner module), attribute) of the parameter at dotted ``attr`` from ``module``."""
-    owner, leaf = _owner(module, attr)
+    owner, leaf = owner_of(module, attr)
     return id(owner), leaf

@@ -10,7 +10,7 @@ traces, the same hooks take the compiled path (`compiled`), feeding the same ``p
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -21,13 +21,19 @@ from dad_integrations.capture.rows import Block, Rows
 RowsOfCall = Callable[[nn.Module, torch.Tensor, torch.Tensor], Rows]
 
 
+def owner_of(module: nn.Module, attr: str) -> Tuple[Optional[nn.Module], str]:
+    """The module holding dotted ``attr`` from ``module`` (None: no such path), and its last name."""
+    *path, leaf = attr.split(".")
+    for part in path:
+        module = getattr(module, part, None)
+    return module, leaf
+
+
 def resolve(module: nn.Module, attr: str) -> torch.Tensor:
     """The tensor at dotted path ``attr`` from ``module`` (``"out_proj.weight"``), looked up now:
     under FSDP2 a module holds its unsharded parameters only while its forward runs."""
-    obj = module
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    owner, leaf = owner_of(module, attr)
+    return getattr(owner, leaf)
 
 
 class Use:
@@ -51,8 +57,9 @@ class Use:
         return resolve(self.module, attr) if "." in attr else getattr(self.module, attr)
 
     def take(self) -> List[Rows]:
-        """The window's pairs; clears them."""
-        pairs, self.pairs = self.pairs, []
+        """The window's pairs; clears them (a capture: and drops inputs that never got a gradient)."""
+        pairs = self.pairs
+        self.clear()
         return pairs
 
     def clear(self) -> None:
@@ -190,12 +197,6 @@ class ModuleCapture(HookedCapture, Use):
 
     def _add_delivered(self, saved: list, grads: list) -> None:
         self.pairs.append(self.rows_of_call(self.module, saved[0], grads[0]))
-
-    def take(self) -> List[Rows]:
-        """The window's pairs; clears them and drops inputs that never got a gradient."""
-        pairs = self.pairs
-        self.clear()
-        return pairs
 
     def clear(self) -> None:
         self.pairs = []

@@ -64,24 +64,17 @@ DEEPSPEED_COMM: Dict[str, Collective] = {
     "all_to_all_single": _c("all_to_all", 1, "tensor", 4),
 }
 
+def _horovod(name: str, kind: str, arg: str, group_index: int, variants: Tuple[str, ...]) -> Dict[str, Collective]:
+    """Horovod's ``name`` and its in-place / async variants (``name + suffix``)."""
+    return {name + v: _c(kind, 0, arg, group_index, "process_set") for v in variants}
+
+
 HOROVOD_TORCH: Dict[str, Collective] = {
-    name: _c(kind, 0, arg, ps, "process_set") for name, kind, arg, ps in (
-        ("allreduce", "all_reduce", "tensor", 6),
-        ("allreduce_", "all_reduce", "tensor", 6),
-        ("allreduce_async", "all_reduce", "tensor", 6),
-        ("allreduce_async_", "all_reduce", "tensor", 6),
-        ("grouped_allreduce", "all_reduce", "tensors", 6),
-        ("grouped_allreduce_async", "all_reduce", "tensors", 6),
-        ("grouped_allreduce_async_", "all_reduce", "tensors", 6),
-        ("allgather", "all_gather", "tensor", 2),
-        ("allgather_async", "all_gather", "tensor", 2),
-        ("broadcast", "broadcast", "tensor", 3),
-        ("broadcast_", "broadcast", "tensor", 3),
-        ("broadcast_async", "broadcast", "tensor", 3),
-        ("broadcast_async_", "broadcast", "tensor", 3),
-        ("reducescatter", "reduce_scatter", "tensor", 3),
-        ("reducescatter_async", "reduce_scatter", "tensor", 3),
-    )
+    **_horovod("allreduce", "all_reduce", "tensor", 6, ("", "_", "_async", "_async_")),
+    **_horovod("grouped_allreduce", "all_reduce", "tensors", 6, ("", "_async", "_async_")),
+    **_horovod("allgather", "all_gather", "tensor", 2, ("", "_async")),
+    **_horovod("broadcast", "broadcast", "tensor", 3, ("", "_", "_async", "_async_")),
+    **_horovod("reducescatter", "reduce_scatter", "tensor", 3, ("", "_async")),
 }
 
 
@@ -127,10 +120,9 @@ class CollectiveCounter:
             Names the module lacks are skipped.
         world_size: ``(module, group) -> size`` of a group; None takes the one for the module.
 
-    Wrapping starts at `install` (or entering a ``with`` block) and ends at `uninstall` (or its
-    end); the counts stay readable after. Counting is thread-safe; a collective called from inside
-    another wrapped one (an engine's helper built on its own primitives) is counted once, as the
-    outer call. Groups are told apart by identity as the caller passed them (None: the default).
+    Wrapping lasts from `install` to `uninstall` (or a ``with`` block); the counts stay readable
+    after. Counting is thread-safe; a collective called from inside another wrapped one is counted
+    once, as the outer call. Groups are told apart by identity (None: the default).
     """
 
     def __init__(self, module: Any, table: Optional[Mapping[str, Collective]] = None,

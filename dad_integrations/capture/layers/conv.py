@@ -90,17 +90,22 @@ def claims_groups(module: nn.Module) -> bool:
     return g == 1 or (g <= MAX_GROUPS and module.in_channels // g > 1 and module.out_channels // g > 1)
 
 
+def _keys(module: nn.Module) -> Tuple[str, ...]:
+    """The uses of a conv: ``"weight"``, or one per group, ``"g0"`` .. ``"g{G-1}"``."""
+    return ("weight",) if module.groups == 1 else tuple(f"g{i}" for i in range(module.groups))
+
+
 class ConvCapture(HookedCapture):
     """The hooks of one convolution: its raw input kept at forward, its rows formed when this
     call's output gradient arrives (paired through the output tensor, not by call order)."""
 
     def __init__(self, name: str, module: nn.Module, on_forward=None):
-        g = module.groups
-        if g == 1:
+        if module.groups == 1:
             self.by_key: Dict[str, Use] = {"weight": Use(name, module, "linear")}
         else:
-            h = module.out_channels // g
-            self.by_key = {f"g{i}": Use(f"{name}[g{i}]", module, "linear", block=(i * h, h)) for i in range(g)}
+            h = module.out_channels // module.groups
+            self.by_key = {k: Use(f"{name}[{k}]", module, "linear", block=(i * h, h))
+                           for i, k in enumerate(_keys(module))}
         super().__init__(name, module, list(self.by_key.values()), on_forward)
         self.compiled_key()
         self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
@@ -145,8 +150,7 @@ class ConvKind(LayerKind):
         return True
 
     def claims(self, module: nn.Module) -> List[Claim]:
-        g = module.groups
-        keys: Tuple[str, ...] = ("weight",) if g == 1 else tuple(f"g{i}" for i in range(g))
+        keys = _keys(module)
         out = [Claim("weight", uses=keys)]
         if module.bias is not None:
             out.append(Claim("bias", uses=keys, bias=True))  # split in the weight's row blocks

@@ -262,8 +262,7 @@ class RNNCapture(HookedCapture):
             return
         x, hx = _call(args, kwargs)
         h_n, c_n = _pair(state)
-        saved = self._saved_call(module, x, *_pair(hx))
-        saved["dtype"] = out_t.dtype  # under autocast the module ran in bf16/fp16: so does the replay
+        saved = self._saved_call(module, x, *_pair(hx), out_t.dtype)  # (autocast: the replay's dtype too)
         epoch = self._epoch
         watched = [t for t in (out_t, h_n, c_n) if t is not None]
 
@@ -287,12 +286,12 @@ class RNNCapture(HookedCapture):
 
     def _add_delivered(self, saved: list, grads: list) -> None:
         """A compiled call's input, initial states and outputs' gradients (in its backward)."""
-        call = self._saved_call(self.module, *saved)
-        call["dtype"] = grads[0].dtype
+        call = self._saved_call(self.module, *saved, grads[0].dtype)
         self._append(self.module, call, *(list(grads) + [None])[:3])
 
-    def _saved_call(self, module: nn.RNNBase, x, h0, c0) -> dict:
-        """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H)."""
+    def _saved_call(self, module: nn.RNNBase, x, h0, c0, dtype: torch.dtype) -> dict:
+        """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H), and
+        the ``dtype`` the module ran in (under autocast bf16/fp16: so does the replay)."""
         layers, hidden = module.num_layers, module.hidden_size
         sorted_idx = None
         if isinstance(x, PackedSequence):
@@ -309,7 +308,7 @@ class RNNCapture(HookedCapture):
             sizes = [batch] * steps
         states = [_replay_order(s.detach(), unbatched, sorted_idx) if s is not None
                   else rows.new_zeros(layers, batch, hidden) for s in ((h0, c0) if module.mode == "LSTM" else (h0,))]
-        return {"rows": rows.detach(), "packed": isinstance(x, PackedSequence), "sizes": sizes,
+        return {"rows": rows.detach(), "packed": isinstance(x, PackedSequence), "sizes": sizes, "dtype": dtype,
                 "sorted": sorted_idx, "unbatched": unbatched,
                 "h0": states[0], "c0": states[1] if len(states) > 1 else None,
                 "weights": [layer_weights(module, k) for k in range(layers)]}
