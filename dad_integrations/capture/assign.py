@@ -23,16 +23,10 @@ _log_once = OnceLogger(log, level=logging.INFO)
 
 
 def build_plan(model: nn.Module, config: DADConfig, on_forward=None, compiled: bool = False) -> SyncPlan:
-    """Assign every trainable parameter of ``model`` to a factor unit or to the dense path.
-
-    Kinds claim parameters by priority (`layers.registry`); a parameter is a factor unit when
-    every registration of it is claimed as a weight (GPT-2's tied ``wte``/``lm_head``: an embedding
-    use and a linear use). Other parameters with two or more dimensions become units without uses
-    (``uncaptured_matrices="rank"``): their dense gradient takes the rank routes, as PowerSGD's
-    does. A bias rides with its use's unit where that use covers the whole weight. With
-    ``compiled`` (the model runs under ``torch.compile``), kinds that cannot capture while dynamo
-    traces (``LayerKind.compiles`` False) claim nothing: their weights take those same routes.
-    """
+    """Assign every trainable parameter of ``model`` to a factor unit or to the dense path (the rules:
+    `capture.units`). A bias rides with its use's unit where that use covers the whole weight. With
+    ``compiled``, kinds that cannot capture while dynamo traces (``LayerKind.compiles`` False) claim
+    nothing: their weights become units without uses."""
     names: Dict[int, str] = {}
     trainable: List[nn.Parameter] = []
     for name, p in model.named_parameters():

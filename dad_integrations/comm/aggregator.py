@@ -302,13 +302,10 @@ def _finish(work: Any, result: Callable[[], Any]) -> Callable[[], Any]:
 
 
 class EqualSizeAggregator(FactorAggregator):
-    """A backend whose collectives need equal sizes on every rank (gloo's and NCCL's all-gather).
-
-    Rows of different lengths are padded to the longest after an exchange of sizes (skipped when
-    the caller passes ``first_dims``). Subclasses give the engine's two calls,
-    `_engine_all_gather` and `_engine_all_reduce`; every byte the backend moves passes through
-    them, and they are counted here.
-    """
+    """A backend whose collectives need equal sizes on every rank (gloo's and NCCL's all-gather):
+    rows are padded to the longest after an exchange of sizes (none with ``first_dims``).
+    Subclasses give the engine's calls (`_engine_all_gather`, `_engine_all_reduce`, optionally the
+    all-to-alls); every byte the backend moves passes through them, counted here."""
 
     @abstractmethod
     def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):

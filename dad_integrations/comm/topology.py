@@ -104,14 +104,9 @@ def _host_key() -> int:
 
 
 def resolve_topology(spec: Any, aggregator: Any, device: torch.device) -> Topology:
-    """The topology of ``aggregator``'s group under the config's ``topology`` ``spec``; a collective
-    (one all-gather) for ``"auto"``, so every rank calls it at the same point.
-
-    ``"auto"``: every rank's launcher hint (`FactorAggregator.topology_hint`: its node index and the
-    ranks per node) where every rank has one, else the hostnames; the result is checked (every node
-    the same size) and is the same on every rank, since every rank decides on the same gathered
-    table.
-    """
+    """The topology of ``aggregator``'s group under the config's ``topology`` ``spec``; for ``"auto"``
+    one all-gather (every rank calls it at the same point) of the launcher hints where every rank
+    has one, else of the hostnames: every rank decides, and checks, on the same table."""
     spec = parse_topology(spec)
     s, rank = aggregator.world_size, aggregator.rank
     if spec == "flat" or s == 1:
