@@ -205,51 +205,35 @@ class DADConfig:
 
     def validate(self) -> None:
         """Raise `ValueError` naming the first bad key."""
-        if self.mode not in MODES:
-            raise ValueError(f"dad config key 'mode': {self.mode!r} is not one of {MODES}")
-        if self.rank is not None and (_not_int(self.rank) or self.rank < 1):
-            raise ValueError(f"dad config key 'rank': must be a positive integer or None, got {self.rank!r}")
+        for key, choices in _CHOICES.items():
+            value = getattr(self, key)
+            if value not in choices:
+                raise ValueError(f"dad config key {key!r}: {value!r}{_source(key, value)} is not one of {choices}")
+        for key, (least, optional) in _INTEGERS.items():
+            value = getattr(self, key)
+            if not (optional and value is None) and (_not_int(value) or value < least):
+                allowed = f"an integer >= {least}{' or None' if optional else ''}"
+                raise ValueError(f"dad config key {key!r}: must be {allowed}, got {value!r}{_source(key, value)}")
         if self.mode == "rank" and self.rank is None:
             raise ValueError("dad config key 'rank': mode 'rank' needs a rank (a positive integer)")
-        efr = self.error_feedback_rank
-        if efr is not None and (_not_int(efr) or efr < 1):
-            raise ValueError(f"dad config key 'error_feedback_rank': must be a positive integer or None, got {efr!r}")
-        if _not_int(self.lossless_steps) or self.lossless_steps < 0:
-            from_env = os.environ.get(LOSSLESS_STEPS_ENV) == str(self.lossless_steps)
-            source = f" (from ${LOSSLESS_STEPS_ENV})" if from_env else ""
-            raise ValueError(f"dad config key 'lossless_steps': must be an integer >= 0, got "
-                             f"{self.lossless_steps!r}{source}")
-        if _not_int(self.power_iterations) or self.power_iterations < 1:
-            raise ValueError(
-                f"dad config key 'power_iterations': must be an integer >= 1, got {self.power_iterations!r}")
+        if self.route_trial_steps % 2:
+            raise ValueError("dad config key 'route_trial_steps': must be an even integer >= 0 (pairs of "
+                             f"steps; 0: no trial), got {self.route_trial_steps!r}")
         for key in ("warm_start", "error_feedback", "verify_first_step"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"dad config key {key!r}: must be true or false, got {getattr(self, key)!r}")
         tol = self.adaptive_tolerance
         if tol is not None and (not _finite_number(tol) or not 0 < tol <= 1):
             raise ValueError(f"dad config key 'adaptive_tolerance': must be in (0, 1] or None, got {tol!r}")
-        if self.rank_route not in RANK_ROUTES:
-            raise ValueError(f"dad config key 'rank_route': {self.rank_route!r} is not one of {RANK_ROUTES}")
         if self.rank_route == "allreduce" and tol is not None:
             raise ValueError("dad config key 'adaptive_tolerance': an adaptive rank applies to each site's own "
                              "factors (rank_route 'allgather' or 'auto'), not to the shared all-reduce")
-        if self.objective not in OBJECTIVES:
-            source = f" (from ${OBJECTIVE_ENV})" if os.environ.get(OBJECTIVE_ENV) == self.objective else ""
-            raise ValueError(f"dad config key 'objective': {self.objective!r}{source} is not one of {OBJECTIVES}")
-        if _not_int(self.route_refresh_steps) or self.route_refresh_steps < 1:
-            raise ValueError("dad config key 'route_refresh_steps': must be an integer >= 1, "
-                             f"got {self.route_refresh_steps!r}")
-        if _not_int(self.route_trial_steps) or self.route_trial_steps < 0 or self.route_trial_steps % 2:
-            raise ValueError("dad config key 'route_trial_steps': must be an even integer >= 0 (pairs of "
-                             f"steps; 0: no trial), got {self.route_trial_steps!r}")
         if self.link is not None:
             parse_link_spec(self.link)  # names the bad sub-key
         try:
             parse_topology(self.topology)
         except ValueError as e:
             raise ValueError(f"dad config key 'topology': {e}") from None
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"dad config key 'wire_dtype': {self.wire_dtype!r} is not one of {tuple(WIRE_DTYPES)}")
         for key in ("layer_kinds", "exclude", "routes"):
             _string_tuple(key, getattr(self, key))
         bad = [r for r in self.routes if not r.isidentifier()]
@@ -258,9 +242,6 @@ class DADConfig:
         bad = [k for k in self.layer_kinds if k not in known_layer_kinds()]
         if bad:
             raise ValueError(f"dad config key 'layer_kinds': unknown kind(s) {bad}; known: {known_layer_kinds()}")
-        if self.uncaptured_matrices not in UNCAPTURED_MATRICES:
-            raise ValueError(f"dad config key 'uncaptured_matrices': {self.uncaptured_matrices!r} is not one of "
-                             f"{UNCAPTURED_MATRICES}")
         if not _finite_number(self.bucket_cap_mb) or self.bucket_cap_mb <= 0:
             raise ValueError(
                 f"dad config key 'bucket_cap_mb': must be a finite positive number, got {self.bucket_cap_mb!r}")
@@ -300,6 +281,20 @@ def _string_tuple(key: str, value: Any) -> Tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"dad config key {key!r}: must be a list of strings, got {value!r}")
     return tuple(value)
+
+
+# keys that take one of a fixed set of values; keys that take an integer: (least value, None allowed)
+_CHOICES = {"mode": MODES, "rank_route": RANK_ROUTES, "objective": OBJECTIVES, "wire_dtype": tuple(WIRE_DTYPES),
+            "uncaptured_matrices": UNCAPTURED_MATRICES}
+_INTEGERS = {"rank": (1, True), "error_feedback_rank": (1, True), "lossless_steps": (0, False),
+             "power_iterations": (1, False), "route_refresh_steps": (1, False), "route_trial_steps": (0, False)}
+_FROM_ENV = {"objective": OBJECTIVE_ENV, "lossless_steps": LOSSLESS_STEPS_ENV}  # keys whose default is read there
+
+
+def _source(key: str, value: Any) -> str:
+    """`` (from $VAR)`` where ``value`` of ``key`` came from its environment variable (`_FROM_ENV`)."""
+    env = _FROM_ENV.get(key)
+    return f" (from ${env})" if env is not None and os.environ.get(env) == str(value) else ""
 
 
 def _not_int(value: Any) -> bool:

@@ -1,16 +1,10 @@
 """dAD's messages: said once (`OnceLogger`), by one rank (`process_rank`), and said where users look (`say`).
 
-What every rank would say alike (the model's layout, a config's consequence, an agreed decision) is
-said by rank 0 only; a line that differs by rank (an error naming a peer, this process's own state)
-is said where it happens.
-
-`say` is the channel for what a user of a run should see at default log levels: the attach line
-(`engines.banner`), the job's nodes and links, each route decision, a mode predicted to cost time.
-Hugging Face's scripts and the ``Trainer`` drop INFO records, and Python's default is WARNING, so
-these lines go to their own logger, ``dad_integrations.banner`` (a public name: users silence it
-with ``logging.getLogger("dad_integrations.banner").setLevel(logging.WARNING)``), which has its own
-stderr handler, is shown at INFO unless the user set a level, and does not propagate (a root
-handler would print each line twice).
+What every rank would say alike is said by rank 0 only; a line that differs by rank is said where
+it happens. `say` is for what a user should see at default log levels (the attach line, nodes and
+links, route decisions): Hugging Face's scripts drop INFO records, so these lines go to their own
+logger, ``dad_integrations.banner`` (a public name: users silence it by setting its level), with its
+own stderr handler, shown at INFO unless the user set a level, not propagating (no double lines).
 """
 from __future__ import annotations
 

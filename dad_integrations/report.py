@@ -1,6 +1,7 @@
 """The per-step report: what each parameter sent, how, beside what all-reduce would have sent."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -114,10 +115,7 @@ class ShardedParamReport(ParamReport):
                  itemsize: int) -> "ShardedParamReport":
         """A parameter whose padded shard has ``shard_numel`` elements; ``"dense"`` ones went through
         the reduce-scatter (its bytes are their traffic), the others carry it as their baseline."""
-        S, chunk = world_size, shard_numel * itemsize
-        numel = 1
-        for d in shape:
-            numel *= d
+        S, chunk, numel = world_size, shard_numel * itemsize, math.prod(shape)
         rep = cls(name, representation, tuple(shape), reduce_scatter_bytes=(S - 1) * chunk,
                   allreduce_bytes=2.0 * (S - 1) / S * numel * itemsize)
         if representation == "dense":
@@ -134,8 +132,8 @@ class ShardedParamReport(ParamReport):
 
 @dataclass
 class ShardedStepReport(StepReport):
-    """A step under FSDP2 or ZeRO-2/3 (one backward); ``totals`` adds ``reduce_scatter_bytes`` and ``ratio_reduce_scatter``
-    (bytes sent over the reduce-scatter's)."""
+    """A step under FSDP2 or ZeRO-2/3 (one backward); ``totals`` adds ``reduce_scatter_bytes`` and
+    ``ratio_reduce_scatter`` (bytes sent over the reduce-scatter's)."""
 
     @property
     def totals(self) -> Dict[str, float]:

@@ -1,20 +1,10 @@
 """dAD's random numbers are its own: nothing dAD does moves the caller's random generators.
 
-Why it matters. The first thing a user does is compare a run with dAD against the same run
-without it. If dAD drew one number from torch's global generator at attach (the compute model's
-test matrices, a probe layer's initialisation), every later dropout mask, data shuffle and
-``torch.randn`` of the training loop would differ, and dAD would look lossy where it is exact.
-
-Two tools, by what the draw is for:
-
-- `private_generator`: a ``torch.Generator`` of dAD's own, seeded from a number every rank
-  knows. Pass it as ``generator=`` where dAD draws itself: the draws are reproducible, and where
-  ranks must agree (a shared warm-start ``Q``), every rank draws the same numbers.
-- `isolated`: for code that draws from the global generators and takes no ``generator=`` (a
-  layer's own initialisation in its constructor): the CPU generator and the device's are saved on
-  entry and put back on exit (``torch.random.fork_rng``), so whatever ran inside drew from a copy.
-
-dAD draws nothing from NumPy's or Python's ``random``; it never touches them.
+A user compares a run with dAD against the same run without it: one number drawn from torch's
+global generator at attach would change every later dropout mask and shuffle, and dAD would look
+lossy where it is exact. `private_generator` is a generator of dAD's own, seeded from a number
+every rank knows (pass it as ``generator=``); `isolated` undoes the draws of code that takes no
+``generator=`` (a layer's own initialisation). dAD never touches NumPy's or Python's ``random``.
 """
 from __future__ import annotations
 

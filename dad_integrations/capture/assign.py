@@ -12,7 +12,7 @@ from typing import Dict, List, Sequence, Tuple
 
 from torch import nn
 
-from dad_integrations.capture.hooks import Use
+from dad_integrations.capture.hooks import Use, owner_of
 from dad_integrations.capture.layers import Claim, LayerKind, kind_of, registered_kinds
 from dad_integrations.capture.units import BiasUse, FactorUnit, SyncPlan, param_shape
 from dad_integrations.config import DADConfig
@@ -23,16 +23,10 @@ _log_once = OnceLogger(log, level=logging.INFO)
 
 
 def build_plan(model: nn.Module, config: DADConfig, on_forward=None, compiled: bool = False) -> SyncPlan:
-    """Assign every trainable parameter of ``model`` to a factor unit or to the dense path.
-
-    Kinds claim parameters by priority (`layers.registry`); a parameter is a factor unit when
-    every registration of it is claimed as a weight (GPT-2's tied ``wte``/``lm_head``: an embedding
-    use and a linear use). Other parameters with two or more dimensions become units without uses
-    (``uncaptured_matrices="rank"``): their dense gradient takes the rank routes, as PowerSGD's
-    does. A bias rides with its use's unit where that use covers the whole weight. With
-    ``compiled`` (the model runs under ``torch.compile``), kinds that cannot capture while dynamo
-    traces (``LayerKind.compiles`` False) claim nothing: their weights take those same routes.
-    """
+    """Assign every trainable parameter of ``model`` to a factor unit or to the dense path (the rules:
+    `capture.units`). A bias rides with its use's unit where that use covers the whole weight. With
+    ``compiled``, kinds that cannot capture while dynamo traces (``LayerKind.compiles`` False) claim
+    nothing: their weights become units without uses."""
     names: Dict[int, str] = {}
     trainable: List[nn.Parameter] = []
     for name, p in model.named_parameters():
@@ -169,19 +163,11 @@ def _rides_as_bias(p: nn.Parameter, name: str, regs, claimed: Claims, captures, 
 def _is_parameter(module: nn.Module, attr: str) -> bool:
     """Whether dotted ``attr`` from ``module`` names a registered parameter (not one computed in
     forward by a parametrization or a hook, as ``weight_norm`` does)."""
-    *path, leaf = attr.split(".")
-    owner = module
-    for part in path:
-        owner = getattr(owner, part, None)
-        if owner is None:
-            return False
+    owner, leaf = owner_of(module, attr)
     return isinstance(owner, nn.Module) and owner._parameters.get(leaf) is not None
 
 
 def _registration(module: nn.Module, attr: str) -> Tuple[int, str]:
     """The (id(owner module), attribute) of the parameter at dotted ``attr`` from ``module``."""
-    *path, leaf = attr.split(".")
-    owner = module
-    for part in path:
-        owner = getattr(owner, part)
+    owner, leaf = owner_of(module, attr)
     return id(owner), leaf

@@ -16,15 +16,11 @@ from dad_integrations.capture.units import FactorUnit
 class CommittedRows:
     """The captured rows of each unit that autograd has already added to the weight's gradient.
 
-    Under FSDP2 a module's post-backward (where its gradient is reduced) is triggered by the
-    gradients of the module's *inputs*, and can run before the weight's ``AccumulateGrad``: with a
-    module called twice after a no-sync micro-step, FSDP reduces the old accumulated gradient while
-    the capture already holds this micro-step's rows. So rows move here only from a
-    post-accumulate-grad hook on the parameter the module used in forward (FSDP's unsharded one,
-    which exists only during forward: the hook is registered from a forward hook, once). That
-    forward hook runs before the module's other forward hooks: when the module is itself
-    ``fully_shard``-ed (Accelerate shards an untied embedding on its own), FSDP's post-forward
-    hook reshards it and puts the sharded parameter back into ``module.weight``.
+    Under FSDP2 a module's post-backward can run before the weight's ``AccumulateGrad`` (it is
+    triggered by the gradients of the module's inputs), while the capture already holds rows of a
+    later call. So rows move here only from a post-accumulate-grad hook on the parameter the module
+    used in forward (FSDP's unsharded one), registered from a forward hook that runs first (before
+    FSDP's own post-forward reshards a ``fully_shard``-ed module); see ``docs/internals/fsdp2_notes.md``.
     """
 
     def __init__(self, units: Sequence[FactorUnit]):

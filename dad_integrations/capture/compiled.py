@@ -1,38 +1,15 @@
 """Capture under ``torch.compile``: rows handed over by an op the compiler keeps, not by Python hooks.
 
-Eager capture (`hooks`) keeps each call's input in a dict from a module forward hook and registers
-a hook on the call's output tensor. Dynamo cannot trace either: mutating a dict from a hook is an
-"unsafe side effect" (a graph break per captured layer), and a tensor hook registered inside a
-compiled region is not supported. Worse, a hook that breaks the graph becomes its own frame, which
-dynamo recompiles for every new input shape until it hits its recompile limit. So while dynamo
-traces (`compiling`), a layer's forward hook does something it can trace instead: it wraps the
-layer's output in `tap`, an autograd function that is the identity forward and whose backward
-calls ``dad::deliver(key, saved, grads)``, a ``torch.library`` custom op:
-
-- the op is opaque to the compiler: AOTAutograd puts it in the backward graph and, at run time,
-  its Python body receives the real tensors (the call's saved input, the output's gradient) and
-  hands them to the capture registered under ``key`` (`register`), which forms the rows exactly
-  as the eager hook does (the same ``rows_of_call``). It hands over copies: the inductor reuses the
-  memory of a buffer once its last reader has run, and the rows must live until the exchange;
-- it is registered as effectful (ordered), so the compiler never drops it for having no output
-  and never reorders it across other effects;
-- ``key`` is a small CPU tensor held by the capture, not a Python int: dynamo lifts it as a graph
-  input guarded by dtype and shape only, so blocks of one class compiled one by one (torchtitan's
-  pattern) share one graph instead of recompiling per block;
-- the tap's output is a copy (``clone``), not a view: a view returned by an autograd function may
-  not be modified in place (``nn.ReLU(inplace=True)`` after a layer); inductor fuses the copy into
-  the next elementwise kernel.
-
-The op runs inside the compiled backward, before autograd accumulates the weights' gradients
-(those accumulate after the compiled backward node returns), so the rows exist when the
-synchroniser's parameter hooks ask for them, as in eager mode.
-
-Graphs built without capture. Dynamo by default does not guard on module hooks
-(``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph compiled for a hook-less copy of the
-model's class (a reference, teacher or EMA model) would be reused by the model dAD hooks, and
-capture would silently never run. `guard_hooks` makes dynamo guard on module hooks from attach on,
-and drops the graphs compiled before (they were built without that guard), so that every graph
-either runs dAD's capture or belongs to a model without it.
+Dynamo cannot trace eager capture (`hooks`: a dict mutated from a hook, a hook on the output
+tensor). So while it traces (`compiling`), a layer's forward hook wraps the output in `tap`, an
+autograd function that is the identity forward and whose backward calls
+``dad::deliver(key, saved, grads)``: a ``torch.library`` custom op, effectful (ordered, never
+dropped), whose Python body hands copies of the real tensors (the inductor reuses buffers) to the
+capture registered under ``key`` (`register`), a small CPU tensor so that blocks of one class share
+one graph. It runs before autograd accumulates the weights' gradients, as the eager hooks do.
+`guard_compiled_hooks` makes dynamo guard on module hooks, so that a graph compiled for a hook-less
+copy of the model is never reused for the model dAD hooks. The whole design, and what each layer
+kind does under compile: ``docs/guides/compiled.md``.
 """
 from __future__ import annotations
 
@@ -95,7 +72,7 @@ def _deliver_fake(key, saved, grads) -> None:
     return None
 
 
-# kept in every graph, in order: it has no output, only its effect (see the module doc)
+# kept in every graph, in order: it has no output, only its effect
 torch.library._register_effectful_op("dad::deliver", torch._library.effects.EffectType.ORDERED)
 
 
@@ -108,7 +85,7 @@ class _Tap(torch.autograd.Function):
         ctx.n_saved = n_saved
         ctx.none = [t is None for t in saved]
         ctx.save_for_backward(key, *[t for t in saved if t is not None])
-        return tuple(t.clone() for t in outputs)
+        return tuple(t.clone() for t in outputs)  # not views: ``nn.ReLU(inplace=True)`` may follow
 
     @staticmethod
     def backward(ctx, *grads):
@@ -133,14 +110,9 @@ _GUARDED = False
 
 
 def guard_compiled_hooks(announce: bool = False) -> int:
-    """Make dynamo guard on module hooks, and drop every graph compiled before (see the module
-    doc); returns how many compiled functions were dropped. The change is said (INFO) only where
-    compile is in use: ``announce`` (the model is compiled) or graphs were dropped; a process
-    that merely imported dynamo (DeepSpeed, Transformers do) hears nothing of it.
-
-    Called when dAD attaches and when a step opens: dynamo is imported only by a process that
-    compiles (importing it costs over a second), so until it is, nothing was compiled and there is
-    nothing to do; the first step after it was imported late drops what was compiled since attach."""
+    """Make dynamo guard on module hooks, and drop every graph compiled before; returns how many
+    compiled functions were dropped. Said (INFO) only where compile is in use (``announce``, or
+    graphs dropped). Called at attach and when a step opens: nothing to do until dynamo is imported."""
     global _GUARDED
     if _GUARDED or "torch._dynamo" not in sys.modules:
         return 0
@@ -161,8 +133,7 @@ def guard_compiled_hooks(announce: bool = False) -> int:
 
 
 def _drop_compiled_graphs() -> int:
-    """Drop the compiled graphs of every function dynamo has compiled: they were built without
-    guards on module hooks, so a hook-less model's graph could otherwise run for dAD's model."""
+    """Drop the graphs of every function dynamo has compiled (built without guards on module hooks)."""
     try:
         from torch._dynamo import convert_frame
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list

@@ -1,22 +1,16 @@
 """Capture of factors: hooks that pair each forward call's input rows with its output gradient.
 
-A forward hook keeps a reference to the call's input (autograd keeps the same tensor alive for the
-weight gradient, so this costs no memory) and registers a hook on the call's output tensor; that
-hook receives exactly this call's output gradient. Pairing through the output tensor, not through
-call order, makes several calls per step (weight reuse, recurrence, accumulation micro-steps) and
-activation checkpointing come out right: a forward that autograd never back-propagates through
-(non-reentrant checkpointing's recomputation) gets no gradient and its input is dropped at the
-end of the step; a reentrant recomputation's first forward runs without grad and is not captured.
-
-While dynamo traces a forward (``torch.compile``), the same hooks take the compiled path instead
-(`compiled`): the output is wrapped in an autograd function whose backward hands the call's input
-and output gradient to the capture through a custom op, with no Python side effect in the traced
-code. Both paths feed the same ``rows_of_call`` and the same ``pairs``.
+A forward hook keeps a reference to the call's input (autograd keeps it alive anyway) and
+registers a hook on the call's output tensor, which receives exactly this call's output gradient.
+Pairing through the output tensor, not call order, makes several calls per step (weight reuse,
+recurrence, micro-steps) and activation checkpointing come out right: a forward never
+back-propagated gets no gradient, and its input is dropped at the end of the step. While dynamo
+traces, the same hooks take the compiled path (`compiled`), feeding the same ``pairs``.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -27,13 +21,19 @@ from dad_integrations.capture.rows import Block, Rows
 RowsOfCall = Callable[[nn.Module, torch.Tensor, torch.Tensor], Rows]
 
 
+def owner_of(module: nn.Module, attr: str) -> Tuple[Optional[nn.Module], str]:
+    """The module holding dotted ``attr`` from ``module`` (None: no such path), and its last name."""
+    *path, leaf = attr.split(".")
+    for part in path:
+        module = getattr(module, part, None)
+    return module, leaf
+
+
 def resolve(module: nn.Module, attr: str) -> torch.Tensor:
     """The tensor at dotted path ``attr`` from ``module`` (``"out_proj.weight"``), looked up now:
     under FSDP2 a module holds its unsharded parameters only while its forward runs."""
-    obj = module
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    owner, leaf = owner_of(module, attr)
+    return getattr(owner, leaf)
 
 
 class Use:
@@ -57,8 +57,9 @@ class Use:
         return resolve(self.module, attr) if "." in attr else getattr(self.module, attr)
 
     def take(self) -> List[Rows]:
-        """The window's pairs; clears them."""
-        pairs, self.pairs = self.pairs, []
+        """The window's pairs; clears them (a capture: and drops inputs that never got a gradient)."""
+        pairs = self.pairs
+        self.clear()
         return pairs
 
     def clear(self) -> None:
@@ -68,106 +69,24 @@ class Use:
         return dict(self.__dict__, pairs=[], enabled=False)
 
 
-class ModuleCapture(Use):
-    """Collects ``(left, right)`` row pairs of one module's calls: one use (see `layers`), its rows
-    from ``rows_of_call(module, input, output_grad)``.
-
-    ``on_forward`` is called at every captured forward (the synchroniser opens a step's window
-    there, enabled or not); ``enabled`` switches the capture of rows off without removing the hooks.
-    """
-
-    def __init__(self, name: str, module: nn.Module, kind: str, rows_of_call: RowsOfCall,
-                 on_forward: Optional[Callable[[], None]] = None):
-        super().__init__(name, module, kind)
-        self.rows_of_call = rows_of_call
-        self._pending: Dict[int, torch.Tensor] = {}
-        self._calls = 0
-        self._on_forward = on_forward
-        self.arrived: Optional[Callable[[], None]] = None  # told when a compiled call's rows arrive
-        self._key = compiled.register(self._delivered)
-        self._handle = module.register_forward_hook(self._forward_hook, with_kwargs=True)
-
-    @property
-    def uses(self) -> List[Use]:
-        """The uses this capture feeds: itself."""
-        return [self]
-
-    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
-            return None
-        if compiled.compiling():
-            return self._compiled_forward(args, kwargs, output)
-        if not self.param().requires_grad:
-            # frozen for now (a GAN's other half): no gradient will take these rows, and kept they
-            # would join the next step that trains the weight
-            return
-        if self._on_forward is not None:  # also when disabled: the step's window opens here
-            self._on_forward()
-        if not self.enabled:
-            return
-        inputs = args[0] if args else next(iter(kwargs.values()))
-        key = self._calls
-        self._calls += 1
-        self._pending[key] = inputs.detach()
-        output.register_hook(functools.partial(self._grad_hook, key))
-
-    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
-        inputs = self._pending.pop(key, None)
-        if inputs is not None:
-            self.pairs.append(self.rows_of_call(self.module, inputs, grad.detach()))
-
-    def _compiled_forward(self, args: tuple, kwargs: dict, output: torch.Tensor):
-        """The traced hook: the output wrapped so that its backward delivers the rows
-        (`compiled.tap`). Whether the use is enabled is read when they arrive, not here: a
-        flag read while tracing would be guarded on, and every route change would recompile."""
-        if getattr(self, "detached", False) or not self.param().requires_grad:
-            return None
-        inputs = args[0] if args else next(iter(kwargs.values()))
-        return compiled.tap(self._key, [inputs], [output])[0]
-
-    def _delivered(self, saved: list, grads: list) -> None:
-        """A compiled call's input and output gradient (in its backward, eagerly)."""
-        if self.enabled and grads[0] is not None and not getattr(self, "detached", False):
-            if self.arrived is not None:
-                self.arrived()
-            self.pairs.append(self.rows_of_call(self.module, saved[0], grads[0]))
-
-    def take(self) -> List[Rows]:
-        """The window's pairs; clears them and drops inputs that never got a gradient."""
-        pairs, self.pairs = self.pairs, []
-        self._pending.clear()
-        return pairs
-
-    def clear(self) -> None:
-        self.pairs = []
-        self._pending.clear()
-
-    def remove(self) -> None:
-        self._handle.remove()
-        compiled.unregister(self._key)
-        self.clear()
-
-    # The forward hook holds this capture, so pickling the model (``torch.save(model)``, or of a
-    # DDP around it) pickles it too: it goes as a detached capture, whose hook does nothing, and
-    # never with the synchroniser it reports to (threads and locks do not pickle). Attaching dAD
-    # to the loaded model removes such hooks (`remove_detached_captures`).
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__, pairs=[], _pending={}, _on_forward=None, enabled=False, arrived=None, _key=None)
-        state["detached"] = True
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A forward hook's first input, positional or keyword."""
+    return args[0] if args else next(iter(kwargs.values()))
 
 
 class HookedCapture:
-    """Base of a capture whose hooks feed several uses (an attention module's projections, a
-    recurrent layer's weights, a grouped convolution's groups): a layer kind's capture subclasses
-    it, registers its hooks through `hook` and calls `opened` at every forward it captures.
+    """Base of a capture whose hooks feed one or several uses (a linear layer's weight, an attention
+    module's projections, a recurrent layer's weights, a grouped convolution's groups): it registers
+    its hooks through `hook`, calls `opened` at every forward it captures and pairs each call with
+    its own output gradient through `on_grad` (a hook on the output tensor: `take` waits there until
+    that gradient arrives; `clear` drops what never got one) or, compiled, `compiled_key` (its rows
+    arrive at `_add_delivered`).
 
-    Like `ModuleCapture` it pickles detached (hooks that do nothing, no synchroniser), and
-    `remove_detached_captures` removes it from a loaded model.
+    Pickled with the model (its forward hooks hold it), it goes detached: hooks that do nothing,
+    no synchroniser; `remove_detached_captures` removes it from a loaded model.
     """
+
+    _calls = 0
 
     def __init__(self, name: str, module: nn.Module, uses: Sequence[Use],
                  on_forward: Optional[Callable[[], None]] = None):
@@ -177,15 +96,38 @@ class HookedCapture:
         self.detached = False
         self.arrived: Optional[Callable[[], None]] = None  # told when a compiled call's rows arrive
         self._key: Optional[torch.Tensor] = None  # a subclass that captures under compile registers one
+        self._pending: Dict[int, Callable] = {}
 
     def compiled_key(self) -> torch.Tensor:
-        """The key of this capture's compiled path (`compiled.tap`), registered on first use: its
-        rows arrive at ``self._delivered(saved, grads)``."""
+        """The key of this capture's compiled path (`compiled.tap`), registered on first use."""
         if self._key is None:
             self._key = compiled.register(self._delivered)
         return self._key
 
-    def _delivered(self, saved: list, grads: list) -> None:  # pragma: no cover - subclasses that tap
+    def on_grad(self, output: torch.Tensor, take: Callable[[torch.Tensor], None]) -> None:
+        """Call ``take(grad)`` (detached) when ``output``'s gradient arrives."""
+        key = self._calls
+        self._calls += 1
+        self._pending[key] = take
+        output.register_hook(functools.partial(self._grad_hook, key))
+
+    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
+        take = self._pending.pop(key, None)
+        if take is not None:
+            take(grad.detach())
+
+    def _wanted(self) -> bool:
+        """Whether some use keeps rows now."""
+        return any(u.enabled for u in self.uses)
+
+    def _delivered(self, saved: list, grads: list) -> None:
+        """A compiled call's saved tensors and outputs' gradients (in its backward, eagerly)."""
+        if not self.detached and grads[0] is not None and self._wanted():
+            if self.arrived is not None:
+                self.arrived()
+            self._add_delivered(saved, grads)
+
+    def _add_delivered(self, saved: list, grads: list) -> None:  # pragma: no cover - subclasses that tap
         raise NotImplementedError
 
     def hook(self, handle) -> None:
@@ -201,6 +143,7 @@ class HookedCapture:
         """Drop the rows of the window, and whatever waits for a gradient."""
         for u in self.uses:
             u.clear()
+        self._pending.clear()
 
     def remove(self) -> None:
         for h in self._handles:
@@ -210,15 +153,57 @@ class HookedCapture:
         self._key = None
         self.clear()
 
-    transient: tuple = ()  # names of per-step attributes (dicts) a subclass keeps: pickled empty
+    transient: tuple = ("_pending",)  # names of per-step attributes (dicts): pickled empty
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__, _on_forward=None, detached=True, arrived=None, _key=None)
         state.update({k: {} for k in self.transient})
         return state
 
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+
+class ModuleCapture(HookedCapture, Use):
+    """Collects ``(left, right)`` row pairs of one module's calls: one use (see `layers`) that is its
+    own capture, its rows from ``rows_of_call(module, input, output_grad)``.
+
+    ``on_forward`` is called at every captured forward (the synchroniser opens a step's window
+    there, enabled or not); ``enabled`` switches the capture of rows off without removing the hooks.
+    """
+
+    def __init__(self, name: str, module: nn.Module, kind: str, rows_of_call: RowsOfCall,
+                 on_forward: Optional[Callable[[], None]] = None):
+        Use.__init__(self, name, module, kind)
+        HookedCapture.__init__(self, name, module, [self], on_forward)
+        self.rows_of_call = rows_of_call
+        self.compiled_key()
+        self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
+
+    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
+            return None
+        if compiled.compiling():
+            # the output wrapped so that its backward delivers the rows; whether the use is enabled
+            # is read when they arrive: a flag read while tracing would be guarded on (recompiles)
+            if self.detached or not self.param().requires_grad:
+                return None
+            return compiled.tap(self.compiled_key(), [call_input(args, kwargs)], [output])[0]
+        if not self.param().requires_grad:
+            # frozen for now (a GAN's other half): no gradient will take these rows, and kept they
+            # would join the next step that trains the weight
+            return
+        self.opened()  # also when disabled: the step's window opens here
+        if self.enabled:
+            inputs = call_input(args, kwargs).detach()
+            self.on_grad(output, lambda grad: self.pairs.append(self.rows_of_call(self.module, inputs, grad)))
+
+    def _add_delivered(self, saved: list, grads: list) -> None:
+        self.pairs.append(self.rows_of_call(self.module, saved[0], grads[0]))
+
+    def clear(self) -> None:
+        self.pairs = []
+        self._pending.clear()
+
+    def __getstate__(self) -> dict:
+        return dict(HookedCapture.__getstate__(self), pairs=[], enabled=False)
 
 
 class ForwardStartHook:
@@ -242,9 +227,6 @@ class ForwardStartHook:
 
     def __getstate__(self) -> dict:
         return dict(self.__dict__, _on_forward=None, detached=True)
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
 
 
 def remove_detached_captures(model: nn.Module) -> int:

@@ -17,6 +17,7 @@ into rows ``offset : offset + height``.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -32,10 +33,7 @@ def matrix_shape(shape: Sequence[int]) -> Tuple[int, int]:
     shape = tuple(shape)
     if len(shape) < 2:
         raise ValueError(f"a matrix view needs two or more dimensions, got shape {shape}")
-    n = 1
-    for d in shape[1:]:
-        n *= int(d)
-    return int(shape[0]), n
+    return int(shape[0]), math.prod(int(d) for d in shape[1:])
 
 
 def as_matrix(t: torch.Tensor) -> torch.Tensor:

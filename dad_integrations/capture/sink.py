@@ -23,6 +23,8 @@ from dad_integrations.capture.rows import as_matrix
 class GradSink:
     """Reads and writes ``param.grad``."""
 
+    prior_scale = 1.0  # what a prior counts for in the result (`BucketViewSink` under DDP's join)
+
     def __init__(self, priors: Dict[int, torch.Tensor]):
         self.priors = priors
 
@@ -53,7 +55,7 @@ class GradSink:
         """The synchronised gradient is ``prior + average`` (``average`` shaped as ``p`` or as its matrix)."""
         average = average.reshape(p.shape)
         prior = self.priors.get(id(p))
-        self._store(p, average if prior is None else average + prior.to(average.dtype))
+        self._store(p, average if prior is None else average + prior.to(average.dtype) * self.prior_scale)
 
     def write_product(self, p: nn.Parameter, left: torch.Tensor, right: torch.Tensor) -> None:
         """Write ``left @ right``, straight into ``.grad`` when nothing else is there (no temporary)."""
@@ -115,14 +117,6 @@ class BucketViewSink(GradSink):
         self.shadow = False
         self.prior_scale = 1.0
 
-    def write(self, p: nn.Parameter, average: torch.Tensor) -> None:
-        average = average.reshape(p.shape)
-        prior = self.priors.get(id(p))
-        if prior is None:
-            self._store(p, average)
-        else:
-            self._store(p, average + prior.to(average.dtype) * self.prior_scale)
-
     def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         if self.shadow:
             return as_matrix(torch.zeros(p.shape, dtype=dtype, device=p.device))
@@ -181,22 +175,24 @@ class ShardSink:
     def slot(self, p: nn.Parameter) -> Optional[ShardSlot]:
         return self.slots.get(id(p))
 
+    def _input(self, s: ShardSlot) -> torch.Tensor:
+        """``s``'s part of every rank's input chunk, ``(S, numel)``."""
+        return self.inp.view(self.world_size, self.chunk)[:, s.offset:s.offset + s.numel]
+
     def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
         """This rank's whole (unsharded) local gradient of ``p``, as autograd computed it."""
         s = self.slot(p)
         if s is None:
             return as_matrix(torch.zeros(p.shape, dtype=dtype, device=self.inp.device))
-        block = self.inp.view(self.world_size, self.chunk)[:, s.offset:s.offset + s.numel]
-        whole = block.reshape((self.world_size * s.rows,) + s.shape[1:])[:s.shape[0]].to(dtype) * self.predivide
-        return as_matrix(whole)
+        whole = self._input(s).reshape((self.world_size * s.rows,) + s.shape[1:])[:s.shape[0]]
+        return as_matrix(whole.to(dtype) * self.predivide)
 
     def add_local(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Add ``value`` (``p``'s whole shape) to this rank's local gradient of ``p`` in the
         reduce-scatter input, so that FSDP's reduce-scatter sends it too."""
         s = self.slots[id(p)]
         value = value.reshape(s.shape)
-        block = self.inp.view(self.world_size, self.chunk)[:, s.offset:s.offset + s.numel]
-        block = block.view((self.world_size, s.rows) + tuple(s.shape[1:]))
+        block = self._input(s).view((self.world_size, s.rows) + tuple(s.shape[1:]))
         for r in range(self.world_size):  # chunk r holds rows [r c, (r+1) c)
             part = value[r * s.rows:(r + 1) * s.rows]
             if part.shape[0]:
@@ -216,8 +212,7 @@ class ShardSink:
 
     def dense_input(self, slots: Sequence[ShardSlot]) -> torch.Tensor:
         """The input chunks of ``slots`` only (``S * sum numel``), for FSDP's own reduce-scatter."""
-        view = self.inp.view(self.world_size, self.chunk)
-        return torch.cat([view[:, s.offset:s.offset + s.numel] for s in slots], dim=1).reshape(-1)
+        return torch.cat([self._input(s) for s in slots], dim=1).reshape(-1)
 
     def write_dense(self, slots: Sequence[ShardSlot], result: torch.Tensor) -> None:
         """Scatter the reduce-scatter's ``result`` of `dense_input` back to each slot's place."""

@@ -1,14 +1,11 @@
 """Factor units and the plan they form: which parameters go through factors, which through dense
 all-reduce (plain data; `capture.assign.build_plan` makes them from a model).
 
-A trainable parameter is a *factor unit* when every module that registers it is a captured layer
-(a kind of `layers` claims it as a weight): then the gradient is the sum of what its uses'
-factors rebuild. GPT-2's tied ``wte``/``lm_head`` weight is one unit with an embedding use and a
-linear use. A bias rides with its layer when that layer is its only owner. Every other parameter
-with two or more dimensions (convolutions no kind captures, raw ``nn.Parameter``s such as position
-embeddings and class tokens) is a unit *without uses*: no factors, but the rank routes from its
-dense gradient, viewed as PowerSGD views it (``view(shape[0], -1)``), so that no model sends more
-than PowerSGD. The rest — norms, other biases, layers excluded by name — is synchronised densely.
+A trainable parameter is a *factor unit* when every module that registers it is a captured layer:
+its gradient is the sum of what its uses' factors rebuild (GPT-2's tied ``wte``/``lm_head``: an
+embedding use and a linear use). A bias rides with its layer when that layer is its only owner.
+Every other parameter with two or more dimensions is a unit *without uses*: the rank routes from
+its dense gradient, as PowerSGD views it. The rest (norms, other biases, excluded layers) is dense.
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """`FactorAggregator`: the only way dAD algorithms talk to a communication engine.
 
-A backend (torch.distributed, Horovod, DeepSpeed) is a small adapter over one engine's collectives.
-The algorithms need four things: all-gather of rows whose first dimension differs per rank,
-all-reduce, rank / world size, and the bytes each call put on the wire (for the step report).
-The sharded codecs need a fifth, an all-to-all (FSDP2: equal blocks; ZeRO's element ranges:
-`all_to_all_v`, blocks of agreed, different sizes), which backends may leave out.
-Backends count bytes themselves because only they know what they really handed to the engine
-(padding, size exchanges); each handle carries its own collective's bytes (`CommHandle.traffic`).
-A collective that fails, when issued or waited on, raises `comm.errors.CollectiveError` (the
-engine's exception chained), for every backend alike: the public calls here wrap the backends'.
+A backend (torch.distributed, Horovod, DeepSpeed) is a small adapter over one engine's collectives:
+all-gather of rows whose first dimension differs per rank, all-reduce, rank / world size and,
+optionally, all-to-all (equal blocks, or `all_to_all_v`'s agreed sizes) for the sharded codecs.
+Backends count the bytes they really hand to the engine (padding, size exchanges); each handle
+carries its own collective's bytes (`CommHandle.traffic`). A failing collective raises
+`comm.errors.CollectiveError` for every backend alike: the public calls here wrap the backends'.
 """
 from __future__ import annotations
 
@@ -28,14 +25,9 @@ REDUCE_OPS = ("sum", "mean")
 
 @dataclass
 class Traffic:
-    """Bytes of one collective (a handle's ``traffic``) or the running sum of an aggregator's.
-
-    handed: bytes of the tensors handed to the engine's collectives (padding included).
-    sent / received: bytes this rank puts on / takes off the wire, for ring algorithms:
-    an all-gather of b bytes per rank sends and receives ``(S-1) * b``; an all-reduce of b bytes
-    sends and receives ``2 (S-1)/S * b``.
-    calls: number of collectives issued.
-    """
+    """Bytes of one collective (a handle's ``traffic``) or the running sum of an aggregator's:
+    ``handed`` to the engine (padding included), ``sent`` / ``received`` on the wire by this rank
+    (ring algorithms: `wire_bytes`), and the number of ``calls``."""
 
     handed: float = 0.0
     sent: float = 0.0
@@ -43,12 +35,13 @@ class Traffic:
     calls: int = 0
 
     def __add__(self, other: "Traffic") -> "Traffic":
-        return Traffic(self.handed + other.handed, self.sent + other.sent,
-                       self.received + other.received, self.calls + other.calls)
+        return Traffic(*(a + b for a, b in zip(self._values(), other._values())))
 
     def __sub__(self, other: "Traffic") -> "Traffic":
-        return Traffic(self.handed - other.handed, self.sent - other.sent,
-                       self.received - other.received, self.calls - other.calls)
+        return Traffic(*(a - b for a, b in zip(self._values(), other._values())))
+
+    def _values(self) -> Tuple[float, float, float, int]:
+        return self.handed, self.sent, self.received, self.calls
 
     def copy(self) -> "Traffic":
         return Traffic(self.handed, self.sent, self.received, self.calls)
@@ -61,10 +54,9 @@ class Traffic:
 class CommHandle:
     """An in-flight collective. `wait()` blocks until it is done and returns its result.
 
-    ``traffic`` holds the bytes of exactly this collective, including any size exchange the
-    backend issued for it. Attribute bytes to a span of work by adding up its handles' ``traffic``:
-    unlike the difference of two `FactorAggregator.traffic` snapshots, that cannot pick up
-    collectives another thread issued in between.
+    ``traffic`` holds the bytes of exactly this collective (any size exchange included): add up
+    handles' ``traffic`` to attribute bytes to a span of work (snapshots of
+    `FactorAggregator.traffic` also hold what other threads issued in between).
     """
 
     def __init__(self, finish: Callable[[], Any], traffic: Optional[Traffic] = None):
@@ -131,6 +123,9 @@ class FactorAggregator(ABC):
         """
         if first_dims is not None and len(first_dims) != self.world_size:
             raise ValueError(f"first_dims has {len(first_dims)} entries for {self.world_size} ranks")
+        if first_dims is not None and first_dims[self.rank] != tensor.shape[0]:
+            raise ValueError(f"{name}: first_dims says {first_dims[self.rank]} rows for this rank, "
+                             f"the tensor has {tensor.shape[0]}")
         return self._guarded("all_gather", name, lambda: self._all_gather(
             tensor, name, None if first_dims is None else list(first_dims)))
 
@@ -191,11 +186,7 @@ class FactorAggregator(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot make subgroups: set topology to 'flat'")
 
     def traffic(self) -> Traffic:
-        """A snapshot of the bytes counted so far, over all collectives of every thread.
-
-        To attribute bytes to particular collectives read their handles' ``traffic``: the
-        difference of two snapshots also holds whatever other threads issued in between.
-        """
+        """A snapshot of the bytes counted so far, over all collectives of every thread (see `CommHandle`)."""
         with self._lock:
             return self._traffic.copy()
 
@@ -259,10 +250,6 @@ class FactorAggregator(ABC):
         received = (sum(recv_sizes) - recv_sizes[me]) * itemsize
         return self._count(Traffic(handed=sum(send_sizes) * itemsize, sent=sent, received=received, calls=1))
 
-    def _count_all_to_all(self, nbytes: float) -> Traffic:
-        """Count an all-to-all of ``nbytes`` handed (``1/S`` of it stays on this rank)."""
-        wire = (self.world_size - 1) / self.world_size * nbytes
-        return self._count(Traffic(handed=nbytes, sent=wire, received=wire, calls=1))
 
     def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> Traffic:
         """Count a ring all-gather in which rank s contributes ``nbytes_per_rank[s]`` bytes;
@@ -271,11 +258,11 @@ class FactorAggregator(ABC):
         others = sum(nbytes_per_rank) - own
         return self._count(Traffic(handed=own, sent=own * (self.world_size - 1), received=others, calls=1))
 
-    def _count_all_reduce(self, nbytes: float) -> Traffic:
-        """Count a ring all-reduce of ``nbytes``; returns that call's traffic (also added to the
-        running sum)."""
-        wire = ring_allreduce_bytes(nbytes, self.world_size)
-        return self._count(Traffic(handed=nbytes, sent=wire, received=wire, calls=1))
+    def _count_all_reduce(self, nbytes: float, kind: str = "all_reduce") -> Traffic:
+        """Count a ring all-reduce (or a collective of another `wire_bytes` ``kind``) of ``nbytes``
+        handed; returns that call's traffic (also added to the running sum)."""
+        sent, received = wire_bytes(kind, nbytes, self.world_size)
+        return self._count(Traffic(handed=nbytes, sent=sent, received=received, calls=1))
 
     def _count(self, call: Traffic) -> Traffic:
         with self._lock:
@@ -288,14 +275,37 @@ def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * nbytes
 
 
-class EqualSizeAggregator(FactorAggregator):
-    """A backend whose collectives need equal sizes on every rank (gloo's and NCCL's all-gather).
+def wire_bytes(kind: str, nbytes: float, world_size: int) -> Tuple[float, float]:
+    """(sent, received) bytes of one rank for a collective of ``kind`` handed ``nbytes``: ring
+    models (`CollectiveCounter`'s kinds; an all-to-all keeps ``1/S`` on this rank)."""
+    s = max(int(world_size), 1)
+    if kind == "all_reduce":
+        w = ring_allreduce_bytes(nbytes, s)
+    elif kind == "all_gather":
+        w = float((s - 1) * nbytes)
+    elif kind in ("reduce_scatter", "all_to_all"):
+        w = (s - 1) / s * nbytes
+    elif kind in ("broadcast", "reduce"):
+        w = float(nbytes) if s > 1 else 0.0
+    else:
+        raise ValueError(f"unknown collective kind {kind!r}")
+    return w, w
 
-    Rows of different lengths are padded to the longest after an exchange of sizes (skipped when
-    the caller passes ``first_dims``). Subclasses give the engine's two calls,
-    `_engine_all_gather` and `_engine_all_reduce`; every byte the backend moves passes through
-    them, and they are counted here.
-    """
+
+def _finish(work: Any, result: Callable[[], Any]) -> Callable[[], Any]:
+    """A handle's ``finish``: wait for the engine's ``work`` (None: done already), then ``result()``."""
+    def finish() -> Any:
+        if work is not None:
+            work.wait()
+        return result()
+    return finish
+
+
+class EqualSizeAggregator(FactorAggregator):
+    """A backend whose collectives need equal sizes on every rank (gloo's and NCCL's all-gather):
+    rows are padded to the longest after an exchange of sizes (none with ``first_dims``).
+    Subclasses give the engine's calls (`_engine_all_gather`, `_engine_all_reduce`, optionally the
+    all-to-alls); every byte the backend moves passes through them, counted here."""
 
     @abstractmethod
     def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
@@ -319,25 +329,13 @@ class EqualSizeAggregator(FactorAggregator):
         out = tensor.new_empty(sum(recv_sizes))
         traffic = self._count_all_to_all_v(tensor.element_size(), send_sizes, recv_sizes)
         work = self._engine_all_to_all_v(out, tensor, recv_sizes, send_sizes, async_op=True)
-
-        def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            return out
-
-        return CommHandle(finish, traffic)
+        return CommHandle(_finish(work, lambda: out), traffic)
 
     def _all_to_all(self, tensor: torch.Tensor, name: str) -> CommHandle:
         out = torch.empty_like(tensor)
-        traffic = self._count_all_to_all(tensor.numel() * tensor.element_size())
+        traffic = self._count_all_reduce(tensor.numel() * tensor.element_size(), "all_to_all")
         work = self._engine_all_to_all(out, tensor, async_op=True)
-
-        def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            return out
-
-        return CommHandle(finish, traffic)
+        return CommHandle(_finish(work, lambda: out), traffic)
 
     def _gather_equal(self, out: List[torch.Tensor], tensor: torch.Tensor,
                       async_op: bool = False) -> Tuple[Any, Traffic]:
@@ -357,32 +355,15 @@ class EqualSizeAggregator(FactorAggregator):
         traffic = Traffic()
         if first_dims is None:
             first_dims, traffic = self._exchange_first_dims(tensor)
-        elif first_dims[self.rank] != tensor.shape[0]:
-            raise ValueError(f"{name}: first_dims says {first_dims[self.rank]} rows for this rank, "
-                             f"the tensor has {tensor.shape[0]}")
         longest = max(first_dims)
         if tensor.shape[0] < longest:
             pad = tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))
             tensor = torch.cat([tensor, pad])
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         work, gathered = self._gather_equal(out, tensor, async_op=True)
-
-        def finish() -> List[torch.Tensor]:
-            if work is not None:
-                work.wait()
-            return [t[:n] for t, n in zip(out, first_dims)]
-
-        return CommHandle(finish, traffic + gathered)
+        return CommHandle(_finish(work, lambda: [t[:n] for t, n in zip(out, first_dims)]), traffic + gathered)
 
     def _all_reduce(self, tensor: torch.Tensor, name: str, op: str) -> CommHandle:
         traffic = self._count_all_reduce(tensor.numel() * tensor.element_size())
         work = self._engine_all_reduce(tensor, async_op=True)
-
-        def finish() -> torch.Tensor:
-            if work is not None:
-                work.wait()
-            if op == "mean":
-                tensor.div_(self.world_size)
-            return tensor
-
-        return CommHandle(finish, traffic)
+        return CommHandle(_finish(work, lambda: tensor.div_(self.world_size) if op == "mean" else tensor), traffic)

@@ -1,22 +1,14 @@
 """`CollectiveCounter`: bytes handed to an engine's collectives, counted at the engine's own API.
 
-A check of dAD's byte accounting (or a baseline's, in the benchmarks) needs the sizes of the
-tensors that really reached the engine. The counter wraps the collective functions of one module
-namespace — ``torch.distributed``, ``deepspeed.comm`` or ``horovod.torch`` — by name, so it sees
-every caller that looks them up on that module at call time (dAD's backends, DDP's communication
-hooks, DeepSpeed's engine). It never imports an engine: the caller passes the module object.
+The counter wraps the collective functions of one module namespace (``torch.distributed``,
+``deepspeed.comm`` or ``horovod.torch``) by name, so it sees every caller that looks them up on
+that module at call time (dAD's backends, DDP's hooks, DeepSpeed's engine); it never imports an
+engine. Wire bytes follow `comm.aggregator.wire_bytes` (Horovod's all-gather of different sizes
+per rank: received bytes assume the others' size is ours).
 
-    import torch.distributed as dist
-    with CollectiveCounter(dist) as counter:
+    with CollectiveCounter(torch.distributed) as counter:
         ...                                           # a training step
-    counter.traffic().handed                          # every group
-    counter.traffic(group=aggregator.group).sent      # one group only
-
-Wire bytes follow the ring model of `dad_integrations.comm.aggregator`: an all-reduce of b bytes sends
-and receives ``2 (S-1)/S b`` per rank, an all-gather of b bytes per rank ``(S-1) b`` (Horovod's
-all-gather of different sizes per rank: the received bytes assume the others' size is ours), a
-reduce-scatter or all-to-all of b bytes ``(S-1)/S b``; a broadcast or reduce is counted as a
-pipelined chain, b each way.
+    counter.traffic(group=aggregator.group).sent      # one group only (default: every group)
 """
 from __future__ import annotations
 
@@ -25,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
 
-from dad_integrations.comm.aggregator import Traffic
+from dad_integrations.comm.aggregator import Traffic, wire_bytes
 
 __all__ = ["ALL_GROUPS", "Collective", "CollectiveCounter", "NAMESPACES"]
 
@@ -62,38 +54,27 @@ TORCH_DISTRIBUTED: Dict[str, Collective] = {
     "reduce": _c("reduce", 0, "tensor", 3),
 }
 
+# ``deepspeed.comm`` mirrors torch.distributed, with keywords of its own and two helpers
 DEEPSPEED_COMM: Dict[str, Collective] = {
-    "all_reduce": _c("all_reduce", 0, "tensor", 2),
-    "all_reduce_coalesced": _c("all_reduce", 0, "tensors", 2),
-    "all_gather": _c("all_gather", 1, "tensor", 2),
+    **{name: c for name, c in TORCH_DISTRIBUTED.items() if name != "all_gather_coalesced"},
     "all_gather_into_tensor": _c("all_gather", 1, "tensor", 2),
     "allgather_fn": _c("all_gather", 1, "input_tensor", 2),
-    "reduce_scatter": _c("reduce_scatter", 1, "input_list", 3),
     "reduce_scatter_tensor": _c("reduce_scatter", 1, "tensor", 3),
     "reduce_scatter_fn": _c("reduce_scatter", 1, "tensor", 3),
     "all_to_all_single": _c("all_to_all", 1, "tensor", 4),
-    "broadcast": _c("broadcast", 0, "tensor", 2),
-    "reduce": _c("reduce", 0, "tensor", 3),
 }
 
+def _horovod(name: str, kind: str, arg: str, group_index: int, variants: Tuple[str, ...]) -> Dict[str, Collective]:
+    """Horovod's ``name`` and its in-place / async variants (``name + suffix``)."""
+    return {name + v: _c(kind, 0, arg, group_index, "process_set") for v in variants}
+
+
 HOROVOD_TORCH: Dict[str, Collective] = {
-    name: _c(kind, 0, arg, ps, "process_set") for name, kind, arg, ps in (
-        ("allreduce", "all_reduce", "tensor", 6),
-        ("allreduce_", "all_reduce", "tensor", 6),
-        ("allreduce_async", "all_reduce", "tensor", 6),
-        ("allreduce_async_", "all_reduce", "tensor", 6),
-        ("grouped_allreduce", "all_reduce", "tensors", 6),
-        ("grouped_allreduce_async", "all_reduce", "tensors", 6),
-        ("grouped_allreduce_async_", "all_reduce", "tensors", 6),
-        ("allgather", "all_gather", "tensor", 2),
-        ("allgather_async", "all_gather", "tensor", 2),
-        ("broadcast", "broadcast", "tensor", 3),
-        ("broadcast_", "broadcast", "tensor", 3),
-        ("broadcast_async", "broadcast", "tensor", 3),
-        ("broadcast_async_", "broadcast", "tensor", 3),
-        ("reducescatter", "reduce_scatter", "tensor", 3),
-        ("reducescatter_async", "reduce_scatter", "tensor", 3),
-    )
+    **_horovod("allreduce", "all_reduce", "tensor", 6, ("", "_", "_async", "_async_")),
+    **_horovod("grouped_allreduce", "all_reduce", "tensors", 6, ("", "_async", "_async_")),
+    **_horovod("allgather", "all_gather", "tensor", 2, ("", "_async")),
+    **_horovod("broadcast", "broadcast", "tensor", 3, ("", "_", "_async", "_async_")),
+    **_horovod("reducescatter", "reduce_scatter", "tensor", 3, ("", "_async")),
 }
 
 
@@ -129,22 +110,6 @@ def _nbytes(given: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
 
 
-def wire_bytes(kind: str, nbytes: float, world_size: int) -> Tuple[float, float]:
-    """(sent, received) bytes of one rank for a collective of ``kind`` handed ``nbytes``."""
-    s = max(int(world_size), 1)
-    if kind == "all_reduce":
-        w = 2.0 * (s - 1) / s * nbytes
-    elif kind == "all_gather":
-        w = float((s - 1) * nbytes)
-    elif kind in ("reduce_scatter", "all_to_all"):
-        w = (s - 1) / s * nbytes
-    elif kind in ("broadcast", "reduce"):
-        w = float(nbytes) if s > 1 else 0.0
-    else:
-        raise ValueError(f"unknown collective kind {kind!r}")
-    return w, w
-
-
 class CollectiveCounter:
     """Counts the bytes handed to the collectives of ``module``, per group and function.
 
@@ -155,10 +120,9 @@ class CollectiveCounter:
             Names the module lacks are skipped.
         world_size: ``(module, group) -> size`` of a group; None takes the one for the module.
 
-    Wrapping starts at `install` (or entering a ``with`` block) and ends at `uninstall` (or its
-    end); the counts stay readable after. Counting is thread-safe; a collective called from inside
-    another wrapped one (an engine's helper built on its own primitives) is counted once, as the
-    outer call. Groups are told apart by identity as the caller passed them (None: the default).
+    Wrapping lasts from `install` to `uninstall` (or a ``with`` block); the counts stay readable
+    after. Counting is thread-safe; a collective called from inside another wrapped one is counted
+    once, as the outer call. Groups are told apart by identity (None: the default).
     """
 
     def __init__(self, module: Any, table: Optional[Mapping[str, Collective]] = None,

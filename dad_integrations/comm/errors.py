@@ -1,14 +1,10 @@
 """`CollectiveError`: a dAD collective that failed or timed out, said in words a user can act on.
 
-An engine's own error names none of what a user needs when a node of a job dies: gloo says
-``Read error [10.0.0.2]:41234: Connection reset by peer`` (or ``Timed out waiting 30000ms for recv
-operation to complete``) and DDP used to turn even that into ``Unable to cast ... to Tensor``.
-`collective_error` builds the message from what dAD knows: the collective (its kind and name),
-the step, the peer the engine names mapped to its rank and node (`comm.peers`), the configured
-timeout and what to check. The engine's exception is chained (``raise ... from exc``), and the
-error keeps the engine's exception type as a base too (`collective_error` subclasses it), so that
-``except HorovodInternalError`` (Horovod's elastic reset) or ``except DistBackendError`` still
-catch it.
+An engine's own error names none of what a user needs when a node dies (gloo: ``Read error
+[10.0.0.2]:41234: Connection reset by peer``). `collective_error` says the collective, the step,
+the peer mapped to its rank and node (`comm.peers`), the timeout and what to check
+(``docs/guides/faults.md``). It chains the engine's exception and keeps its type as a base too,
+so that ``except HorovodInternalError`` or ``except DistBackendError`` still catch it.
 """
 from __future__ import annotations
 
@@ -36,10 +32,8 @@ class CollectiveError(RuntimeError):
 
 
 # -- the step -------------------------------------------------------------------------------------
-# The step of the dAD step last begun in this process, 0-based: set by the drivers (synchroniser,
-# DDP hook, FSDP2, ZeRO) when a step begins, read when a collective fails. One per process, not per
-# aggregator: the levels' and HSDP's sub-aggregators would each need it handed on, and a process
-# runs one training loop.
+# The dAD step last begun in this process, 0-based (set by the drivers): one per process, since a
+# process runs one training loop and sub-aggregators would each need it handed on.
 _step: Optional[int] = None
 
 
@@ -105,8 +99,8 @@ class EngineFault:
     port: Optional[int]
     timed_out: bool
     connection_lost: bool
-    summary: str
-    shut_down: bool = False  # Horovod's "has been shut down": another rank failed or left  # the message's first line, without gloo's source path and its "GLHF" advice
+    summary: str  # the message's first line, without gloo's source path and its generic advice
+    shut_down: bool = False  # Horovod's "has been shut down": another rank failed or left
 
 
 def parse_engine_error(message: str) -> EngineFault:

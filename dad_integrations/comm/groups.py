@@ -1,11 +1,8 @@
 """Process groups for dAD that keep the user's timeout.
 
-dAD's collectives run on a background thread while backward runs, so they get a process group of
-their own (on a shared group they could interleave with the user's or the engine's collectives in
-a different order on different ranks). ``torch.distributed.new_group`` without ``timeout=`` gives
-that group torch's default (30 minutes for gloo, 10 for NCCL), not the timeout the user passed to
-``init_process_group``: with one rank stalled, DDP fails after the user's timeout, dAD would block
-for half an hour. `new_group_like` creates the group with the timeout of the group it stands in for.
+dAD's collectives run on a background thread, so they get a group of their own. ``new_group``
+without ``timeout=`` gives it torch's default (30 min for gloo), not ``init_process_group``'s:
+`new_group_like` creates it with the timeout of the group it stands in for.
 """
 from __future__ import annotations
 
@@ -40,20 +37,9 @@ def process_rank() -> int:
 
 def new_group_like(ranks: Sequence[int], *, base: Optional[dist.ProcessGroup] = None,
                    timeout: Optional[timedelta] = None, backend: Optional[str] = None) -> dist.ProcessGroup:
-    """A new process group over the global ``ranks``, with the timeout of ``base``.
-
-    Args:
-        ranks: global ranks of the new group.
-        base: the group the new one stands in for (its timeout and backend are taken); None means
-            the default group.
-        timeout: the new group's timeout; None takes ``base``'s (where it cannot be read, torch's
-            default for the backend, as ``dist.new_group`` would).
-        backend: the new group's backend; None takes ``base``'s (for the default group, its whole
-            backend configuration, e.g. ``"cpu:gloo,cuda:nccl"``).
-
-    As ``dist.new_group``, this must be called by every rank of the default group, in the same
-    order, whether or not it is in ``ranks``.
-    """
+    """A new process group over the global ``ranks``, standing in for ``base`` (None: the default
+    group): ``timeout`` and ``backend`` default to ``base``'s (where its timeout cannot be read,
+    torch's default). As ``dist.new_group``, every rank of the default group calls it, in order."""
     default = dist.distributed_c10d._get_default_group()
     if base is None or base == dist.GroupMember.WORLD:
         base = default

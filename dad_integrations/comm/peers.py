@@ -1,14 +1,10 @@
 """Which rank and node sit at an address: the peer directory, and a probe of the other nodes.
 
-gloo names a failed peer by its address only (``Read error [10.0.0.2]:41234``). Each process
-publishes once, in the job's store (``dad/peer/<global rank>``), its node (the launcher's node
-index, else its hostname) and its IPv4 addresses. The job's `PeerDirectory` (one per process
-and store, over every rank of the job: a subgroup's peer may sit on any node) reads the entries in
-the background after a first collective has completed (the ranks have published by then, at
-attach: no wait, and the entries are at hand when the store is gone with a node), and maps an
-address to its ranks and node. After a timeout, which names no peer, `PeerDirectory.probe` asks
-each other node's address for a TCP connection (a refusal is an answer too) and reports the nodes
-that do not answer within a second: a node lost, or a link cut.
+gloo names a failed peer by its address only. Each process publishes once, in the job's store
+(``dad/peer/<global rank>``), its node and its IPv4 addresses; the job's `PeerDirectory` reads the
+entries in the background after a first collective completed (at hand when the store is gone with
+a node) and maps an address to its ranks and node. After a timeout, which names no peer,
+`PeerDirectory.probe` reports the other nodes that do not answer a TCP connection within a second.
 """
 from __future__ import annotations
 

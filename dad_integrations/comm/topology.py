@@ -1,22 +1,12 @@
 """The job's topology: which ranks share a node, and the two levels of groups it gives.
 
-A cluster has two links: a fast one inside each node (NVLink, shared memory) and a slower one
-between nodes. dAD's two-level routes (`exchange.two_level`) reduce inside the node, compress only
-on the hop between nodes, and gather inside the node again; they need to know which ranks share a
-node. A `Topology` is that partition of the data-parallel group's ranks into nodes of ``L`` ranks
-each, the same on every rank:
-
-- found from the launcher (`FactorAggregator.topology_hint`: torchrun's ``GROUP_RANK`` and
-  ``LOCAL_WORLD_SIZE``, Horovod's ``cross_rank()`` and ``local_size()``), else from the
-  all-gathered hostnames, and agreed by one all-gather (`resolve_topology`);
-- or stated by the config's ``topology``: ``"flat"`` (one level, as before), or the number of ranks
-  per node (consecutive ranks share a node, as torchrun and horovodrun place them).
-
-Two groups come from it (`level_aggregators`), built once, at attach: the ranks of this rank's node
-(``intra``) and the ranks with this rank's local index on every node (``cross``: one per local
-index, disjoint, so the ``L`` cross groups run side by side). A mismatch (nodes of unequal size, a
-local size that does not divide the world) raises `TopologyError` at attach, on every rank alike:
-never a hang in a later collective.
+dAD's two-level routes (`exchange.two_level`) reduce inside the node, compress only between nodes
+and gather inside the node again. A `Topology` partitions the group's ranks into nodes of ``L``
+ranks each, the same on every rank: from the config's ``topology`` (``"flat"``, or ranks per
+node, consecutive), else from the launcher (`FactorAggregator.topology_hint`) or the hostnames,
+agreed by one all-gather (`resolve_topology`). `level_aggregators` builds its two groups at attach:
+this rank's node (``intra``) and the ranks with its local index on every node (``cross``). A
+mismatch raises `TopologyError` at attach, on every rank alike: never a hang in a later collective.
 """
 from __future__ import annotations
 
@@ -114,14 +104,9 @@ def _host_key() -> int:
 
 
 def resolve_topology(spec: Any, aggregator: Any, device: torch.device) -> Topology:
-    """The topology of ``aggregator``'s group under the config's ``topology`` ``spec``; a collective
-    (one all-gather) for ``"auto"``, so every rank calls it at the same point.
-
-    ``"auto"``: every rank's launcher hint (`FactorAggregator.topology_hint`: its node index and the
-    ranks per node) where every rank has one, else the hostnames; the result is checked (every node
-    the same size) and is the same on every rank, since every rank decides on the same gathered
-    table.
-    """
+    """The topology of ``aggregator``'s group under the config's ``topology`` ``spec``; for ``"auto"``
+    one all-gather (every rank calls it at the same point) of the launcher hints where every rank
+    has one, else of the hostnames: every rank decides, and checks, on the same table."""
     spec = parse_topology(spec)
     s, rank = aggregator.world_size, aggregator.rank
     if spec == "flat" or s == 1:

@@ -21,12 +21,9 @@ class TorchDistributedAggregator(EqualSizeAggregator):
     """Collectives over a ``torch.distributed`` process group.
 
     Args:
-        group: the process group; None uses a new group of all ranks created here, so that dAD's
-            collectives (issued from a background thread while backward runs) can never interleave
-            with the user's own collectives on the default group. Every rank must construct the
-            aggregator at the same point when ``group`` is None, as for ``dist.new_group``.
-        timeout: the timeout of the group created here (not with ``group``, which keeps its own).
-            None takes the default group's, i.e. ``init_process_group(timeout=...)``, so
+        group: the process group; None creates a group of all ranks here (`comm.groups`: dAD's
+            background collectives never interleave with the user's), on every rank at the same point.
+        timeout: the timeout of the group created here; None takes ``init_process_group``'s, so
             that a stalled rank makes dAD fail within the user's timeout, as DDP does.
     """
 

@@ -1,13 +1,5 @@
-"""Layer kinds: one module per kind, registered with `registry.register_kind`.
-
-| kind        | modules                          | module file   |
-|-------------|----------------------------------|---------------|
-| `linear`    | ``nn.Linear``                    | `linear`      |
-| `conv1d`    | Hugging Face ``Conv1D`` (GPT-2)  | `hf_conv1d`   |
-| `embedding` | ``nn.Embedding``                 | `embedding`   |
-| `conv`      | ``nn.Conv1d/2d/3d`` (im2col rows)| `conv`        |
-| `mha`       | ``nn.MultiheadAttention``        | `mha`         |
-| `rnn`       | ``nn.GRU``, ``LSTM``, ``RNN``    | `rnn`         |
+"""Layer kinds: one module per kind (``linear``, ``hf_conv1d``, ``embedding``, ``conv``, ``mha``,
+``rnn``), registered with `registry.register_kind`; ``docs/concepts/layer-kinds.md`` tables them.
 
 A built-in kind is a new module here, imported below, plus its name in `config.LAYER_KINDS`; a
 user's kind is a `LayerKind` subclass registered with `register_kind` anywhere. Row layouts and the

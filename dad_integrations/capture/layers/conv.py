@@ -1,41 +1,23 @@
 """``nn.Conv1d``/``Conv2d``/``Conv3d``: ``dW = D^T unfold(X)``, one row per image and output position.
 
-A convolution is a linear map applied at every output position ``l`` to the input patch under the
-kernel there. With the weight viewed as its matrix (PowerSGD's ``view(C_out, -1)``, columns
-``C_in/g x k_1 x ... x k_d``, channel-major), the patch is a row of the *unfolded* input (im2col)
-in the same column order, and
+A convolution is a linear map applied at every output position to the input patch under the
+kernel. With the weight viewed as its matrix (PowerSGD's ``view(C_out, -1)``, columns
+``C_in/g x k_1 x ... x k_d``), the patch is a row of the *unfolded* input (im2col) in the same
+column order, so a conv is the ``linear`` row layout with ``rows = images x output positions``:
+``D: (N L, C_out)``, ``X: (N L, C_in/g * prod(k))``, ``db = sum D``.
 
-    dW = sum_{n,l} d_{n,l} x_{n,l}^T = D^T X        D: (N L, C_out),  X: (N L, C_in/g * prod(k))
-    db = sum_{n,l} d_{n,l}
+The unfold pads the input exactly as the module does (`pad_like_module`: int/tuple, ``"valid"``,
+``"same"`` and non-zero ``padding_mode``), then windows each spatial dimension with
+``Tensor.unfold``. A grouped convolution (``groups = G``) is G independent ones: G uses
+``"g0"`` .. ``"g{G-1}"``, each a row block of the weight with the unfold of its own input channels,
+and a split bias. Depthwise convolutions and more than `MAX_GROUPS` groups are not claimed (their
+rows never shrink with G while the gradient does): the coverage floor takes them.
 
-so a conv is the ``linear`` row layout with ``rows = images x output positions``. Exact factors
-cost ``N L (C_out + C_in/g prod(k))`` numbers against the gradient's ``C_out C_in/g prod(k)``:
-they pay only where few images and few output positions meet many channels (late layers, one or
-two images per rank); the router weighs that per step.
-
-The unfold pads the input exactly as the module does: ``_reversed_padding_repeated_twice`` holds
-the padding of an int/tuple ``padding``, of ``"valid"`` (none) and of ``"same"`` (asymmetric,
-the extra one at the end, as ATen pads it), and a ``padding_mode`` other than zeros (reflect,
-replicate, circular) pads with that mode before a padding-free convolution. Then each spatial
-dimension is windowed with ``Tensor.unfold`` (window ``dilation (k-1) + 1`` at step ``stride``,
-every ``dilation``-th tap kept) and one permute/reshape copy lays the rows out.
-
-Grouped convolutions (``groups = G``) are G independent convolutions: group g's output channels
-are the row block ``(g C_out/G, C_out/G)`` of the matrix view and its right rows the unfold of
-its own input channels only (split first, as BackPACK does). So a grouped conv has G uses,
-``"g0"`` .. ``"g{G-1}"``, and a split bias. Its rows do not shrink with G while its gradient
-does (``C_out C_in k / G``): exact pays only below ``C_out/G`` rows. Depthwise convolutions
-(one input channel per group) and more than `MAX_GROUPS` groups are not claimed: their weight
-falls to the coverage floor (dense or rank routes from its dense gradient), as costs would always
-rule out exact factors while capture would still unfold every input.
-
-Memory: the forward hook keeps a reference to the raw input (autograd keeps it for the weight
-gradient anyway); the k-times larger unfolded rows are formed at the output-gradient hook, only
-for calls whose use is enabled, and released with the step's rows.
+Memory: the forward hook keeps a reference to the raw input (autograd keeps it anyway); the
+unfolded rows are formed at the output-gradient hook, only for enabled uses.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from typing import Dict, List, Tuple
@@ -45,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dad_integrations.capture import compiled
-from dad_integrations.capture.hooks import HookedCapture, Use
+from dad_integrations.capture.hooks import HookedCapture, Use, call_input
 from dad_integrations.capture.rows import Rows
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
 from dad_integrations.logs import OnceLogger
@@ -108,22 +90,23 @@ def claims_groups(module: nn.Module) -> bool:
     return g == 1 or (g <= MAX_GROUPS and module.in_channels // g > 1 and module.out_channels // g > 1)
 
 
+def _keys(module: nn.Module) -> Tuple[str, ...]:
+    """The uses of a conv: ``"weight"``, or one per group, ``"g0"`` .. ``"g{G-1}"``."""
+    return ("weight",) if module.groups == 1 else tuple(f"g{i}" for i in range(module.groups))
+
+
 class ConvCapture(HookedCapture):
     """The hooks of one convolution: its raw input kept at forward, its rows formed when this
     call's output gradient arrives (paired through the output tensor, not by call order)."""
 
-    transient = ("_pending",)
-
     def __init__(self, name: str, module: nn.Module, on_forward=None):
-        g = module.groups
-        if g == 1:
+        if module.groups == 1:
             self.by_key: Dict[str, Use] = {"weight": Use(name, module, "linear")}
         else:
-            h = module.out_channels // g
-            self.by_key = {f"g{i}": Use(f"{name}[g{i}]", module, "linear", block=(i * h, h)) for i in range(g)}
+            h = module.out_channels // module.groups
+            self.by_key = {k: Use(f"{name}[{k}]", module, "linear", block=(i * h, h))
+                           for i, k in enumerate(_keys(module))}
         super().__init__(name, module, list(self.by_key.values()), on_forward)
-        self._pending: Dict[int, torch.Tensor] = {}
-        self._calls = 0
         self.compiled_key()
         self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
 
@@ -133,39 +116,21 @@ class ConvCapture(HookedCapture):
             return None
         if not self.uses[0].param().requires_grad:
             return None  # frozen now: no gradient will take these rows
+        x = call_input(args, kwargs)
         if compiled.compiling():  # traced: the rows come from the output's backward (`compiled`)
-            x = args[0] if args else next(iter(kwargs.values()))
             return compiled.tap(self.compiled_key(), [x], [output])[0]
         self.opened()  # also when disabled: the step's window opens here
-        if not any(u.enabled for u in self.uses):
-            return
-        x = args[0] if args else next(iter(kwargs.values()))
-        key = self._calls
-        self._calls += 1
-        self._pending[key] = x.detach()
-        output.register_hook(functools.partial(self._grad_hook, key))
-
-    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
-        x = self._pending.pop(key, None)
-        if x is None:
-            return
-        self._add(x, grad.detach())
+        if self._wanted():
+            x = x.detach()
+            self.on_grad(output, lambda grad: self._add(x, grad))
 
     def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:
         for use, rows in zip(self.uses, conv_rows(self.module, x, grad)):
             if use.enabled:
                 use.pairs.append(rows)
 
-    def _delivered(self, saved: list, grads: list) -> None:
-        """A compiled call's input and output gradient (in its backward, eagerly)."""
-        if not self.detached and grads[0] is not None and any(u.enabled for u in self.uses):
-            if self.arrived is not None:
-                self.arrived()
-            self._add(saved[0], grads[0])
-
-    def clear(self) -> None:
-        super().clear()
-        self._pending.clear()
+    def _add_delivered(self, saved: list, grads: list) -> None:
+        self._add(saved[0], grads[0])
 
 
 @register_kind
@@ -185,8 +150,7 @@ class ConvKind(LayerKind):
         return True
 
     def claims(self, module: nn.Module) -> List[Claim]:
-        g = module.groups
-        keys: Tuple[str, ...] = ("weight",) if g == 1 else tuple(f"g{i}" for i in range(g))
+        keys = _keys(module)
         out = [Claim("weight", uses=keys)]
         if module.bias is not None:
             out.append(Claim("bias", uses=keys, bias=True))  # split in the weight's row blocks

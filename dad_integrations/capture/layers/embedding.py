@@ -1,15 +1,11 @@
 """``nn.Embedding``: the gradient adds each output-gradient row into its token's row (``index_add``)."""
 from __future__ import annotations
 
-from typing import List
-
 import torch
 from torch import nn
 
-from dad_integrations.capture.hooks import ModuleCapture
 from dad_integrations.capture.rows import Rows
-from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
-
+from dad_integrations.capture.layers.registry import ModuleKind, register_kind
 
 
 def embedding_rows(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor) -> Rows:
@@ -28,16 +24,8 @@ def embedding_rows(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tens
 
 
 @register_kind
-class EmbeddingKind(LayerKind):
+class EmbeddingKind(ModuleKind):
     name = "embedding"
-
-    def accepts(self, module: nn.Module) -> bool:
-        return runs_stock_forward(module, nn.Embedding)
-
-    def claims(self, module: nn.Module) -> List[Claim]:
-        return [Claim("weight")]
-
-    def capture(self, name, module, on_forward):
-        c = ModuleCapture(name, module, "embedding", embedding_rows, on_forward)
-        return c, {"weight": c}
-
+    base = nn.Embedding
+    layout = "embedding"
+    rows = embedding_rows

@@ -1,30 +1,21 @@
 """``nn.MultiheadAttention``: its projections are ``F.linear`` calls, captured while its forward runs.
 
-The module never calls ``out_proj.forward``: ``F.multi_head_attention_forward`` passes
+The module never calls ``out_proj.forward``: ``F.multi_head_attention_forward`` hands
 ``in_proj_weight`` (or ``q/k/v_proj_weight``) and ``out_proj.weight`` straight to ``F.linear``, so
-module hooks on ``out_proj`` see nothing (claimed by ``linear``, it would get no rows, and the
-first-step check would send it dense for good). This kind claims both, with priority over
-``linear``, and captures every linear call of the module's own forward:
+module hooks on ``out_proj`` see nothing. This kind claims both, with priority over ``linear``, and
+captures every linear call of the module's own forward:
 
 - a forward pre-hook pushes a ``TorchFunctionMode`` (thread-local) and a forward hook registered
   with ``always_call=True`` pops it, so the mode sees only this module's calls, exception or not;
-- a mode's handler runs with the mode popped, so the calls *inside* a Python function that checks
-  ``has_torch_function`` itself (``F.multi_head_attention_forward``) would escape it: the handler
-  runs that one function as a copy whose check is off (`_unchecked`), with the mode pushed again,
-  and the nested ``F.linear`` calls (``torch._C._nn.linear``) reach the mode with the very
-  parameter objects (and their views), so each call is told apart by identity;
-- that copy, and copies of the projection helpers it calls (``_in_projection_packed``,
-  ``_in_projection``), call the stock ``torch._C._nn.linear`` whatever ``F.linear`` has been
-  replaced by: DeepSpeed ZeRO-3 sets ``torch.nn.functional.linear`` to its memory-efficient
-  ``zero3_linear_wrap`` (an autograd Function doing ``addmm``/``matmul``, which the mode cannot
-  tell from any other product), and the projections then reached the mode as no linear call (no
-  rows: both weights failed the first-step check). The stock op is the same product; ZeRO-3
-  re-gathers the parameters it saves for backward as it does for any other op;
-- each call's rows are ``D`` (the gradient of that call's output, from a hook on the output
-  tensor: one hook per call, so several calls per step pair right) and ``X`` (its input), every
-  leading dimension (``L, N`` or ``N, L`` with ``batch_first``) flattened.
+- the handler runs ``F.multi_head_attention_forward`` as a copy whose ``has_torch_function`` check
+  is off (`_unchecked`), with the mode pushed again, so its nested ``torch._C._nn.linear`` calls
+  reach the mode with the very parameter objects (and their views), told apart by identity. That
+  copy and its projection helpers call the stock op even where an engine replaced ``F.linear``
+  (DeepSpeed ZeRO-3's ``zero3_linear_wrap``, which the mode could not tell from other products);
+- each call's rows are ``D`` (its output's gradient, from a hook on that output) and ``X`` (its
+  input), every leading dimension flattened.
 
-Uses and row blocks of the packed ``in_proj_weight`` (``3E x E``, matrix view as is):
+Uses and row blocks of the packed ``in_proj_weight`` (``3E x E``), read from the slice's view:
 
 | call (in ``_in_projection_packed``)       | use       | block      |
 |-------------------------------------------|-----------|------------|
@@ -32,26 +23,10 @@ Uses and row blocks of the packed ``in_proj_weight`` (``3E x E``, matrix view as
 | cross-attention, ``k is v``: q, then kv   | `q`, `kv` | (0,E), (E,2E) |
 | q, k, v all different                     | `q`,`k`,`v` | (0,E), (E,E), (2E,E) |
 
-A slice's block is read from the view: offset ``(w.storage_offset() - base.storage_offset()) //
-base.stride(0)``, height ``w.shape[0]``. ``in_proj_bias`` rides as a split bias over those uses
-(each adds its ``D`` column sums into its block; the whole-height use into all of it). With
-``kdim``/``vdim != embed_dim`` the module holds ``q/k/v_proj_weight`` (one use each, whole) and
-``in_proj_bias`` is shared by three weights: it stays dense. ``out_proj``: one use, its bias rides.
-``bias_k``/``bias_v`` (``add_bias_kv``, ``1 x 1 x E``) are concatenated after the projection: no
-kind captures them (the coverage floor / dense takes them). ``add_zero_attn``, masks, dropout,
-``need_weights`` and ``is_causal`` change what happens between the projections, not the
-projections' rows.
-
-Without grad (``no_grad``, inference) the pre-hook pushes nothing, so the module's fast path
-(``torch._native_multi_head_attention``, eval only) is taken exactly as without dAD; with grad
-enabled and a trainable projection the fast path is never taken anyway.
-
-Cost: for self-attention a step's rows are the ``N L`` tokens of every call, ``N L (3E + E)``
-numbers for ``in_proj`` (``X`` sent once for q, k and v) against ``3 E^2`` for its gradient, and
-``N L 2E`` for ``out_proj`` against ``E^2``: exact factors pay only while a rank's tokens stay
-below about ``3E/4`` (``E/2`` for ``out_proj``); beyond, "auto" routes dense or rank.
-The mode costs a Python call per tensor operation of the module's forward (about 55 per call,
-paid only while capturing).
+``in_proj_bias`` rides as a split bias over those uses. With ``kdim``/``vdim != embed_dim`` the
+module holds ``q/k/v_proj_weight`` (one use each) and their shared ``in_proj_bias`` stays dense.
+``out_proj``: one use, its bias rides. ``bias_k``/``bias_v`` are not captured (the coverage floor
+takes them). Without grad the pre-hook pushes nothing, so the module's fast path runs as without dAD.
 """
 from __future__ import annotations
 
@@ -94,15 +69,10 @@ def _with_globals(fn: Callable, g: dict) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def _unchecked(fn: Callable) -> Callable:
-    """A copy of the Python function ``fn`` whose own ``has_torch_function`` check is always False.
-
-    Called from the mode's handler with the mode pushed again, it runs ``fn``'s body (instead of
-    dispatching ``fn`` to the mode once more, forever); every call inside still reaches the mode.
-    Its globals are a snapshot of ``fn``'s module taken at first use (the functions it calls are
-    the module's own objects, with their own checks), with ``linear`` the stock op, here and in
-    copies of the projection helpers (`_PROJECTIONS`): an engine may have replaced
-    ``F.linear`` (DeepSpeed ZeRO-3's ``zero3_linear_wrap``; see the module doc).
-    """
+    """A copy of the Python function ``fn`` whose own ``has_torch_function`` check is always False
+    (run from the mode's handler with the mode pushed again: ``fn``'s body, not ``fn`` dispatched to
+    the mode forever). Its globals are a snapshot of ``fn``'s module taken at first use, with
+    ``linear`` the stock op, here and in copies of the projection helpers (`_PROJECTIONS`)."""
     g = dict(fn.__globals__)
     g["has_torch_function"] = lambda *_: False
     g["linear"] = _LINEAR
@@ -145,8 +115,6 @@ class MHACapture(HookedCapture):
         uses["out_proj"] = Use(f"{name}.out_proj.weight", module, "linear", "out_proj.weight")
         super().__init__(name, module, list(uses.values()), on_forward)
         self.by_key = uses
-        self._pending: Dict[int, Tuple[Use, torch.Tensor]] = {}  # call -> (use, input), until its grad
-        self._calls = 0
         # per thread (the mode stack is thread-local), the modes the pre-hook pushed, one per open call
         self._modes: Dict[int, List[Optional[_LinearCalls]]] = {}
         self._warned = False
@@ -219,20 +187,9 @@ class MHACapture(HookedCapture):
         use = self._use_of(w)
         if use is None or not use.enabled or not w.requires_grad:
             return
-        key = self._calls
-        self._calls += 1
-        self._pending[key] = (use, x.detach())
-        out.register_hook(functools.partial(self._grad_hook, key))
-
-    def _grad_hook(self, key: int, grad: torch.Tensor) -> None:
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            use, x = pending
-            use.pairs.append((grad.detach().reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])))
-
-    def clear(self) -> None:
-        super().clear()
-        self._pending.clear()
+        x = x.detach()
+        self.on_grad(out, lambda grad: use.pairs.append((grad.reshape(-1, grad.shape[-1]),
+                                                         x.reshape(-1, x.shape[-1]))))
 
     def remove(self) -> None:
         super().remove()

@@ -1,29 +1,23 @@
 """The registry of layer kinds: which modules' weights dAD rebuilds from factors, and how.
 
 A kind is one module in this package holding one `LayerKind` subclass, registered with
-`register_kind` (Opacus's ``grad_sample/`` layout). It declares:
-
-- ``accepts(module)``: the modules it captures (``priority`` orders kinds: a composite such as
-  ``nn.MultiheadAttention`` claims its child ``out_proj`` before ``linear`` can);
-- ``claims(module)``: the parameters it rebuilds, each by which of its uses (a bias by one use's
-  output-gradient rows);
-- ``capture(...)``: the hooks, and the `capture.Use` objects they feed: each use's row layout
-  (`rows`), its row block of the weight's matrix view (packed q/k/v, convolution groups), and the
-  module whose forward runs it;
-
-Byte costs follow from the uses' layouts and blocks (`codecs.exact.exact_block_specs`), so the router,
-the cost model and the planner need nothing per kind. A parameter no kind claims (or claimed by
-some of its users only) is not a factor unit: with two or more dimensions it still takes the rank
-routes from its dense gradient (`capture.assign.build_plan`), as PowerSGD compresses every matrix.
+`register_kind` (Opacus's ``grad_sample/`` layout). It declares ``accepts(module)`` (``priority``
+orders kinds: ``nn.MultiheadAttention`` claims its child ``out_proj`` before ``linear`` can),
+``claims(module)`` (the parameters it rebuilds, each by which uses) and ``capture(...)`` (the hooks,
+and the `capture.Use` objects they feed: row layout, row block, module). Byte costs follow from the
+uses' layouts and blocks, so the router and the planner need nothing per kind. A parameter no kind
+claims falls to the coverage floor (`capture.assign.build_plan`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Type
 
+import torch
 from torch import nn
 
-from dad_integrations.capture.hooks import Use
+from dad_integrations.capture.hooks import ModuleCapture, Use
+from dad_integrations.capture.rows import Rows
 from dad_integrations.config import add_layer_kind
 
 
@@ -66,17 +60,33 @@ class LayerKind:
         raise NotImplementedError
 
 
+class ModuleKind(LayerKind):
+    """A kind whose modules (a ``base`` running its own forward) have one use, their ``weight``, fed
+    by a `ModuleCapture` with rows ``rows(module, input, output_grad)`` in ``layout``; a ``bias``
+    rides."""
+
+    base: Optional[type] = None
+    layout = "linear"
+    rows: Callable[[nn.Module, torch.Tensor, torch.Tensor], Rows]
+
+    def accepts(self, module: nn.Module) -> bool:
+        return self.base is not None and runs_stock_forward(module, self.base)
+
+    def claims(self, module: nn.Module) -> List[Claim]:
+        return [Claim("weight")] + ([Claim("bias", bias=True)] if getattr(module, "bias", None) is not None else [])
+
+    def capture(self, name, module, on_forward):
+        c = ModuleCapture(name, module, self.layout, type(self).rows, on_forward)
+        return c, {"weight": c}
+
+
 _KINDS: Dict[str, LayerKind] = {}
 
 
 def register_kind(cls: Type[LayerKind]) -> Type[LayerKind]:
-    """Class decorator: register one instance of a `LayerKind` under its ``name``.
-
-    A kind of your own (``from dad_integrations import register_kind, LayerKind, Claim``) becomes a
-    name the config key ``layer_kinds`` accepts, captured by default by configs made after it is
-    registered. Register it on every rank before attaching dAD. The first step checks every unit's
-    factors against autograd's gradient, so a kind that captures wrong rows sends its weights
-    dense with a warning, never a wrong gradient."""
+    """Class decorator: register one instance of a `LayerKind` under its ``name``, a name the config
+    key ``layer_kinds`` accepts (captured by default by configs made after). Register it on every
+    rank before attaching dAD; the first step's check sends a kind's wrong rows dense, with a warning."""
     if not isinstance(cls, type) or not issubclass(cls, LayerKind):
         raise TypeError(f"register_kind: expected a LayerKind subclass, got {cls!r}")
     if not cls.name or cls.name in _KINDS:

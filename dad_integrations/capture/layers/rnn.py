@@ -1,42 +1,23 @@
 """``nn.GRU``, ``nn.LSTM`` and ``nn.RNN``: each weight's gradient is a sum over time steps of outer products.
 
-Layer ``l`` of a recurrent network computes, per time step ``t``, the gate pre-activations
-``gi_t = W_ih x_t + b_ih`` and ``gh_t = W_hh h_{t-1} + b_hh`` and a cell of them; so
+Layer ``l`` computes per time step ``gi_t = W_ih x_t + b_ih`` and ``gh_t = W_hh h_{t-1} + b_hh``, so
 
     dW_ih = sum_t G_t^T x_t        dW_hh = sum_t G'_t^T h_{t-1}        db_ih = sum_t G_t   db_hh = sum_t G'_t
 
-with ``G = dL/dgi`` and ``G' = dL/dgh``: every time step is a row, exactly a linear layer's
-``D^T X`` (layout "linear"). Layer ``l > 0`` reads layer ``l-1``'s output as its ``x``. For the LSTM
-and the plain RNN the gates add, ``gi + gh``, so ``G' = G``. For the GRU the candidate gate
-``n = tanh(gi_n + r * gh_n)`` scales the hidden side by the reset gate: ``G' = [G_r, G_z, r * G_n]``.
+with ``G = dL/dgi`` and ``G' = dL/dgh``: every time step is a row of the "linear" layout, ``N * T``
+rows per weight (a ``PackedSequence``: ``sum(lengths)``). For the LSTM and the RNN ``G' = G``; the
+GRU's reset gate scales the hidden side: ``G' = [G_r, G_z, r * G_n]``.
 
-The fused kernels (cuDNN, oneDNN) never expose ``G``. So the capture keeps the call's input
-(and ``h0`` / ``(h0, c0)``) and weights, which autograd keeps alive anyway, and when the outputs'
-gradients arrive (`when_all_grads` on ``(output, h_n[, c_n])``, PyTorch's multi-grad hook made
-to fire also where the output is backward's root; an output outside the loss has no gradient) it
-*replays* the recurrence on the detached weights and back-propagates through time by hand
-(`replay_rows`), layer by layer from the top, keeping ``G`` and ``G'``. The hook runs before the
-module's own backward node, so the rows exist before the weights' gradients are accumulated.
+The fused kernels (cuDNN, oneDNN) never expose ``G``. So the capture keeps the call's input, initial
+state and weights (alive in autograd anyway); when the outputs' gradients arrive (`when_all_grads`)
+it *replays* the recurrence on the detached weights and back-propagates through time by hand
+(`replay_rows`), before the module's own backward node accumulates the weights' gradients. The
+replay costs a second forward of the recurrence in a Python loop: exact factors pay for few rows
+only anyway, and a unit routed from its dense gradient stops capturing. Under autocast the replay
+runs in the autocast dtype, as the fused call does.
 
-Rows per weight: ``N * T`` (batch times steps; a ``PackedSequence`` gives its ``sum(lengths)``),
-``gates * H`` wide on the left (``gates``: GRU 3, LSTM 4, RNN 1) and ``in`` or ``H`` on the right.
-
-Cost: the replay is a second forward of the recurrence (``T`` small matrix products per layer, in a
-Python loop) plus its backward without the weight gradients: on CPU of the order of the module's
-own backward (more for LSTM, whose CPU kernel is fused). On a GPU, where cuDNN fuses the whole
-recurrence, the loop of small kernels is many times slower than the fused call. Exact factors pay for few
-rows only (short sequences, small batches) anyway; a unit routed from its dense gradient stops
-capturing, and then nothing is replayed.
-
-Under autocast the fused call runs in the autocast dtype throughout (weights cast); the replay
-does the same, so the rows are bf16/fp16 then. Where oneDNN has no bf16 LSTM (AVX2-only CPUs, where
-torch's own call raises unless oneDNN is off) torch mixes bf16 products into fp32 gates; no replay
-follows that, and the first-step check sends those weights dense.
-
-Not captured (the weights fall to the coverage floor: rank routes from their dense gradient, or
-dense), each logged once: ``bidirectional``, ``proj_size > 0`` (LSTM projections) and ``dropout > 0``
-between layers (its masks are drawn inside the fused kernel; the replay could not repeat them).
-``PackedSequence`` inputs are replayed exactly (per step the first ``batch_sizes[t]`` sequences).
+Not captured (the coverage floor takes the weights), each logged once: ``bidirectional``,
+``proj_size > 0`` and ``dropout > 0`` between layers (masks drawn inside the fused kernel).
 """
 from __future__ import annotations
 
@@ -91,14 +72,8 @@ def _step(mode: str, gi: torch.Tensor, gh: torch.Tensor, h: torch.Tensor, c: Opt
 
 def _coefficients(mode: str, kept: List[torch.Tensor], h_prev: torch.Tensor) -> Dict[str, torch.Tensor]:
     """The local derivatives of every step at once (rows of the whole layer), so that each step's
-    backward is a few products: ``G = [state gradients] * C``.
-
-    GRU (``h' = n + z (h - n)``): ``G = dh' [Cr, Cz, Cn]``, ``G' = dh' [Cr, Cz, r Cn]``, with
-    ``Cn = (1 - z)(1 - n^2)``, ``Cr = Cn gh_n r (1 - r)``, ``Cz = (h - n) z (1 - z)``; ``dh += dh' z``.
-    LSTM (``c' = f c + i g``, ``h' = o tanh c'``): ``dc' += dh' o (1 - tanh^2 c')``,
-    ``G = [dc', dc', dc', dh'] [g i (1 - i), c f (1 - f), i (1 - g^2), tanh c' o (1 - o)]``, ``dc = dc' f``.
-    RNN: ``G = dh' (1 - h'^2)`` (tanh) or ``dh' [h' > 0]`` (relu).
-    """
+    backward is a few products: ``G = [state gradients] * C`` (GRU: also ``C_hh`` for ``G'`` and
+    ``Z`` for ``dh``; LSTM: ``B`` for ``dc'`` and ``F`` for ``dc``)."""
     if mode == "GRU":
         rz, n, gh_n = kept
         hidden = n.shape[1]
@@ -122,16 +97,13 @@ def replay_rows(mode: str, weights: Sequence[Weights], x: torch.Tensor, h0: torc
                 grad_out: Optional[torch.Tensor], grad_hn: Optional[torch.Tensor],
                 grad_cn: Optional[torch.Tensor]) -> List[LayerRows]:
     """Per layer, the rows ``(G, X, G', H_prev)`` of one call: the recurrence replayed on the
-    detached weights, then back-propagated through time by hand. No autograd: a recurrence of
-    small products pays autograd's per-operation cost many times over, so the local derivatives
-    are taken for all steps at once (`_coefficients`) and each step back is a few products.
+    detached weights, then back-propagated through time by hand (no autograd: its per-operation
+    cost, many times over; the local derivatives of all steps at once, `_coefficients`).
 
-    ``x`` is the time-major packed input ``(sum(batch_sizes), in)`` (for an unpacked batch of
-    ``B`` sequences of ``T`` steps: ``x.reshape(T * B, in)``, ``batch_sizes = [B] * T``), step
-    ``t``'s rows the first ``batch_sizes[t]`` sequences (sorted by length, longest first, as
-    ``PackedSequence`` keeps them; a sequence that ended keeps its last state). ``h0``, ``c0``
-    are ``(layers, B, H)``; ``grad_out`` is the gradient of the last layer's output rows
-    ``(sum(batch_sizes), H)``, ``grad_hn`` / ``grad_cn`` of the final states (None: not in the loss).
+    ``x`` is the time-major packed input ``(sum(batch_sizes), in)``, step ``t``'s rows the first
+    ``batch_sizes[t]`` sequences (longest first, as ``PackedSequence`` keeps them). ``h0``, ``c0``
+    are ``(layers, B, H)``; ``grad_out`` is the gradient of the last layer's output rows,
+    ``grad_hn`` / ``grad_cn`` of the final states (None: not in the loss).
     """
     sizes = [int(s) for s in batch_sizes]
     offsets = [0]
@@ -198,12 +170,9 @@ def replay_rows(mode: str, weights: Sequence[Weights], x: torch.Tensor, h0: torc
 
 def when_all_grads(tensors: Sequence[torch.Tensor], fn) -> None:
     """Call ``fn(grads)`` once per backward pass, when every tensor of ``tensors`` that the pass
-    reaches has its gradient (None for the others): the counting of
-    ``torch.autograd.graph.register_multi_grad_hook(mode="all")``, which expects a gradient from
-    each tensor whose node the engine will execute. That misses one case: the node of a single
-    root of ``backward()`` does not count as executed, so the hook never fires (reentrant
-    activation checkpointing back-propagates from the module's output itself). Here the node
-    whose hook fires first counts, and so do the tensors that share it."""
+    reaches has its gradient (None for the others): ``register_multi_grad_hook(mode="all")``'s
+    counting, except that the node whose hook fires first counts as executed too (the single root
+    of ``backward()`` does not, and reentrant checkpointing back-propagates from the output itself)."""
     grad_fns = [t.grad_fn for t in tensors]  # (a tensor without one gets no gradient: None)
     pending: Dict[int, list] = {}  # per graph task: [gradients seen, gradients expected, gradients]
     lock = threading.Lock()
@@ -230,6 +199,23 @@ def when_all_grads(tensors: Sequence[torch.Tensor], fn) -> None:
             t.register_hook(functools.partial(inner, i))
 
 
+def _call(args: tuple, kwargs: dict) -> tuple:
+    """A call's input and initial state, ``(x, hx)``."""
+    return (args[0] if args else kwargs["input"]), (args[1] if len(args) > 1 else kwargs.get("hx"))
+
+
+def _pair(state) -> tuple:
+    """``(h, c)`` of an LSTM's state, ``(h, None)`` of the others'."""
+    return state if isinstance(state, tuple) else (state, None)
+
+
+def _replay_order(state: torch.Tensor, unbatched: bool, sorted_idx: Optional[torch.Tensor]) -> torch.Tensor:
+    """A ``(layers, B, H)`` state (or its gradient) as the replay takes it: batched, sequences sorted as packed."""
+    if unbatched:
+        state = state.unsqueeze(1)
+    return state.index_select(1, sorted_idx) if sorted_idx is not None else state
+
+
 def layer_weights(module: nn.RNNBase, k: int) -> Weights:
     """Layer ``k``'s (w_ih, w_hh, b_ih, b_hh), detached (biases None without ``bias``)."""
     def get(name: str) -> Optional[torch.Tensor]:
@@ -241,11 +227,9 @@ def layer_weights(module: nn.RNNBase, k: int) -> Weights:
 class RNNCapture(HookedCapture):
     """Forward hook: keep the call's input, initial state and weights; the outputs' gradient hook
     (`when_all_grads`) replays the recurrence (`replay_rows`) and appends each layer's rows to its
-    two uses, ``ih_l{k}`` (``(G, X)``) and ``hh_l{k}`` (``(G', H_prev)``).
-
-    A call's saved state lives in the hook's closure, which the autograd graph holds: it goes
-    with the graph (after backward, or when a forward is never back-propagated). `clear` moves
-    an epoch on, so that a gradient arriving after it adds nothing.
+    two uses, ``ih_l{k}`` (``(G, X)``) and ``hh_l{k}`` (``(G', H_prev)``). A call's saved state
+    lives in the hook's closure (it goes with the autograd graph); `clear` moves an epoch on, so
+    that a gradient arriving after it adds nothing.
     """
 
     def __init__(self, name: str, module: nn.RNNBase, on_forward=None):
@@ -276,11 +260,9 @@ class RNNCapture(HookedCapture):
         self.opened()  # also when disabled: the step's window opens here
         if not self._wanted():
             return
-        x = args[0] if args else kwargs["input"]
-        hx = args[1] if len(args) > 1 else kwargs.get("hx")
-        h_n, c_n = state if isinstance(state, tuple) else (state, None)
-        saved = self._saved_call(module, x, hx)
-        saved["dtype"] = out_t.dtype  # under autocast the module ran in bf16/fp16: so does the replay
+        x, hx = _call(args, kwargs)
+        h_n, c_n = _pair(state)
+        saved = self._saved_call(module, x, *_pair(hx), out_t.dtype)  # (autocast: the replay's dtype too)
         epoch = self._epoch
         watched = [t for t in (out_t, h_n, c_n) if t is not None]
 
@@ -291,34 +273,25 @@ class RNNCapture(HookedCapture):
         when_all_grads(watched, arrived)
 
     def _compiled_forward(self, args: tuple, kwargs: dict, out, state):
-        """The traced hook (where dynamo traces the module: it does the LSTM, and runs the GRU
-        eagerly, hooks and all): the outputs wrapped so that their backward delivers the input,
-        the initial states and every output's gradient at once (`compiled.tap`); the replay runs
-        there, as in eager mode. A ``PackedSequence`` (its batch sizes are data) is not captured
-        under compile: its weights' rows are missing, and the first step's check routes them
-        from their dense gradients."""
-        x = args[0] if args else kwargs["input"]
+        """The traced hook: the outputs wrapped so that their backward delivers the input, the
+        initial states and every output's gradient at once (`compiled.tap`), for the replay. A
+        ``PackedSequence`` (its batch sizes are data) is not captured: the first step's check
+        routes its weights from their dense gradients."""
+        x, hx = _call(args, kwargs)
         if isinstance(x, PackedSequence):
             return None
-        hx = args[1] if len(args) > 1 else kwargs.get("hx")
-        h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
-        h_n, c_n = state if isinstance(state, tuple) else (state, None)
-        outs = compiled.tap(self.compiled_key(), [x, h0, c0], [t for t in (out, h_n, c_n) if t is not None])
+        h_n, c_n = _pair(state)
+        outs = compiled.tap(self.compiled_key(), [x, *_pair(hx)], [t for t in (out, h_n, c_n) if t is not None])
         return outs[0], ((outs[1], outs[2]) if c_n is not None else outs[1])
 
-    def _delivered(self, saved: list, grads: list) -> None:
+    def _add_delivered(self, saved: list, grads: list) -> None:
         """A compiled call's input, initial states and outputs' gradients (in its backward)."""
-        if self.detached or not self._wanted() or grads[0] is None:
-            return
-        if self.arrived is not None:
-            self.arrived()
-        x, h0, c0 = saved
-        call = self._saved_call(self.module, x, (h0, c0) if self.module.mode == "LSTM" and h0 is not None else h0)
-        call["dtype"] = grads[0].dtype
+        call = self._saved_call(self.module, *saved, grads[0].dtype)
         self._append(self.module, call, *(list(grads) + [None])[:3])
 
-    def _saved_call(self, module: nn.RNNBase, x, hx) -> dict:
-        """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H)."""
+    def _saved_call(self, module: nn.RNNBase, x, h0, c0, dtype: torch.dtype) -> dict:
+        """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H), and
+        the ``dtype`` the module ran in (under autocast bf16/fp16: so does the replay)."""
         layers, hidden = module.num_layers, module.hidden_size
         sorted_idx = None
         if isinstance(x, PackedSequence):
@@ -333,19 +306,9 @@ class RNNCapture(HookedCapture):
             else:
                 steps, batch = x.shape[0], x.shape[1]
             sizes = [batch] * steps
-        h0, c0 = hx if isinstance(hx, tuple) else (hx, None)
-        states = []
-        for s in (h0, c0) if module.mode == "LSTM" else (h0,):
-            if s is None:
-                s = rows.new_zeros(layers, batch, hidden)
-            else:
-                s = s.detach()
-                if unbatched:
-                    s = s.unsqueeze(1)
-                if sorted_idx is not None:
-                    s = s.index_select(1, sorted_idx)
-            states.append(s)
-        return {"rows": rows.detach(), "packed": isinstance(x, PackedSequence), "sizes": sizes,
+        states = [_replay_order(s.detach(), unbatched, sorted_idx) if s is not None
+                  else rows.new_zeros(layers, batch, hidden) for s in ((h0, c0) if module.mode == "LSTM" else (h0,))]
+        return {"rows": rows.detach(), "packed": isinstance(x, PackedSequence), "sizes": sizes, "dtype": dtype,
                 "sorted": sorted_idx, "unbatched": unbatched,
                 "h0": states[0], "c0": states[1] if len(states) > 1 else None,
                 "weights": [layer_weights(module, k) for k in range(layers)]}
@@ -368,14 +331,8 @@ class RNNCapture(HookedCapture):
         x = saved["rows"]
         if not saved["packed"]:  # input and output gradient as time-major rows
             x, g_out = (self._time_major(module, t, unbatched) for t in (x, g_out))
-        finals = []
-        for g in (g_hn, g_cn):
-            if g is not None:
-                if unbatched:
-                    g = g.unsqueeze(1)
-                if sorted_idx is not None:  # the module returned the states in the caller's order
-                    g = g.index_select(1, sorted_idx)
-            finals.append(g)
+        # (the module returned the final states in the caller's order)
+        finals = [None if g is None else _replay_order(g, unbatched, sorted_idx) for g in (g_hn, g_cn)]
         dt = saved["dtype"]
         weights = [tuple(w.to(dt) if w is not None else None for w in ws) for ws in saved["weights"]]
         c0 = saved["c0"].to(dt) if saved["c0"] is not None else None
