@@ -237,9 +237,7 @@ class NodePartitionCall(PartitionCall):
                 rep.add_traffic(hop2)
                 rep.inter_bytes += hop2.received
             report.params.append(rep)
-        for p in self.params:
-            if id(p) not in self.delivered:
-                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+        self.reduce_dense(report)
 
 
 def node_partition_layout(levels: Optional[Levels], flat: PartitionLayout,

@@ -21,6 +21,7 @@ agree across ranks), so the collectives match.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Sequence, Set, Tuple
 
@@ -132,16 +133,15 @@ class PartitionCall(ShardedCall):
         return self._estimates(self.item(unit), takes_exact(unit))
 
     def reduce_dense(self, report: ShardedStepReport) -> None:
+        """Reports every parameter not delivered (all of them here): DeepSpeed reduces them."""
         for p in self.params:
-            report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+            if id(p) not in self.delivered:
+                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
 
     def _report(self, name: str, representation: str, p: nn.Parameter) -> ShardedParamReport:
         # DeepSpeed's reduce-scatter moves (S-1) of S pieces of ceil(numel/S) elements per rank
-        shape = param_shape(p)
-        numel = 1
-        for d in shape:
-            numel *= d
-        return ShardedParamReport.of_shard(name, representation, tuple(shape), -(-numel // self.S), self.S,
+        shape = tuple(param_shape(p))
+        return ShardedParamReport.of_shard(name, representation, shape, -(-math.prod(shape) // self.S), self.S,
                                            self.itemsize)
 
     def deliver(self, unit: FactorUnit, owned: torch.Tensor) -> None:
@@ -195,9 +195,7 @@ class PartitionCall(ShardedCall):
                     rep.components, rep.method = ranked[it.key]
                 rep.add_traffic(traffic[it.key])
                 report.params.append(rep)
-        for p in self.params:
-            if id(p) not in self.delivered:
-                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+        self.reduce_dense(report)
 
     def _estimates(self, it: PartitionItem, exact: bool) -> Tuple[Dict[str, float], Dict[str, float]]:
         """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what

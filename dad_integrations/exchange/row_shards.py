@@ -11,7 +11,7 @@ shard ride with exact factors; under a rank route they stay on the engine's redu
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Mapping, Optional
 
 import torch
 from torch import nn
@@ -29,7 +29,54 @@ from dad_integrations.routes.registry import get_route
 from dad_integrations.routing.router import UnitShape
 
 
-class RowShardCall(ShardedCall):
+class SinkCall(ShardedCall):
+    """What the row-shard calls (`RowShardCall`, HSDP's `exchange.replicate_hop.ReplicateHopCall`)
+    share: buffers read and written through ``self.sink``, counts and checks over ``self.aggregator``,
+    a unit seen with the biases that ride with it."""
+
+    sink: ShardSink
+
+    def agree_counts(self, units):
+        counts, traffic = exchange_row_counts(units, self.rows, self.aggregator)
+        return counts, traffic, sum(len(u.uses) for u in units)
+
+    def verify(self, units):
+        _, failed, traffic = agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
+        return failed, traffic
+
+    def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
+        """The unit's biases that this call's buffers hold (they ride with its exact factors)."""
+        return [b.param for b in unit.biases if self.sink.slot(b.param) is not None]
+
+    def unit_shape(self, unit: FactorUnit) -> UnitShape:
+        """What the router sees of a unit: its matrix view; row blocks on non-linear uses keep it off
+        sharded exact factors."""
+        return UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in self._biases(unit)),
+                         self.sink.inp.dtype, unit.blocks)
+
+    def _entry(self, p: nn.Parameter, representation: str, slot: Optional[ShardSlot] = None) -> ShardedParamReport:
+        slot = slot or self.sink.slot(p)
+        return ShardedParamReport.of_shard(slot.name, representation, slot.shape, slot.numel, self.sink.world_size,
+                                           self.sink.inp.element_size())
+
+    def _put(self, p: nn.Parameter, shard: torch.Tensor, representation: str, report: ShardedStepReport,
+             covered: set) -> ShardedParamReport:
+        """Write ``p``'s reduced shard, count it covered and report it: the entry, to fill in."""
+        self.sink.write(p, shard)
+        covered.add(id(p))
+        report.params.append(self._entry(p, representation))
+        return report.params[-1]
+
+    def _put_exact(self, unit: FactorUnit, shards: Mapping[nn.Parameter, torch.Tensor], report: ShardedStepReport,
+                   covered: set) -> ShardedParamReport:
+        """`_put` the unit's exact shards, the weight's and its riding biases'; returns the weight's
+        entry, which the exchange's bytes go to (the biases ride free)."""
+        entries = [self._put(p, shards[p], "exact", report, covered) for p in [unit.param] + self._biases(unit)]
+        entries[0].rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
+        return entries[0]
+
+
+class RowShardCall(SinkCall):
     """One reduce-scatter of row-block shards (see the module doc); the adapter says which units it
     carries (`units`) and runs the engine's reduce-scatter of the rest (`reduce_rest`)."""
 
@@ -49,41 +96,18 @@ class RowShardCall(ShardedCall):
     def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
         self.sink.add_local(unit.param, residual)
 
-    def agree_counts(self, units):
-        counts, traffic = exchange_row_counts(units, self.rows, self.aggregator)
-        return counts, traffic, sum(len(u.uses) for u in units)
-
-    def verify(self, units):
-        _, failed, traffic = agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
-        return failed, traffic
-
-    def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
-        return riding_biases(self.sink, unit)
-
-    def unit_shape(self, unit: FactorUnit) -> UnitShape:
-        return row_unit_shape(self.sink, unit)
-
     def reduce_dense(self, report: ShardedStepReport) -> None:
         self.reduce_rest(self.slots, report)
 
     def exchange(self, routes: CallRoutes) -> None:
-        sink, report, S, itemsize = self.sink, routes.report, self.aggregator.world_size, self.sink.inp.element_size()
-        covered = set()
+        sink, report, covered = self.sink, routes.report, set()
         # factors travel in the reduce-scatter's dtype where the config names none, as the router counts
         # them (not in the sharded parameters' dtype: fp32 factors under a bf16 policy)
         codec = ShardedExactCodec(self.route_wire or sink.inp.dtype, sink.inp.device)
         for unit in routes.exact:
-            biases = self._biases(unit)
             result = codec.exchange(unit, self.rows[unit.index], routes.counts[unit.index], self.aggregator,
                                     self.scale)
-            for p in [unit.param] + biases:
-                sink.write(p, result.shards[p])
-                covered.add(id(p))
-                slot = sink.slot(p)
-                report.params.append(ShardedParamReport.of_shard(slot.name, "exact", slot.shape, slot.numel, S,
-                                                                 itemsize))
-            weight = report.params[-1 - len(biases)]  # the bytes go to the weight, biases ride free
-            weight.rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
+            weight = self._put_exact(unit, result.shards, report, covered)
             weight.max_rows, weight.method = max(sum(r) for r in routes.counts[unit.index]), result.method
             weight.add_traffic(result.traffic)
         if routes.ranked:  # biases stay on the engine's reduce-scatter
@@ -91,40 +115,17 @@ class RowShardCall(ShardedCall):
             items = [codec.local(unit, self.rows[unit.index], sink.local_grad, rep) for unit, rep in routes.ranked]
             for item, result in zip(items, codec.exchange(items, self.aggregator, self.scale, routes.step,
                                                           sink.inp.dtype)):
-                p = item.unit.param
-                sink.write(p, result.shard)
-                covered.add(id(p))
-                slot = sink.slot(p)
-                entry = ShardedParamReport.of_shard(slot.name, item.representation, slot.shape, slot.numel, S,
-                                                    itemsize)
+                entry = self._put(item.unit.param, result.shard, item.representation, report, covered)
                 entry.components, entry.method = result.components, item.method
                 entry.add_traffic(result.traffic)
-                report.params.append(entry)
         for unit, rep in routes.coded:  # biases stay on the engine's reduce-scatter
-            p = unit.param
             m, n = unit.shape
-            c = -(-m // S)
+            S, c = self.aggregator.world_size, -(-m // self.aggregator.world_size)
             local = torch.zeros(S * c, n, dtype=torch.float32, device=sink.inp.device)
-            local[:m] = sink.local_grad(p, torch.float32)
+            local[:m] = sink.local_grad(unit.param, torch.float32)
             handle = start_codec_chunks(get_route(rep).codec, list(local.view(S, c * n)), self.aggregator,
                                         name=f"dad.{rep}.{unit.name}")
             a = min(self.aggregator.rank * c, m)
-            sink.write(p, handle.wait().view(c, n)[:min(a + c, m) - a].mul_(self.scale).to(sink.out.dtype))
-            covered.add(id(p))
-            slot = sink.slot(p)
-            entry = ShardedParamReport.of_shard(slot.name, rep, slot.shape, slot.numel, S, itemsize)
-            entry.add_traffic(handle.traffic)
-            report.params.append(entry)
+            shard = handle.wait().view(c, n)[:min(a + c, m) - a].mul_(self.scale).to(sink.out.dtype)
+            self._put(unit.param, shard, rep, report, covered).add_traffic(handle.traffic)
         self.reduce_rest([s for s in self.slots if id(s.param) not in covered], report)
-
-
-def riding_biases(sink: ShardSink, unit: FactorUnit) -> List[nn.Parameter]:
-    """The unit's biases that this call's buffers hold (they ride with its exact factors)."""
-    return [b.param for b in unit.biases if sink.slot(b.param) is not None]
-
-
-def row_unit_shape(sink: ShardSink, unit: FactorUnit) -> UnitShape:
-    """What the router sees of a unit of a row-block call: its matrix view; row blocks on
-    non-linear uses keep it off sharded exact factors."""
-    return UnitShape(tuple(unit.kinds), unit.shape, sum(b.shape[0] for b in riding_biases(sink, unit)),
-                     sink.inp.dtype, unit.blocks)
