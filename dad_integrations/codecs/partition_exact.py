@@ -1,16 +1,13 @@
 """Exact factors over `Ranges` (lossless dAD under DeepSpeed ZeRO-2/3): the collective that moves the cuts.
 
 ZeRO keeps on each rank an element range ``[lo, hi)`` of a weight's flattened (row-major) gradient:
-ZeRO-3 cuts every parameter into ``S`` equal pieces of ``ceil(numel/S)``; ZeRO-2 cuts a flat bucket
-of parameters at arbitrary offsets, so a weight lies wholly in one rank's partition or spans a few.
-A rank rebuilds only its covering rows ``[lo // n, ceil(hi / n))`` of the average and keeps its
-elements. From every rank it needs that rank's cut for those rows (`exact.cut`: for an embedding
-use only the ids in them). One all-to-all with per-destination sizes carries the cuts of every
-weight of one reduction call (`FactorAggregator.all_to_all_v`); a rank that owns nothing of a weight
-receives nothing for it. The sizes follow from counts every rank agrees on (one small all-gather per
-call: per use the row count, and for an embedding use its ids per destination, `exact.use_counts`),
-so no padding is sent. Rank d, owning ``w`` covering rows of an ``m x n`` weight, receives
-``sum_{s != d} N_s (n + w)`` numbers, against ZeRO's reduce(-scatter), about ``(S-1)/S m n``.
+ZeRO-3 cuts every parameter into ``S`` equal pieces; ZeRO-2 cuts a flat bucket of parameters at
+arbitrary offsets, so a weight lies wholly in one rank's partition or spans a few. A rank rebuilds
+only its covering rows of the average and keeps its elements, from every rank's cut for those rows
+(`exact.cut`: for an embedding use only the ids in them). One all-to-all with per-destination sizes
+carries the cuts of every weight of one reduction call; a rank that owns nothing of a weight
+receives nothing for it. The sizes follow from counts every rank agrees on (`exact.use_counts`, one
+small all-gather per call), so no padding is sent. Bytes: `exchange_bytes`, `routes.exact`.
 
 `block_specs`, `encode` and `decode` frame `exact.cut` and `exact.rebuild` by destination;
 `PartitionExactCodec.exchange` packs the cuts straight into one send buffer (`wire.pack_into`).

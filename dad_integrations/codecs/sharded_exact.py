@@ -1,19 +1,14 @@
 """Exact factors over `RowShards` (lossless dAD under FSDP2): the collectives that move the cuts.
 
-FSDP2 keeps on rank r the rows ``[r c, min((r+1) c, m))`` of the average, ``c = ceil(m/S)``, each
-shard padded to ``c`` rows. Of every rank's use, rank r needs the right whole and the left's columns
-over its rows (`exact.cut`). The right is the same for every destination, so it is all-gathered
-once, ``(S-1) N n`` per rank; the lefts' cuts go by one all-to-all, each placed at its rows among the
-destination's ``c`` columns (zero elsewhere, so a row-blocked use's cut arrives as a whole-row one),
-``(S-1) N c``, about ``(S-1)/S N m``. N is the rows per rank, padded to the longest rank (the
-collectives need equal sizes). Against FSDP2's reduce-scatter, about ``(S-1)/S m n``, factors win
-when ``N (n + m/S) < m n / S``: few rows, wide layers (`routes.exact.sharded_exact_bytes`).
+Of every rank's use, rank r needs the right whole and the left's columns over its rows
+(`exact.cut`). The right is the same for every destination, so it is all-gathered once; the lefts'
+cuts go by one all-to-all, each placed at its rows among the destination's ``c`` columns (zero
+elsewhere, so a row-blocked use's cut arrives as a whole-row one), every use's rows padded to the
+longest rank's (the collectives need equal sizes). Bytes: `routes.exact`.
 
 A unit with an embedding use (GPT-2's tied ``wte``/``lm_head``) all-gathers whole factors
-(`exact.ExactCodec`) and each rank cuts its rows from them. Sending each rank only the ids in its
-rows (as `codecs.partition_exact` does) would cut that to ``~1/S``, but would change the wire: not
-done yet. Units without uses, and blocks on a non-linear use, never come here
-(`exact.sharded_exact_covers`; `exchange` refuses them).
+(`exact.ExactCodec`) and each rank cuts its rows from them. Units without uses, and blocks on a
+non-linear use, never come here (`exact.sharded_exact_covers`; `exchange` refuses them).
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """ZeRO-2/3's reduce-scatter across nodes, compressed only between nodes (qgZ's hierarchy, dAD's routes).
 
-ZeRO keeps on each of ``S = N L`` ranks a flat element range of every weight (`exchange.partitions`).
-Its reduce-scatter crosses the slow link with about ``(S-1)/S m n b`` per node and weight. A
-`NodePartitionCall` sends the weights the router gives a dAD route (`routing.node_partitions`) in
+ZeRO keeps on each of ``S = N L`` ranks a flat element range of every weight (`exchange.partitions`),
+and its reduce-scatter crosses the slow link with most of each weight. A `NodePartitionCall` sends the weights the router gives a dAD route (`routing.node_partitions`) in
 three hops, as qgZ does with its INT4 all-to-alls (reduce inside the node, across nodes, scatter
 back), but with dAD's representations on the hop between nodes:
 
@@ -18,10 +17,8 @@ back), but with dAD's representations on the hop between nodes:
    every owner rebuilds its node's stretch of the scaled average, and only that;
 3. **from the owner, inside the node** (one all-to-all per call): each rank's own elements.
 
-Bytes between nodes per weight and node: exact ``(N-1) R (n + m/N) w`` for R rows a node, rank-dAD
-``(N-1) r (n + m/N) w``, PowerSGD ``2 (N-1)/N r (m+n) w`` per round, against the reduce-scatter's
-``(S-1)/S m n b``. The hops inside the node cost ``(L-1)/L m n b`` (rank routes) and
-``(L-1)/L m n b / N``; the rebuild is done once per node, by the owner, over ``1/N`` of the rows.
+Bytes per hop: `routes`' models on ``node_partitions``. The rebuild is done once per node, by the
+owner, over ``1/N`` of the rows.
 
 Error feedback (rank routes) is held by the owner, on its node's sum: ``e_k = M_k - P Q^T`` with
 ``M_k = sum_{j in k} g_j + e_k``. The average still owes ``scale * sum_k e_k``, as flat steps owe

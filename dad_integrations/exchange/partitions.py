@@ -8,11 +8,10 @@ its matrix view ``(shape[0], prod(shape[1:]))``, whose row-major flattening is t
   rank's partition, and that rank receives every site's factors, so the estimates are the busiest
   rank's bytes and ties go by the mean over ranks;
 * exact factors and rank-dAD's ``(P_s^T, Q_s^T)`` (r rows of a linear use) travel together in one
-  all-to-all per run of weights (`codecs.partition_exact`): rank d owning w rows of an ``m x n``
-  weight receives ``sum_{s != d} N_s (n + w)`` for exact factors, ``sum_{s != d} r (n + w)`` for
-  rank-dAD; each rank rebuilds the covering rows of its range and keeps its elements;
-* PowerSGD's all-reduce route (P and Q all-reduced, ``2 (S-1)/S r (m+n)`` per rank, flat in S):
-  each rank rebuilds only the covering rows of its owned elements (`sharded_rank.reduced_elements`);
+  all-to-all per run of weights (`codecs.partition_exact`); each rank rebuilds the covering rows of
+  its range and keeps its elements;
+* PowerSGD's all-reduce route (P and Q all-reduced): each rank rebuilds only the covering rows of
+  its owned elements (`sharded_rank.reduced_elements`);
 * linear uses over row blocks (a packed ``in_proj_weight``) take exact factors as whole-row uses do;
   blocks on other uses keep a unit off them (`takes_exact`).
 
@@ -200,11 +199,8 @@ class PartitionCall(ShardedCall):
     def _estimates(self, it: PartitionItem, exact: bool) -> Tuple[Dict[str, float], Dict[str, float]]:
         """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
         breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
-        while rank-dAD's other rank receives nothing), from the real partition ranges (the same on
-        every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed, and with
-        a ``rank``, rank-dAD's r rows (`partition_exact.exchange_bytes`) and PowerSGD's all-reduced
-        P and Q, once per power iteration. ``exact`` False (`takes_exact`) leaves "exact" out, so
-        that no mode picks it."""
+        while rank-dAD's other rank receives nothing), from the real partition ranges (`routes`'
+        models on ``partitions``). ``exact`` False (`takes_exact`) leaves "exact" out."""
         config = self.config
         sizing = UnitSizing(tuple(it.kinds), tuple(it.shape), self.dtype, self.route_wire,
                             rank=config.rank if self.rank_codec is not None else 0,

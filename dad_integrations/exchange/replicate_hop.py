@@ -1,21 +1,18 @@
 """HSDP's replicate hop: the reduce-scatter stays inside the node, dAD's routes run between nodes.
 
 Under HSDP a weight's rows are sharded over the L ranks of a node and replicated over the R nodes;
-its gradient is reduce-scattered inside the node, then each shard is all-reduced between nodes
-(`routes`' byte models on the ``replicate_hop`` layout count the bytes). `ReplicateHopCall` is one such reduction call (one
-FSDP parameter group), run by `exchange.sharded.ShardedExchanger.reduce` like any sharded call
-(routes, first-step check, rank-route state). Ranks are placed on a grid ``grid[node][s]`` of
+its gradient is reduce-scattered inside the node, then each shard is all-reduced between nodes.
+`ReplicateHopCall` is one such reduction call (one FSDP parameter group), run by
+`exchange.sharded.ShardedExchanger.reduce` like any sharded call. Ranks are placed on a grid ``grid[node][s]`` of
 world ranks: the node's L ranks form the ``intra`` group, the R ranks holding rows ``s`` on every
 node the ``cross`` group.
 
 Per route, for rank s of node k:
 
-* **exact**: each rank's own rows are all-gathered over ``cross`` (the only bytes between nodes,
-  ``(R-1) N (m+n)``), then the rows of the whole column (R times as many) go through the 1-D
-  sharded exact exchange inside the node (`codecs.sharded_exact`: X all-gathered, D's column
-  slices all-to-all). Every rank of a column stacks the same rows in the same order, so the
-  replicas' shards are equal bit for bit. A node's shared side (X, n wide) thus crosses once
-  per rank's own rows, never once per shard;
+* **exact**: each rank's own rows are all-gathered over ``cross`` (the only bytes between nodes),
+  then the rows of the whole column (R times as many) go through the 1-D sharded exact exchange
+  inside the node (`codecs.sharded_exact`). Every rank of a column stacks the same rows in the same
+  order, so the replicas' shards are equal bit for bit;
 * **rank routes**: the node's reduce-scatter first (dense, inside the node), then
   `codecs.replicate_rank` on the node's row shards;
 * **dense** (and biases under rank routes, and whatever no route covers): the node's

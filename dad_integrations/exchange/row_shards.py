@@ -2,12 +2,11 @@
 ``[r c, (r+1) c)`` of the average, ``c = ceil(m/S)`` of the matrix view.
 
 A call's buffers are read and written through a `capture.sink.ShardSink`; `RowShardCall` runs its
-exchanges: exact factors (`codecs.sharded_exact`: rows ``a:b`` of the average from every rank's
-factors; bytes per rank ``(S-1) N n + (S-1)/S N m`` against the reduce-scatter's ``(S-1)/S m n``),
-the rank routes (`codecs.sharded_rank`: every ``Q_s`` all-gathered and rows ``a:b`` of every ``P_s``
-by all-to-all, ``(S-1) r (n + m/S)``; or PowerSGD's all-reduced P and Q), and the engine's own
-reduce-scatter for the rest (`RowShardCall.reduce_rest`, the adapter's). Biases in the weight's
-shard ride with exact factors; under a rank route they stay on the engine's reduction.
+exchanges: exact factors (`codecs.sharded_exact`), the rank routes (`codecs.sharded_rank`), routes
+with a codec of their own, and the engine's own reduce-scatter for the rest
+(`RowShardCall.reduce_rest`, the adapter's); their bytes are `routes`' models on ``row_shards``.
+Biases in the weight's shard ride with exact factors; under other routes they stay on the engine's
+reduction.
 """
 from __future__ import annotations
 
