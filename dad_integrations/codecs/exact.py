@@ -258,6 +258,12 @@ class ExactCodec:
         """Every rank's buffer length, from the agreed row counts (no size exchange needed)."""
         return [packed_size(self._specs(unit, r)) for r in rows_by_rank]
 
+    def gather_rows(self, unit: FactorUnit, rows: Sequence[Rows], rows_by_rank: Sequence[Sequence[int]],
+                    aggregator: FactorAggregator, name: str) -> Tuple[List[Rows], Traffic]:
+        """Every rank's rows of ``aggregator``'s group, `stacked_rows`, by one all-gather of `encode`'s buffers."""
+        gather = aggregator.all_gather(self.encode(unit, rows), name=name, first_dims=self.sizes(unit, rows_by_rank))
+        return self.stacked_rows(unit, gather.wait(), rows_by_rank), gather.traffic
+
     def stacked_rows(self, unit: FactorUnit, buffers: Sequence[torch.Tensor],
                      rows_by_rank: Sequence[Sequence[int]]) -> List[Rows]:
         """Per use, every rank's rows stacked in rank order (ids as int64, floats in the compute dtype)."""

@@ -66,6 +66,13 @@ def decode(kinds: Sequence[str], shape: Tuple[int, int], received: Sequence[Sequ
     return rows.reshape(-1)[lo - r0 * shape[1]:hi - r0 * shape[1]]
 
 
+def dest_sizes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts], ranges: Sequence[Range],
+               wire: torch.dtype, blocks: Blocks = None) -> List[List[int]]:
+    """Bytes of one unit's blocks from each source to each destination, ``[s][d]`` (`block_specs`)."""
+    return [[packed_size(block_specs(kinds, shape, counts[s], d, ranges[d], wire, blocks)) for d in range(len(ranges))]
+            for s in range(len(ranges))]
+
+
 def exchange_bytes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts],
                    ranges: Sequence[Range], wire: torch.dtype, blocks: Blocks = None) -> Tuple[int, float]:
     """Bytes of one unit's exchange: on its busiest rank (the most any rank sends to, or receives
@@ -74,8 +81,8 @@ def exchange_bytes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequenc
     receives every other site's factors: the mean alone would hide that, the busiest rank alone
     that the others send nothing."""
     S = len(ranges)
-    sizes = [[packed_size(block_specs(kinds, shape, counts[s], d, ranges[d], wire, blocks)) if d != s else 0
-              for d in range(S)] for s in range(S)]
+    sizes = [[0 if d == s else v for d, v in enumerate(row)]
+             for s, row in enumerate(dest_sizes(kinds, shape, counts, ranges, wire, blocks))]
     busiest = max(max(sum(row) for row in sizes), max(sum(sizes[s][d] for s in range(S)) for d in range(S)))
     return busiest, sum(map(sum, sizes)) / S
 
@@ -125,8 +132,7 @@ class PartitionExactCodec:
         to the peak, not every item's owned elements at once."""
         S, me = aggregator.world_size, aggregator.rank
         wire = self.wire_dtype or dtype
-        sizes = {it.key: [[packed_size(block_specs(it.kinds, it.shape, it.counts[s], d, it.ranges[d], wire, it.blocks))
-                           for d in range(S)] for s in range(S)] for it in items}   # [source][dest] bytes
+        sizes = {it.key: dest_sizes(it.kinds, it.shape, it.counts, it.ranges, wire, it.blocks) for it in items}
         send_sizes = [sum(sizes[it.key][me][d] for it in items) for d in range(S)]
         send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
         pos = 0

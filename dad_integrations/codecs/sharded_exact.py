@@ -21,8 +21,8 @@ from torch import nn
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import (BiasUses, Blocks, ExactCodec, RowShards, agree_counts, bias_uses, cut,
-                                           pairs, rebuild, sharded_exact_covers, use_span)
+from dad_integrations.codecs.exact import (BiasUses, Blocks, ExactCodec, RowShards, bias_uses, cut, pairs, rebuild,
+                                           sharded_exact_covers, use_span)
 
 RowCounts = Sequence[Sequence[int]]   # by rank, by use
 
@@ -82,17 +82,6 @@ def decode_whole(kinds: Sequence[str], shape: Tuple[int, int], gathered: Sequenc
     return rebuild(kinds, shape, [own], dtype, None, region, rank, biases)
 
 
-def exchange_row_counts(units: Sequence[FactorUnit], rows: Dict[int, Sequence[Rows]],
-                        aggregator: FactorAggregator) -> Tuple[Dict[int, List[List[int]]], Traffic]:
-    """Every rank's row count per unit (by ``unit.index``) and use, by rank: one small all-gather
-    of int64 counts for all ``units`` together, and its traffic."""
-    if not units:
-        return {}, Traffic()
-    mine = [[[left.shape[0]] for left, _ in rows[u.index]] for u in units]
-    counts, traffic = agree_counts(mine, aggregator, "dad.sharded.rows", units[0].param.device)
-    return {u.index: [[k[0] for k in r] for r in c] for u, c in zip(units, counts)}, traffic
-
-
 @dataclass
 class ShardedResult:
     """One unit's exchange: padded shards by parameter (weight, then riding biases), its bytes,
@@ -128,11 +117,9 @@ class ShardedExactCodec:
                                            biases, cdt)
             traffic, method = gather.traffic + to_all.traffic, "sliced"
         else:
-            gather = aggregator.all_gather(self.whole.encode(unit, rows), name=name,
-                                           first_dims=self.whole.sizes(unit, rows_by_rank))
-            gathered = self.whole.stacked_rows(unit, gather.wait(), rows_by_rank)
+            gathered, traffic = self.whole.gather_rows(unit, rows, rows_by_rank, aggregator, name)
             weight, values = decode_whole(unit.kinds, shape, gathered, rank, S, biases, cdt)
-            traffic, method = gather.traffic, "whole"
+            method = "whole"
         shards = {unit.param: weight.mul_(scale)}
         shards.update((b.param, v.mul_(scale)) for b, v in zip(unit.biases, values))
         return ShardedResult(shards, traffic, method)

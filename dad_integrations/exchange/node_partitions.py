@@ -1,9 +1,10 @@
 """ZeRO-2/3's reduce-scatter across nodes, compressed only between nodes (qgZ's hierarchy, dAD's routes).
 
 ZeRO keeps on each of ``S = N L`` ranks a flat element range of every weight (`exchange.partitions`),
-and its reduce-scatter crosses the slow link with most of each weight. A `NodePartitionCall` sends the weights the router gives a dAD route (`routing.node_partitions`) in
-three hops, as qgZ does with its INT4 all-to-alls (reduce inside the node, across nodes, scatter
-back), but with dAD's representations on the hop between nodes:
+and its reduce-scatter crosses the slow link with most of each weight. A `NodePartitionCall` sends
+the weights the router gives a dAD route (`routing.node_partitions`) in three hops, as qgZ does with
+its INT4 all-to-alls (reduce inside the node, across nodes, scatter back), but with dAD's
+representations on the hop between nodes:
 
 1. **to the owner, inside the node** (`exchange.node_hops.NodeHops.to_owner`, one all-to-all per
    call): every rank's rows (exact) or its local gradient (rank routes) go to the weight's owner,
@@ -154,9 +155,9 @@ class NodePartitionCall(PartitionCall):
         """Each node's stretch of the weight: ``[min lo, max hi)`` over its ranks' owned ranges (a
         superset where they are not adjacent: the owner then rebuilds a little more, never less)."""
         out: List[Range] = []
+        ranges = self.ranges[unit.index]
         for ranks in self.topology.nodes:
-            spans = [self.ranges[unit.index][r] for r in ranks if self.ranges[unit.index][r][1] >
-                     self.ranges[unit.index][r][0]]
+            spans = [ranges[r] for r in ranks if ranges[r][1] > ranges[r][0]]
             out.append((min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else (0, 0))
         return out
 

@@ -13,7 +13,7 @@ its matrix view ``(shape[0], prod(shape[1:]))``, whose row-major flattening is t
 * PowerSGD's all-reduce route (P and Q all-reduced): each rank rebuilds only the covering rows of
   its owned elements (`sharded_rank.reduced_elements`);
 * linear uses over row blocks (a packed ``in_proj_weight``) take exact factors as whole-row uses do;
-  blocks on other uses keep a unit off them (`takes_exact`).
+  blocks on other uses keep a unit off them (`exact.sharded_exact_covers`).
 
 Every rank makes the same calls with the same parameters in the same order (the engine's buckets
 agree across ranks), so the collectives match.
@@ -106,7 +106,7 @@ class PartitionCall(ShardedCall):
         return {it.key: it.rows_by_rank() for it in items}, traffic, len(items)
 
     def checkable(self, unit: FactorUnit) -> bool:
-        return takes_exact(unit)
+        return sharded_exact_covers(unit.kinds, unit.blocks)
 
     def verify(self, units):
         """Do the factors rebuild this rank's owned part of each unit's local gradient, on every rank?"""
@@ -129,7 +129,7 @@ class PartitionCall(ShardedCall):
         return UnitShape(tuple(unit.kinds), unit.shape, 0, self.dtype, unit.blocks)
 
     def estimates(self, unit: FactorUnit, counts):
-        return self._estimates(self.item(unit), takes_exact(unit))
+        return self._estimates(self.item(unit), sharded_exact_covers(unit.kinds, unit.blocks))
 
     def reduce_dense(self, report: ShardedStepReport) -> None:
         """Reports every parameter not delivered (all of them here): DeepSpeed reduces them."""
@@ -200,7 +200,7 @@ class PartitionCall(ShardedCall):
         """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
         breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
         while rank-dAD's other rank receives nothing), from the real partition ranges (`routes`'
-        models on ``partitions``). ``exact`` False (`takes_exact`) leaves "exact" out."""
+        models on ``partitions``). ``exact`` False (`exact.sharded_exact_covers`) leaves "exact" out."""
         config = self.config
         sizing = UnitSizing(tuple(it.kinds), tuple(it.shape), self.dtype, self.route_wire,
                             rank=config.rank if self.rank_codec is not None else 0,
@@ -240,14 +240,6 @@ class PartitionCall(ShardedCall):
             rep.components, rep.method = res.components, ri.method
             rep.add_traffic(res.traffic)
             report.params.append(rep)
-
-
-def takes_exact(unit: FactorUnit) -> bool:
-    """Whether the partition exchange of exact factors can carry ``unit``: uses over whole rows or
-    linear uses over row blocks (`codecs.partition_exact` slices every use's left by the covering
-    rows of the matrix view it meets; `codecs.exact.sharded_exact_covers`). Units without
-    uses (PowerSGD's floor) go dense or by a rank route."""
-    return sharded_exact_covers(unit.kinds, unit.blocks)
 
 
 def _chunks(items: Sequence[PartitionItem], cap_bytes: float) -> List[List[PartitionItem]]:

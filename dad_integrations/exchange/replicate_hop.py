@@ -80,7 +80,6 @@ class ReplicateHopCall(SinkCall):
                  config):
         self.slots, self.scale, self.groups, self.config = slots, scale, groups, config
         self.aggregator = groups.world       # counts, checks, a step's finiteness: every rank
-        self.link_aggregator = groups.cross  # routes are timed on the hop between nodes
         self.sink = ShardSink(slots, out, inp, groups.local, predivide)
         self.route_wire, self.rank_codec = wire, rank_codec
 
@@ -181,13 +180,11 @@ class ReplicateHopCall(SinkCall):
         world = [list(c) for c in counts]  # by world rank
         codec = ShardedExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
         whole, column = codec.whole, [world[r] for r in g.column(g.shard)]
-        gather = g.cross.all_gather(whole.encode(unit, self.rows[unit.index]), name=f"dad.replicate.{unit.name}",
-                                    first_dims=whole.sizes(unit, column))
-        stacked = whole.stacked_rows(unit, gather.wait(), column)
+        stacked, across = whole.gather_rows(unit, self.rows[unit.index], column, g.cross, f"dad.replicate.{unit.name}")
         intra_counts = [[sum(world[r][u] for r in g.column(s)) for u in range(len(unit.uses))]
                         for s in range(g.local)]
         result = codec.exchange(unit, stacked, intra_counts, g.intra, self.scale)
-        return result.shards, gather.traffic + result.traffic, gather.traffic.sent
+        return result.shards, across + result.traffic, across.sent
 
     def _entry(self, p: nn.Parameter, representation: str, slot: Optional[ShardSlot] = None) -> ShardedParamReport:
         slot = slot or self.sink.slot(p)

@@ -17,7 +17,8 @@ from torch import nn
 
 from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
+from dad_integrations.codecs.exact import agree_counts
+from dad_integrations.codecs.sharded_exact import ShardedExactCodec
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import agree_factors_rebuild
@@ -36,7 +37,10 @@ class SinkCall(ShardedCall):
     sink: ShardSink
 
     def agree_counts(self, units):
-        counts, traffic = exchange_row_counts(units, self.rows, self.aggregator)
+        """Every rank's row count per unit and use: one all-gather of int64 for all ``units``."""
+        mine = [[[left.shape[0]] for left, _ in self.rows[u.index]] for u in units]
+        counts, traffic = agree_counts(mine, self.aggregator, "dad.sharded.rows", units[0].param.device)
+        counts = {u.index: [[k[0] for k in r] for r in c] for u, c in zip(units, counts)}
         return counts, traffic, sum(len(u.uses) for u in units)
 
     def verify(self, units):
