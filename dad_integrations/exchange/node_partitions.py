@@ -184,37 +184,29 @@ class NodePartitionCall(PartitionCall):
     def _from_owner(self, items: List[HopItem], results: Mapping[int, torch.Tensor]) -> Traffic:
         """Hop 3: one all-to-all inside the node; every rank delivers its own elements of each unit."""
         topo = self.topology
-        node_ranks = topo.intra_ranks(topo.node)
-        me = topo.rank
 
-        def piece(it: HopItem, r: int) -> Tuple[int, int]:  # rank r's slice of the owner's stretch
+        def piece(it: HopItem, r: int) -> slice:  # rank r's slice of the owner's stretch
             lo, hi = self.ranges[it.unit.index][r]
             base = self.node_ranges(it.unit)[topo.node][0]
-            return (lo - base, hi - base) if hi > lo else (0, 0)
+            return slice(lo - base, hi - base) if hi > lo else slice(0, 0)
 
-        def itemsize(it: HopItem) -> int:
-            return compute_dtype(it.unit.param).itemsize
+        def nbytes(it: HopItem) -> int:  # what this rank receives of the unit
+            own = piece(it, topo.rank)
+            return (own.stop - own.start) * compute_dtype(it.unit.param).itemsize
 
-        send_parts, send_sizes = [], []
-        for r in node_ranks:
-            parts = [results[it.unit.index][slice(*piece(it, r))].to(compute_dtype(it.unit.param))
-                     for it in items if it.owner == self.local]
-            send_parts += [p.reshape(-1).view(torch.uint8) for p in parts]
-            send_sizes.append(sum(p.numel() * p.element_size() for p in parts))
-        recv_sizes = [sum((piece(it, me)[1] - piece(it, me)[0]) * itemsize(it) for it in items if it.owner == j)
-                      for j in range(self.L)]
-        device = self.layout.device
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8, device=device)
-        handle = self.nodes.levels.intra.all_to_all_v(send, send_sizes, recv_sizes,
-                                                      name=f"dad.zero.from_owner.{items[0].name}")
+        by_rank = [[results[it.unit.index][piece(it, r)].to(compute_dtype(it.unit.param)).reshape(-1).view(torch.uint8)
+                    for it in items if it.owner == self.local] for r in topo.intra_ranks(topo.node)]
+        recv_sizes = [sum(nbytes(it) for it in items if it.owner == j) for j in range(self.L)]
+        parts = [p for ps in by_rank for p in ps]
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.layout.device)
+        handle = self.nodes.levels.intra.all_to_all_v(send, [sum(p.numel() for p in ps) for ps in by_rank],
+                                                      recv_sizes, name=f"dad.zero.from_owner.{items[0].name}")
         got = handle.wait()
         offsets = [sum(recv_sizes[:j]) for j in range(self.L)]
         for it in items:
-            j, (a, b) = it.owner, piece(it, me)
-            nbytes = (b - a) * itemsize(it)
-            owned = got[offsets[j]:offsets[j] + nbytes].view(compute_dtype(it.unit.param))
-            offsets[j] += nbytes
-            self.deliver(it.unit, owned)
+            j, size = it.owner, nbytes(it)
+            self.deliver(it.unit, got[offsets[j]:offsets[j] + size].view(compute_dtype(it.unit.param)))
+            offsets[j] += size
         return handle.traffic
 
     def _report_items(self, items: List[HopItem], report: ShardedStepReport, to_owner: Traffic,
