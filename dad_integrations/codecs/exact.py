@@ -20,8 +20,7 @@ the bias' rows; a conv1d's is its right, cut along the bias' own length.
 The *region* says which rows each rank keeps, and so which collective moves the cuts:
 
 * `Whole`: all rows everywhere (DDP, Horovod, the synchroniser, two levels). Every cut is the
-  rank's whole rows, so one packed buffer per rank is all-gathered (`ExactCodec`): ``N (m+n)``
-  numbers sent per rank, one ``S N m n`` matmul;
+  rank's whole rows, so one packed buffer per rank is all-gathered (`ExactCodec`);
 * `RowShards`: FSDP2's ``Shard(0)`` (`codecs.sharded_exact`: rights all-gathered, lefts' cuts by
   all-to-all);
 * `Ranges`: ZeRO's flat element ranges, each rank its covering rows (`codecs.partition_exact`:

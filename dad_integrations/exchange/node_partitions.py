@@ -173,13 +173,8 @@ class NodePartitionCall(PartitionCall):
         counts = call.agree_counts(exact)[0] if exact else {}  # embeddings: ids per node's rows
         scratch = ShardedStepReport(step + 1, self.nodes.levels.topology.num_nodes)
         call.exchange(CallRoutes(step, counts, scratch, [(it.unit, it.rep) for it in mine]))
-        by_name = {p.name: p for p in scratch.params}
-        traffic = {}
-        for it in mine:
-            entry = by_name.get(it.unit.name)
-            traffic[it.unit.index] = (Traffic(entry.handed_bytes, entry.sent_bytes, entry.received_bytes)
-                                      if entry is not None else Traffic())
-        return call.results, traffic
+        by_name = {p.name: Traffic(p.handed_bytes, p.sent_bytes, p.received_bytes) for p in scratch.params}
+        return call.results, {it.unit.index: by_name.get(it.unit.name, Traffic()) for it in mine}
 
     def _from_owner(self, items: List[HopItem], results: Mapping[int, torch.Tensor]) -> Traffic:
         """Hop 3: one all-to-all inside the node; every rank delivers its own elements of each unit."""
