@@ -4,7 +4,7 @@ A call hands over each parameter's flattened local gradient and every rank's own
 it (`PartitionCall`); the rank keeps only its own elements of the average. A weight is handled as
 its matrix view ``(shape[0], prod(shape[1:]))``, whose row-major flattening is the partitions':
 
-* routes are weighed on the real ranges (`PartitionCall._estimates`): a weight often lies in one
+* routes are weighed on the real ranges (`PartitionCall.estimates`): a weight often lies in one
   rank's partition, and that rank receives every site's factors, so the estimates are the busiest
   rank's bytes and ties go by the mean over ranks;
 * exact factors and rank-dAD's ``(P_s^T, Q_s^T)`` (r rows of a linear use) travel together in one
@@ -128,9 +128,6 @@ class PartitionCall(ShardedCall):
     def unit_shape(self, unit: FactorUnit) -> UnitShape:
         return UnitShape(tuple(unit.kinds), unit.shape, 0, self.dtype, unit.blocks)
 
-    def estimates(self, unit: FactorUnit, counts):
-        return self._estimates(self.item(unit), sharded_exact_covers(unit.kinds, unit.blocks))
-
     def reduce_dense(self, report: ShardedStepReport) -> None:
         """Reports every parameter not delivered (all of them here): DeepSpeed reduces them."""
         for p in self.params:
@@ -196,12 +193,12 @@ class PartitionCall(ShardedCall):
                 report.params.append(rep)
         self.reduce_dense(report)
 
-    def _estimates(self, it: PartitionItem, exact: bool) -> Tuple[Dict[str, float], Dict[str, float]]:
+    def estimates(self, unit: FactorUnit, counts) -> Tuple[Dict[str, float], Dict[str, float]]:
         """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
         breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
         while rank-dAD's other rank receives nothing), from the real partition ranges (`routes`'
-        models on ``partitions``). ``exact`` False (`exact.sharded_exact_covers`) leaves "exact" out."""
-        config = self.config
+        models on ``partitions``); "exact" only where `exact.sharded_exact_covers` the unit."""
+        config, it, exact = self.config, self.item(unit), sharded_exact_covers(unit.kinds, unit.blocks)
         sizing = UnitSizing(tuple(it.kinds), tuple(it.shape), self.dtype, self.route_wire,
                             rank=config.rank if self.rank_codec is not None else 0,
                             rounds=config.power_iterations, blocks=it.blocks, world_size=self.S,
