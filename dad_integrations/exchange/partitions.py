@@ -178,7 +178,7 @@ class PartitionCall(ShardedCall):
         units = {u.index: u for u in self._units}
         for chunk in _chunks(routed, self.layout.chunk_bytes):
             # one all-to-all per chunk: a whole DeepSpeed bucket's factors at once would hold all of
-            # their send and receive buffers together (1.25x ZeRO's own peak at 4096 rows per rank)
+            # their send and receive buffers together, above ZeRO's own peak
             traffic = self.layout.codec.exchange(chunk, self.aggregator, compute_dtype(units[chunk[0].key].param),
                                               self.scale, lambda key, owned: self.deliver(units[key], owned))
             for it in chunk:
