@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from dad_integrations.capture.hooks import Use
+from dad_integrations.codecs.exact import sharded_exact_covers
 from dad_integrations.codecs.sharded_exact import ShardedExactCodec
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route
 from dad_integrations.capture.rows import as_matrix
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.exchange.partitions import takes_exact as _takes_exact
 
 F32 = dict(world_size=2, wire_dtype=torch.float32, sharded=True)
 
@@ -48,7 +48,7 @@ def _conv1d_blocked():
 def test_sharded_exact_routes_by_uses_and_blocks():
     blocked, whole, floor = _units()
     odd = _conv1d_blocked()
-    assert [_takes_exact(u) for u in (blocked, whole, floor, odd)] == [True, True, False, False]
+    assert [sharded_exact_covers(u.kinds, u.blocks) for u in (blocked, whole, floor, odd)] == [True, True, False, False]
     assert not blocked.factors_only and not floor.factors_only and whole.factors_only  # rank: dense matrix
     assert floor.shape == (5, 6)
     rows = [[[2, 2]] * 2, [[2]] * 2]

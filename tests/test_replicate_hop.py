@@ -1,4 +1,4 @@
-"""HSDP's replicate hop without a cluster: the bytes per route (`routing.replicate_hop`), the
+"""HSDP's replicate hop without a cluster: the bytes per route (`routes`' models on the ``replicate_hop`` layout), the
 pieces a node's shared Q is cut into (`codecs.replicate_rank.piece_span`), the per-shard merge of
 residuals at another node count (`engines.checkpoint.merge_rank_states`), and the torch version
 guard of the FSDP seam (`fsdp_seams.hsdp_supported`). The jobs are in `test_hsdp.py`."""
@@ -7,13 +7,14 @@ import torch
 
 from dad_integrations.codecs.replicate_rank import piece_span
 from dad_integrations.engines.checkpoint import merge_rank_states
-from dad_integrations.routing.replicate_hop import replicate_hop_bytes
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import UnitSizing, estimates_on, routes_for
 
 
 def test_bytes_per_route():
     m, n, R, L, r = 768, 256, 2, 4, 4
-    est = replicate_hop_bytes(kinds=("linear",), shape=(m, n), rows=[512], bias_numel=m, nodes=R, local=L,
-                              grad_dtype=torch.float32, wire_dtype=None, rank=r)
+    sizing = UnitSizing(("linear",), (m, n), torch.float32, None, rank=r, bias_numel=m, rows=[512], nodes=R, local=L)
+    est = estimates_on(layouts.REPLICATE_HOP, sizing, routes_for())
     c = m // L
     bias = 2 * (R - 1) / R * c * 4
     assert est["dense"] == pytest.approx(2 * (R - 1) / R * c * n * 4 + bias)

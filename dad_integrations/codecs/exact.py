@@ -20,8 +20,7 @@ the bias' rows; a conv1d's is its right, cut along the bias' own length.
 The *region* says which rows each rank keeps, and so which collective moves the cuts:
 
 * `Whole`: all rows everywhere (DDP, Horovod, the synchroniser, two levels). Every cut is the
-  rank's whole rows, so one packed buffer per rank is all-gathered (`ExactCodec`): ``N (m+n)``
-  numbers sent per rank, one ``S N m n`` matmul;
+  rank's whole rows, so one packed buffer per rank is all-gathered (`ExactCodec`);
 * `RowShards`: FSDP2's ``Shard(0)`` (`codecs.sharded_exact`: rights all-gathered, lefts' cuts by
   all-to-all);
 * `Ranges`: ZeRO's flat element ranges, each rank its covering rows (`codecs.partition_exact`:
@@ -257,6 +256,12 @@ class ExactCodec:
     def sizes(self, unit: FactorUnit, rows_by_rank: Sequence[Sequence[int]]) -> List[int]:
         """Every rank's buffer length, from the agreed row counts (no size exchange needed)."""
         return [packed_size(self._specs(unit, r)) for r in rows_by_rank]
+
+    def gather_rows(self, unit: FactorUnit, rows: Sequence[Rows], rows_by_rank: Sequence[Sequence[int]],
+                    aggregator: FactorAggregator, name: str) -> Tuple[List[Rows], Traffic]:
+        """Every rank's rows of ``aggregator``'s group, `stacked_rows`, by one all-gather of `encode`'s buffers."""
+        gather = aggregator.all_gather(self.encode(unit, rows), name=name, first_dims=self.sizes(unit, rows_by_rank))
+        return self.stacked_rows(unit, gather.wait(), rows_by_rank), gather.traffic
 
     def stacked_rows(self, unit: FactorUnit, buffers: Sequence[torch.Tensor],
                      rows_by_rank: Sequence[Sequence[int]]) -> List[Rows]:

@@ -1,16 +1,13 @@
 """Exact factors over `Ranges` (lossless dAD under DeepSpeed ZeRO-2/3): the collective that moves the cuts.
 
 ZeRO keeps on each rank an element range ``[lo, hi)`` of a weight's flattened (row-major) gradient:
-ZeRO-3 cuts every parameter into ``S`` equal pieces of ``ceil(numel/S)``; ZeRO-2 cuts a flat bucket
-of parameters at arbitrary offsets, so a weight lies wholly in one rank's partition or spans a few.
-A rank rebuilds only its covering rows ``[lo // n, ceil(hi / n))`` of the average and keeps its
-elements. From every rank it needs that rank's cut for those rows (`exact.cut`: for an embedding
-use only the ids in them). One all-to-all with per-destination sizes carries the cuts of every
-weight of one reduction call (`FactorAggregator.all_to_all_v`); a rank that owns nothing of a weight
-receives nothing for it. The sizes follow from counts every rank agrees on (one small all-gather per
-call: per use the row count, and for an embedding use its ids per destination, `exact.use_counts`),
-so no padding is sent. Rank d, owning ``w`` covering rows of an ``m x n`` weight, receives
-``sum_{s != d} N_s (n + w)`` numbers, against ZeRO's reduce(-scatter), about ``(S-1)/S m n``.
+ZeRO-3 cuts every parameter into ``S`` equal pieces; ZeRO-2 cuts a flat bucket of parameters at
+arbitrary offsets, so a weight lies wholly in one rank's partition or spans a few. A rank rebuilds
+only its covering rows of the average and keeps its elements, from every rank's cut for those rows
+(`exact.cut`: for an embedding use only the ids in them). One all-to-all with per-destination sizes
+carries the cuts of every weight of one reduction call; a rank that owns nothing of a weight
+receives nothing for it. The sizes follow from counts every rank agrees on (`exact.use_counts`, one
+small all-gather per call), so no padding is sent. Bytes: `exchange_bytes`, `routes.exact`.
 
 `block_specs`, `encode` and `decode` frame `exact.cut` and `exact.rebuild` by destination;
 `PartitionExactCodec.exchange` packs the cuts straight into one send buffer (`wire.pack_into`).
@@ -69,6 +66,13 @@ def decode(kinds: Sequence[str], shape: Tuple[int, int], received: Sequence[Sequ
     return rows.reshape(-1)[lo - r0 * shape[1]:hi - r0 * shape[1]]
 
 
+def dest_sizes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts], ranges: Sequence[Range],
+               wire: torch.dtype, blocks: Blocks = None) -> List[List[int]]:
+    """Bytes of one unit's blocks from each source to each destination, ``[s][d]`` (`block_specs`)."""
+    return [[packed_size(block_specs(kinds, shape, counts[s], d, ranges[d], wire, blocks)) for d in range(len(ranges))]
+            for s in range(len(ranges))]
+
+
 def exchange_bytes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts],
                    ranges: Sequence[Range], wire: torch.dtype, blocks: Blocks = None) -> Tuple[int, float]:
     """Bytes of one unit's exchange: on its busiest rank (the most any rank sends to, or receives
@@ -77,8 +81,8 @@ def exchange_bytes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequenc
     receives every other site's factors: the mean alone would hide that, the busiest rank alone
     that the others send nothing."""
     S = len(ranges)
-    sizes = [[packed_size(block_specs(kinds, shape, counts[s], d, ranges[d], wire, blocks)) if d != s else 0
-              for d in range(S)] for s in range(S)]
+    sizes = [[0 if d == s else v for d, v in enumerate(row)]
+             for s, row in enumerate(dest_sizes(kinds, shape, counts, ranges, wire, blocks))]
     busiest = max(max(sum(row) for row in sizes), max(sum(sizes[s][d] for s in range(S)) for d in range(S)))
     return busiest, sum(map(sum, sizes)) / S
 
@@ -128,8 +132,7 @@ class PartitionExactCodec:
         to the peak, not every item's owned elements at once."""
         S, me = aggregator.world_size, aggregator.rank
         wire = self.wire_dtype or dtype
-        sizes = {it.key: [[packed_size(block_specs(it.kinds, it.shape, it.counts[s], d, it.ranges[d], wire, it.blocks))
-                           for d in range(S)] for s in range(S)] for it in items}   # [source][dest] bytes
+        sizes = {it.key: dest_sizes(it.kinds, it.shape, it.counts, it.ranges, wire, it.blocks) for it in items}
         send_sizes = [sum(sizes[it.key][me][d] for it in items) for d in range(S)]
         send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
         pos = 0

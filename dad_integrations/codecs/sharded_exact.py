@@ -1,19 +1,14 @@
 """Exact factors over `RowShards` (lossless dAD under FSDP2): the collectives that move the cuts.
 
-FSDP2 keeps on rank r the rows ``[r c, min((r+1) c, m))`` of the average, ``c = ceil(m/S)``, each
-shard padded to ``c`` rows. Of every rank's use, rank r needs the right whole and the left's columns
-over its rows (`exact.cut`). The right is the same for every destination, so it is all-gathered
-once, ``(S-1) N n`` per rank; the lefts' cuts go by one all-to-all, each placed at its rows among the
-destination's ``c`` columns (zero elsewhere, so a row-blocked use's cut arrives as a whole-row one),
-``(S-1) N c``, about ``(S-1)/S N m``. N is the rows per rank, padded to the longest rank (the
-collectives need equal sizes). Against FSDP2's reduce-scatter, about ``(S-1)/S m n``, factors win
-when ``N (n + m/S) < m n / S``: few rows, wide layers (`routes.exact.sharded_exact_bytes`).
+Of every rank's use, rank r needs the right whole and the left's columns over its rows
+(`exact.cut`). The right is the same for every destination, so it is all-gathered once; the lefts'
+cuts go by one all-to-all, each placed at its rows among the destination's ``c`` columns (zero
+elsewhere, so a row-blocked use's cut arrives as a whole-row one), every use's rows padded to the
+longest rank's (the collectives need equal sizes). Bytes: `routes.exact`.
 
 A unit with an embedding use (GPT-2's tied ``wte``/``lm_head``) all-gathers whole factors
-(`exact.ExactCodec`) and each rank cuts its rows from them. Sending each rank only the ids in its
-rows (as `codecs.partition_exact` does) would cut that to ``~1/S``, but would change the wire: not
-done yet. Units without uses, and blocks on a non-linear use, never come here
-(`exact.sharded_exact_covers`; `exchange` refuses them).
+(`exact.ExactCodec`) and each rank cuts its rows from them. Units without uses, and blocks on a
+non-linear use, never come here (`exact.sharded_exact_covers`; `exchange` refuses them).
 """
 from __future__ import annotations
 
@@ -26,8 +21,8 @@ from torch import nn
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import (BiasUses, Blocks, ExactCodec, RowShards, agree_counts, bias_uses, cut,
-                                           pairs, rebuild, sharded_exact_covers, use_span)
+from dad_integrations.codecs.exact import (BiasUses, Blocks, ExactCodec, RowShards, bias_uses, cut, pairs, rebuild,
+                                           sharded_exact_covers, use_span)
 
 RowCounts = Sequence[Sequence[int]]   # by rank, by use
 
@@ -87,17 +82,6 @@ def decode_whole(kinds: Sequence[str], shape: Tuple[int, int], gathered: Sequenc
     return rebuild(kinds, shape, [own], dtype, None, region, rank, biases)
 
 
-def exchange_row_counts(units: Sequence[FactorUnit], rows: Dict[int, Sequence[Rows]],
-                        aggregator: FactorAggregator) -> Tuple[Dict[int, List[List[int]]], Traffic]:
-    """Every rank's row count per unit (by ``unit.index``) and use, by rank: one small all-gather
-    of int64 counts for all ``units`` together, and its traffic."""
-    if not units:
-        return {}, Traffic()
-    mine = [[[left.shape[0]] for left, _ in rows[u.index]] for u in units]
-    counts, traffic = agree_counts(mine, aggregator, "dad.sharded.rows", units[0].param.device)
-    return {u.index: [[k[0] for k in r] for r in c] for u, c in zip(units, counts)}, traffic
-
-
 @dataclass
 class ShardedResult:
     """One unit's exchange: padded shards by parameter (weight, then riding biases), its bytes,
@@ -133,11 +117,9 @@ class ShardedExactCodec:
                                            biases, cdt)
             traffic, method = gather.traffic + to_all.traffic, "sliced"
         else:
-            gather = aggregator.all_gather(self.whole.encode(unit, rows), name=name,
-                                           first_dims=self.whole.sizes(unit, rows_by_rank))
-            gathered = self.whole.stacked_rows(unit, gather.wait(), rows_by_rank)
+            gathered, traffic = self.whole.gather_rows(unit, rows, rows_by_rank, aggregator, name)
             weight, values = decode_whole(unit.kinds, shape, gathered, rank, S, biases, cdt)
-            traffic, method = gather.traffic, "whole"
+            method = "whole"
         shards = {unit.param: weight.mul_(scale)}
         shards.update((b.param, v.mul_(scale)) for b, v in zip(unit.biases, values))
         return ShardedResult(shards, traffic, method)

@@ -25,12 +25,10 @@ from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.wire import pack_into, packed_size, unpack
+from dad_integrations.codecs.wire import BlockSpec, pack_into, packed_size, unpack
 from dad_integrations.report import ParamReport
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import has_codec, is_rank_route, raise_unsupported
-
-Spec = Tuple[torch.dtype, Tuple[int, ...]]
 
 
 @dataclass
@@ -87,7 +85,7 @@ class NodeHops:
         cdt = compute_dtype(it.unit.param)
         return [sink.local_grad(q, cdt).reshape(-1) for q in it.params]
 
-    def send_specs(self, it: HopItem, local: int) -> List[Spec]:
+    def send_specs(self, it: HopItem, local: int) -> List[BlockSpec]:
         """The layout of what local rank ``local`` sends for the item."""
         if it.rep == "exact":
             return [(torch.uint8, tuple(self.exact.sizes(it.unit, [it.rank_rows[local]])))]
@@ -161,7 +159,7 @@ class NodeHops:
         weight = [left.contiguous(), right.contiguous()] if it.factors_back else [(left @ right).reshape(-1)]
         return weight + [r * scale for r in it.result[1:]]
 
-    def result_specs(self, it: HopItem) -> List[Spec]:
+    def result_specs(self, it: HopItem) -> List[BlockSpec]:
         """The layout of the owner's hop-3 blocks of the item."""
         if it.rep == "dense":
             return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]

@@ -1,10 +1,10 @@
 """ZeRO-2/3's reduce-scatter across nodes, compressed only between nodes (qgZ's hierarchy, dAD's routes).
 
-ZeRO keeps on each of ``S = N L`` ranks a flat element range of every weight (`exchange.partitions`).
-Its reduce-scatter crosses the slow link with about ``(S-1)/S m n b`` per node and weight. A
-`NodePartitionCall` sends the weights the router gives a dAD route (`routing.node_partitions`) in
-three hops, as qgZ does with its INT4 all-to-alls (reduce inside the node, across nodes, scatter
-back), but with dAD's representations on the hop between nodes:
+ZeRO keeps on each of ``S = N L`` ranks a flat element range of every weight (`exchange.partitions`),
+and its reduce-scatter crosses the slow link with most of each weight. A `NodePartitionCall` sends
+the weights the router gives a dAD route (`routing.node_partitions`) in three hops, as qgZ does with
+its INT4 all-to-alls (reduce inside the node, across nodes, scatter back), but with dAD's
+representations on the hop between nodes:
 
 1. **to the owner, inside the node** (`exchange.node_hops.NodeHops.to_owner`, one all-to-all per
    call): every rank's rows (exact) or its local gradient (rank routes) go to the weight's owner,
@@ -18,10 +18,8 @@ back), but with dAD's representations on the hop between nodes:
    every owner rebuilds its node's stretch of the scaled average, and only that;
 3. **from the owner, inside the node** (one all-to-all per call): each rank's own elements.
 
-Bytes between nodes per weight and node: exact ``(N-1) R (n + m/N) w`` for R rows a node, rank-dAD
-``(N-1) r (n + m/N) w``, PowerSGD ``2 (N-1)/N r (m+n) w`` per round, against the reduce-scatter's
-``(S-1)/S m n b``. The hops inside the node cost ``(L-1)/L m n b`` (rank routes) and
-``(L-1)/L m n b / N``; the rebuild is done once per node, by the owner, over ``1/N`` of the rows.
+Bytes per hop: `routes`' models on ``node_partitions``. The rebuild is done once per node, by the
+owner, over ``1/N`` of the rows.
 
 Error feedback (rank routes) is held by the owner, on its node's sum: ``e_k = M_k - P Q^T`` with
 ``M_k = sum_{j in k} g_j + e_k``. The average still owes ``scale * sum_k e_k``, as flat steps owe
@@ -157,9 +155,9 @@ class NodePartitionCall(PartitionCall):
         """Each node's stretch of the weight: ``[min lo, max hi)`` over its ranks' owned ranges (a
         superset where they are not adjacent: the owner then rebuilds a little more, never less)."""
         out: List[Range] = []
+        ranges = self.ranges[unit.index]
         for ranks in self.topology.nodes:
-            spans = [self.ranges[unit.index][r] for r in ranks if self.ranges[unit.index][r][1] >
-                     self.ranges[unit.index][r][0]]
+            spans = [ranges[r] for r in ranks if ranges[r][1] > ranges[r][0]]
             out.append((min(lo for lo, _ in spans), max(hi for _, hi in spans)) if spans else (0, 0))
         return out
 
@@ -175,48 +173,35 @@ class NodePartitionCall(PartitionCall):
         counts = call.agree_counts(exact)[0] if exact else {}  # embeddings: ids per node's rows
         scratch = ShardedStepReport(step + 1, self.nodes.levels.topology.num_nodes)
         call.exchange(CallRoutes(step, counts, scratch, [(it.unit, it.rep) for it in mine]))
-        by_name = {p.name: p for p in scratch.params}
-        traffic = {}
-        for it in mine:
-            entry = by_name.get(it.unit.name)
-            traffic[it.unit.index] = (Traffic(entry.handed_bytes, entry.sent_bytes, entry.received_bytes)
-                                      if entry is not None else Traffic())
-        return call.results, traffic
+        by_name = {p.name: Traffic(p.handed_bytes, p.sent_bytes, p.received_bytes) for p in scratch.params}
+        return call.results, {it.unit.index: by_name.get(it.unit.name, Traffic()) for it in mine}
 
     def _from_owner(self, items: List[HopItem], results: Mapping[int, torch.Tensor]) -> Traffic:
         """Hop 3: one all-to-all inside the node; every rank delivers its own elements of each unit."""
         topo = self.topology
-        node_ranks = topo.intra_ranks(topo.node)
-        me = topo.rank
 
-        def piece(it: HopItem, r: int) -> Tuple[int, int]:  # rank r's slice of the owner's stretch
+        def piece(it: HopItem, r: int) -> slice:  # rank r's slice of the owner's stretch
             lo, hi = self.ranges[it.unit.index][r]
             base = self.node_ranges(it.unit)[topo.node][0]
-            return (lo - base, hi - base) if hi > lo else (0, 0)
+            return slice(lo - base, hi - base) if hi > lo else slice(0, 0)
 
-        def itemsize(it: HopItem) -> int:
-            return compute_dtype(it.unit.param).itemsize
+        def nbytes(it: HopItem) -> int:  # what this rank receives of the unit
+            own = piece(it, topo.rank)
+            return (own.stop - own.start) * compute_dtype(it.unit.param).itemsize
 
-        send_parts, send_sizes = [], []
-        for r in node_ranks:
-            parts = [results[it.unit.index][slice(*piece(it, r))].to(compute_dtype(it.unit.param))
-                     for it in items if it.owner == self.local]
-            send_parts += [p.reshape(-1).view(torch.uint8) for p in parts]
-            send_sizes.append(sum(p.numel() * p.element_size() for p in parts))
-        recv_sizes = [sum((piece(it, me)[1] - piece(it, me)[0]) * itemsize(it) for it in items if it.owner == j)
-                      for j in range(self.L)]
-        device = self.layout.device
-        send = torch.cat(send_parts) if send_parts else torch.empty(0, dtype=torch.uint8, device=device)
-        handle = self.nodes.levels.intra.all_to_all_v(send, send_sizes, recv_sizes,
-                                                      name=f"dad.zero.from_owner.{items[0].name}")
+        by_rank = [[results[it.unit.index][piece(it, r)].to(compute_dtype(it.unit.param)).reshape(-1).view(torch.uint8)
+                    for it in items if it.owner == self.local] for r in topo.intra_ranks(topo.node)]
+        recv_sizes = [sum(nbytes(it) for it in items if it.owner == j) for j in range(self.L)]
+        parts = [p for ps in by_rank for p in ps]
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.layout.device)
+        handle = self.nodes.levels.intra.all_to_all_v(send, [sum(p.numel() for p in ps) for ps in by_rank],
+                                                      recv_sizes, name=f"dad.zero.from_owner.{items[0].name}")
         got = handle.wait()
         offsets = [sum(recv_sizes[:j]) for j in range(self.L)]
         for it in items:
-            j, (a, b) = it.owner, piece(it, me)
-            nbytes = (b - a) * itemsize(it)
-            owned = got[offsets[j]:offsets[j] + nbytes].view(compute_dtype(it.unit.param))
-            offsets[j] += nbytes
-            self.deliver(it.unit, owned)
+            j, size = it.owner, nbytes(it)
+            self.deliver(it.unit, got[offsets[j]:offsets[j] + size].view(compute_dtype(it.unit.param)))
+            offsets[j] += size
         return handle.traffic
 
     def _report_items(self, items: List[HopItem], report: ShardedStepReport, to_owner: Traffic,
@@ -237,9 +222,7 @@ class NodePartitionCall(PartitionCall):
                 rep.add_traffic(hop2)
                 rep.inter_bytes += hop2.received
             report.params.append(rep)
-        for p in self.params:
-            if id(p) not in self.delivered:
-                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+        self.reduce_dense(report)
 
 
 def node_partition_layout(levels: Optional[Levels], flat: PartitionLayout,

@@ -4,23 +4,23 @@ A call hands over each parameter's flattened local gradient and every rank's own
 it (`PartitionCall`); the rank keeps only its own elements of the average. A weight is handled as
 its matrix view ``(shape[0], prod(shape[1:]))``, whose row-major flattening is the partitions':
 
-* routes are weighed on the real ranges (`PartitionCall._estimates`): a weight often lies in one
+* routes are weighed on the real ranges (`PartitionCall.estimates`): a weight often lies in one
   rank's partition, and that rank receives every site's factors, so the estimates are the busiest
   rank's bytes and ties go by the mean over ranks;
 * exact factors and rank-dAD's ``(P_s^T, Q_s^T)`` (r rows of a linear use) travel together in one
-  all-to-all per run of weights (`codecs.partition_exact`): rank d owning w rows of an ``m x n``
-  weight receives ``sum_{s != d} N_s (n + w)`` for exact factors, ``sum_{s != d} r (n + w)`` for
-  rank-dAD; each rank rebuilds the covering rows of its range and keeps its elements;
-* PowerSGD's all-reduce route (P and Q all-reduced, ``2 (S-1)/S r (m+n)`` per rank, flat in S):
-  each rank rebuilds only the covering rows of its owned elements (`sharded_rank.reduced_elements`);
+  all-to-all per run of weights (`codecs.partition_exact`); each rank rebuilds the covering rows of
+  its range and keeps its elements;
+* PowerSGD's all-reduce route (P and Q all-reduced): each rank rebuilds only the covering rows of
+  its owned elements (`sharded_rank.reduced_elements`);
 * linear uses over row blocks (a packed ``in_proj_weight``) take exact factors as whole-row uses do;
-  blocks on other uses keep a unit off them (`takes_exact`).
+  blocks on other uses keep a unit off them (`exact.sharded_exact_covers`).
 
 Every rank makes the same calls with the same parameters in the same order (the engine's buckets
 agree across ranks), so the collectives match.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Sequence, Set, Tuple
 
@@ -106,7 +106,7 @@ class PartitionCall(ShardedCall):
         return {it.key: it.rows_by_rank() for it in items}, traffic, len(items)
 
     def checkable(self, unit: FactorUnit) -> bool:
-        return takes_exact(unit)
+        return sharded_exact_covers(unit.kinds, unit.blocks)
 
     def verify(self, units):
         """Do the factors rebuild this rank's owned part of each unit's local gradient, on every rank?"""
@@ -128,20 +128,16 @@ class PartitionCall(ShardedCall):
     def unit_shape(self, unit: FactorUnit) -> UnitShape:
         return UnitShape(tuple(unit.kinds), unit.shape, 0, self.dtype, unit.blocks)
 
-    def estimates(self, unit: FactorUnit, counts):
-        return self._estimates(self.item(unit), takes_exact(unit))
-
     def reduce_dense(self, report: ShardedStepReport) -> None:
+        """Reports every parameter not delivered (all of them here): DeepSpeed reduces them."""
         for p in self.params:
-            report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+            if id(p) not in self.delivered:
+                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
 
     def _report(self, name: str, representation: str, p: nn.Parameter) -> ShardedParamReport:
         # DeepSpeed's reduce-scatter moves (S-1) of S pieces of ceil(numel/S) elements per rank
-        shape = param_shape(p)
-        numel = 1
-        for d in shape:
-            numel *= d
-        return ShardedParamReport.of_shard(name, representation, tuple(shape), -(-numel // self.S), self.S,
+        shape = tuple(param_shape(p))
+        return ShardedParamReport.of_shard(name, representation, shape, -(-math.prod(shape) // self.S), self.S,
                                            self.itemsize)
 
     def deliver(self, unit: FactorUnit, owned: torch.Tensor) -> None:
@@ -182,7 +178,7 @@ class PartitionCall(ShardedCall):
         units = {u.index: u for u in self._units}
         for chunk in _chunks(routed, self.layout.chunk_bytes):
             # one all-to-all per chunk: a whole DeepSpeed bucket's factors at once would hold all of
-            # their send and receive buffers together (1.25x ZeRO's own peak at 4096 rows per rank)
+            # their send and receive buffers together, above ZeRO's own peak
             traffic = self.layout.codec.exchange(chunk, self.aggregator, compute_dtype(units[chunk[0].key].param),
                                               self.scale, lambda key, owned: self.deliver(units[key], owned))
             for it in chunk:
@@ -195,19 +191,14 @@ class PartitionCall(ShardedCall):
                     rep.components, rep.method = ranked[it.key]
                 rep.add_traffic(traffic[it.key])
                 report.params.append(rep)
-        for p in self.params:
-            if id(p) not in self.delivered:
-                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+        self.reduce_dense(report)
 
-    def _estimates(self, it: PartitionItem, exact: bool) -> Tuple[Dict[str, float], Dict[str, float]]:
+    def estimates(self, unit: FactorUnit, counts) -> Tuple[Dict[str, float], Dict[str, float]]:
         """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
         breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
-        while rank-dAD's other rank receives nothing), from the real partition ranges (the same on
-        every rank): DeepSpeed's reduce-scatter, exact factors where the counts were agreed, and with
-        a ``rank``, rank-dAD's r rows (`partition_exact.exchange_bytes`) and PowerSGD's all-reduced
-        P and Q, once per power iteration. ``exact`` False (`takes_exact`) leaves "exact" out, so
-        that no mode picks it."""
-        config = self.config
+        while rank-dAD's other rank receives nothing), from the real partition ranges (`routes`'
+        models on ``partitions``); "exact" only where `exact.sharded_exact_covers` the unit."""
+        config, it, exact = self.config, self.item(unit), sharded_exact_covers(unit.kinds, unit.blocks)
         sizing = UnitSizing(tuple(it.kinds), tuple(it.shape), self.dtype, self.route_wire,
                             rank=config.rank if self.rank_codec is not None else 0,
                             rounds=config.power_iterations, blocks=it.blocks, world_size=self.S,
@@ -246,14 +237,6 @@ class PartitionCall(ShardedCall):
             rep.components, rep.method = res.components, ri.method
             rep.add_traffic(res.traffic)
             report.params.append(rep)
-
-
-def takes_exact(unit: FactorUnit) -> bool:
-    """Whether the partition exchange of exact factors can carry ``unit``: uses over whole rows or
-    linear uses over row blocks (`codecs.partition_exact` slices every use's left by the covering
-    rows of the matrix view it meets; `codecs.exact.sharded_exact_covers`). Units without
-    uses (PowerSGD's floor) go dense or by a rank route."""
-    return sharded_exact_covers(unit.kinds, unit.blocks)
 
 
 def _chunks(items: Sequence[PartitionItem], cap_bytes: float) -> List[List[PartitionItem]]:

@@ -1,21 +1,18 @@
 """HSDP's replicate hop: the reduce-scatter stays inside the node, dAD's routes run between nodes.
 
 Under HSDP a weight's rows are sharded over the L ranks of a node and replicated over the R nodes;
-its gradient is reduce-scattered inside the node, then each shard is all-reduced between nodes
-(`routing.replicate_hop` counts the bytes). `ReplicateHopCall` is one such reduction call (one
-FSDP parameter group), run by `exchange.sharded.ShardedExchanger.reduce` like any sharded call
-(routes, first-step check, rank-route state). Ranks are placed on a grid ``grid[node][s]`` of
+its gradient is reduce-scattered inside the node, then each shard is all-reduced between nodes.
+`ReplicateHopCall` is one such reduction call (one FSDP parameter group), run by
+`exchange.sharded.ShardedExchanger.reduce` like any sharded call. Ranks are placed on a grid ``grid[node][s]`` of
 world ranks: the node's L ranks form the ``intra`` group, the R ranks holding rows ``s`` on every
 node the ``cross`` group.
 
 Per route, for rank s of node k:
 
-* **exact**: each rank's own rows are all-gathered over ``cross`` (the only bytes between nodes,
-  ``(R-1) N (m+n)``), then the rows of the whole column (R times as many) go through the 1-D
-  sharded exact exchange inside the node (`codecs.sharded_exact`: X all-gathered, D's column
-  slices all-to-all). Every rank of a column stacks the same rows in the same order, so the
-  replicas' shards are equal bit for bit. A node's shared side (X, n wide) thus crosses once
-  per rank's own rows, never once per shard;
+* **exact**: each rank's own rows are all-gathered over ``cross`` (the only bytes between nodes),
+  then the rows of the whole column (R times as many) go through the 1-D sharded exact exchange
+  inside the node (`codecs.sharded_exact`). Every rank of a column stacks the same rows in the same
+  order, so the replicas' shards are equal bit for bit;
 * **rank routes**: the node's reduce-scatter first (dense, inside the node), then
   `codecs.replicate_rank` on the node's row shards;
 * **dense** (and biases under rank routes, and whatever no route covers): the node's
@@ -34,17 +31,15 @@ from torch import nn
 from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
-from dad_integrations.codecs.sharded_exact import ShardedExactCodec, exchange_row_counts
+from dad_integrations.codecs.sharded_exact import ShardedExactCodec
 from dad_integrations.comm.aggregator import FactorAggregator
-from dad_integrations.exchange.checks import agree_factors_rebuild
-from dad_integrations.exchange.row_shards import riding_biases, row_unit_shape
-from dad_integrations.exchange.sharded import CallRoutes, Estimates, ShardedCall
+from dad_integrations.exchange.row_shards import SinkCall
+from dad_integrations.exchange.sharded import CallRoutes, Estimates
 from dad_integrations.routes import layouts
 from dad_integrations.routes.codec import start_codec
-from dad_integrations.routes.registry import get_route, routes_for
+from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, routes_for
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.routing.replicate_hop import replicate_hop_bytes
-from dad_integrations.routing.router import RowCounts, UnitShape
+from dad_integrations.routing.router import RowCounts
 
 Grid = Sequence[Sequence[int]]  # grid[node][s]: world ranks
 
@@ -72,7 +67,7 @@ class ReplicateGroups:
         return [row[s] for row in self.grid]
 
 
-class ReplicateHopCall(ShardedCall):
+class ReplicateHopCall(SinkCall):
     """One HSDP reduction call (module doc): ``slots`` place each parameter in the node's
     reduce-scatter buffers (``inp``: L chunks, already divided by ``predivide``; ``out``: this rank's
     chunk); ``scale`` turns a sum over the world of local gradients into what the engine keeps
@@ -85,7 +80,6 @@ class ReplicateHopCall(ShardedCall):
                  config):
         self.slots, self.scale, self.groups, self.config = slots, scale, groups, config
         self.aggregator = groups.world       # counts, checks, a step's finiteness: every rank
-        self.link_aggregator = groups.cross  # routes are timed on the hop between nodes
         self.sink = ShardSink(slots, out, inp, groups.local, predivide)
         self.route_wire, self.rank_codec = wire, rank_codec
 
@@ -103,48 +97,26 @@ class ReplicateHopCall(ShardedCall):
                                                                      slot.offset:slot.offset + slot.numel]
         view.add_(residual.reshape(-1)[:slot.numel].to(view.dtype) / self.sink.predivide)
 
-    def agree_counts(self, units):
-        counts, traffic = exchange_row_counts(units, self.rows, self.groups.world)
-        return counts, traffic, sum(len(u.uses) for u in units)
-
-    def verify(self, units):
-        _, failed, traffic = agree_factors_rebuild(units, self.rows, self.sink, self.groups.world)
-        return failed, traffic
-
-    def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
-        return riding_biases(self.sink, unit)
-
-    def unit_shape(self, unit: FactorUnit) -> UnitShape:
-        return row_unit_shape(self.sink, unit)
-
     def estimates(self, unit: FactorUnit, counts: Optional[RowCounts]) -> Estimates:
+        """Bytes one rank sends between nodes per route (`routes`' models on the ``replicate_hop``
+        layout); rows per use: the most any rank captured (agreed, so every rank decides alike)."""
         rows = [max(r[u] for r in counts) for u in range(len(unit.uses))] if counts else [0] * len(unit.uses)
-        est = replicate_hop_bytes(kinds=tuple(unit.kinds), shape=unit.shape, rows=rows,
-                                  bias_numel=sum(b.shape[0] for b in self._biases(unit)), nodes=self.groups.nodes,
-                                  local=self.groups.local, grad_dtype=self.sink.inp.dtype,
-                                  wire_dtype=self.route_wire, rank=self.config.rank,
-                                  rounds=self.config.power_iterations, blocks=unit.blocks,
-                                  names=routes_for(self.config.routes))
-        return est, None
+        sizing = UnitSizing(tuple(unit.kinds), tuple(unit.shape), self.sink.inp.dtype, self.route_wire,
+                            rank=self.config.rank or 0, rounds=self.config.power_iterations,
+                            bias_numel=sum(b.shape[0] for b in self._biases(unit)), blocks=unit.blocks, rows=rows,
+                            nodes=self.groups.nodes, local=self.groups.local)
+        return estimates_on(layouts.REPLICATE_HOP, sizing, routes_for(self.config.routes)), None
 
     def reduce_dense(self, report: ShardedStepReport) -> None:
         self._dense(self.slots, report)
 
     def exchange(self, routes: CallRoutes) -> None:
-        sink, report = self.sink, routes.report
-        covered = set()
+        sink, report, covered = self.sink, routes.report, set()
         for unit in routes.exact:
             shards, traffic, inter = self._exact(unit, routes.counts[unit.index])
-            biases = self._biases(unit)
-            for p in [unit.param] + biases:
-                sink.write(p, shards[p])
-                covered.add(id(p))
-            entry = self._entry(unit.param, "exact")
-            entry.rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
+            entry = self._put_exact(unit, shards, report, covered)
             entry.add_traffic(traffic)
             entry.inter_bytes = inter
-            report.params.append(entry)
-            report.params += [self._entry(b, "exact") for b in biases]
         ranked, coded = routes.ranked, routes.coded
         rest = [s for s in self.slots if id(s.param) not in covered and
                 not any(s.param is u.param for u, _ in ranked + coded)]
@@ -165,13 +137,10 @@ class ReplicateHopCall(ShardedCall):
                      for (u, rep), s in zip(ranked, slots)]
             results = codec.exchange_node(items, self.scale, routes.step, sink.inp.dtype) if items else []
             for item, result in zip(items, results):
-                p = item.unit.param
-                sink.write(p, result.shard)
-                entry = self._entry(p, item.representation)
+                entry = self._put(item.unit.param, result.shard, item.representation, report, covered)
                 entry.components = result.components
                 entry.add_traffic(result.traffic)
                 entry.inter_bytes = result.traffic.sent
-                report.params.append(entry)
             self._cross_dense(rest, torch.cat([sums[id(s.param)] for s in rest]) if rest else None, report)
         else:
             self._dense(rest, report)
@@ -211,19 +180,16 @@ class ReplicateHopCall(ShardedCall):
         world = [list(c) for c in counts]  # by world rank
         codec = ShardedExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
         whole, column = codec.whole, [world[r] for r in g.column(g.shard)]
-        gather = g.cross.all_gather(whole.encode(unit, self.rows[unit.index]), name=f"dad.replicate.{unit.name}",
-                                    first_dims=whole.sizes(unit, column))
-        stacked = whole.stacked_rows(unit, gather.wait(), column)
+        stacked, across = whole.gather_rows(unit, self.rows[unit.index], column, g.cross, f"dad.replicate.{unit.name}")
         intra_counts = [[sum(world[r][u] for r in g.column(s)) for u in range(len(unit.uses))]
                         for s in range(g.local)]
         result = codec.exchange(unit, stacked, intra_counts, g.intra, self.scale)
-        return result.shards, gather.traffic + result.traffic, gather.traffic.sent
+        return result.shards, across + result.traffic, across.sent
 
     def _entry(self, p: nn.Parameter, representation: str, slot: Optional[ShardSlot] = None) -> ShardedParamReport:
         slot = slot or self.sink.slot(p)
-        itemsize = self.sink.inp.element_size()
-        entry = ShardedParamReport.of_shard(slot.name, representation, slot.shape, slot.numel, self.groups.local,
-                                            itemsize)
+        entry = super()._entry(p, representation, slot)
         entry.level = "replicate"
-        entry.replicate_bytes = 2.0 * (self.groups.nodes - 1) / self.groups.nodes * slot.numel * itemsize
+        R = self.groups.nodes
+        entry.replicate_bytes = 2.0 * (R - 1) / R * slot.numel * self.sink.inp.element_size()
         return entry

@@ -1,23 +1,11 @@
 """Routes for ZeRO-2/3's partitions across nodes: the engine's flat reduce-scatter, or dAD's routes
-between nodes only (`exchange.node_partitions`).
+between nodes only (`exchange.node_partitions`, three hops).
 
-With ``N`` nodes of ``L`` ranks and ``S = N L``, a weight ``m x n`` (gradient itemsize ``b``, wire
-``w``) reduced into ZeRO's flat partitions goes one of two ways:
-
-* **dense**: DeepSpeed's own reduce-scatter over all S ranks. Each node's link to the others carries
-  about ``(S-1)/S m n b`` per direction (a ring over node-contiguous ranks crosses it once per step).
-* **two levels** (`exchange.node_partitions.NodePartitionCall`): 1. every rank sends its rows
-  (exact) or its local gradient (rank routes) to the weight's *owner* inside its node; 2. the N
-  owners, one per node, exchange what their node's ranks own of the weight across nodes (the flat
-  partition exchange of `exchange.partitions`, run over the owners' cross group); 3. each owner
-  scatters to its node's ranks their own elements. Hops 1 and 2 cost what `routing.two_level`'s do
-  (`two_level.hop_bytes`, an upper bound for hop 2: an owner receives only the covering rows of its
-  node's share); hop 3 carries only the node's ``1/N`` of the weight, ``(L-1)/L m n b / N``.
-
-Time (`TwoLevelTiming`): both hops inside a node on the intra link; the bytes between nodes on the
-inter link, where the L owners of a node (or the L ranks of the reduce-scatter) share it, so both
-count ``1/L`` of their node's bytes; by bytes, the fewest between nodes. A pure function of agreed
-inputs: every rank decides alike.
+Each route's bytes per hop are its byte model on the ``node_partitions`` layout (`routes`); the
+reduce-scatter's all count as between nodes. Time (`TwoLevelTiming`): both hops inside a node on the
+intra link; the bytes between nodes on the inter link, where the L owners of a node (or the L ranks
+of the reduce-scatter) share it, so both count ``1/L`` of their node's bytes; by bytes, the fewest
+between nodes. A pure function of agreed inputs: every rank decides alike.
 """
 from __future__ import annotations
 
@@ -33,15 +21,6 @@ from dad_integrations.routing.router import UnitShape
 from dad_integrations.routing.two_level import NodeRows, TwoLevelTiming, candidates, level_sizing
 
 
-def partition_hops(rep: str, unit: UnitShape, node_rows: Optional[NodeRows], *, nodes: int, local_size: int,
-                   config: DADConfig, wire_dtype: torch.dtype, itemsize: int) -> HopBytes:
-    """Bytes of route ``rep`` per hop for one weight: its byte model on the ``node_partitions``
-    layout (``"dense"`` is the engine's reduce-scatter, all of it counted as between nodes)."""
-    sizing = dataclasses.replace(level_sizing(unit, node_rows, nodes=nodes, local_size=local_size, config=config,
-                                              wire_dtype=wire_dtype), engine_itemsize=itemsize)
-    return get_route(rep).bytes_on(layouts.NODE_PARTITIONS, sizing)
-
-
 def choose_partition_route(config: DADConfig, unit: UnitShape, node_rows: Optional[NodeRows], *, step: int,
                            nodes: int, local_size: int, wire_dtype: torch.dtype, itemsize: int,
                            timing: Optional[TwoLevelTiming], dense_only: bool = False
@@ -50,8 +29,9 @@ def choose_partition_route(config: DADConfig, unit: UnitShape, node_rows: Option
     which rules out exact factors); returns it, every candidate's hops and their seconds (empty by
     bytes). The candidates are `routing.two_level.candidates`' (mode, rank, lossless steps)."""
     reps = candidates(config, unit, step, rows_known=node_rows is not None, dense_only=dense_only)
-    hops = {rep: partition_hops(rep, unit, node_rows, nodes=nodes, local_size=local_size, config=config,
-                                wire_dtype=wire_dtype, itemsize=itemsize) for rep in reps}
+    sizing = dataclasses.replace(level_sizing(unit, node_rows, nodes=nodes, local_size=local_size, config=config,
+                                              wire_dtype=wire_dtype), engine_itemsize=itemsize)
+    hops = {rep: get_route(rep).bytes_on(layouts.NODE_PARTITIONS, sizing) for rep in reps}
     between = {rep: h.between for rep, h in hops.items()}
     if timing is None or config.objective != "time":
         return min(reps, key=lambda k: (between[k], tie_order(k))), hops, {}
