@@ -2,8 +2,8 @@
 
 ZeRO keeps on each of ``S = N L`` ranks a flat element range of every weight (`exchange.partitions`),
 and its reduce-scatter crosses the slow link with most of each weight. A `NodePartitionCall` sends
-the weights the router gives a dAD route (`routing.node_partitions`) in three hops, as qgZ does with
-its INT4 all-to-alls (reduce inside the node, across nodes, scatter back), but with dAD's
+the weights the router gives a dAD route (`routing.two_level.choose_two_level` on this layout) in
+three hops, as qgZ does with its INT4 all-to-alls (reduce inside the node, across nodes, scatter back), but with dAD's
 representations on the hop between nodes:
 
 1. **to the owner, inside the node** (`exchange.node_hops.NodeHops.to_owner`, one all-to-all per
@@ -47,9 +47,8 @@ from dad_integrations.exchange.levels import Levels, assign_owners
 from dad_integrations.exchange.partitions import PartitionCall, PartitionLayout
 from dad_integrations.exchange.sharded import CallRoutes
 from dad_integrations.report import ShardedStepReport
-from dad_integrations.routing.node_partitions import choose_partition_route
 from dad_integrations.routing.router import Route, RouteContext, UnitEvidence, spare_seconds
-from dad_integrations.routing.two_level import node_rows_of
+from dad_integrations.routing.two_level import choose_two_level, node_rows_of
 
 
 @dataclass
@@ -113,14 +112,14 @@ class NodePartitionCall(PartitionCall):
 
     # -- routes -----------------------------------------------------------------------------------
     def route(self, ctx: RouteContext, unit: FactorUnit, evidence: UnitEvidence) -> Route:
-        """`routing.node_partitions.choose_partition_route` on the agreed counts (by node)."""
+        """`routing.two_level.choose_two_level` on this layout and the agreed counts (by node)."""
         topo = self.topology
         rows = evidence.rows_by_rank
         node_rows = node_rows_of(rows, topo) if rows is not None and unit.has_factors else None
-        rep, _, seconds = choose_partition_route(
+        rep, _, seconds = choose_two_level(
             self.config, self.unit_shape(unit), node_rows, step=ctx.step or 0, nodes=topo.num_nodes,
-            local_size=self.L, wire_dtype=self.route_wire, itemsize=self.itemsize, timing=self.nodes.levels.timing,
-            dense_only=evidence.dense_only)
+            local_size=self.L, wire_dtype=self.route_wire, timing=self.nodes.levels.timing,
+            dense_only=evidence.dense_only, layout=self.LAYOUT, engine_itemsize=self.itemsize)
         saved = seconds["dense"] - seconds[rep] if seconds and "dense" in seconds else 0.0
         return Route(rep, True, saved, spare_seconds(seconds, rep) if "dense" in seconds else 0.0)
 

@@ -16,11 +16,14 @@ owners of a node run their hop-2 collectives side by side on the one link betwee
 local work side by side too: per unit, hop 2 and the owner's compute count ``1/L`` of their time
 (the cross link is measured with every cross group busy at once, so its fitted rate is each
 group's share). `TwoLevelTiming.seconds` adds the hops up; `choose_two_level` takes the fastest
-route (or the fewest bytes, objective ``"bytes"``), and `compare_levels`
-compares a whole step of those against the flat routes' step.
+route (or the fewest bytes, objective ``"bytes"``), also for ZeRO's partitions across nodes
+(`exchange.node_partitions`, the ``node_partitions`` layout, where the engine's reduce-scatter is
+the hop between nodes alone), and `compare_levels` compares a whole step of those against the flat
+routes' step.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -31,6 +34,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routes import layouts
+from dad_integrations.routes.layouts import Layout
 from dad_integrations.routes.registry import HopBytes, UnitSizing, get_route, routes_for
 from dad_integrations.routing.router import UnitShape, candidates_at, choose_at, step_rules, unit_estimates
 from dad_integrations.routing.timing import StepTiming
@@ -63,10 +67,15 @@ class TwoLevelTiming:
     compute: Optional[ComputeModel] = None
 
     def seconds(self, rep: str, hops: HopBytes, unit: UnitShape, node_rows: Optional[NodeRows],
-                local_size: int) -> float:
-        """Predicted seconds of one unit's route over the three hops (owners' share: ``1/L``)."""
+                local_size: int, layout: Layout = layouts.TWO_LEVEL) -> float:
+        """Predicted seconds of one unit's route over the three hops (owners' share: ``1/L``); on
+        ZeRO's partitions across nodes the engine's own reduce-scatter (``dense``) is the hop
+        between nodes alone, shared by the node's ``L`` ranks."""
+        between = self.inter.seconds(get_route(rep).collective(layout), hops.between, 0) / local_size
+        if layout is layouts.NODE_PARTITIONS and rep == "dense":
+            return between
         t = self.intra.seconds("all_to_all", hops.to_owner, 0) + self.intra.seconds("all_gather", hops.from_owner, 0)
-        t += self.inter.seconds(get_route(rep).collective(layouts.TWO_LEVEL), hops.between, 0) / local_size
+        t += between
         if self.compute is not None and rep != "dense":
             rows = node_rows if node_rows is not None else [[0] * len(unit.kinds)]
             t += self.compute.seconds(rep, unit.shape, rows_by_rank=rows, world_size=len(rows),
@@ -74,32 +83,35 @@ class TwoLevelTiming:
         return t
 
 
-def candidates(config: DADConfig, unit: UnitShape, step: int, *, rows_known: bool, dense_only: bool) -> Tuple[str, ...]:
-    """The routes ``unit`` may take at two levels in step ``step``: the router's rule
-    (`router.candidates_at`) over the routes that run at two levels, exact only where its rows are
-    known."""
+def candidates(config: DADConfig, unit: UnitShape, step: int, *, rows_known: bool, dense_only: bool,
+               layout: Layout = layouts.TWO_LEVEL) -> Tuple[str, ...]:
+    """The routes ``unit`` may take on ``layout`` in step ``step``: the router's rule
+    (`router.candidates_at`) over the routes that run there, exact only where its rows are known."""
     if dense_only:
         return ("dense",)
     available = [name for name in routes_for(config.routes)
-                 if get_route(name).supports(layouts.TWO_LEVEL)
+                 if get_route(name).supports(layout)
                  and (not get_route(name).needs_rows or (rows_known and unit.has_factors))]
     return tuple(candidates_at(config, step, available))
 
 
 def choose_two_level(config: DADConfig, unit: UnitShape, node_rows: Optional[NodeRows], *, step: int,
                      nodes: int, local_size: int, wire_dtype: torch.dtype, timing: Optional[TwoLevelTiming],
-                     dense_only: bool = False) -> Tuple[str, Dict[str, HopBytes], Dict[str, float]]:
-    """The route of ``unit`` at two levels (`router.choose_at` on the bytes between nodes, or by
-    time on the predicted seconds, those bytes breaking ties); returns it, every candidate's
-    `HopBytes` and their predicted seconds (empty by bytes). A pure function of agreed inputs:
-    every rank decides alike."""
-    reps = candidates(config, unit, step, rows_known=node_rows is not None, dense_only=dense_only)
-    hops = {rep: hop_bytes(rep, unit, node_rows, nodes=nodes, local_size=local_size, config=config,
-                           wire_dtype=wire_dtype) for rep in reps}
+                     dense_only: bool = False, layout: Layout = layouts.TWO_LEVEL,
+                     engine_itemsize: int = 4) -> Tuple[str, Dict[str, HopBytes], Dict[str, float]]:
+    """The route of ``unit`` at two levels (``layout``: two-level DDP's, or ZeRO's partitions
+    across nodes with the engine's reduce-scatter in ``engine_itemsize``): `router.choose_at` on
+    the bytes between nodes, or by time on the predicted seconds, those bytes breaking ties; returns
+    it, every candidate's `HopBytes` and their predicted seconds (empty by bytes). A pure function
+    of agreed inputs: every rank decides alike."""
+    reps = candidates(config, unit, step, rows_known=node_rows is not None, dense_only=dense_only, layout=layout)
+    sizing = dataclasses.replace(level_sizing(unit, node_rows, nodes=nodes, local_size=local_size, config=config,
+                                              wire_dtype=wire_dtype), engine_itemsize=engine_itemsize)
+    hops = {rep: get_route(rep).bytes_on(layout, sizing) for rep in reps}
     between = {rep: h.between for rep, h in hops.items()}
     if timing is None or config.objective != "time":
         return choose_at(config, step, between), hops, {}
-    seconds = {rep: timing.seconds(rep, h, unit, node_rows, local_size) for rep, h in hops.items()}
+    seconds = {rep: timing.seconds(rep, h, unit, node_rows, local_size, layout) for rep, h in hops.items()}
     return choose_at(config, step, seconds, ties=between), hops, seconds
 
 
