@@ -14,7 +14,7 @@ ZeRO stages 0 and 1. `attach` swaps that method, on this engine only, for one th
 
 Checkpoints: the engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped too, so that every
 rank writes its own dAD state (`DADSynchronizer.state_dict`: warm starts, error-feedback residuals,
-weights sent dense for good) into the checkpoint's tag folder (`deepspeed_dad.checkpointing`).
+weights sent dense for good) into the checkpoint's tag folder (`deepspeed_dad.attachment`).
 
 Everything after the reduction is DeepSpeed's own: fp16 overflow checks and skipped steps, loss-scale
 updates, gradient clipping, the optimizer step, ``zero_grad``. The reduction's scaling follows the
@@ -24,7 +24,7 @@ reduces elsewhere (the fp32-accumulating BF16 optimizer, overlapped ZeRO 1 commu
 pipeline/model/sequence parallelism, MoE) are rejected with an error that says why, never ignored.
 ZeRO stages 2 and 3, which reduce-scatter inside backward hooks, are attached by `deepspeed_dad.zero`
 instead (`attach` selects by stage). What the engine must be, and its reduction's scaling and wire
-dtype, are read by `deepspeed_dad.checks`; where the attachment lives, by `deepspeed_dad.attachment`.
+dtype, are read by `deepspeed_dad.checks`.
 """
 from __future__ import annotations
 
@@ -39,18 +39,14 @@ from dad_integrations.engines import banner
 from dad_integrations.logs import process_rank
 
 from .aggregator import DeepSpeedAggregator
-from .attachment import ATTR, get_attachment  # noqa: F401  (importable here, as before the split)
-from .checkpointing import RankStateCheckpoints
-from .checks import check_engine, is_engine, reduction_scales, wire_dtype
+from .attachment import ATTR, RankStateCheckpoints
+from .checks import check_engine, reduction_scales
 from .config import DADBlock, parse_block
 
 if TYPE_CHECKING:
     from .zero import ZeroDAD
 
 log = logging.getLogger(__name__)
-
-# the names this module held before `checks` and `attachment` were split out of it
-_check_engine, _wire_dtype, _is_engine = check_engine, wire_dtype, is_engine
 
 
 class DeepSpeedDAD(RankStateCheckpoints):
@@ -66,10 +62,7 @@ class DeepSpeedDAD(RankStateCheckpoints):
         self.engine = engine
         stage = int(engine.zero_optimization_stage())
         self.zero_stage = stage
-        world = check_engine(engine)
-        wire = wire_dtype(engine, config)
-        if wire != config.wire_dtype:
-            config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
+        world, config = check_engine(engine, config)
         prescale, postscale = reduction_scales(engine, world)
         self.aggregator = DeepSpeedAggregator()
         # DeepSpeed broadcast rank 0's parameters when it built the engine
@@ -89,7 +82,7 @@ class DeepSpeedDAD(RankStateCheckpoints):
         if self.aggregator.rank == 0:
             log.info("dAD replaces DeepSpeed's gradient all-reduce: ZeRO stage %d, mode %s, prescale %g, "
                      "postscale %g, wire dtype %s", stage, self.config.mode, prescale,
-                     self.synchronizer.scale / prescale, wire or "gradients' dtype")
+                     self.synchronizer.scale / prescale, config.wire_dtype or "gradients' dtype")
 
     # -- public ---------------------------------------------------------------------------------
     def last_step_report(self) -> Optional[StepReport]:
@@ -99,19 +92,10 @@ class DeepSpeedDAD(RankStateCheckpoints):
     def detach(self) -> None:
         """Give the engine its own all-reduce back and remove dAD's hooks."""
         self._end_backward()
-        for name in self._originals:
-            self.engine.__dict__.pop(name, None)
-        self._originals.clear()
+        self._restore_engine()
         self.synchronizer.close()
-        if getattr(self.engine, ATTR, None) is self:
-            delattr(self.engine, ATTR)
 
     # -- the engine's methods, replaced ---------------------------------------------------------
-    def _patch(self, name: str, replacement: Callable) -> None:
-        # an instance attribute shadows the class method for this engine only; detach() deletes it
-        self._originals[name] = getattr(self.engine, name)
-        setattr(self.engine, name, replacement)
-
     def _allreduce_gradients(self, *args: Any, **kwargs: Any) -> None:
         engine = self.engine
         boundary = engine.is_gradient_accumulation_boundary()
@@ -187,15 +171,8 @@ def attach(engine: Any, config: Union[DADConfig, DADBlock, Mapping[str, Any], No
             log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
         return None
     if int(engine.zero_optimization_stage()) in (2, 3):
-        from .zero import ZeroDAD, check_zero
-        config = block.config
-        world = check_engine(engine, check_zero(engine, config) if is_engine(engine) else [])
-        wire = wire_dtype(engine, config)
-        if wire != config.wire_dtype:
-            config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
-        attachment = ZeroDAD(engine, config, world)
-        setattr(engine, ATTR, attachment)
-        return attachment
+        from .zero import ZeroDAD
+        return ZeroDAD(engine, block.config)
     return DeepSpeedDAD(engine, block.config)
 
 

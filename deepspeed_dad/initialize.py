@@ -16,38 +16,26 @@ from typing import Any, Callable, Tuple
 import deepspeed_dad_hook as hook
 from dad_integrations.logs import process_rank
 
-from .accelerate_compat import let_accelerate_skip_dad_block
 from .config import BLOCK_KEY, split_config
 from .engine import attach
 
 log = logging.getLogger(__name__)
 
-_PATCH_MARK = hook.ORIGINAL
 _explicit = False  # patch_deepspeed_initialize was called: the opt-out does not apply
 
 
 def _deepspeed_initialize() -> Callable[..., Tuple[Any, Any, Any, Any]]:
     """DeepSpeed's own ``initialize``, even while `patch_deepspeed_initialize` is in effect."""
     import deepspeed
-    return getattr(deepspeed.initialize, _PATCH_MARK, deepspeed.initialize)
+    return getattr(deepspeed.initialize, hook.ORIGINAL, deepspeed.initialize)
 
 
 def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], require_block: bool,
                      *args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     given = bound.arguments
-    cli_args = given.get("args")
-    # the places deepspeed.initialize takes its config from, in its own order of precedence
-    source = given.get("config")
-    if source is None:
-        source = given.get("config_params")
-    from_args = None
-    if source is None and cli_args is not None:
-        for attr in ("deepspeed_config", "deepscale_config"):
-            if getattr(cli_args, attr, None) is not None:
-                source, from_args = getattr(cli_args, attr), attr
-                break
-    config, block = split_config(source) if source is not None else (None, None)
+    source, from_args = hook.config_in(given)  # where deepspeed.initialize takes its config from
+    config, block = split_config(source)
     if block is None:
         if require_block and process_rank() == 0:  # the same config on every rank
             log.warning("the DeepSpeed config has no 'dad' block: DeepSpeed's own all-reduce is kept")
@@ -57,14 +45,10 @@ def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], re
     given["config"] = config
     given.pop("config_params", None)
     if from_args is not None:
-        cli_args = copy.copy(cli_args)
-        setattr(cli_args, from_args, None)
-        given["args"] = cli_args
+        given["args"] = copy.copy(given["args"])
+        setattr(given["args"], from_args, None)
     result = ds_initialize(*bound.args, **bound.kwargs)
-    if block.enabled:
-        attach(result[0], block)
-    elif process_rank() == 0:
-        log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
+    attach(result[0], block)  # a disabled block attaches nothing, and says so
     return result
 
 
@@ -111,8 +95,7 @@ def patch_deepspeed_initialize() -> None:
     """
     global _explicit
     import deepspeed
-    let_accelerate_skip_dad_block()
-    hook.wrap_deepspeed(deepspeed, by_hook=False)
+    hook.wrap_deepspeed(deepspeed, by_hook=False)  # and Accelerate's config walk skips the block
     _explicit = True
     if process_rank() == 0:
         log.info("deepspeed.initialize now attaches dAD to engines whose config has an enabled 'dad' block")
@@ -127,7 +110,7 @@ def unpatch_deepspeed_initialize() -> None:
     global _explicit
     import deepspeed
     _explicit = False
-    original = getattr(deepspeed.initialize, _PATCH_MARK, None)
+    original = getattr(deepspeed.initialize, hook.ORIGINAL, None)
     if original is not None and not getattr(deepspeed.initialize, hook.BY_HOOK, False):
         deepspeed.initialize = original
 

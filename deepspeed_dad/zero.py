@@ -16,7 +16,7 @@ rank's local gradients were finite. Across nodes (`comm.topology`: more than one
 one rank) each call is a `exchange.node_partitions.NodePartitionCall` instead: the weights routed
 off DeepSpeed's reduce-scatter reduce inside the node, cross between nodes by dAD's routes among one
 owner per node, and scatter back. That state is per rank: ``save_checkpoint`` /
-``load_checkpoint`` write and read one file per rank (`deepspeed_dad.checkpointing`). An adaptive
+``load_checkpoint`` write and read one file per rank (`deepspeed_dad.attachment`). An adaptive
 rank is refused under ZeRO-2/3.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import check_routes
 
 from .aggregator import DeepSpeedAggregator
-from .attachment import ATTR
-from .checkpointing import RankStateCheckpoints
+from .attachment import ATTR, RankStateCheckpoints
+from .checks import check_engine
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,9 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         exchanger (the `ShardedExchanger`).
     """
 
-    def __init__(self, engine: Any, config: DADConfig, world_size: int):
+    def __init__(self, engine: Any, config: DADConfig):
         from .zero_seams import Zero2Seam, Zero3Seam
+        world_size, config = check_engine(engine, config, check_zero)
         self.engine = engine
         self.zero_stage = int(engine.zero_optimization_stage())
         self.config = config
@@ -154,6 +155,7 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         if self.aggregator.rank == 0:
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
                      self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")
+        setattr(engine, ATTR, self)
 
     @property
     def synchronizer(self) -> "ZeroDAD":
@@ -168,28 +170,17 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
     def _trial(self):
         return self.exchanger.trial
 
-    @property
-    def _rank(self):
-        return self.exchanger.rank_codec
+    _rank = ShardedFacade.rank_codec
 
     def detach(self) -> None:
         """Give the engine its own reduction back and remove dAD's hooks."""
         self._seam.remove()
         self._forward_hook.remove()
-        for name in self._originals:
-            self.engine.__dict__.pop(name, None)
-        self._originals.clear()
         for capture in self.plan.captures:
             capture.remove()
-        if getattr(self.engine, ATTR, None) is self:
-            delattr(self.engine, ATTR)
+        self._restore_engine()
 
     close = detach
-
-    def _patch(self, name: str, replacement: Callable) -> None:
-        # an instance attribute shadows the class method for this engine only; detach() deletes it
-        self._originals[name] = getattr(self.engine, name)
-        setattr(self.engine, name, replacement)
 
     def reduce(self, params: Sequence[torch.nn.Parameter], local: Sequence[torch.Tensor],
                ranges: Sequence[Sequence[Range]], scale: float, itemsize: int, dtype: torch.dtype,
