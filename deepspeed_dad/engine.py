@@ -12,19 +12,12 @@ ZeRO stages 0 and 1. `attach` swaps that method, on this engine only, for one th
 * off a boundary, does nothing, as DeepSpeed does: the backward of such a micro-step runs inside
   the synchroniser's ``no_sync()``, so the factors of every micro-step are kept and sent once.
 
-Checkpoints: the engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped too, so that every
-rank writes its own dAD state (`DADSynchronizer.state_dict`: warm starts, error-feedback residuals,
-weights sent dense for good) into the checkpoint's tag folder (`deepspeed_dad.attachment`).
-
+The engine's ``save_checkpoint`` / ``load_checkpoint`` carry dAD's per-rank state (`deepspeed_dad.attachment`).
 Everything after the reduction is DeepSpeed's own: fp16 overflow checks and skipped steps, loss-scale
-updates, gradient clipping, the optimizer step, ``zero_grad``. The reduction's scaling follows the
-engine's (``gradient_predivide_factor``, ``prescale_gradients``, the ``"sum"`` all-reduce op) and its
-``communication_data_type`` becomes dAD's wire dtype. Configurations whose gradients DeepSpeed
-reduces elsewhere (the fp32-accumulating BF16 optimizer, overlapped ZeRO 1 communication,
-pipeline/model/sequence parallelism, MoE) are rejected with an error that says why, never ignored.
-ZeRO stages 2 and 3, which reduce-scatter inside backward hooks, are attached by `deepspeed_dad.zero`
-instead (`attach` selects by stage). What the engine must be, and its reduction's scaling and wire
-dtype, are read by `deepspeed_dad.checks`.
+updates, gradient clipping, the optimizer step, ``zero_grad``. What the engine must be (configurations
+whose gradients DeepSpeed reduces elsewhere are rejected, saying why), and its reduction's scaling and
+wire dtype, are read by `deepspeed_dad.checks`. ZeRO stages 2 and 3, which reduce-scatter inside
+backward hooks, are attached by `deepspeed_dad.zero` instead (`attach` selects by stage).
 """
 from __future__ import annotations
 
@@ -74,9 +67,10 @@ class DeepSpeedDAD(RankStateCheckpoints):
         self._accumulating: Optional[contextlib.AbstractContextManager] = None
         self._originals: Dict[str, Callable] = {}
         self._patch("allreduce_gradients", self._allreduce_gradients)
-        self._patch("backward", self._wrap_backward(engine.backward))
-        self._patch("_backward_prologue", self._wrap_prologue(engine._backward_prologue))
-        self._patch("_backward_epilogue", self._wrap_epilogue(engine._backward_epilogue))
+        self._patch("backward", self._around(engine.backward, begin=True, end=True))
+        # ZeRO engines also run a plain ``loss.backward()`` through hooks that call the prologue
+        self._patch("_backward_prologue", self._around(engine._backward_prologue, begin=True, end=False))
+        self._patch("_backward_epilogue", self._around(engine._backward_epilogue, begin=False, end=True))
         self._patch_checkpoints()
         setattr(engine, ATTR, self)
         if self.aggregator.rank == 0:
@@ -109,30 +103,18 @@ class DeepSpeedDAD(RankStateCheckpoints):
             with _reduction_without_communication(engine.optimizer):
                 engine.optimizer.reduce_gradients(pipeline_parallel=engine.pipeline_parallelism)
 
-    def _wrap_backward(self, original: Callable) -> Callable:
-        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self._begin_backward()
-            try:
-                return original(loss, *args, **kwargs)
-            finally:
-                self._end_backward()
-        backward.__doc__ = original.__doc__
-        return backward
-
-    def _wrap_prologue(self, original: Callable) -> Callable:
-        # ZeRO engines also run a plain ``loss.backward()`` through hooks that call the prologue
-        def prologue(*args: Any, **kwargs: Any) -> Any:
-            self._begin_backward()
-            return original(*args, **kwargs)
-        return prologue
-
-    def _wrap_epilogue(self, original: Callable) -> Callable:
-        def epilogue(*args: Any, **kwargs: Any) -> Any:
+    def _around(self, original: Callable, begin: bool, end: bool) -> Callable:
+        """``original`` after `_begin_backward` (``begin``) and before `_end_backward` (``end``, also on a raise)."""
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if begin:
+                self._begin_backward()
             try:
                 return original(*args, **kwargs)
             finally:
-                self._end_backward()
-        return epilogue
+                if end:
+                    self._end_backward()
+        wrapped.__doc__ = original.__doc__
+        return wrapped
 
     def _begin_backward(self) -> None:
         """Enter the synchroniser's no_sync() for a backward that DeepSpeed would not reduce."""

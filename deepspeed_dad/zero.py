@@ -150,7 +150,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         seam = Zero2Seam if self.zero_stage == 2 else Zero3Seam
         self._seam = seam(self, engine.optimizer)
         banner.announce(f"DeepSpeed ZeRO-{self.zero_stage}", config, process_rank=self.aggregator.rank,
-                        world_size=world_size, factor_weights=len(self._unit_of), dense_params=banner.dense_count(engine.module, self.units),
+                        world_size=world_size, factor_weights=len(self._unit_of),
+                        dense_params=banner.dense_count(engine.module, self.units),
                         hops=self.exchanger.describe_hops(self.aggregator, self.levels, self._nodes is not None))
         if self.aggregator.rank == 0:
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
@@ -183,20 +184,20 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
     close = detach
 
     def reduce(self, params: Sequence[torch.nn.Parameter], local: Sequence[torch.Tensor],
-               ranges: Sequence[Sequence[Range]], scale: float, itemsize: int, dtype: torch.dtype,
+               ranges: Sequence[Sequence[Range]], scale: float, itemsize: int,
                deliver: Callable[[torch.nn.Parameter, torch.Tensor], None]) -> Set[int]:
         """Rebuild this rank's owned elements of the average of every factor-covered parameter of
         one reduction call and hand each to ``deliver(param, owned)`` as soon as it is rebuilt (so
         at most one weight's owned part is alive beside DeepSpeed's buffers); return the ``id`` of
         every parameter delivered. The others are left to DeepSpeed (and reported as dense).
-        ``local[i]`` is the flattened local gradient of ``params[i]`` (``dtype``), ``ranges[i]``
+        ``local[i]`` is the flattened local gradient of ``params[i]`` (all of one dtype), ``ranges[i]``
         every rank's owned ``[lo, hi)`` of it, ``scale`` what DeepSpeed's reduction multiplies the
         sum by."""
         if self._new_backward or self.exchanger.report is None:
             self._new_backward = False
             self.exchanger.begin_step()
             note_step(self.exchanger.steps - 1)  # for the messages of collectives that fail in it
-        kw = dict(scale=scale, itemsize=itemsize, dtype=dtype, deliver=deliver)
+        kw = dict(scale=scale, itemsize=itemsize, dtype=local[0].dtype if local else torch.float32, deliver=deliver)
         call = (NodePartitionCall(self._layout, self._nodes, params, local, ranges, **kw) if self._nodes is not None
                 else PartitionCall(self._layout, params, local, ranges, **kw))
         self.exchanger.reduce(call)

@@ -65,8 +65,7 @@ class _Seam:
             view, (lo, hi) = where[id(p)]
             view[lo:hi].copy_(owned)
 
-        dtype = views[0].dtype if views else torch.float32
-        return self.dad.reduce(params, views, ranges, self.scale, itemsize, dtype, write)
+        return self.dad.reduce(params, views, ranges, self.scale, itemsize, write)
 
 
 def _runs(covered: Sequence[bool]) -> List[Tuple[int, int]]:
@@ -183,8 +182,7 @@ class Zero3Seam(_Seam):
             parts[id(p)] = part
 
         itemsize = torch.empty((), dtype=communication_data_type).element_size()
-        dtype = views[0].dtype if views else torch.float32
-        self.dad.reduce(params, views, [self.ranges(p) for p in params], scale, itemsize, dtype, partition)
+        self.dad.reduce(params, views, [self.ranges(p) for p in params], scale, itemsize, partition)
         return parts
 
     def avg_scatter_grads(self, params_to_reduce: List[torch.nn.Parameter],
