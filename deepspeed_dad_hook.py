@@ -135,14 +135,19 @@ def config_source(ds_initialize, args: tuple, kwargs: dict):
         given = inspect.signature(ds_initialize).bind(*args, **kwargs).arguments
     except TypeError:
         return None
+    return config_in(given)[0]
+
+
+def config_in(given: dict):
+    """(config source, the attribute of ``args`` that holds it or None) of ``deepspeed.initialize``'s
+    bound arguments, in its order (`config_source`); (None, None) if there is none."""
     for key in ("config", "config_params"):
         if given.get(key) is not None:
-            return given[key]
-    cli_args = given.get("args")
+            return given[key], None
     for attr in ("deepspeed_config", "deepscale_config"):
-        if getattr(cli_args, attr, None) is not None:
-            return getattr(cli_args, attr)
-    return None
+        if getattr(given.get("args"), attr, None) is not None:
+            return getattr(given["args"], attr), attr
+    return None, None
 
 
 def read_config(source):

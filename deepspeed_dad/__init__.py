@@ -14,8 +14,9 @@ Importing it registers the adapter with the core (`dad_integrations.engines`); t
 it through the ``dad_integrations.engines`` entry point without that import.
 """
 from .aggregator import DeepSpeedAggregator
+from .attachment import get_attachment
 from .config import DADBlock, parse_block, split_config
-from .engine import DeepSpeedDAD, attach, get_attachment, reduction_scales
+from .engine import DeepSpeedDAD, attach, reduction_scales
 from .glue import register as _register
 from .initialize import initialize, patch_deepspeed_initialize, unpatch_deepspeed_initialize
 

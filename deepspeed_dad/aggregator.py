@@ -24,11 +24,9 @@ class DeepSpeedAggregator(EqualSizeAggregator):
             collectives as soon as DeepSpeed's own (``deepspeed.comm.new_group`` takes no timeout
             and would give torch's 30-minute default).
 
-    A new group is always created here, even over every rank: dAD issues its collectives from a
-    background thread while backward runs, and on a shared group they could interleave with
-    DeepSpeed's own collectives (loss-scale overflow checks, gradient norms) in a different order
-    on different ranks, which hangs or mixes up tensors. Every rank must therefore construct the
-    aggregator at the same point, as for ``deepspeed.comm.new_group``.
+    A new group is always created here, even over every rank, as for `TorchDistributedAggregator`
+    (DeepSpeed's own collectives: loss-scale overflow checks, gradient norms). Every rank must
+    therefore construct the aggregator at the same point, as for ``deepspeed.comm.new_group``.
     """
 
     def __init__(self, ranks: Optional[Sequence[int]] = None, *, timeout: Optional[timedelta] = None):

@@ -1,11 +1,20 @@
-"""Where dAD's attachment lives on a DeepSpeed engine, and how to find it again.
+"""What both attachments share (`deepspeed_dad.engine.DeepSpeedDAD` for ZeRO 0/1,
+`deepspeed_dad.zero.ZeroDAD` for ZeRO-2/3): where the attachment lives on the engine, the engine
+methods it shadows, and dAD's per-rank state inside DeepSpeed checkpoints.
 
-Its own module so that both attachments (`deepspeed_dad.engine` for ZeRO 0/1,
-`deepspeed_dad.zero` for ZeRO 2/3) reach the slot without importing each other.
+The engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped so that every rank writes its own
+dAD state (its synchroniser's ``state_dict``: warm starts, error-feedback residuals, ...) into the
+checkpoint's tag folder, next to DeepSpeed's files, as ``dad_state_rank{r}.pt``, and reads it back.
+Accelerate's ``save_state`` / ``load_state`` and the Hugging Face ``Trainer`` go through these
+methods under DeepSpeed, so they carry it as well.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import inspect
+import os
+from typing import Any, Callable, Dict, Optional
+
+from dad_integrations.engines.checkpoint import load_rank_state, save_rank_state
 
 ATTR = "_dad_attachment"  # where the attachment lives on the engine
 
@@ -16,3 +25,73 @@ def get_attachment(engine: Any) -> Optional[Any]:
     wrapped model too."""
     engine = getattr(engine, "engine", engine)  # accelerate's DeepSpeedEngineWrapper
     return getattr(engine, ATTR, None)
+
+
+class RankStateCheckpoints:
+    """Base of both attachments: needs ``engine``, ``aggregator`` and ``synchronizer`` (with
+    ``state_dict`` / ``load_state_dict``)."""
+
+    engine: Any
+    aggregator: Any
+    synchronizer: Any
+    _originals: Dict[str, Callable]
+
+    def _patch(self, name: str, replacement: Callable) -> None:
+        # an instance attribute shadows the class method for this engine only; _restore_engine() deletes it
+        self._originals[name] = getattr(self.engine, name)
+        setattr(self.engine, name, replacement)
+
+    def _restore_engine(self) -> None:
+        """Give the engine its own methods back and forget this attachment."""
+        for name in self._originals:
+            self.engine.__dict__.pop(name, None)
+        self._originals.clear()
+        if getattr(self.engine, ATTR, None) is self:
+            delattr(self.engine, ATTR)
+
+    def save_state(self, directory: str) -> str:
+        """Write this rank's dAD state into ``directory`` (every rank calls it); returns the file."""
+        return save_rank_state(self.synchronizer, directory, self.aggregator.rank, self.aggregator.world_size)
+
+    def load_state(self, directory: str) -> bool:
+        """Load this rank's dAD state from ``directory``; False when it holds none (saved without
+        dAD). Saved by another number of processes, every rank loads the old ranks' merged state
+        (`dad_integrations.engines.checkpoint.load_rank_state`)."""
+        return load_rank_state(self.synchronizer, directory, self.aggregator.rank,
+                               self.aggregator.world_size) is not None
+
+    def checkpoint_tag_dir(self, load_dir: str, tag: Optional[str] = None) -> Optional[str]:
+        """The folder of checkpoint ``tag`` in ``load_dir``, as ``load_checkpoint`` resolves it (no
+        tag: the one named by the ``latest`` file); None when there is no such file."""
+        if tag is None:
+            name = "latest_universal" if self.engine.load_universal_checkpoint() else "latest"
+            latest = os.path.join(load_dir, name)
+            if not os.path.isfile(latest):
+                return None
+            with open(latest) as f:
+                tag = f.read().strip()
+        return os.path.join(load_dir, str(tag))
+
+    def _patch_checkpoints(self) -> None:
+        """Wrap the engine's ``save_checkpoint`` and ``load_checkpoint`` (module doc)."""
+        save, load = self.engine.save_checkpoint, self.engine.load_checkpoint
+        signature = inspect.signature(load)
+
+        def save_checkpoint(save_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+            if save_dir:  # DeepSpeed rejects an empty save_dir itself
+                # DeepSpeed's own default tag; written first, so that 'latest' names a whole checkpoint
+                name = f"global_step{self.engine.global_steps}" if tag is None else str(tag)
+                self.save_state(os.path.join(save_dir, name))
+            return save(save_dir, tag, *args, **kwargs)
+
+        def load_checkpoint(load_dir: str, tag: Any = None, *args: Any, **kwargs: Any) -> Any:
+            tag_dir = self.checkpoint_tag_dir(load_dir, tag)
+            result = load(load_dir, tag, *args, **kwargs)
+            module_only = signature.bind(load_dir, tag, *args, **kwargs).arguments.get("load_module_only", False)
+            if result[0] is not None and tag_dir is not None and not module_only:
+                self.load_state(tag_dir)
+            return result
+
+        save_checkpoint.__doc__, load_checkpoint.__doc__ = save.__doc__, load.__doc__
+        self._patch("save_checkpoint", save_checkpoint)
+        self._patch("load_checkpoint", load_checkpoint)

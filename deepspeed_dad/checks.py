@@ -6,7 +6,8 @@ them): the settings dAD cannot honour are rejected with a reason, the reduction'
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+import sys
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -15,10 +16,11 @@ from dad_integrations import DADConfig
 _WIRE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def is_engine(engine: Any) -> bool:
-    """Whether ``engine`` is a ``deepspeed.DeepSpeedEngine``."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    return isinstance(engine, DeepSpeedEngine)
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is a ``deepspeed.DeepSpeedEngine`` (without DeepSpeed imported there is none:
+    it is not imported for the check)."""
+    module = sys.modules.get("deepspeed.runtime.engine")
+    return module is not None and isinstance(obj, module.DeepSpeedEngine)
 
 
 def reduction_scales(engine: Any, world_size: int) -> Tuple[float, float]:
@@ -62,18 +64,19 @@ def wire_dtype(engine: Any, config: DADConfig) -> Optional[str]:
     return name
 
 
-def check_engine(engine: Any, sharded_problems: Optional[List[str]] = None) -> int:
-    """Reject what dAD cannot honour; returns the data-parallel world size. ``sharded_problems``:
-    ZeRO-2/3's own (`deepspeed_dad.zero.check_zero`), for an engine of those stages."""
+def check_engine(engine: Any, config: DADConfig,
+                 sharded: Optional[Callable[[Any, DADConfig], List[str]]] = None) -> Tuple[int, DADConfig]:
+    """Reject what dAD cannot honour; returns the data-parallel world size and ``config`` with its
+    `wire_dtype`. ``sharded``: ZeRO-2/3's own problems (`deepspeed_dad.zero.check_zero`), for an
+    engine of those stages."""
     from deepspeed import comm as dist
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.engine import DeepSpeedEngine
 
-    if not isinstance(engine, DeepSpeedEngine):
+    if not is_engine(engine):
         raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
-    problems: List[str] = list(sharded_problems or [])
+    problems: List[str] = [] if sharded is None else sharded(engine, config)
     stage = int(engine.zero_optimization_stage())
-    if stage not in (0, 1) and sharded_problems is None:
+    if stage not in (0, 1) and sharded is None:
         problems.append(f"ZeRO stage {stage} is attached by deepspeed_dad.zero, not here")
     if engine.optimizer is None:
         problems.append("the engine has no optimizer (dAD synchronises training gradients)")
@@ -113,4 +116,7 @@ def check_engine(engine: Any, sharded_problems: Optional[List[str]] = None) -> i
     if dp_world != world:
         raise ValueError(f"dAD needs plain data parallelism over every rank; the data-parallel group has "
                          f"{dp_world} of {world} ranks")
-    return world
+    wire = wire_dtype(engine, config)
+    if wire != config.wire_dtype:
+        config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
+    return world, config

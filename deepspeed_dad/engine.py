@@ -12,19 +12,12 @@ ZeRO stages 0 and 1. `attach` swaps that method, on this engine only, for one th
 * off a boundary, does nothing, as DeepSpeed does: the backward of such a micro-step runs inside
   the synchroniser's ``no_sync()``, so the factors of every micro-step are kept and sent once.
 
-Checkpoints: the engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped too, so that every
-rank writes its own dAD state (`DADSynchronizer.state_dict`: warm starts, error-feedback residuals,
-weights sent dense for good) into the checkpoint's tag folder (`deepspeed_dad.checkpointing`).
-
+The engine's ``save_checkpoint`` / ``load_checkpoint`` carry dAD's per-rank state (`deepspeed_dad.attachment`).
 Everything after the reduction is DeepSpeed's own: fp16 overflow checks and skipped steps, loss-scale
-updates, gradient clipping, the optimizer step, ``zero_grad``. The reduction's scaling follows the
-engine's (``gradient_predivide_factor``, ``prescale_gradients``, the ``"sum"`` all-reduce op) and its
-``communication_data_type`` becomes dAD's wire dtype. Configurations whose gradients DeepSpeed
-reduces elsewhere (the fp32-accumulating BF16 optimizer, overlapped ZeRO 1 communication,
-pipeline/model/sequence parallelism, MoE) are rejected with an error that says why, never ignored.
-ZeRO stages 2 and 3, which reduce-scatter inside backward hooks, are attached by `deepspeed_dad.zero`
-instead (`attach` selects by stage). What the engine must be, and its reduction's scaling and wire
-dtype, are read by `deepspeed_dad.checks`; where the attachment lives, by `deepspeed_dad.attachment`.
+updates, gradient clipping, the optimizer step, ``zero_grad``. What the engine must be (configurations
+whose gradients DeepSpeed reduces elsewhere are rejected, saying why), and its reduction's scaling and
+wire dtype, are read by `deepspeed_dad.checks`. ZeRO stages 2 and 3, which reduce-scatter inside
+backward hooks, are attached by `deepspeed_dad.zero` instead (`attach` selects by stage).
 """
 from __future__ import annotations
 
@@ -39,18 +32,14 @@ from dad_integrations.engines import banner
 from dad_integrations.logs import process_rank
 
 from .aggregator import DeepSpeedAggregator
-from .attachment import ATTR, get_attachment  # noqa: F401  (importable here, as before the split)
-from .checkpointing import RankStateCheckpoints
-from .checks import check_engine, is_engine, reduction_scales, wire_dtype
+from .attachment import ATTR, RankStateCheckpoints
+from .checks import check_engine, reduction_scales
 from .config import DADBlock, parse_block
 
 if TYPE_CHECKING:
     from .zero import ZeroDAD
 
 log = logging.getLogger(__name__)
-
-# the names this module held before `checks` and `attachment` were split out of it
-_check_engine, _wire_dtype, _is_engine = check_engine, wire_dtype, is_engine
 
 
 class DeepSpeedDAD(RankStateCheckpoints):
@@ -66,10 +55,7 @@ class DeepSpeedDAD(RankStateCheckpoints):
         self.engine = engine
         stage = int(engine.zero_optimization_stage())
         self.zero_stage = stage
-        world = check_engine(engine)
-        wire = wire_dtype(engine, config)
-        if wire != config.wire_dtype:
-            config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
+        world, config = check_engine(engine, config)
         prescale, postscale = reduction_scales(engine, world)
         self.aggregator = DeepSpeedAggregator()
         # DeepSpeed broadcast rank 0's parameters when it built the engine
@@ -81,15 +67,16 @@ class DeepSpeedDAD(RankStateCheckpoints):
         self._accumulating: Optional[contextlib.AbstractContextManager] = None
         self._originals: Dict[str, Callable] = {}
         self._patch("allreduce_gradients", self._allreduce_gradients)
-        self._patch("backward", self._wrap_backward(engine.backward))
-        self._patch("_backward_prologue", self._wrap_prologue(engine._backward_prologue))
-        self._patch("_backward_epilogue", self._wrap_epilogue(engine._backward_epilogue))
+        self._patch("backward", self._around(engine.backward, begin=True, end=True))
+        # ZeRO engines also run a plain ``loss.backward()`` through hooks that call the prologue
+        self._patch("_backward_prologue", self._around(engine._backward_prologue, begin=True, end=False))
+        self._patch("_backward_epilogue", self._around(engine._backward_epilogue, begin=False, end=True))
         self._patch_checkpoints()
         setattr(engine, ATTR, self)
         if self.aggregator.rank == 0:
             log.info("dAD replaces DeepSpeed's gradient all-reduce: ZeRO stage %d, mode %s, prescale %g, "
                      "postscale %g, wire dtype %s", stage, self.config.mode, prescale,
-                     self.synchronizer.scale / prescale, wire or "gradients' dtype")
+                     self.synchronizer.scale / prescale, config.wire_dtype or "gradients' dtype")
 
     # -- public ---------------------------------------------------------------------------------
     def last_step_report(self) -> Optional[StepReport]:
@@ -99,19 +86,10 @@ class DeepSpeedDAD(RankStateCheckpoints):
     def detach(self) -> None:
         """Give the engine its own all-reduce back and remove dAD's hooks."""
         self._end_backward()
-        for name in self._originals:
-            self.engine.__dict__.pop(name, None)
-        self._originals.clear()
+        self._restore_engine()
         self.synchronizer.close()
-        if getattr(self.engine, ATTR, None) is self:
-            delattr(self.engine, ATTR)
 
     # -- the engine's methods, replaced ---------------------------------------------------------
-    def _patch(self, name: str, replacement: Callable) -> None:
-        # an instance attribute shadows the class method for this engine only; detach() deletes it
-        self._originals[name] = getattr(self.engine, name)
-        setattr(self.engine, name, replacement)
-
     def _allreduce_gradients(self, *args: Any, **kwargs: Any) -> None:
         engine = self.engine
         boundary = engine.is_gradient_accumulation_boundary()
@@ -125,30 +103,18 @@ class DeepSpeedDAD(RankStateCheckpoints):
             with _reduction_without_communication(engine.optimizer):
                 engine.optimizer.reduce_gradients(pipeline_parallel=engine.pipeline_parallelism)
 
-    def _wrap_backward(self, original: Callable) -> Callable:
-        def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self._begin_backward()
-            try:
-                return original(loss, *args, **kwargs)
-            finally:
-                self._end_backward()
-        backward.__doc__ = original.__doc__
-        return backward
-
-    def _wrap_prologue(self, original: Callable) -> Callable:
-        # ZeRO engines also run a plain ``loss.backward()`` through hooks that call the prologue
-        def prologue(*args: Any, **kwargs: Any) -> Any:
-            self._begin_backward()
-            return original(*args, **kwargs)
-        return prologue
-
-    def _wrap_epilogue(self, original: Callable) -> Callable:
-        def epilogue(*args: Any, **kwargs: Any) -> Any:
+    def _around(self, original: Callable, begin: bool, end: bool) -> Callable:
+        """``original`` after `_begin_backward` (``begin``) and before `_end_backward` (``end``, also on a raise)."""
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if begin:
+                self._begin_backward()
             try:
                 return original(*args, **kwargs)
             finally:
-                self._end_backward()
-        return epilogue
+                if end:
+                    self._end_backward()
+        wrapped.__doc__ = original.__doc__
+        return wrapped
 
     def _begin_backward(self) -> None:
         """Enter the synchroniser's no_sync() for a backward that DeepSpeed would not reduce."""
@@ -187,15 +153,8 @@ def attach(engine: Any, config: Union[DADConfig, DADBlock, Mapping[str, Any], No
             log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
         return None
     if int(engine.zero_optimization_stage()) in (2, 3):
-        from .zero import ZeroDAD, check_zero
-        config = block.config
-        world = check_engine(engine, check_zero(engine, config) if is_engine(engine) else [])
-        wire = wire_dtype(engine, config)
-        if wire != config.wire_dtype:
-            config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
-        attachment = ZeroDAD(engine, config, world)
-        setattr(engine, ATTR, attachment)
-        return attachment
+        from .zero import ZeroDAD
+        return ZeroDAD(engine, block.config)
     return DeepSpeedDAD(engine, block.config)
 
 

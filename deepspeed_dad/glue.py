@@ -7,25 +7,20 @@ DeepSpeed although the core never imports this package.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Mapping, Optional, Union
 
 from dad_integrations import DADConfig, DADSynchronizer
 from dad_integrations.engines.registry import register_engine
 
-from .engine import attach, get_attachment
+from .attachment import get_attachment
+from .checks import is_engine
+from .engine import attach
 
 
 def register() -> None:
     """Register the ``"deepspeed"`` engine adapter (idempotent)."""
-    register_engine("deepspeed", is_engine=_is_engine, find=_find, attach=_attach,
+    register_engine("deepspeed", is_engine=is_engine, find=_find, attach=_attach,
                     load_checkpoint_state=_load_checkpoint_state)
-
-
-def _is_engine(obj: Any) -> bool:
-    # without deepspeed imported there is no engine to recognise: do not import it for the check
-    module = sys.modules.get("deepspeed.runtime.engine")
-    return module is not None and isinstance(obj, module.DeepSpeedEngine)
 
 
 def _find(engine: Any) -> Optional[DADSynchronizer]:

@@ -16,55 +16,44 @@ from typing import Any, Callable, Tuple
 import deepspeed_dad_hook as hook
 from dad_integrations.logs import process_rank
 
-from .accelerate_compat import let_accelerate_skip_dad_block
 from .config import BLOCK_KEY, split_config
 from .engine import attach
 
 log = logging.getLogger(__name__)
 
-_PATCH_MARK = hook.ORIGINAL
 _explicit = False  # patch_deepspeed_initialize was called: the opt-out does not apply
 
 
 def _deepspeed_initialize() -> Callable[..., Tuple[Any, Any, Any, Any]]:
     """DeepSpeed's own ``initialize``, even while `patch_deepspeed_initialize` is in effect."""
     import deepspeed
-    return getattr(deepspeed.initialize, _PATCH_MARK, deepspeed.initialize)
+    return getattr(deepspeed.initialize, hook.ORIGINAL, deepspeed.initialize)
 
 
-def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], require_block: bool,
+def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], by_hook: bool,
                      *args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
     given = bound.arguments
-    cli_args = given.get("args")
-    # the places deepspeed.initialize takes its config from, in its own order of precedence
-    source = given.get("config")
-    if source is None:
-        source = given.get("config_params")
-    from_args = None
-    if source is None and cli_args is not None:
-        for attr in ("deepspeed_config", "deepscale_config"):
-            if getattr(cli_args, attr, None) is not None:
-                source, from_args = getattr(cli_args, attr), attr
-                break
-    config, block = split_config(source) if source is not None else (None, None)
+    source, from_args = hook.config_in(given)  # where deepspeed.initialize takes its config from
+    config, block = split_config(source)
     if block is None:
-        if require_block and process_rank() == 0:  # the same config on every rank
+        if not by_hook and process_rank() == 0:  # the same config on every rank
             log.warning("the DeepSpeed config has no 'dad' block: DeepSpeed's own all-reduce is kept")
         return ds_initialize(*args, **kwargs)  # the caller's arguments, untouched
+    if by_hook and block.enabled and hook.opted_out() and not _explicit:  # (`initialize_with_block`)
+        raise ValueError(f"the DeepSpeed config has an enabled {BLOCK_KEY!r} block, but "
+                         f"{hook.OPT_OUT}={os.environ.get(hook.OPT_OUT)} turns off dAD's automatic attachment: "
+                         f"remove the block (or set \"enabled\": false), unset {hook.OPT_OUT}, or build the "
+                         f"engine with deepspeed_dad.initialize")
 
     # DeepSpeed gets the config without the block, as a dict, through `config` only
     given["config"] = config
     given.pop("config_params", None)
     if from_args is not None:
-        cli_args = copy.copy(cli_args)
-        setattr(cli_args, from_args, None)
-        given["args"] = cli_args
+        given["args"] = copy.copy(given["args"])
+        setattr(given["args"], from_args, None)
     result = ds_initialize(*bound.args, **bound.kwargs)
-    if block.enabled:
-        attach(result[0], block)
-    elif process_rank() == 0:
-        log.info("the DeepSpeed config's 'dad' block has enabled=false: DeepSpeed's all-reduce is kept")
+    attach(result[0], block)  # a disabled block attaches nothing, and says so
     return result
 
 
@@ -77,7 +66,7 @@ def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     without the block, builds the engine and attaches dAD to it (`deepspeed_dad.attach`).
     Without a block, or with ``"enabled": false``, the engine keeps DeepSpeed's all-reduce.
     """
-    return _initialize_with(_deepspeed_initialize(), True, *args, **kwargs)
+    return _initialize_with(_deepspeed_initialize(), False, *args, **kwargs)
 
 
 def initialize_with_block(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], args: tuple,
@@ -89,30 +78,18 @@ def initialize_with_block(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]
     the config asks for dAD, the environment forbids attaching it, and training on with
     DeepSpeed's all-reduce would ignore the block without a word.
     """
-    if hook.opted_out() and not _explicit:
-        _, block = split_config(hook.config_source(ds_initialize, args, kwargs))
-        if block is not None and block.enabled:
-            raise ValueError(f"the DeepSpeed config has an enabled {BLOCK_KEY!r} block, but "
-                             f"{hook.OPT_OUT}={os.environ.get(hook.OPT_OUT)} turns off dAD's automatic attachment: "
-                             f"remove the block (or set \"enabled\": false), unset {hook.OPT_OUT}, or build the "
-                             f"engine with deepspeed_dad.initialize")
-    return _initialize_with(ds_initialize, False, *args, **kwargs)
+    return _initialize_with(ds_initialize, True, *args, **kwargs)
 
 
 def patch_deepspeed_initialize() -> None:
-    """Make ``deepspeed.initialize`` itself honour the ``"dad"`` block, for every later call.
-
-    The installed package's import hook already does this (`deepspeed_dad_hook`); call it where
-    the hook is not active, or to attach dAD despite ``DAD_DEEPSPEED_HOOK=0``. After this call an
-    engine whose config holds an enabled ``"dad"`` block gets dAD (find it with
-    `deepspeed_dad.get_attachment`), and DeepSpeed never sees the block. Configs without a block
-    are passed through untouched. Idempotent; undo with `unpatch_deepspeed_initialize`.
+    """Make ``deepspeed.initialize`` itself honour the ``"dad"`` block, for every later call, as the
+    import hook does (module doc), also despite ``DAD_DEEPSPEED_HOOK=0``. Find an engine's dAD with
+    `deepspeed_dad.get_attachment`. Idempotent; undo with `unpatch_deepspeed_initialize`.
     ``import deepspeed_dad.auto`` calls it.
     """
     global _explicit
     import deepspeed
-    let_accelerate_skip_dad_block()
-    hook.wrap_deepspeed(deepspeed, by_hook=False)
+    hook.wrap_deepspeed(deepspeed, by_hook=False)  # and Accelerate's config walk skips the block
     _explicit = True
     if process_rank() == 0:
         log.info("deepspeed.initialize now attaches dAD to engines whose config has an enabled 'dad' block")
@@ -127,7 +104,7 @@ def unpatch_deepspeed_initialize() -> None:
     global _explicit
     import deepspeed
     _explicit = False
-    original = getattr(deepspeed.initialize, _PATCH_MARK, None)
+    original = getattr(deepspeed.initialize, hook.ORIGINAL, None)
     if original is not None and not getattr(deepspeed.initialize, hook.BY_HOOK, False):
         deepspeed.initialize = original
 

@@ -16,7 +16,7 @@ rank's local gradients were finite. Across nodes (`comm.topology`: more than one
 one rank) each call is a `exchange.node_partitions.NodePartitionCall` instead: the weights routed
 off DeepSpeed's reduce-scatter reduce inside the node, cross between nodes by dAD's routes among one
 owner per node, and scatter back. That state is per rank: ``save_checkpoint`` /
-``load_checkpoint`` write and read one file per rank (`deepspeed_dad.checkpointing`). An adaptive
+``load_checkpoint`` write and read one file per rank (`deepspeed_dad.attachment`). An adaptive
 rank is refused under ZeRO-2/3.
 """
 from __future__ import annotations
@@ -40,8 +40,8 @@ from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import check_routes
 
 from .aggregator import DeepSpeedAggregator
-from .attachment import ATTR
-from .checkpointing import RankStateCheckpoints
+from .attachment import ATTR, RankStateCheckpoints
+from .checks import check_engine
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,9 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         exchanger (the `ShardedExchanger`).
     """
 
-    def __init__(self, engine: Any, config: DADConfig, world_size: int):
+    def __init__(self, engine: Any, config: DADConfig):
         from .zero_seams import Zero2Seam, Zero3Seam
+        world_size, config = check_engine(engine, config, check_zero)
         self.engine = engine
         self.zero_stage = int(engine.zero_optimization_stage())
         self.config = config
@@ -149,11 +150,13 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         seam = Zero2Seam if self.zero_stage == 2 else Zero3Seam
         self._seam = seam(self, engine.optimizer)
         banner.announce(f"DeepSpeed ZeRO-{self.zero_stage}", config, process_rank=self.aggregator.rank,
-                        world_size=world_size, factor_weights=len(self._unit_of), dense_params=banner.dense_count(engine.module, self.units),
+                        world_size=world_size, factor_weights=len(self._unit_of),
+                        dense_params=banner.dense_count(engine.module, self.units),
                         hops=self.exchanger.describe_hops(self.aggregator, self.levels, self._nodes is not None))
         if self.aggregator.rank == 0:
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
                      self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")
+        setattr(engine, ATTR, self)
 
     @property
     def synchronizer(self) -> "ZeroDAD":
@@ -168,44 +171,33 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
     def _trial(self):
         return self.exchanger.trial
 
-    @property
-    def _rank(self):
-        return self.exchanger.rank_codec
+    _rank = ShardedFacade.rank_codec
 
     def detach(self) -> None:
         """Give the engine its own reduction back and remove dAD's hooks."""
         self._seam.remove()
         self._forward_hook.remove()
-        for name in self._originals:
-            self.engine.__dict__.pop(name, None)
-        self._originals.clear()
         for capture in self.plan.captures:
             capture.remove()
-        if getattr(self.engine, ATTR, None) is self:
-            delattr(self.engine, ATTR)
+        self._restore_engine()
 
     close = detach
 
-    def _patch(self, name: str, replacement: Callable) -> None:
-        # an instance attribute shadows the class method for this engine only; detach() deletes it
-        self._originals[name] = getattr(self.engine, name)
-        setattr(self.engine, name, replacement)
-
     def reduce(self, params: Sequence[torch.nn.Parameter], local: Sequence[torch.Tensor],
-               ranges: Sequence[Sequence[Range]], scale: float, itemsize: int, dtype: torch.dtype,
+               ranges: Sequence[Sequence[Range]], scale: float, itemsize: int,
                deliver: Callable[[torch.nn.Parameter, torch.Tensor], None]) -> Set[int]:
         """Rebuild this rank's owned elements of the average of every factor-covered parameter of
         one reduction call and hand each to ``deliver(param, owned)`` as soon as it is rebuilt (so
         at most one weight's owned part is alive beside DeepSpeed's buffers); return the ``id`` of
         every parameter delivered. The others are left to DeepSpeed (and reported as dense).
-        ``local[i]`` is the flattened local gradient of ``params[i]`` (``dtype``), ``ranges[i]``
+        ``local[i]`` is the flattened local gradient of ``params[i]`` (all of one dtype), ``ranges[i]``
         every rank's owned ``[lo, hi)`` of it, ``scale`` what DeepSpeed's reduction multiplies the
         sum by."""
         if self._new_backward or self.exchanger.report is None:
             self._new_backward = False
             self.exchanger.begin_step()
             note_step(self.exchanger.steps - 1)  # for the messages of collectives that fail in it
-        kw = dict(scale=scale, itemsize=itemsize, dtype=dtype, deliver=deliver)
+        kw = dict(scale=scale, itemsize=itemsize, dtype=local[0].dtype if local else torch.float32, deliver=deliver)
         call = (NodePartitionCall(self._layout, self._nodes, params, local, ranges, **kw) if self._nodes is not None
                 else PartitionCall(self._layout, params, local, ranges, **kw))
         self.exchanger.reduce(call)

@@ -32,6 +32,7 @@ Scaling mirrors each call: ZeRO-2 divides by S (when averaging); ZeRO-3 divides 
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
 
 import torch
@@ -64,21 +65,18 @@ class _Seam:
             view, (lo, hi) = where[id(p)]
             view[lo:hi].copy_(owned)
 
-        dtype = views[0].dtype if views else torch.float32
-        return self.dad.reduce(params, views, ranges, self.scale, itemsize, dtype, write)
+        return self.dad.reduce(params, views, ranges, self.scale, itemsize, write)
 
 
 def _runs(covered: Sequence[bool]) -> List[Tuple[int, int]]:
     """``[start, end)`` of each run of consecutive False entries."""
-    runs, start = [], None
-    for i, c in enumerate(list(covered) + [True]):
-        if not c and start is None:
-            start = i
-        elif c and start is not None:
-            runs.append((start, i))
-            start = None
+    runs, start = [], 0
+    for c, run in itertools.groupby(covered):
+        end = start + len(list(run))
+        if not c:
+            runs.append((start, end))
+        start = end
     return runs
-
 
 class Zero2Seam(_Seam):
     """ZeRO-2's ``average_tensor`` and ``buffered_reduce_fallback`` (module doc)."""
@@ -112,9 +110,7 @@ class Zero2Seam(_Seam):
     def average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype) -> None:
         original = self._originals["average_tensor"]
         bucket, entries, params, ranges = self._bucket(communication_data_type)
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + p.numel())
+        offsets = [0, *itertools.accumulate(p.numel() for p in params)]
         if offsets[-1] != tensor.numel():  # not the bucket layout this seam knows: DeepSpeed's own
             self.dad.exchanger.log_once(f"a ZeRO-2 reduction of {tensor.numel()} elements for a bucket of "
                                         f"{offsets[-1]}: DeepSpeed's reduction kept")
@@ -186,8 +182,7 @@ class Zero3Seam(_Seam):
             parts[id(p)] = part
 
         itemsize = torch.empty((), dtype=communication_data_type).element_size()
-        dtype = views[0].dtype if views else torch.float32
-        self.dad.reduce(params, views, [self.ranges(p) for p in params], scale, itemsize, dtype, partition)
+        self.dad.reduce(params, views, [self.ranges(p) for p in params], scale, itemsize, partition)
         return parts
 
     def avg_scatter_grads(self, params_to_reduce: List[torch.nn.Parameter],
@@ -205,9 +200,7 @@ class Zero3Seam(_Seam):
         original = self._originals[_Z3 + "avg_scatter_contiguous_grads"]
         bucket = self.opt.ipg_buckets[communication_data_type]
         params = list(bucket.params)
-        offsets = [0]
-        for p in params:
-            offsets.append(offsets[-1] + p.grad.numel())
+        offsets = [0, *itertools.accumulate(p.grad.numel() for p in params)]
         views = [buffer_to_reduce.narrow(0, offsets[k], p.grad.numel()) for k, p in enumerate(params)]
         out = self._reduce_to_partitions(params, views, self.scale(all_reduce=True), communication_data_type)
         saved = bucket.params

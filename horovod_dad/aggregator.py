@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 from datetime import timedelta
@@ -121,7 +122,7 @@ class HorovodAggregator(FactorAggregator):
         elif first_dims[self._rank] != tensor.shape[0]:
             raise ValueError(f"{name}: first_dims says {first_dims[self._rank]} rows for this rank, "
                              f"the tensor has {tensor.shape[0]}")
-        row_bytes = _prod(tensor.shape[1:]) * tensor.element_size()
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
         traffic = traffic + self._count_all_gather([n * row_bytes for n in first_dims])
         dtype = tensor.dtype
         wire = tensor.view(torch.int16) if dtype == torch.bfloat16 else tensor  # same bits
@@ -204,10 +205,3 @@ def node_process_sets(local_size: Optional[int] = None, size: Optional[int] = No
     nodes = [list(range(k, k + local_size)) for k in range(0, size, local_size)]
     cross = [list(range(j, size, local_size)) for j in range(local_size)]
     return [hvd.ProcessSet(ranks) for ranks in nodes + cross]
-
-
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

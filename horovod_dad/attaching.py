@@ -1,14 +1,16 @@
 """Attaching an optimizer's `DADSynchronizer` to the model it updates: checked, attached at once
 (``model=``), at the model's first forward (`discovery`), or later under Horovod elastic; and
-Horovod's plain all-reduce for a step before any forward.
+Horovod's plain all-reduce for a step before any forward. Only the optimizer's parameters require
+grad while it attaches; sparse gradients are made dense before dAD reads them (``sparse_as_dense``).
 
 A base of `horovod_dad.optimizer._DADOptimizerMixin`, which holds the state these methods read.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Tuple
+from typing import Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -18,9 +20,31 @@ from dad_integrations.engines import banner
 
 from ._horovod import hvd
 from .aggregator import HorovodAggregator
-from .params import requiring_grad_only, sparse_to_dense
 
 log = logging.getLogger("horovod_dad.optimizer")  # the optimizer's logger, as before the split
+
+
+def sparse_to_dense(p: nn.Parameter) -> None:
+    """A post-accumulate-grad hook: a sparse gradient becomes dense."""
+    if p.grad is not None and p.grad.is_sparse:
+        p.grad = p.grad.to_dense()
+
+
+@contextlib.contextmanager
+def requiring_grad_only(model: nn.Module, params: List[nn.Parameter]) -> Iterator[None]:
+    """Inside the block, of ``model``'s parameters exactly ``params`` require grad (so that the
+    synchroniser's plan covers them and hooks can be registered on them); after it, each parameter's
+    ``requires_grad`` is what it was at entry."""
+    ours = {id(p) for p in params}
+    everyone = dict.fromkeys(list(model.parameters()) + list(params))  # without repeats, in order
+    flipped = [p for p in everyone if p.requires_grad != (id(p) in ours)]
+    for p in flipped:
+        p.requires_grad_(not p.requires_grad)
+    try:
+        yield
+    finally:
+        for p in flipped:
+            p.requires_grad_(not p.requires_grad)
 
 
 class ModelAttachment:
@@ -78,25 +102,28 @@ class ModelAttachment:
         # before the exchange of the last k passes is refused, by the synchroniser itself.)
         for p in self._sparse_params:
             self._dad_hooks.append(p.register_post_accumulate_grad_hook(sparse_to_dense))
-        prescale, postscale = self._scale_factors()
         if os.environ.get("HOROVOD_ELASTIC") == "1":
             # no collective here: a new worker's would meet the running ones' state sync and hang;
             # TorchState's handler attaches dAD in hvd.elastic.run (horovod_dad.elastic)
             self._dad_deferred = (model, config, HorovodAggregator(process_set).prefix)
             return
         try:
-            # The plan covers what Horovod's hooks cover: the parameters of this optimizer that
-            # required grad when it was built, also if switched off now (a GAN's other half); the
-            # model's other parameters keep their local gradients (another optimizer's, say).
-            # Horovod users broadcast explicitly (hvd.broadcast_parameters), as with Horovod's optimizer.
-            with requiring_grad_only(model, self._requires_update), banner.engine("Horovod"):
-                self._dad_sync = DADSynchronizer(model, HorovodAggregator(process_set), config,
-                                                 prescale_factor=prescale, postscale_factor=postscale,
-                                                 backward_passes_per_step=self.backward_passes_per_step,
-                                                 broadcast_parameters=False)
+            self._dad_sync = self._synchronizer(model, HorovodAggregator(process_set), config, "Horovod")
         except BaseException:
             self._remove_hooks()
             raise
+
+    def _synchronizer(self, model: nn.Module, aggregator: HorovodAggregator, config: DADConfig,
+                      engine: str) -> DADSynchronizer:
+        """A `DADSynchronizer` scaled as Horovod's reduction, over the parameters Horovod's hooks
+        cover: those of this optimizer that required grad when it was built, also if switched off
+        now (a GAN's other half); the model's other parameters keep their local gradients (another
+        optimizer's, say). Horovod users broadcast explicitly (``hvd.broadcast_parameters``)."""
+        prescale, postscale = self._scale_factors()
+        with requiring_grad_only(model, self._requires_update), banner.engine(engine):
+            return DADSynchronizer(model, aggregator, config, prescale_factor=prescale, postscale_factor=postscale,
+                                   backward_passes_per_step=self.backward_passes_per_step,
+                                   broadcast_parameters=False)
 
     def _scale_factors(self) -> Tuple[float, float]:
         """Horovod's reduction as (prescale, postscale) of the sum over the process set."""

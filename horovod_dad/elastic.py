@@ -21,7 +21,6 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from dad_integrations.engines import banner
 from dad_integrations.synchronizer import DADSynchronizer
 
 from ._horovod import hvd
@@ -42,14 +41,8 @@ def reattach(optimizer: Any) -> Optional[DADSynchronizer]:
         (model, config, prefix), residuals = optimizer._dad_deferred, {}
     else:
         return None  # one process outside elastic, or outside the process set: nothing to attach
-    from .params import requiring_grad_only as _requiring_grad_only
-
-    prescale, postscale = optimizer._scale_factors()  # by the current size
     aggregator = HorovodAggregator(optimizer.process_set, prefix=prefix)
-    with _requiring_grad_only(model, optimizer._requires_update), banner.engine("Horovod (elastic)"):
-        new = DADSynchronizer(model, aggregator, config, prescale_factor=prescale, postscale_factor=postscale,
-                              backward_passes_per_step=optimizer.backward_passes_per_step,
-                              broadcast_parameters=False)
+    new = optimizer._synchronizer(model, aggregator, config, "Horovod (elastic)")  # scaled by the current size
     optimizer._dad_sync = new
     kept = _mean_residuals(new, residuals, aggregator._prefix)
     if aggregator.rank == 0:

@@ -9,19 +9,16 @@ all-reduce, over Horovod's collectives (`HorovodAggregator`).
 
 Arguments and dAD: each one maps onto dAD as `horovod_dad.arguments` tells, which also checks
 them. Attaching to the model (given, or found at its first forward) is `horovod_dad.attaching`.
-
-Differences from Horovod, on purpose: ``zero_grad(set_to_none=True)`` is accepted;
-``step()`` inside ``skip_synchronize()`` after a backward without ``synchronize()`` raises (the
-gradients would be read while dAD rebuilds them); a ``step()`` right after ``synchronize()``
-warns as Horovod does but does not exchange the same gradients again.
+The state dict carries this rank's dAD state under ``"dad"``. Differences from Horovod, on purpose,
+are in docs/guides/horovod.md; also, a ``step()`` right after ``synchronize()`` warns as Horovod
+does but does not exchange the same gradients again.
 """
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import warnings
-from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -32,18 +29,7 @@ from ._horovod import Compression, hvd
 from .arguments import check_named_parameters, dad_config_for
 from .attaching import ModelAttachment
 from .discovery import ModelFinder
-from .params import unique
 
-from .state import OptimizerState
-
-# the names this module held before `arguments`, `attaching`, `params` and `state` were split out of it
-
-log = logging.getLogger(__name__)
-
-_HOROVOD_OPTIMIZER_MODULE = hvd.DistributedOptimizer.__module__
-
-_ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                   "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 
 def DADOptimizer(optimizer: torch.optim.Optimizer,
                  named_parameters: Optional[Iterable[Tuple[str, nn.Parameter]]] = None,
@@ -66,10 +52,8 @@ def DADOptimizer(optimizer: torch.optim.Optimizer,
     sharing its ``param_groups``, as Horovod does.
 
     Raises:
-        ValueError: an argument Horovod rejects, or one dAD cannot honour (``op=hvd.Adasum``, a
-            custom compressor, sparse gradients without ``sparse_as_dense=True``, optimizer
-            parameters outside ``model``), or a bad ``dad`` key. Without ``model=``, the checks
-            that need the model raise at its first forward.
+        ValueError: an argument Horovod rejects, one dAD cannot honour (`horovod_dad.arguments`;
+            without ``model=``, those about the model at its first forward), or a bad ``dad`` key.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -96,7 +80,9 @@ def DADOptimizer(optimizer: torch.optim.Optimizer,
                gradient_predivide_factor=float(gradient_predivide_factor), groups=groups,
                sparse_as_dense=bool(sparse_as_dense), process_set=process_set, model=model, config=config)
 
-class _DADOptimizerMixin(ModelAttachment, OptimizerState, torch.optim.Optimizer):
+
+
+class _DADOptimizerMixin(ModelAttachment, torch.optim.Optimizer):
     """Horovod's ``_DistributedOptimizer`` protocol over a `DADSynchronizer`.
 
     Put first in the bases of a class built at run time, so ``super()`` reaches the wrapped
@@ -107,11 +93,9 @@ class _DADOptimizerMixin(ModelAttachment, OptimizerState, torch.optim.Optimizer)
                  op: Any, gradient_predivide_factor: float, groups: Any, sparse_as_dense: bool,
                  process_set: Any, model: Optional[nn.Module], config: DADConfig):
         super().__init__(params)
-        # hvd.broadcast_optimizer_state steps a fresh optimizer without synchronising only when
-        # `optimizer.__module__` is Horovod's optimizer module (otherwise every rank must step, or
-        # the ranks whose state is empty wait in the exchange: a hang on resume). This optimizer
-        # keeps Horovod's protocol, so it takes Horovod's path; its class stays ours.
-        self.__module__ = _HOROVOD_OPTIMIZER_MODULE
+        # Horovod's module, so that hvd.broadcast_optimizer_state steps a fresh optimizer without
+        # synchronising (docs/guides/horovod.md: else the ranks with empty state hang); the class stays ours
+        self.__module__ = hvd.DistributedOptimizer.__module__
         self._compression = compression
         self._parameter_names = check_named_parameters(named_parameters, self.param_groups)
         self.backward_passes_per_step = backward_passes_per_step
@@ -125,8 +109,8 @@ class _DADOptimizerMixin(ModelAttachment, OptimizerState, torch.optim.Optimizer)
         self._should_synchronize = True
         # as Horovod: the parameters that require grad when the optimizer is built (a GAN may
         # switch requires_grad off and on later)
-        self._requires_update: List[nn.Parameter] = unique(
-            p for g in self.param_groups for p in g["params"] if p.requires_grad)
+        self._requires_update: List[nn.Parameter] = list(dict.fromkeys(  # without repeats, in order
+            p for g in self.param_groups for p in g["params"] if p.requires_grad))
         self._dad_hooks: List[Any] = []
         self._dad_sync: Optional[DADSynchronizer] = None
         self._dad_deferred: Optional[tuple] = None  # Horovod elastic: attached at TorchState's sync
@@ -182,10 +166,8 @@ class _DADOptimizerMixin(ModelAttachment, OptimizerState, torch.optim.Optimizer)
             self._should_synchronize = True
 
     def _synchronizing_step(self, closure: Any = None) -> Any:
-        """Synchronise (unless inside ``skip_synchronize()``), then the wrapped optimizer's step.
-
-        Installed as ``step`` of the class `DADOptimizer` builds, not defined on the mixin, so
-        that ``super(type(opt), opt).step()`` is the wrapped optimizer's step, as with Horovod's."""
+        """Synchronise (unless inside ``skip_synchronize()``), then the wrapped optimizer's step
+        (``step`` of the class `DADOptimizer` builds, not of the mixin: see there)."""
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -206,7 +188,8 @@ class _DADOptimizerMixin(ModelAttachment, OptimizerState, torch.optim.Optimizer)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the wrapped optimizer's; refused between ``backward()`` and the exchange, as in Horovod."""
         if self._backward_pending():
-            raise AssertionError(_ZERO_GRAD_RACE)
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() "
+                                 "or optimizer.synchronize(). This is prohibited as it can cause a race condition.")
         return super().zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -214,6 +197,32 @@ class _DADOptimizerMixin(ModelAttachment, OptimizerState, torch.optim.Optimizer)
         self.backward_passes_per_step = passes
         if self._dad_sync is not None:
             self._dad_sync.set_backward_passes_per_step(passes)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state dict, plus this rank's dAD state under ``"dad"``
+        (rank-dAD warm starts, error-feedback residuals, weights sent dense for good)."""
+        state = super().state_dict()
+        if self._dad_sync is not None:
+            state["dad"] = self._dad_sync.state_dict()
+        elif self._pending_dad_state is not None:
+            state["dad"] = self._pending_dad_state
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load the wrapped optimizer's state (and dAD's, when the dict carries it: at once, or when
+        dAD attaches at the model's first forward)."""
+        if self._backward_pending():
+            raise AssertionError("optimizer.load_state_dict() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize()")
+        state_dict = dict(state_dict)
+        dad_state = state_dict.pop("dad", None)
+        self._synchronized = False
+        self._should_synchronize = True
+        super().load_state_dict(state_dict)
+        if dad_state is not None and self._dad_sync is not None:
+            self._dad_sync.load_state_dict(dad_state)
+        elif dad_state is not None:
+            self._pending_dad_state = dad_state
 
     # -- dAD extras -----------------------------------------------------------------------------
     @property
