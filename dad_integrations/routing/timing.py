@@ -21,7 +21,7 @@ never slower than all-reduce's.
 
 What the models miss, a real step shows: on a measured link, a refresh that compresses is
 checked against all-dense on the job's own steps, and the difference calibrates
-``StepTiming.overhead_s`` (`route_trial`).
+``StepTiming.overhead_s`` (`trial`).
 
 `StepTiming` carries the two models every rank agreed on; `build_timing` measures them (or takes
 the config's stated link) for a synchroniser's units.
@@ -62,7 +62,7 @@ def collective_of(route: str, sharded: bool = False) -> str:
 class StepTiming:
     """The link and compute models every rank agreed on; ``overhead_s``: seconds per step charged
     to each non-dense route of a weight on top of the models, calibrated by the job's own steps
-    (`route_trial`)."""
+    (`trial`)."""
 
     link: LinkModel
     compute: ComputeModel
@@ -119,7 +119,7 @@ class EngineTiming:
     first reduction of every ``route_refresh_steps``-th step (where the config states none) and of
     the step a missed watch makes a refresh.
     `sharded_trial.ShardedTrial` owns one, and checks the routes it predicts against all dense on
-    the job's steps (route trials, as `route_trial` under the unsharded engines)."""
+    the job's steps (route trials, as `trial` under the unsharded engines)."""
 
     def __init__(self, config: DADConfig, probe: Optional[LinkProbe] = None):
         self.config = config
