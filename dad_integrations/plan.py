@@ -134,7 +134,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(str(e))
     if args.json:
         out = {"model": args.model, "task": task, **{k: getattr(args, k) for k in (
-            "sites", "tokens_per_rank", "batch_per_rank", "sharded", "rank", "mode", "rank_route", "dtype")}, **asdict(step)}
+            "sites", "tokens_per_rank", "batch_per_rank", "sharded", "rank", "mode", "rank_route", "dtype")},
+               **asdict(step)}
         if timed is not None:
             out["time"] = asdict(timed[0])
             out["time"]["by_time"] = asdict(timed[1])
