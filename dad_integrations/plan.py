@@ -133,9 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         p.error(str(e))
     if args.json:
-        out = {"model": args.model, "task": task, "sites": args.sites, "tokens_per_rank": args.tokens_per_rank,
-               "batch_per_rank": args.batch_per_rank, "sharded": args.sharded, "rank": args.rank, "mode": args.mode,
-               "rank_route": args.rank_route, "dtype": args.dtype,
+        out = {"model": args.model, "task": task, **{k: getattr(args, k) for k in (
+            "sites", "tokens_per_rank", "batch_per_rank", "sharded", "rank", "mode", "rank_route", "dtype")},
                **asdict(step)}
         if timed is not None:
             out["time"] = asdict(timed[0])

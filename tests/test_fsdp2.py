@@ -240,8 +240,8 @@ def test_auto_mixes_routes_and_saves_bytes(results):
 
 @pytest.mark.parametrize("cid", RANKED)
 def test_rank_routes_send_the_cost_models_bytes(results, cid):
-    """Every rank-routed weight sends exactly what `costs.sharded_rank_bytes` /
-    `sharded_rank_allreduce_bytes` predict (the all-gather of Q plus the all-to-all of P's rows; P and
+    """Every rank-routed weight sends exactly what its route's ``row_shards`` byte model
+    predicts (`routes.rank`, `routes.rank_allreduce`: the all-gather of Q plus the all-to-all of P's rows; P and
     Q all-reduced); at small rank that is below the reduce-scatter, weight by weight and in total.
     Mode rank sends no row counts."""
     res = _case(results, cid)

@@ -184,12 +184,14 @@ def test_sharded_plan_against_reduce_scatter(model_name, capsys):
 
 def test_sharded_plan_prices_rank_routes_with_the_routers_costs():
     """Under ``--sharded`` with a rank, a unit's bytes are the sharded rank routes' cost functions
-    (`costs.sharded_rank_bytes`: all-gather of Q plus all-to-all of P's rows; or the all-reduce's),
+    (the routes' ``row_shards`` byte models: all-gather of Q plus all-to-all of P's rows; or the all-reduce's),
     its biases' reduce-scatter and the row-count exchange: the planner, the router and the scale
     table share one formula. At 4 sites the tall weight takes the all-gather, the wide one the all-reduce."""
     from torch import nn
 
-    from dad_integrations.routing.costs import reduce_scatter_bytes, sharded_rank_allreduce_bytes, sharded_rank_bytes
+    from dad_integrations.routes import layouts
+    from dad_integrations.routes.registry import UnitSizing, get_route
+    from dad_integrations.routing.costs import reduce_scatter_bytes
     from dad_integrations.routing.planner import sharded_steady_state
     from dad_integrations.capture.assign import build_plan
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
@@ -201,8 +203,12 @@ def test_sharded_plan_prices_rank_routes_with_the_routers_costs():
     tall, wide = routes["0.weight"], routes["2.weight"]          # 256 x 64 and 64 x 256
     assert (tall.route, wide.route) == ("rank", "rank_allreduce")
     f32 = torch.float32
-    assert tall.dad == sharded_rank_bytes((256, 64), 4, f32, 4) + reduce_scatter_bytes((256,), 4, 4) + 3 * 8
-    assert wide.dad == sharded_rank_allreduce_bytes((64, 256), 4, f32, 4) + reduce_scatter_bytes((64,), 4, 4) + 3 * 8
+
+    def sharded(name, shape):  # the route's bytes on FSDP2's row shards, biases aside
+        return get_route(name).bytes_on(layouts.ROW_SHARDS, UnitSizing((), shape, f32, f32, rank=4, world_size=4))
+
+    assert tall.dad == sharded("rank", (256, 64)) + reduce_scatter_bytes((256,), 4, 4) + 3 * 8
+    assert wide.dad == sharded("rank_allreduce", (64, 256)) + reduce_scatter_bytes((64,), 4, 4) + 3 * 8
     assert step.total < step.reduce_scatter
     # mode rank sends no row counts (`router.sharded_needs_counts`)
     ranked = {r.name: r for r in sharded_steady_state(plan, tokens=4096, positions=4096, world_size=4,

@@ -155,20 +155,23 @@ def test_sharded_auto_weighs_reduce_scatter_against_sharded_factors():
     """Under FSDP2 the baseline is a reduce-scatter ((S-1)/S of the padded gradient, half an
     all-reduce) and exact factors send ``right`` whole and ``left``'s columns sliced: at 8 ranks a
     768 x 768 layer with its bias crosses over near 85 rows per rank, not 96."""
-    from dad_integrations.routing.costs import reduce_scatter_bytes, sharded_exact_bytes
+    from dad_integrations.routes.exact import sharded_exact_bytes
+    from dad_integrations.routes.registry import UnitSizing
+    from dad_integrations.routing.costs import reduce_scatter_bytes
     from dad_integrations.routing.router import unit_estimates
     cfg = DADConfig(mode="auto")
     est = unit_estimates(cfg, WIDE, _rows(90), 8, torch.float32, sharded=True)
     assert est["dense"] == 7 * 96 * 768 * 4 + 7 * 96 * 4 == reduce_scatter_bytes((768, 768), 8, 4) + 7 * 96 * 4
-    assert est["exact"] == 7 * 90 * (768 + 96) * 4 == sharded_exact_bytes(("linear",), (768, 768), _rows(90),
-                                                                            torch.float32, 8)
+    f32 = torch.float32
+    assert est["exact"] == 7 * 90 * (768 + 96) * 4 == sharded_exact_bytes(UnitSizing(("linear",), (768, 768), f32, f32,
+                                                                                     rows=_rows(90), world_size=8))
     assert set(est) == {"dense", "exact"}
     assert route(RouteContext(cfg, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(90))) == Route("exact", True)            # vs all-reduce
     assert route(RouteContext(cfg, sharded=True, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(90))) == Route("dense", True)
     assert route(RouteContext(cfg, sharded=True, **F32), WIDE, UnitEvidence(rows_by_rank=_rows(85))) == Route("exact", True)
     # uneven ranks: each use pads to its longest rank
-    assert sharded_exact_bytes(("linear", "conv1d"), (10, 6), [[3, 1], [1, 4]], torch.float32, 2) == \
-        1 * (3 + 4) * (6 + 5) * 4
+    assert sharded_exact_bytes(UnitSizing(("linear", "conv1d"), (10, 6), f32, f32, rows=[[3, 1], [1, 4]],
+                                          world_size=2)) == 1 * (3 + 4) * (6 + 5) * 4
 
 
 def test_sharded_embeddings_send_whole_factors_and_take_rank_routes():
@@ -195,15 +198,21 @@ def test_sharded_rank_routes_bytes_and_choice():
     """Sharded, the all-gather route sends every Q_s whole and only this rank's rows of every P_s:
     ``(S-1) r (n + c)``; the all-reduce route ``2 (S-1)/S r (m+n)``. The all-gather is fewer bytes when
     ``n (S-2) < m``: always at two sites (unsharded they tie there), for tall weights at a few more."""
-    from dad_integrations.routing.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes
+    from dad_integrations.routes import layouts
+    from dad_integrations.routes.registry import UnitSizing, get_route
     from dad_integrations.routing.router import unit_estimates
+
+    def sharded(name, shape, rank, sites):  # the route's bytes on FSDP2's row shards, biases aside
+        sizing = UnitSizing((), shape, torch.float32, torch.float32, rank=rank, world_size=sites)
+        return get_route(name).bytes_on(layouts.ROW_SHARDS, sizing)
+
     cfg = DADConfig(mode="rank", rank=4)
     est = unit_estimates(cfg, WIDE, _rows(0), 8, torch.float32, sharded=True)
     bias_rs = 7 * 96 * 4
-    assert est["rank"] == 7 * 4 * (768 + 96) * 4 + bias_rs == sharded_rank_bytes((768, 768), 4, torch.float32, 8) + bias_rs
+    assert est["rank"] == 7 * 4 * (768 + 96) * 4 + bias_rs == sharded("rank", (768, 768), 4, 8) + bias_rs
     assert est["rank_allreduce"] == 2 * 7 / 8 * 4 * 1536 * 4 + bias_rs == \
-        sharded_rank_allreduce_bytes((768, 768), 4, torch.float32, 8) + bias_rs
-    assert sharded_rank_bytes((7, 5), 9, torch.float32, 4) == 3 * 5 * (5 + 2) * 4  # r capped at min(m, n)
+        sharded("rank_allreduce", (768, 768), 4, 8) + bias_rs
+    assert sharded("rank", (7, 5), 9, 4) == 3 * 5 * (5 + 2) * 4  # r capped at min(m, n)
     tall = UnitShape(("linear",), (3072, 768), 3072, torch.float32)
     for unit, sites, expected in [(WIDE, 2, "rank"), (WIDE, 3, "rank_allreduce"), (WIDE, 8, "rank_allreduce"),
                                   (tall, 3, "rank"), (tall, 4, "rank"), (tall, 5, "rank"), (tall, 6, "rank_allreduce"),

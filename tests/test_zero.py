@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from conftest import WORKERS, check_sharded_trial_all_dense, check_sharded_trial_kept, result, run_torchrun
-from dad_integrations.routing.costs import powersgd_bytes, sharded_rank_allreduce_bytes
+from dad_integrations.routes import layouts
+from dad_integrations.routes.registry import UnitSizing, get_route
+from dad_integrations.routing.costs import powersgd_bytes
 from dad_integrations.capture.rows import matrix_shape
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -267,7 +269,9 @@ def test_rank_dad_at_full_rank_equals_deepspeed(jobs, stage):
                 if route == "rank_allreduce":  # PowerSGD's P and Q, all-reduced whole, per weight
                     for name, _, sent, _, shape in ranked:
                         r4 = min(4096, *shape)
-                        assert sent == pytest.approx(sharded_rank_allreduce_bytes(tuple(shape), r4, torch.float32, 2))
+                        f32 = torch.float32
+                        sizing = UnitSizing((), tuple(shape), f32, f32, rank=r4, world_size=2)
+                        assert sent == pytest.approx(get_route(route).bytes_on(layouts.ROW_SHARDS, sizing))
 
 
 def _rank_representation(dad: dict) -> str:

@@ -20,7 +20,7 @@ rows ``a:b``:
 * an all-to-all of ``P_s``'s row blocks (block d = rows ``[d c, (d+1) c)``, zero past m):
   ``(S-1) c r``, about ``(S-1)/S m r`` per rank;
 
-``(S-1) r (n + c) w`` in all (`costs.sharded_rank_bytes`), against ``(S-1) r (m+n) w`` unsharded and
+``(S-1) r (n + c) w`` in all (`routes.rank`), against ``(S-1) r (m+n) w`` unsharded and
 FSDP2's reduce-scatter's ``(S-1) c n b``. The rebuild is one ``(c x S r) (S r x n)`` matmul, 1/S of
 the unsharded one.
 
@@ -30,7 +30,7 @@ last step's all-reduced Q, or a draw from a seed every rank shares):
     P = sum_s M_s Q  (all-reduce, m x r)    P^ = orth(P)    Q' = sum_s M_s^T P^  (all-reduce, n x r)
     shard_d = scale * P^[a:b] Q'^T
 
-``2 (S-1)/S r (m+n) w`` (`costs.sharded_rank_allreduce_bytes`), the same bytes as unsharded: only
+``2 (S-1)/S r (m+n) w`` (`routes.rank_allreduce`), the same bytes as unsharded: only
 the rebuild shrinks (``c r n`` instead of ``m r n``). A reduce-scatter of P does not suffice: the
 orthonormalisation mixes all rows of P, and the Q round needs all of ``P^`` on every site
 (``M_s^T P^`` runs over all m rows of ``M_s``, which only site s holds). Rows could be

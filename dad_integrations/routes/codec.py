@@ -31,9 +31,8 @@ import torch
 
 from dad_integrations.codecs.wire import BlockSpec, pack, packed_size, unpack
 from dad_integrations.comm.aggregator import CommHandle, FactorAggregator
-from dad_integrations.routes.hops import (from_owner, node_itemsize, reduce_scatter_bytes, ring_allreduce_bytes,
-                                          to_owner_dense)
-from dad_integrations.routes.rank import replicate_bias
+from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, node_itemsize, replicate_bias,
+                                          ring_allreduce_bytes, shard_bias, to_owner_dense)
 from dad_integrations.routes.registry import HopBytes, RouteSpec, UnitSizing, per_layout
 
 
@@ -115,14 +114,11 @@ def codec_route(name: str, codec: GradientCodec, *, summary: str, order: int = 1
 
     def flat(s: UnitSizing) -> float:
         m, n = s.shape
-        return codec.group_bytes(m * n, s.world_size) + ring_allreduce_bytes(s.bias_numel * s.wire.itemsize,
-                                                                              s.world_size)
+        return codec.group_bytes(m * n, s.world_size) + flat_bias(s)
 
     def row_shards(s: UnitSizing) -> float:
         m, n = s.shape
-        S = s.world_size
-        bias = reduce_scatter_bytes((s.bias_numel,), S, s.grad_dtype.itemsize) if s.bias_numel else 0.0
-        return (S - 1) * codec.payload_bytes(-(-m // S) * n) + bias
+        return (s.world_size - 1) * codec.payload_bytes(-(-m // s.world_size) * n) + shard_bias(s)
 
     def partitions(s: UnitSizing) -> Tuple[float, float]:
         sizes = [codec.payload_bytes(hi - lo) if hi > lo else 0 for lo, hi in s.ranges]
@@ -134,9 +130,8 @@ def codec_route(name: str, codec: GradientCodec, *, summary: str, order: int = 1
 
     def two_level(s: UnitSizing) -> HopBytes:
         m, n = s.shape
-        b = node_itemsize(s)
-        between = codec.group_bytes(m * n, s.nodes) + ring_allreduce_bytes(s.bias_numel * b, s.nodes)
-        return HopBytes(to_owner_dense(s), between, *from_owner(s, (m * n + s.bias_numel) * b))
+        between = codec.group_bytes(m * n, s.nodes) + between_bias(s)
+        return HopBytes(to_owner_dense(s), between, *from_owner(s, (m * n + s.bias_numel) * node_itemsize(s)))
 
     def replicate_hop(s: UnitSizing) -> float:
         m, n = s.shape

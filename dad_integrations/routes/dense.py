@@ -7,8 +7,8 @@ engine's own: the baseline every other route is priced against.
 """
 from __future__ import annotations
 
-from dad_integrations.routes.hops import (node_itemsize, reduce_scatter_bytes, ring_allreduce_bytes,
-                                          to_owner_dense)
+from dad_integrations.routes.hops import (node_itemsize, reduce_scatter_bytes, replicate_bias, ring_allreduce_bytes,
+                                          shard_bias, to_owner_dense)
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
 
@@ -18,9 +18,7 @@ def flat(s: UnitSizing) -> float:
 
 
 def row_shards(s: UnitSizing) -> float:
-    gb = s.grad_dtype.itemsize
-    bias = reduce_scatter_bytes((s.bias_numel,), s.world_size, gb) if s.bias_numel else 0.0
-    return reduce_scatter_bytes(s.shape, s.world_size, gb) + bias
+    return reduce_scatter_bytes(s.shape, s.world_size, s.grad_dtype.itemsize) + shard_bias(s)
 
 
 def partitions(s: UnitSizing):
@@ -46,9 +44,7 @@ def node_partitions(s: UnitSizing) -> HopBytes:
 
 def replicate_hop(s: UnitSizing) -> float:
     m, n = s.shape
-    c, gb = -(-m // s.local), s.grad_dtype.itemsize
-    bias = ring_allreduce_bytes(-(-s.bias_numel // s.local) * gb, s.nodes) if s.bias_numel else 0.0
-    return ring_allreduce_bytes(c * n * gb, s.nodes) + bias
+    return ring_allreduce_bytes(-(-m // s.local) * n * s.grad_dtype.itemsize, s.nodes) + replicate_bias(s)
 
 
 DENSE = register_route(RouteSpec(

@@ -22,7 +22,7 @@ from typing import Optional
 from dad_integrations.codecs.exact import exact_block_specs, sharded_exact_covers
 from dad_integrations.codecs.partition_exact import exchange_bytes
 from dad_integrations.codecs.wire import packed_size
-from dad_integrations.routes.hops import node_itemsize, partition_hops
+from dad_integrations.routes.hops import node_itemsize, on_node_partitions
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
 
@@ -68,11 +68,6 @@ def two_level(s: UnitSizing) -> Optional[HopBytes]:
     return HopBytes(share * sum(packed) / s.nodes, (s.nodes - 1) * max(packed), share * back, False)
 
 
-def node_partitions(s: UnitSizing) -> Optional[HopBytes]:
-    hops = two_level(s)
-    return None if hops is None else partition_hops(s, hops)
-
-
 def replicate_hop(s: UnitSizing) -> Optional[float]:
     if s.rows is None or not sharded_exact_covers(s.kinds, s.blocks):
         return None
@@ -96,7 +91,7 @@ EXACT = register_route(RouteSpec(
         row_shards=(("all_gather",), row_shards),
         partitions=(("all_to_all",), partitions),
         two_level=(("all_to_all", "all_gather", "all_gather"), two_level),
-        node_partitions=(("all_to_all", "all_to_all", "all_to_all"), node_partitions),
+        node_partitions=(("all_to_all", "all_to_all", "all_to_all"), on_node_partitions(two_level)),
         replicate_hop=(("all_gather",), replicate_hop),
     ),
     compute=compute,

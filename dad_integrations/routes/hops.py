@@ -2,10 +2,10 @@
 layouts' hops inside a node (`registry.HopBytes`)."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
-from dad_integrations.routes.registry import HopBytes, UnitSizing
+from dad_integrations.routes.registry import ByteModel, HopBytes, UnitSizing
 
 
 def reduce_scatter_bytes(shape: Sequence[int], world_size: int, itemsize: int) -> float:
@@ -37,14 +37,43 @@ def from_owner(s: UnitSizing, back: float) -> HopBytes:
     return share * min(back, dense_back), back < dense_back
 
 
-def partition_hops(s: UnitSizing, hops: HopBytes) -> HopBytes:
-    """ZeRO's partitions across nodes (``node_partitions``): hops 1 and 2 as two levels' (an upper
-    bound for hop 2: an owner receives only the covering rows of its node's share), hop 3 only the
-    node's ``1/N`` of the weight, ``(L-1)/L m n b / N``."""
-    m, n = s.shape
-    back = (s.local - 1) / s.local * m * n * node_itemsize(s) / s.nodes
-    return HopBytes(hops.to_owner, hops.between, back, False)
+def on_node_partitions(two_level: ByteModel) -> ByteModel:
+    """A route's ``node_partitions`` byte model from its ``two_level`` one (ZeRO's partitions across
+    nodes): hops 1 and 2 as two levels' (an upper bound for hop 2: an owner receives only the
+    covering rows of its node's share), hop 3 only the node's ``1/N`` of the weight,
+    ``(L-1)/L m n b / N``."""
+    def model(s: UnitSizing) -> Optional[HopBytes]:
+        hops = two_level(s)
+        if hops is None:
+            return None
+        m, n = s.shape
+        return HopBytes(hops.to_owner, hops.between, (s.local - 1) / s.local * m * n * node_itemsize(s) / s.nodes,
+                        False)
+
+    return model
 
 
-__all__ = ["reduce_scatter_bytes", "node_itemsize", "to_owner_dense", "from_owner", "partition_hops",
-           "ring_allreduce_bytes"]
+def needs_rank(model: ByteModel) -> ByteModel:
+    """A rank-``r`` route's byte model: None (the unit cannot take it) without a rank."""
+    return lambda s: model(s) if s.rank else None
+
+
+def flat_bias(s: UnitSizing) -> float:
+    """The biases beside a factor route, all-reduced densely on the wire over the flat group."""
+    return ring_allreduce_bytes(s.bias_numel * s.wire.itemsize, s.world_size)
+
+
+def shard_bias(s: UnitSizing) -> float:
+    """The biases through FSDP2's reduce-scatter, in the gradients' dtype (several counted as one)."""
+    return reduce_scatter_bytes((s.bias_numel,), s.world_size, s.grad_dtype.itemsize) if s.bias_numel else 0.0
+
+
+def between_bias(s: UnitSizing) -> float:
+    """The biases of the node's sum, all-reduced densely between nodes (two levels)."""
+    return ring_allreduce_bytes(s.bias_numel * node_itemsize(s), s.nodes)
+
+
+def replicate_bias(s: UnitSizing) -> float:
+    """A shard's biases, all-reduced densely between nodes (HSDP's replicate hop)."""
+    gb = s.grad_dtype.itemsize
+    return ring_allreduce_bytes(-(-s.bias_numel // s.local) * gb, s.nodes) if s.bias_numel else 0.0

@@ -16,12 +16,10 @@ Biases go densely beside it.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 from dad_integrations.codecs.partition_exact import exchange_bytes
 from dad_integrations.codecs.wire import packed_size, rank_block_specs
-from dad_integrations.routes.hops import (from_owner, node_itemsize, partition_hops, reduce_scatter_bytes,
-                                          ring_allreduce_bytes, to_owner_dense)
+from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, needs_rank, node_itemsize,
+                                          on_node_partitions, replicate_bias, shard_bias, to_owner_dense)
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
 
@@ -30,41 +28,29 @@ def _r(s: UnitSizing) -> int:
     return min(s.rank, m, n)
 
 
-def flat(s: UnitSizing) -> Optional[float]:
-    if not s.rank:
-        return None
-    bias = ring_allreduce_bytes(s.bias_numel * s.wire.itemsize, s.world_size)
-    return (s.world_size - 1) * packed_size(rank_block_specs(s.shape, _r(s), s.wire_dtype)) + bias
+@needs_rank
+def flat(s: UnitSizing) -> float:
+    return (s.world_size - 1) * packed_size(rank_block_specs(s.shape, _r(s), s.wire_dtype)) + flat_bias(s)
 
 
-def row_shards(s: UnitSizing) -> Optional[float]:
-    if not s.rank:
-        return None
+@needs_rank
+def row_shards(s: UnitSizing) -> float:
     m, n = s.shape
-    S = s.world_size
-    bias = reduce_scatter_bytes((s.bias_numel,), S, s.grad_dtype.itemsize) if s.bias_numel else 0.0
-    return (S - 1) * _r(s) * (n + -(-m // S)) * s.wire.itemsize + bias
+    return (s.world_size - 1) * _r(s) * (n + -(-m // s.world_size)) * s.wire.itemsize + shard_bias(s)
 
 
+@needs_rank
 def partitions(s: UnitSizing):
-    if not s.rank:
-        return None
     return exchange_bytes(("linear",), s.shape, [[[_r(s)]]] * s.world_size, s.ranges, s.wire_dtype)
 
 
-def two_level(s: UnitSizing) -> Optional[HopBytes]:
-    if not s.rank:
-        return None
+@needs_rank
+def two_level(s: UnitSizing) -> HopBytes:
     m, n = s.shape
-    r, b, w = _r(s), node_itemsize(s), s.wire.itemsize
-    between = (s.nodes - 1) * r * (m + n) * w + ring_allreduce_bytes(s.bias_numel * b, s.nodes)
+    r, b = _r(s), node_itemsize(s)
+    between = (s.nodes - 1) * r * (m + n) * s.wire.itemsize + between_bias(s)
     back = s.nodes * r * (m + n) * b + s.bias_numel * b  # every node's factors
     return HopBytes(to_owner_dense(s), between, *from_owner(s, back))
-
-
-def node_partitions(s: UnitSizing) -> Optional[HopBytes]:
-    hops = two_level(s)
-    return None if hops is None else partition_hops(s, hops)
 
 
 def replicate_piece(s: UnitSizing) -> float:
@@ -73,15 +59,8 @@ def replicate_piece(s: UnitSizing) -> float:
     return _r(s) * (-(-m // s.local) + -(-n // s.local)) * s.wire.itemsize
 
 
-def replicate_bias(s: UnitSizing) -> float:
-    """A shard's biases, all-reduced densely between nodes."""
-    gb = s.grad_dtype.itemsize
-    return ring_allreduce_bytes(-(-s.bias_numel // s.local) * gb, s.nodes) if s.bias_numel else 0.0
-
-
-def replicate_hop(s: UnitSizing) -> Optional[float]:
-    if not s.rank:
-        return None
+@needs_rank
+def replicate_hop(s: UnitSizing) -> float:
     return (s.nodes - 1) * replicate_piece(s) + replicate_bias(s)
 
 
@@ -98,7 +77,7 @@ RANK = register_route(RouteSpec(
         row_shards=(("all_gather",), row_shards),
         partitions=(("all_to_all",), partitions),
         two_level=(("all_to_all", "all_gather", "all_gather"), two_level),
-        node_partitions=(("all_to_all", "all_to_all", "all_to_all"), node_partitions),
+        node_partitions=(("all_to_all", "all_to_all", "all_to_all"), on_node_partitions(two_level)),
         replicate_hop=(("all_gather",), replicate_hop),
     ),
     compute=lambda costs, capture, rows, world_size, calls: costs.rank,

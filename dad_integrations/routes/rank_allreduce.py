@@ -10,60 +10,46 @@ flops, an orthonormalisation and the rebuild. Biases go densely beside it.
 """
 from __future__ import annotations
 
-from typing import Optional
-
-from dad_integrations.routes.hops import (from_owner, node_itemsize, partition_hops, reduce_scatter_bytes,
-                                          ring_allreduce_bytes, to_owner_dense)
-from dad_integrations.routes.rank import replicate_bias, replicate_piece
+from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, needs_rank, node_itemsize,
+                                          on_node_partitions, replicate_bias, ring_allreduce_bytes, shard_bias,
+                                          to_owner_dense)
+from dad_integrations.routes.rank import replicate_piece
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
 
-def _pq(s: UnitSizing, itemsize: int) -> float:
-    """One power iteration's P and Q all-reduced over the flat group."""
+def _pq(s: UnitSizing) -> float:
+    """One power iteration's P and Q all-reduced over the flat group, on the wire."""
     m, n = s.shape
-    return ring_allreduce_bytes(min(s.rank, m, n) * (m + n) * itemsize, s.world_size)
+    return ring_allreduce_bytes(min(s.rank, m, n) * (m + n) * s.wire.itemsize, s.world_size)
 
 
-def flat(s: UnitSizing) -> Optional[float]:
-    if not s.rank:
-        return None
-    bias = ring_allreduce_bytes(s.bias_numel * s.wire.itemsize, s.world_size)
-    return s.rounds * _pq(s, s.wire.itemsize) + bias
+@needs_rank
+def flat(s: UnitSizing) -> float:
+    return s.rounds * _pq(s) + flat_bias(s)
 
 
-def row_shards(s: UnitSizing) -> Optional[float]:
-    if not s.rank:
-        return None
-    bias = reduce_scatter_bytes((s.bias_numel,), s.world_size, s.grad_dtype.itemsize) if s.bias_numel else 0.0
-    return s.rounds * _pq(s, s.wire.itemsize) + bias
+@needs_rank
+def row_shards(s: UnitSizing) -> float:
+    return s.rounds * _pq(s) + shard_bias(s)
 
 
+@needs_rank
 def partitions(s: UnitSizing):
-    if not s.rank:
-        return None
-    both = s.rounds * float(_pq(s, s.wire.itemsize))
+    both = s.rounds * float(_pq(s))
     return both, both
 
 
-def two_level(s: UnitSizing) -> Optional[HopBytes]:
-    if not s.rank:
-        return None
+@needs_rank
+def two_level(s: UnitSizing) -> HopBytes:
     m, n = s.shape
-    r, b, w = min(s.rank, m, n), node_itemsize(s), s.wire.itemsize
-    between = (s.rounds * ring_allreduce_bytes(r * (m + n) * w, s.nodes)
-               + ring_allreduce_bytes(s.bias_numel * b, s.nodes))
+    r, b = min(s.rank, m, n), node_itemsize(s)
+    between = s.rounds * ring_allreduce_bytes(r * (m + n) * s.wire.itemsize, s.nodes) + between_bias(s)
     back = r * (m + n) * b + s.bias_numel * b  # the shared P and Q
     return HopBytes(to_owner_dense(s), between, *from_owner(s, back))
 
 
-def node_partitions(s: UnitSizing) -> Optional[HopBytes]:
-    hops = two_level(s)
-    return None if hops is None else partition_hops(s, hops)
-
-
-def replicate_hop(s: UnitSizing) -> Optional[float]:
-    if not s.rank:
-        return None
+@needs_rank
+def replicate_hop(s: UnitSizing) -> float:
     return s.rounds * ring_allreduce_bytes(replicate_piece(s), s.nodes) + replicate_bias(s)
 
 
@@ -80,7 +66,7 @@ RANK_ALLREDUCE = register_route(RouteSpec(
         row_shards=(("all_reduce",), row_shards),
         partitions=(("all_reduce",), partitions),
         two_level=(("all_to_all", "all_reduce", "all_gather"), two_level),
-        node_partitions=(("all_to_all", "all_reduce", "all_to_all"), node_partitions),
+        node_partitions=(("all_to_all", "all_reduce", "all_to_all"), on_node_partitions(two_level)),
         replicate_hop=(("all_reduce",), replicate_hop),
     ),
     compute=lambda costs, capture, rows, world_size, calls: costs.rank_allreduce,

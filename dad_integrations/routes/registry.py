@@ -229,8 +229,7 @@ def routes_for(extra: Sequence[str] = ()) -> Tuple[str, ...]:
 
 def has_codec(name: Optional[str]) -> bool:
     """Whether ``name`` is a registered route that brings its own codec (the generic exchange)."""
-    spec = _ROUTES.get(name) if name is not None else None
-    return spec is not None and spec.codec is not None
+    return getattr(_ROUTES.get(name), "codec", None) is not None
 
 
 def rank_route_names(selector: Optional[str] = None) -> Tuple[str, ...]:
@@ -242,8 +241,7 @@ def rank_route_names(selector: Optional[str] = None) -> Tuple[str, ...]:
 
 def is_rank_route(name: Optional[str]) -> bool:
     """Whether ``name`` is a registered rank-``r`` route (None and unknown names are not)."""
-    spec = _ROUTES.get(name) if name is not None else None
-    return spec is not None and spec.is_rank
+    return getattr(_ROUTES.get(name), "is_rank", False)
 
 
 def tie_order(name: str) -> int:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dad_integrations.comm.aggregator import FactorAggregator
-from dad_integrations.routing.link import agree_max
+from dad_integrations.routing.link import agree_max, synchronize
 from dad_integrations.codecs.power_iteration import LocalGradient, power_iteration
 from dad_integrations.rng import isolated, private_generator
 from dad_integrations.routes.registry import get_route
@@ -101,12 +101,12 @@ def measure_compute(shapes: Iterable[Shape], *, rank: Optional[int], world_size:
 def _timed(fn: Callable[[], None], device: torch.device, reps: int = REPS) -> float:
     """Median seconds of ``fn`` after one warm-up call."""
     fn()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -174,8 +174,3 @@ def _capture_seconds(device: torch.device, dtype: torch.dtype, calls: int = 20) 
     finally:
         capture.remove()
     return max(hooked - bare, 0.0) / calls
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

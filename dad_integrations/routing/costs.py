@@ -15,67 +15,38 @@ import torch
 
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
 from dad_integrations.routes import layouts
-from dad_integrations.routes.exact import sharded_exact_bytes as _sharded_exact_bytes
 from dad_integrations.routes.hops import reduce_scatter_bytes  # noqa: F401  (re-exported: callers import it here)
-from dad_integrations.routes.rank import row_shards as _rank_row_shards
 from dad_integrations.routes.registry import UnitSizing, estimates_on, routes_for
 
 Blocks = Optional[Sequence[Optional[Tuple[int, int]]]]
 
 
 def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
-                   bias_numel: int, rank: int, grad_dtype: torch.dtype, wire_dtype: torch.dtype,
-                   world_size: int, rounds: int = 1, blocks: Blocks = None,
-                   names: Optional[Sequence[str]] = None) -> Dict[str, float]:
-    """Estimated bytes this rank receives for each route of one unit on the flat layout (each
-    route's own byte model, `routes`); ``rounds``: the rank-r all-reduce's P and Q rounds per step
-    (``DADConfig.power_iterations``); ``blocks``: the uses' row blocks; ``names``:
-    the routes to price (`routes.registry.routes_for`: the built-in ones by default). A unit
-    without uses (no ``kinds``) has no exact factors."""
+                   bias_numel: int, grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype], world_size: int,
+                   rank: int = 0, rounds: int = 1, blocks: Blocks = None, names: Optional[Sequence[str]] = None,
+                   layout: layouts.Layout = layouts.FLAT) -> Dict[str, float]:
+    """Estimated bytes this rank receives for each route of one unit on ``layout`` (each route's own
+    byte model, `routes`); ``rounds``: the rank-r all-reduce's P and Q rounds per step
+    (``DADConfig.power_iterations``); ``blocks``: the uses' row blocks; ``names``: the routes to
+    price (`routes.registry.routes_for`: the built-in ones by default). A unit without uses (no
+    ``kinds``) has no exact factors."""
     sizing = UnitSizing(tuple(kinds), tuple(shape), grad_dtype, wire_dtype, rank=rank or 0, rounds=rounds,
                         bias_numel=bias_numel, blocks=blocks, rows=rows_by_rank, world_size=world_size)
-    return estimates_on(layouts.FLAT, sizing, routes_for() if names is None else names)
+    return estimates_on(layout, sizing, routes_for() if names is None else names)
+
+
+def sharded_estimate_bytes(**kwargs) -> Dict[str, float]:
+    """`estimate_bytes` on FSDP2's row shards: ``"dense"`` is FSDP2's reduce-scatter of the weight and
+    its biases, in the gradients' dtype; the rank routes' biases go through the reduce-scatter.
+    Several biases are counted as one of ``bias_numel`` (their padding may differ by a row each). A
+    unit without uses, or with row ``blocks`` on a use other than ``linear``
+    (`codecs.exact.sharded_exact_covers`), has no ``"exact"`` here."""
+    return estimate_bytes(layout=layouts.ROW_SHARDS, **kwargs)
 
 
 def all_to_all_bytes(nbytes: float, world_size: int) -> float:
     """Bytes one rank sends in an all-to-all of ``nbytes``: all blocks but its own."""
     return (world_size - 1) / world_size * nbytes
-
-
-def sharded_exact_bytes(kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
-                        wire_dtype: torch.dtype, world_size: int) -> float:
-    """Bytes one rank receives in `codecs.sharded_exact`'s exchange of one unit (`routes.exact`)."""
-    return _sharded_exact_bytes(UnitSizing(tuple(kinds), tuple(shape), wire_dtype, wire_dtype, rows=rows_by_rank,
-                                           world_size=world_size))
-
-
-def sharded_rank_bytes(shape: Tuple[int, int], rank: int, wire_dtype: torch.dtype, world_size: int) -> float:
-    """Bytes one rank sends in `codecs.sharded_rank`'s all-gather route for one weight, biases aside
-    (`routes.rank`): every ``Q_s^T`` all-gathered and each rank's rows of every ``P_s`` by all-to-all."""
-    return _rank_row_shards(UnitSizing((), tuple(shape), wire_dtype, wire_dtype, rank=rank, world_size=world_size))
-
-
-def sharded_rank_allreduce_bytes(shape: Tuple[int, int], rank: int, wire_dtype: torch.dtype,
-                                 world_size: int) -> float:
-    """Bytes one rank sends in `codecs.sharded_rank`'s all-reduce route for one weight: PowerSGD's
-    ``P`` (m x r) and ``Q`` (n x r) all-reduced whole, ``2 (S-1)/S r (m+n)``, as without sharding."""
-    m, n = shape
-    return ring_allreduce_bytes(min(rank, m, n) * (m + n) * wire_dtype.itemsize, world_size)
-
-
-def sharded_estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank: Sequence[Sequence[int]],
-                           bias_numel: int, grad_dtype: torch.dtype, wire_dtype: Optional[torch.dtype],
-                           world_size: int, rank: int = 0, rounds: int = 1, blocks: Blocks = None,
-                           names: Optional[Sequence[str]] = None) -> Dict[str, float]:
-    """Estimated bytes per rank of each route of one unit on FSDP2's row shards (each route's own
-    byte model, `routes`): ``"dense"`` is FSDP2's reduce-scatter of the weight and its biases, in
-    the gradients' dtype; the rank routes' biases go through the reduce-scatter. Several biases
-    are counted as one of ``bias_numel`` (their padding may differ by a row each). A unit without
-    uses, or with row ``blocks`` on a use other than ``linear`` (`codecs.exact.sharded_exact_covers`),
-    has no ``"exact"`` here."""
-    sizing = UnitSizing(tuple(kinds), tuple(shape), grad_dtype, wire_dtype, rank=rank or 0, rounds=rounds,
-                        bias_numel=bias_numel, blocks=blocks, rows=rows_by_rank, world_size=world_size)
-    return estimates_on(layouts.ROW_SHARDS, sizing, routes_for() if names is None else names)
 
 
 def powersgd_bytes(shape: Sequence[int], rank: int, world_size: int, itemsize: int,

@@ -141,7 +141,7 @@ def probe_link(aggregator: FactorAggregator, device: torch.device, *, kinds: Seq
                     _call(aggregator, kind, x, f"dad.link.{kind}.{size}.{rep}")
                 except NotImplementedError:
                     break
-                _sync(device)
+                synchronize(device)
                 if rep:
                     times.append(time.perf_counter() - t0)
             if not times:
@@ -176,6 +176,7 @@ def _call(aggregator: FactorAggregator, kind: str, x: torch.Tensor, name: str) -
         aggregator.all_to_all(x.view(s, -1), name=name).wait()
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a timed call ends there)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

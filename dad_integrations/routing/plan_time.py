@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.planner import StepPlan, _ms, rate_below
-from dad_integrations.routing.timing import StepTiming, collective_of
+from dad_integrations.routing.timing import StepTiming
 
 
 @dataclass
@@ -45,13 +45,6 @@ class TimePlan:
     break_even: Dict[str, Optional[float]]   # method -> bytes per second below which it pays (inf: always)
 
 
-def _unit_seconds(timing: StepTiming, route: str, shape, nbytes: float, rows: List[int], sites: int,
-                  exchange_sizes: bool) -> float:
-    calls = (1 + int(exchange_sizes)) if route == "exact" else 0
-    return (timing.link.seconds(collective_of(route), nbytes, calls)
-            + timing.compute.seconds(route, shape, rows_by_rank=[rows] * sites, world_size=sites, calls=len(rows)))
-
-
 def _powersgd_compute(timing: StepTiming, shape, psgd: Optional[float], allreduce: float) -> float:
     compresses = psgd is not None and psgd < allreduce
     return timing.compute.seconds("rank_allreduce", shape, rows_by_rank=[[0]], world_size=1) if compresses else 0.0
@@ -63,7 +56,8 @@ def time_plan(step: StepPlan, timing: StepTiming, *, sites: int, compressed: Opt
     link = timing.link
     rows: List[UnitTime] = []
     for r in step.units:
-        dad = _unit_seconds(timing, r.route, r.shape, r.dad, r.rows, sites, r.exchange_sizes)
+        dad = timing.route_seconds({r.route: r.dad}, shape=r.shape, uses=len(r.rows), rows_by_rank=[r.rows] * sites,
+                                   world_size=sites, size_exchange=r.exchange_sizes)[r.route]
         psgd = None if r.powersgd is None else (link.seconds("all_reduce", r.powersgd, 0)
                                                 + _powersgd_compute(timing, r.shape, r.powersgd, r.allreduce))
         rows.append(UnitTime(r.name, r.route, dad, link.seconds("all_reduce", r.allreduce, 0), psgd))

@@ -125,12 +125,7 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
     config = DADConfig(mode=mode, rank=rank, rank_route=rank_route,
                        objective="time" if timing is not None else "bytes")
     psgd_rank = powersgd_rank if powersgd_rank is not None else rank
-
-    def psgd(params) -> Optional[float]:
-        if not psgd_rank:
-            return None
-        return sum(powersgd_bytes(tuple(p.shape), psgd_rank, s, item)[0] for p in params)
-
+    ctx = RouteContext(config, world_size=s, wire_dtype=dtype, timing=timing)
     counts = {"exact": 0, "rank": 0, "rank_allreduce": 0, "dense": 0}
     units: List[UnitRow] = []
     sent = 0.0  # everything but the dense buckets
@@ -142,7 +137,6 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype, u.blocks)
         use = unit_rows(u, tokens, positions, rows)
         rows_by_rank = [use] * s
-        ctx = RouteContext(config, world_size=s, wire_dtype=dtype, timing=timing)
         decision = route(ctx, shape, UnitEvidence(last_rows=rows_by_rank))
         exchange = decision.exchange_sizes
         if decision.representation is None:  # decided on this step's counts, the same in steady state
@@ -162,25 +156,24 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         sent += own
         dense_numel += d_numel
         dense_items += d_items
-        params = [u.param] + [b.param for b in u.biases]
-        units.append(UnitRow(u.name, (m, n), use, rep, exchange,
-                             own + ring_allreduce_bytes(d_numel * item, s),
-                             ring_allreduce_bytes((m * n + bias_numel) * item, s), psgd(params),
-                             d_numel, d_items, unit_kind(u)))
+        units.append(UnitRow(u.name, (m, n), use, rep, exchange, own + ring_allreduce_bytes(d_numel * item, s),
+                             est["dense"], _powersgd(u.params, psgd_rank, s, item), d_numel, d_items, unit_kind(u)))
     total = sent
     if dense_items:
         total += ring_allreduce_bytes(dense_numel * item, s)
-    dense_params = [p for _, p in plan.dense]
-    dense_psgd = psgd(dense_params)
-    unit_psgd = [r.powersgd for r in units]
+    dense_psgd = _powersgd([p for _, p in plan.dense], psgd_rank, s, item)
+    dense_dad = ring_allreduce_bytes(dense_param_numel * item, s)
     return StepPlan(
-        units=units, dense_params=len(plan.dense), dense_param_numel=dense_param_numel,
-        dense_dad=ring_allreduce_bytes(dense_param_numel * item, s),
-        dense_allreduce=ring_allreduce_bytes(dense_param_numel * item, s), dense_powersgd=dense_psgd,
-        dense_numel=dense_numel, dense_items=dense_items, total=total,
-        allreduce=ring_allreduce_bytes((dense_param_numel + sum(m * n for m, n in (r.shape for r in units))
-                                        + sum(u.bias_numel for u in plan.units)) * item, s),
-        powersgd=None if dense_psgd is None else dense_psgd + sum(unit_psgd), counts=counts)
+        units=units, dense_params=len(plan.dense), dense_param_numel=dense_param_numel, dense_dad=dense_dad,
+        dense_allreduce=dense_dad, dense_powersgd=dense_psgd, dense_numel=dense_numel, dense_items=dense_items,
+        total=total, allreduce=ring_allreduce_bytes((dense_param_numel + sum(m * n for m, n in (r.shape for r in units))
+                                                     + sum(u.bias_numel for u in plan.units)) * item, s),
+        powersgd=None if dense_psgd is None else dense_psgd + sum(r.powersgd for r in units), counts=counts)
+
+
+def _powersgd(params, rank: Optional[int], sites: int, item: int) -> Optional[float]:
+    """Bytes one rank sends for ``params`` under PyTorch's PowerSGD hook at ``rank`` (None without)."""
+    return sum(powersgd_bytes(tuple(p.shape), rank, sites, item)[0] for p in params) if rank else None
 
 
 # -- sharded (FSDP2) ------------------------------------------------------------------------------------
@@ -300,20 +293,22 @@ def _mb(b: Optional[float]) -> str:
 
 
 def _table(header: str, columns: Sequence[Tuple[str, int]], units: Sequence[Sequence[str]],
-           other: Sequence[str], total: Sequence[str], footer: Sequence[str]) -> str:
+           other: Optional[Sequence[str]], total: Sequence[str], footer: Sequence[str]) -> str:
     """A plan as text: the name column, then ``columns`` (title, width; right-aligned but for the
-    kind and the route), one line per factor unit, the other parameters, a rule and the totals."""
-    name_w = max([len(u[0]) for u in units] + [len(other[0])])
+    kind and the routes), one line per factor unit, the other parameters (if any), a rule and the
+    totals."""
+    others = [other] if other is not None else []
+    name_w = max(len(u[0]) for u in list(units) + others + [total])
 
     def line(cells: Sequence[str]) -> str:
         out = [f"{cells[0]:<{name_w}}"]
         for (title, width), cell in zip(columns, cells[1:]):
-            out.append(f"{cell:<{width}}" if title in ("route", "kind") else f"{cell:>{width}}")
+            out.append(f"{cell:<{width}}" if title == "kind" or "route" in title else f"{cell:>{width}}")
         return "  ".join(out)
 
     head = line(["layer"] + [title for title, _ in columns])
     rule = "-" * len(head)
-    return "\n".join([header, "", head, rule] + [line(u) for u in units] + [line(other), rule, line(total), ""]
+    return "\n".join([header, "", head, rule] + [line(u) for u in list(units) + others] + [rule, line(total), ""]
                      + list(footer))
 
 
@@ -540,9 +535,8 @@ def _node_bytes(plan, levels, pairs, *, nodes: int, sites: int, item: int,
     params = [q for u in plan.units for q in u.params] + [p for _, p in plan.dense]
     numel = sum(q.numel() for q in params)
     dense_numel = sum(p.numel() for _, p in plan.dense)
-    psgd = (sum(powersgd_bytes(tuple(q.shape), powersgd_rank, sites, item)[0] for q in params)
-            if powersgd_rank else None)
-    return {"allreduce": ring_allreduce_bytes(numel * item, sites), "powersgd": psgd,
+    return {"allreduce": ring_allreduce_bytes(numel * item, sites),
+            "powersgd": _powersgd(params, powersgd_rank, sites, item),
             "dad_flat": sum(c.flat_bytes for c in levels.units) + ring_allreduce_bytes(dense_numel * item, sites),
             "allreduce_two_level": sum(d.between for _, _, d, _, _ in pairs)
             + ring_allreduce_bytes(dense_numel * item, nodes),
@@ -579,16 +573,6 @@ def render_levels(lp: LevelPlan, header: str) -> str:
     units = [[r.name, "x".join(map(str, r.shape)), r.flat_route, _mb(r.flat_bytes), _ms(r.flat_seconds), r.route,
               _mb(r.to_owner), _mb(r.between), _mb(r.from_owner), _ms(r.seconds), _gbit(r.compresses_below)]
              for r in lp.units]
-    name_w = max(len(u[0]) for u in units + [["total"]])
-
-    def line(cells: Sequence[str]) -> str:
-        out = [f"{cells[0]:<{name_w}}"]
-        for (title, width), cell in zip(columns, cells[1:]):
-            out.append(f"{cell:<{width}}" if "route" in title else f"{cell:>{width}}")
-        return "  ".join(out)
-
-    head = line(["layer"] + [title for title, _ in columns])
-    rule = "-" * len(head)
     total = ["total", "", "", _mb(sum(r.flat_bytes for r in lp.units)), _ms(lp.flat), "",
              _mb(sum(r.to_owner for r in lp.units)), _mb(sum(r.between for r in lp.units)),
              _mb(sum(r.from_owner for r in lp.units)), _ms(lp.two_level), ""]
@@ -610,7 +594,7 @@ def render_levels(lp: LevelPlan, header: str) -> str:
         "MB one node sends between nodes per step (flat: a ring over the ranks in node order, which leaves each "
         "node once):"]
     footer += [f"  {k:<{label_w}}  {_mb(v):>10}" for k, v in by_node]
-    return "\n".join([header, "", head, rule] + [line(u) for u in units] + [rule, line(total), ""] + footer)
+    return _table(header, columns, units, None, total, footer)
 
 
 def _ms(s: Optional[float]) -> str:

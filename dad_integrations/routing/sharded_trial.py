@@ -1,22 +1,18 @@
 """Route trials under the sharded engines (FSDP2, ZeRO-2/3): one piece both adapters drive.
 
-Under FSDP2 and ZeRO each reduction call routes its weights by the models (`router.route` with
-``sharded=True``, per weight per step; `timing.EngineTiming` measures the models at attach and the
-link again every ``route_refresh_steps``). `ShardedTrial` adds what `route_trial` does for the
-unsharded engines: on a measured link (config ``link`` None), objective ``"time"`` and mode
-``"auto"``, a refresh step (step 0, every ``route_refresh_steps``, the end of the lossless steps)
-whose routes compress any weight begins a `route_trial.RouteTrial`; its dense-arm steps send
-every weight by the engine's own reduce-scatter (capture off; residuals wait for the routes), its
-routes-arm steps route as the models say. All dense decided: every weight takes the engine's
-reduce-scatter (its first step carries the residuals), capture off, until the next refresh. The
-decision's `route_trial.Watch` runs as under DDP, after a refresh that begins no trial too (its
-steps against their first interval); a miss makes the next step a refresh (the link measured
-again at its first reduction, `EngineTiming.get`).
+There each reduction call routes its weights by the models, per weight per step (`router.route`
+with ``sharded=True``; `timing.EngineTiming` measures them at attach and the link again every
+``route_refresh_steps``). `ShardedTrial` runs `trial.RouteTrial` and its watch on them as under DDP
+(a measured link, objective ``"time"``, mode ``"auto"``): a dense-arm step sends every weight by
+the engine's own reduce-scatter (capture off; residuals wait for the routes). All dense decided:
+every weight takes the engine's reduce-scatter (its first step carries the residuals), capture off,
+until the next refresh (or the one a missed watch asks for, the link measured again at its first
+reduction).
 
 The adapter calls, per step and on every rank alike:
 
 * `forward` from a forward pre-hook on the root module (the step's span starts there:
-  `route_trial.StepClock`);
+  `trial.StepClock`);
 * `open(step)` at the step's first reduction call, then `dense(step)` ("force dense this step?")
   and `note(route)` for each weight it routes;
 * `end(step, agree)` once the step's last reduction is over (FSDP2: a callback queued on autograd's
@@ -38,7 +34,7 @@ from dad_integrations.logs import say
 from dad_integrations.report import ParamReport, route_summary
 from dad_integrations.routing.link import LinkModel, agree_max
 from dad_integrations.routing.mode_cost import report_cost_line
-from dad_integrations.routing.trial import RouteTrial, StepClock, TrialOutcome, next_refresh, refresh_due
+from dad_integrations.routing.trial import Agree, RouteTrial, StepClock, TrialOutcome, next_refresh, refresh_due
 from dad_integrations.routing.router import Route
 from dad_integrations.routing.timing import EngineTiming, StepTiming
 from dad_integrations.capture.units import FactorUnit
@@ -116,7 +112,7 @@ class ShardedTrial:
 
     # -- per step ---------------------------------------------------------------------------------
     def forward(self) -> None:
-        """The root module's forward (`route_trial.StepClock`)."""
+        """The root module's forward (`trial.StepClock`)."""
         if self.trial is not None and self.step is None:
             self.clock.forward()
 
@@ -132,12 +128,9 @@ class ShardedTrial:
     def dense(self, step: int) -> bool:
         """Every weight of step ``step`` goes by the engine's own reduce-scatter (a dense-arm step,
         or all dense decided until the next refresh, except a watch-started trial's routes steps)."""
-        if self.trial is None:
-            return False
-        if self.trial.forces_dense(step):
-            return True
-        if self.trial.arm(step) == "routes":  # a watch-started trial tries the routes, hold or not
-            return False
+        arm = self.arm(step)
+        if arm is not None:  # a trial's step: its arm (a watch-started trial tries the routes, hold or not)
+            return arm == "dense"
         return self._dense_until is not None and step < self._dense_until
 
     def arm(self, step: int) -> Optional[str]:
@@ -145,7 +138,7 @@ class ShardedTrial:
 
     def holds_residuals(self, step: int) -> bool:
         """A trial's dense-arm step: residuals wait for its next routes step
-        (`route_trial.RouteTrial.holds_residuals`); once all dense is decided they are flushed."""
+        (`trial.RouteTrial.holds_residuals`); once all dense is decided they are flushed."""
         return self.trial is not None and self.trial.holds_residuals(step)
 
     def note(self, unit: FactorUnit, decision: Route) -> None:
@@ -157,7 +150,7 @@ class ShardedTrial:
         else:
             self._spare += decision.spare_s
 
-    def end(self, step: int, agree: Callable[[Sequence[float]], List[float]]) -> Optional[TrialOutcome]:
+    def end(self, step: int, agree: Agree) -> Optional[TrialOutcome]:
         """Step ``step``'s reductions are over (every rank calls this alike): begin, judge or watch
         a trial (``agree`` may run), then set the next step's capture."""
         if self.step != step:
@@ -268,7 +261,7 @@ class ShardedTrial:
         self._dropped.clear()
 
 
-def agree_on(aggregator: FactorAggregator, device: torch.device) -> Callable[[Sequence[float]], List[float]]:
+def agree_on(aggregator: FactorAggregator, device: torch.device) -> Agree:
     """`link.agree_max` on ``aggregator`` (the trial's agreement collective)."""
     return lambda values: agree_max(aggregator, values, device, name="dad.trial.agree")
 
@@ -292,6 +285,6 @@ class TimedRoutes:
 
     @property
     def route_trials(self) -> List[TrialOutcome]:
-        """The route trials so far (`route_trial.TrialOutcome`); empty where routes are not chosen
+        """The route trials so far (`trial.TrialOutcome`); empty where routes are not chosen
         by time on a measured link in mode auto."""
         return self._trial.outcomes

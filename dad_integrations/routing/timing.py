@@ -11,17 +11,12 @@ issues alone (exact factors and their size exchange: one all-gather each), which
 latency per call. The bucketed routes (dense buckets, the rank routes' shared buckets) pay it once
 per bucket, shared by many units, and count none here.
 
-No route is credited with overlap. dAD's dense buckets go on the wire as they fill during
-backward, as DDP's do (`codecs.dense`), but with DDP's bucket sizes most bytes of a small model sit
-in the last bucket, sent when backward ends; the compressed routes' compute runs on a thread beside
-backward that, on a device with no spare core or stream, delays the step by that compute; measured
-on two CPU cores there is no overlap to count (`benchmarks/README.md`). So dense all-reduce's
-predicted time is its wire time, and since dense is always a candidate, auto's predicted step is
-never slower than all-reduce's.
-
-What the models miss, a real step shows: on a measured link, a refresh that compresses is
-checked against all-dense on the job's own steps, and the difference calibrates
-``StepTiming.overhead_s`` (`route_trial`).
+No route is credited with overlap: with DDP's bucket sizes most of a small model's bytes sit in
+the last bucket, sent when backward ends, and the compressed routes' compute, on a thread beside
+backward, delays the step on a device with no spare core or stream (`benchmarks/README.md`). So
+dense all-reduce's predicted time is its wire time, and since dense is always a candidate, auto's
+predicted step is never slower than all-reduce's. What the models miss, route trials measure on
+the job's own steps, calibrating ``StepTiming.overhead_s`` (`trial`).
 
 `StepTiming` carries the two models every rank agreed on; `build_timing` measures them (or takes
 the config's stated link) for a synchroniser's units.
@@ -49,7 +44,6 @@ log = logging.getLogger(__name__)
 LinkProbe = Callable[[FactorAggregator, torch.device], LinkModel]  # measures a link (a collective)
 
 
-
 def collective_of(route: str, sharded: bool = False) -> str:
     """The collective kind the link model times for ``route``: its wire hop on the flat layout,
     or on FSDP2's row shards for the sharded engines (the engine's reduce-scatter is timed as an
@@ -62,7 +56,7 @@ def collective_of(route: str, sharded: bool = False) -> str:
 class StepTiming:
     """The link and compute models every rank agreed on; ``overhead_s``: seconds per step charged
     to each non-dense route of a weight on top of the models, calibrated by the job's own steps
-    (`route_trial`)."""
+    (`trial`)."""
 
     link: LinkModel
     compute: ComputeModel
@@ -119,7 +113,7 @@ class EngineTiming:
     first reduction of every ``route_refresh_steps``-th step (where the config states none) and of
     the step a missed watch makes a refresh.
     `sharded_trial.ShardedTrial` owns one, and checks the routes it predicts against all dense on
-    the job's steps (route trials, as `route_trial` under the unsharded engines)."""
+    the job's steps (route trials, as `trial` under the unsharded engines)."""
 
     def __init__(self, config: DADConfig, probe: Optional[LinkProbe] = None):
         self.config = config

@@ -2,66 +2,54 @@
 
 Objective ``"time"`` predicts each route's seconds from micro-benchmarks (`link`, `compute_model`).
 They miss what a real step adds around a compressed route (per-weight Python in the hooks and on
-the worker, the capture's memory traffic, compressed-route compute contending with backward for the
-same cores) and what it saves (dense buckets overlapping backward). Where they err, auto compresses
-on a link where all-reduce is faster, or stays dense where compression pays.
+the worker, the capture's memory traffic, compute contending with backward for the same cores) and
+what it saves (dense buckets overlapping backward): auto may compress where all-reduce is faster,
+or stay dense where compression pays.
 
-**What is timed** (`StepClock`): per step and rank, the span the choice of route changes, from the
-step's first forward (or, without one, its first gradient hook) to the end of its exchange. Time
-the loop spends between steps (evaluation, logging, checkpoints, a data-loader stall, another
-job's steps) never counts.
+**What is timed** (`StepClock`): per step and rank, from the step's first forward (or, without one,
+its first gradient hook) to the end of its exchange. Time between steps (evaluation, logging,
+checkpoints, a data-loader stall, another job's steps) never counts.
 
 **How** (`RouteTrial`). After a refresh that sends any weight by factors or a rank route, on a link
-the job measures (a stated ``link`` is the user's word and is trusted), the next steps alternate
-the refresh's routes (R) and every weight dense with capture off (D) in pairs, ``R D  D R  R D  D R``
-(ABBA: a load that drifts over the trial moves both arms alike). A D step holds the routes'
-error-feedback residuals for the next R step instead of flushing them (`RouteTrial.holds_residuals`):
-each arm then costs what its steady steps cost (under DDP a D step is DDP's own buckets), not what
-leaving the other arm costs: a D step right after an R step that flushed them would leave DDP's
-buckets for dAD's packed path. A round is
-``route_trial_steps`` steps (``route_trial_steps // 2`` pairs). At the end of a round every rank takes each step's
-slowest-rank time (one all-gather), so all decide alike, and per pair the difference
-``routes - dense``:
+the job measures (a stated ``link`` is trusted), the next steps alternate the refresh's routes (R)
+and every weight dense with capture off (D) in pairs, ``R D  D R  R D  D R`` (ABBA: a drifting load
+moves both arms alike). A D step holds the routes' error-feedback residuals for the next R step
+(`RouteTrial.holds_residuals`), so each arm costs what its steady steps cost (under DDP a D step is
+DDP's own buckets). A round is ``route_trial_steps`` steps; at its end every rank takes each step's
+slowest-rank time (one all-gather), so all decide alike, and per pair ``routes - dense``:
 
 * the routes win a pair when they beat dense by `KEEP_MARGIN`; dense wins it otherwise;
 * a side that wins at least `CONSISTENT` (3 in 4) of the pairs so far decides;
-* else the trial runs another round, up to `MAX_ROUNDS`; still split, the models' prediction
-  (the refresh's routes) is kept, and the outcome says the evidence was inconclusive.
+* else another round, up to `MAX_ROUNDS`; still split, the models' prediction (the refresh's
+  routes) is kept, and the outcome says the evidence was inconclusive.
 
-A burst of load from elsewhere lands in one or two steps: it spoils a pair, not the decision.
+A burst of load from elsewhere spoils a pair, not the decision.
 
 **Catching a wrong choice** (`Watch`). After every decision the chosen arm's steps are watched:
 every ``route_trial_steps`` steps the ranks agree on their lower quartile (a paused rank stretches
-one step of an interval, a slower link every step). After a trial the limit is the slower of the
-two arms' trial medians plus `WATCH_MARGIN` (the choice's steps now take longer than either route
-measured: a link that slowed, a trial a burst misled). After a refresh that begins no trial (the
-models chose all dense, as on a fast link, or no trial fits) the first interval is the baseline:
-the limit is its lower quartile plus what the models predicted the other routes would cost beyond
-it (`Route.spare_s`, summed: the routes arm as predicted, no trial having measured it), plus
-`WATCH_MARGIN` (`RouteTrial.watch_untried`).
+one step, a slower link every step). After a trial the limit is the slower arm's trial median plus
+`WATCH_MARGIN`. After a refresh that begins no trial (all dense chosen, or no trial fits) the first
+interval is the baseline, plus what the models predict the other routes cost beyond it
+(`Route.spare_s`, summed), plus `WATCH_MARGIN` (`RouteTrial.watch_untried`).
 
-A miss makes the next step a refresh (`RouteTrial.refresh_at`): the link is measured again,
-routes are chosen anew for it, and a trial (cause ``"watch"``) tries them against all dense where
-they compress. Where the arm stays with no trial, the missed figure is its new baseline (a lasting
-load is taken in; the limit only rises, and a link that changes while a baseline would be measured
-is still caught). A watch-started trial that confirms the choice doubles the watch's interval (a
-machine under lasting load does not re-trial every few steps).
+A miss makes the next step a refresh (`RouteTrial.refresh_at`): the link is measured again, routes
+are chosen anew, and a trial (cause ``"watch"``) tries them where they compress. Where the arm
+stays with no trial, the missed figure is its new baseline (the limit only rises: a lasting load is
+taken in, and a link that changes while a baseline would be measured is still caught). A
+watch-started trial that confirms the choice doubles the watch's interval.
 
 **Calibration.** The miss between the predicted and the measured saving (median of the pairs),
-spread over the compressed weights, is added to a per-weight overhead that every later decision
-charges to each non-dense route (`timing.StepTiming.overhead_s`).
+spread over the compressed weights, is added to a per-weight overhead every later decision charges
+to each non-dense route (`timing.StepTiming.overhead_s`).
 
 **Where.** Every engine that routes by time on a measured link: the unsharded ones through
-`exchange.Exchanger`, FSDP2 and ZeRO-2/3 through `sharded_trial.ShardedTrial` (their routes are
-chosen per step by the models; a dense step there is the engine's own reduce-scatter, and all dense,
-once decided, holds until the next refresh, or the one a missed watch asks for).
+`exchange.policy`, FSDP2 and ZeRO-2/3 through `sharded_trial.ShardedTrial`.
 
-Costs: a trial runs half its steps on the slower arm: ``route_trial_steps / 2`` to
-``MAX_ROUNDS * route_trial_steps / 2`` steps per refresh (every ``route_refresh_steps``, 200 by
-default); a trial that would not end before the next refresh is not started. The watch costs one
-all-gather of one number (8 bytes a rank; two, the first interval after a decision no trial
-checked) every ``route_trial_steps`` steps, and a link probe where it misses. Nothing here draws
-random numbers.
+Costs: half a trial's steps run on the slower arm, ``route_trial_steps / 2`` to
+``MAX_ROUNDS * route_trial_steps / 2`` steps per refresh; a trial that would not end before the
+next refresh is not started. The watch costs one all-gather of one number (two, the first interval
+of a decision no trial checked) every ``route_trial_steps`` steps, and a link probe where it misses.
+Nothing here draws random numbers.
 """
 from __future__ import annotations
 
@@ -164,7 +152,7 @@ def judge(routes: Sequence[float], dense: Sequence[float], margin: float = KEEP_
     pairs = len(routes)
     if not pairs:
         return None
-    won = sum(r < (1.0 - margin) * d for r, d in zip(routes, dense))
+    won = _won(routes, dense, margin)
     if won >= consistent * pairs:
         return True
     if pairs - won >= consistent * pairs:
@@ -247,11 +235,8 @@ class RouteTrial:
 
     def watch_untried(self, step: int, arm: str, spare_s: float = 0.0) -> None:
         """Routes were chosen anew in step ``step`` and no trial begins: watch the ``arm`` steps from
-        step ``step + 1``, against their first interval's lower quartile plus ``spare_s`` (the
-        models' predicted cost of the other routes beyond it) and `WATCH_MARGIN`. Where step
-        ``step`` is a missed watch's refresh that kept its arm, the missed interval is the baseline
-        instead (the limit only rises: a lasting load is taken in, and a link that changes while a
-        new baseline would be measured is still caught)."""
+        step ``step + 1`` against their first interval (or the missed one, where a missed watch's
+        refresh kept its arm) plus ``spare_s`` (module doc)."""
         self.watch = None
         if not self.steps:
             return
@@ -279,14 +264,10 @@ class RouteTrial:
         first = "routes" if pair % 2 == 0 else "dense"
         return first if not second else ("dense" if first == "routes" else "routes")
 
-    def forces_dense(self, step: int) -> bool:
-        """Step ``step`` belongs to the all-dense arm of the trial."""
-        return self.arm(step) == "dense"
-
     def holds_residuals(self, step: int) -> bool:
-        """Step ``step`` keeps error-feedback residuals for the trial's next routes step instead of
-        flushing them (a dense-arm step: see the module doc). Every engine's adapter asks this."""
-        return self.forces_dense(step)
+        """Step ``step`` is a dense-arm step: error-feedback residuals wait for the trial's next
+        routes step instead of being flushed (module doc). Every engine's adapter asks this."""
+        return self.arm(step) == "dense"
 
     def end_of_step(self, step: int, seconds: Optional[float], agree: Agree,
                     next_refresh: int) -> Optional[TrialOutcome]:
@@ -362,7 +343,7 @@ class RouteTrial:
         dense_s = statistics.median(dense) if dense else 0.0
         outcome = TrialOutcome(self.start, compressed, routes_s, dense_s, self.predicted_saving_s, kept,
                                self.overhead_s, pairs=len(routes),
-                               routes_won=sum(r < (1.0 - KEEP_MARGIN) * d for r, d in zip(routes, dense)),
+                               routes_won=_won(routes, dense, KEEP_MARGIN),
                                median_difference_s=difference, conclusive=verdict is not None, cause=self.cause)
         if self.cause == "watch" and self.missed_arm == ("routes" if kept else "dense") and self.watch_interval > 0:
             self.watch_interval *= 2  # the choice confirmed: a lasting load need not re-trial as often
@@ -375,6 +356,11 @@ class RouteTrial:
     def stop_watching(self) -> None:
         """Routes are chosen anew (a refresh): the last trial's figures no longer apply."""
         self.watch = None
+
+
+def _won(routes: Sequence[float], dense: Sequence[float], margin: float) -> int:
+    """Pairs in which the routes beat dense by ``margin``."""
+    return sum(r < (1.0 - margin) * d for r, d in zip(routes, dense))
 
 
 def _lower_quartile(values: Sequence[Optional[float]]) -> float:

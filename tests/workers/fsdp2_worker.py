@@ -39,7 +39,8 @@ from torch.distributed.tensor import Shard
 sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 
-from dad_integrations.routing.costs import sharded_rank_allreduce_bytes, sharded_rank_bytes  # noqa: E402
+from dad_integrations.routes import layouts  # noqa: E402
+from dad_integrations.routes.registry import UnitSizing, get_route  # noqa: E402
 from dad_integrations.fsdp import enable_dad_fsdp  # noqa: E402
 from dad_integrations.capture.rows import as_matrix, matrix_shape  # noqa: E402
 
@@ -228,9 +229,10 @@ def ef_identity(ref: nn.Module, mine: nn.Module, sync, before: dict, routed: lis
 
 
 def predicted_bytes(entry, world: int, rank: int) -> float:
-    """The cost model's bytes for a rank-routed weight (fp32 on the wire)."""
-    fn = sharded_rank_bytes if entry.representation == "rank" else sharded_rank_allreduce_bytes
-    return fn(matrix_shape(entry.shape), rank, torch.float32, world)
+    """The cost model's bytes for a rank-routed weight, biases aside (fp32 on the wire): its route's
+    byte model on FSDP2's row shards."""
+    sizing = UnitSizing((), matrix_shape(entry.shape), torch.float32, torch.float32, rank=rank, world_size=world)
+    return get_route(entry.representation).bytes_on(layouts.ROW_SHARDS, sizing)
 
 
 def version_1(sync) -> dict:
