@@ -1,27 +1,18 @@
-"""`DADCallback`: train with ``transformers.Trainer`` and dAD in place of gradient all-reduce.
+"""`DADCallback`: train with ``transformers.Trainer`` and dAD in place of gradient all-reduce
+(``docs/guides/accelerate.md``).
 
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[DADCallback({"mode": "auto", "rank": 4})])
     trainer.train()
 
-Launch as usual (``accelerate launch``, ``torchrun``). When training begins the callback finds the
-DDP wrapper the Trainer made and installs dAD as its communication hook (`enable_dad`); under
-DeepSpeed it picks up the synchroniser attached from the config's ``"dad"`` block; under FSDP2
-(``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})``, or an Accelerate FSDP config
-with ``fsdp_version: 2``) it puts dAD inside FSDP2's reduce-scatter of the model the Trainer
-sharded (`enable_dad_fsdp`). FSDP1 is refused with an error saying why (`fsdp_detect`). At every
-log it adds the bytes dAD sent per optimizer step, what all-reduce would have sent, and their ratio
-to the Trainer's own metrics (``dad_sent_bytes_per_step``, ``dad_allreduce_bytes_per_step``,
-``dad_bytes_ratio``), under FSDP2 also what FSDP2's reduce-scatter would have sent
-(``dad_reduce_scatter_bytes_per_step``, ``dad_bytes_ratio_reduce_scatter``), so they reach the
-console, ``log_history`` and any reporting integration.
-
-Checkpoints: dAD's per-rank state goes into each ``checkpoint-{step}`` folder
-(``dad_state_rank{r}.pt``, every rank its own; under DeepSpeed the engine's ``save_checkpoint``
-writes it into the folder's ``global_step{step}`` tag) and is loaded again by
-``trainer.train(resume_from_checkpoint=...)`` before the first synchronised step. Under FSDP2,
-modes exact and auto without a rank keep no state between steps: there is nothing to write or load;
-the rank routes' residuals and warm starts go into the per-rank files as under DDP.
+When training begins the callback installs dAD as the communication hook of the DDP wrapper the
+Trainer made, picks up the DeepSpeed engine's synchroniser (the config's ``"dad"`` block), or puts
+dAD inside FSDP2's reduce-scatter (`enable_dad_fsdp`); FSDP1 is refused (`fsdp_detect`). Every log
+gets the bytes dAD sent per optimizer step, what all-reduce (and under FSDP2 its reduce-scatter)
+would have sent, and their ratio (``dad_*`` metrics). dAD's per-rank state goes into each
+``checkpoint-{step}`` folder (under DeepSpeed, the engine's ``save_checkpoint`` writes it) and is
+loaded by ``trainer.train(resume_from_checkpoint=...)``; a state that holds nothing (FSDP2's exact
+and auto modes without a rank) writes no file.
 """
 from __future__ import annotations
 
