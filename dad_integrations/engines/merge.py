@@ -139,26 +139,18 @@ class _Mean:
 
     def add(self, residual: Any) -> None:
         if isinstance(residual, (tuple, list)):
-            u, v = residual
-            if self.dense is None:
-                self.lefts.append(u)
-                self.rights.append(v)
-            else:
-                self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
-            return
-        if self.dense is None:  # a whole one among pairs (never saved so; kept correct anyway)
-            self.dense = residual.clone()
-            for u, v in zip(self.lefts, self.rights):
-                self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
-            self.lefts, self.rights = [], []
+            self.lefts.append(residual[0])
+            self.rights.append(residual[1])
         else:
-            self.dense += residual
+            self.dense = residual.clone() if self.dense is None else self.dense.add_(residual)
 
     def result(self, old_ranks: int) -> Any:
-        if self.dense is not None:
-            return self.dense / old_ranks
-        matrix_rank = self.lefts[0].shape[1]  # the residuals' q
-        return best_rank_q(torch.cat(self.lefts, 1), torch.cat(self.rights, 1) / old_ranks, matrix_rank)
+        if self.dense is None:
+            matrix_rank = self.lefts[0].shape[1]  # the residuals' q
+            return best_rank_q(torch.cat(self.lefts, 1), torch.cat(self.rights, 1) / old_ranks, matrix_rank)
+        for u, v in zip(self.lefts, self.rights):  # pairs among whole ones (never saved so; kept correct anyway)
+            self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
+        return self.dense / old_ranks
 
 
 def best_rank_q(left: torch.Tensor, right: torch.Tensor, matrix_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
