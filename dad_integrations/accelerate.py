@@ -97,13 +97,8 @@ def _launched_world_size() -> int:
 
 
 def _refuse_launched_alone(kind: str, num_processes: int) -> None:
-    """Raise where the launcher started several processes but Accelerate runs this one alone.
-
-    Each would train its own model with nothing synchronised, and the launch would look fine:
-    on a machine without GPUs ``accelerate launch`` with ``use_cpu: true`` starts the processes
-    through its multi-GPU launcher, which does not tell them to use the CPU, so a plain
-    ``Accelerator()`` finds no device to distribute over and says ``DistributedType.NO``.
-    """
+    """Raise where the launcher started several processes but Accelerate runs this one alone: each
+    would train its own model, silently (a plain ``Accelerator()`` on CPUs, ``docs/guides/accelerate.md``)."""
     launched = _launched_world_size()
     if launched <= 1 or kind != "NO":
         return

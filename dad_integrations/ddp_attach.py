@@ -27,11 +27,9 @@ DRIVERS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary
 
 def wrapper_compiled(ddp: nn.parallel.DistributedDataParallel, compiled: Optional[bool]) -> bool:
     """Whether ``ddp`` itself runs under ``torch.compile`` (said by ``compiled=True``, with no compiled
-    module inside it): then it gets no forward pre-hook. Under compile the pre-hook would only be
-    traced, doing nothing (`DDPDriver.before_forward`), and a hook on DDP costs a graph break: after
-    DDP's own break (its logger's ``set_runtime_stats_and_log``), dynamo traces the ``forward`` of a
-    built-in module that has hooks as a frame of its own (``trace_rules.check_verbose``: "inbuilt
-    nn.Module.forward allowed - module has hooks") and meets the same break again there."""
+    module inside it): then it gets no forward pre-hook, which would only be traced, doing nothing
+    (`DDPDriver.before_forward`), and cost a graph break (dynamo traces a hooked built-in module's
+    ``forward`` as a frame of its own, and meets DDP's own break again there)."""
     return bool(compiled) and not is_compiled(ddp.module)
 
 

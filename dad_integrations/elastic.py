@@ -48,14 +48,11 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
                        store: Optional[dist.Store] = None, **kwargs: Any) -> None:
     """A drop-in for `torch.distributed.init_process_group` that survives torchelastic restarts.
 
-    Under torchelastic (``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` set) on the
-    agent's shared store (``TORCHELASTIC_USE_AGENT_STORE``) with the ``env://`` rendezvous, the
-    store is built from the environment exactly as torch builds it (a client of the agent's store
-    at ``MASTER_ADDR``/``MASTER_PORT``), with ``timeout`` (torch's default for ``backend`` when
-    None) on the store too, and wrapped in a ``PrefixStore`` of the restart attempt (and world
-    size): a restarted rank never reads a dead attempt's addresses. Anywhere else, or given a
-    ``store`` or another ``init_method``, it is torch's call unchanged. Other keyword arguments
-    (``device_id``, ``pg_options``, ...) pass through.
+    Under torchelastic on the agent's shared store with the ``env://`` rendezvous, the store is
+    built as torch builds it, with ``timeout`` (torch's default for ``backend`` when None) on the
+    store too, inside a ``PrefixStore`` of the restart attempt (and world size). Anywhere else, or
+    given a ``store`` or another ``init_method``, it is torch's call unchanged. Other keyword
+    arguments (``device_id``, ``pg_options``, ...) pass through.
 
     Every node's agent must count the same restarts (it does when a node is lost: every surviving
     node's workers fail and restart). A node joining later starts at count 0 while the others do

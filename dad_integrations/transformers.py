@@ -70,39 +70,34 @@ class DADCallback(TrainerCallback):
         if fsdp2_modules(model):
             from dad_integrations.fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
             self.sync = enable_dad_fsdp(getattr(model, "_orig_mod", model), self.config)
-            if resume is not None and keeps_state(self.sync):  # exact/auto under FSDP2 keep none
-                self._load_rank_state(resume, state, world)
-            if dist.get_rank() == 0:  # the same on every rank
-                log.info("dAD enabled for Trainer (FSDP2: inside its gradient reduce-scatter)")
-            return
-        wrapper, adapter = _wrapper_of(model)
-        if wrapper is None:
-            raise RuntimeError("DADCallback found neither a DistributedDataParallel wrapper, a DeepSpeed "
-                               "engine nor an FSDP2 (fully_shard) model: launch with accelerate launch or "
-                               "torchrun on several processes")
-        if adapter is None:
-            # Trainer(torch_compile=True) compiles the wrapper: after this call, unseen from here
-            self.sync = register_dad_comm_hook(wrapper, self.config,
-                                               compiled=True if getattr(args, "torch_compile", False) else None)
-            if resume is not None:
-                self._load_rank_state(resume, state, world)
+            what = "FSDP2: inside its gradient reduce-scatter"
         else:
-            self._engine = wrapper
-            self.sync = adapter.find(wrapper)
-            if self.sync is None:
-                # attached only now: the engine's load_checkpoint, which restores dAD's state,
-                # has already run without it
-                self.sync = adapter.attach(wrapper, self.config)
-                if self.sync is not None and resume is not None and adapter.load_checkpoint_state is not None:
-                    adapter.load_checkpoint_state(wrapper, resume)
+            wrapper, adapter = _wrapper_of(model)
+            if wrapper is None:
+                raise RuntimeError("DADCallback found neither a DistributedDataParallel wrapper, a DeepSpeed "
+                                   "engine nor an FSDP2 (fully_shard) model: launch with accelerate launch or "
+                                   "torchrun on several processes")
+            what = type(wrapper).__name__
+            if adapter is None:
+                # Trainer(torch_compile=True) compiles the wrapper: after this call, unseen from here
+                self.sync = register_dad_comm_hook(wrapper, self.config,
+                                                   compiled=True if getattr(args, "torch_compile", False) else None)
+            else:
+                self._engine = wrapper
+                self.sync = adapter.find(wrapper)
+                if self.sync is None:
+                    # attached only now: the engine's load_checkpoint, which restores dAD's state,
+                    # has already run without it
+                    self.sync = adapter.attach(wrapper, self.config)
+                    if self.sync is not None and resume is not None and adapter.load_checkpoint_state is not None:
+                        adapter.load_checkpoint_state(wrapper, resume)
+        if resume is not None and self._engine is None and keeps_state(self.sync):  # FSDP2's exact/auto keep none
+            payload = load_rank_state(self.sync, resume, dist.get_rank(), world)
+            if payload is not None and payload.get("global_step", state.global_step) != state.global_step:
+                raise ValueError(f"{resume}: its dAD state was saved at step {payload['global_step']}, "
+                                 f"but training resumes at step {state.global_step}")
         if dist.get_rank() == 0:  # the same on every rank
-            log.info("dAD enabled for Trainer (%s)", type(wrapper).__name__)
-
-    def _load_rank_state(self, resume: str, state, world: int) -> None:
-        payload = load_rank_state(self.sync, resume, dist.get_rank(), world)
-        if payload is not None and payload.get("global_step", state.global_step) != state.global_step:
-            raise ValueError(f"{resume}: its dAD state was saved at step {payload['global_step']}, "
-                             f"but training resumes at step {state.global_step}")
+            log.info("dAD enabled for Trainer (%s)", what)
 
     def on_save(self, args, state, control, **kwargs) -> None:
         """Write this rank's dAD state into the checkpoint folder the Trainer has just written.

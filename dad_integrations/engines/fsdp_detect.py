@@ -1,15 +1,8 @@
-"""Which FSDP shards a model: FSDP2 (``fully_shard``) is supported, FSDP1 is refused with a reason.
+"""Which FSDP shards a model: FSDP2 (``fully_shard``) is supported, FSDP1 is refused with the reason
+(`FSDP1_MESSAGE`; FSDP1 is deprecated in PyTorch, Accelerate and Transformers alike).
 
 `enable_dad_fsdp`, Accelerate's `enable_dad` and `DADCallback` ask this module, so the three say
 the same thing about the same model.
-
-Why not FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``): it flattens every wrapped
-module's parameters into one ``FlatParameter``, and its only gradient entry point, the
-communication hook, receives that flat gradient of the whole unit with no per-layer view of it;
-dAD works per layer (a weight's input rows and output-gradient rows). FSDP2 keeps each parameter a
-(DTensor) parameter and lets dAD replace the reduce-scatter per parameter group, and it is what
-PyTorch, Accelerate (``fsdp_version: 2``) and Transformers (``fsdp_config={"version": 2}``, the
-default there) recommend; FSDP1 is deprecated in all three.
 """
 from __future__ import annotations
 

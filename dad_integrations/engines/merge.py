@@ -64,20 +64,19 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
         own = {k: state.pop(k) for k in keys} or {None: state}  # version 1: the units' table alone
         top = state if keys else {}
         if merged is None:
-            layout, merged = keys, _merge_top(top)
-            tables = {k: {name: _merge_unit(name, e) for name, e in t.items()} for k, t in own.items()}
+            layout, merged, tables = keys, _merge_top(top), {k: {} for k in own}
         elif keys != layout or any(top.get(k) != merged.get(k) for k in _TOP_FROM_RANK0 if k in merged) or any(
                 k not in _SPARSE_TABLES and set(t) != set(tables[k]) for k, t in own.items()):
             raise ValueError(f"the old ranks' dAD states disagree (rank {old_ranks} differs from rank 0 in its "
                              f"format, its weights or its step count): not one job's checkpoint")
-        else:  # a sparse table: the weights some old rank holds; the first holder's shared state
-            for k, t in own.items():
-                for name, entry in t.items():
-                    into = tables[k].setdefault(name, _merge_unit(name, entry))
-                    into.update({f: entry[f] for f in _UNIT_FROM_RANK0
-                                 if into.get(f) is None and entry.get(f) is not None})
         for k, t in own.items():
             for name, entry in t.items():
+                if name not in tables[k]:  # (a sparse table: the weights some old rank holds)
+                    tables[k][name] = _merge_unit(name, entry)
+                else:  # the first holder's shared state
+                    into = tables[k][name]
+                    into.update({f: entry[f] for f in _UNIT_FROM_RANK0
+                                 if into.get(f) is None and entry.get(f) is not None})
                 if entry.get("shard") is not None:
                     s, width = entry["shard"]
                     tables[k][name]["shard"] = [None, width]
