@@ -64,11 +64,9 @@ class DDPSteps:
     def _park_hooks(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Before a training forward with no step open: a step whose every unit is sure to go dense
         (`DADSynchronizer._bookless`, refreshed when a step ends) runs without the per-parameter
-        hooks (they would only note that backward reached each parameter: ~50 Python calls from
-        the autograd thread a step, which DDP's own step does not pay); a step that needs them
-        gets them back. Changed here because this is between steps and outside backward; DDP runs
-        this hook before every forward whose backward it reduces, so no backward is missed. A
-        forward inside ``no_sync()`` opens the step's window now, as its backward's first hook
+        hooks (they would only note that backward reached each parameter: ~50 Python calls a step);
+        a step that needs them gets them back. Changed here, between steps and outside backward,
+        before every forward whose backward DDP reduces. A forward inside ``no_sync()`` opens the step's window now, as its backward's first hook
         would: the step's span (route trials) starts at its first micro-step, and
         `DADSynchronizer.load_state_dict` refuses to load between micro-steps."""
         sync = self.sync
@@ -89,12 +87,10 @@ class DDPSteps:
             self.sync._dispatch(window, self._step)
 
     def _serialised(self) -> bool:
-        """Whether this step's exchange runs inline, in the last bucket's hook: on NCCL, a DDP with
-        ``find_unused_parameters=True`` all-reduces its used-parameter map on its own communicator,
-        from the autograd thread, right after that hook returns; dAD's worker thread would race it,
-        and NCCL operations on two communicators enqueued in different orders on different ranks can
-        deadlock. Inline, every dAD collective is enqueued before the map's, on every rank (the step
-        then overlaps nothing). ``serialise`` (True/False) overrides the choice."""
+        """Whether this step's exchange runs inline, in the last bucket's hook: on NCCL with
+        ``find_unused_parameters=True``, so that every dAD collective is enqueued before DDP's
+        used-parameter map's, on every rank (``docs/guarantees.md``, "Collective order (NCCL)").
+        ``serialise`` (True/False) overrides the choice."""
         if self.serialise is not None:
             return self.serialise
         ddp = self.ddp() if self.ddp is not None else None
