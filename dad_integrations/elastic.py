@@ -37,12 +37,6 @@ def shared_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def attempt_prefix(attempt: int, world_size: int) -> str:
-    """The store prefix of one attempt of this run. The world size is in it too: an agent restarts
-    its workers without counting a restart when nodes join, and the world then grows."""
-    return f"dad_elastic/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{attempt}/world_{world_size}/default_pg"
-
-
 def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
                        timeout: Optional[timedelta] = None, world_size: int = -1, rank: int = -1,
                        store: Optional[dist.Store] = None, **kwargs: Any) -> None:
@@ -73,7 +67,10 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     from torch.distributed.rendezvous import rendezvous
     base, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=timeout))
     base.set_timeout(timeout)
-    prefixed = dist.PrefixStore(attempt_prefix(attempt, world_size), base)
+    # one prefix per attempt, and per world size: an agent restarts its workers without counting a
+    # restart when nodes join, and the world then grows
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    prefixed = dist.PrefixStore(f"dad_elastic/{run}/attempt_{attempt}/world_{world_size}/default_pg", base)
     dist.init_process_group(backend, timeout=timeout, world_size=world_size, rank=rank, store=prefixed, **kwargs)
     _group = dist.group.WORLD
 

@@ -29,16 +29,11 @@ def fsdp2_modules(model: Optional[nn.Module]) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def fsdp1_wrapper(model: Optional[nn.Module]) -> Optional[nn.Module]:
-    """The first FSDP1 ``FullyShardedDataParallel`` in ``model`` (itself included), or None."""
-    if model is None:
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    model = getattr(model, "_orig_mod", model)
-    return next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
-
-
 def reject_fsdp1(model: Optional[nn.Module], where: str) -> None:
-    """Raise `ValueError` (naming ``where`` and the reason) if ``model`` holds an FSDP1 wrapper."""
-    if fsdp1_wrapper(model) is not None:
+    """Raise `ValueError` (naming ``where`` and the reason) if ``model`` (itself included) holds an
+    FSDP1 ``FullyShardedDataParallel``."""
+    if model is None:
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    if any(isinstance(m, FullyShardedDataParallel) for m in getattr(model, "_orig_mod", model).modules()):
         raise ValueError(FSDP1_MESSAGE.format(where=where))
