@@ -56,10 +56,9 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
     """Load this rank's dAD state (``rank``: its process rank) from ``directory`` into ``sync``;
     returns the stored payload.
 
-    Saved by a job of the same size, this rank's own file is loaded as written. Saved by a job of
-    another size S, every rank reads all S files and loads their merge (`merge_rank_states`): the
-    mean residual, the shared warm starts, the rest restarted; rank 0 logs what carried over, and
-    the payload returned is old rank 0's with ``"resized_from": S``.
+    Saved by a job of the same size, this rank's own file is loaded as written; by a job of another
+    size S, the merge of all S files (`merge_rank_states`; rank 0 says what carried over), and the
+    payload returned is old rank 0's with ``"resized_from": S``.
 
     A folder without any dAD state (a checkpoint saved without dAD) loads nothing, says so in the
     log and returns None: warm starts and error feedback then start afresh. Raises
