@@ -1,12 +1,7 @@
-"""Elastic restarts under torchrun: a default group whose store keys cannot meet a dead attempt's.
-
-torchrun's agent (c10d rendezvous, torch >= 2.4) hosts one TCPStore for the whole job and hands
-every attempt the same ``MASTER_ADDR``/``MASTER_PORT``; torch's ``env://`` init keys the default
-group under ``default_pg/`` whatever the attempt. A restarted gloo rank can then read a dead
-attempt's peer addresses: ``connectFullMesh ... Connection refused``, or a wait far past the
-timeout (pytorch/pytorch#135712). `init_process_group` builds the store as torch does and puts
-the group's keys under a prefix of their own per restart attempt; `warn_if_unprefixed` says so at attach when a
-restarted job did not use it.
+"""Elastic restarts under torchrun: a default group whose store keys cannot meet a dead attempt's
+(why: ``docs/checkpoints.md``, "Elastic restarts across nodes"; pytorch/pytorch#135712).
+`init_process_group` puts the group's keys under a prefix of their own per restart attempt;
+`warn_if_unprefixed` says so at attach when a restarted job did not use it.
 """
 from __future__ import annotations
 

@@ -7,15 +7,12 @@ Usage, in an ordinary training loop::
     sync.synchronize()        # every param.grad now holds the average over ranks, as DDP gives
     optimizer.step()
 
-How a step runs. Forward hooks keep each captured layer's input and output-gradient rows
-(`capture`). When backward first reaches a synchronised parameter, the step's
-`exchange.window.StepWindow` opens and keeps what ``.grad`` already held (the prior); when autograd
-has finished a weight and all its biases, their unit is ready, and the `exchange.Exchanger` on a
-background thread (`worker`) exchanges the units in an order every rank shares, each through the
-codec its route picks; a dense bucket is all-reduced as soon as it is full. `synchronize()`
-releases units that never got a gradient and waits; the results land in the step's sink (`.grad`,
-or DDP's buckets through `ddp_hook`). A unit sure to go dense in a step skips the window's
-bookkeeping in its hooks: it needs no prior and no marks.
+How a step runs (``docs/concepts/step.md``): the step's `exchange.window.StepWindow` opens when
+backward first reaches a synchronised parameter, keeping what ``.grad`` held (the prior); a unit is
+ready when autograd has finished its weight and biases, and the `exchange.Exchanger` exchanges it on
+a background thread (`worker`); `synchronize()` releases units that never got a gradient and waits.
+Results land in the step's sink (`.grad`, or DDP's buckets through `ddp_hook`). A unit sure to go
+dense in a step skips the window's bookkeeping in its hooks: it needs no prior and no marks.
 
 This class is the facade over those pieces: it wires the hooks (`synchronizer_hooks`), holds the
 step's lifecycle (open, dispatch, finish: `synchronizer_step`), and carries what survives a

@@ -30,22 +30,10 @@ _SPARSE_TABLES = ("rank_routes",)
 
 def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
     """One new rank's dAD state from the S old ranks' ``state_dict()``s (in rank order); returns it
-    and a one-line summary of what carried over. Every new rank gets the same merge.
-
-    - **Error-feedback residuals**: their mean over the S old ranks, so the new ranks' mean is the
-      old one and the average still owes what it owed. A whole residual stays whole. Rank-``q``
-      residuals (``error_feedback_rank``, ``(U, V)``) are re-compressed to rank ``q``: the mean of
-      S of them has rank up to ``S q``, and the memory bound ``q (m+n)`` is what the config asked
-      for; the pair kept is the mean's best rank-``q`` approximation (an exact truncated SVD, no
-      ``m x n`` matrix formed), equal to the mean whenever the mean has rank ``q`` or less.
-    - **The all-reduce route's warm start** (``shared_q``) is the same on every rank: old rank 0's
-      (in a sparse table, ZeRO's across nodes, the first old rank's that holds one: its owners').
-    - **The step count** (synchronised steps, counted alike on every rank; ``lossless_steps`` and
-      the seeds of fresh power iterations read it): old rank 0's, so the new ranks agree on it.
-    - **Restarted**, because they hold per-rank or per-size facts: the all-gather route's own warm
-      starts, auto's last row counts (one per old rank), the first-step check and the decisions
-      taken on it (dense for good, rank-reduced from the dense gradient): the new job re-agrees
-      them on its first step, identically on every rank.
+    and a one-line summary of what carried over. Every new rank gets the same merge: the mean of the
+    error-feedback residuals (rank-``q`` ones re-compressed to their best rank-``q`` part,
+    `best_rank_q`), old rank 0's step count and all-reduce warm starts (in a sparse table the first
+    holder's), and the rest restarted (``docs/checkpoints.md``, "Resuming at another size", says why).
 
     Raises `ValueError` for a key it does not know how to carry over (state of a newer format),
     or for old states that disagree on what must be the same everywhere (version, step count,
