@@ -45,8 +45,7 @@ from dad_integrations.capture.compiled import compiling
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.trial import in_backward
 from dad_integrations.synchronizer import DADSynchronizer
-from dad_integrations.ddp_attach import DRIVERS as _DRIVERS, attach as _attach
-from dad_integrations.ddp_attach import wrapper_compiled as _wrapper_compiled
+from dad_integrations.ddp_attach import DRIVERS as _DRIVERS, attach as _attach, wrapper_compiled as _wrapper_compiled
 from dad_integrations.ddp_step import DDPSteps, OnDone, raise_in_backward as _raise_in_backward
 
 log = logging.getLogger(__name__)
