@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import threading
 import warnings
-from typing import Any, Callable, List, Mapping, Set
+from typing import Any, Callable, List, Mapping, Set, Tuple
 
 from dad_integrations.logs import process_rank
 
@@ -17,9 +17,10 @@ _warned: Set[str] = set()  # "old.module.name"s already warned about in this pro
 _lock = threading.Lock()
 
 
-def moved_names(old_module: str, moves: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for ``old_module``: ``moves`` maps each old name to the module
-    that now holds it under the same name."""
+def shim(old_module: str, moves: Mapping[str, str]) -> Tuple[List[str], Callable[[str], Any], Callable[[], List[str]]]:
+    """``__all__``, ``__getattr__`` and ``__dir__`` for the shim ``old_module``: ``moves`` maps each
+    old name to the module that now holds it under the same name (`import *` and ``dir()`` list
+    them; each warns once)."""
     def __getattr__(name: str) -> Any:
         if name not in moves:
             raise AttributeError(f"module {old_module!r} has no attribute {name!r}")
@@ -27,12 +28,7 @@ def moved_names(old_module: str, moves: Mapping[str, str]) -> Callable[[str], An
         _warn_once(f"{old_module}.{name}", f"{moves[name]}.{name}")
         return value
 
-    return __getattr__
-
-
-def moved_dir(moves: Mapping[str, str]) -> Callable[[], List[str]]:
-    """A module ``__dir__`` that lists the moved names (``dir()``, completion)."""
-    return lambda: sorted(moves)
+    return sorted(moves), __getattr__, lambda: sorted(moves)
 
 
 def _warn_once(old: str, new: str) -> None:

@@ -1,4 +1,5 @@
-"""Hugging Face Accelerate: switch a prepared model's gradient synchronisation to dAD.
+"""Hugging Face Accelerate: switch a prepared model's gradient synchronisation to dAD
+(``docs/guides/accelerate.md``).
 
     accelerator = Accelerator()
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -6,37 +7,20 @@
     ...                                   # the training loop is unchanged
     sync.last_step_report().totals        # bytes sent, and what all-reduce would have sent
 
-What it does, by Accelerate's distributed type:
+By Accelerate's distributed type:
 
-* DDP (multi-GPU, multi-node, multi-CPU): a DDP communication hook (`register_dad_comm_hook`),
-  so DDP's own all-reduce is replaced, not run twice. ``accelerator.accumulate(model)`` /
-  ``no_sync`` accumulation, ``accelerator.clip_grad_norm_`` and mixed precision keep working.
-  ``accelerator.save_state(dir)`` / ``load_state(dir)`` save and restore dAD's per-rank state
-  (``dir/dad_state_rank{r}.pt``, written and read by every process).
-* DeepSpeed: DeepSpeed owns gradient reduction there; dAD is switched on by the ``"dad"`` block of
-  the DeepSpeed config (see `deepspeed_dad`, found through `dad_integrations.engines`), and this
-  returns the synchroniser attached to the engine (or attaches one when ``config`` is given and the
-  block is absent). Its state goes with the engine's ``save_checkpoint``, which ``save_state`` calls.
-* FSDP2 (Accelerate's FSDP plugin with ``fsdp_version: 2``): `enable_dad_fsdp` on the prepared
-  (``fully_shard``-ed) model, so dAD replaces FSDP2's gradient reduce-scatter and every rank
-  rebuilds only its shard of the average; returns that `FSDPDADSynchronizer`.
-  ``accelerator.accumulate`` / ``no_sync`` (FSDP2's ``set_requires_gradient_sync(False)``: the
-  factors of every micro-step go out in the synchronised backward) and ``clip_grad_norm_`` keep
-  working. Modes exact and auto without a rank keep no state between steps, so ``save_state``
-  writes no dAD file; with a rank, the rank routes' residuals and warm starts get the DDP path's
-  per-rank files (``dad_state_rank{r}.pt``).
-  HSDP (the FSDP2 plugin with a ``parallelism_config`` of ``dp_replicate_size`` > 1 and
-  ``dp_shard_size`` > 1: Accelerate shards on its mesh ``("dp_replicate", "dp_shard_cp")``): FSDP2
-  reduce-scatters inside each replica group and dAD takes the all-reduce between replicas (put
-  ``dp_shard_size`` = processes per node, so that this is the hop between nodes;
-  ``examples/accelerate/hsdp_multi_node_cpu.yaml``). Nothing else changes.
-* FSDP1 (``fsdp_version: 1``): rejected with an error that says why and to use FSDP2
-  (`dad_integrations.engines.fsdp_detect`).
-* A single process: nothing to synchronise; returns None and says so once in the log. But where
-  the launcher started several processes and Accelerate still runs this one alone
-  (``DistributedType.NO``: a plain ``Accelerator()`` on CPUs without ``ACCELERATE_USE_CPU=1``),
-  it raises, saying so: the processes would train apart, silently.
-* Megatron-LM, XLA: rejected with an error (dAD replaces DDP's all-reduce or FSDP2's reduce-scatter).
+* DDP: dAD becomes DDP's communication hook (`register_dad_comm_hook`); ``accumulate`` / ``no_sync``,
+  ``clip_grad_norm_`` and mixed precision keep working. ``save_state(dir)`` / ``load_state(dir)``
+  save and restore dAD's per-rank state (``dir/dad_state_rank{r}.pt``, on every process).
+* DeepSpeed: dAD is switched on by the ``"dad"`` block of the DeepSpeed config (`deepspeed_dad`,
+  found through `dad_integrations.engines`); this returns the engine's synchroniser, or attaches one
+  when ``config`` is given and the block is absent. Its state goes with ``save_checkpoint``.
+* FSDP2 (``fsdp_version: 2``, HSDP included): `enable_dad_fsdp` on the prepared model; a state that
+  holds anything (rank routes) gets the DDP path's per-rank files. FSDP1 is refused
+  (`engines.fsdp_detect`).
+* A single process: nothing to synchronise; returns None and says so once. Where the launcher
+  started several processes that Accelerate runs alone (``DistributedType.NO``), it raises.
+* Megatron-LM, XLA: rejected with an error.
 """
 from __future__ import annotations
 
@@ -113,13 +97,8 @@ def _launched_world_size() -> int:
 
 
 def _refuse_launched_alone(kind: str, num_processes: int) -> None:
-    """Raise where the launcher started several processes but Accelerate runs this one alone.
-
-    Each would train its own model with nothing synchronised, and the launch would look fine:
-    on a machine without GPUs ``accelerate launch`` with ``use_cpu: true`` starts the processes
-    through its multi-GPU launcher, which does not tell them to use the CPU, so a plain
-    ``Accelerator()`` finds no device to distribute over and says ``DistributedType.NO``.
-    """
+    """Raise where the launcher started several processes but Accelerate runs this one alone: each
+    would train its own model, silently (a plain ``Accelerator()`` on CPUs, ``docs/guides/accelerate.md``)."""
     launched = _launched_world_size()
     if launched <= 1 or kind != "NO":
         return

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dad_integrations.capture.compiled import is_compiled
+from dad_integrations.capture.hooks import remove_detached_captures
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.comm.groups import new_group_like
 from dad_integrations.config import DADConfig
@@ -26,11 +27,9 @@ DRIVERS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary
 
 def wrapper_compiled(ddp: nn.parallel.DistributedDataParallel, compiled: Optional[bool]) -> bool:
     """Whether ``ddp`` itself runs under ``torch.compile`` (said by ``compiled=True``, with no compiled
-    module inside it): then it gets no forward pre-hook. Under compile the pre-hook would only be
-    traced, doing nothing (`DDPDriver.before_forward`), and a hook on DDP costs a graph break: after
-    DDP's own break (its logger's ``set_runtime_stats_and_log``), dynamo traces the ``forward`` of a
-    built-in module that has hooks as a frame of its own (``trace_rules.check_verbose``: "inbuilt
-    nn.Module.forward allowed - module has hooks") and meets the same break again there."""
+    module inside it): then it gets no forward pre-hook, which would only be traced, doing nothing
+    (`DDPDriver.before_forward`), and cost a graph break (dynamo traces a hooked built-in module's
+    ``forward`` as a frame of its own, and meets DDP's own break again there)."""
     return bool(compiled) and not is_compiled(ddp.module)
 
 
@@ -46,16 +45,23 @@ def close_previous(module: nn.Module) -> None:
 
 
 def attach(ddp: nn.parallel.DistributedDataParallel, config: Union[DADConfig, Mapping, None],
-            aggregator: Optional[FactorAggregator], timeout: Optional[timedelta],
-            compiled: Optional[bool] = None) -> DADSynchronizer:
-    """A synchroniser on ``ddp.module`` driven by DDP's hook (DDP broadcast the parameters)."""
+           aggregator: Optional[FactorAggregator], timeout: Optional[timedelta],
+           compiled: Optional[bool] = None, state: Optional[Mapping] = None) -> DADSynchronizer:
+    """A synchroniser on ``ddp.module`` driven by DDP's hook (DDP broadcast the parameters), with
+    ``state`` loaded (a pickled hook's); the captures a loaded module came with, and the hook of a
+    previous DDP around it, are removed first."""
+    remove_detached_captures(ddp.module)
+    close_previous(ddp.module)
     if aggregator is None:
         from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
         aggregator = TorchDistributedAggregator(ranks_group(ddp.process_group, timeout))
     # DDP broadcast rank 0's parameters and buffers when it wrapped the model
     with banner.engine("DDP (comm hook)"):
-        return DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, compiled=compiled,
+        sync = DADSynchronizer(ddp.module, aggregator, config, broadcast_parameters=False, compiled=compiled,
                                _driven_by_ddp=True)
+    if state is not None:
+        sync.load_state_dict(state)
+    return sync
 
 
 def ranks_group(process_group, timeout: Optional[timedelta] = None):

@@ -1,53 +1,40 @@
-"""dAD as a DDP communication hook: DDP's own all-reduce is replaced, not run besides dAD.
+"""dAD as a DDP communication hook: DDP's own all-reduce is replaced, not run besides dAD
+(what DDP users keep: ``docs/guides/torch-distributed.md``).
 
-DDP hands each gradient bucket to a communication hook and copies whatever the hook's future
-returns into the parameters' ``.grad``. `register_dad_comm_hook` installs a hook that passes the
-bucket's finished local gradients to a `DADSynchronizer` running on ``ddp.module``: captured
-weights travel as factors, the rest of the bucket through dAD's dense buckets, and the averaged
-results are written back into the bucket. Buckets arrive in the same order on every rank; the step
-runs on the synchroniser's worker thread, overlapping the rest of backward, and every bucket's
-future completes when the step is over (DDP waits for them at the end of backward).
+DDP hands each gradient bucket to a communication hook and copies what the hook's future returns
+into ``.grad``. `register_dad_comm_hook`'s hook passes the bucket's finished local gradients to a
+`DADSynchronizer` on ``ddp.module``: captured weights travel as factors, the rest through dAD's
+dense buckets, and the averages are written back into the bucket. Buckets arrive in the same order
+on every rank; the step runs on the synchroniser's worker thread, overlapping the rest of backward,
+and every bucket's future completes when the step is over.
 
-Out of the way when dense. A step whose every weight is dense whatever its rows (held dense by
-objective "time" between refreshes, a route trial's dense step, dense for good) and that owes
-nothing (no residual to flush, not the checked first step, not in ``join``) is DDP's own step:
-each bucket is scaled and all-reduced as it is, from the hook, the moment DDP hands it over (one
-collective per DDP bucket, the same numbers as DDP's bit for bit), and the step ends in the last
-bucket's hook, with no per-parameter work, no worker thread and, between such steps, none of the
-synchroniser's per-parameter hooks (`DDPDriver.on_native_bucket`, `DDPDriver._park_hooks`).
+Out of the way when dense. A step whose every weight is dense whatever its rows and that owes
+nothing (no residual to flush, not the checked first step, not in ``join``) is DDP's own step: each
+bucket is scaled and all-reduced as it is, from the hook (DDP's numbers bit for bit), and the step
+ends in the last bucket's hook, with no per-parameter work, no worker thread and, between such
+steps, none of the synchroniser's per-parameter hooks (`DDPDriver.on_native_bucket`, `_park_hooks`).
 
-What DDP users keep: ``ddp.no_sync()`` accumulation (the hook is not called, factors keep
-accumulating and go with the next synchronised backward), gradient clipping and optimizers after
-backward, mixed precision. Costs are those of `DADSynchronizer`.
+Uneven inputs (``ddp.join()``). DDP's join hook hands a joined rank's buckets, zeroed, to the hook
+outside any backward; dAD runs the step with this rank adding nothing (`sink.BucketViewSink.shadow`),
+so the others' collectives match. As DDP divides by the initial world size, or with
+``divide_by_initial_world_size=False`` by the ranks still training, dAD counts those ranks with one
+more all-reduce of one number in every step of a DDP that has entered ``join``, and a gradient left
+in ``.grad`` from before the step counts once per rank still training (`BucketViewSink.prior_scale`).
 
-Uneven inputs (``ddp.join()``). A rank that has run out of inputs shadows the others'
-collectives: DDP's join hook hands each bucket, zeroed, to the hook outside any backward. dAD then
-runs the step with this rank adding nothing (`sink.BucketViewSink.shadow`: no rows, no dense
-gradient, whatever ``.grad`` holds), so the others' collectives match. DDP's own reduction sums
-what the ranks still training hold in ``.grad`` and divides by the initial world size, or with
-``join(divide_by_initial_world_size=False)`` by the ranks still training; dAD does the same: one
-more all-reduce, of one number, counts those ranks in every step of a DDP that has entered
-``join`` (DDP keeps its join config afterwards, and so its own extra collectives too), and a
-gradient left in ``.grad`` from before the step (the window's prior, the same on every rank) counts
-once per rank still training (`sink.BucketViewSink.prior_scale`).
-
-Pickling (``torch.save(ddp)``, as PyTorch's DDP tests do). DDP pickles its hooks with it; the
-hook's state (`DDPDriver`) pickles as PowerSGD's state does: without its process group (and
-without the synchroniser's threads), with the config and this rank's dAD state
-(`DADSynchronizer.state_dict`). DDP's unpickling builds a new reducer without the hook; the
-loaded model's first forward with gradients enabled attaches a new synchroniser over a new group
-of DDP's (default) group's ranks, loads that state and registers the hook again, so training goes
-on with dAD. Like any DDP training forward, that first forward must run on every rank. A DDP
-registered with ``compiled=True`` (compiled itself) has no such pre-hook (`_wrapper_compiled`:
-traced, it did nothing, and it cost a graph break): loaded, it is attached again by calling
-`register_dad_comm_hook` on it (with no config: the saved config and state).
+Pickling (``torch.save(ddp)``). The hook's state (`DDPDriver`) pickles as PowerSGD's does: without
+its process group and threads, with the config and this rank's dAD state. DDP's unpickling builds
+a reducer without the hook; the loaded model's first forward with gradients enabled (on every rank)
+attaches a new synchroniser over a new group of DDP's (default) group's ranks, loads that state and
+registers the hook again. A DDP registered with ``compiled=True`` has no such pre-hook
+(`_wrapper_compiled`): loaded, it is attached again by `register_dad_comm_hook` (with no config:
+the saved config and state).
 """
 # No `from __future__ import annotations` here: DDP inspects the hook's annotations and
 # accepts only the real `dist.GradBucket` / `Future[Tensor]` objects, not strings.
 import logging
 import weakref
 from datetime import timedelta
-from typing import Callable, List, Mapping, Optional, Union
+from typing import List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -55,14 +42,11 @@ from torch import nn
 
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.capture.compiled import compiling
-from dad_integrations.capture.hooks import remove_detached_captures
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.trial import in_backward
 from dad_integrations.synchronizer import DADSynchronizer
-from dad_integrations.ddp_attach import DRIVERS as _DRIVERS, attach as _attach, close_previous as _close_previous
-from dad_integrations.ddp_attach import wrapper_compiled as _wrapper_compiled
-from dad_integrations.ddp_native import NativeSteps
-from dad_integrations.ddp_step import StepEnd, raise_in_backward as _raise_in_backward
+from dad_integrations.ddp_attach import DRIVERS as _DRIVERS, attach as _attach, wrapper_compiled as _wrapper_compiled
+from dad_integrations.ddp_step import DDPSteps, OnDone, raise_in_backward as _raise_in_backward
 
 log = logging.getLogger(__name__)
 
@@ -88,38 +72,29 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
     loaded = [s for _, s in ddp._comm_hooks if isinstance(s, DDPDriver) and s.sync is None]
     if loaded and len(loaded) == len(ddp._comm_hooks):
         ddp._comm_hooks = []
-        remove_detached_captures(ddp.module)
     if ddp._comm_hooks:
         raise RuntimeError("this DDP model has a communication hook already (DDP takes one, registered once)")
-    _close_previous(ddp.module)
-    sync = _attach(ddp, loaded[0]._loaded["config"] if loaded and config is None else config, aggregator,
-                   timeout, compiled)
-    if loaded and config is None:
-        sync.load_state_dict(loaded[0]._loaded["state"])
+    saved = loaded[0]._loaded if loaded and config is None else {"config": config, "state": None}
+    sync = _attach(ddp, saved["config"], aggregator, timeout, compiled, state=saved["state"])
     driver = DDPDriver(sync, timeout=timeout, own_aggregator=aggregator is not None)
-    driver.ddp = weakref.ref(ddp)
-    _DRIVERS[ddp.module] = driver
-    ddp.register_comm_hook(driver, _dad_comm_hook)
+    driver._drive(ddp)
     if not _wrapper_compiled(ddp, compiled):
         # kept by DDP's pickling: the loaded model's first forward attaches dAD again (`DDPDriver`)
         ddp.register_forward_pre_hook(driver.before_forward)
     return driver.sync
 
 
-class DDPDriver(NativeSteps, StepEnd):
+class DDPDriver(DDPSteps):
     """Drives a `DADSynchronizer`'s steps from DDP's buckets instead of its own weight hooks.
 
     Buckets come in the same order on every rank. A unit is ready when the buckets of its weight
     and of all its biases have arrived (results go into those buckets, see `sink.BucketViewSink`);
     the step runs on the synchroniser's worker thread, and the step's futures complete when it is
-    over. An all-dense step goes by DDP's buckets as they are (`on_native_bucket`).
-
-    It is DDP's hook state, and pickles as PowerSGD's does (see the module doc): the config and
-    this rank's dAD state go, the synchroniser and its group do not; ``sync`` is None once loaded,
-    until `before_forward` attaches a new one.
+    over. An all-dense step goes by DDP's buckets as they are (`on_native_bucket`). It is DDP's hook
+    state (pickling: the module doc); ``sync`` is None once loaded, until `before_forward` attaches one.
     """
 
-    def __init__(self, sync: DADSynchronizer, *, timeout: Optional[timedelta] = None,
+    def __init__(self, sync: Optional[DADSynchronizer], *, timeout: Optional[timedelta] = None,
                  own_aggregator: bool = False):
         self.sync: Optional[DADSynchronizer] = sync
         self.timeout = timeout
@@ -135,11 +110,7 @@ class DDPDriver(NativeSteps, StepEnd):
                 "timeout": self.timeout, "own_aggregator": self.own_aggregator}
 
     def __setstate__(self, saved: dict) -> None:
-        self.sync = None
-        self.serialise = None
-        self.ddp = None
-        self.timeout = saved["timeout"]
-        self.own_aggregator = saved["own_aggregator"]
+        self.__init__(None, timeout=saved["timeout"], own_aggregator=saved["own_aggregator"])
         self._loaded = saved
 
     def before_forward(self, ddp: nn.parallel.DistributedDataParallel, args: tuple) -> None:
@@ -156,30 +127,27 @@ class DDPDriver(NativeSteps, StepEnd):
 
     def _reattach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Attach a new synchroniser to a loaded DDP, with the saved state; register the hook."""
-        saved = self._loaded
         if self.own_aggregator and dist.get_rank() == 0:
             log.warning("dAD: the loaded DDP model's hook was registered with an aggregator of the user's, "
                         "which does not pickle; it is re-attached over DDP's (default) process group")
-        remove_detached_captures(ddp.module)
-        _close_previous(ddp.module)
-        sync = _attach(ddp, saved["config"], None, self.timeout)
-        sync.load_state_dict(saved["state"])
+        sync = _attach(ddp, self._loaded["config"], None, self.timeout, state=self._loaded["state"])
         # DDP's unpickling kept this hook in _comm_hooks but built its reducer without it
         ddp._comm_hooks = [(h, s) for h, s in ddp._comm_hooks if s is not self]
-        ddp.register_comm_hook(self, _dad_comm_hook)
         self.sync, self._loaded, self.own_aggregator = sync, None, False
+        self._drive(ddp)
+
+    def _drive(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Become ``ddp``'s communication hook (and the hook of the last DDP around its module)."""
         self.ddp = weakref.ref(ddp)
         _DRIVERS[ddp.module] = self
+        ddp.register_comm_hook(self, _dad_comm_hook)
 
     def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
-                  on_done: Callable[[Optional[BaseException]], None], buffer: Optional[torch.Tensor] = None) -> None:
+                  on_done: OnDone, buffer: Optional[torch.Tensor] = None) -> None:
         """DDP handed over a bucket of finished local gradients; results are written into ``views``."""
         sync = self._live_sync()
         window = sync._current_window()
-        if window.native is None:  # the step's first bucket decides
-            window.native = [] if buffer is not None and self._native(window) else False
-        if window.native is not False:  # a native step (see `on_native_bucket`): views are not used
-            self._add_native(window, buffer, params, last, on_done)
+        if self._take_native(window, buffer, lambda: params, last, on_done):  # views are not used
             return
         if not window.sink.views and self._joined():  # the step's first bucket, shadowed by join
             window.sink.shadow = True

@@ -1,23 +1,82 @@
-"""How a DDP-driven step ends: on dAD's worker thread or inline in the last bucket's hook (NCCL with
-``find_unused_parameters``), and, in a DDP that has entered ``join``, with the ranks still
-training counted (`ddp_hook`'s module doc, "Uneven inputs").
+"""How a DDP-driven step runs and ends: a step of DDP's buckets as they are (each bucket scaled and
+all-reduced from the hook, `ddp_hook`'s module doc, "Out of the way when dense"), the step's end on
+dAD's worker thread or inline in the last bucket's hook (NCCL with ``find_unused_parameters``), and,
+in a DDP that has entered ``join``, the ranks still training counted ("Uneven inputs").
 
-A base of `ddp_hook.DDPDriver`, which holds the state these methods read.
+The base of `ddp_hook.DDPDriver`, which holds the state these methods read.
 """
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.routing.trial import in_backward
 
+OnDone = Callable[[Optional[BaseException]], None]
 
-class StepEnd:
-    """The step-ending half of `ddp_hook.DDPDriver` (no state of its own)."""
+
+class DDPSteps:
+    """The step-running half of `ddp_hook.DDPDriver` (no state of its own)."""
+
+    def on_native_bucket(self, bucket: dist.GradBucket, on_done: OnDone) -> bool:
+        """If this step goes by DDP's buckets as they are (`_native`, decided at its first bucket):
+        put ``bucket`` on the wire now and, at the last bucket, end the step; returns whether it
+        did (False: the per-parameter path, `on_bucket`). Asked before the bucket's per-parameter
+        views are cut: a native step needs none."""
+        window = self._live_sync()._current_window()
+        return self._take_native(window, bucket.buffer(), bucket.parameters, bucket.is_last(), on_done)
+
+    def _take_native(self, window, buffer: Optional[torch.Tensor], params: Callable[[], List[torch.Tensor]],
+                     last: bool, on_done: OnDone) -> bool:
+        """One bucket of a native step on the wire (`Exchanger.start_native`: scaled before the sum,
+        as DDP scales its own), the step's first bucket deciding whether it is one; returns whether
+        it was. The last bucket ends the step right here, on the autograd thread: every collective
+        of the step is issued by then and DDP waits for the buckets' futures next anyway; a hop to
+        dAD's worker thread would only add thread wake-ups and GIL hand-overs."""
+        if window.native is None:
+            window.native = [] if buffer is not None and self._native(window) else False
+        if window.native is False:
+            return False
+        sync = self.sync
+        with window.lock:
+            window.native.append(sync._exchanger.start_native(buffer, sync.scale) + (params(),))
+            window.done.append(on_done)
+        if last:
+            self._run_step(window, inline=True)
+        return True
+
+    def _join_config(self):
+        """DDP's ``join`` config where it has entered ``join``, else None."""
+        config = getattr(self.ddp() if self.ddp is not None else None, "_join_config", None)
+        return config if config is not None and config.enable else None
+
+    def _native(self, window) -> bool:
+        """Whether this step goes by DDP's buckets as they are (`RoutePolicy.native_dense`); not in a
+        ``join`` (its shadow and divisor are dAD's to apply)."""
+        sync = self.sync
+        return self._join_config() is None and sync._exchanger.policy.native_dense(sync._steps, not sync._verified)
+
+    def _park_hooks(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Before a training forward with no step open: a step whose every unit is sure to go dense
+        (`DADSynchronizer._bookless`, refreshed when a step ends) runs without the per-parameter
+        hooks (they would only note that backward reached each parameter: ~50 Python calls a step);
+        a step that needs them gets them back. Changed here, between steps and outside backward,
+        before every forward whose backward DDP reduces. A forward inside ``no_sync()`` opens the step's window now, as its backward's first hook
+        would: the step's span (route trials) starts at its first micro-step, and
+        `DADSynchronizer.load_state_dict` refuses to load between micro-steps."""
+        sync = self.sync
+        if sync._window is not None:  # a step is open (micro-steps): its hooks stay as they are
+            return
+        parked = len(sync._bookless) == len(sync._plan.units)
+        sync._set_param_hooks(not parked)
+        if parked and not ddp.require_backward_grad_sync:
+            sync._clock.forward()
+            sync._current_window()
 
     def _run_step(self, window, inline: bool = False) -> None:
         """The step's last bucket is in: end the step on the worker, or here (``inline``, `_serialised`)."""
@@ -28,12 +87,10 @@ class StepEnd:
             self.sync._dispatch(window, self._step)
 
     def _serialised(self) -> bool:
-        """Whether this step's exchange runs inline, in the last bucket's hook: on NCCL, a DDP with
-        ``find_unused_parameters=True`` all-reduces its used-parameter map on its own communicator,
-        from the autograd thread, right after that hook returns; dAD's worker thread would race it,
-        and NCCL operations on two communicators enqueued in different orders on different ranks can
-        deadlock. Inline, every dAD collective is enqueued before the map's, on every rank (the step
-        then overlaps nothing). ``serialise`` (True/False) overrides the choice."""
+        """Whether this step's exchange runs inline, in the last bucket's hook: on NCCL with
+        ``find_unused_parameters=True``, so that every dAD collective is enqueued before DDP's
+        used-parameter map's, on every rank (``docs/guarantees.md``, "Collective order (NCCL)").
+        ``serialise`` (True/False) overrides the choice."""
         if self.serialise is not None:
             return self.serialise
         ddp = self.ddp() if self.ddp is not None else None
@@ -46,18 +103,14 @@ class StepEnd:
 
     def _joined(self) -> bool:
         """This rank has joined (``ddp.join()``): DDP hands over buckets outside any backward."""
-        ddp = self.ddp() if self.ddp is not None else None
-        config = getattr(ddp, "_join_config", None)
-        return bool(config is not None and config.enable and not in_backward())
+        return self._join_config() is not None and not in_backward()
 
     def _join_postscale(self, window) -> Tuple[Optional[float], Optional[ParamReport]]:
         """In a DDP that has entered ``join``: the step's postscale (DDP's divisor: the ranks still
         training with ``divide_by_initial_world_size=False``, else None for all ranks), having
         set the window's prior scale; the traffic of counting those ranks (every rank, joined or
         not, runs that collective in the step). Elsewhere (None, None)."""
-        ddp = self.ddp() if self.ddp is not None else None
-        config = getattr(ddp, "_join_config", None)
-        if config is None or not config.enable:
+        if self._join_config() is None:
             return None, None
         sync = self.sync
         flag = torch.tensor([0.0 if window.sink.shadow else 1.0], device=sync._exchanger.device)
@@ -66,7 +119,7 @@ class StepEnd:
         entry = ParamReport("[join: ranks training]", "overhead", ())
         entry.add_traffic(handle.traffic)
         world = sync.aggregator.world_size
-        postscale = None if getattr(ddp, "_divide_by_initial_world_size", True) else 1.0 / active
+        postscale = None if getattr(self.ddp(), "_divide_by_initial_world_size", True) else 1.0 / active
         window.sink.prior_scale = active * (1.0 / world if postscale is None else postscale)
         return postscale, entry
 

@@ -1,12 +1,7 @@
-"""Elastic restarts under torchrun: a default group whose store keys cannot meet a dead attempt's.
-
-torchrun's agent (c10d rendezvous, torch >= 2.4) hosts one TCPStore for the whole job and hands
-every attempt the same ``MASTER_ADDR``/``MASTER_PORT``; torch's ``env://`` init keys the default
-group under ``default_pg/`` whatever the attempt. A restarted gloo rank can then read a dead
-attempt's peer addresses: ``connectFullMesh ... Connection refused``, or a wait far past the
-timeout (pytorch/pytorch#135712). `init_process_group` builds the store as torch does and puts
-the group's keys under a prefix of their own per restart attempt; `warn_if_unprefixed` says so at attach when a
-restarted job did not use it.
+"""Elastic restarts under torchrun: a default group whose store keys cannot meet a dead attempt's
+(why: ``docs/checkpoints.md``, "Elastic restarts across nodes"; pytorch/pytorch#135712).
+`init_process_group` puts the group's keys under a prefix of their own per restart attempt;
+`warn_if_unprefixed` says so at attach when a restarted job did not use it.
 """
 from __future__ import annotations
 
@@ -37,25 +32,16 @@ def shared_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
-def attempt_prefix(attempt: int, world_size: int) -> str:
-    """The store prefix of one attempt of this run. The world size is in it too: an agent restarts
-    its workers without counting a restart when nodes join, and the world then grows."""
-    return f"dad_elastic/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt_{attempt}/world_{world_size}/default_pg"
-
-
 def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
                        timeout: Optional[timedelta] = None, world_size: int = -1, rank: int = -1,
                        store: Optional[dist.Store] = None, **kwargs: Any) -> None:
     """A drop-in for `torch.distributed.init_process_group` that survives torchelastic restarts.
 
-    Under torchelastic (``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` set) on the
-    agent's shared store (``TORCHELASTIC_USE_AGENT_STORE``) with the ``env://`` rendezvous, the
-    store is built from the environment exactly as torch builds it (a client of the agent's store
-    at ``MASTER_ADDR``/``MASTER_PORT``), with ``timeout`` (torch's default for ``backend`` when
-    None) on the store too, and wrapped in a ``PrefixStore`` of the restart attempt (and world
-    size): a restarted rank never reads a dead attempt's addresses. Anywhere else, or given a
-    ``store`` or another ``init_method``, it is torch's call unchanged. Other keyword arguments
-    (``device_id``, ``pg_options``, ...) pass through.
+    Under torchelastic on the agent's shared store with the ``env://`` rendezvous, the store is
+    built as torch builds it, with ``timeout`` (torch's default for ``backend`` when None) on the
+    store too, inside a ``PrefixStore`` of the restart attempt (and world size). Anywhere else, or
+    given a ``store`` or another ``init_method``, it is torch's call unchanged. Other keyword
+    arguments (``device_id``, ``pg_options``, ...) pass through.
 
     Every node's agent must count the same restarts (it does when a node is lost: every surviving
     node's workers fail and restart). A node joining later starts at count 0 while the others do
@@ -76,7 +62,10 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     from torch.distributed.rendezvous import rendezvous
     base, rank, world_size = next(rendezvous("env://", rank, world_size, timeout=timeout))
     base.set_timeout(timeout)
-    prefixed = dist.PrefixStore(attempt_prefix(attempt, world_size), base)
+    # one prefix per attempt, and per world size: an agent restarts its workers without counting a
+    # restart when nodes join, and the world then grows
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    prefixed = dist.PrefixStore(f"dad_elastic/{run}/attempt_{attempt}/world_{world_size}/default_pg", base)
     dist.init_process_group(backend, timeout=timeout, world_size=world_size, rank=rank, store=prefixed, **kwargs)
     _group = dist.group.WORLD
 

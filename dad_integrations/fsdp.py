@@ -9,30 +9,21 @@
     sync.last_step_report()  # bytes, beside what FSDP2's reduce-scatter would move
 
 FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``ReduceScatter``
-(`FSDPModule.set_custom_reduce_scatter`; layout, scaling and call order in
-``docs/internals/fsdp2_notes.md``). `fsdp_seams.DADReduceScatter` turns each call into a `ShardedCall` for
-`exchange.sharded.ShardedExchanger`, which routes, checks and keeps the rank routes' state, and
-whose row-block exchanges (`exchange.row_shards`) fill this rank's output chunk. Here is only FSDP's
-side of it (FSDP's internals in `fsdp_seams`): its groups and the parameters each call reduces, its
-scaling (results are scaled as its reduce-scatter would scale them; FSDP then post-divides, casts
-and accumulates into the sharded ``.grad``), and its own reduce-scatter for the rest.
+(`FSDPModule.set_custom_reduce_scatter`). `fsdp_seams.DADReduceScatter` turns each call into a
+`ShardedCall` for `exchange.sharded.ShardedExchanger`, which routes, checks and keeps the rank
+routes' state, and whose row-block exchanges (`exchange.row_shards`) fill this rank's output chunk.
+Here is only FSDP's side of it (its internals in `fsdp_seams`; layout, scaling, call order, the
+committed-rows trap and the limits in ``docs/internals/fsdp2_notes.md``): its groups and the
+parameters each call reduces, its scaling, and its own reduce-scatter for the rest.
 
-A step runs from the root's forward (a forward pre-hook: a route trial's span) to a callback queued
-on autograd's engine at the step's first reduce-scatter, which runs after FSDP's own final callback,
-queued at backward's start: the ranks agree there. Rows are sent only once autograd has added them
-to the unsharded gradient (`capture.committed.CommittedRows`: FSDP's post-backward can run before
-the weight's ``AccumulateGrad``). No-sync micro-steps need nothing: the hook is not called, the
-captures keep their rows. Weights are handled as their matrix view ``(shape[0], prod(shape[1:]))``:
-FSDP2's ``Shard(0)`` cuts its rows.
-
-HSDP (a 2-D ``("replicate", "shard")`` mesh): FSDP keeps the reduce-scatter inside the node and dAD
-takes the all-reduce between nodes (`exchange.replicate_hop`, the seam in `fsdp_seams`); the call
-is a `_HSDPCall` through the same exchanger.
-
-Limits (each falls back to FSDP's own reduce-scatter, logged once): ``Shard(d>0)``, all-gather
-extensions, TP (DTensor) parameters, several parameter groups per module, CPU offload, a
-replicate-only mesh. An adaptive
-rank (``adaptive_tolerance``) is refused, and so is FSDP1 (`engines.fsdp_detect`).
+A step runs from the root's forward (a route trial's span) to a callback queued on autograd's
+engine at the step's first reduce-scatter, after FSDP's own final callback: the ranks agree there.
+Rows are sent only once autograd has added them to the unsharded gradient (`capture.committed`).
+No-sync micro-steps need nothing: the hook is not called, the captures keep their rows. Under HSDP
+(a 2-D ``("replicate", "shard")`` mesh) FSDP keeps the reduce-scatter inside the node and dAD takes
+the all-reduce between nodes (`exchange.replicate_hop`), a `_HSDPCall` through the same exchanger.
+What dAD cannot take falls back to FSDP's own reduce-scatter, logged once; an adaptive rank
+(``adaptive_tolerance``) is refused, and so is FSDP1 (`engines.fsdp_detect`).
 """
 from __future__ import annotations
 

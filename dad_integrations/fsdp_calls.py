@@ -17,22 +17,14 @@ from dad_integrations.exchange.row_shards import RowShardCall
 from dad_integrations.report import ShardedStepReport
 
 
-class _FSDPCall(RowShardCall):
-    """One FSDP reduce-scatter, as `ShardedExchanger.reduce` takes it (``sync``: the `FSDPDADSynchronizer`)."""
-
-    def __init__(self, sync: Any, slots: list, out: torch.Tensor, inp: torch.Tensor, predivide: float,
-                 group: dist.ProcessGroup, op, scale: float, aggregator: TorchDistributedAggregator):
-        super().__init__(slots, out, inp, predivide, aggregator, scale, sync.exchanger.wire, sync.exchanger.rank_codec)
-        self.sync, self.group, self.op = sync, group, op
+class _Units:
+    """What both calls take from the `FSDPDADSynchronizer` (``sync``): units, committed rows, the step's end."""
 
     def units(self) -> List[FactorUnit]:
         return [u for u in (self.sync._unit_of.get(id(s.param)) for s in self.slots) if u is not None]
 
     def take_pairs(self, unit: FactorUnit, use) -> list:
         return self.sync._committed.take(use)
-
-    def reduce_rest(self, slots: list, report: ShardedStepReport) -> None:
-        seams.reduce_scatter(slots, self.sink, self.group, self.op, report)
 
     def at_step_end(self, end: Callable[[], None]) -> None:
         if torch._C._current_graph_task_id() < 0:
@@ -41,7 +33,19 @@ class _FSDPCall(RowShardCall):
             Variable._execution_engine.queue_callback(end)
 
 
-class _HSDPCall(ReplicateHopCall):
+class _FSDPCall(_Units, RowShardCall):
+    """One FSDP reduce-scatter, as `ShardedExchanger.reduce` takes it (``sync``: the `FSDPDADSynchronizer`)."""
+
+    def __init__(self, sync: Any, slots: list, out: torch.Tensor, inp: torch.Tensor, predivide: float,
+                 group: dist.ProcessGroup, op, scale: float, aggregator: TorchDistributedAggregator):
+        super().__init__(slots, out, inp, predivide, aggregator, scale, sync.exchanger.wire, sync.exchanger.rank_codec)
+        self.sync, self.group, self.op = sync, group, op
+
+    def reduce_rest(self, slots: list, report: ShardedStepReport) -> None:
+        seams.reduce_scatter(slots, self.sink, self.group, self.op, report)
+
+
+class _HSDPCall(_Units, ReplicateHopCall):
     """One HSDP reduce-scatter, FSDP's part of `exchange.replicate_hop.ReplicateHopCall`."""
 
     def __init__(self, sync: Any, slots: list, out: torch.Tensor, inp: torch.Tensor,
@@ -50,15 +54,7 @@ class _HSDPCall(ReplicateHopCall):
         super().__init__(slots, out, inp, predivide, scale, sync._replicate, ex.wire, ex.rank_codec, ex.config)
         self.sync, self.shard_group = sync, shard_group  # FSDP's reduce-scatter group: the node's ranks
 
-    def units(self) -> List[FactorUnit]:
-        return [u for u in (self.sync._unit_of.get(id(s.param)) for s in self.slots) if u is not None]
-
-    def take_pairs(self, unit: FactorUnit, use) -> list:
-        return self.sync._committed.take(use)
-
     def reduce_scatter_node(self, compact: torch.Tensor) -> torch.Tensor:
         result = torch.empty(compact.numel() // self.shard_group.size(), dtype=compact.dtype, device=compact.device)
         dist.reduce_scatter_tensor(result, compact, op=dist.ReduceOp.SUM, group=self.shard_group)
         return result
-
-    at_step_end = _FSDPCall.at_step_end

@@ -136,22 +136,16 @@ def scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float,
     pre, _, rs_op, _ = _get_gradient_divide_factors(group, None, inp.dtype, inp.device.type,
                                                     pg.gradient_divide_factor, pg.force_sum_reduction_for_comms)
     pre = pre or 1.0
-    if rs_op == ReduceOp.AVG:
-        return pre, 1.0 / pre / group.size()
-    if rs_op == ReduceOp.SUM:
-        return pre, 1.0 / pre
-    return pre, 1.0 / pre / float(pg.gradient_divide_factor)
+    divide = (group.size() if rs_op == ReduceOp.AVG
+              else 1.0 if rs_op == ReduceOp.SUM else float(pg.gradient_divide_factor))
+    return pre, 1.0 / pre / divide
 
 
 # -- HSDP: the replicate hop ------------------------------------------------------------------------
-# torch 2.13's FSDPParamGroup runs its all-reduce between replicas inside `foreach_reduce`, with no
-# hook that can replace it (`set_all_reduce_hook` runs after it on a 2-D mesh). It runs it when the
-# group's own ``mesh_info`` is a `DDPMeshInfo` (HSDP's is). dAD gives the group a 1-D view of the
-# same shard dim instead: FSDP then reduce-scatters inside the node and stops, and dAD's
-# reduce-scatter does the hop between nodes. The FSDPParams keep their own 2-D mesh info, so
-# parameters, gradients and state dicts stay DTensors on the ("replicate", "shard") mesh, exactly
-# as without dAD. No function is patched; the attribute is put back at `close`. Checked by
-# `tests/test_hsdp.py` on the torch versions below; others are refused.
+# FSDP runs its all-reduce between replicas inside `foreach_reduce`, with no hook that can replace
+# it; dAD gives the group a 1-D view of the same shard dim, so FSDP reduce-scatters inside the node
+# and stops, and dAD does the hop between nodes (``docs/internals/fsdp2_notes.md``, "HSDP"). No
+# function is patched; the attribute is put back at `close`. Checked on the torch versions below.
 HSDP_TORCH = ("2.13",)
 
 

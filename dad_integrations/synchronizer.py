@@ -7,20 +7,16 @@ Usage, in an ordinary training loop::
     sync.synchronize()        # every param.grad now holds the average over ranks, as DDP gives
     optimizer.step()
 
-How a step runs. Forward hooks keep each captured layer's input rows, and a hook on the layer's
-output keeps its output-gradient rows (`capture`). When backward first reaches a synchronised
-parameter, the step's `exchange.window.StepWindow` opens and keeps what ``.grad`` already held (the
-prior); when autograd has finished a weight and all its biases, their unit is ready, and the
-`exchange.Exchanger` on a background thread (`worker`) exchanges the units in an order every rank
-shares, each through the codec its route (`router`) picks; a dense bucket is all-reduced as soon
-as it is full. `synchronize()` releases units that never got a gradient, lets the last dense
-buckets go and waits; the results land in the step's sink (`.grad`, or DDP's buckets when DDP
-drives the step through `ddp_hook`). A unit sure to go dense in a step (a held dense route, or
-dense for good) skips the window's bookkeeping in its hooks: it needs no prior and no marks.
+How a step runs (``docs/concepts/step.md``): the step's `exchange.window.StepWindow` opens when
+backward first reaches a synchronised parameter, keeping what ``.grad`` held (the prior); a unit is
+ready when autograd has finished its weight and biases, and the `exchange.Exchanger` exchanges it on
+a background thread (`worker`); `synchronize()` releases units that never got a gradient and waits.
+Results land in the step's sink (`.grad`, or DDP's buckets through `ddp_hook`). A unit sure to go
+dense in a step skips the window's bookkeeping in its hooks: it needs no prior and no marks.
 
 This class is the facade over those pieces: it wires the hooks (`synchronizer_hooks`), holds the
 step's lifecycle (open, dispatch, finish: `synchronizer_step`), and carries what survives a
-checkpoint (`state_dict`, `synchronizer_state`).
+checkpoint (`state_dict`: the rank routes' state, `codecs.route_state`, and the units' flags).
 """
 from __future__ import annotations
 
@@ -40,9 +36,9 @@ from dad_integrations.exchange.exchanger import Exchanger
 from dad_integrations.report import StepReport
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
+from dad_integrations.codecs.route_state import STATE_VERSION, route_table
 from dad_integrations.exchange.levels import build_levels
 from dad_integrations.synchronizer_hooks import ParamHooks
-from dad_integrations.synchronizer_state import load_units_state, sync_state
 from dad_integrations.synchronizer_step import StepLifecycle
 
 if TYPE_CHECKING:
@@ -65,13 +61,11 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
             postscale f/size``, as is DeepSpeed's.
         backward_passes_per_step: a weight's exchange starts at its k-th backward pass (Horovod's
             ``backward_passes_per_step``); factors of the earlier passes are kept and sent with it.
-        broadcast_parameters: copy rank 0's parameters and buffers to every rank now, as DDP does
-            when it wraps a model. Engines that broadcast themselves (DDP, DeepSpeed) or leave it to
-            the user (Horovod's ``broadcast_parameters``) turn it off.
-        compiled: whether the model runs under ``torch.compile``; None reads it from the model (a
-            compiled module in it). Layer kinds that cannot capture under compile then hand their
-            weights to the rank routes from the dense gradient, said at attach
-            (`capture.compiled`). An engine that compiles the model after attach says True.
+        broadcast_parameters: copy rank 0's parameters and buffers to every rank now, as DDP does;
+            engines that broadcast themselves or leave it to the user (Horovod) turn it off.
+        compiled: whether the model runs under ``torch.compile`` (None: a compiled module in it; an
+            engine that compiles it after attach says True); layer kinds that cannot capture under
+            compile then hand their weights to the rank routes (`capture.compiled`).
     """
 
     def __init__(self, model: nn.Module, aggregator: Optional[FactorAggregator] = None,
@@ -172,9 +166,8 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
         return self._report
 
     def set_link(self, link: Union["LinkModel", Mapping]) -> None:
-        """Route by ``link`` (a `routing.link.LinkModel` or a config ``link`` dict; pass the same on every
-        rank) from the next route refresh on (every ``route_refresh_steps``), in place of the
-        measured or configured one; with ``objective="bytes"`` it has no effect."""
+        """Route by ``link`` (a `routing.link.LinkModel` or a config ``link`` dict, the same on every rank)
+        from the next route refresh on, in place of the measured or configured one (not by bytes)."""
         from dad_integrations.routing.link import LinkModel
         self._exchanger.policy.set_link(LinkModel.from_spec(link))
 
@@ -186,9 +179,8 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
 
     @property
     def route_trials(self) -> list:
-        """The route trials so far (`routing.trial.TrialOutcome`: the measured steps on a refresh's
-        routes and all dense, and what was kept); empty where routes are not chosen by time on a
-        measured link."""
+        """The route trials so far (`routing.trial.TrialOutcome`: a refresh's routes and all dense
+        measured, and what was kept); empty where routes are not chosen by time on a measured link."""
         trial = self._exchanger.policy.trial
         return list(trial.outcomes) if trial is not None else []
 
@@ -206,13 +198,32 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
         """This rank's dAD state: per weight its rank-dAD warm start and error-feedback residual
         (they differ across ranks: save them per rank) and whether it went dense for good; the
         step count, the first-step check and auto's last agreed row counts."""
-        return sync_state(self._exchanger, self._plan.units, self._steps, self._verified)
+        ex = self._exchanger
+        return {"version": STATE_VERSION, "steps": self._steps, "verified": self._verified,
+                "units": {u.name: {"dense_only": u.dense_only, "rows_unused": u.rows_unused,
+                                   "last_rows": ex.policy.last_rows.get(u.index)} for u in self._plan.units},
+                "rank_routes": ex.state.state_dict()}
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore `state_dict`'s state; tensors go to each parameter's device and compute dtype."""
+        """Restore `state_dict`'s state, or one of version 2 (the rank routes' entries inside ``units``)
+        or 1 (the units' table alone, by name); tensors go to each parameter's device and compute
+        dtype. Raises `ValueError` for weights this model does not have."""
         if self.backward_pending:
             raise RuntimeError("load_state_dict() was called between backward and synchronize()")
-        if load_units_state(self._exchanger, self._plan.units, state):
+        ex, versioned = self._exchanger, state.get("version") in (2, STATE_VERSION)
+        units_in = state.get("units", {}) if versioned else state
+        by_name = {u.name: u for u in self._plan.units}
+        unknown = sorted(set(units_in) - set(by_name))
+        if unknown:
+            raise ValueError(f"dAD state for unknown parameters {unknown}: was it saved from another model?")
+        ex.state.load_state_dict(route_table(state), {u.name: u.param for u in self._plan.units})
+        for name, s in units_in.items():
+            u = by_name[name]
+            u.rows_unused = bool(s.get("rows_unused", False))
+            u.set_dense_only(bool(s.get("dense_only")))
+            if s.get("last_rows") is not None:
+                ex.policy.last_rows[u.index] = [list(map(int, r)) for r in s["last_rows"]]
+        if versioned:  # the step count and the first-step check (versions 2 and 3)
             self._steps = int(state["steps"])
             self._verified = bool(state["verified"]) or not self.config.verify_first_step
         if self._exchanger.policy.trial is not None:  # every rank loads alike: a trial in progress ends on all

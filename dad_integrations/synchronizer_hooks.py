@@ -35,11 +35,8 @@ class ParamHooks:
 
     def _set_param_hooks(self, on: bool) -> None:
         """Register (``on``) or remove the per-parameter hooks: the window's bookkeeping around each
-        accumulation, and readiness outside DDP. Only a step driven by DDP's hook whose every unit
-        is sure to go dense (`_bookless`) may run without them: DDP says when gradients are final,
-        and such units keep no prior and no marks, so the hooks would only note that backward
-        reached the parameters (~50 Python calls a step). The caller changes them between steps,
-        never inside backward (`ddp_hook.DDPDriver.before_forward`)."""
+        accumulation, and readiness outside DDP. Only a DDP-driven step whose every unit is sure to
+        go dense runs without them, changed between steps (`ddp_step.DDPSteps._park_hooks`)."""
         if on == self._params_hooked:
             return
         self._params_hooked = on

@@ -1,27 +1,18 @@
-"""`DADCallback`: train with ``transformers.Trainer`` and dAD in place of gradient all-reduce.
+"""`DADCallback`: train with ``transformers.Trainer`` and dAD in place of gradient all-reduce
+(``docs/guides/accelerate.md``).
 
     trainer = Trainer(model=model, args=args, train_dataset=ds,
                       callbacks=[DADCallback({"mode": "auto", "rank": 4})])
     trainer.train()
 
-Launch as usual (``accelerate launch``, ``torchrun``). When training begins the callback finds the
-DDP wrapper the Trainer made and installs dAD as its communication hook (`enable_dad`); under
-DeepSpeed it picks up the synchroniser attached from the config's ``"dad"`` block; under FSDP2
-(``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})``, or an Accelerate FSDP config
-with ``fsdp_version: 2``) it puts dAD inside FSDP2's reduce-scatter of the model the Trainer
-sharded (`enable_dad_fsdp`). FSDP1 is refused with an error saying why (`fsdp_detect`). At every
-log it adds the bytes dAD sent per optimizer step, what all-reduce would have sent, and their ratio
-to the Trainer's own metrics (``dad_sent_bytes_per_step``, ``dad_allreduce_bytes_per_step``,
-``dad_bytes_ratio``), under FSDP2 also what FSDP2's reduce-scatter would have sent
-(``dad_reduce_scatter_bytes_per_step``, ``dad_bytes_ratio_reduce_scatter``), so they reach the
-console, ``log_history`` and any reporting integration.
-
-Checkpoints: dAD's per-rank state goes into each ``checkpoint-{step}`` folder
-(``dad_state_rank{r}.pt``, every rank its own; under DeepSpeed the engine's ``save_checkpoint``
-writes it into the folder's ``global_step{step}`` tag) and is loaded again by
-``trainer.train(resume_from_checkpoint=...)`` before the first synchronised step. Under FSDP2,
-modes exact and auto without a rank keep no state between steps: there is nothing to write or load;
-the rank routes' residuals and warm starts go into the per-rank files as under DDP.
+When training begins the callback installs dAD as the communication hook of the DDP wrapper the
+Trainer made, picks up the DeepSpeed engine's synchroniser (the config's ``"dad"`` block), or puts
+dAD inside FSDP2's reduce-scatter (`enable_dad_fsdp`); FSDP1 is refused (`fsdp_detect`). Every log
+gets the bytes dAD sent per optimizer step, what all-reduce (and under FSDP2 its reduce-scatter)
+would have sent, and their ratio (``dad_*`` metrics). dAD's per-rank state goes into each
+``checkpoint-{step}`` folder (under DeepSpeed, the engine's ``save_checkpoint`` writes it) and is
+loaded by ``trainer.train(resume_from_checkpoint=...)``; a state that holds nothing (FSDP2's exact
+and auto modes without a rank) writes no file.
 """
 from __future__ import annotations
 
@@ -79,39 +70,34 @@ class DADCallback(TrainerCallback):
         if fsdp2_modules(model):
             from dad_integrations.fsdp import enable_dad_fsdp  # imports FSDP2's internals: only when FSDP runs
             self.sync = enable_dad_fsdp(getattr(model, "_orig_mod", model), self.config)
-            if resume is not None and keeps_state(self.sync):  # exact/auto under FSDP2 keep none
-                self._load_rank_state(resume, state, world)
-            if dist.get_rank() == 0:  # the same on every rank
-                log.info("dAD enabled for Trainer (FSDP2: inside its gradient reduce-scatter)")
-            return
-        wrapper, adapter = _wrapper_of(model)
-        if wrapper is None:
-            raise RuntimeError("DADCallback found neither a DistributedDataParallel wrapper, a DeepSpeed "
-                               "engine nor an FSDP2 (fully_shard) model: launch with accelerate launch or "
-                               "torchrun on several processes")
-        if adapter is None:
-            # Trainer(torch_compile=True) compiles the wrapper: after this call, unseen from here
-            self.sync = register_dad_comm_hook(wrapper, self.config,
-                                               compiled=True if getattr(args, "torch_compile", False) else None)
-            if resume is not None:
-                self._load_rank_state(resume, state, world)
+            what = "FSDP2: inside its gradient reduce-scatter"
         else:
-            self._engine = wrapper
-            self.sync = adapter.find(wrapper)
-            if self.sync is None:
-                # attached only now: the engine's load_checkpoint, which restores dAD's state,
-                # has already run without it
-                self.sync = adapter.attach(wrapper, self.config)
-                if self.sync is not None and resume is not None and adapter.load_checkpoint_state is not None:
-                    adapter.load_checkpoint_state(wrapper, resume)
+            wrapper, adapter = _wrapper_of(model)
+            if wrapper is None:
+                raise RuntimeError("DADCallback found neither a DistributedDataParallel wrapper, a DeepSpeed "
+                                   "engine nor an FSDP2 (fully_shard) model: launch with accelerate launch or "
+                                   "torchrun on several processes")
+            what = type(wrapper).__name__
+            if adapter is None:
+                # Trainer(torch_compile=True) compiles the wrapper: after this call, unseen from here
+                self.sync = register_dad_comm_hook(wrapper, self.config,
+                                                   compiled=True if getattr(args, "torch_compile", False) else None)
+            else:
+                self._engine = wrapper
+                self.sync = adapter.find(wrapper)
+                if self.sync is None:
+                    # attached only now: the engine's load_checkpoint, which restores dAD's state,
+                    # has already run without it
+                    self.sync = adapter.attach(wrapper, self.config)
+                    if self.sync is not None and resume is not None and adapter.load_checkpoint_state is not None:
+                        adapter.load_checkpoint_state(wrapper, resume)
+        if resume is not None and self._engine is None and keeps_state(self.sync):  # FSDP2's exact/auto keep none
+            payload = load_rank_state(self.sync, resume, dist.get_rank(), world)
+            if payload is not None and payload.get("global_step", state.global_step) != state.global_step:
+                raise ValueError(f"{resume}: its dAD state was saved at step {payload['global_step']}, "
+                                 f"but training resumes at step {state.global_step}")
         if dist.get_rank() == 0:  # the same on every rank
-            log.info("dAD enabled for Trainer (%s)", type(wrapper).__name__)
-
-    def _load_rank_state(self, resume: str, state, world: int) -> None:
-        payload = load_rank_state(self.sync, resume, dist.get_rank(), world)
-        if payload is not None and payload.get("global_step", state.global_step) != state.global_step:
-            raise ValueError(f"{resume}: its dAD state was saved at step {payload['global_step']}, "
-                             f"but training resumes at step {state.global_step}")
+            log.info("dAD enabled for Trainer (%s)", what)
 
     def on_save(self, args, state, control, **kwargs) -> None:
         """Write this rank's dAD state into the checkpoint folder the Trainer has just written.

@@ -1,16 +1,8 @@
-"""One line on rank 0 when dAD attaches, shown at default log levels.
-
-Hugging Face's example scripts and the ``Trainer`` drop INFO records, so dAD's INFO logs alone
-leave a run with a ``"dad"`` block looking as if dAD never attached. DeepSpeed and Accelerate
-announce themselves through channels of their own (DeepSpeed's ``logger`` has its own handler;
-``PartialState.print`` prints on the main process); dAD does the same:
+"""One line on rank 0 when dAD attaches, shown at default log levels through `logs.say` (the
+``dad_integrations.banner`` channel, ``docs/guarantees.md``), as DeepSpeed and Accelerate announce
+themselves: Hugging Face's scripts and the ``Trainer`` drop INFO records.
 
     dAD attached to DeepSpeed ZeRO-0: mode auto, rank 4, objective time, 12 weights by factors, 4 parameters dense, world size 2
-
-The line goes through `logs.say` to the ``dad_integrations.banner`` logger, which has its own
-stderr handler and does not propagate (a root handler would print it a second time); the job's
-nodes and links, route decisions and costly modes are said there too. Silence it with
-``logging.getLogger("dad_integrations.banner").setLevel(logging.WARNING)``.
 
 Once per attach. Only the objects that do the work announce (`DADSynchronizer`, FSDP2's and
 ZeRO's synchronisers), each once, when its attach is complete. The integrations around them

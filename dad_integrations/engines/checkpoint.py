@@ -5,13 +5,8 @@ differs across ranks, so every rank writes its own ``dad_state_rank{r}.pt`` into
 folder and reads its own back. The engines' glue calls these from their checkpoint paths
 (Accelerate's ``save_state`` hooks, DeepSpeed's ``save_checkpoint``, the Trainer's ``on_save``);
 a plain ``torch.distributed`` loop calls them directly, from the package's face
-(``from dad_integrations import save_rank_state, load_rank_state``).
-
-Resuming on another number of processes (an elastic restart, a job moved from 8 to 16 nodes) is
-`merge_rank_states`' job: every new rank reads all the old ranks' files and takes their mean
-residual, which keeps what the average still owes, ``(1/S') sum e' = (1/S) sum e``; the rest of
-the state either is the same on every old rank and carries over, or belongs to the old size and
-restarts (the function's doc lists which).
+(``from dad_integrations import save_rank_state, load_rank_state``). A job of another number of
+processes loads the merge of every old rank's file (`engines.merge`).
 """
 from __future__ import annotations
 
@@ -61,10 +56,9 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
     """Load this rank's dAD state (``rank``: its process rank) from ``directory`` into ``sync``;
     returns the stored payload.
 
-    Saved by a job of the same size, this rank's own file is loaded as written. Saved by a job of
-    another size S, every rank reads all S files and loads their merge (`merge_rank_states`): the
-    mean residual, the shared warm starts, the rest restarted; rank 0 logs what carried over, and
-    the payload returned is old rank 0's with ``"resized_from": S``.
+    Saved by a job of the same size, this rank's own file is loaded as written; by a job of another
+    size S, the merge of all S files (`merge_rank_states`; rank 0 says what carried over), and the
+    payload returned is old rank 0's with ``"resized_from": S``.
 
     A folder without any dAD state (a checkpoint saved without dAD) loads nothing, says so in the
     log and returns None: warm starts and error feedback then start afresh. Raises
@@ -72,7 +66,9 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
     `ValueError` when a file holds another rank's state or its job size disagrees with the others'.
     """
     path = state_file(directory, rank, index)
-    if not os.path.isfile(path):
+    if os.path.isfile(path):
+        payload = _read(path, rank, None, None)
+    else:
         found = glob.glob(os.path.join(glob.escape(directory), f"{_prefix(index)}*.pt"))
         if not found:
             if rank == 0:  # every rank finds none alike
@@ -80,19 +76,14 @@ def load_rank_state(sync: Any, directory: str, rank: int, world_size: int, index
                          "feedback start afresh", directory)
             return None
         payload = _read(state_file(directory, 0, index), 0, None, len(found))
-    else:
-        payload = _read(path, rank, None, None)
     saved_world = payload.get("world_size")
-    if saved_world == world_size:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"dAD state for rank {rank} is missing: {path} does not exist, though the "
-                                    f"checkpoint was saved by a job of {saved_world} processes, as this one")
-        if payload.get("rank") != rank:
-            raise ValueError(f"{path} holds the dAD state of rank {payload.get('rank')}, not of rank {rank}")
-        # load_state_dict puts every tensor on its parameter's device and dtype
-        sync.load_state_dict(payload["state"])
-        return payload
-    return _load_resized(sync, directory, rank, world_size, index, int(saved_world))
+    if saved_world != world_size:
+        return _load_resized(sync, directory, rank, world_size, index, int(saved_world))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dAD state for rank {rank} is missing: {path} does not exist, though the "
+                                f"checkpoint was saved by a job of {saved_world} processes, as this one")
+    sync.load_state_dict(payload["state"])  # every tensor onto its parameter's device and dtype
+    return payload
 
 
 def _read(path: str, process_rank: int, world_size: Optional[int], found: Optional[int]) -> dict:

@@ -1,15 +1,8 @@
-"""Which FSDP shards a model: FSDP2 (``fully_shard``) is supported, FSDP1 is refused with a reason.
+"""Which FSDP shards a model: FSDP2 (``fully_shard``) is supported, FSDP1 is refused with the reason
+(`FSDP1_MESSAGE`; FSDP1 is deprecated in PyTorch, Accelerate and Transformers alike).
 
 `enable_dad_fsdp`, Accelerate's `enable_dad` and `DADCallback` ask this module, so the three say
 the same thing about the same model.
-
-Why not FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``): it flattens every wrapped
-module's parameters into one ``FlatParameter``, and its only gradient entry point, the
-communication hook, receives that flat gradient of the whole unit with no per-layer view of it;
-dAD works per layer (a weight's input rows and output-gradient rows). FSDP2 keeps each parameter a
-(DTensor) parameter and lets dAD replace the reduce-scatter per parameter group, and it is what
-PyTorch, Accelerate (``fsdp_version: 2``) and Transformers (``fsdp_config={"version": 2}``, the
-default there) recommend; FSDP1 is deprecated in all three.
 """
 from __future__ import annotations
 
@@ -36,16 +29,11 @@ def fsdp2_modules(model: Optional[nn.Module]) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def fsdp1_wrapper(model: Optional[nn.Module]) -> Optional[nn.Module]:
-    """The first FSDP1 ``FullyShardedDataParallel`` in ``model`` (itself included), or None."""
-    if model is None:
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    model = getattr(model, "_orig_mod", model)
-    return next((m for m in model.modules() if isinstance(m, FullyShardedDataParallel)), None)
-
-
 def reject_fsdp1(model: Optional[nn.Module], where: str) -> None:
-    """Raise `ValueError` (naming ``where`` and the reason) if ``model`` holds an FSDP1 wrapper."""
-    if fsdp1_wrapper(model) is not None:
+    """Raise `ValueError` (naming ``where`` and the reason) if ``model`` (itself included) holds an
+    FSDP1 ``FullyShardedDataParallel``."""
+    if model is None:
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    if any(isinstance(m, FullyShardedDataParallel) for m in getattr(model, "_orig_mod", model).modules()):
         raise ValueError(FSDP1_MESSAGE.format(where=where))

@@ -30,22 +30,10 @@ _SPARSE_TABLES = ("rank_routes",)
 
 def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
     """One new rank's dAD state from the S old ranks' ``state_dict()``s (in rank order); returns it
-    and a one-line summary of what carried over. Every new rank gets the same merge.
-
-    - **Error-feedback residuals**: their mean over the S old ranks, so the new ranks' mean is the
-      old one and the average still owes what it owed. A whole residual stays whole. Rank-``q``
-      residuals (``error_feedback_rank``, ``(U, V)``) are re-compressed to rank ``q``: the mean of
-      S of them has rank up to ``S q``, and the memory bound ``q (m+n)`` is what the config asked
-      for; the pair kept is the mean's best rank-``q`` approximation (an exact truncated SVD, no
-      ``m x n`` matrix formed), equal to the mean whenever the mean has rank ``q`` or less.
-    - **The all-reduce route's warm start** (``shared_q``) is the same on every rank: old rank 0's
-      (in a sparse table, ZeRO's across nodes, the first old rank's that holds one: its owners').
-    - **The step count** (synchronised steps, counted alike on every rank; ``lossless_steps`` and
-      the seeds of fresh power iterations read it): old rank 0's, so the new ranks agree on it.
-    - **Restarted**, because they hold per-rank or per-size facts: the all-gather route's own warm
-      starts, auto's last row counts (one per old rank), the first-step check and the decisions
-      taken on it (dense for good, rank-reduced from the dense gradient): the new job re-agrees
-      them on its first step, identically on every rank.
+    and a one-line summary of what carried over. Every new rank gets the same merge: the mean of the
+    error-feedback residuals (rank-``q`` ones re-compressed to their best rank-``q`` part,
+    `best_rank_q`), old rank 0's step count and all-reduce warm starts (in a sparse table the first
+    holder's), and the rest restarted (``docs/checkpoints.md``, "Resuming at another size", says why).
 
     Raises `ValueError` for a key it does not know how to carry over (state of a newer format),
     or for old states that disagree on what must be the same everywhere (version, step count,
@@ -64,20 +52,19 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
         own = {k: state.pop(k) for k in keys} or {None: state}  # version 1: the units' table alone
         top = state if keys else {}
         if merged is None:
-            layout, merged = keys, _merge_top(top)
-            tables = {k: {name: _merge_unit(name, e) for name, e in t.items()} for k, t in own.items()}
+            layout, merged, tables = keys, _merge_top(top), {k: {} for k in own}
         elif keys != layout or any(top.get(k) != merged.get(k) for k in _TOP_FROM_RANK0 if k in merged) or any(
                 k not in _SPARSE_TABLES and set(t) != set(tables[k]) for k, t in own.items()):
             raise ValueError(f"the old ranks' dAD states disagree (rank {old_ranks} differs from rank 0 in its "
                              f"format, its weights or its step count): not one job's checkpoint")
-        else:  # a sparse table: the weights some old rank holds; the first holder's shared state
-            for k, t in own.items():
-                for name, entry in t.items():
-                    into = tables[k].setdefault(name, _merge_unit(name, entry))
-                    into.update({f: entry[f] for f in _UNIT_FROM_RANK0
-                                 if into.get(f) is None and entry.get(f) is not None})
         for k, t in own.items():
             for name, entry in t.items():
+                if name not in tables[k]:  # (a sparse table: the weights some old rank holds)
+                    tables[k][name] = _merge_unit(name, entry)
+                else:  # the first holder's shared state
+                    into = tables[k][name]
+                    into.update({f: entry[f] for f in _UNIT_FROM_RANK0
+                                 if into.get(f) is None and entry.get(f) is not None})
                 if entry.get("shard") is not None:
                     s, width = entry["shard"]
                     tables[k][name]["shard"] = [None, width]
@@ -139,26 +126,18 @@ class _Mean:
 
     def add(self, residual: Any) -> None:
         if isinstance(residual, (tuple, list)):
-            u, v = residual
-            if self.dense is None:
-                self.lefts.append(u)
-                self.rights.append(v)
-            else:
-                self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
-            return
-        if self.dense is None:  # a whole one among pairs (never saved so; kept correct anyway)
-            self.dense = residual.clone()
-            for u, v in zip(self.lefts, self.rights):
-                self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
-            self.lefts, self.rights = [], []
+            self.lefts.append(residual[0])
+            self.rights.append(residual[1])
         else:
-            self.dense += residual
+            self.dense = residual.clone() if self.dense is None else self.dense.add_(residual)
 
     def result(self, old_ranks: int) -> Any:
-        if self.dense is not None:
-            return self.dense / old_ranks
-        matrix_rank = self.lefts[0].shape[1]  # the residuals' q
-        return best_rank_q(torch.cat(self.lefts, 1), torch.cat(self.rights, 1) / old_ranks, matrix_rank)
+        if self.dense is None:
+            matrix_rank = self.lefts[0].shape[1]  # the residuals' q
+            return best_rank_q(torch.cat(self.lefts, 1), torch.cat(self.rights, 1) / old_ranks, matrix_rank)
+        for u, v in zip(self.lefts, self.rights):  # pairs among whole ones (never saved so; kept correct anyway)
+            self.dense += (u.double() @ v.double().t()).to(self.dense.dtype)
+        return self.dense / old_ranks
 
 
 def best_rank_q(left: torch.Tensor, right: torch.Tensor, matrix_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
