@@ -117,11 +117,8 @@ class HorovodAggregator(FactorAggregator):
                     first_dims: Optional[List[int]]) -> CommHandle:
         tensor = tensor.contiguous()
         traffic = Traffic()
-        if first_dims is None:
+        if first_dims is None:  # (given ones were checked by `FactorAggregator.all_gather`)
             first_dims, traffic = self._exchange_first_dims(tensor, name)
-        elif first_dims[self._rank] != tensor.shape[0]:
-            raise ValueError(f"{name}: first_dims says {first_dims[self._rank]} rows for this rank, "
-                             f"the tensor has {tensor.shape[0]}")
         row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
         traffic = traffic + self._count_all_gather([n * row_bytes for n in first_dims])
         dtype = tensor.dtype
