@@ -240,7 +240,7 @@ def test_ddp_comm_hook_replaces_allreduce(group):
 def test_algorithms_never_import_an_engine():
     """Only the engine adapters may import torch.distributed (or any engine); the algorithms not."""
     engines = ("torch.distributed", "horovod", "deepspeed", "accelerate")
-    adapters = ("torch_distributed.py", "groups.py", "ddp_hook.py", "ddp_attach.py", "ddp_native.py", "ddp_step.py",
+    adapters = ("torch_distributed.py", "groups.py", "ddp_hook.py", "ddp_attach.py", "ddp_step.py",
                 "fsdp.py", "fsdp_calls.py", "fsdp_seams.py", "fsdp_detect.py", "accelerate.py", "transformers.py",
                 "elastic.py")
     for path in PACKAGE.rglob("*.py"):
