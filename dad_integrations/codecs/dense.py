@@ -1,30 +1,24 @@
-"""Dense buckets: the route for everything factors do not cover, as DDP and Horovod send it.
+"""Dense buckets: the route for everything factors do not cover, as DDP and Horovod send it
+(bytes: `routes.dense`).
 
 Gradients are flattened into buckets of at most ``bucket_cap_mb``, reduced with one all-reduce
-each, and scaled. Bytes per rank: ``2 (S-1)/S`` of the bucket, like a ring all-reduce, and no more.
-
-Streaming (`DenseBuckets`). Items join the open bucket in an order every rank shares (the
-exchange order: the units' weights and biases as each unit is routed, then the parameters that
-are always dense), and a bucket goes on the wire as soon as it is full, not when backward ends:
-its items' gradients are final by then (a unit is routed only once autograd has finished it), so
-the all-reduce runs while backward computes the rest, as DDP's buckets do. The first bucket is
-capped at `FIRST_BUCKET_MB` (DDP's first bucket too) so that the wire starts early. Every rank
-fills and sends the same buckets in the same order (the routes are agreed), so the collectives
-match. Packing a bucket is its one copy (``torch.cat``); the result is written back with the
-postscale folded into that write (one pass, `sink.GradSink.write_dense_scaled`).
+each, and scaled. Streaming (`DenseBuckets`): items join the open bucket in an order every rank
+shares (the exchange order), and a full bucket goes on the wire at once, while backward computes
+the rest, as DDP's buckets do (its items' gradients are final: a unit is routed only once autograd
+has finished it); the first bucket is capped at `FIRST_BUCKET_MB`, as DDP's, so that the wire starts
+early. Packing a bucket is its one copy; the result is written back with the postscale folded into
+that write (`sink.GradSink.write_dense_scaled`).
 
 Unused parameters. A parameter whose gradient is None on a rank must keep ``grad = None`` when no
-rank used it (as with DDP), so the ranks have to learn who had a gradient. Instead of a flag per
-parameter on every step (DDP's ``find_unused_parameters`` map: a number per parameter), a rank
-without a gradient sends zeros with a NaN *mark* in the first element. A finite first element in
-the sum means every rank had a gradient (the common case: nothing extra on the wire); a
-non-finite one (a mark, or a gradient that really is not finite) is resolved by one more small
-all-reduce of, per such parameter, how many ranks had a gradient and the true first elements.
-Every rank sees the same sums, so all agree on whether that round runs.
+rank used it (as with DDP). Instead of a flag per parameter on every step (DDP's
+``find_unused_parameters`` map), a rank without a gradient sends zeros with a NaN *mark* in the
+first element. A finite first element in the sum means every rank had a gradient (nothing extra
+on the wire); a non-finite one (a mark, or a gradient that really is not finite) is resolved by one
+more small all-reduce of, per such parameter, how many ranks had a gradient and the true first
+elements. Every rank sees the same sums, so all agree on whether that round runs.
 
-Finiteness. Whether every reduced gradient is finite costs one more pass over every bucket; it is
-read only where the caller asks (`DenseBuckets.finish` with ``check_finite``): the exchange needs
-it only to decide whether a step's rank-route state (residuals, warm starts) is kept.
+Finiteness costs one more pass over every bucket, read only where the caller asks
+(`DenseBuckets.finish` with ``check_finite``).
 """
 from __future__ import annotations
 

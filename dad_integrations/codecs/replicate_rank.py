@@ -33,10 +33,10 @@ import torch
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.power_iteration import LocalGradient, piece_span, split_blocks
-from dad_integrations.codecs.rank import RankItem, RankRoutes
+from dad_integrations.codecs.power_iteration import piece_span, split_blocks
+from dad_integrations.codecs.rank import ROUTES, RankItem, RankRoutes
 from dad_integrations.codecs.route_state import RouteState
-from dad_integrations.codecs.sharded_rank import ROUTES, RankShard
+from dad_integrations.codecs.sharded_rank import RankShard
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 
@@ -53,11 +53,7 @@ class ReplicateRankCodec(RankRoutes):
 
     def node_local(self, unit: FactorUnit, node_rows: torch.Tensor, representation: str) -> RankItem:
         """``M_s``: this rank's rows (``c x n``, padded) of the node's sum, plus its residual."""
-        if representation not in ROUTES:
-            raise ValueError(f"not a rank route: {representation!r}")
-        m, n = unit.shape
-        compensated = LocalGradient(dense=self.memory.compensate(unit.name, node_rows))
-        return RankItem(unit, representation, compensated, "dense", min(self.config.rank, m, n))
+        return self.item(unit, [], lambda p, dtype: node_rows, representation)
 
     def exchange_node(self, items: Sequence[RankItem], scale: float, step: int,
                       wire: torch.dtype) -> List[RankShard]:
