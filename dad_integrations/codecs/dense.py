@@ -85,14 +85,12 @@ class DenseBuckets:
     def add(self, name: str, p: nn.Parameter) -> None:
         """Append one parameter (its gradient final on this rank) to the open bucket; a full
         bucket goes on the wire."""
-        nbytes = p.numel() * self.itemsize
-        cap = self.cap if self._sent else self.first_cap
-        if self._open and self._open_bytes + nbytes > cap:
+        nbytes = self.nbytes([p])
+        if self._open and nbytes > self.room():
             self.send()
-            cap = self.cap
         self._open.append((name, p))
         self._open_bytes += nbytes
-        if self._open_bytes >= cap:
+        if self.room() <= 0:
             self.send()
 
     def send(self) -> None:

@@ -223,12 +223,8 @@ class PowerIteration:
 def split_blocks(flat: torch.Tensor, shapes: Shapes, dtypes: Optional[Sequence[torch.dtype]] = None
                  ) -> List[torch.Tensor]:
     """``flat``'s consecutive row-major ``shapes`` blocks (views), each in its dtype where given."""
-    out, offset = [], 0
-    for i, (a, b) in enumerate(shapes):
-        block = flat[offset:offset + a * b].view(a, b)
-        out.append(block if dtypes is None else block.to(dtypes[i]))
-        offset += a * b
-    return out
+    blocks = [t.view(a, b) for t, (a, b) in zip(flat.split([a * b for a, b in shapes]), shapes)]
+    return blocks if dtypes is None else [t.to(dtype) for t, dtype in zip(blocks, dtypes)]
 
 
 def power_iteration(m: LocalGradient, q: torch.Tensor, iterations: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -167,15 +167,10 @@ class RankCodec(RankRoutes):
 
 
 class RankBucket:
-    """Rank-r payloads of consecutive units, waiting to share one all-gather.
-
-    Every rank sends exactly r rows per unit (without adaptive tolerance), so the ranks agree on
-    the bucket's size and contents without any exchange. A bucket goes when it reaches
-    ``cap_bytes`` (the config's ``bucket_cap_mb``), when a payload of another dtype follows it,
-    or when the step's last unit is done. Fewer collectives matter: each costs a round trip and,
-    on CPUs, a wake-up of the exchange thread on every rank. With the default cap the payloads of
-    a model usually fit one bucket, which then goes when backward is over.
-    """
+    """Rank-r payloads of consecutive units, waiting to share one all-gather (each collective costs
+    a round trip). Every rank sends r rows per unit (without adaptive tolerance), so the ranks agree
+    on the bucket without any exchange. A bucket goes when it reaches ``cap_bytes`` (the config's
+    ``bucket_cap_mb``), when a payload of another dtype follows it, or when the step's last unit is done."""
 
     def __init__(self, cap_bytes: float):
         self.cap_bytes = cap_bytes

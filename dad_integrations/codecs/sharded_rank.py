@@ -1,41 +1,30 @@
 """Sharded rank-r routes (rank-dAD and PowerSGD's all-reduce under FSDP2 and ZeRO): each rank
-rebuilds only its own rows (or elements) of the rank-r average.
+rebuilds only its own rows (or elements) of the rank-r average (bytes: `routes.rank`,
+`routes.rank_allreduce`).
 
-A weight ``m x n`` is sharded along dim 0 over S ranks; rank d keeps rows ``[a, b) = [d c, min((d+1) c,
-m))``, ``c = ceil(m/S)`` (`exact.shard_span`; FSDP pads each shard to c rows); ``scale`` is what the
-engine's reduce-scatter would multiply the sum of the local gradients by. Bytes per route: `routes.rank`,
-`routes.rank_allreduce`.
-
-**All-gather route (rank-dAD, ``"rank"``).** Each site reduces its own ``M_s ~= P_s Q_s^T``
-(`rank.RankRoutes.reduce_own`). Row i of ``scale * sum_s P_s Q_s^T`` needs every ``Q_s`` whole but of
-``P_s`` only row i, so rank d gets every ``Q_s^T`` by all-gather and its rows of every ``P_s`` by
-all-to-all (block d = rows ``[d c, (d+1) c)``, zero past m), and rebuilds
+A weight ``m x n`` is sharded along dim 0 over S ranks: rank d keeps rows ``[a, b) = [d c, min((d+1) c,
+m))``, ``c = ceil(m/S)`` (`exact.shard_span`). **All-gather route (rank-dAD).** Each site reduces its
+own ``M_s ~= P_s Q_s^T`` (`rank.RankRoutes.reduce_own`). Row i of ``scale * sum_s P_s Q_s^T`` needs
+every ``Q_s`` whole but of ``P_s`` only row i, so rank d gets every ``Q_s^T`` by all-gather and its rows
+of every ``P_s`` by all-to-all (block d = rows ``[d c, (d+1) c)``, zero past m), and rebuilds
 
     shard_d = scale * sum_s P_s[a:b] Q_s^T = scale * [P_1[a:b] .. P_S[a:b]] [Q_1 .. Q_S]^T
 
-with one ``(c x S r) (S r x n)`` matmul, 1/S of the unsharded one.
-
-**All-reduce route (PowerSGD, ``"rank_allreduce"``).** The flat route's rounds
-(`rank.RankRoutes.shared_rounds`), then ``shard_d = scale * P^[a:b] Q'^T``: only the rebuild shrinks. A
-reduce-scatter of P does not suffice: the orthonormalisation mixes all rows of P, and the Q round
-needs all of ``P^`` on every site (``M_s^T P^`` runs over all m rows of ``M_s``, which only site s
-holds); orthonormalising rows in place after a reduce-scatter (Cholesky-QR) would still need ``P^``
-all-gathered: the all-reduce's bytes, with a round trip more.
+with one ``(c x S r) (S r x n)`` matmul, 1/S of the unsharded one. **All-reduce route (PowerSGD).**
+The flat route's rounds (`rank.RankRoutes.shared_rounds`), then ``shard_d = scale * P^[a:b] Q'^T``:
+only the rebuild shrinks. A reduce-scatter of P does not suffice: the orthonormalisation mixes all
+rows of P, and ``M_s^T P^`` needs all of ``P^`` on site s, the only one that holds ``M_s``.
 
 **Error feedback** keeps one *unsharded* residual (m x n) per rank-routed weight and rank, S times
-that weight's gradient shard: site s compresses its whole ``M_s``, which no other rank knows.
-``error_feedback_rank: q`` keeps its rank-q part instead (`error_feedback.LowRankErrorFeedback`);
-``error_feedback: false`` frees it. **Non-finite steps**: as `codecs.rank`; every rank sees only its
-shard, so the ranks agree on the step's finiteness from their local gradients
-(`RouteState.note_local`, one all-reduce of one number at the step's end).
-
-**Embeddings**, **units without uses** (PowerSGD's coverage floor) and units whose uses cover row
-blocks are reduced from the dense local gradient, as its matrix view ``(shape[0], prod(shape[1:]))``
-(`FactorUnit.shape`; FSDP2's Shard(0) cuts its rows, ZeRO's flat partitions its row-major flattening).
+that weight's gradient shard (site s compresses its whole ``M_s``, which no other rank knows);
+``error_feedback_rank: q`` keeps its rank-q part instead. **Non-finite steps**: as `codecs.rank`;
+every rank sees only its shard, so the ranks agree on the step's finiteness from their local
+gradients (`RouteState.note_local`). Embeddings, units without uses and units whose uses cover row
+blocks are reduced from the dense local gradient, as its matrix view (`FactorUnit.shape`: FSDP2's
+Shard(0) cuts its rows, ZeRO's flat partitions its row-major flattening).
 
 The pure functions (`row_blocks`, `gathered_shard`, `reduced_shard`, `reduced_elements`) hold the
-algebra; `ShardedRankCodec` runs the collectives, every rank calling it with the same units and
-routes in the same order.
+algebra; `ShardedRankCodec` runs the collectives, every rank calling it alike.
 """
 from __future__ import annotations
 
