@@ -115,19 +115,42 @@ class DenseBuckets:
         for bucket, handle in self._sent:
             flat = handle.wait()
             flats.append(flat)
-            offset = 0
-            for name, p in bucket:
+            for (name, p), total in zip(bucket, flat.split([p.numel() for _, p in bucket])):
                 self.account(name, p, handle.traffic.share(p.numel() / max(flat.numel(), 1)))
-                sums.append(((name, p), flat[offset:offset + p.numel()]))
-                offset += p.numel()
+                sums.append(((name, p), total))
         self._sent = []
-        device = flats[0].device
-        had_grad = _resolve(sums, self.sink, self.aggregator, self.prescale, self.dtype, device, self.account)
+        had_grad = self._resolve(sums, flats[0].device)
         # marks resolved: one check a bucket
         finite = not check_finite or all(bool(torch.isfinite(flat).all()) for flat in flats)
         for (name, p), total in sums:
             self.sink.write_dense_scaled(p, total.view_as(p), self.postscale, had_grad.get(id(p), True))
         return finite
+
+    def _resolve(self, sums: List[Tuple[DenseItem, torch.Tensor]], device: torch.device) -> Dict[int, bool]:
+        """For each parameter whose summed first element is not finite (a rank without a gradient, or a
+        gradient that is not finite) or that has no elements: whether any rank had a gradient; its
+        first element is replaced by the true sum. One all-reduce, only when there is such a parameter."""
+        nonempty = [(p, total) for (_, p), total in sums if total.numel()]
+        marked = []  # one check for all first elements (one device sync, not one per parameter)
+        if nonempty:
+            bad = (~torch.isfinite(torch.stack([total[0] for _, total in nonempty]))).nonzero().flatten().tolist()
+            marked = [nonempty[i] for i in bad]
+        unresolved = [(p, total) for (_, p), total in sums if not total.numel()] + marked
+        if not unresolved:
+            return {}
+        grads = [self.sink.dense_grad(p) for p, _ in unresolved]
+        flags = [float(g is not None) for g in grads]
+        firsts = [float(g.detach().reshape(-1)[:1].mul(self.prescale).to(self.dtype)[0])
+                  if g is not None and p.numel() else 0.0 for g, (p, _) in zip(grads, unresolved)]
+        handle = self.aggregator.all_reduce(torch.tensor(flags + firsts, dtype=self.dtype, device=device),
+                                            name="dad.dense.flags", op="sum")
+        out = handle.wait()
+        self.account(FLAGS, None, handle.traffic)
+        k = len(unresolved)
+        for i, (p, total) in enumerate(unresolved):
+            if total.numel():
+                total[0] = out[k + i]
+        return {id(p): bool(out[i] > 0) for i, (p, _) in enumerate(unresolved)}
 
 
 def _local(grad: Optional[torch.Tensor], p: nn.Parameter, prescale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -139,31 +162,3 @@ def _local(grad: Optional[torch.Tensor], p: nn.Parameter, prescale: float, dtype
     if p.numel():
         out[0] = float("nan")
     return out
-
-
-def _resolve(sums: List[Tuple[DenseItem, torch.Tensor]], sink: GradSink, aggregator: FactorAggregator,
-             prescale: float, dtype: torch.dtype, device: torch.device, account: Account) -> Dict[int, bool]:
-    """For each parameter whose summed first element is not finite (a rank without a gradient, or a
-    gradient that is not finite) or that has no elements: whether any rank had a gradient; its
-    first element is replaced by the true sum. One all-reduce, only when there is such a parameter."""
-    nonempty = [(p, total) for (_, p), total in sums if total.numel()]
-    marked = []  # one check for all first elements (one device sync, not one per parameter)
-    if nonempty:
-        bad = (~torch.isfinite(torch.stack([total[0] for _, total in nonempty]))).nonzero().flatten().tolist()
-        marked = [nonempty[i] for i in bad]
-    unresolved = [(p, total) for (_, p), total in sums if not total.numel()] + marked
-    if not unresolved:
-        return {}
-    grads = [sink.dense_grad(p) for p, _ in unresolved]
-    flags = [float(g is not None) for g in grads]
-    firsts = [float(g.detach().reshape(-1)[:1].mul(prescale).to(dtype)[0])
-              if g is not None and p.numel() else 0.0 for g, (p, _) in zip(grads, unresolved)]
-    handle = aggregator.all_reduce(torch.tensor(flags + firsts, dtype=dtype, device=device),
-                                   name="dad.dense.flags", op="sum")
-    out = handle.wait()
-    account(FLAGS, None, handle.traffic)
-    k = len(unresolved)
-    for i, (p, total) in enumerate(unresolved):
-        if total.numel():
-            total[0] = out[k + i]
-    return {id(p): bool(out[i] > 0) for i, (p, _) in enumerate(unresolved)}
