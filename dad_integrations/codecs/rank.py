@@ -36,7 +36,6 @@ from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.finite import finite_flag
 from dad_integrations.codecs.route_state import RouteState, WarmStart
 
-ROUTES = ("rank", "rank_allreduce")
 LocalGrad = Callable[[nn.Parameter, torch.dtype], torch.Tensor]
 Rounds = Callable[[], Tuple[List[torch.Tensor], List[torch.Tensor], list]]  # per item P^, Q', traffic
 
@@ -70,8 +69,6 @@ class RankRoutes:
         else the dense local gradient (``local_grad``, the matrix view) plus the residual; ``dense``:
         from ``local_grad`` whatever the rows (a node's sum, `exchange.two_level`); no rows: a node's
         sum across nodes (`exchange.node_partitions`, `codecs.replicate_rank`), dense by nature."""
-        if representation not in ROUTES:
-            raise ValueError(f"not a rank route: {representation!r}")
         p, (m, n) = unit.param, unit.shape  # (unit.shape: ZeRO-3 empties p.data; FSDP2's DTensor is global)
         r, cdt = min(self.config.rank, m, n), compute_dtype(p)
         method = "dense"

@@ -34,14 +34,14 @@ import torch
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.power_iteration import piece_span, split_blocks
-from dad_integrations.codecs.rank import ROUTES, RankItem, RankRoutes
+from dad_integrations.codecs.rank import RankItem
 from dad_integrations.codecs.route_state import RouteState
-from dad_integrations.codecs.sharded_rank import RankShard
+from dad_integrations.codecs.sharded_rank import ROUTES, RankShard, ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 
 
-class ReplicateRankCodec(RankRoutes):
+class ReplicateRankCodec(ShardedRankCodec):
     """The two rank routes on the replicate hop (module doc). ``intra``: the node's L ranks (the
     shard group); ``cross``: the R ranks holding the same rows on each node (the replicate group).
     Error feedback, warm starts and a step's finiteness are its `RouteState`'s."""
@@ -53,7 +53,7 @@ class ReplicateRankCodec(RankRoutes):
 
     def node_local(self, unit: FactorUnit, node_rows: torch.Tensor, representation: str) -> RankItem:
         """``M_s``: this rank's rows (``c x n``, padded) of the node's sum, plus its residual."""
-        return self.item(unit, [], lambda p, dtype: node_rows, representation)
+        return self.local(unit, [], lambda p, dtype: node_rows, representation)
 
     def exchange_node(self, items: Sequence[RankItem], scale: float, step: int,
                       wire: torch.dtype) -> List[RankShard]:

@@ -34,10 +34,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
-from dad_integrations.capture.rows import compute_dtype
+from dad_integrations.capture.rows import Rows, compute_dtype
+from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import covering_rows, shard_span
-from dad_integrations.codecs.rank import RankItem, RankRoutes
+from dad_integrations.codecs.rank import LocalGrad, RankItem, RankRoutes
 
+ROUTES = ("rank", "rank_allreduce")
 SharedRebuild = Callable[["RankItem", torch.Tensor, torch.Tensor], torch.Tensor]  # (item, P^, Q') -> its part
 
 
@@ -90,7 +92,11 @@ class ShardedRankCodec(RankRoutes):
     """The two rank routes under sharding, with error feedback and warm starts from ``state``
     (module doc): `local` then `exchange` for the units that take a rank route, every rank alike."""
 
-    local = RankRoutes.item  # ``M_s`` for a rank route
+    def local(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, representation: str) -> RankItem:
+        """``M_s`` for a rank route (`RankRoutes.item`)."""
+        if representation not in ROUTES:
+            raise ValueError(f"not a rank route: {representation!r}")
+        return self.item(unit, rows, local_grad, representation)
 
     # -- the collectives --------------------------------------------------------------------------
     def exchange(self, items: Sequence[RankItem], aggregator: FactorAggregator, scale: float, step: int,
