@@ -48,15 +48,11 @@ def bucket_dtype(params: Iterable[nn.Parameter], wire_dtype: Optional[torch.dtyp
 
 
 class DenseBuckets:
-    """One step's dense buckets, sent as they fill (see the module doc).
-
-    ``add`` items in the shared order once their gradients are final; `send` puts the open
-    bucket on the wire early (when nothing more will join it before the caller waits for
-    something else); `finish` sends the rest, waits, resolves unused parameters and writes
-    ``postscale * sum(prescale * g)`` into ``sink`` (``postscale`` None averages).
-    ``early()`` says whether a bucket sent now overlaps backward; the names of items whose bucket
-    did are in ``overlapped``.
-    """
+    """One step's dense buckets, sent as they fill (module doc): ``add`` items in the shared order once
+    their gradients are final; `send` puts the open bucket on the wire early (when nothing more will
+    join it before the caller waits for something else); `finish` sends the rest, waits, resolves
+    unused parameters and writes ``postscale * sum(prescale * g)`` into ``sink`` (``postscale`` None
+    averages). ``early()``: whether a bucket sent now overlaps backward (its items: ``overlapped``)."""
 
     def __init__(self, aggregator: FactorAggregator, sink: GradSink, *, bucket_cap_mb: float,
                  dtype: torch.dtype, account: Account, prescale: float = 1.0,

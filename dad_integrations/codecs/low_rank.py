@@ -98,9 +98,8 @@ def reduce_rank(m: LocalGradient, rank: int, *, method: str, q_init: Optional[to
 
     # one of p, q has orthonormal columns, so a component's energy is |p_i|^2 |q_i|^2
     energy = p.pow(2).sum(0) * q.pow(2).sum(0)
-    # one host sync, on r numbers: every component counts (no sorting, no copies), or the gradient
-    # was not finite and the iteration spread its NaN into p and q: all of them go, so that every
-    # rank rebuilds a non-finite result (as all-reduce gives), and the caller needs no pass of its own
+    # one host sync, on r numbers: every component counts (no sorting, no copies), or the gradient was
+    # not finite and all of them go (NaN spread into p and q: every rank's rebuild turns non-finite)
     if tolerance is None and p.shape[1] == rank and bool(
             ((energy > energy.max() * 1e-12) | ~torch.isfinite(energy.sum())).all()):
         return LowRank(p, q, rank, method, q)

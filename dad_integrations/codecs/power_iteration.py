@@ -17,10 +17,9 @@ share their groups (bytes per layout: `routes.rank_allreduce`):
   sums one piece of that (`piece_span`), the pieces then gathered: a site's Q crosses once.
 
 Batched as PowerSGD's DDP hook batches a bucket: one collective per kind and round, one batched QR
-per run of same-shaped P's (`orthonormalize_flat`). Products are written straight into flat buffers
-(P as ``(m, r)`` row-major blocks, Q as ``(r, n)`` ones, so the Q's come out column-major, the
-layout the next ``M Q`` reads fastest). Every rank runs the same calls on the same shapes, so
-ranks agree bit for bit.
+per run of same-shaped P's (`orthonormalize_flat`), products written straight into flat buffers (Q's
+as ``(r, n)`` blocks: column-major, as the next ``M Q`` reads fastest). Every rank runs the same
+calls on the same shapes, so ranks agree bit for bit.
 """
 from __future__ import annotations
 

@@ -5,19 +5,16 @@ factors or on the dense gradient, or an exact truncated SVD when rows are few), 
 ``[P_s^T | Q_s^T]`` and rebuilds ``G ~= scale * [P_1 .. P_S][Q_1 .. Q_S]^T``, a rank ``S r`` matrix,
 with one ``S r m n`` matmul. Bytes per layout: `routes.rank`.
 
-`RankRoutes` is the part every rank route's codec (flat, two levels, FSDP2 and ZeRO, HSDP's
-replicate hop) shares: this rank's ``M_s`` (`RankRoutes.item`, from the factors where that is cheaper
-and nothing is added to them), its own reduction (`RankRoutes.reduce_own`, rank-dAD) and PowerSGD's
-shared rounds (`RankRoutes.shared_rounds`, over `power_iteration.PowerIteration`), each with its
-warm start (PowerSGD's: the last step's Q) and its error-feedback residual, held in the synchroniser's
-`route_state.RouteState` until the step is over.
+`RankRoutes` is what every rank route's codec (flat, two levels, FSDP2 and ZeRO, HSDP's replicate
+hop) shares: this rank's ``M_s`` (`RankRoutes.item`), its own reduction (`RankRoutes.reduce_own`) and
+PowerSGD's shared rounds (`RankRoutes.shared_rounds`), each with its warm start and error-feedback
+residual, held in the `route_state.RouteState` until the step is over.
 
 Non-finite gradients: a rank whose local gradient holds NaN or Inf sends a non-finite payload, so
 every rank rebuilds a non-finite gradient, as all-reduce gives: the power iteration spreads the NaN
-into P and Q by itself (no pass over the gradient to check it); where the reduction could raise on
-that rank alone (the exact SVD) or would drop components (adaptive tolerance), the input is checked
-and r rows of NaN go instead. A step with any non-finite gradient (one a loss scaler will skip) keeps
-the warm starts and residuals of the step before, on every rank alike (`RouteState.end_step`).
+by itself (no pass over the gradient); where the reduction could raise on that rank alone (the exact
+SVD) or would drop components (adaptive tolerance), the input is checked and r rows of NaN go
+instead. Such a step (one a loss scaler will skip) keeps the state of the step before, on every rank.
 """
 from __future__ import annotations
 
