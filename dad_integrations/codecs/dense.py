@@ -1,30 +1,24 @@
-"""Dense buckets: the route for everything factors do not cover, as DDP and Horovod send it.
+"""Dense buckets: the route for everything factors do not cover, as DDP and Horovod send it
+(bytes: `routes.dense`).
 
 Gradients are flattened into buckets of at most ``bucket_cap_mb``, reduced with one all-reduce
-each, and scaled. Bytes per rank: ``2 (S-1)/S`` of the bucket, like a ring all-reduce, and no more.
-
-Streaming (`DenseBuckets`). Items join the open bucket in an order every rank shares (the
-exchange order: the units' weights and biases as each unit is routed, then the parameters that
-are always dense), and a bucket goes on the wire as soon as it is full, not when backward ends:
-its items' gradients are final by then (a unit is routed only once autograd has finished it), so
-the all-reduce runs while backward computes the rest, as DDP's buckets do. The first bucket is
-capped at `FIRST_BUCKET_MB` (DDP's first bucket too) so that the wire starts early. Every rank
-fills and sends the same buckets in the same order (the routes are agreed), so the collectives
-match. Packing a bucket is its one copy (``torch.cat``); the result is written back with the
-postscale folded into that write (one pass, `sink.GradSink.write_dense_scaled`).
+each, and scaled. Streaming (`DenseBuckets`): items join the open bucket in an order every rank
+shares (the exchange order), and a full bucket goes on the wire at once, while backward computes
+the rest, as DDP's buckets do (its items' gradients are final: a unit is routed only once autograd
+has finished it); the first bucket is capped at `FIRST_BUCKET_MB`, as DDP's, so that the wire starts
+early. Packing a bucket is its one copy; the result is written back with the postscale folded into
+that write (`sink.GradSink.write_dense_scaled`).
 
 Unused parameters. A parameter whose gradient is None on a rank must keep ``grad = None`` when no
-rank used it (as with DDP), so the ranks have to learn who had a gradient. Instead of a flag per
-parameter on every step (DDP's ``find_unused_parameters`` map: a number per parameter), a rank
-without a gradient sends zeros with a NaN *mark* in the first element. A finite first element in
-the sum means every rank had a gradient (the common case: nothing extra on the wire); a
-non-finite one (a mark, or a gradient that really is not finite) is resolved by one more small
-all-reduce of, per such parameter, how many ranks had a gradient and the true first elements.
-Every rank sees the same sums, so all agree on whether that round runs.
+rank used it (as with DDP). Instead of a flag per parameter on every step (DDP's
+``find_unused_parameters`` map), a rank without a gradient sends zeros with a NaN *mark* in the
+first element. A finite first element in the sum means every rank had a gradient (nothing extra
+on the wire); a non-finite one (a mark, or a gradient that really is not finite) is resolved by one
+more small all-reduce of, per such parameter, how many ranks had a gradient and the true first
+elements. Every rank sees the same sums, so all agree on whether that round runs.
 
-Finiteness. Whether every reduced gradient is finite costs one more pass over every bucket; it is
-read only where the caller asks (`DenseBuckets.finish` with ``check_finite``): the exchange needs
-it only to decide whether a step's rank-route state (residuals, warm starts) is kept.
+Finiteness costs one more pass over every bucket, read only where the caller asks
+(`DenseBuckets.finish` with ``check_finite``).
 """
 from __future__ import annotations
 
@@ -54,15 +48,11 @@ def bucket_dtype(params: Iterable[nn.Parameter], wire_dtype: Optional[torch.dtyp
 
 
 class DenseBuckets:
-    """One step's dense buckets, sent as they fill (see the module doc).
-
-    ``add`` items in the shared order once their gradients are final; `send` puts the open
-    bucket on the wire early (when nothing more will join it before the caller waits for
-    something else); `finish` sends the rest, waits, resolves unused parameters and writes
-    ``postscale * sum(prescale * g)`` into ``sink`` (``postscale`` None averages).
-    ``early()`` says whether a bucket sent now overlaps backward; the names of items whose bucket
-    did are in ``overlapped``.
-    """
+    """One step's dense buckets, sent as they fill (module doc): ``add`` items in the shared order once
+    their gradients are final; `send` puts the open bucket on the wire early (when nothing more will
+    join it before the caller waits for something else); `finish` sends the rest, waits, resolves
+    unused parameters and writes ``postscale * sum(prescale * g)`` into ``sink`` (``postscale`` None
+    averages). ``early()``: whether a bucket sent now overlaps backward (its items: ``overlapped``)."""
 
     def __init__(self, aggregator: FactorAggregator, sink: GradSink, *, bucket_cap_mb: float,
                  dtype: torch.dtype, account: Account, prescale: float = 1.0,
@@ -91,14 +81,12 @@ class DenseBuckets:
     def add(self, name: str, p: nn.Parameter) -> None:
         """Append one parameter (its gradient final on this rank) to the open bucket; a full
         bucket goes on the wire."""
-        nbytes = p.numel() * self.itemsize
-        cap = self.cap if self._sent else self.first_cap
-        if self._open and self._open_bytes + nbytes > cap:
+        nbytes = self.nbytes([p])
+        if self._open and nbytes > self.room():
             self.send()
-            cap = self.cap
         self._open.append((name, p))
         self._open_bytes += nbytes
-        if self._open_bytes >= cap:
+        if self.room() <= 0:
             self.send()
 
     def send(self) -> None:
@@ -123,19 +111,42 @@ class DenseBuckets:
         for bucket, handle in self._sent:
             flat = handle.wait()
             flats.append(flat)
-            offset = 0
-            for name, p in bucket:
+            for (name, p), total in zip(bucket, flat.split([p.numel() for _, p in bucket])):
                 self.account(name, p, handle.traffic.share(p.numel() / max(flat.numel(), 1)))
-                sums.append(((name, p), flat[offset:offset + p.numel()]))
-                offset += p.numel()
+                sums.append(((name, p), total))
         self._sent = []
-        device = flats[0].device
-        had_grad = _resolve(sums, self.sink, self.aggregator, self.prescale, self.dtype, device, self.account)
+        had_grad = self._resolve(sums, flats[0].device)
         # marks resolved: one check a bucket
         finite = not check_finite or all(bool(torch.isfinite(flat).all()) for flat in flats)
         for (name, p), total in sums:
             self.sink.write_dense_scaled(p, total.view_as(p), self.postscale, had_grad.get(id(p), True))
         return finite
+
+    def _resolve(self, sums: List[Tuple[DenseItem, torch.Tensor]], device: torch.device) -> Dict[int, bool]:
+        """For each parameter whose summed first element is not finite (a rank without a gradient, or a
+        gradient that is not finite) or that has no elements: whether any rank had a gradient; its
+        first element is replaced by the true sum. One all-reduce, only when there is such a parameter."""
+        nonempty = [(p, total) for (_, p), total in sums if total.numel()]
+        marked = []  # one check for all first elements (one device sync, not one per parameter)
+        if nonempty:
+            bad = (~torch.isfinite(torch.stack([total[0] for _, total in nonempty]))).nonzero().flatten().tolist()
+            marked = [nonempty[i] for i in bad]
+        unresolved = [(p, total) for (_, p), total in sums if not total.numel()] + marked
+        if not unresolved:
+            return {}
+        grads = [self.sink.dense_grad(p) for p, _ in unresolved]
+        flags = [float(g is not None) for g in grads]
+        firsts = [float(g.detach().reshape(-1)[:1].mul(self.prescale).to(self.dtype)[0])
+                  if g is not None and p.numel() else 0.0 for g, (p, _) in zip(grads, unresolved)]
+        handle = self.aggregator.all_reduce(torch.tensor(flags + firsts, dtype=self.dtype, device=device),
+                                            name="dad.dense.flags", op="sum")
+        out = handle.wait()
+        self.account(FLAGS, None, handle.traffic)
+        k = len(unresolved)
+        for i, (p, total) in enumerate(unresolved):
+            if total.numel():
+                total[0] = out[k + i]
+        return {id(p): bool(out[i] > 0) for i, (p, _) in enumerate(unresolved)}
 
 
 def _local(grad: Optional[torch.Tensor], p: nn.Parameter, prescale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -147,31 +158,3 @@ def _local(grad: Optional[torch.Tensor], p: nn.Parameter, prescale: float, dtype
     if p.numel():
         out[0] = float("nan")
     return out
-
-
-def _resolve(sums: List[Tuple[DenseItem, torch.Tensor]], sink: GradSink, aggregator: FactorAggregator,
-             prescale: float, dtype: torch.dtype, device: torch.device, account: Account) -> Dict[int, bool]:
-    """For each parameter whose summed first element is not finite (a rank without a gradient, or a
-    gradient that is not finite) or that has no elements: whether any rank had a gradient; its
-    first element is replaced by the true sum. One all-reduce, only when there is such a parameter."""
-    nonempty = [(p, total) for (_, p), total in sums if total.numel()]
-    marked = []  # one check for all first elements (one device sync, not one per parameter)
-    if nonempty:
-        bad = (~torch.isfinite(torch.stack([total[0] for _, total in nonempty]))).nonzero().flatten().tolist()
-        marked = [nonempty[i] for i in bad]
-    unresolved = [(p, total) for (_, p), total in sums if not total.numel()] + marked
-    if not unresolved:
-        return {}
-    grads = [sink.dense_grad(p) for p, _ in unresolved]
-    flags = [float(g is not None) for g in grads]
-    firsts = [float(g.detach().reshape(-1)[:1].mul(prescale).to(dtype)[0])
-              if g is not None and p.numel() else 0.0 for g, (p, _) in zip(grads, unresolved)]
-    handle = aggregator.all_reduce(torch.tensor(flags + firsts, dtype=dtype, device=device),
-                                   name="dad.dense.flags", op="sum")
-    out = handle.wait()
-    account(FLAGS, None, handle.traffic)
-    k = len(unresolved)
-    for i, (p, total) in enumerate(unresolved):
-        if total.numel():
-            total[0] = out[k + i]
-    return {id(p): bool(out[i] > 0) for i, (p, _) in enumerate(unresolved)}

@@ -1,26 +1,18 @@
 """Error feedback (GRACE's "memory"): what a lossy route left out, added to the next step.
 
-A lossy codec sends ``C(M + e)`` for a local gradient ``M`` and keeps ``e' = (M + e) - C(M + e)``.
-Over steps, nothing the compressor drops is lost, only delayed; PowerSGD relies on it, and
-without it rank-dAD's average is biased.
+A lossy codec sends ``C(M + e)`` for a local gradient ``M`` and keeps ``e' = (M + e) - C(M + e)``:
+nothing the compressor drops is lost, only delayed (PowerSGD relies on it; without it rank-dAD's
+average is biased). Two memories, one interface (`error_feedback_for` picks by the config):
 
-Two memories, one interface (`error_feedback_for` picks by the config):
+- `ErrorFeedback` keeps each residual whole, ``m n`` numbers per compressed weight and rank, as
+  PowerSGD's hook does (where they live under each layout: `routes.layouts.RESIDUALS`).
+- `LowRankErrorFeedback` (``error_feedback_rank: q``) keeps the residual's best rank-``q`` part
+  ``U V^T`` (``q (m+n)`` numbers), by `power_iteration.power_iteration` warm-started from the last
+  one (``power_iterations`` rounds): the directions the compressor left out with most energy travel
+  on, the tail below them is dropped. Exact whenever the residual's rank is at most ``q``.
 
-- `ErrorFeedback` keeps each residual whole: ``m n`` numbers per compressed weight and rank
-  (residuals differ across ranks and are saved per rank), as PowerSGD's hook does. Under DDP that
-  is one more gradient; under FSDP2 or ZeRO it is S times the weight's gradient shard, memory
-  the engine saved by sharding.
-- `LowRankErrorFeedback` (``error_feedback_rank: q``) keeps the residual's best rank-``q`` part,
-  ``U V^T`` (``q (m+n)`` numbers), found by warm-started power iteration on the residual
-  (``power_iterations`` of them, one by default: ``4 m n q`` flops each, the cost of the
-  compression itself; three measure no better than one): the directions the compressor left
-  out with most energy, the part that error feedback exists to carry over, travel on; the
-  residual's tail below them is dropped. Exact whenever the residual's rank is at most ``q``; at
-  ``q >= min(m, n)`` it keeps the residual whole.
-
-A step whose gradient is not finite (an fp16 overflow that the loss scaler will skip) leaves the
-residual as it was: `route_state.RouteState` holds `pack`'s result until the step's end and `keep`s
-it only then, and takes residuals out for dense steps (`RouteState.flush`).
+A step whose gradient is not finite leaves the residual as it was: `route_state.RouteState` holds
+`pack`'s result until the step's end and `keep`s it only then.
 """
 from __future__ import annotations
 
@@ -36,7 +28,9 @@ Packed = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
 
 class ErrorFeedback:
-    """Dense residuals by unit name."""
+    """Residuals by unit name, kept whole (`LowRankErrorFeedback`: as pairs ``(U, V)``)."""
+
+    matrix_rank: Optional[int] = None
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -44,8 +38,10 @@ class ErrorFeedback:
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """``grad + residual`` (a new tensor; ``grad`` is not changed)."""
-        residual = self.residuals.get(name) if self.enabled else None
-        return grad if residual is None else grad + residual
+        held = self.residuals.get(name) if self.enabled else None
+        if held is None:
+            return grad
+        return grad + held if isinstance(held, torch.Tensor) else torch.addmm(grad, held[0], held[1].t())
 
     def pack(self, name: str, residual: torch.Tensor) -> Packed:
         """What `keep` stores for ``residual`` (here: itself); nothing is stored yet."""
@@ -66,19 +62,22 @@ class ErrorFeedback:
 
     def dense(self, name: str) -> Optional[torch.Tensor]:
         """``name``'s residual as one ``m x n`` tensor (None when there is none)."""
-        return self.residuals.get(name)
+        held = self.residuals.get(name)
+        return held if held is None or isinstance(held, torch.Tensor) else held[0] @ held[1].t()
 
     def load(self, name: str, residual: Optional[Packed], like: torch.Tensor) -> None:
-        """Restore a residual onto ``like``'s device (in the dtype the codec computes in); a residual
-        saved by the other memory is converted (a dense one is reduced to rank q, a low-rank one
-        expanded)."""
+        """Restore a residual onto ``like``'s device (in the dtype the codec computes in): a pair of
+        this memory's rank as saved (bitwise), any other through `pack` (a pair expanded first)."""
         if residual is None:
             self.residuals.pop(name, None)
             return
         to = dict(device=like.device, dtype=compute_dtype(like))
         if isinstance(residual, (tuple, list)):
-            u, v = residual
-            residual = u.to(**to) @ v.to(**to).t()
+            u, v = (t.to(**to) for t in residual)
+            if self.matrix_rank is not None and u.shape[1] == min(self.matrix_rank, *u.shape, v.shape[0]):
+                self.residuals[name] = (u, v)
+                return
+            residual = u @ v.t()
         self.residuals[name] = self.pack(name, residual.to(**to))
 
     def numel(self) -> int:
@@ -94,13 +93,6 @@ class LowRankErrorFeedback(ErrorFeedback):
         self.matrix_rank = matrix_rank
         self.iterations = iterations
 
-    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        held = self.residuals.get(name) if self.enabled else None
-        if held is None or isinstance(held, torch.Tensor):
-            return super().compensate(name, grad)
-        u, v = held
-        return torch.addmm(grad, u, v.t())
-
     def pack(self, name: str, residual: torch.Tensor) -> Packed:
         """``(U, V)`` with ``U`` orthonormal (m x q): power iteration from the last residual's
         ``V`` (a seeded draw the first time), so the kept subspace follows the residual's. At
@@ -114,20 +106,7 @@ class LowRankErrorFeedback(ErrorFeedback):
         if start is None:
             gen = torch.Generator(device=residual.device).manual_seed(zlib.crc32(name.encode()))
             start = torch.randn(n, q, generator=gen, device=residual.device, dtype=residual.dtype)
-        u, v = power_iteration(LocalGradient(dense=residual), start, self.iterations)
-        return u, v
-
-    def dense(self, name: str) -> Optional[torch.Tensor]:
-        held = self.residuals.get(name)
-        return held if held is None or isinstance(held, torch.Tensor) else held[0] @ held[1].t()
-
-    def load(self, name: str, residual: Optional[Packed], like: torch.Tensor) -> None:
-        if isinstance(residual, (tuple, list)) and residual[0].shape[1] == min(self.matrix_rank, *residual[0].shape,
-                                                                                residual[1].shape[0]):
-            to = dict(device=like.device, dtype=compute_dtype(like))
-            self.residuals[name] = (residual[0].to(**to), residual[1].to(**to))  # as saved: bitwise
-        else:
-            super().load(name, residual, like)
+        return power_iteration(LocalGradient(dense=residual), start, self.iterations)
 
 
 def residual_bytes(shapes, itemsize: int) -> int:
@@ -145,12 +124,9 @@ EVERY_RANK = "one whole m x n residual per rank-routed weight, on every rank"
 def sharded_residual_note(config, shapes, world_size: int, itemsize: int, held=None,
                           where: str = EVERY_RANK) -> Optional[str]:
     """Under FSDP2 or ZeRO: what whole residuals cost beside the gradient shards they sit next to,
-    and how to bound it; None where the config keeps no whole residual (no rank, mode exact, no
-    error feedback, or ``error_feedback_rank``). ``shapes``: the weights rank routes may take;
-    ``held``: those one rank holds residuals of at most (default: all of them; across nodes under
-    ZeRO the busiest owner's, `routes.layouts.RESIDUALS`); ``where``: where they live;
-    ``itemsize``: the residuals' own, the compute dtype's (fp32 for bf16 and fp16 weights). The
-    figure said is `residual_bytes` of ``held``, what the codec allocates there."""
+    and how to bound it; None where the config keeps none. ``shapes``: the weights rank routes may
+    take; ``held``: those one rank holds residuals of at most (default: all); ``where``: where they
+    live (`routes.layouts.RESIDUALS`); ``itemsize``: the residuals' own (the compute dtype's)."""
     if (config.rank is None or config.mode == "exact" or not config.error_feedback
             or config.error_feedback_rank is not None or not shapes):
         return None

@@ -1,20 +1,13 @@
 """Rank-r reduction of one site's local gradient, for rank-dAD.
 
-The local gradient ``M`` (m x n) of a weight is known two ways (`power_iteration.LocalGradient`):
-as factors ``M = L^T R`` with ``L`` (N x m) and ``R`` (N x n) captured rows, or densely, as
-autograd has already computed it. Three ways to get ``M ~= P Q^T`` with r components, chosen per
-call by flop count:
-
-- ``"factors"``: subspace (power) iteration on the factors, ``M q = L^T (R q)`` and
-  ``M^T p = R^T (L p)``: ``4 N r (m+n)`` flops per iteration, never forming M. Best when N is small.
-- ``"dense"``: the same iteration on the dense gradient: ``4 m n r`` flops per iteration. Best when
-  N is large (transformers: rows = batch x sequence), and the only choice for embeddings.
-- ``"svd"``: exact truncated SVD through thin QRs of ``L^T`` and ``R^T``; the SVD of the small
-  core gives the best rank-r approximation. ``~2 N^2 (m+n)`` flops: best when N is tiny.
-
-As in PowerSGD, the iteration (`power_iteration`, the one the shared routes run) warm-starts from
-the previous step's Q, so one iteration suffices once training settles; unlike the paper authors'
-code it returns exactly r components (fewer only where the gradient's rank is lower).
+The local gradient ``M`` (m x n) of a weight is known as factors ``M = L^T R`` (``N`` captured rows)
+or densely (`power_iteration.LocalGradient`). Three ways to get ``M ~= P Q^T`` with r components,
+chosen per call by flop count (`method_costs`): ``"factors"``, the power iteration on the factors
+(never forming M: best when N is small); ``"dense"``, the same on the dense gradient (best when N
+is large, and the only choice for embeddings); ``"svd"``, the exact truncated SVD through thin QRs
+of ``L^T`` and ``R^T`` (best when N is tiny). The iteration (`power_iteration`, the one the shared
+routes run) warm-starts from the previous step's Q, as in PowerSGD; unlike the paper authors' code
+it returns exactly r components (fewer only where the gradient's rank is lower).
 """
 from __future__ import annotations
 
@@ -105,9 +98,8 @@ def reduce_rank(m: LocalGradient, rank: int, *, method: str, q_init: Optional[to
 
     # one of p, q has orthonormal columns, so a component's energy is |p_i|^2 |q_i|^2
     energy = p.pow(2).sum(0) * q.pow(2).sum(0)
-    # one host sync, on r numbers: every component counts (no sorting, no copies), or the gradient
-    # was not finite and the iteration spread its NaN into p and q: all of them go, so that every
-    # rank rebuilds a non-finite result (as all-reduce gives), and the caller needs no pass of its own
+    # one host sync, on r numbers: every component counts (no sorting, no copies), or the gradient was
+    # not finite and all of them go (NaN spread into p and q: every rank's rebuild turns non-finite)
     if tolerance is None and p.shape[1] == rank and bool(
             ((energy > energy.max() * 1e-12) | ~torch.isfinite(energy.sum())).all()):
         return LowRank(p, q, rank, method, q)

@@ -4,24 +4,22 @@ Subspace iteration (PowerSGD, Vogels et al., 2019) of ``M`` (m x n) from ``Q`` (
 
     P = M Q  (m x r)      P^ = orth(P)      Q = M^T P^  (n x r)      M ~= P^ Q^T
 
-``4 m n r`` flops (``4 N r (m+n)`` on factors, `LocalGradient`) and a QR of P (``2 m r^2``).
 Warm-started from the last step's Q one round suffices once training settles; more rounds move the
 error towards the truncated SVD's. `PowerIteration` runs it for a batch of local matrices that
-share their groups:
+share their groups (bytes per layout: `routes.rank_allreduce`):
 
-- ``sites``: ``M = sum_s M_s`` over its ranks (PowerSGD): P and Q are all-reduced each round,
-  ``2 (S-1)/S r (m+n)`` numbers per rank, flat in S; every rank ends with the same ``P^`` and Q.
-  None: this rank's own matrix (rank-dAD, error feedback's rank-q residual, the compute model).
+- ``sites``: ``M = sum_s M_s`` over its ranks (PowerSGD): P and Q are all-reduced each round, and
+  every rank ends with the same ``P^`` and Q. None: this rank's own matrix (rank-dAD, error
+  feedback's rank-q residual, the compute model).
 - ``rows``: each matrix split by rows over its ranks (HSDP's shard group). P's row blocks are
   all-gathered (the QR mixes all rows), each rank keeps its rows of ``P^``, ``M^T P^`` sums the
   blocks' products (an all-reduce over ``rows``: the site's own Q), and between sites each rank
   sums one piece of that (`piece_span`), the pieces then gathered: a site's Q crosses once.
 
 Batched as PowerSGD's DDP hook batches a bucket: one collective per kind and round, one batched QR
-per run of same-shaped P's (`orthonormalize_flat`). Products are written straight into flat buffers
-(P as ``(m, r)`` row-major blocks, Q as ``(r, n)`` ones, so the Q's come out column-major, the
-layout the next ``M Q`` reads fastest). Every rank runs the same calls on the same shapes, so
-ranks agree bit for bit.
+per run of same-shaped P's (`orthonormalize_flat`), products written straight into flat buffers (Q's
+as ``(r, n)`` blocks: column-major, as the next ``M Q`` reads fastest). Every rank runs the same
+calls on the same shapes, so ranks agree bit for bit.
 """
 from __future__ import annotations
 
@@ -58,18 +56,15 @@ class LocalGradient:
         return torch.Size((self.left.shape[1], self.right.shape[1]))
 
     def mm(self, q: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``M @ q`` (m x r), into ``out`` where given.
-
-        The thin ``q`` (n x r) is read column-major (a copy of ``n r`` numbers where it is not):
-        MKL's ``(m x n)(n x r)`` product runs 3-4x faster so than with a row-major ``q`` (GPT-2's
-        MLP weights, r = 4, one thread)."""
+        """``M @ q`` (m x r), into ``out`` where given; the thin ``q`` (n x r) read column-major (a
+        copy of ``n r`` numbers where it is not): MKL's product runs faster so."""
         if self.dense is not None:
             return torch.mm(self.dense, _column_major(q), out=out)
         return torch.mm(self.left.t(), self.right @ q, out=out)
 
     def rmm_t(self, p: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``(M^T p)^T = p^T M`` (r x n, row-major), into ``out`` where given: a ``(r x m)(m x n)``
-        product, 3-4x faster on CPU than ``M^T p`` as ``(n x m)(m x r)`` with M read transposed."""
+        """``(M^T p)^T = p^T M`` (r x n, row-major), into ``out`` where given: on CPU faster than
+        ``M^T p`` with M read transposed."""
         if self.dense is not None:
             return torch.mm(p.t(), self.dense, out=out)
         return torch.mm((self.left @ p).t(), self.right, out=out)
@@ -90,13 +85,10 @@ def _column_major(q: torch.Tensor) -> torch.Tensor:
 
 
 def qr(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Thin QR ``a = Q R`` (batched over leading dims), in ``a``'s dtype, for any float dtype.
-
-    fp16/bf16 are factorised in fp32 and the factors cast back: Q is then orthonormal to the half
-    dtype's rounding, whatever the conditioning, where Gram-Schmidt in half precision (PowerSGD's
-    hook's way) loses orthogonality on ill-conditioned inputs; the casts copy the thin ``a`` twice.
-    Every QR of the rank routes comes through here (SVDs through `low_rank.svd`), so callers need no
-    casts of their own. fp32 and fp64 go to the kernel unchanged (the same bits as ``torch.linalg.qr``)."""
+    """Thin QR ``a = Q R`` (batched over leading dims), in ``a``'s dtype, for any float dtype: every
+    QR of the rank routes (SVDs: `low_rank.svd`). fp16/bf16 are factorised in fp32 and cast back (Q
+    then orthonormal to the half dtype's rounding, where Gram-Schmidt in half precision, PowerSGD's
+    hook's way, loses orthogonality on ill-conditioned inputs); fp32 and fp64 go to the kernel as is."""
     if a.dtype in HALF:
         q, r = torch.linalg.qr(a.float(), mode="reduced")
         return q.to(a.dtype), r.to(a.dtype)
@@ -105,11 +97,9 @@ def qr(a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def orthonormalize_flat(flat: torch.Tensor, shapes: Shapes, dtypes: Sequence[torch.dtype]) -> List[torch.Tensor]:
     """Orthonormal columns spanning each ``(m, r)`` block of ``flat`` (row-major blocks, one after
-    another; thin QR, `qr`: rank-deficient blocks stay finite), in ``dtypes``: consecutive blocks
-    of one shape and dtype go through one batched QR (as PowerSGD's hook batches same-shape
-    matrices), one call per run instead of per block (a transformer's layers repeat their shapes);
-    on CPU the same bits as one QR each (`test_low_rank`), and every rank runs the same calls, so
-    ranks agree on any device."""
+    another; `qr`: rank-deficient blocks stay finite), in ``dtypes``: consecutive blocks of one shape
+    and dtype go through one batched QR (a transformer's layers repeat their shapes); on CPU the same
+    bits as one QR each (`test_low_rank`)."""
     out: List[torch.Tensor] = []
     offset, i = 0, 0
     while i < len(shapes):
@@ -232,12 +222,8 @@ class PowerIteration:
 def split_blocks(flat: torch.Tensor, shapes: Shapes, dtypes: Optional[Sequence[torch.dtype]] = None
                  ) -> List[torch.Tensor]:
     """``flat``'s consecutive row-major ``shapes`` blocks (views), each in its dtype where given."""
-    out, offset = [], 0
-    for i, (a, b) in enumerate(shapes):
-        block = flat[offset:offset + a * b].view(a, b)
-        out.append(block if dtypes is None else block.to(dtypes[i]))
-        offset += a * b
-    return out
+    blocks = [t.view(a, b) for t, (a, b) in zip(flat.split([a * b for a, b in shapes]), shapes)]
+    return blocks if dtypes is None else [t.to(dtype) for t, dtype in zip(blocks, dtypes)]
 
 
 def power_iteration(m: LocalGradient, q: torch.Tensor, iterations: int) -> Tuple[torch.Tensor, torch.Tensor]:

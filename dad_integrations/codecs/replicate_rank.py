@@ -4,65 +4,41 @@ HSDP (FSDP2 on a 2-D ``("replicate", "shard")`` mesh) shards every weight ``m x 
 ranks of a node (rank s keeps rows ``[s c, (s+1) c)``, ``c = ceil(m/L)``) and replicates the
 shards over the R nodes. After the reduce-scatter inside the node, rank s holds ``M_s``, its rows
 of the *node's* sum ``M`` (plus its rows of the node's error-feedback residual); the hop between
-nodes must then add the R nodes' ``M``. Sites are nodes here, and a node's matrix is spread over
-its L ranks by rows, so a right factor ``Q`` (n x r) is the same on every rank of the node: it is
-summed inside the node and crosses between nodes once per node, cut into L pieces (one per local
-rank), never L times. ``w`` is the wire itemsize.
+nodes must then add the R nodes' ``M``. Sites are nodes here: both routes run
+`power_iteration.PowerIteration` with the node as its ``rows`` group, so a right factor ``Q``
+(n x r), the same on every rank of the node, is summed inside the node and crosses between nodes
+once per node, cut into L pieces (one per local rank), never L times. Bytes: `routes.rank`,
+`routes.rank_allreduce`.
 
-**PowerSGD's all-reduce (``"rank_allreduce"``)**, with ``Q`` the same on every rank of the job
-(the last step's, or a shared seed):
+**PowerSGD's all-reduce (``"rank_allreduce"``)**: flat PowerSGD on the job's gradient (the nodes as
+its ``sites``: the same ``P^`` and ``Q'``), ``shard_s = scale P^_s Q'^T``.
 
-    P_s = M_s Q        all-reduced between nodes        (c r w per rank; the node's rows of sum_nodes M Q)
-    P^ = orth(P)       P's L row blocks all-gathered inside the node
-    Q_node = sum_s M_s^T P^_s   all-reduced inside the node
-    Q' = sum_nodes Q_node       piece s (n r / L numbers) all-reduced between nodes by rank s,
-                                the pieces all-gathered inside the node
-    shard_s = scale P^_s Q'^T
-
-It is flat PowerSGD on the job's gradient (the same P^ and Q'), with the node as the site of error
-feedback: the residual ``M_s - P^_s Q_node^T`` is rank s's rows of the node's, ``c x n``: sharded,
-unlike the 1-D codec's (`sharded_rank`), where every rank keeps a whole ``m x n`` one. Bytes between
-nodes per rank and power iteration: ``2 (R-1)/R r (c + n/L) w``, against HSDP's own all-reduce of the
-shard, ``2 (R-1)/R c n b``.
-
-**rank-dAD (``"rank"``)**: each node reduces its own ``M`` to rank r by power iterations inside
-the node (``P_s = M_s Q``, P^ from the all-gathered blocks, ``Q_node`` all-reduced inside the node;
-warm-started from the node's last ``Q_node``), then between nodes rank s all-gathers every node's
-``P^_s`` (c x r) and piece s of its ``Q_node``, and the pieces are all-gathered inside the node:
+**rank-dAD (``"rank"``)**: each node reduces its own ``M`` to rank r inside the node (warm-started
+from the node's last ``Q_node``), then between nodes rank s all-gathers every node's ``P^_s`` (c x r)
+and piece s of its ``Q_node``, and the pieces are all-gathered inside the node:
 
     shard_s = scale sum_nodes P^_{node,s} Q_node^T = scale [P^_{1,s} .. P^_{R,s}] [Q_1 .. Q_R]^T
 
-``(R-1) r (c + n/L) w`` between nodes per rank. The residual is ``M_s - P^_s Q_node^T``, as above.
-
-Both run `power_iteration.PowerIteration` with the node as its ``rows`` group (and the nodes as its
-``sites`` for the all-reduce): the iteration every other rank route runs.
-
-Every rank of a shard column (the ranks holding the same rows on each node) computes from the same
-numbers in the same order, so the replicas stay identical bit for bit, as HSDP's all-reduce keeps
-them. A non-finite ``M_s`` spreads NaN through the power iterations to every rank, as the dense
-reduction would; its residuals and warm starts are dropped at the step's end
-(`route_state.RouteState`, which also saves each residual tagged with its rows).
+The node is the site of error feedback: the residual ``M_s - P^_s Q_node^T`` is rank s's rows of the
+node's, ``c x n``: sharded, unlike the 1-D codec's (`sharded_rank`). Every rank of a shard column
+(the ranks holding the same rows on each node) computes from the same numbers in the same order, so
+the replicas stay identical bit for bit, as HSDP's all-reduce keeps them. Non-finite steps: as
+`codecs.rank` (`route_state.RouteState` also saves each residual tagged with its rows).
 """
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Sequence
 
 import torch
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.power_iteration import LocalGradient, PowerIteration, piece_span, split_blocks
-from dad_integrations.codecs.route_state import RouteState, WarmStart
+from dad_integrations.codecs.power_iteration import piece_span, split_blocks
+from dad_integrations.codecs.rank import RankItem
+from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.codecs.sharded_rank import ROUTES, RankShard, ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
-
-
-class ReplicateItem:
-    """One unit's local side: rank s's rows of the node's (compensated) sum, and r."""
-
-    def __init__(self, unit: FactorUnit, representation: str, node_rows: torch.Tensor, rank: int):
-        self.unit, self.representation, self.local, self.rank = unit, representation, node_rows, rank
 
 
 class ReplicateRankCodec(ShardedRankCodec):
@@ -75,15 +51,11 @@ class ReplicateRankCodec(ShardedRankCodec):
         super().__init__(config, wire_dtype, RouteState(config, shard=(intra.rank, intra.world_size)))
         self.intra, self.cross = intra, cross
 
-    def node_local(self, unit: FactorUnit, node_rows: torch.Tensor, representation: str) -> ReplicateItem:
+    def node_local(self, unit: FactorUnit, node_rows: torch.Tensor, representation: str) -> RankItem:
         """``M_s``: this rank's rows (``c x n``, padded) of the node's sum, plus its residual."""
-        if representation not in ROUTES:
-            raise ValueError(f"not a rank route: {representation!r}")
-        m, n = unit.shape
-        r = min(self.config.rank, m, n)
-        return ReplicateItem(unit, representation, self.memory.compensate(unit.name, node_rows), r)
+        return self.local(unit, [], lambda p, dtype: node_rows, representation)
 
-    def exchange_node(self, items: Sequence[ReplicateItem], scale: float, step: int,
+    def exchange_node(self, items: Sequence[RankItem], scale: float, step: int,
                       wire: torch.dtype) -> List[RankShard]:
         """Each item's shard, ``scale`` times its rows of the rank-r sum over nodes (in ``items``' order)."""
         wire = self.wire_dtype or wire
@@ -96,29 +68,15 @@ class ReplicateRankCodec(ShardedRankCodec):
         return [out[i] for i in range(len(items))]
 
     # -- the routes ------------------------------------------------------------------------------
-    def _iterate(self, items: Sequence[ReplicateItem], warm: WarmStart, step: int, wire, rounds: int,
-                 across: bool, name: str) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], list]:
-        """`PowerIteration` of the items' rows of their node's ``M`` from ``warm`` (``rows``: the node;
-        summed over the nodes too where ``across``): per item ``P^_s``, ``Q_node``, Q and traffic."""
-        it = PowerIteration([LocalGradient(dense=i.local) for i in items], [compute_dtype(i.unit.param) for i in items],
-                            [i.rank for i in items], rounds, sites=self.cross if across else None, rows=self.intra,
-                            wire=wire, name=f"{name}.{items[0].unit.name}")
-        it.start([warm.initial(i.unit, i.unit.shape[1], i.rank, dt, step) for i, dt in zip(items, it.dtypes)])
-        return (*it.finish(), it.traffic)
+    def _allreduce_route(self, items: Sequence[RankItem], scale: float, step: int, wire) -> List[RankShard]:
+        bases, q_alls, traffic = self.shared_rounds(items, self.shared, step, "dad.replicate", sites=self.cross,
+                                                    rows=self.intra, wire=wire)()
+        return [RankShard((basis * scale) @ q_all.t(), t, it.rank)
+                for it, basis, q_all, t in zip(items, bases, q_alls, traffic)]
 
-    def _allreduce_route(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
-        bases, q_nodes, q_alls, traffic = self._iterate(items, self.shared, step, wire,
-                                                        self.config.power_iterations, True, "dad.replicate")
-        out = []
-        for it, basis, q_node, q_all, t in zip(items, bases, q_nodes, q_alls, traffic):
-            self.state.hold(self.shared, it.unit, q_all, self._node_residual(it, basis, q_node))
-            out.append(RankShard((basis * scale) @ q_all.t(), t, it.rank))
-        return out
-
-    def _rank_dad(self, items: Sequence[ReplicateItem], scale: float, step: int, wire) -> List[RankShard]:
+    def _rank_dad(self, items: Sequence[RankItem], scale: float, step: int, wire) -> List[RankShard]:
         dtypes = [compute_dtype(it.unit.param) for it in items]
-        bases, qs, _, _ = self._iterate(items, self.warm, step, wire, max(1, self.config.power_iterations), False,
-                                        "dad.replicate.node")
+        bases, qs, _ = self.shared_rounds(items, self.own, step, "dad.replicate.node", rows=self.intra, wire=wire)()
         q_flat = torch.cat([q.reshape(-1) for q in qs])
         lo, hi = piece_span(q_flat.numel(), self.intra.world_size, self.intra.rank)
         send = torch.cat([torch.cat([b.reshape(-1) for b in bases]), q_flat[lo:hi]]).to(wire)
@@ -130,12 +88,9 @@ class ReplicateRankCodec(ShardedRankCodec):
         traffic = [handle.traffic.share(k / (float(sum(sizes)) or 1.0)) for k in sizes]
         joined = self._join_node_pieces(received, p_numel, q_flat.numel(), items)
         out = []
-        for i, (it, basis, q_node, t) in enumerate(zip(items, bases, qs, traffic)):
-            p_nodes = [j[0][i] for j in joined]   # per node: P^_{node,s}
-            q_all = [j[1][i] for j in joined]     # per node: Q_node
-            left = torch.cat([p.to(dtypes[i]) for p in p_nodes], dim=1) * scale
-            right = torch.cat([q.to(dtypes[i]) for q in q_all], dim=1)
-            self.state.hold(self.warm, it.unit, q_node, self._node_residual(it, basis, q_node))
+        for i, (it, t) in enumerate(zip(items, traffic)):
+            left = torch.cat([j[0][i].to(dtypes[i]) for j in joined], dim=1) * scale  # per node: P^_{node,s}
+            right = torch.cat([j[1][i].to(dtypes[i]) for j in joined], dim=1)         # per node: Q_node
             out.append(RankShard(left @ right.t(), t, it.rank))
         return out
 
@@ -153,7 +108,3 @@ class ReplicateRankCodec(ShardedRankCodec):
             q_flat = torch.cat([gathered[l].view(len(received), dims[l])[k] for l in range(L)])
             per_node.append((p_blocks, split_blocks(q_flat, [(it.unit.shape[1], it.rank) for it in items])))
         return per_node
-
-    def _node_residual(self, it: ReplicateItem, basis: torch.Tensor, q_node: torch.Tensor):
-        """``M_s - P^_s Q_node^T``: this rank's rows of what its node did not send."""
-        return self.state.residual(it.unit.name, it.local, basis, q_node)

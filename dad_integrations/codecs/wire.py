@@ -5,6 +5,7 @@ bytes; each block is padded to 8 bytes so that every block can be viewed back in
 """
 from __future__ import annotations
 
+from math import prod
 from typing import List, Sequence, Tuple
 
 import torch
@@ -15,11 +16,7 @@ BlockSpec = Tuple[torch.dtype, Tuple[int, ...]]
 
 def _nbytes(spec: BlockSpec) -> int:
     dtype, shape = spec
-    n = 1
-    for d in shape:
-        n *= d
-    size = n * dtype.itemsize
-    return -(-size // ALIGN) * ALIGN
+    return -(-prod(shape) * dtype.itemsize // ALIGN) * ALIGN
 
 
 def packed_size(specs: Sequence[BlockSpec]) -> int:
@@ -55,16 +52,11 @@ def unpack(buffer: torch.Tensor, specs: Sequence[BlockSpec]) -> List[torch.Tenso
     """Views of ``buffer`` as the blocks described by ``specs`` (inverse of `pack`)."""
     out, offset = [], 0
     for dtype, shape in specs:
-        size = _nbytes((dtype, shape))
-        itemsize = dtype.itemsize
-        n = 1
-        for d in shape:
-            n *= d
-        chunk = buffer[offset:offset + n * itemsize]
-        if chunk.storage_offset() % itemsize:  # gathered buffers may start anywhere
+        chunk = buffer[offset:offset + prod(shape) * dtype.itemsize]
+        if chunk.storage_offset() % dtype.itemsize:  # gathered buffers may start anywhere
             chunk = chunk.clone()
         out.append(chunk.view(dtype).reshape(shape))
-        offset += size
+        offset += _nbytes((dtype, shape))
     return out
 
 
