@@ -110,6 +110,7 @@ class FSDPDADSynchronizer(ShardedFacade):
         self._committed = CommittedRows(units)  # see the module doc
         rep = self._replicate
         config = self.config if rep is None else hsdp_config(self.config)
+        world = TorchDistributedAggregator() if rep is None else rep.world
         self.exchanger = ShardedExchanger(
             config, engine="FSDP2", fallback="FSDP's reduce-scatter" if rep is None else "HSDP's own reduction",
             process_rank=dist.get_rank(), world_size=dist.get_world_size(), logger=log,
@@ -117,10 +118,9 @@ class FSDPDADSynchronizer(ShardedFacade):
             rank_codec=None if rep is None or config.rank is None else ReplicateRankCodec(
                 config, WIRE_DTYPES[config.wire_dtype], rep.intra, rep.cross))
         self.exchanger.log_once = self._log_once
-        self._forward_hook = self.exchanger.start(
-            model, TorchDistributedAggregator() if rep is None else rep.world, units[0].param.device if units else None,
-            units, link_probe=None if rep is None else rep.probe_link,
-            layout=layouts.layout_for("fsdp2" if rep is None else "hsdp"))
+        self._forward_hook = self.exchanger.start(model, world, units[0].param.device if units else None, units,
+                                                  link_probe=None if rep is None else rep.probe_link,
+                                                  layout=layouts.layout_for("fsdp2" if rep is None else "hsdp"))
         self._installed = groups
         for module, pg in groups:
             if rep is not None:
@@ -128,8 +128,7 @@ class FSDPDADSynchronizer(ShardedFacade):
             seams.install(module, pg, self._reduce, self._with_grad)
         banner.announce("FSDP2", self.config, process_rank=dist.get_rank(), world_size=dist.get_world_size(),
                         factor_weights=len(units), dense_params=banner.dense_count(model, units),
-                        hops=self.exchanger.describe_hops(TorchDistributedAggregator() if rep is None else rep.world,
-                                                          layout=None if rep is None else "HSDP"))
+                        hops=self.exchanger.describe_hops(world, layout=None if rep is None else "HSDP"))
 
     def _replicate_groups(self, pgs: list) -> Optional[ReplicateGroups]:
         """HSDP's groups (`exchange.replicate_hop`) where the model is sharded on a 2-D mesh; refuses,
@@ -168,12 +167,10 @@ class FSDPDADSynchronizer(ShardedFacade):
         if self._closed:
             return
         self._closed = True
-        self._forward_hook.remove()
+        self._remove_hooks()
         for module, pg in self._installed:
             seams.uninstall(module, pg)
             seams.give_back_replicate_hop(pg)
-        for capture in self.plan.captures:
-            capture.remove()
         self._committed.remove()
 
     def load_state_dict(self, state: Mapping) -> None:

@@ -169,9 +169,7 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
     def detach(self) -> None:
         """Give the engine its own reduction back and remove dAD's hooks."""
         self._seam.remove()
-        self._forward_hook.remove()
-        for capture in self.plan.captures:
-            capture.remove()
+        self._remove_hooks()
         self._restore_engine()
 
     close = detach

@@ -368,6 +368,13 @@ class ShardedFacade:
 
     exchanger: ShardedExchanger
     plan: object
+    _forward_hook: ForwardStartHook  # `ShardedExchanger.start`'s
+
+    def _remove_hooks(self) -> None:
+        """At detach: the route trials' forward hook and the plan's capture hooks."""
+        self._forward_hook.remove()
+        for capture in self.plan.captures:
+            capture.remove()
 
     def last_step_report(self) -> Optional[ShardedStepReport]:
         """The report of the latest backward that reduced gradients (None before the first): per
