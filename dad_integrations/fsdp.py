@@ -41,7 +41,6 @@ from dad_integrations.capture.committed import CommittedRows
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
-from dad_integrations.comm.errors import note_step
 from dad_integrations.comm.link_spec import level_link_specs
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator
 from dad_integrations.config import WIRE_DTYPES, DADConfig
@@ -111,6 +110,7 @@ class FSDPDADSynchronizer(ShardedFacade):
         self._committed = CommittedRows(units)  # see the module doc
         rep = self._replicate
         config = self.config if rep is None else hsdp_config(self.config)
+        world = TorchDistributedAggregator() if rep is None else rep.world
         self.exchanger = ShardedExchanger(
             config, engine="FSDP2", fallback="FSDP's reduce-scatter" if rep is None else "HSDP's own reduction",
             process_rank=dist.get_rank(), world_size=dist.get_world_size(), logger=log,
@@ -118,11 +118,9 @@ class FSDPDADSynchronizer(ShardedFacade):
             rank_codec=None if rep is None or config.rank is None else ReplicateRankCodec(
                 config, WIRE_DTYPES[config.wire_dtype], rep.intra, rep.cross))
         self.exchanger.log_once = self._log_once
-        self.exchanger.start(TorchDistributedAggregator() if rep is None else rep.world,
-                             units[0].param.device if units else None, units,
-                             link_probe=None if rep is None else rep.probe_link,
-                             layout=layouts.layout_for("fsdp2" if rep is None else "hsdp"))
-        self._forward_hook = self.exchanger.watch_forward(model)
+        self._forward_hook = self.exchanger.start(model, world, units[0].param.device if units else None, units,
+                                                  link_probe=None if rep is None else rep.probe_link,
+                                                  layout=layouts.layout_for("fsdp2" if rep is None else "hsdp"))
         self._installed = groups
         for module, pg in groups:
             if rep is not None:
@@ -130,12 +128,7 @@ class FSDPDADSynchronizer(ShardedFacade):
             seams.install(module, pg, self._reduce, self._with_grad)
         banner.announce("FSDP2", self.config, process_rank=dist.get_rank(), world_size=dist.get_world_size(),
                         factor_weights=len(units), dense_params=banner.dense_count(model, units),
-                        hops=self.exchanger.describe_hops(TorchDistributedAggregator() if rep is None else rep.world,
-                                                          layout=None if rep is None else "HSDP"))
-
-    @property
-    def _trial(self):
-        return self.exchanger.trial
+                        hops=self.exchanger.describe_hops(world, layout=None if rep is None else "HSDP"))
 
     def _replicate_groups(self, pgs: list) -> Optional[ReplicateGroups]:
         """HSDP's groups (`exchange.replicate_hop`) where the model is sharded on a 2-D mesh; refuses,
@@ -174,12 +167,10 @@ class FSDPDADSynchronizer(ShardedFacade):
         if self._closed:
             return
         self._closed = True
-        self._forward_hook.remove()
+        self._remove_hooks()
         for module, pg in self._installed:
             seams.uninstall(module, pg)
             seams.give_back_replicate_hop(pg)
-        for capture in self.plan.captures:
-            capture.remove()
         self._committed.remove()
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -200,7 +191,6 @@ class FSDPDADSynchronizer(ShardedFacade):
         if ex.report is None or task != self._task or task < 0:
             self._task = task
             ex.begin_step()
-            note_step(ex.steps - 1)  # for the messages of collectives that fail in it
             # the step's end, where every rank agrees: a route trial's span ends, its routes are said
             end = ex.trial_end(agg, inp.device)
             if task < 0:

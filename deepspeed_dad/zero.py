@@ -28,7 +28,6 @@ import torch
 
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.capture.assign import build_plan
-from dad_integrations.comm.errors import note_step
 from dad_integrations.config import DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.exchange.checks import check_same_model
@@ -110,10 +109,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
             config, engine=f"ZeRO-{self.zero_stage}", fallback="DeepSpeed's reduction",
             process_rank=self.aggregator.rank, world_size=world_size, logger=log,
             overhead_names={"counts": "dad.zero.counts", "verify": "dad.zero.verify", "finite": "dad.zero.finite"})
-        self.exchanger.start(self.aggregator, device, self.plan.units, layout=layouts.layout_for("zero"),
-                             residual_note=False)
-        # a step's span for route trials starts at the module's forward (ZeRO-3's all-gathers included)
-        self._forward_hook = self.exchanger.watch_forward(engine.module)
+        self._forward_hook = self.exchanger.start(engine.module, self.aggregator, device, self.plan.units,
+                                                  layout=layouts.layout_for("zero"), residual_note=False)
         # an exchange's factors (counted in fp32) stay under a quarter of ZeRO's own reduction bucket,
         # which it reduces in place: the send and receive buffers add at most about half a bucket
         bucket = 4 * int(getattr(engine.optimizer, "reduce_bucket_size", 0) or 0)
@@ -167,18 +164,12 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
     def units(self) -> List[FactorUnit]:
         return self.plan.units
 
-    @property
-    def _trial(self):
-        return self.exchanger.trial
-
     _rank = ShardedFacade.rank_codec
 
     def detach(self) -> None:
         """Give the engine its own reduction back and remove dAD's hooks."""
         self._seam.remove()
-        self._forward_hook.remove()
-        for capture in self.plan.captures:
-            capture.remove()
+        self._remove_hooks()
         self._restore_engine()
 
     close = detach
@@ -196,7 +187,6 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         if self._new_backward or self.exchanger.report is None:
             self._new_backward = False
             self.exchanger.begin_step()
-            note_step(self.exchanger.steps - 1)  # for the messages of collectives that fail in it
         kw = dict(scale=scale, itemsize=itemsize, dtype=local[0].dtype if local else torch.float32, deliver=deliver)
         call = (NodePartitionCall(self._layout, self._nodes, params, local, ranges, **kw) if self._nodes is not None
                 else PartitionCall(self._layout, params, local, ranges, **kw))

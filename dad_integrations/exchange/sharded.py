@@ -37,6 +37,7 @@ from dad_integrations.codecs.error_feedback import residual_bytes, sharded_resid
 from dad_integrations.codecs.route_state import STATE_VERSION, RouteState, route_table
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
+from dad_integrations.comm.errors import note_step
 from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.exchange.levels import Levels, describe_hops
 from dad_integrations.logs import OnceLogger
@@ -185,13 +186,15 @@ class ShardedExchanger(TimedRoutes):
     def trial(self) -> ShardedTrial:
         return self._trial
 
-    def start(self, aggregator: FactorAggregator, device: torch.device, units: Sequence[FactorUnit],
-              link_probe: Optional[LinkProbe] = None, layout: Optional[Layout] = None,
-              residual_note: bool = True) -> None:
+    def start(self, model: torch.nn.Module, aggregator: FactorAggregator, device: torch.device,
+              units: Sequence[FactorUnit], link_probe: Optional[LinkProbe] = None, layout: Optional[Layout] = None,
+              residual_note: bool = True) -> ForwardStartHook:
         """At attach, on every rank together: check the config's routes run on ``layout`` (the
         engine's calls'), say what error feedback costs beside the shards (rank 0; ``residual_note``
         False: the adapter calls `say_residuals` once it knows where residuals live), and measure
-        the models where routes go by time."""
+        the models where routes go by time. Returns the forward pre-hook where a step's span for
+        route trials starts, ``model``'s forward (the engine's all-gathers included): ``remove()``
+        it at detach."""
         if layout is not None:
             check_routes(self.config.routes, layout)
         self._units_noted = list(units)
@@ -201,6 +204,7 @@ class ShardedExchanger(TimedRoutes):
             self._trial.engine.probe = link_probe
         if units:
             self._trial.start(units, aggregator, device)
+        return ForwardStartHook(model, self._trial.forward)
 
     def say_residuals(self, layout: Layout, owner_of: Optional[Mapping[str, int]] = None) -> Optional[str]:
         """Rank 0 warns what error feedback's whole residuals will hold (`sharded_residual_note`), in
@@ -237,11 +241,6 @@ class ShardedExchanger(TimedRoutes):
         return describe_hops(self.config, aggregator, levels, timing.link if timing is not None else None,
                              two_level=two_level, layout=layout)
 
-    def watch_forward(self, model: torch.nn.Module) -> ForwardStartHook:
-        """A step's span for route trials starts at the root module's forward (the engine's
-        all-gathers included): a forward pre-hook (``remove()`` it at detach)."""
-        return ForwardStartHook(model, self._trial.forward)
-
     def trial_end(self, aggregator: FactorAggregator, device: torch.device) -> Callable[[], None]:
         """What ends the open step's route-trial span, for the adapter to run where every rank
         agrees that the step's last reduction is over (a collective may run)."""
@@ -258,8 +257,10 @@ class ShardedExchanger(TimedRoutes):
     # -- a step -----------------------------------------------------------------------------------
     def begin_step(self) -> ShardedStepReport:
         """The step's first reduction call: a new report, nothing pending in the rank routes (a step
-        that never reached its end leaves no trace), the route trial's step opened."""
+        that never reached its end leaves no trace), the route trial's step opened, the step noted
+        for the messages of collectives that fail in it (`comm.errors.note_step`)."""
         self.steps += 1
+        note_step(self.steps - 1)
         timing = self._trial.timing
         self.report = ShardedStepReport(self.steps, self.world_size, decision=self._trial.decision,
                                         links={"flat": timing.link.brief()} if timing is not None else {})
@@ -367,11 +368,22 @@ class ShardedFacade:
 
     exchanger: ShardedExchanger
     plan: object
+    _forward_hook: ForwardStartHook  # `ShardedExchanger.start`'s
+
+    def _remove_hooks(self) -> None:
+        """At detach: the route trials' forward hook and the plan's capture hooks."""
+        self._forward_hook.remove()
+        for capture in self.plan.captures:
+            capture.remove()
 
     def last_step_report(self) -> Optional[ShardedStepReport]:
         """The report of the latest backward that reduced gradients (None before the first): per
         parameter its bytes, beside what the engine's reduce-scatter of it would move."""
         return self.exchanger.report
+
+    @property
+    def _trial(self) -> ShardedTrial:
+        return self.exchanger.trial
 
     @property
     def keeps_state(self) -> bool:
