@@ -36,11 +36,12 @@ from dad_integrations.config import DADConfig
 from dad_integrations.logs import say
 from dad_integrations.report import ParamReport, route_summary
 from dad_integrations.routes.registry import is_rank_route
-from dad_integrations.routing.link import LinkModel, agree_max, probe_link
+from dad_integrations.routing.link import LinkModel, probe_link
 from dad_integrations.routing.mode_cost import mode_cost_line
 from dad_integrations.routing.router import Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route
+from dad_integrations.routing.sharded_trial import agree_on
 from dad_integrations.routing.timing import StepTiming, build_timing
-from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due
+from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due, routes_line
 
 log = logging.getLogger(__name__)
 
@@ -252,11 +253,7 @@ class RoutePolicy:
         if step < 1 or (step > 1 and not self.refresh_due(step)) or summary == self._said_routes:
             return
         self._said_routes = summary
-        if self.timing is None:
-            how = f"mode {self.config.mode}" if self.config.mode != "auto" else "by bytes"
-        else:
-            how = f"by the models, link {self.timing.link.brief()}"
-        self.say(f"dAD routes at step {step}: {summary} ({how})")
+        self.say(routes_line("dAD", step, summary, self.timing, self.config.mode))
 
     def drop_rows(self) -> None:
         """Every unit goes dense next step: capture nothing (a step that costs what DDP's does)."""
@@ -299,17 +296,13 @@ class RoutePolicy:
         trial = self.trial
         if trial is None:
             return
+        two_level, outcome = self.two_level_trial(), None
         if not trial.active and (step == 0 or self.refresh_due(step)):
             self._begin_trial(trial, step)
-            self._take_news(trial)
-            return
-
-        def agree(values):
-            return agree_max(self.aggregator, values, self.device, name="dad.trial.agree")
-
-        two_level = self.two_level_trial()
-        outcome = trial.end_of_step(step, seconds, agree, self._next_refresh(step))
-        self._take_news(trial)
+        else:
+            outcome = trial.end_of_step(step, seconds, agree_on(self.aggregator, self.device), self._next_refresh(step))
+        if trial.news:  # a missed watch's refresh began a trial: its line is the last decision said
+            self.decision, trial.news = trial.news, ""
         if outcome is None:
             return
         if two_level:  # two-level steps against the flat routes: the loser waits for the next refresh
@@ -324,17 +317,12 @@ class RoutePolicy:
             else:
                 self.drop_rows()
         self._said_routes = ""
-        self.say(f"dAD route trial after step {outcome.step} ({outcome.cause}): {outcome.describe()}; "
-                 f"routes tried: {'two levels, ' if two_level else ''}{self._tried or 'none'}; overhead per "
-                 f"compressed weight now {outcome.overhead_s * 1e3:.2f} ms")
-
-    def _take_news(self, trial: RouteTrial) -> None:
-        if trial.news:  # a missed watch's refresh began a trial: its line is the last decision said
-            self.decision, trial.news = trial.news, ""
+        self.say(f"{outcome.line('dAD', ('two levels, ' if two_level else '') + (self._tried or 'none'))}; overhead "
+                 f"per compressed weight now {outcome.overhead_s * 1e3:.2f} ms")
 
     def _begin_trial(self, trial: RouteTrial, step: int) -> None:
-        """Routes were chosen anew in step ``step``: try them against all-dense where any compresses
-        and the trial ends before the next refresh; else watch the steps they take."""
+        """Routes were chosen anew in step ``step``: the trial's routes and figures
+        (`RouteTrial.after_refresh`), flat or two-level."""
         units = self.plan.units
         if self.two_level:  # this step went at two levels: try them against the flat routes
             routes = {u.index: TWO_LEVEL for u in units}
@@ -344,7 +332,4 @@ class RoutePolicy:
             routes = {u.index: self.last_route.get(u.index, "dense") for u in units}
             compressed = [i for i, rep in routes.items() if rep != "dense"]
             saving, spare = sum(self.saved.get(i, 0.0) for i in compressed), sum(self.spare.get(i, 0.0) for i in routes)
-        if compressed and trial.fits(step, self._next_refresh(step)):
-            trial.begin(step, routes, saving)
-        else:
-            trial.watch_untried(step, "routes" if compressed else "dense", 0.0 if compressed else spare)
+        trial.after_refresh(step, routes, bool(compressed), saving, spare, self._next_refresh(step))

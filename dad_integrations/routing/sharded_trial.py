@@ -34,7 +34,8 @@ from dad_integrations.logs import say
 from dad_integrations.report import ParamReport, route_summary
 from dad_integrations.routing.link import LinkModel, agree_max
 from dad_integrations.routing.mode_cost import report_cost_line
-from dad_integrations.routing.trial import Agree, RouteTrial, StepClock, TrialOutcome, next_refresh, refresh_due
+from dad_integrations.routing.trial import (Agree, RouteTrial, StepClock, TrialOutcome, next_refresh, refresh_due,
+                                            routes_line)
 from dad_integrations.routing.router import Route
 from dad_integrations.routing.timing import EngineTiming, StepTiming
 from dad_integrations.capture.units import FactorUnit
@@ -163,11 +164,8 @@ class ShardedTrial:
         outcome = None
         if not trial.active and self.refresh(step):
             self._dense_until = None
-            if self._compressed and trial.fits(step, self.next_refresh(step)):
-                trial.begin(step, dict(self._routes), self._saved)
-            else:  # no trial: the steps are watched against their first interval
-                trial.watch_untried(step, "routes" if self._compressed else "dense",
-                                    0.0 if self._compressed else self._spare)
+            trial.after_refresh(step, dict(self._routes), bool(self._compressed), self._saved, self._spare,
+                                self.next_refresh(step))
         else:
             outcome = trial.end_of_step(step, seconds, agree, self.next_refresh(step))
         if trial.news:  # a missed watch's refresh began a trial: its line is the last decision said
@@ -177,8 +175,7 @@ class ShardedTrial:
             if self.engine.timing is not None:
                 self.engine.timing = dataclasses.replace(self.engine.timing, overhead_s=outcome.overhead_s)
             self._said_routes = ""
-            self.say(f"{self.name} route trial after step {outcome.step} ({outcome.cause}): {outcome.describe()}; "
-                     f"routes tried: {self._tried or 'none'}")
+            self.say(outcome.line(self.name, self._tried or "none"))
         nxt = step + 1
         if self.refresh(nxt):
             trial.stop_watching()
@@ -216,10 +213,7 @@ class ShardedTrial:
         if (arm is None and not active and (step == 1 or (step > 1 and self.refresh(step)))
                 and summary != self._said_routes):
             self._said_routes = summary
-            timing = self.timing
-            how = (f"by the models, link {timing.link.brief()}" if timing is not None else
-                   f"mode {self.config.mode}" if self.config.mode != "auto" else "by bytes")
-            self.say(f"{self.name} routes at step {step}: {summary} ({how})")
+            self.say(routes_line(self.name, step, summary, self.timing, self.config.mode))
 
     def _say_mode_cost(self, params: Sequence[ParamReport], probe: Optional[Callable[[], LinkModel]] = None) -> None:
         """After the first step: warn where mode exact or rank is predicted to slow the exchange past

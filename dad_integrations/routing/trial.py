@@ -136,6 +136,10 @@ class TrialOutcome:
     conclusive: bool = True    # a side won CONSISTENT of the pairs (else the prediction was kept)
     cause: str = "refresh"     # "refresh": routes chosen anew; "watch": the last choice missed
 
+    def line(self, name: str, tried: str) -> str:
+        """The decision line both owners say (``tried``: the routes the trial tried)."""
+        return f"{name} route trial after step {self.step} ({self.cause}): {self.describe()}; routes tried: {tried}"
+
     def describe(self) -> str:
         verdict = "routes kept" if self.kept else "all dense"
         why = (f"routes faster in {self.routes_won} of {self.pairs} pairs" if self.conclusive else
@@ -232,6 +236,14 @@ class RouteTrial:
         elif self.missed:  # the agreed figures, the same on every rank: said once, by rank 0
             self.news = f"{self.missed}: a new route trial"
             say(self.news, rank=self.rank)
+
+    def after_refresh(self, step: int, routes: Dict[int, str], compressed: bool, saving_s: float, spare_s: float,
+                      next_refresh: int) -> None:
+        """Routes were chosen anew in step ``step``: try them where any compresses and the trial fits, else watch."""
+        if compressed and self.fits(step, next_refresh):
+            self.begin(step, routes, saving_s)
+        else:
+            self.watch_untried(step, "routes" if compressed else "dense", 0.0 if compressed else spare_s)
 
     def watch_untried(self, step: int, arm: str, spare_s: float = 0.0) -> None:
         """Routes were chosen anew in step ``step`` and no trial begins: watch the ``arm`` steps from
@@ -356,6 +368,13 @@ class RouteTrial:
     def stop_watching(self) -> None:
         """Routes are chosen anew (a refresh): the last trial's figures no longer apply."""
         self.watch = None
+
+
+def routes_line(name: str, step: int, summary: str, timing, mode: str) -> str:
+    """The routes line both owners say where the routes changed (``timing``: the models, or None)."""
+    how = (f"by the models, link {timing.link.brief()}" if timing is not None else
+           f"mode {mode}" if mode != "auto" else "by bytes")
+    return f"{name} routes at step {step}: {summary} ({how})"
 
 
 def _won(routes: Sequence[float], dense: Sequence[float], margin: float) -> int:
