@@ -47,16 +47,17 @@ from typing import Optional, Sequence
 # the models and the cluster options live in plan_models and plan_cluster; the public names defined
 # here before that split are still importable from here
 from dad_integrations.config import DADConfig
-from dad_integrations.plan_cluster import _check_levels, _level_plan, _levels_header, _time_plan, cluster_shape
+from dad_integrations.plan_cluster import (_check_levels, _level_plan, _levels_header, _time_plan, cluster_shape,
+                                           plan_options)
 from dad_integrations.plan_cluster import compute_model  # noqa: F401  (importable here, as before the split)
 from dad_integrations.plan_models import dummy_batch, preset_config  # noqa: F401  (importable here, as before)
-from dad_integrations.plan_models import (DTYPES, PRESETS, build_meta_model, forward_rows, load_config, max_positions,
-                                          model_task)
+from dad_integrations.plan_models import (DTYPES, PRESETS, build_meta_model, forward_rows, load_config,  # noqa: F401
+                                          max_positions, model_task)
 from dad_integrations.routing.planner import plan_model, plan_sharded_model, render, render_levels, render_sharded
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Command-line entry point (see the module docstring)."""
+def _parser() -> argparse.ArgumentParser:
+    """The command's options (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m dad_integrations.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, help=f"a preset {PRESETS} or a path to a config.json")
     p.add_argument("--sites", type=int, help="number of ranks (S); or --nodes and --local-size")
@@ -92,7 +93,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                             "sending (the config's link.inter), e.g. 100gbit")
     cluster.add_argument("--intra-latency-us", type=float, default=0.0, help="latency per call inside a node")
     cluster.add_argument("--inter-latency-us", type=float, default=0.0, help="latency per call between nodes")
-    args = p.parse_args(argv)
+    return p
+
+
+def _check(p: argparse.ArgumentParser, args) -> bool:
+    """Checks the options (argparse's error on a bad one); whether the plan has two levels."""
     try:
         args.sites, args.nodes, args.local_size = cluster_shape(args.sites, args.nodes, args.local_size)
         two_level = _check_levels(args)
@@ -105,58 +110,82 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("need --tokens-per-rank >= 1 and --batch-per-rank >= 1")
     if args.mode == "rank" and not args.rank:
         p.error("--mode rank needs a rank (--rank >= 1)")
+    return two_level
+
+
+def _rows(args, cfg, model, task: str):
+    """The counted rows of a vision or speech model (None for a text model: its rows are by formula)."""
+    if task == "text":
+        if args.tokens_per_rank is None or args.batch_per_rank is not None:
+            raise ValueError(f"--model {args.model!r} is a text model: give --tokens-per-rank "
+                             f"(not --batch-per-rank)")
+        return None
+    if args.batch_per_rank is None or args.tokens_per_rank is not None:
+        raise ValueError(f"--model {args.model!r} is a {task} model: give --batch-per-rank (its rows "
+                         f"are counted by a forward pass), not --tokens-per-rank")
+    rows = forward_rows(model, cfg, batch=args.batch_per_rank, decoder_tokens=args.decoder_tokens)
+    args.tokens_per_rank = 0  # (the formula is not used)
+    return rows
+
+
+def _plans(args, two_level: bool):
+    """(task, the steady state, the time plan or None, the two-level plan or None); ValueError on bad input."""
+    cfg = load_config(args.model)
+    task = model_task(cfg)
+    model = build_meta_model(cfg)
+    rows = _rows(args, cfg, model, task)
+    planner = plan_sharded_model if args.sharded else plan_model
+    step = planner(model, sites=args.sites, **plan_options(args, cfg, rows))
+    timed = None
+    if args.bandwidth is not None:
+        if args.sharded:
+            raise ValueError("--bandwidth: the step-time prediction covers unsharded plans only")
+        timed = _time_plan(args, model, cfg, step, rows)
+    levels = _level_plan(args, model, cfg, step, rows) if two_level else None
+    return task, step, timed, levels
+
+
+def _print_json(args, task: str, step, timed, levels) -> None:
+    """The plans as one JSON object (``--json``)."""
+    out = {"model": args.model, "task": task, **{k: getattr(args, k) for k in (
+        "sites", "tokens_per_rank", "batch_per_rank", "sharded", "rank", "mode", "rank_route", "dtype")},
+           **asdict(step)}
+    if timed is not None:
+        out["time"] = asdict(timed[0])
+        out["time"]["by_time"] = asdict(timed[1])
+    if levels is not None:
+        out["two_level"] = {**asdict(levels[0]), "intra": levels[1].to_spec(), "inter": levels[2].to_spec(),
+                            "compute": levels[3]}
+    print(json.dumps(out, indent=1))
+
+
+def _print_text(args, task: str, step, timed, levels) -> None:
+    """The plans as tables: the steady state, then the step time and the two levels where asked."""
+    per_rank = (f"{args.tokens_per_rank} tokens per rank" if task == "text" else
+                f"{args.batch_per_rank} {'images' if task == 'image' else 'clips'} per rank (rows counted)")
+    header = (f"{args.model}: {args.sites} sites, {per_rank}, mode {args.mode}, "
+              f"rank {args.rank or '-'}, rank route {args.rank_route}, {args.dtype}"
+              f"{', sharded (FSDP2)' if args.sharded else ''}; MB one rank sends per steady-state step")
+    print((render_sharded if args.sharded else render)(step, header))
+    if timed is not None:
+        from dad_integrations.routing.plan_time import render_time
+        print()
+        print(render_time(timed[0], timed[2], timed[3]))
+    if levels is not None:
+        print()
+        print(render_levels(levels[0], _levels_header(args, *levels[1:])))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command-line entry point (see the module docstring)."""
+    p = _parser()
+    args = p.parse_args(argv)
+    two_level = _check(p, args)
     try:
-        cfg = load_config(args.model)
-        task = model_task(cfg)
-        model = build_meta_model(cfg)
-        rows = None
-        if task == "text":
-            if args.tokens_per_rank is None or args.batch_per_rank is not None:
-                raise ValueError(f"--model {args.model!r} is a text model: give --tokens-per-rank "
-                                 f"(not --batch-per-rank)")
-        else:
-            if args.batch_per_rank is None or args.tokens_per_rank is not None:
-                raise ValueError(f"--model {args.model!r} is a {task} model: give --batch-per-rank (its rows "
-                                 f"are counted by a forward pass), not --tokens-per-rank")
-            rows = forward_rows(model, cfg, batch=args.batch_per_rank, decoder_tokens=args.decoder_tokens)
-            args.tokens_per_rank = 0  # (the formula is not used)
-        planner = plan_sharded_model if args.sharded else plan_model
-        step = planner(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
-                       mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
-                       positions=max_positions(cfg), rows=rows)
-        timed = None
-        if args.bandwidth is not None:
-            if args.sharded:
-                raise ValueError("--bandwidth: the step-time prediction covers unsharded plans only")
-            timed = _time_plan(args, model, cfg, step, rows)
-        levels = _level_plan(args, model, cfg, step, rows) if two_level else None
+        plans = _plans(args, two_level)
     except ValueError as e:
         p.error(str(e))
-    if args.json:
-        out = {"model": args.model, "task": task, **{k: getattr(args, k) for k in (
-            "sites", "tokens_per_rank", "batch_per_rank", "sharded", "rank", "mode", "rank_route", "dtype")},
-               **asdict(step)}
-        if timed is not None:
-            out["time"] = asdict(timed[0])
-            out["time"]["by_time"] = asdict(timed[1])
-        if levels is not None:
-            out["two_level"] = {**asdict(levels[0]), "intra": levels[1].to_spec(), "inter": levels[2].to_spec(),
-                                "compute": levels[3]}
-        print(json.dumps(out, indent=1))
-    else:
-        per_rank = (f"{args.tokens_per_rank} tokens per rank" if task == "text" else
-                    f"{args.batch_per_rank} {'images' if task == 'image' else 'clips'} per rank (rows counted)")
-        header = (f"{args.model}: {args.sites} sites, {per_rank}, mode {args.mode}, "
-                  f"rank {args.rank or '-'}, rank route {args.rank_route}, {args.dtype}"
-                  f"{', sharded (FSDP2)' if args.sharded else ''}; MB one rank sends per steady-state step")
-        print((render_sharded if args.sharded else render)(step, header))
-        if timed is not None:
-            from dad_integrations.routing.plan_time import render_time
-            print()
-            print(render_time(timed[0], timed[2], timed[3]))
-        if levels is not None:
-            print()
-            print(render_levels(levels[0], _levels_header(args, *levels[1:])))
+    (_print_json if args.json else _print_text)(args, *plans)
     return 0
 
 

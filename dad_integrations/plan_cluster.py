@@ -15,6 +15,12 @@ from dad_integrations.plan_models import DTYPES, max_positions
 from dad_integrations.routing.planner import RowCounts, StepPlan, plan_levels_model, plan_model
 
 
+def plan_options(args, cfg, rows: Optional[RowCounts] = None) -> dict:
+    """The planner's keywords every plan of the command shares (rows, rank, mode, route, dtype)."""
+    return dict(tokens_per_rank=args.tokens_per_rank, rank=args.rank or None, mode=args.mode,
+                rank_route=args.rank_route, dtype=DTYPES[args.dtype], positions=max_positions(cfg), rows=rows)
+
+
 def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Optional[RowCounts] = None):
     """The plan by predicted time on the stated link: (time plan, the steady state by time, link, note)."""
     from dad_integrations.comm.link_spec import parse_bandwidth
@@ -25,9 +31,7 @@ def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Opti
     link = LinkModel.uniform(parse_bandwidth(args.bandwidth), args.latency_us * 1e-6)
     compute, note = compute_model(args, {tuple(r.shape) for r in by_bytes.units})
     timing = StepTiming(link, compute)
-    by_time = plan_model(model, sites=args.sites, tokens_per_rank=args.tokens_per_rank, rank=args.rank or None,
-                         mode=args.mode, rank_route=args.rank_route, dtype=DTYPES[args.dtype],
-                         positions=max_positions(cfg), timing=timing, rows=rows)
+    by_time = plan_model(model, sites=args.sites, timing=timing, **plan_options(args, cfg, rows))
     return time_plan(by_time, timing, sites=args.sites, compressed=by_bytes), by_time, link, note
 
 
@@ -126,10 +130,8 @@ def _level_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Opt
         except ValueError as e:
             raise ValueError(f"{flag}: {e}") from None
     compute, note = compute_model(args, {tuple(r.shape) for r in by_bytes.units})
-    plan = plan_levels_model(model, nodes=args.nodes, local_size=args.local_size,
-                             tokens_per_rank=args.tokens_per_rank, rank=args.rank or None, intra=links[0],
-                             inter=links[1], compute=compute, mode=args.mode, rank_route=args.rank_route,
-                             dtype=DTYPES[args.dtype], positions=max_positions(cfg), rows=rows)
+    plan = plan_levels_model(model, nodes=args.nodes, local_size=args.local_size, intra=links[0], inter=links[1],
+                             compute=compute, **plan_options(args, cfg, rows))
     return plan, links[0], links[1], note
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 from dad_integrations.routing.link import LinkModel
-from dad_integrations.routing.planner import StepPlan, _ms, rate_below
+from dad_integrations.routing.planner import StepPlan, _ms, _table, rate_below
 from dad_integrations.routing.timing import StepTiming
 
 
@@ -96,15 +96,11 @@ def _solve(allreduce_bytes: float, method_bytes: float, compute: float, latency:
 
 def render_time(plan: TimePlan, link: LinkModel, compute_note: str) -> str:
     """The predicted step-time contributions as a text table, then the totals and break-evens."""
-    name_w = max(len(u.name) for u in plan.units + [UnitTime("total", "", 0, 0, None)])
-    head = f"{'layer':<{name_w}}  {'route':<14}  {'dAD ms':>9}  {'all-reduce ms':>13}  {'PowerSGD ms':>11}"
-    lines = [f"predicted step time beyond compute, per rank: link {link.describe()}; {compute_note}", "", head,
-             "-" * len(head)]
-    for u in plan.units:
-        lines.append(f"{u.name:<{name_w}}  {u.route:<14}  {_ms(u.dad):>9}  {_ms(u.allreduce):>13}  {_ms(u.powersgd):>11}")
-    lines += ["-" * len(head),
-              f"{'total':<{name_w}}  {'':<14}  {_ms(plan.dad):>9}  {_ms(plan.allreduce):>13}  {_ms(plan.powersgd):>11}",
-              "", f"dAD (its compressed routes) pays {rate_below(plan.break_even.get('dad'), 'never', 'at any bandwidth')}"]
+    columns = [("route", 14), ("dAD ms", 9), ("all-reduce ms", 13), ("PowerSGD ms", 11)]
+    units = [[u.name, u.route, _ms(u.dad), _ms(u.allreduce), _ms(u.powersgd)] for u in plan.units]
+    total = ["total", "", _ms(plan.dad), _ms(plan.allreduce), _ms(plan.powersgd)]
+    footer = [f"dAD (its compressed routes) pays {rate_below(plan.break_even.get('dad'), 'never', 'at any bandwidth')}"]
     if "powersgd" in plan.break_even:
-        lines.append(f"PowerSGD pays {rate_below(plan.break_even['powersgd'], 'never', 'at any bandwidth')}")
-    return "\n".join(lines)
+        footer.append(f"PowerSGD pays {rate_below(plan.break_even['powersgd'], 'never', 'at any bandwidth')}")
+    return _table(f"predicted step time beyond compute, per rank: link {link.describe()}; {compute_note}", columns,
+                  units, None, total, footer)

@@ -273,6 +273,13 @@ def unit_plan(model: torch.nn.Module, *, mode: str, rank: Optional[int], rank_ro
     return plan, dad_rank
 
 
+def _model_plan(model: torch.nn.Module, tokens_per_rank: int, positions: Optional[int], **route):
+    """`unit_plan` for the ``*_model`` wrappers, with the position embeddings' rows (``tokens_per_rank``,
+    at most ``positions``): (plan, dAD's rank, position rows)."""
+    plan, dad_rank = unit_plan(model, **route)
+    return plan, dad_rank, min(tokens_per_rank, positions) if positions else tokens_per_rank
+
+
 def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
                mode: str = "auto", rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
                positions: Optional[int] = None, timing=None, rows: Optional[RowCounts] = None) -> StepPlan:
@@ -280,8 +287,7 @@ def plan_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank
     with a ``timing``; with counted ``rows`` (`forward_rows`) instead of the text formula."""
     if mode == "rank" and not rank:
         raise ValueError("--mode rank needs a rank (--rank >= 1)")
-    plan, dad_rank = unit_plan(model, mode=mode, rank=rank, rank_route=rank_route)
-    seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
+    plan, dad_rank, seq = _model_plan(model, tokens_per_rank, positions, mode=mode, rank=rank, rank_route=rank_route)
     return steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
                         rank=dad_rank, rank_route=rank_route, dtype=dtype, powersgd_rank=rank or None,
                         timing=timing, rows=rows)
@@ -312,8 +318,15 @@ def _table(header: str, columns: Sequence[Tuple[str, int]], units: Sequence[Sequ
                      + list(footer))
 
 
-def _kind_width(units) -> int:
-    return max([len(r.kind) for r in units] + [5])
+def _unit_columns(units, *more: Tuple[str, int]) -> List[Tuple[str, int]]:
+    """The columns `render` and `render_sharded` share (kind to dAD's bytes), then ``more``."""
+    return [("kind", max([len(r.kind) for r in units] + [5])), ("shape", 12), ("rows", 11), ("route", 14),
+            ("dAD MB", 10), *more]
+
+
+def _unit_cells(r, *more: str) -> List[str]:
+    """A unit's cells in `_unit_columns`, then ``more``."""
+    return [r.name, r.kind, "x".join(map(str, r.shape)), _rows(r.rows), r.route, _mb(r.dad), *more]
 
 
 def _rows(rows: Sequence[int]) -> str:
@@ -323,10 +336,8 @@ def _rows(rows: Sequence[int]) -> str:
 
 def render(step: StepPlan, header: str) -> str:
     """The plan as a text table, one line per factor unit, then the dense parameters and totals."""
-    columns = [("kind", _kind_width(step.units)), ("shape", 12), ("rows", 11), ("route", 14), ("dAD MB", 10),
-               ("all-reduce MB", 13), ("PowerSGD MB", 11)]
-    units = [[r.name, r.kind, "x".join(map(str, r.shape)), _rows(r.rows), r.route, _mb(r.dad), _mb(r.allreduce),
-              _mb(r.powersgd)] for r in step.units]
+    columns = _unit_columns(step.units, ("all-reduce MB", 13), ("PowerSGD MB", 11))
+    units = [_unit_cells(r, _mb(r.allreduce), _mb(r.powersgd)) for r in step.units]
     other = [f"dense parameters ({step.dense_params})", "dense", f"{step.dense_param_numel:,} el", "", "dense",
              _mb(step.dense_dad), _mb(step.dense_allreduce), _mb(step.dense_powersgd)]
     total = ["total", "", "", "", "", _mb(step.total), _mb(step.allreduce), _mb(step.powersgd)]
@@ -341,10 +352,8 @@ def render(step: StepPlan, header: str) -> str:
 def render_sharded(step: ShardedStepPlan, header: str) -> str:
     """The sharded plan as a text table: per factor unit, dAD's route and bytes beside FSDP2's
     reduce-scatter; then the other parameters and the totals."""
-    columns = [("kind", _kind_width(step.units)), ("shape", 12), ("rows", 11), ("route", 14), ("dAD MB", 10),
-               ("reduce-scatter MB", 17)]
-    units = [[r.name, r.kind, "x".join(map(str, r.shape)), _rows(r.rows), r.route, _mb(r.dad),
-              _mb(r.reduce_scatter)] for r in step.units]
+    columns = _unit_columns(step.units, ("reduce-scatter MB", 17))
+    units = [_unit_cells(r, _mb(r.reduce_scatter)) for r in step.units]
     other = [f"other parameters ({step.dense_params})", "dense", "", "", "dense", _mb(step.dense_reduce_scatter),
              _mb(step.dense_reduce_scatter)]
     total = ["total", "", "", "", "", _mb(step.total), _mb(step.reduce_scatter)]
@@ -358,8 +367,7 @@ def plan_sharded_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: i
                        dtype: torch.dtype = torch.float32, positions: Optional[int] = None,
                        rows: Optional[RowCounts] = None) -> ShardedStepPlan:
     """`sharded_steady_state` for ``model`` (its plan built, its capture hooks removed)."""
-    plan, dad_rank = unit_plan(model, mode=mode, rank=rank, rank_route=rank_route)
-    seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
+    plan, dad_rank, seq = _model_plan(model, tokens_per_rank, positions, mode=mode, rank=rank, rank_route=rank_route)
     return sharded_steady_state(plan, tokens=tokens_per_rank, positions=seq, world_size=sites, mode=mode,
                                 rank=dad_rank, rank_route=rank_route, dtype=dtype, rows=rows)
 
@@ -548,8 +556,7 @@ def plan_levels_model(model: torch.nn.Module, *, nodes: int, local_size: int, to
                       mode: str = "auto", rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
                       positions: Optional[int] = None, rows: Optional[RowCounts] = None) -> LevelPlan:
     """`plan_levels` for ``model`` (its plan built, its capture hooks removed)."""
-    plan, dad_rank = unit_plan(model, mode=mode, rank=rank, rank_route=rank_route)
-    seq = min(tokens_per_rank, positions) if positions else tokens_per_rank
+    plan, dad_rank, seq = _model_plan(model, tokens_per_rank, positions, mode=mode, rank=rank, rank_route=rank_route)
     return plan_levels(plan, tokens=tokens_per_rank, positions=seq, nodes=nodes, local_size=local_size, mode=mode,
                        rank=dad_rank, intra=intra, inter=inter, compute=compute, rank_route=rank_route, dtype=dtype,
                        powersgd_rank=rank or None, rows=rows)
