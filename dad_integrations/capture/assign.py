@@ -27,12 +27,9 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None, compiled: b
     `capture.units`). A bias rides with its use's unit where that use covers the whole weight. With
     ``compiled``, kinds that cannot capture while dynamo traces (``LayerKind.compiles`` False) claim
     nothing: their weights become units without uses."""
-    names: Dict[int, str] = {}
-    trainable: List[nn.Parameter] = []
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in names:
-            names[id(p)] = name
-            trainable.append(p)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # (shared ones once)
+    names: Dict[int, str] = {id(p): name for name, p in named}
+    trainable: List[nn.Parameter] = [p for _, p in named]
     owners = _registrations(model)
 
     def excluded(mod_name: str) -> bool:
