@@ -27,12 +27,9 @@ def build_plan(model: nn.Module, config: DADConfig, on_forward=None, compiled: b
     `capture.units`). A bias rides with its use's unit where that use covers the whole weight. With
     ``compiled``, kinds that cannot capture while dynamo traces (``LayerKind.compiles`` False) claim
     nothing: their weights become units without uses."""
-    names: Dict[int, str] = {}
-    trainable: List[nn.Parameter] = []
-    for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in names:
-            names[id(p)] = name
-            trainable.append(p)
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # (shared ones once)
+    names: Dict[int, str] = {id(p): name for name, p in named}
+    trainable: List[nn.Parameter] = [p for _, p in named]
     owners = _registrations(model)
 
     def excluded(mod_name: str) -> bool:
@@ -113,6 +110,7 @@ def _claims(model: nn.Module, config: DADConfig, excluded, compiled: bool = Fals
         for mod_name, module in model.named_modules():
             if excluded(mod_name) or not kind.accepts(module):
                 continue
+            claims = kind.claims(module)
             if compiled and not kind.compiles:
                 # still registered by the claim (a composite keeps `linear` off its children),
                 # but with no uses: the weights fall to the floor below
@@ -120,10 +118,9 @@ def _claims(model: nn.Module, config: DADConfig, excluded, compiled: bool = Fals
                     log.warning("dAD: %r (%s) is not captured under torch.compile (dynamo cannot trace its "
                                 "capture): its weights are routed from their dense gradients (rank routes "
                                 "where the mode allows, else dense)", mod_name, kind.name)
-                for c in kind.claims(module):
+                for c in claims:
                     claimed.setdefault(_registration(module, c.attr), None)
                 continue
-            claims = kind.claims(module)
             computed = [c.attr for c in claims if not _is_parameter(module, c.attr)]
             if computed:
                 # a parametrization (weight norm: wav2vec2's positional conv) computes the weight

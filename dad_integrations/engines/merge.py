@@ -42,8 +42,7 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
     merged: Optional[dict] = None
     layout: Tuple[str, ...] = ()
     tables: Dict[Optional[str], Dict[str, dict]] = {}  # merged, by table (None: version 1's only table)
-    residuals: Dict[Tuple[Optional[str], str], _Mean] = {}
-    shard_residuals: Dict[Tuple[Optional[str], str], Dict[int, _Mean]] = {}  # HSDP: per weight, per shard
+    residuals: Dict[Tuple[Optional[str], str, Optional[int]], _Mean] = {}  # HSDP: per shard s too (else None)
     counts: Dict[Tuple[Optional[str], str, int], int] = {}
     old_ranks = 0
     for state in states:
@@ -65,24 +64,24 @@ def merge_rank_states(states: Iterable[Mapping]) -> Tuple[dict, str]:
                     into = tables[k][name]
                     into.update({f: entry[f] for f in _UNIT_FROM_RANK0
                                  if into.get(f) is None and entry.get(f) is not None})
+                s = None
                 if entry.get("shard") is not None:
                     s, width = entry["shard"]
                     tables[k][name]["shard"] = [None, width]
                     counts[(k, name, s)] = counts.get((k, name, s), 0) + 1
-                    if entry.get("residual") is not None:
-                        shard_residuals.setdefault((k, name), {}).setdefault(s, _Mean()).add(entry["residual"])
-                elif entry.get("residual") is not None:
-                    residuals.setdefault((k, name), _Mean()).add(entry["residual"])
+                if entry.get("residual") is not None:
+                    residuals.setdefault((k, name, s), _Mean()).add(entry["residual"])
         old_ranks += 1
     if merged is None:
         raise ValueError("no dAD state to merge")
-    for (k, name), mean in residuals.items():
-        tables[k][name]["residual"] = mean.result(old_ranks)
-    for (k, name), by_shard in shard_residuals.items():
+    for (k, name, s), mean in residuals.items():
         # a node's residual is in units of its sum: the mean over nodes keeps what the average owes
         # at any node count of the same width, ``(1/(R' L)) R' e' = (1/(R L)) sum e``
-        tables[k][name]["residual_shards"] = {s: m.result(counts[(k, name, s)]) for s, m in by_shard.items()}
-    residuals.update({(k, f"{n}#{s}"): m for (k, n), by in shard_residuals.items() for s, m in by.items()})
+        result = mean.result(counts.get((k, name, s), old_ranks))
+        if s is None:
+            tables[k][name]["residual"] = result
+        else:
+            tables[k][name].setdefault("residual_shards", {})[s] = result
     merged = tables[None] if not layout else {**merged, **tables}
     shared = sum(1 for t in tables.values() for e in t.values() if e.get("shared_q") is not None)
     low = sum(1 for m in residuals.values() if m.low_rank)

@@ -22,6 +22,7 @@ Not captured (the coverage floor takes the weights), each logged once: ``bidirec
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -106,9 +107,7 @@ def replay_rows(mode: str, weights: Sequence[Weights], x: torch.Tensor, h0: torc
     ``grad_hn`` / ``grad_cn`` of the final states (None: not in the loss).
     """
     sizes = [int(s) for s in batch_sizes]
-    offsets = [0]
-    for s in sizes:
-        offsets.append(offsets[-1] + s)
+    offsets = [0, *itertools.accumulate(sizes)]
     full, hidden = sizes[0], h0.shape[2]
     with torch.no_grad():
         # forward, layer by layer: inputs, hidden-state rows and each layer's local derivatives
@@ -142,10 +141,8 @@ def replay_rows(mode: str, weights: Sequence[Weights], x: torch.Tensor, h0: torc
             g_all = x.new_empty(offsets[-1], w_hh.shape[0])  # every step writes its rows
             g_hh = x.new_empty(g_all.shape) if mode == "GRU" else g_all  # (the gates add: the same rows)
             # the running gradients of the state (B, H); rows bs: belong to sequences already ended
-            dh = grad_hn[k].clone() if grad_hn is not None else x.new_zeros(full, hidden)
-            dc = None
-            if mode == "LSTM":
-                dc = grad_cn[k].clone() if grad_cn is not None else x.new_zeros(full, hidden)
+            dh, dc = (g[k].clone() if g is not None else x.new_zeros(full, hidden)  # (dc: LSTM only)
+                      for g in (grad_hn, grad_cn))
             for t in reversed(range(len(sizes))):
                 bs, lo, hi = sizes[t], offsets[t], offsets[t + 1]
                 dh_t = dh[:bs] + d_out[lo:hi] if d_out is not None else dh[:bs]
