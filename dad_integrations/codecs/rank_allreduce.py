@@ -42,6 +42,11 @@ class RankAllReduceCodec(RankRoutes):
         (self._owned.add if it.owned else self._owned.discard)(unit.name)
         return it.local
 
+    def queue_item(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, entry: ParamReport,
+                   step: int, *, dense: bool = False) -> Item:
+        """The unit's place in a shared bucket: its ``M_s`` (`local`) and warm-start Q (`initial_q`)."""
+        return unit, self.local(unit, rows, local_grad, entry, dense=dense), self.initial_q(unit, step), entry
+
     def start(self, items: Sequence[Union[Item, Queued]], aggregator: FactorAggregator, sink: GradSink,
               scale: float, note: Note) -> Callable[[], None]:
         """All-reduce the P's of ``items`` (those from `AllReduceBucket` bring their ``M_s Q``);
