@@ -170,7 +170,7 @@ def _step_both(route: str, unit, config: DADConfig, grads: List[torch.Tensor], s
                 full = left @ right
             else:
                 u.param.grad = None
-                item = (u, whole.local(u, [], local_grad, entry), whole.initial_q(u, step), entry)
+                item = whole.queue_item(u, [], local_grad, entry, step)
                 whole.start([item], agg, GradSink({}), scale, lambda t: t)()
                 full = u.param.grad.clone()
             sharded.state.start_step()

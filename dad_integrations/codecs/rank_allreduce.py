@@ -42,6 +42,14 @@ class RankAllReduceCodec(RankRoutes):
         (self._owned.add if it.owned else self._owned.discard)(unit.name)
         return it.local
 
+    def queue_item(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, entry: ParamReport,
+                   step: int, *, dense: bool = False) -> Item:
+        """The unit's place in a shared bucket: its ``M_s`` (`local`) and warm-start Q (`WarmStart.initial`)."""
+        m_s = self.local(unit, rows, local_grad, entry, dense=dense)
+        m, n = unit.shape
+        q = self.shared.initial(unit, n, min(self.config.rank, m, n), compute_dtype(unit.param), step)
+        return unit, m_s, q, entry
+
     def start(self, items: Sequence[Union[Item, Queued]], aggregator: FactorAggregator, sink: GradSink,
               scale: float, note: Note) -> Callable[[], None]:
         """All-reduce the P's of ``items`` (those from `AllReduceBucket` bring their ``M_s Q``);
@@ -61,10 +69,6 @@ class RankAllReduceCodec(RankRoutes):
                 self._owned.discard(unit.name)
 
         return finish
-
-    def initial_q(self, unit: FactorUnit, step: int) -> torch.Tensor:
-        m, n = unit.shape
-        return self.shared.initial(unit, n, min(self.config.rank, m, n), compute_dtype(unit.param), step)
 
 
 class AllReduceBucket:

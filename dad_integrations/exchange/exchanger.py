@@ -325,8 +325,7 @@ class Exchanger:
         if rep == "dense":
             return None, None
         if rep == "rank_allreduce":
-            m_s = self.rank_allreduce.local(unit, rows, st.sink.local_grad, entry)
-            st.shared.add((unit, m_s, self.rank_allreduce.initial_q(unit, st.step), entry))
+            st.shared.add(self.rank_allreduce.queue_item(unit, rows, st.sink.local_grad, entry, st.step))
             return None, None
         if has_codec(rep):
             return self._start_codec(unit, rep, st)

@@ -260,8 +260,8 @@ class TwoLevelExchanger:
         capture = _Capture()
         if shared:
             codec = self.rank_allreduce
-            queued = [(it.unit, codec.local(it.unit, [], self.hops.node_grad(it), it.entries[0], dense=True),
-                       codec.initial_q(it.unit, step), it.entries[0]) for it in shared]
+            queued = [codec.queue_item(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
+                      for it in shared]
             before = [it.entries[0].received_bytes for it in shared]
             codec.start(queued, cross, capture, scale, note)()
             for it, b in zip(shared, before):  # the codec added its rounds' share to the entries
