@@ -103,7 +103,7 @@ class ShardedExactCodec:
         """``scale`` times this rank's shard of the sum over ranks, for the weight and its biases.
         Every rank calls this with the same unit and ``rows_by_rank``, in the same order."""
         if not sharded_exact_covers(unit.kinds, unit.blocks):  # refused before any collective
-            # (the router never routes these here: `costs.sharded_estimate_bytes` gives them no "exact")
+            # (the router never routes these here: their row-shard byte model has no "exact")
             raise ValueError(f"{unit.name}: sharded exact factors need uses, and row blocks on linear uses only "
                              f"({'no uses' if not unit.has_factors else 'row blocks'})")
         S, rank, shape, cdt = aggregator.world_size, aggregator.rank, unit.shape, compute_dtype(unit.param)

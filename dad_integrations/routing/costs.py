@@ -35,15 +35,6 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
     return estimates_on(layout, sizing, routes_for() if names is None else names)
 
 
-def sharded_estimate_bytes(**kwargs) -> Dict[str, float]:
-    """`estimate_bytes` on FSDP2's row shards: ``"dense"`` is FSDP2's reduce-scatter of the weight and
-    its biases, in the gradients' dtype; the rank routes' biases go through the reduce-scatter.
-    Several biases are counted as one of ``bias_numel`` (their padding may differ by a row each). A
-    unit without uses, or with row ``blocks`` on a use other than ``linear``
-    (`codecs.exact.sharded_exact_covers`), has no ``"exact"`` here."""
-    return estimate_bytes(layout=layouts.ROW_SHARDS, **kwargs)
-
-
 def all_to_all_bytes(nbytes: float, world_size: int) -> float:
     """Bytes one rank sends in an all-to-all of ``nbytes``: all blocks but its own."""
     return (world_size - 1) / world_size * nbytes

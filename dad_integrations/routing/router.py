@@ -29,8 +29,8 @@ than its route).
 
 Sharded (FSDP2, ZeRO: ``sharded=True``): the baseline is the engine's reduce-scatter, always a
 candidate, so auto never sends more than it per weight; every route is priced on the
-``row_shards`` layout (`costs.sharded_estimate_bytes`). Each sharded reduction call agrees on its
-weights' row counts (one all-gather) before routing, except in mode ``"rank"`` past the lossless
+``row_shards`` layout (`costs.estimate_bytes`). Each sharded reduction call agrees on its weights'
+row counts (one all-gather) before routing, except in mode ``"rank"`` past the lossless
 steps (`sharded_needs_counts`).
 """
 from __future__ import annotations
@@ -268,7 +268,7 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
                    wire_dtype: torch.dtype, *, sharded: bool = False) -> Dict[str, float]:
     """Bytes per rank of each of ``config``'s routes for one unit (its byte model, `routes`) on the
     flat layout (`costs.estimate_bytes`), or on the sharded engines' row shards where ``sharded``
-    (`costs.sharded_estimate_bytes`; ``unit.dtype`` is then the engine's reduce dtype)."""
+    (`costs.estimate_bytes` on ``row_shards``; ``unit.dtype`` is then the engine's reduce dtype)."""
     sizing = UnitSizing(tuple(unit.kinds), tuple(unit.shape), unit.dtype, wire_dtype, rank=config.rank or 0,
                         rounds=config.power_iterations, bias_numel=unit.bias_numel, blocks=unit.blocks,
                         rows=rows_by_rank, world_size=world_size)
