@@ -46,6 +46,7 @@ Blocks = Optional[Sequence[Block]]  # per use; None: every use covers every row
 Range = Tuple[int, int]             # [lo, hi) of the flattened weight; lo >= hi: nothing
 Span = Tuple[int, int, int]         # rows [r0, r1) a rank keeps, and the rows its result holds (padded)
 # per riding bias: (its use's index, or the indices of the uses of a split bias, its length)
+RowCounts = Sequence[Sequence[int]]  # by rank, by use
 BiasUses = Sequence[Tuple[Union[int, Sequence[int]], int]]
 
 
@@ -262,6 +263,21 @@ class ExactCodec:
         """Every rank's rows of ``aggregator``'s group, `stacked_rows`, by one all-gather of `encode`'s buffers."""
         gather = aggregator.all_gather(self.encode(unit, rows), name=name, first_dims=self.sizes(unit, rows_by_rank))
         return self.stacked_rows(unit, gather.wait(), rows_by_rank), gather.traffic
+
+    def gather(self, group: FactorAggregator, units: Sequence[Tuple[FactorUnit, Sequence[Rows], RowCounts]],
+               name: str):
+        """One all-gather of several units' buffers (``(unit, rows, every member's row counts)``
+        each); returns its handle and what waits for it and `decode`s each unit at a given scale."""
+        payloads = [self.encode(unit, rows) for unit, rows, _ in units]
+        sizes = [self.sizes(unit, counts) for unit, _, counts in units]  # by unit, by member
+        handle = group.all_gather(payloads[0] if len(payloads) == 1 else torch.cat(payloads), name=name,
+                                  first_dims=[sum(s[k] for s in sizes) for k in range(group.world_size)])
+
+        def decoded(scale: float) -> list:
+            parts = [b.split([s[k] for s in sizes]) for k, b in enumerate(handle.wait())]
+            return [self.decode(unit, [p[j] for p in parts], counts, scale) for j, (unit, _, counts) in enumerate(units)]
+
+        return handle, decoded
 
     def stacked_rows(self, unit: FactorUnit, buffers: Sequence[torch.Tensor],
                      rows_by_rank: Sequence[Sequence[int]]) -> List[Rows]:

@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, choose_method, method_costs, reduce_rank
@@ -158,6 +159,21 @@ class RankCodec(RankRoutes):
         factors = factors.to(compute_dtype(p))
         # the scale goes on the (S r x m) block, not on the m x n result: one pass fewer
         return (factors[:, :m] * scale).t(), factors[:, m:]
+
+    def gather(self, group: FactorAggregator, units: Sequence[Tuple[FactorUnit, torch.Tensor]], name: str,
+               note: Callable[[torch.Tensor], torch.Tensor]):
+        """One all-gather of several units' payloads (fewer, larger collectives); returns its handle
+        and what waits for it and `decode`s each unit's every-rank rows, stacked in rank order, at a
+        given scale."""
+        flat = torch.cat([p.reshape(-1) for _, p in units])
+        handle = group.all_gather(flat, name=name, first_dims=[flat.numel()] * group.world_size)
+
+        def decoded(scale: float) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+            pieces = [note(g).split([p.numel() for _, p in units]) for g in handle.wait()]
+            return [self.decode(unit, torch.cat([pc[j].view(p.shape) for pc in pieces]), scale)
+                    for j, (unit, p) in enumerate(units)]
+
+        return handle, decoded
 
 
 class RankBucket:

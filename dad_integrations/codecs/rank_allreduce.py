@@ -89,8 +89,8 @@ class AllReduceBucket:
         self.items.append(tuple(item) + (m_s.mm(q),))
         self._bytes += q.shape[1] * (m + n) * unit.param.element_size()
 
-    def full(self) -> bool:
-        return self._bytes >= self.cap_bytes
+    def ready_to_send(self) -> bool:
+        return bool(self.items) and self._bytes >= self.cap_bytes
 
     def take(self) -> List[Queued]:
         items, self.items, self._bytes = self.items, [], 0

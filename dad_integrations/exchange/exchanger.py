@@ -40,7 +40,7 @@ from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.exchange.policy import RoutePolicy
 from dad_integrations.exchange.levels import Levels, describe_hops
-from dad_integrations.exchange.two_level import TwoLevelExchanger, gather_payloads, param_entry
+from dad_integrations.exchange.two_level import TwoLevelExchanger, param_entry, share_traffic, unit_entries
 from dad_integrations.exchange.window import StepWindow
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ class Exchanger:
         self.rank_codec = RankCodec(config, wire_dtype, self.state) if lossy else None
         self.rank_allreduce = RankAllReduceCodec(config, wire_dtype, self.state) if lossy else None
         self.closed = False
+        self._starts = {"exact": self._start_exact, "dense": self._start_dense, "rank": self._start_rank,
+                        "rank_allreduce": self._start_rank_allreduce, "codec": self._start_codec}
         # one dtype for every dense bucket, whatever goes dense in a step (as one call over all of them)
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
@@ -161,6 +163,7 @@ class Exchanger:
         the next one's run; returns what finishes the last ones (the open buckets' sends included)."""
         previous: List[Finish] = []
         sure = [self.policy.dense_for_sure(u, st.step, st.verify) for u in self.plan.units]
+        sends = ((st.bucket, self._send_rank_bucket), (st.shared, self._send_shared))  # the rank routes' buckets
         for i, unit in enumerate(self.plan.units):
             self._await(st.window, i, sure, st.dense)
             self._check_open()
@@ -168,17 +171,15 @@ class Exchanger:
             finish = self._unit(unit, st)
             if finish is not None:
                 current.append(finish)
-            while st.bucket.ready_to_send():
-                current.append(self._send_rank_bucket(st))
-            if st.shared.full():
-                current.append(self._send_shared(st))
+            for bucket, send in sends:
+                while bucket.ready_to_send():
+                    current.append(send(st))
             for f in previous:
                 f()  # rebuild the last units while this one's collective runs
             previous = current
-        while st.bucket.items:
-            previous.append(self._send_rank_bucket(st))
-        if st.shared.items:
-            previous.append(self._send_shared(st))
+        for bucket, send in sends:
+            while bucket.items:
+                previous.append(send(st))
         return previous
 
     def _finish_step(self, st: _Step) -> StepReport:
@@ -303,49 +304,40 @@ class Exchanger:
     def _report_unit(self, unit: FactorUnit, rep: str, counts: List[int], rows_by_rank: Optional[RowCounts],
                      overlapped: bool, report: Dict[str, ParamReport]) -> ParamReport:
         """The report entries of the unit's weight (returned) and biases."""
-        s = self.aggregator.world_size
-        entry = param_entry(unit.name, rep, unit.param, s, rows=sum(counts), overlapped=overlapped,
-                            max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0)
-        report[unit.name] = entry
-        for b in unit.biases:
-            report[b.name] = param_entry(b.name, rep if rep == "exact" else "dense", b.param, s)
-        return entry
+        return unit_entries(report, unit, rep, self.aggregator.world_size, dict(
+            rows=sum(counts), overlapped=overlapped, max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0))[0]
 
     def _start(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
                entry: ParamReport, st: _Step) -> Tuple[Optional[Finish], Optional[Traffic]]:
-        """Start the unit's codec by ``rep``: a place in the dense buckets, the exact factors'
-        all-gather, or a rank route's payload (in a shared bucket, or its own all-gather). Returns
-        what finishes it (or None) and the traffic of a collective started for the unit alone."""
-        if rep == "exact":
-            return self._start_exact(unit, rows, rows_by_rank, st)
-        if rep == "dense":
-            st.dense.add(unit.name, unit.param)
-        for b in unit.biases:  # exact factors carry the biases; every other route sends them dense
-            st.dense.add(b.name, b.param)
-        if rep == "dense":
-            return None, None
-        if rep == "rank_allreduce":
-            st.shared.add(self.rank_allreduce.queue_item(unit, rows, st.sink.local_grad, entry, st.step))
-            return None, None
-        if has_codec(rep):
-            return self._start_codec(unit, rep, st)
-        if rep != "rank":
+        """Start the unit's route (one ``_start_*`` each; a route with a codec of its own:
+        `_start_codec`). Returns what finishes it (or None) and the traffic of a collective started
+        for the unit alone."""
+        start = self._starts.get("codec" if has_codec(rep) else rep)
+        if start is None:
             raise_unsupported(rep, layouts.FLAT)
-        payload = self.rank_codec.encode(unit, rows, st.sink.local_grad, entry, st.step)
-        if self.config.adaptive_tolerance is None:  # r rows on every rank: it can share a bucket's all-gather
-            st.bucket.add(unit, payload, entry)
-            return None, None
-        return self._start_rank(unit, payload, st)
+        return start(unit, rep, rows, rows_by_rank, entry, st)
 
-    def _start_exact(self, unit: FactorUnit, rows: List[Rows], rows_by_rank: RowCounts,
+    @staticmethod
+    def _dense_biases(unit: FactorUnit, st: _Step) -> Tuple[None, None]:
+        """The unit's biases into the dense buckets (exact factors carry them; every other route does not)."""
+        for b in unit.biases:
+            st.dense.add(b.name, b.param)
+        return None, None
+
+    def _start_dense(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
+                     entry: ParamReport, st: _Step) -> Tuple[None, None]:
+        """A place in the dense buckets, the weight's, then its biases'."""
+        st.dense.add(unit.name, unit.param)
+        return self._dense_biases(unit, st)
+
+    def _start_exact(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: RowCounts, entry: ParamReport,
                      st: _Step) -> Tuple[Finish, Traffic]:
         """The all-gather of the unit's exact factors; its finish rebuilds the average."""
-        handle = self.aggregator.all_gather(self.exact.encode(unit, rows), name=f"dad.exact.{unit.name}",
-                                            first_dims=self.exact.sizes(unit, rows_by_rank))
+        handle, decoded = self.exact.gather(self.aggregator, [(unit, rows, rows_by_rank)], f"dad.exact.{unit.name}")
         sink, scale = st.sink, st.scale
 
         def finish() -> None:
-            grads = self.exact.decode(unit, handle.wait(), rows_by_rank, scale)
+            grads, = decoded(scale)
             if grads is None:
                 sink.write_unused(unit.param)
                 return
@@ -354,9 +346,11 @@ class Exchanger:
 
         return finish, handle.traffic
 
-    def _start_codec(self, unit: FactorUnit, rep: str, st: _Step) -> Tuple[Finish, Traffic]:
+    def _start_codec(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
+                     entry: ParamReport, st: _Step) -> Tuple[Finish, Traffic]:
         """A route with its own codec (`routes.codec`): the unit's local gradient encoded, its
         collective over the group; its finish writes the scaled sum."""
+        self._dense_biases(unit, st)
         p, sink, scale = unit.param, st.sink, st.scale
         handle = start_codec(get_route(rep).codec, sink.local_grad(p, torch.float32), self.aggregator,
                              name=f"dad.{rep}.{unit.name}")
@@ -366,9 +360,22 @@ class Exchanger:
 
         return finish, handle.traffic
 
-    def _start_rank(self, unit: FactorUnit, payload: torch.Tensor, st: _Step) -> Tuple[Finish, Traffic]:
-        """The all-gather of one unit's rank-r payload of its own (its row count differs by rank:
-        ``adaptive_tolerance``); its finish rebuilds the average."""
+    def _start_rank_allreduce(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
+                              entry: ParamReport, st: _Step) -> Tuple[None, None]:
+        """A place in the rank-r all-reduce route's bucket (`_send_shared`)."""
+        self._dense_biases(unit, st)
+        st.shared.add(self.rank_allreduce.queue_item(unit, rows, st.sink.local_grad, entry, st.step))
+        return None, None
+
+    def _start_rank(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
+                    entry: ParamReport, st: _Step) -> Tuple[Optional[Finish], Optional[Traffic]]:
+        """The unit's rank-r payload: in the rank bucket (`_send_rank_bucket`: r rows on every rank),
+        or with ``adaptive_tolerance`` (its row count differs by rank) an all-gather of its own."""
+        self._dense_biases(unit, st)
+        payload = self.rank_codec.encode(unit, rows, st.sink.local_grad, entry, st.step)
+        if self.config.adaptive_tolerance is None:
+            st.bucket.add(unit, payload, entry)
+            return None, None
         handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}")
         sink, scale, note = st.sink, st.scale, self.state.note
 
@@ -402,18 +409,17 @@ class Exchanger:
     def _send_rank_bucket(self, st: _Step) -> Finish:
         """One all-gather for the rank-r payloads of several units (fewer, larger collectives)."""
         items = st.bucket.take()
-        handle, stacked = gather_payloads(self.aggregator, [payload for _, payload, _ in items],
-                                          f"dad.rank.{items[0][0].name}", self.state.note)
-        total = sum(payload.numel() for _, payload, _ in items)
+        handle, decoded = self.rank_codec.gather(self.aggregator, [(unit, payload) for unit, payload, _ in items],
+                                                 f"dad.rank.{items[0][0].name}", self.state.note)
+        share_traffic([entry for _, _, entry in items], handle.traffic, [payload.numel() for _, payload, _ in items])
         overlapped = not st.window.flush.is_set()  # sent while backward still runs?
-        for _, payload, entry in items:
-            entry.add_traffic(handle.traffic.share(payload.numel() / total))
+        for _, _, entry in items:
             entry.overlapped = overlapped
         sink, scale = st.sink, st.scale
 
         def finish() -> None:
-            for (unit, _, _), factors in zip(items, stacked()):
-                sink.write_product(unit.param, *self.rank_codec.decode(unit, factors, scale))
+            for (unit, _, _), factors in zip(items, decoded(scale)):
+                sink.write_product(unit.param, *factors)
 
         return finish
 

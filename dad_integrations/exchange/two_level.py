@@ -28,11 +28,12 @@ from torch import nn
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.sink import GradSink
+from dad_integrations.capture.units import FactorUnit
 from dad_integrations.exchange.node_hops import HopItem, NodeHops, sums_at_owner
 from dad_integrations.routes.codec import start_codec
 from dad_integrations.routes.registry import get_route, has_codec, is_rank_route
 from dad_integrations.codecs.wire import pack, packed_size, unpack
-from dad_integrations.comm.aggregator import FactorAggregator, Traffic, ring_allreduce_bytes
+from dad_integrations.comm.aggregator import Traffic, ring_allreduce_bytes
 from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.router import Route, UnitShape, rank_only
@@ -47,18 +48,27 @@ def param_entry(name: str, rep: str, p: torch.Tensor, world_size: int, **fields)
                                                                                         world_size), **fields)
 
 
-def gather_payloads(group: FactorAggregator, payloads: Sequence[torch.Tensor], name: str,
-                    note: Callable[[torch.Tensor], torch.Tensor]):
-    """One all-gather of several units' rank-r payloads (fewer, larger collectives); returns its
-    handle and what waits for it: each payload's blocks from every rank, stacked in rank order."""
-    flat = torch.cat([p.reshape(-1) for p in payloads])
-    handle = group.all_gather(flat, name=name, first_dims=[flat.numel()] * group.world_size)
+def unit_entries(report: Dict[str, ParamReport], unit: FactorUnit, rep: str, world_size: int, weight: dict,
+                 **fields) -> List[ParamReport]:
+    """The report entries of a unit's weight (with ``weight``'s fields) and biases, which ride
+    exact factors and go dense beside every other route."""
+    names = [unit.name] + [b.name for b in unit.biases]
+    for i, (name, q) in enumerate(zip(names, unit.params)):
+        report[name] = param_entry(name, rep if i == 0 or rep in ("exact", "dense") else "dense", q, world_size,
+                                   **fields, **(weight if i == 0 else {}))
+    return [report[name] for name in names]
 
-    def stacked() -> List[torch.Tensor]:
-        pieces = [note(g).split([p.numel() for p in payloads]) for g in handle.wait()]
-        return [torch.cat([pc[j].view(p.shape) for pc in pieces]) for j, p in enumerate(payloads)]
 
-    return handle, stacked
+def share_traffic(entries: Sequence[ParamReport], traffic: Traffic, weights: Sequence[float],
+                  between: bool = False) -> None:
+    """Attribute one collective's traffic to ``entries`` by ``weights`` (``between``: bytes between nodes)."""
+    weights = [max(float(w), 0.0) for w in weights]
+    total = sum(weights) or 1.0
+    for entry, w in zip(entries, weights):
+        share = traffic.share(w / total)
+        entry.add_traffic(share)
+        if between:
+            entry.inter_bytes += share.received
 
 
 class _Capture(GradSink):
@@ -218,75 +228,101 @@ class TwoLevelExchanger:
             it.factors_back = chosen.factors_back
 
     def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
-        out = []
-        for i, q in enumerate(it.params):
-            rep = it.rep if i == 0 or it.rep in ("exact", "dense") else "dense"
-            name = it.name if i == 0 or it.unit is None else it.unit.biases[i - 1].name
-            report[name] = param_entry(name, rep, q, self.world.world_size, level="two_level",
-                                       rows=sum(it.counts) if (i == 0 and it.counts) else 0)
-            out.append(report[name])
-        return out
+        if it.unit is None:
+            report[it.name] = param_entry(it.name, "dense", it.params[0], self.world.world_size, level="two_level")
+            return [report[it.name]]
+        return unit_entries(report, it.unit, it.rep, self.world.world_size, dict(rows=sum(it.counts or [])),
+                            level="two_level")
 
     # -- 3. between nodes -------------------------------------------------------------------------
     def _between(self, mine: List[HopItem], scale: float, step: int) -> None:
-        """Hop 2 for this rank's items, over its cross group: each kind of route's collective started
-        in a fixed order, then waited for; leaves each item's hop-3 blocks in ``it.result``."""
-        cross, note = self.levels.cross, self.state.note
-        # node sums all-reduced together: dense units', and the biases of the routes that sum at the owner
-        dense_parts = [(it, i) for it in mine for i in range(len(it.params))
-                       if it.rep == "dense" or (i > 0 and sums_at_owner(it.rep))]
-        if dense_parts:
-            flat = torch.cat([it.result[i].to(self.dense_dtype) for it, i in dense_parts])
-            dense = cross.all_reduce(flat, name=f"dad.twolevel.dense.{dense_parts[0][0].name}", op="sum")
-            self._share([it for it, _ in dense_parts], dense.traffic, lambda it: it.numel, between=True)
-        exact = [it for it in mine if it.rep == "exact"]
-        if exact:
-            payload = torch.cat([self.exact.encode(it.unit, it.rows) for it in exact])
-            sizes = [self.exact.sizes(it.unit, it.node_rows) for it in exact]  # by item, by node
-            gathered = cross.all_gather(payload, name=f"dad.twolevel.exact.{exact[0].name}",
-                                        first_dims=[sum(s[k] for s in sizes) for k in range(self.N)])
-            self._share(exact, gathered.traffic, lambda it: it.hop_bytes[1], between=True)
-        ranked = [it for it in mine if it.rep == "rank"]
-        if ranked:
-            rank_handle, stacked = gather_payloads(
-                cross, [self.rank_codec.encode(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
-                        for it in ranked], f"dad.twolevel.rank.{ranked[0].name}", note)
-            self._share(ranked, rank_handle.traffic, lambda it: it.hop_bytes[1], between=True)
-        coded = [(it, start_codec(get_route(it.rep).codec, it.result[0], cross,
-                                  name=f"dad.twolevel.{it.rep}.{it.name}")) for it in mine if has_codec(it.rep)]
-        for it, handle in coded:
-            self._share([it], handle.traffic, lambda it: 1.0, between=True)
-        shared = [it for it in mine if it.rep == "rank_allreduce"]
-        capture = _Capture()
-        if shared:
-            codec = self.rank_allreduce
-            queued = [codec.queue_item(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
-                      for it in shared]
-            before = [it.entries[0].received_bytes for it in shared]
-            codec.start(queued, cross, capture, scale, note)()
-            for it, b in zip(shared, before):  # the codec added its rounds' share to the entries
-                it.entries[0].inter_bytes += it.entries[0].received_bytes - b
-        if dense_parts:
-            total = note(dense.wait())
-            for (it, i), part in zip(dense_parts, total.split([it.result[i].numel() for it, i in dense_parts])):
+        """Hop 2 for this rank's items, over its cross group: each kind of route present starts its
+        batch's collective, in a fixed order (dense sums first: the routes that sum at the owner
+        send their biases there), then each batch is finished; leaves each item's hop-3 blocks in
+        ``it.result``."""
+        kinds = ["codec" if has_codec(it.rep) else it.rep for it in mine]
+        finishes = []
+        for kind, start in (("dense", self._dense), ("exact", self._exact), ("rank", self._rank),
+                            ("codec", self._codec), ("rank_allreduce", self._rank_allreduce)):
+            batch = [it for it, k in zip(mine, kinds) if k == kind]
+            if kind == "dense":  # the biases of the routes that sum at the owner are all-reduced with them
+                batch = [(it, i) for it in mine for i in range(len(it.params)) if it.rep == "dense"
+                         or (i > 0 and sums_at_owner(it.rep))]
+            if batch:
+                finishes.append(start(batch, scale, step))
+        for finish in finishes:
+            finish()
+
+    def _dense(self, parts: List[Tuple[HopItem, int]], scale: float, step: int) -> Callable[[], None]:
+        """The node sums all-reduced as one buffer; dense items get their average."""
+        flat = torch.cat([it.result[i].to(self.dense_dtype) for it, i in parts])
+        handle = self.levels.cross.all_reduce(flat, name=f"dad.twolevel.dense.{parts[0][0].name}", op="sum")
+        self._share([it for it, _ in parts], handle.traffic, lambda it: it.numel, between=True)
+
+        def finish() -> None:
+            total = self.state.note(handle.wait())
+            for (it, i), part in zip(parts, total.split([it.result[i].numel() for it, i in parts])):
                 it.result[i] = part
-        for it in mine:
-            if it.rep == "dense":
+            for it in [it for it, i in parts if i == 0 and it.rep == "dense"]:
                 it.result = [self.hops.dense_average(r, scale) for r in it.result]
-        if exact:
-            buffers = gathered.wait()
-            parts = [buffers[k].split([s[k] for s in sizes]) for k in range(self.N)]
-            for j, it in enumerate(exact):
-                grads = self.exact.decode(it.unit, [parts[k][j] for k in range(self.N)], it.node_rows, scale)
-                it.result = [note(grads[q]) if grads is not None else
+
+        return finish
+
+    def _exact(self, items: List[HopItem], scale: float, step: int) -> Callable[[], None]:
+        """Every node's stacked rows, all-gathered; each owner rebuilds the average."""
+        handle, decoded = self.exact.gather(self.levels.cross, [(it.unit, it.rows, it.node_rows) for it in items],
+                                            f"dad.twolevel.exact.{items[0].name}")
+        self._share(items, handle.traffic, lambda it: it.hop_bytes[1], between=True)
+
+        def finish() -> None:
+            for it, grads in zip(items, decoded(scale)):
+                it.result = [self.state.note(grads[q]) if grads is not None else
                              torch.zeros(q.shape, dtype=compute_dtype(q), device=self.device) for q in it.params]
-        if ranked:
-            for it, factors in zip(ranked, stacked()):
-                it.result = self.hops.product_blocks(it, *self.rank_codec.decode(it.unit, factors, scale), scale)
-        for it in shared:
-            it.result = self.hops.product_blocks(it, *capture.products[id(it.unit.param)], scale)
-        for it, handle in coded:  # the average back, beside its biases' (dense, above)
-            it.result = [note(handle.wait().mul_(scale))] + [r * scale for r in it.result[1:]]
+
+        return finish
+
+    def _rank(self, items: List[HopItem], scale: float, step: int) -> Callable[[], None]:
+        """Each node sum's rank-r factors, all-gathered in one payload."""
+        handle, decoded = self.rank_codec.gather(
+            self.levels.cross, [(it.unit, self.rank_codec.encode(it.unit, [], self.hops.node_grad(it), it.entries[0],
+                                                                 step, dense=True)) for it in items],
+            f"dad.twolevel.rank.{items[0].name}", self.state.note)
+        self._share(items, handle.traffic, lambda it: it.hop_bytes[1], between=True)
+
+        def finish() -> None:
+            for it, factors in zip(items, decoded(scale)):
+                it.result = self.hops.product_blocks(it, *factors, scale)
+
+        return finish
+
+    def _codec(self, items: List[HopItem], scale: float, step: int) -> Callable[[], None]:
+        """Each item's own codec over the node sums (`routes.codec.start_codec`)."""
+        handles = [start_codec(get_route(it.rep).codec, it.result[0], self.levels.cross,
+                               name=f"dad.twolevel.{it.rep}.{it.name}") for it in items]
+        for it, handle in zip(items, handles):
+            self._share([it], handle.traffic, lambda it: 1.0, between=True)
+
+        def finish() -> None:
+            for it, handle in zip(items, handles):  # the average back, beside its biases' (dense, above)
+                it.result = [self.state.note(handle.wait().mul_(scale))] + [r * scale for r in it.result[1:]]
+
+        return finish
+
+    def _rank_allreduce(self, items: List[HopItem], scale: float, step: int) -> Callable[[], None]:
+        """PowerSGD's rounds over the node sums (`RankAllReduceCodec.start`)."""
+        codec, capture = self.rank_allreduce, _Capture()
+        queued = [codec.queue_item(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
+                  for it in items]
+        before = [it.entries[0].received_bytes for it in items]
+        rounds = codec.start(queued, self.levels.cross, capture, scale, self.state.note)
+
+        def finish() -> None:
+            rounds()
+            for it, b in zip(items, before):  # the codec added its rounds' share to the entries
+                it.entries[0].inter_bytes += it.entries[0].received_bytes - b
+                it.result = self.hops.product_blocks(it, *capture.products[id(it.unit.param)], scale)
+
+        return finish
 
     # -- 4. from the owner ------------------------------------------------------------------------
     def _from_owner(self, items: List[HopItem], sink: GradSink) -> None:
@@ -314,11 +350,4 @@ class TwoLevelExchanger:
     def _share(items: Sequence[HopItem], traffic: Traffic, weight: Callable[[HopItem], float],
                between: bool = False) -> None:
         """Attribute one collective's traffic to the items' weight entries, by ``weight``."""
-        weights = [max(float(weight(it)), 0.0) for it in items]
-        total = sum(weights) or 1.0
-        for it, w in zip(items, weights):
-            share = traffic.share(w / total)
-            it.entries[0].add_traffic(share)
-            if between:
-                it.entries[0].inter_bytes += share.received
-
+        share_traffic([it.entries[0] for it in items], traffic, [weight(it) for it in items], between)
