@@ -23,7 +23,6 @@ from dad_integrations.codecs.sharded_rank import (ShardedRankCodec, gathered_sha
 from dad_integrations.config import DADConfig
 from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.report import ParamReport
-from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.assign import build_plan
 
 F64 = torch.float64
@@ -169,10 +168,9 @@ def _step_both(route: str, unit, config: DADConfig, grads: List[torch.Tensor], s
                 left, right = whole.decode(u, stacked, scale)
                 full = left @ right
             else:
-                u.param.grad = None
                 item = whole.queue_item(u, [], local_grad, entry, step)
-                whole.start([item], agg, GradSink({}), scale, lambda t: t)()
-                full = u.param.grad.clone()
+                left, right = whole.start([item], agg, lambda t: t)(scale)[0]
+                full = left @ right
             sharded.state.start_step()
             sharded.state.note_local(m_s)
             item = sharded.local(u, [], local_grad, route)

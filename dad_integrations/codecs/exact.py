@@ -275,7 +275,8 @@ class ExactCodec:
 
         def decoded(scale: float) -> list:
             parts = [b.split([s[k] for s in sizes]) for k, b in enumerate(handle.wait())]
-            return [self.decode(unit, [p[j] for p in parts], counts, scale) for j, (unit, _, counts) in enumerate(units)]
+            return [self.decode(unit, [p[j] for p in parts], counts, scale)
+                    for j, (unit, _, counts) in enumerate(units)]
 
         return handle, decoded
 

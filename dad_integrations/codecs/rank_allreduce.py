@@ -19,7 +19,6 @@ from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient
 from dad_integrations.codecs.power_iteration import Note
 from dad_integrations.report import ParamReport
-from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.rank import LocalGrad, RankItem, RankRoutes
 
@@ -50,11 +49,11 @@ class RankAllReduceCodec(RankRoutes):
         q = self.shared.initial(unit, n, min(self.config.rank, m, n), compute_dtype(unit.param), step)
         return unit, m_s, q, entry
 
-    def start(self, items: Sequence[Union[Item, Queued]], aggregator: FactorAggregator, sink: GradSink,
-              scale: float, note: Note) -> Callable[[], None]:
+    def start(self, items: Sequence[Union[Item, Queued]], aggregator: FactorAggregator,
+              note: Note) -> Callable[[float], List[Tuple[torch.Tensor, torch.Tensor]]]:
         """All-reduce the P's of ``items`` (those from `AllReduceBucket` bring their ``M_s Q``);
         the returned finish does the remaining rounds (Q, and P and Q again per further power
-        iteration) and writes the results."""
+        iteration) and returns each unit's ``(left, right)``, ``left @ right = scale P Q^T``."""
         done = [it[4] if len(it) > 4 else None for it in items]
         items = [it[:4] for it in items]
         rounds = self.shared_rounds([RankItem(u, "rank_allreduce", m_s, e.method, q.shape[1], u.name in self._owned)
@@ -62,11 +61,13 @@ class RankAllReduceCodec(RankRoutes):
                                     qs=[q for _, _, q, _ in items], done=done, sites=aggregator, note=note,
                                     wire=self.wire_dtype or items[0][0].param.dtype)
 
-        def finish() -> None:
+        def finish(scale: float) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+            out = []
             for (unit, _, _, entry), basis, q_all, traffic in zip(items, *rounds()):
                 entry.add_traffic(traffic)
-                sink.write_product(unit.param, basis * scale, q_all.t())
+                out.append((basis * scale, q_all.t()))
                 self._owned.discard(unit.name)
+            return out
 
         return finish
 

@@ -266,10 +266,10 @@ class Exchanger:
         if not is_rank_route(rep) and not self.policy.holds_residuals(st.step) and self.state.flush(
                 unit.name, functools.partial(st.sink.add_local, unit.param)):
             rep = "dense"  # it carries the residual this step; its route applies from the next
-        entry = self._report_unit(unit, rep, counts, rows_by_rank, overlapped, st.report)
-        finish, sent = self._start(unit, rep, rows, rows_by_rank, entry, st)
-        if sent is not None:
-            traffic = traffic + sent
+        max_rows = max(sum(r) for r in rows_by_rank) if rows_by_rank else 0
+        entry = unit_entries(st.report, unit, rep, self.aggregator.world_size,
+                             dict(rows=sum(counts), overlapped=overlapped, max_rows=max_rows))[0]
+        finish = self._start(unit, rep, rows, rows_by_rank, entry, st)
         self.policy.settle_capture(unit, decision, entry.method, st.verify)
         entry.add_traffic(traffic)
         return finish
@@ -301,39 +301,33 @@ class Exchanger:
         decision, rows_by_rank = self.policy.decide(unit, ctx, st.step, st.verify, agree)
         return decision, rows_by_rank, traffic
 
-    def _report_unit(self, unit: FactorUnit, rep: str, counts: List[int], rows_by_rank: Optional[RowCounts],
-                     overlapped: bool, report: Dict[str, ParamReport]) -> ParamReport:
-        """The report entries of the unit's weight (returned) and biases."""
-        return unit_entries(report, unit, rep, self.aggregator.world_size, dict(
-            rows=sum(counts), overlapped=overlapped, max_rows=max(sum(r) for r in rows_by_rank) if rows_by_rank else 0))[0]
-
     def _start(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
-               entry: ParamReport, st: _Step) -> Tuple[Optional[Finish], Optional[Traffic]]:
+               entry: ParamReport, st: _Step) -> Optional[Finish]:
         """Start the unit's route (one ``_start_*`` each; a route with a codec of its own:
-        `_start_codec`). Returns what finishes it (or None) and the traffic of a collective started
-        for the unit alone."""
+        `_start_codec`); returns what finishes it (or None). A collective started for the unit
+        alone adds its traffic to ``entry``."""
         start = self._starts.get("codec" if has_codec(rep) else rep)
         if start is None:
             raise_unsupported(rep, layouts.FLAT)
         return start(unit, rep, rows, rows_by_rank, entry, st)
 
     @staticmethod
-    def _dense_biases(unit: FactorUnit, st: _Step) -> Tuple[None, None]:
+    def _dense_biases(unit: FactorUnit, st: _Step) -> None:
         """The unit's biases into the dense buckets (exact factors carry them; every other route does not)."""
         for b in unit.biases:
             st.dense.add(b.name, b.param)
-        return None, None
 
     def _start_dense(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
-                     entry: ParamReport, st: _Step) -> Tuple[None, None]:
+                     entry: ParamReport, st: _Step) -> None:
         """A place in the dense buckets, the weight's, then its biases'."""
         st.dense.add(unit.name, unit.param)
-        return self._dense_biases(unit, st)
+        self._dense_biases(unit, st)
 
     def _start_exact(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: RowCounts, entry: ParamReport,
-                     st: _Step) -> Tuple[Finish, Traffic]:
+                     st: _Step) -> Finish:
         """The all-gather of the unit's exact factors; its finish rebuilds the average."""
         handle, decoded = self.exact.gather(self.aggregator, [(unit, rows, rows_by_rank)], f"dad.exact.{unit.name}")
+        entry.add_traffic(handle.traffic)
         sink, scale = st.sink, st.scale
 
         def finish() -> None:
@@ -344,45 +338,46 @@ class Exchanger:
             for q, g in grads.items():
                 sink.write(q, self.state.note(g))
 
-        return finish, handle.traffic
+        return finish
 
     def _start_codec(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
-                     entry: ParamReport, st: _Step) -> Tuple[Finish, Traffic]:
+                     entry: ParamReport, st: _Step) -> Finish:
         """A route with its own codec (`routes.codec`): the unit's local gradient encoded, its
         collective over the group; its finish writes the scaled sum."""
         self._dense_biases(unit, st)
         p, sink, scale = unit.param, st.sink, st.scale
         handle = start_codec(get_route(rep).codec, sink.local_grad(p, torch.float32), self.aggregator,
                              name=f"dad.{rep}.{unit.name}")
+        entry.add_traffic(handle.traffic)
 
         def finish() -> None:
             sink.write(p, self.state.note(handle.wait().mul_(scale).view(p.shape).to(p.dtype)))
 
-        return finish, handle.traffic
+        return finish
 
     def _start_rank_allreduce(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
-                              entry: ParamReport, st: _Step) -> Tuple[None, None]:
+                              entry: ParamReport, st: _Step) -> None:
         """A place in the rank-r all-reduce route's bucket (`_send_shared`)."""
         self._dense_biases(unit, st)
         st.shared.add(self.rank_allreduce.queue_item(unit, rows, st.sink.local_grad, entry, st.step))
-        return None, None
 
     def _start_rank(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
-                    entry: ParamReport, st: _Step) -> Tuple[Optional[Finish], Optional[Traffic]]:
+                    entry: ParamReport, st: _Step) -> Optional[Finish]:
         """The unit's rank-r payload: in the rank bucket (`_send_rank_bucket`: r rows on every rank),
         or with ``adaptive_tolerance`` (its row count differs by rank) an all-gather of its own."""
         self._dense_biases(unit, st)
         payload = self.rank_codec.encode(unit, rows, st.sink.local_grad, entry, st.step)
         if self.config.adaptive_tolerance is None:
             st.bucket.add(unit, payload, entry)
-            return None, None
+            return None
         handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}")
+        entry.add_traffic(handle.traffic)
         sink, scale, note = st.sink, st.scale, self.state.note
 
         def finish() -> None:
             sink.write_product(unit.param, *self.rank_codec.decode(unit, note(torch.cat(handle.wait())), scale))
 
-        return finish, handle.traffic
+        return finish
 
     def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> Tuple[List[List[int]], Traffic]:
         """Exchange every rank's row counts and first-step check; returns the counts by rank."""
@@ -404,7 +399,9 @@ class Exchanger:
     # -- the shared buckets of the rank routes ------------------------------------------------------
     def _send_shared(self, st: _Step) -> Finish:
         """The rank-r all-reduce route's bucket (`RankAllReduceCodec.start`)."""
-        return self.rank_allreduce.start(st.shared.take(), self.aggregator, st.sink, st.scale, self.state.note)
+        items = st.shared.take()
+        return self._write_products(st, [unit for unit, *_ in items],
+                                    self.rank_allreduce.start(items, self.aggregator, self.state.note))
 
     def _send_rank_bucket(self, st: _Step) -> Finish:
         """One all-gather for the rank-r payloads of several units (fewer, larger collectives)."""
@@ -415,10 +412,15 @@ class Exchanger:
         overlapped = not st.window.flush.is_set()  # sent while backward still runs?
         for _, _, entry in items:
             entry.overlapped = overlapped
+        return self._write_products(st, [unit for unit, _, _ in items], decoded)
+
+    @staticmethod
+    def _write_products(st: _Step, units: List[FactorUnit], decoded: Callable[[float], list]) -> Finish:
+        """What waits for a rank route's batch and writes each unit's ``left @ right``."""
         sink, scale = st.sink, st.scale
 
         def finish() -> None:
-            for (unit, _, _), factors in zip(items, decoded(scale)):
+            for unit, factors in zip(units, decoded(scale)):
                 sink.write_product(unit.param, *factors)
 
         return finish

@@ -80,21 +80,24 @@ class NodeHops:
                            else torch.cat([g.detach().reshape(-1).to(self.dense_dtype),
                                            torch.ones(1, dtype=self.dense_dtype, device=self.device)]))
             return out
+        cdt, _ = self._summed(it)
+        return [sink.local_grad(q, cdt).reshape(-1) for q in it.params]
+
+    def _summed(self, it: HopItem) -> Tuple[torch.dtype, int]:
+        """The dtype and the numbers beyond the gradient (the dense route's flag) of each block a
+        route that sums at the owner sends; raises for a route with no two-level exchange."""
+        if it.rep == "dense":
+            return self.dense_dtype, 1
         if not sums_at_owner(it.rep):
             raise_unsupported(it.rep, layouts.TWO_LEVEL)
-        cdt = compute_dtype(it.unit.param)
-        return [sink.local_grad(q, cdt).reshape(-1) for q in it.params]
+        return compute_dtype(it.unit.param), 0
 
     def send_specs(self, it: HopItem, local: int) -> List[BlockSpec]:
         """The layout of what local rank ``local`` sends for the item."""
         if it.rep == "exact":
             return [(torch.uint8, tuple(self.exact.sizes(it.unit, [it.rank_rows[local]])))]
-        if it.rep == "dense":
-            return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
-        if not sums_at_owner(it.rep):
-            raise_unsupported(it.rep, layouts.TWO_LEVEL)
-        cdt = compute_dtype(it.unit.param)
-        return [(cdt, (q.numel(),)) for q in it.params]
+        dtype, extra = self._summed(it)
+        return [(dtype, (q.numel() + extra,)) for q in it.params]
 
     def receive(self, it: HopItem, by_rank: Sequence[List[torch.Tensor]]) -> None:
         """The owner's view of what the node sent: rows stacked in rank order (exact, into
@@ -162,7 +165,7 @@ class NodeHops:
     def result_specs(self, it: HopItem) -> List[BlockSpec]:
         """The layout of the owner's hop-3 blocks of the item."""
         if it.rep == "dense":
-            return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
+            return self.send_specs(it, 0)
         cdt = compute_dtype(it.params[0])
         if it.rep == "exact":
             return [(cdt, tuple(q.shape)) for q in it.params]

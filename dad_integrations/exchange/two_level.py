@@ -24,7 +24,6 @@ import logging
 from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
-from torch import nn
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.sink import GradSink
@@ -69,17 +68,6 @@ def share_traffic(entries: Sequence[ParamReport], traffic: Traffic, weights: Seq
         entry.add_traffic(share)
         if between:
             entry.inter_bytes += share.received
-
-
-class _Capture(GradSink):
-    """A sink that keeps what a codec writes (the owner's results, sent on by hop 3)."""
-
-    def __init__(self) -> None:
-        super().__init__({})
-        self.products: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def write_product(self, p: nn.Parameter, left: torch.Tensor, right: torch.Tensor) -> None:
-        self.products[id(p)] = (left, right)
 
 
 class TwoLevelExchanger:
@@ -289,11 +277,7 @@ class TwoLevelExchanger:
             f"dad.twolevel.rank.{items[0].name}", self.state.note)
         self._share(items, handle.traffic, lambda it: it.hop_bytes[1], between=True)
 
-        def finish() -> None:
-            for it, factors in zip(items, decoded(scale)):
-                it.result = self.hops.product_blocks(it, *factors, scale)
-
-        return finish
+        return self._products(items, decoded, scale)
 
     def _codec(self, items: List[HopItem], scale: float, step: int) -> Callable[[], None]:
         """Each item's own codec over the node sums (`routes.codec.start_codec`)."""
@@ -310,17 +294,25 @@ class TwoLevelExchanger:
 
     def _rank_allreduce(self, items: List[HopItem], scale: float, step: int) -> Callable[[], None]:
         """PowerSGD's rounds over the node sums (`RankAllReduceCodec.start`)."""
-        codec, capture = self.rank_allreduce, _Capture()
-        queued = [codec.queue_item(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
-                  for it in items]
-        before = [it.entries[0].received_bytes for it in items]
-        rounds = codec.start(queued, self.levels.cross, capture, scale, self.state.note)
+        codec = self.rank_allreduce
+        rounds = codec.start([codec.queue_item(it.unit, [], self.hops.node_grad(it), it.entries[0], step, dense=True)
+                              for it in items], self.levels.cross, self.state.note)
 
-        def finish() -> None:
-            rounds()
+        def decoded(scale: float) -> list:
+            before = [it.entries[0].received_bytes for it in items]
+            out = rounds(scale)
             for it, b in zip(items, before):  # the codec added its rounds' share to the entries
                 it.entries[0].inter_bytes += it.entries[0].received_bytes - b
-                it.result = self.hops.product_blocks(it, *capture.products[id(it.unit.param)], scale)
+            return out
+
+        return self._products(items, decoded, scale)
+
+    def _products(self, items: List[HopItem], decoded: Callable[[float], list], scale: float) -> Callable[[], None]:
+        """What waits for a rank route's batch and leaves each item's hop-3 blocks (`NodeHops.product_blocks`)."""
+
+        def finish() -> None:
+            for it, factors in zip(items, decoded(scale)):
+                it.result = self.hops.product_blocks(it, *factors, scale)
 
         return finish
 
