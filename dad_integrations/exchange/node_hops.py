@@ -133,11 +133,11 @@ class NodeHops:
         for k in range(size):
             per_rank.append(unpack(got[offset:offset + recv_sizes[k]], recv_specs[k]))
             offset += recv_sizes[k]
-        cursor = [0] * size
+        cursor = 0  # every rank sends an item as many blocks
         for it in mine:
             n_blocks = len(self.send_specs(it, 0))
-            self.receive(it, [per_rank[k][cursor[k]:cursor[k] + n_blocks] for k in range(size)])
-            cursor = [c + n_blocks for c in cursor]
+            self.receive(it, [blocks[cursor:cursor + n_blocks] for blocks in per_rank])
+            cursor += n_blocks
         return mine, handle.traffic
 
     @staticmethod

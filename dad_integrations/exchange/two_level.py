@@ -216,6 +216,7 @@ class TwoLevelExchanger:
             it.factors_back = chosen.factors_back
 
     def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
+        """The item's report entries (`unit_entries`; a dense parameter's own)."""
         if it.unit is None:
             report[it.name] = param_entry(it.name, "dense", it.params[0], self.world.world_size, level="two_level")
             return [report[it.name]]
@@ -229,15 +230,12 @@ class TwoLevelExchanger:
         send their biases there), then each batch is finished; leaves each item's hop-3 blocks in
         ``it.result``."""
         kinds = ["codec" if has_codec(it.rep) else it.rep for it in mine]
-        finishes = []
-        for kind, start in (("dense", self._dense), ("exact", self._exact), ("rank", self._rank),
-                            ("codec", self._codec), ("rank_allreduce", self._rank_allreduce)):
-            batch = [it for it, k in zip(mine, kinds) if k == kind]
-            if kind == "dense":  # the biases of the routes that sum at the owner are all-reduced with them
-                batch = [(it, i) for it in mine for i in range(len(it.params)) if it.rep == "dense"
-                         or (i > 0 and sums_at_owner(it.rep))]
-            if batch:
-                finishes.append(start(batch, scale, step))
+        batches = [(self._dense, [(it, i) for it in mine for i in range(len(it.params))
+                                  if it.rep == "dense" or (i > 0 and sums_at_owner(it.rep))])]
+        batches += [(start, [it for it, k in zip(mine, kinds) if k == kind]) for kind, start in (
+            ("exact", self._exact), ("rank", self._rank), ("codec", self._codec),
+            ("rank_allreduce", self._rank_allreduce))]
+        finishes = [start(batch, scale, step) for start, batch in batches if batch]
         for finish in finishes:
             finish()
 
