@@ -22,7 +22,6 @@ construction (`routing.timing.build_timing`) is a collective too.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -41,8 +40,6 @@ from dad_integrations.routing.router import Route, RouteContext, RowCounts, Unit
 from dad_integrations.routing.sharded_trial import agree_on
 from dad_integrations.routing.timing import StepTiming, build_timing
 from dad_integrations.routing.trial import RouteTrial, TrialOwner
-
-log = logging.getLogger(__name__)
 
 TWO_LEVEL = "two_level"  # a route trial's routes arm when it tries two-level steps (`exchange.two_level`)
 
@@ -98,7 +95,7 @@ class RoutePolicy(TrialOwner):
         changed in between: routes change together, at a refresh, on every rank)."""
         if self.timing is None or verify or unit.dense_only:
             return None
-        arm = self.trial.arm(step) if self.trial is not None else None
+        arm = self.arm(step)
         if arm is not None and self.two_level_trial():  # its flat arm: the flat router's routes, anew
             return None
         if arm is not None:  # a route trial's step: all dense, or the routes it tries
@@ -135,7 +132,7 @@ class RoutePolicy(TrialOwner):
         buckets, `ddp_hook`): every unit dense whatever its rows (held dense between refreshes, a
         route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
         what DDP's is, with no per-parameter packing on dAD's worker (`Exchanger.run_native`)."""
-        state, units = self.state, self.plan.units
+        state, units = self.state, self.units
         if self.two_level or verify or state.pending or not all(self.dense_for_sure(u, step, verify) for u in units):
             return False
         if self.holds_residuals(step):

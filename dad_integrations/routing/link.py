@@ -17,7 +17,6 @@ alike. A config's ``link`` states it instead (`LinkModel.from_spec`), for planni
 """
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,8 +26,6 @@ import torch
 
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.comm.link_spec import KINDS, LinkCost, parse_link_spec
-
-log = logging.getLogger(__name__)
 
 # probe sizes in bytes: one small call for the latency, one large enough for the bandwidth
 PROBE_BYTES = (4 * 2 ** 10, 64 * 2 ** 10, 1 * 2 ** 20)

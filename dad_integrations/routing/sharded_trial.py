@@ -81,10 +81,6 @@ class ShardedTrial(TrialOwner):
         one a missed watch asked for)."""
         return self.engine.get(aggregator, device, step, again=self.trial is not None and self.trial.refresh_at == step)
 
-    @property
-    def outcomes(self) -> List[TrialOutcome]:
-        return list(self.trial.outcomes) if self.trial is not None else []
-
     # -- refreshes --------------------------------------------------------------------------------
     def refresh(self, step: int) -> bool:
         """Whether step ``step`` chooses routes anew (the exchanger's rule, step 0 included; the step

@@ -419,6 +419,11 @@ class TrialOwner:
         """A trial's dense-arm step: residuals wait for its next routes step (`RouteTrial.holds_residuals`)."""
         return self.trial is not None and self.trial.holds_residuals(step)
 
+    @property
+    def outcomes(self) -> List[TrialOutcome]:
+        """The trials so far (`TrialOutcome`)."""
+        return list(self.trial.outcomes) if self.trial is not None else []
+
     # -- the models' link -------------------------------------------------------------------------
     def flat_link(self) -> Optional[LinkModel]:
         """The link routes are priced on: the models' where routed by time, else the stated one (per
