@@ -81,18 +81,6 @@ def in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def refresh_due(step: int, every: int, lossless_steps: int) -> bool:
-    """Whether step ``step`` chooses every route anew: every ``every`` steps (``route_refresh_steps``)
-    and when the lossless steps end (step 0 chooses them anyway)."""
-    return step > 0 and (step % every == 0 or step == lossless_steps)
-
-
-def next_refresh(step: int, every: int, lossless_steps: int) -> int:
-    """The first step after ``step`` that chooses every route anew."""
-    following = (step // every + 1) * every
-    return min(following, lossless_steps) if lossless_steps > step else following
-
-
 Agree = Callable[[Sequence[float]], List[float]]  # element-wise maximum over ranks (a collective)
 
 
@@ -399,13 +387,16 @@ class TrialOwner:
         raise NotImplementedError
 
     def chooses_anew(self, step: int) -> bool:
-        """`refresh_due` (not step 0), and the step after a watch missed (`RouteTrial.refresh_at`)."""
-        return (refresh_due(step, self.config.route_refresh_steps, self._lossless)
+        """Every ``route_refresh_steps`` and when the lossless steps end (not step 0, which chooses
+        them anyway), and the step after a watch missed (`RouteTrial.refresh_at`)."""
+        every, lossless = self.config.route_refresh_steps, self._lossless
+        return (step > 0 and (step % every == 0 or step == lossless)
                 or (self.trial is not None and self.trial.refresh_at == step))
 
     def next_refresh(self, step: int) -> int:
         """The first step after ``step`` that chooses every route again."""
-        return next_refresh(step, self.config.route_refresh_steps, self._lossless)
+        following = (step // self.config.route_refresh_steps + 1) * self.config.route_refresh_steps
+        return min(following, self._lossless) if self._lossless > step else following
 
     @property
     def _lossless(self) -> int:
