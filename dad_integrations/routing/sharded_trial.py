@@ -1,7 +1,7 @@
 """Route trials under the sharded engines (FSDP2, ZeRO-2/3): one piece both adapters drive.
 
 There each reduction call routes its weights by the models, per weight per step (`router.route`
-with ``sharded=True``; `timing.EngineTiming` measures them at attach and the link again every
+with ``sharded=True``; `ShardedTrial` measures them at attach and the link again every
 ``route_refresh_steps``). `ShardedTrial` runs `trial.RouteTrial` and its watch on them as under DDP
 (a measured link, objective ``"time"``, mode ``"auto"``): a dense-arm step sends every weight by
 the engine's own reduce-scatter (capture off; residuals wait for the routes). All dense decided:
@@ -23,6 +23,7 @@ The adapter calls, per step and on every rank alike:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,11 +31,11 @@ import torch
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.report import ParamReport
-from dad_integrations.routing.link import LinkModel, agree_max
+from dad_integrations.routing.link import LinkModel, agree_max, probe_link
 from dad_integrations.routing.mode_cost import report_cost_line
 from dad_integrations.routing.trial import Agree, RouteTrial, StepClock, TrialOutcome, TrialOwner
 from dad_integrations.routing.router import Route
-from dad_integrations.routing.timing import EngineTiming, StepTiming
+from dad_integrations.routing.timing import LinkProbe, StepTiming, build_timing
 from dad_integrations.capture.units import FactorUnit
 
 
@@ -44,7 +45,10 @@ class ShardedTrial(TrialOwner):
 
     def __init__(self, config: DADConfig, name: str = "dAD", log_decisions: bool = False):
         super().__init__(config, name, 0 if log_decisions else 1)  # rank 0 logs each decision with its evidence
-        self.engine = EngineTiming(config)
+        self.timing: Optional[StepTiming] = None  # the models (`start`), None where routes go by bytes
+        # how the link is measured (a collective): on the engine's group; HSDP's adapter times the hop between nodes
+        self.probe: LinkProbe = functools.partial(probe_link, kinds=("all_reduce", "all_gather", "all_to_all"))
+        self._probed_step = 0
         self.clock = StepClock()
         self.units: List[FactorUnit] = []
         self.step: Optional[int] = None       # the open step (0-based), None between steps
@@ -57,29 +61,28 @@ class ShardedTrial(TrialOwner):
 
     # -- set-up -----------------------------------------------------------------------------------
     def start(self, units: Sequence[FactorUnit], aggregator: FactorAggregator, device: torch.device) -> None:
-        """Measure the models (a collective, at attach) and set up the trial where it applies."""
+        """Measure the models (a collective, at attach: every rank attaches together; not inside
+        backward, where the compute model's timed backward of a probe layer could not run) and set up
+        the trial where it applies."""
         self.units = list(units)
         if not self.units:
             return
-        self.engine.start([u.shape for u in self.units], aggregator, device)
         cfg = self.config
-        if (self.engine.timing is not None and cfg.link is None and cfg.mode == "auto"
+        self.timing = build_timing(cfg, [u.shape for u in self.units], aggregator, device, probe=self.probe)
+        if (self.timing is not None and cfg.link is None and cfg.mode == "auto"
                 and cfg.route_trial_steps > 0):
             self.trial = RouteTrial(cfg.route_trial_steps, rank=self.say_rank, name=self.name)
 
-    @property
-    def timing(self) -> Optional[StepTiming]:
-        """The engine's models (`timing.EngineTiming`), None where the objective is bytes."""
-        return self.engine.timing
-
-    @timing.setter
-    def timing(self, timing: Optional[StepTiming]) -> None:
-        self.engine.timing = timing
-
     def models(self, aggregator: FactorAggregator, device: torch.device, step: int) -> Optional[StepTiming]:
-        """`EngineTiming.get`: the models for step ``step`` (measured again at a refresh, and at the
-        one a missed watch asked for)."""
-        return self.engine.get(aggregator, device, step, again=self.trial is not None and self.trial.refresh_at == step)
+        """The models for synchronised step ``step`` (0-based), the link measured again (where the
+        config states none) at the first reduction of every ``route_refresh_steps``-th step and of
+        the step a missed watch makes a refresh (every rank alike)."""
+        again = self.trial is not None and self.trial.refresh_at == step
+        if (self.timing is not None and self.config.link is None and step > self._probed_step
+                and (again or step % self.config.route_refresh_steps == 0)):
+            self.timing = dataclasses.replace(self.timing, link=self.probe(aggregator, device))
+            self._probed_step = step
+        return self.timing
 
     # -- refreshes --------------------------------------------------------------------------------
     def refresh(self, step: int) -> bool:
