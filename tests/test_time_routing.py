@@ -591,7 +591,7 @@ def test_sharded_watch_trial_after_all_dense_tries_the_routes():
 def test_sharded_untried_dense_is_watched_and_a_miss_measures_the_link_again():
     """`ShardedTrial` after a refresh whose routes are all dense (no trial): the steps are watched
     against their first interval plus the models' spare seconds; a slower link (every step) makes
-    the next step a refresh whose first reduction measures the link again (`EngineTiming.get`), and
+    the next step a refresh whose first reduction measures the link again (`ShardedTrial.models`), and
     routes that compress there begin a trial with cause "watch", said as the last decision."""
     from dad_integrations.routing.router import Route
     from dad_integrations.routing.sharded_trial import ShardedTrial
@@ -600,9 +600,9 @@ def test_sharded_untried_dense_is_watched_and_a_miss_measures_the_link_again():
     pieces = ShardedTrial(DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0,
                                     route_trial_steps=4, route_refresh_steps=1000))
     pieces.trial = RouteTrial(4)
-    pieces.engine.timing = _timing("10gbit")
+    pieces.timing = _timing("10gbit")
     probed = []
-    pieces.engine.probe = lambda aggregator, device: probed.append(1) or _timing("20mbit").link
+    pieces.probe = lambda aggregator, device: probed.append(1) or _timing("20mbit").link
     units = [type("Unit", (), {"index": i})() for i in range(3)]
     now = [0.0]
     pieces.clock.clock = lambda: now[0]

@@ -5,7 +5,7 @@ decide it. The exchanger (`exchanger.Exchanger`) runs the collectives and asks i
   (`routing.router.route`) decides from the unit's shape and what is known of its rows: auto's
   prediction from the last agreed row counts (`last_rows`) before a size exchange, every rank's
   counts after one.
-- **Holding** (objective ``"time"``): routes are chosen at a refresh (`routing.trial.refresh_due`:
+- **Holding** (objective ``"time"``): routes are chosen at a refresh (`RoutePolicy.refresh`:
   every ``route_refresh_steps``, and when the lossless steps end) and held until the next, so that
   they change together, on every rank, whatever the models learn in between.
 - **Trying** (`routing.trial`, on a measured link in mode ``"auto"``): after a refresh its routes
@@ -22,9 +22,8 @@ construction (`routing.timing.build_timing`) is a collective too.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
-from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,31 +32,29 @@ from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
-from dad_integrations.logs import say
-from dad_integrations.report import ParamReport, route_summary
+from dad_integrations.report import ParamReport
 from dad_integrations.routes.registry import is_rank_route
 from dad_integrations.routing.link import LinkModel, probe_link
 from dad_integrations.routing.mode_cost import mode_cost_line
 from dad_integrations.routing.router import Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route
 from dad_integrations.routing.sharded_trial import agree_on
 from dad_integrations.routing.timing import StepTiming, build_timing
-from dad_integrations.routing.trial import RouteTrial, next_refresh, refresh_due, routes_line
-
-log = logging.getLogger(__name__)
+from dad_integrations.routing.trial import RouteTrial, TrialOwner
 
 TWO_LEVEL = "two_level"  # a route trial's routes arm when it tries two-level steps (`exchange.two_level`)
 
 
-class RoutePolicy:
+class RoutePolicy(TrialOwner):
     """The routes of each step, and what decides them across steps: agreed row counts, each unit's
     last route, the link and compute models (`timing`, objective ``"time"``) and the route trial
-    (`trial`). Every rank holds the same policy state and asks it in the same order."""
+    (`trial`; what it shares with the sharded engines': `routing.trial.TrialOwner`). Every rank
+    holds the same policy state and asks it in the same order."""
 
     def __init__(self, plan: SyncPlan, aggregator: FactorAggregator, config: DADConfig, device: torch.device,
                  state: RouteState):
+        super().__init__(config, "dAD", aggregator.rank)
         self.plan = plan
         self.aggregator = aggregator
-        self.config = config
         self.device = device
         self.state = state  # read only: which residuals a dense step still owes
         self.last_rows: Dict[int, RowCounts] = {}  # unit index -> row counts of its last size exchange
@@ -81,37 +78,29 @@ class RoutePolicy:
         self.two_level_routes: Dict[int, str] = {}
         self.two_level_saving = 0.0
         self.two_level_vetoed = False  # a route trial found the two-level steps slower than all dense
-        # what users see (`logs.say`, rank 0): the last decision with its evidence (also in each
-        # step's report), the routes last said, and the last routes-arm step's routes and bytes
-        self.decision = ""
         self.wire_dtype: Optional[torch.dtype] = None  # the factors' (the exchanger's), for `mode_cost_line`
-        self._said_routes = ""
-        self._tried = ""
+
+    @property
+    def units(self) -> Sequence[FactorUnit]:
+        return self.plan.units
 
     # -- which steps choose anew, which hold ------------------------------------------------------
-    def refresh_due(self, step: int) -> bool:
-        """Whether step ``step`` chooses every route again (objective ``"time"``): every
-        ``route_refresh_steps``, when the lossless steps end (not step 0, which exchanges every
-        unit's sizes anyway), and the step after a watch missed (`RouteTrial.refresh_at`)."""
-        return self.timing is not None and (
-            refresh_due(step, self.config.route_refresh_steps, self.config.lossless_steps)
-            or (self.trial is not None and self.trial.refresh_at == step))
-
-    def _next_refresh(self, step: int) -> int:
-        """The first step after ``step`` that chooses every route again."""
-        return next_refresh(step, self.config.route_refresh_steps, self.config.lossless_steps)
+    def refresh(self, step: int) -> bool:
+        """Whether step ``step`` chooses every route again (objective ``"time"``; `TrialOwner.chooses_anew`:
+        not step 0, which exchanges every unit's sizes anyway)."""
+        return self.timing is not None and self.chooses_anew(step)
 
     def _held_route(self, unit: FactorUnit, step: int, verify: bool) -> Optional[str]:
         """By time, a unit keeps the route of the last refresh until the next (the models may have
         changed in between: routes change together, at a refresh, on every rank)."""
         if self.timing is None or verify or unit.dense_only:
             return None
-        arm = self.trial.arm(step) if self.trial is not None else None
+        arm = self.arm(step)
         if arm is not None and self.two_level_trial():  # its flat arm: the flat router's routes, anew
             return None
         if arm is not None:  # a route trial's step: all dense, or the routes it tries
             return "dense" if arm == "dense" else self.trial.routes.get(unit.index, "dense")
-        if self.refresh_due(step):
+        if self.refresh(step):
             return None
         held = self.last_route.get(unit.index)
         if held == TWO_LEVEL:  # what a kept trial of two-level steps holds: a flat step routes anew
@@ -128,9 +117,9 @@ class RoutePolicy:
         return not verify and (unit.dense_only or self._held_route(unit, step, verify) == "dense")
 
     def holds_residuals(self, step: int) -> bool:
-        """A route trial's dense step (`RouteTrial.holds_residuals`): residuals wait, and the step
-        goes as a steady dense step does (DDP's own buckets, `native_dense`)."""
-        return self.trial is not None and self.trial.holds_residuals(step) and not self.two_level_trial()
+        """A route trial's dense step (`RouteTrial.holds_residuals`; not of a two-level trial):
+        residuals wait, and the step goes as a steady dense step does (DDP's own buckets, `native_dense`)."""
+        return super().holds_residuals(step) and not self.two_level_trial()
 
     def two_level_trial(self) -> bool:
         """Whether the route trial under way tries two-level steps (`exchange.two_level`) against the
@@ -143,7 +132,7 @@ class RoutePolicy:
         buckets, `ddp_hook`): every unit dense whatever its rows (held dense between refreshes, a
         route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
         what DDP's is, with no per-parameter packing on dAD's worker (`Exchanger.run_native`)."""
-        state, units = self.state, self.plan.units
+        state, units = self.state, self.units
         if self.two_level or verify or state.pending or not all(self.dense_for_sure(u, step, verify) for u in units):
             return False
         if self.holds_residuals(step):
@@ -165,7 +154,7 @@ class RoutePolicy:
             decision = Route(held, held == "exact")
         else:
             evidence = UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index))
-            decision = route(dataclasses.replace(ctx, refresh=self.refresh_due(step)), shape, evidence)
+            decision = route(dataclasses.replace(ctx, refresh=self.refresh(step)), shape, evidence)
         rows_by_rank = None
         if decision.exchange_sizes:
             rows_by_rank = self.last_rows[unit.index] = agree()
@@ -192,102 +181,49 @@ class RoutePolicy:
             unit.stop_using_rows()
 
     # -- between steps -------------------------------------------------------------------------------
-    def flat_link(self) -> Optional[LinkModel]:
-        """The flat steps' link: the models' where routed by time, else the stated one (per hop: the
-        one between nodes, which flat steps cross), else None."""
-        if self.timing is not None:
-            return self.timing.link
-        return LinkModel.from_spec(self.config.link) if self.config.link is not None else None
-
-    def set_link(self, link) -> None:
-        """Route by ``link`` (a `routing.link.LinkModel`, the same on every rank) from the next refresh on."""
-        if self.timing is not None:
-            self.timing = dataclasses.replace(self.timing, link=link)
-
     def end_step(self, step: int, started: Optional[float], params: Sequence[ParamReport] = ()) -> None:
         """Step ``step``'s exchange is over (``started``: the start of its span, `StepClock`;
         ``params``: its report): its span to the route trial, what users see of the routes, then
         the next step's preparation."""
-        arm = self.trial.arm(step) if self.trial is not None else None
-        # the summary is read where a trial may begin or is tried, or the routes may be said: not on
-        # every step (a steady dense step costs what the engine's does)
-        wanted = params and (arm == "routes" or step <= 1 or self.refresh_due(step))
-        summary = route_summary(params) if wanted else ""
-        if arm in (None, "routes") and summary:
-            self._tried = summary  # a route trial's decision line names the routes it tried
+        tried = self.arm(step) is not None  # a trial's step says no routes (read before the trial ends)
+        summary = self.summary(step, params)
         self._run_trial(step, None if started is None else self.clock() - started)
-        if step == 0:
-            self._say_mode_cost()
-        if summary and arm is None and (self.trial is None or not self.trial.active):
-            self._say_routes(step, summary)
+        if step == 0 and self.units:
+            self.say_mode_cost(self._probe, self._mode_cost_line)
+        if not tried and (self.trial is None or not self.trial.active):
+            self.say_routes(step, summary)
         self._prepare_refresh(step + 1)
 
-    def say(self, line: str) -> None:
-        """A decision, with its evidence: shown on rank 0 (`logs.say`), kept for the reports."""
-        self.decision = line
-        say(line, rank=self.aggregator.rank)
+    def _probe(self) -> LinkModel:
+        """Measure the flat link (a collective, at the same point on every rank)."""
+        return probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather"))
 
-    def _say_mode_cost(self) -> None:
-        """After the first step (its row counts agreed): warn where mode exact or rank is predicted
-        to slow the exchange past the engine's own (`routing.mode_cost`). The link: the models',
-        the stated one, or (exact mode on a measured link) probed once here: a collective, at the
-        same point on every rank."""
-        config = self.config
-        if config.mode not in ("exact", "rank") or not self.plan.units:
-            return
-        link = self.flat_link()
-        if link is None and config.objective == "time":
-            link = probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather"))
-        if link is None:
-            return
-        units = [(UnitShape.of(u), self.last_rows.get(u.index)) for u in self.plan.units if not u.dense_only]
-        line = mode_cost_line(config, units, world_size=self.aggregator.world_size,
-                              wire_dtype=self.wire_dtype or self.plan.units[0].param.dtype, link=link,
+    def _mode_cost_line(self, link: LinkModel) -> Optional[str]:
+        """`routing.mode_cost.mode_cost_line` on the units' shapes and last agreed row counts."""
+        units = [(UnitShape.of(u), self.last_rows.get(u.index)) for u in self.units if not u.dense_only]
+        return mode_cost_line(self.config, units, world_size=self.aggregator.world_size,
+                              wire_dtype=self.wire_dtype or self.units[0].param.dtype, link=link,
                               compute=self.timing.compute if self.timing is not None else None)
-        if line is not None:
-            say(line, rank=self.aggregator.rank, level=logging.WARNING)
-
-    def _say_routes(self, step: int, summary: str) -> None:
-        """After the first steady step and each refresh (no route trial under way): the routes,
-        where they changed since last said."""
-        if step < 1 or (step > 1 and not self.refresh_due(step)) or summary == self._said_routes:
-            return
-        self._said_routes = summary
-        self.say(routes_line("dAD", step, summary, self.timing, self.config.mode))
-
-    def drop_rows(self) -> None:
-        """Every unit goes dense next step: capture nothing (a step that costs what DDP's does)."""
-        for u in self.plan.units:
-            if not u.rows_unused and not u.dense_only:
-                u.stop_using_rows()
-
-    def _use_rows(self, indices: Iterable[int]) -> None:
-        """Capture the rows of the units of ``indices`` again (where some route can use them)."""
-        wanted = set(indices)
-        for u in self.plan.units:
-            if u.index in wanted and u.rows_unused and not u.dense_only:
-                u.rows_unused = False
-                u.update_capture()
 
     def _prepare_refresh(self, next_step: int) -> None:
         """Before a refresh step: measure the link again (where it is not stated) and capture every
         unit's rows in that step, so that exact factors are a candidate again. Before a route
         trial's step on the routes it tries: capture the rows of the units it sends by exact
         factors (its dense steps switched capture off)."""
-        arm = self.trial.arm(next_step) if self.trial is not None else None
+        arm = self.arm(next_step)
         if arm is not None and self.two_level_trial():  # either arm may send exact factors
-            self._use_rows(u.index for u in self.plan.units)
+            self.use_rows()
         elif arm == "routes":
-            self._use_rows(i for i, rep in self.trial.routes.items() if rep == "exact")
+            self.use_rows([i for i, rep in self.trial.routes.items() if rep == "exact"])
         elif arm == "dense":
             self.drop_rows()
-        if not self.refresh_due(next_step):
+        if not self.refresh(next_step):
             return
         if self.trial is not None:
             self.trial.stop_watching()
         if self.config.link is None:
-            self.set_link(probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather")))
-        self._use_rows(u.index for u in self.plan.units)
+            self.set_link(self._probe())
+        self.use_rows()
 
     def _run_trial(self, step: int, seconds: Optional[float]) -> None:
         """End of step ``step`` (``seconds``: its span on this rank): start a route trial after
@@ -296,34 +232,27 @@ class RoutePolicy:
         trial = self.trial
         if trial is None:
             return
-        two_level, outcome = self.two_level_trial(), None
-        if not trial.active and (step == 0 or self.refresh_due(step)):
-            self._begin_trial(trial, step)
-        else:
-            outcome = trial.end_of_step(step, seconds, agree_on(self.aggregator, self.device), self._next_refresh(step))
-        if trial.news:  # a missed watch's refresh began a trial: its line is the last decision said
-            self.decision, trial.news = trial.news, ""
+        two_level = self.two_level_trial()
+        outcome = self.trial_step(step, seconds, agree_on(self.aggregator, self.device))
         if outcome is None:
             return
         if two_level:  # two-level steps against the flat routes: the loser waits for the next refresh
             self.two_level_vetoed = not outcome.kept
-            self._use_rows(u.index for u in self.plan.units)
+            self.use_rows()
         else:
             self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
-            for u in self.plan.units:  # what the next steps take until the next refresh
+            for u in self.units:  # what the next steps take until the next refresh
                 self.last_route[u.index] = trial.routes.get(u.index, "dense") if outcome.kept else "dense"
             if outcome.kept:  # exact factors need their rows from the next step on
-                self._use_rows(i for i, rep in trial.routes.items() if rep == "exact")
+                self.use_rows([i for i, rep in trial.routes.items() if rep == "exact"])
             else:
                 self.drop_rows()
-        self._said_routes = ""
-        self.say(f"{outcome.line('dAD', ('two levels, ' if two_level else '') + (self._tried or 'none'))}; overhead "
-                 f"per compressed weight now {outcome.overhead_s * 1e3:.2f} ms")
+        self.say_outcome(outcome, "two levels, " if two_level else "",
+                         f"; overhead per compressed weight now {outcome.overhead_s * 1e3:.2f} ms")
 
-    def _begin_trial(self, trial: RouteTrial, step: int) -> None:
-        """Routes were chosen anew in step ``step``: the trial's routes and figures
-        (`RouteTrial.after_refresh`), flat or two-level."""
-        units = self.plan.units
+    def chosen(self, step: int) -> Tuple[Dict[int, str], bool, float, float]:
+        """`TrialOwner.chosen`, flat or (this step went at two levels) two-level."""
+        units = self.units
         if self.two_level:  # this step went at two levels: try them against the flat routes
             routes = {u.index: TWO_LEVEL for u in units}
             compressed = [i for i, rep in self.two_level_routes.items() if rep != "dense"]
@@ -332,4 +261,4 @@ class RoutePolicy:
             routes = {u.index: self.last_route.get(u.index, "dense") for u in units}
             compressed = [i for i, rep in routes.items() if rep != "dense"]
             saving, spare = sum(self.saved.get(i, 0.0) for i in compressed), sum(self.spare.get(i, 0.0) for i in routes)
-        trial.after_refresh(step, routes, bool(compressed), saving, spare, self._next_refresh(step))
+        return routes, bool(compressed), saving, spare

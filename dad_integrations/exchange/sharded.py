@@ -201,7 +201,7 @@ class ShardedExchanger(TimedRoutes):
         if residual_note:
             self.say_residuals(layout or layouts.ROW_SHARDS)
         if link_probe is not None:  # the link routes are timed on, where not the group's own (HSDP)
-            self._trial.engine.probe = link_probe
+            self._trial.probe = link_probe
         if units:
             self._trial.start(units, aggregator, device)
         return ForwardStartHook(model, self._trial.forward)
@@ -250,7 +250,7 @@ class ShardedExchanger(TimedRoutes):
             if report is not None:  # what users see of the step's routes (rank 0); the link a mode's
                 # cost is priced on, where none is modelled, measured here (on every rank alike)
                 self._trial.note_report(step, report.params,
-                                        probe=lambda: self._trial.engine.probe(aggregator, device))
+                                        probe=lambda: self._trial.probe(aggregator, device))
             end(step, agree_on(aggregator, device))
         return run
 

@@ -94,13 +94,13 @@ class TwoLevelExchanger:
     # -- flat or two levels -------------------------------------------------------------------------
     def prefer(self, step: int, policy) -> bool:
         """Whether step ``step`` goes at two levels: decided at the first step after the checked
-        one and at every refresh (`RoutePolicy.refresh_due`), held in between. By bytes (or on no
+        one and at every refresh (`RoutePolicy.refresh`), held in between. By bytes (or on no
         models), always: no flat route sends fewer bytes between nodes. By time, where the step's
         predicted seconds at two levels (`TwoLevelTiming`) beat the flat routes' (`StepTiming`), each
         unit on its fastest route, on the row counts of its last size exchange."""
         if step < 1:
             return False
-        if step > 1 and not policy.refresh_due(step):
+        if step > 1 and not policy.refresh(step):
             return self.chosen and not policy.two_level_vetoed
         policy.two_level_vetoed = False
         if step > 1 and self.levels.measured:  # links are measured again at each refresh, as the flat one
@@ -140,7 +140,7 @@ class TwoLevelExchanger:
         if before != policy.two_level:
             self.state.drop_warm_starts()
             if policy.two_level:
-                policy._use_rows(u.index for u in self.plan.units)
+                policy.use_rows(u.index for u in self.plan.units)
 
     # -- the step ---------------------------------------------------------------------------------
     def run(self, window, sink: GradSink, *, step: int, scale: float) -> Dict[str, ParamReport]:

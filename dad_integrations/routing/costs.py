@@ -35,11 +35,6 @@ def estimate_bytes(*, kinds: Sequence[str], shape: Tuple[int, int], rows_by_rank
     return estimates_on(layout, sizing, routes_for() if names is None else names)
 
 
-def all_to_all_bytes(nbytes: float, world_size: int) -> float:
-    """Bytes one rank sends in an all-to-all of ``nbytes``: all blocks but its own."""
-    return (world_size - 1) / world_size * nbytes
-
-
 def powersgd_bytes(shape: Sequence[int], rank: int, world_size: int, itemsize: int,
                    min_compression_rate: float = 2.0) -> Tuple[float, bool]:
     """Bytes one rank sends for one parameter under PyTorch's PowerSGD DDP hook, in steady state,

@@ -17,7 +17,6 @@ alike. A config's ``link`` states it instead (`LinkModel.from_spec`), for planni
 """
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from dataclasses import dataclass
@@ -25,10 +24,8 @@ from typing import Any, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 
-from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.comm.aggregator import FactorAggregator, wire_bytes
 from dad_integrations.comm.link_spec import KINDS, LinkCost, parse_link_spec
-
-log = logging.getLogger(__name__)
 
 # probe sizes in bytes: one small call for the latency, one large enough for the bandwidth
 PROBE_BYTES = (4 * 2 ** 10, 64 * 2 ** 10, 1 * 2 ** 20)
@@ -124,9 +121,6 @@ def probe_link(aggregator: FactorAggregator, device: torch.device, *, kinds: Seq
     the slowest figures of any rank. Kinds the backend lacks (no ``all_to_all``) take the
     all-gather's figures. Costs ``len(kinds) * len(sizes) * (reps + 1)`` collectives.
     """
-    from dad_integrations.routing.costs import all_to_all_bytes  # the cost model's byte counts: fitted rates predict them
-    from dad_integrations.comm.aggregator import ring_allreduce_bytes
-
     s = aggregator.world_size
     fitted: Dict[str, LinkCost] = {}
     for kind in kinds:
@@ -146,9 +140,8 @@ def probe_link(aggregator: FactorAggregator, device: torch.device, *, kinds: Seq
                     times.append(time.perf_counter() - t0)
             if not times:
                 break
-            counted = {"all_reduce": ring_allreduce_bytes(numel * 4, s), "all_gather": (s - 1) * numel * 4.0,
-                       "all_to_all": all_to_all_bytes(numel * 4, s)}[kind]
-            samples.append((counted, statistics.median(times)))
+            # the bytes the cost model counts for the call (ring models): the fitted rates predict them
+            samples.append((wire_bytes(kind, numel * 4, s)[0], statistics.median(times)))
         if len(samples) == len(sizes):
             fitted[kind] = fit_link_cost(samples)
     for kind in KINDS:

@@ -22,7 +22,6 @@ import torch
 from dad_integrations.config import DADConfig
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.compute_model import ComputeModel
-from dad_integrations.routing.costs import size_exchange_bytes
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.router import RowCounts, UnitShape, choose, step_rules, unit_estimates
 from dad_integrations.routing.timing import StepTiming, collective_of
@@ -38,21 +37,17 @@ def mode_cost_line(config: DADConfig, units: Sequence[Tuple[UnitShape, Optional[
     all dense by more than `MARGIN` (or is ``"auto"``, which chooses by these models itself)."""
     if config.mode == "auto" or not units:
         return None
-    timing = StepTiming(link, compute) if compute is not None else None
+    # without a compute model, the wire alone (exact factors' compute is a copy; the rank routes' is not counted)
+    timing = StepTiming(link, compute if compute is not None else ComputeModel())
     _, rules = step_rules(config, None)
     mode_s = dense_s = auto_s = 0.0
     auto_routes: Counter = Counter()
     for unit, rows in units:
         rows = rows or [[0] * len(unit.kinds)] * world_size
-        est = unit_estimates(config, unit, rows, world_size, wire_dtype, sharded=sharded)
-        if "exact" in est:  # exact factors exchange their sizes every step in these modes
-            est = dict(est, exact=est["exact"] + size_exchange_bytes(len(unit.kinds), world_size))
-        if timing is not None:
-            seconds = timing.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
-                                           world_size=world_size, sharded=sharded, size_exchange=True)
-        else:  # the wire alone (exact factors' compute is a copy; the rank routes' is not counted)
-            seconds = {rep: link.seconds(collective_of(rep, sharded), b, 2 if rep == "exact" else 0)
-                       for rep, b in est.items()}
+        # exact factors exchange their sizes every step in these modes
+        est = unit_estimates(config, unit, rows, world_size, wire_dtype, sharded=sharded, size_exchange=True)
+        seconds = timing.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
+                                       world_size=world_size, sharded=sharded, size_exchange=True)
         if not unit.has_factors and (config.mode == "exact" or not rules["rank_allowed"]):
             mine = "dense"
         else:

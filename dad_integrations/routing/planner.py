@@ -29,7 +29,8 @@ from dad_integrations.config import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel, ShapeCosts
 from dad_integrations.routing.costs import powersgd_bytes, reduce_scatter_bytes, size_exchange_bytes
 from dad_integrations.routing.link import LinkModel
-from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route, sharded_needs_counts, unit_estimates
+from dad_integrations.routing.router import (Route, RouteContext, UnitEvidence, UnitShape, route, sharded_needs_counts,
+                                             unit_estimates)
 from dad_integrations.routing.timing import StepTiming
 from dad_integrations.routes.registry import is_rank_route
 from dad_integrations.routing.two_level import LevelUnit, TwoLevelTiming, choose_two_level, compare_levels, hop_bytes
@@ -107,6 +108,24 @@ def unit_kind(u) -> str:
     return "+".join(names)
 
 
+def _steady_routes(plan, ctx: RouteContext, tokens: int, positions: int, rows: Optional[RowCounts]):
+    """Per unit of ``plan``: (unit, its shape, rows per use, its steady-state `Route`, every route's
+    bytes) under ``ctx``, every rank with the same rows. Flat: the router's prediction from the
+    counts of the unit's last size exchange, decided on the step's counts where it exchanges them;
+    sharded: decided on the counts every reduction call agrees on."""
+    s = ctx.world_size
+    for u in plan.units:
+        shape = UnitShape.of(u, ctx.wire_dtype)
+        use = unit_rows(u, tokens, positions, rows)
+        by_rank = [use] * s
+        decision = route(ctx, shape, UnitEvidence(rows_by_rank=by_rank) if ctx.sharded else
+                         UnitEvidence(last_rows=by_rank))
+        if decision.representation is None:  # decided on this step's counts, the same in steady state
+            decision = Route(route(ctx, shape, UnitEvidence(rows_by_rank=by_rank)).representation, True)
+        yield u, shape, use, decision, unit_estimates(ctx.config, shape, by_rank, s, ctx.wire_dtype,
+                                                      sharded=ctx.sharded)
+
+
 def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str, rank: Optional[int],
                  rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
                  powersgd_rank: Optional[int] = None, timing=None, rows: Optional[RowCounts] = None) -> StepPlan:
@@ -131,18 +150,9 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
     sent = 0.0  # everything but the dense buckets
     dense_param_numel = sum(p.numel() for _, p in plan.dense)
     dense_numel, dense_items = dense_param_numel, len(plan.dense)
-    for u in plan.units:
-        m, n = u.shape  # the matrix view: a convolution's (out, in x kernel)
-        bias_numel = u.bias_numel
-        shape = UnitShape(tuple(u.kinds), (m, n), bias_numel, dtype, u.blocks)
-        use = unit_rows(u, tokens, positions, rows)
-        rows_by_rank = [use] * s
-        decision = route(ctx, shape, UnitEvidence(last_rows=rows_by_rank))
-        exchange = decision.exchange_sizes
-        if decision.representation is None:  # decided on this step's counts, the same in steady state
-            decision = route(ctx, shape, UnitEvidence(rows_by_rank=rows_by_rank))
-        rep = decision.representation
-        est = unit_estimates(config, shape, rows_by_rank, s, dtype)
+    for u, shape, use, decision, est in _steady_routes(plan, ctx, tokens, positions, rows):
+        (m, n), bias_numel = shape.shape, u.bias_numel  # the matrix view: a convolution's (out, in x kernel)
+        rep, exchange = decision.representation, decision.exchange_sizes
         counts[rep] += 1
         own = size_exchange_bytes(len(u.uses), s) if exchange else 0.0
         d_numel = d_items = 0
@@ -217,14 +227,9 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
     exchanges_counts = sharded_needs_counts(config, step=config.lossless_steps)  # a steady-state step
     counts: Dict[str, int] = {}
     units: List[ShardedUnitRow] = []
-    for u in plan.units:
-        m, n = u.shape
-        shape = UnitShape(tuple(u.kinds), (m, n), u.bias_numel, dtype, u.blocks)
-        use = unit_rows(u, tokens, positions, rows)
-        rows_by_rank = [use] * s
-        ctx = RouteContext(config, world_size=s, wire_dtype=dtype, sharded=True)
-        rep = route(ctx, shape, UnitEvidence(rows_by_rank=rows_by_rank)).representation
-        est = unit_estimates(config, shape, rows_by_rank, s, dtype, sharded=True)
+    ctx = RouteContext(config, world_size=s, wire_dtype=dtype, sharded=True)
+    for u, shape, use, decision, est in _steady_routes(plan, ctx, tokens, positions, rows):
+        (m, n), rep = shape.shape, decision.representation
         counts[rep] = counts.get(rep, 0) + 1
         baseline = reduce_scatter_bytes((m, n), s, item) + sum(reduce_scatter_bytes(tuple(b.param.shape), s, item)
                                                                for b in u.biases)
@@ -508,8 +513,7 @@ def plan_levels(plan, *, tokens: int, positions: int, nodes: int, local_size: in
     s, item = topology.world_size, dtype.itemsize
     config = DADConfig(mode=mode, rank=rank, rank_route=rank_route, objective="time")
     step = max(config.lossless_steps, 1)  # a steady-state step: rank routes allowed
-    units = [LevelUnit(UnitShape(tuple(u.kinds), u.shape, u.bias_numel, dtype, u.blocks),
-                       [unit_rows(u, tokens, positions, rows)] * s, dtype) for u in plan.units]
+    units = [LevelUnit(UnitShape.of(u, dtype), [unit_rows(u, tokens, positions, rows)] * s, dtype) for u in plan.units]
     timing = TwoLevelTiming(intra, inter, compute)
     levels = compare_levels(config, units, step=step, topology=topology, flat_timing=StepTiming(inter, compute),
                             timing=timing)

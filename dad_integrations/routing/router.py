@@ -214,9 +214,8 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
 
     def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], exchange: bool,
                size_exchange: bool = False) -> Route:
-        est = given if given is not None else unit_estimates(config, unit, rows, world_size, wire_dtype, sharded=sharded)
-        if size_exchange:
-            est = dict(est, exact=est["exact"] + size_exchange_bytes(len(unit.kinds), world_size))
+        est = given if given is not None else unit_estimates(config, unit, rows, world_size, wire_dtype,
+                                                             sharded=sharded, size_exchange=size_exchange)
         if timed is None:
             return Route(pick(mode, est), exchange)
         seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
@@ -264,15 +263,26 @@ def sharded_needs_counts(config: DADConfig, step: int) -> bool:
     return not rank_only(config, step)
 
 
+def unit_sizing(config: DADConfig, unit: UnitShape, rows: Optional[RowCounts], wire_dtype: torch.dtype,
+                **where) -> UnitSizing:
+    """What the routes' byte models need of ``unit`` under ``config``; ``where``: the layout's
+    sizes (``world_size``, or ``nodes`` and ``local``, `routes.registry.UnitSizing`)."""
+    return UnitSizing(tuple(unit.kinds), tuple(unit.shape), unit.dtype, wire_dtype, rank=config.rank or 0,
+                      rounds=config.power_iterations, bias_numel=unit.bias_numel, blocks=unit.blocks, rows=rows,
+                      **where)
+
+
 def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, world_size: int,
-                   wire_dtype: torch.dtype, *, sharded: bool = False) -> Dict[str, float]:
+                   wire_dtype: torch.dtype, *, sharded: bool = False, size_exchange: bool = False) -> Dict[str, float]:
     """Bytes per rank of each of ``config``'s routes for one unit (its byte model, `routes`) on the
     flat layout (`costs.estimate_bytes`), or on the sharded engines' row shards where ``sharded``
-    (`costs.estimate_bytes` on ``row_shards``; ``unit.dtype`` is then the engine's reduce dtype)."""
-    sizing = UnitSizing(tuple(unit.kinds), tuple(unit.shape), unit.dtype, wire_dtype, rank=config.rank or 0,
-                        rounds=config.power_iterations, bias_numel=unit.bias_numel, blocks=unit.blocks,
-                        rows=rows_by_rank, world_size=world_size)
-    return estimates_on(layouts.ROW_SHARDS if sharded else layouts.FLAT, sizing, routes_for(config.routes))
+    (`costs.estimate_bytes` on ``row_shards``; ``unit.dtype`` is then the engine's reduce dtype);
+    ``size_exchange``: exact factors exchange their sizes first (`costs.size_exchange_bytes`)."""
+    sizing = unit_sizing(config, unit, rows_by_rank, wire_dtype, world_size=world_size)
+    est = estimates_on(layouts.ROW_SHARDS if sharded else layouts.FLAT, sizing, routes_for(config.routes))
+    if size_exchange and "exact" in est:
+        est["exact"] += size_exchange_bytes(len(unit.kinds), world_size)
+    return est
 
 
 def choose(mode: str, estimates: Dict[str, float], *, rank_allowed: bool,

@@ -23,8 +23,6 @@ the config's stated link) for a synchroniser's units.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
@@ -104,37 +102,3 @@ def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregato
         log.debug("dAD: routes by predicted time; link %s (%s); capture %.1f us per call",
                  link.describe(), "measured" if link.measured else "stated", compute.capture_per_call * 1e6)
     return StepTiming(link, compute)
-
-
-class EngineTiming:
-    """`StepTiming` for engines whose reductions run inside the engine's own hooks (FSDP2, ZeRO):
-    measured at attach (`start`: every rank attaches together; not inside backward, where the
-    compute model's timed backward of a probe layer could not run), the link measured again at the
-    first reduction of every ``route_refresh_steps``-th step (where the config states none) and of
-    the step a missed watch makes a refresh.
-    `sharded_trial.ShardedTrial` owns one, and checks the routes it predicts against all dense on
-    the job's steps (route trials, as `trial` under the unsharded engines)."""
-
-    def __init__(self, config: DADConfig, probe: Optional[LinkProbe] = None):
-        self.config = config
-        self.timing: Optional[StepTiming] = None
-        self._probed_step = 0
-        # how the link is measured: on the engine's group by default; HSDP's adapter times the hop
-        # between nodes (a collective on every rank all the same)
-        self.probe: LinkProbe = probe or functools.partial(probe_link, kinds=("all_reduce", "all_gather",
-                                                                                "all_to_all"))
-
-    def start(self, shapes: Iterable[Tuple[int, int]], aggregator: FactorAggregator, device: torch.device) -> None:
-        self.timing = build_timing(self.config, shapes, aggregator, device, probe=self.probe)
-
-    def get(self, aggregator: FactorAggregator, device: torch.device, step: int,
-            again: bool = False) -> Optional[StepTiming]:
-        """The models for synchronised step ``step`` (0-based); ``again``: measure the link anew in
-        this step whatever the refresh rule says (a missed watch's refresh; every rank alike)."""
-        if self.timing is None:
-            return None
-        due = again or step % self.config.route_refresh_steps == 0
-        if self.config.link is None and step > self._probed_step and due:
-            self.timing = dataclasses.replace(self.timing, link=self.probe(aggregator, device))
-            self._probed_step = step
-        return self.timing

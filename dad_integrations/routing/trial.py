@@ -53,15 +53,20 @@ Nothing here draws random numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.config import DADConfig
 from dad_integrations.logs import say
+from dad_integrations.report import ParamReport, route_summary
+from dad_integrations.routing.link import LinkModel
+from dad_integrations.routing.timing import StepTiming
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +79,6 @@ def in_backward() -> bool:
     """True while autograd runs a backward pass (checkpointing recomputes forwards there)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
-
-
-def refresh_due(step: int, every: int, lossless_steps: int) -> bool:
-    """Whether step ``step`` chooses every route anew: every ``every`` steps (``route_refresh_steps``)
-    and when the lossless steps end (step 0 chooses them anyway)."""
-    return step > 0 and (step % every == 0 or step == lossless_steps)
-
-
-def next_refresh(step: int, every: int, lossless_steps: int) -> int:
-    """The first step after ``step`` that chooses every route anew."""
-    following = (step // every + 1) * every
-    return min(following, lossless_steps) if lossless_steps > step else following
 
 
 Agree = Callable[[Sequence[float]], List[float]]  # element-wise maximum over ranks (a collective)
@@ -370,11 +363,149 @@ class RouteTrial:
         self.watch = None
 
 
-def routes_line(name: str, step: int, summary: str, timing, mode: str) -> str:
-    """The routes line both owners say where the routes changed (``timing``: the models, or None)."""
-    how = (f"by the models, link {timing.link.brief()}" if timing is not None else
-           f"mode {mode}" if mode != "auto" else "by bytes")
-    return f"{name} routes at step {step}: {summary} ({how})"
+class TrialOwner:
+    """What both owners of a route trial keep, decide and say, stated once: `exchange.policy.RoutePolicy`
+    (DDP, the synchroniser) and `sharded_trial.ShardedTrial` (FSDP2, ZeRO). They hold the models
+    (``timing``), the trial, the units whose capture they switch, and say (rank ``say_rank`` shows it)
+    the last decision, the routes where they change and a trial's outcome."""
+
+    timing: Optional[StepTiming]
+    units: Sequence  # of `capture.units.FactorUnit`
+
+    def __init__(self, config: DADConfig, name: str, say_rank: int):
+        self.config = config
+        self.name = name
+        self.say_rank = say_rank
+        self.trial: Optional[RouteTrial] = None
+        self.decision = ""       # the last decision said, with its evidence (reports)
+        self._tried = ""         # the last routes-arm step's routes and bytes
+        self._said_routes = ""   # the routes last said
+
+    # -- which steps choose anew ------------------------------------------------------------------
+    def refresh(self, step: int) -> bool:
+        """Whether step ``step`` chooses every route anew (the owner's rule, on `chooses_anew`)."""
+        raise NotImplementedError
+
+    def chooses_anew(self, step: int) -> bool:
+        """Every ``route_refresh_steps`` and when the lossless steps end (not step 0, which chooses
+        them anyway), and the step after a watch missed (`RouteTrial.refresh_at`)."""
+        every, lossless = self.config.route_refresh_steps, self._lossless
+        return (step > 0 and (step % every == 0 or step == lossless)
+                or (self.trial is not None and self.trial.refresh_at == step))
+
+    def next_refresh(self, step: int) -> int:
+        """The first step after ``step`` that chooses every route again."""
+        following = (step // self.config.route_refresh_steps + 1) * self.config.route_refresh_steps
+        return min(following, self._lossless) if self._lossless > step else following
+
+    @property
+    def _lossless(self) -> int:
+        return self.config.lossless_steps
+
+    def arm(self, step: int) -> Optional[str]:
+        """The trial's arm of step ``step`` (`RouteTrial.arm`), None outside a trial."""
+        return self.trial.arm(step) if self.trial is not None else None
+
+    def holds_residuals(self, step: int) -> bool:
+        """A trial's dense-arm step: residuals wait for its next routes step (`RouteTrial.holds_residuals`)."""
+        return self.trial is not None and self.trial.holds_residuals(step)
+
+    @property
+    def outcomes(self) -> List[TrialOutcome]:
+        """The trials so far (`TrialOutcome`)."""
+        return list(self.trial.outcomes) if self.trial is not None else []
+
+    # -- the models' link -------------------------------------------------------------------------
+    def flat_link(self) -> Optional[LinkModel]:
+        """The link routes are priced on: the models' where routed by time, else the stated one (per
+        hop: the one between nodes, which flat steps cross), else None."""
+        if self.timing is not None:
+            return self.timing.link
+        return LinkModel.from_spec(self.config.link) if self.config.link is not None else None
+
+    def set_link(self, link: LinkModel) -> None:
+        """Route by ``link`` (the same on every rank) from the next refresh on."""
+        if self.timing is not None:
+            self.timing = dataclasses.replace(self.timing, link=link)
+
+    # -- capture ----------------------------------------------------------------------------------
+    def drop_rows(self) -> None:
+        """Every unit goes dense next step: capture nothing (a step that costs what the engine's does)."""
+        for u in self.units:
+            if not u.rows_unused and not u.dense_only:
+                u.stop_using_rows()
+
+    def use_rows(self, indices: Optional[Sequence[int]] = None) -> None:
+        """Capture the rows of the units of ``indices`` (all, where None) again, where some route can use them."""
+        wanted = None if indices is None else set(indices)
+        for u in self.units:
+            if (wanted is None or u.index in wanted) and u.rows_unused and not u.dense_only:
+                u.rows_unused = False
+                u.update_capture()
+
+    # -- the trial --------------------------------------------------------------------------------
+    def chosen(self, step: int) -> Tuple[Dict[int, str], bool, float, float]:
+        """The routes chosen anew in step ``step``, whether any compresses, their predicted saving and
+        the dense units' spare: what `RouteTrial.after_refresh` tries or watches."""
+        raise NotImplementedError
+
+    def trial_step(self, step: int, seconds: Optional[float], agree: Agree) -> Optional[TrialOutcome]:
+        """End of step ``step`` (``seconds``: its span on this rank; the trial exists): try or watch
+        routes chosen anew, judge a trial, or watch the last decision; returns a trial's outcome."""
+        trial, outcome = self.trial, None
+        if not trial.active and (step == 0 or self.refresh(step)):
+            trial.after_refresh(step, *self.chosen(step), self.next_refresh(step))
+        else:
+            outcome = trial.end_of_step(step, seconds, agree, self.next_refresh(step))
+        if trial.news:  # a missed watch's refresh began a trial: its line is the last decision said
+            self.decision, trial.news = trial.news, ""
+        return outcome
+
+    def say_outcome(self, outcome: TrialOutcome, how: str = "", after: str = "") -> None:
+        """A trial's decision line (``how``: before the routes tried; ``after``: appended)."""
+        self._said_routes = ""
+        self.say(outcome.line(self.name, how + (self._tried or "none")) + after)
+
+    # -- what users see ---------------------------------------------------------------------------
+    def say(self, line: str) -> None:
+        """A decision, with its evidence: shown on rank 0 (`logs.say`), kept for the reports."""
+        self.decision = line
+        say(line, rank=self.say_rank)
+
+    def summary(self, step: int, params: Sequence[ParamReport]) -> str:
+        """Step ``step``'s routes (`report.route_summary`) where a trial may begin or tries them, or
+        they may be said; "" on other steps (a steady step stays cheap). Notes the routes tried."""
+        arm = self.arm(step)
+        if not params or not (arm == "routes" or step <= 1 or self.refresh(step)):
+            return ""
+        summary = route_summary(params)
+        if arm in (None, "routes"):
+            self._tried = summary
+        return summary
+
+    def say_routes(self, step: int, summary: str) -> None:
+        """After the first steady step and each refresh (no trial under way): the routes, where they
+        changed since last said."""
+        if not summary or step < 1 or (step > 1 and not self.refresh(step)) or summary == self._said_routes:
+            return
+        self._said_routes = summary
+        how = (f"by the models, link {self.timing.link.brief()}" if self.timing is not None else
+               f"mode {self.config.mode}" if self.config.mode != "auto" else "by bytes")
+        self.say(f"{self.name} routes at step {step}: {summary} ({how})")
+
+    def say_mode_cost(self, probe: Callable[[], Optional[LinkModel]],
+                      cost_line: Callable[[LinkModel], Optional[str]]) -> None:
+        """After the first step: warn where mode exact or rank is predicted to slow the exchange past
+        the engine's own (``cost_line``, `mode_cost`) on `flat_link`, or (objective time, no link
+        stated) the link ``probe`` measures here: a collective, at the same point on every rank."""
+        if self.config.mode not in ("exact", "rank"):
+            return
+        link = self.flat_link()
+        if link is None and self.config.objective == "time":
+            link = probe()
+        line = cost_line(link) if link is not None else None
+        if line is not None:
+            say(line, rank=self.say_rank, level=logging.WARNING)
 
 
 def _won(routes: Sequence[float], dense: Sequence[float], margin: float) -> int:

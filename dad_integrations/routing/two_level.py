@@ -23,7 +23,6 @@ routes' step.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -35,8 +34,8 @@ from dad_integrations.routing.compute_model import ComputeModel
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routes import layouts
 from dad_integrations.routes.layouts import Layout
-from dad_integrations.routes.registry import HopBytes, UnitSizing, get_route, routes_for
-from dad_integrations.routing.router import UnitShape, candidates_at, choose_at, step_rules, unit_estimates
+from dad_integrations.routes.registry import HopBytes, get_route, routes_for
+from dad_integrations.routing.router import UnitShape, candidates_at, choose_at, step_rules, unit_estimates, unit_sizing
 from dad_integrations.routing.timing import StepTiming
 
 NodeRows = Sequence[Sequence[int]]  # by node, by use: the rows of every rank of the node
@@ -46,16 +45,8 @@ def hop_bytes(rep: str, unit: UnitShape, node_rows: Optional[NodeRows], *, nodes
               config: DADConfig, wire_dtype: torch.dtype) -> HopBytes:
     """`HopBytes` of route ``rep`` for ``unit`` (its byte model on the ``two_level`` layout);
     ``node_rows`` only for ``"exact"``."""
-    return get_route(rep).bytes_on(layouts.TWO_LEVEL, level_sizing(unit, node_rows, nodes=nodes, local_size=local_size,
-                                                                   config=config, wire_dtype=wire_dtype))
-
-
-def level_sizing(unit: UnitShape, node_rows: Optional[NodeRows], *, nodes: int, local_size: int, config: DADConfig,
-                 wire_dtype: torch.dtype) -> UnitSizing:
-    """What the byte models of the two-level layouts need of ``unit``."""
-    return UnitSizing(tuple(unit.kinds), tuple(unit.shape), unit.dtype, wire_dtype, rank=config.rank or 0,
-                      rounds=config.power_iterations, bias_numel=unit.bias_numel, blocks=unit.blocks,
-                      rows=node_rows, nodes=nodes, local=local_size)
+    return get_route(rep).bytes_on(layouts.TWO_LEVEL, unit_sizing(config, unit, node_rows, wire_dtype, nodes=nodes,
+                                                                  local=local_size))
 
 
 @dataclass(frozen=True)
@@ -105,8 +96,8 @@ def choose_two_level(config: DADConfig, unit: UnitShape, node_rows: Optional[Nod
     it, every candidate's `HopBytes` and their predicted seconds (empty by bytes). A pure function
     of agreed inputs: every rank decides alike."""
     reps = candidates(config, unit, step, rows_known=node_rows is not None, dense_only=dense_only, layout=layout)
-    sizing = dataclasses.replace(level_sizing(unit, node_rows, nodes=nodes, local_size=local_size, config=config,
-                                              wire_dtype=wire_dtype), engine_itemsize=engine_itemsize)
+    sizing = unit_sizing(config, unit, node_rows, wire_dtype, nodes=nodes, local=local_size,
+                         engine_itemsize=engine_itemsize)
     hops = {rep: get_route(rep).bytes_on(layout, sizing) for rep in reps}
     between = {rep: h.between for rep, h in hops.items()}
     if timing is None or config.objective != "time":

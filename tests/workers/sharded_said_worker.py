@@ -27,7 +27,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from models import write_and_exit  # noqa: E402
 
-from dad_integrations.routing import timing  # noqa: E402
+from dad_integrations.routing import sharded_trial  # noqa: E402
 from dad_integrations.routing.link import LinkModel  # noqa: E402
 
 RANK = {"mode": "rank", "rank": 2, "lossless_steps": 0, "objective": "bytes"}
@@ -108,7 +108,7 @@ def _fast_probe(*args, **kwargs) -> LinkModel:
 
 
 def main() -> None:
-    timing.probe_link = _fast_probe  # EngineTiming's probe is made from it at attach
+    sharded_trial.probe_link = _fast_probe  # ShardedTrial's probe is made from it at attach
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
