@@ -7,20 +7,12 @@
     ...                                   # the training loop is unchanged
     sync.last_step_report().totals        # bytes sent, and what all-reduce would have sent
 
-By Accelerate's distributed type:
-
-* DDP: dAD becomes DDP's communication hook (`register_dad_comm_hook`); ``accumulate`` / ``no_sync``,
-  ``clip_grad_norm_`` and mixed precision keep working. ``save_state(dir)`` / ``load_state(dir)``
-  save and restore dAD's per-rank state (``dir/dad_state_rank{r}.pt``, on every process).
-* DeepSpeed: dAD is switched on by the ``"dad"`` block of the DeepSpeed config (`deepspeed_dad`,
-  found through `dad_integrations.engines`); this returns the engine's synchroniser, or attaches one
-  when ``config`` is given and the block is absent. Its state goes with ``save_checkpoint``.
-* FSDP2 (``fsdp_version: 2``, HSDP included): `enable_dad_fsdp` on the prepared model; a state that
-  holds anything (rank routes) gets the DDP path's per-rank files. FSDP1 is refused
-  (`engines.fsdp_detect`).
-* A single process: nothing to synchronise; returns None and says so once. Where the launcher
-  started several processes that Accelerate runs alone (``DistributedType.NO``), it raises.
-* Megatron-LM, XLA: rejected with an error.
+By Accelerate's distributed type (what each keeps working: ``docs/guides/accelerate.md``): under
+DDP dAD becomes its communication hook (`register_dad_comm_hook`); under DeepSpeed the config's
+``"dad"`` block switches it on (`deepspeed_dad`, found through `dad_integrations.engines`); under
+FSDP2 it goes inside the reduce-scatter (`enable_dad_fsdp`; FSDP1 is refused, `engines.fsdp_detect`).
+dAD's per-rank state follows ``save_state`` / ``load_state``. One process gets None; Megatron-LM
+and XLA are refused.
 """
 from __future__ import annotations
 

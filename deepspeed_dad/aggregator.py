@@ -6,11 +6,10 @@ A `dad_integrations.TorchDistributedAggregator` whose engine calls go to ``deeps
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.comm.torch_distributed import TorchDistributedAggregator, job_peer_directory
-from dad_integrations.comm.topology import checked_partition
 
 
 class DeepSpeedAggregator(TorchDistributedAggregator):
@@ -53,16 +52,15 @@ class DeepSpeedAggregator(TorchDistributedAggregator):
     def split(self, partition: Sequence[Sequence[int]]) -> "DeepSpeedAggregator":
         """One new group per part (every rank creates each, in order, with this group's timeout);
         returns the aggregator over this rank's part."""
-        mine = None
-        for part in checked_partition(partition, self._world):
+        def make(part: List[int]) -> Tuple[List[int], Any]:
             ranks = [self._ranks[r] for r in part]
-            group = _new_group(self._dist, ranks, None)
-            if self._rank in part:
-                mine = (ranks, group)
+            return ranks, _new_group(self._dist, ranks, None)
+
+        ranks, group = self._split_with(partition, make)
         out = DeepSpeedAggregator.__new__(DeepSpeedAggregator)
         EqualSizeAggregator.__init__(out)
-        out._dist, out._ranks, out._group = self._dist, mine[0], mine[1]
-        out._rank, out._world = mine[0].index(self._dist.get_rank()), len(mine[0])
+        out._dist, out._ranks, out._group = self._dist, ranks, group
+        out._rank, out._world = ranks.index(self._dist.get_rank()), len(ranks)
         return out
 
     @property

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.comm.groups import _group_timeout, new_group_like
 from dad_integrations.comm.peers import PeerDirectory
-from dad_integrations.comm.topology import checked_partition, launcher_hint
+from dad_integrations.comm.topology import launcher_hint
 
 
 class TorchDistributedAggregator(EqualSizeAggregator):
@@ -70,13 +70,8 @@ class TorchDistributedAggregator(EqualSizeAggregator):
     def split(self, partition: Sequence[Sequence[int]]) -> "TorchDistributedAggregator":
         """One new group per part (global ranks translated from this group's), each with this
         group's timeout; returns the aggregator over this rank's part."""
-        mine = None
-        for part in checked_partition(partition, self._world):
-            ranks = [dist.get_global_rank(self._group, r) for r in part]
-            group = new_group_like(ranks, base=self._group)
-            if self._rank in part:
-                mine = group
-        return TorchDistributedAggregator(mine)
+        return TorchDistributedAggregator(self._split_with(partition, lambda part: new_group_like(
+            [dist.get_global_rank(self._group, r) for r in part], base=self._group)))
 
     # The calls into the engine's module; every byte this backend moves passes through them.
     def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
