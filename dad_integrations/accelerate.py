@@ -29,6 +29,7 @@ from dad_integrations.engines.checkpoint import keeps_state, load_rank_state, sa
 from dad_integrations.config import DADConfig
 from dad_integrations.ddp_hook import register_dad_comm_hook
 from dad_integrations.engines.registry import get_engine
+from dad_integrations.logs import OnceLogger
 from dad_integrations.engines.fsdp_detect import FSDP1_MESSAGE, fsdp2_modules
 from dad_integrations.synchronizer import DADSynchronizer
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _DDP_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
               "MULTI_HPU", "MULTI_NEURON")
-_said_single_process = False
+_say_once = OnceLogger(log, level=logging.INFO, rank=0)  # one process: rank 0
 
 
 @banner.engine("Accelerate")  # the attach below announces itself by this name
@@ -58,10 +59,7 @@ def enable_dad(accelerator, model: nn.Module,
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
     if kind == "NO" or accelerator.num_processes == 1:
         _refuse_launched_alone(kind, accelerator.num_processes)
-        global _said_single_process
-        if not _said_single_process:
-            log.info("dAD: a single process has nothing to synchronise; training runs unchanged")
-            _said_single_process = True
+        _say_once("dAD: a single process has nothing to synchronise; training runs unchanged")
         return None
     if kind == "DEEPSPEED":
         return _enable_on_deepspeed(accelerator, model, config)

@@ -53,9 +53,7 @@ def default_objective() -> str:
 def default_lossless_steps() -> Any:
     """``$DAD_LOSSLESS_STEPS`` where it is set (an integer; anything else is reported by
     `DADConfig.validate`), else `DEFAULT_LOSSLESS_STEPS`."""
-    value = os.environ.get(LOSSLESS_STEPS_ENV)
-    if value is None:
-        return DEFAULT_LOSSLESS_STEPS
+    value = os.environ.get(LOSSLESS_STEPS_ENV, DEFAULT_LOSSLESS_STEPS)
     try:
         return int(value)
     except ValueError:
