@@ -192,10 +192,8 @@ def _remove_all(handles: list) -> None:
 def _enable_on_deepspeed(accelerator, model: nn.Module,
                          config: Union[DADConfig, Mapping, None]) -> Optional[DADSynchronizer]:
     adapter = get_engine("deepspeed")
-    engine = model if adapter.is_engine(model) else None
-    for candidate in getattr(accelerator, "_models", []):
-        if engine is None and getattr(candidate, "module", None) is model:
-            engine = candidate
+    engine = model if adapter.is_engine(model) else next(
+        (c for c in getattr(accelerator, "_models", []) if getattr(c, "module", None) is model), None)
     if engine is None:
         raise ValueError("enable_dad() needs the DeepSpeed engine returned by accelerator.prepare(...)")
     sync = adapter.find(engine)

@@ -41,13 +41,7 @@ class DeepSpeedAggregator(TorchDistributedAggregator):
             raise RuntimeError(f"this process (rank {dist.get_rank()}) is not in the group {ranks}")
         self._rank = ranks.index(dist.get_rank())
         self._world = len(ranks)
-        self.peer_directory()  # publishes this rank's entry now, before any collective
-
-    def peer_directory(self) -> Any:
-        """The job's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
-        if getattr(self, "_peers", None) is None:
-            self._peers = job_peer_directory()
-        return self._peers
+        self._peers = job_peer_directory()  # publishes this rank's entry now, before any collective
 
     def split(self, partition: Sequence[Sequence[int]]) -> "DeepSpeedAggregator":
         """One new group per part (every rank creates each, in order, with this group's timeout);
@@ -59,7 +53,7 @@ class DeepSpeedAggregator(TorchDistributedAggregator):
         ranks, group = self._split_with(partition, make)
         out = DeepSpeedAggregator.__new__(DeepSpeedAggregator)
         EqualSizeAggregator.__init__(out)
-        out._dist, out._ranks, out._group = self._dist, ranks, group
+        out._dist, out._ranks, out._group, out._peers = self._dist, ranks, group, self._peers
         out._rank, out._world = ranks.index(self._dist.get_rank()), len(ranks)
         return out
 

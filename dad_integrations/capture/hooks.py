@@ -77,10 +77,10 @@ def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
 class HookedCapture:
     """Base of a capture whose hooks feed one or several uses (a linear layer's weight, an attention
     module's projections, a recurrent layer's weights, a grouped convolution's groups): it registers
-    its hooks through `hook`, calls `opened` at every forward it captures and pairs each call with
-    its own output gradient through `on_grad` (a hook on the output tensor: `take` waits there until
-    that gradient arrives; `clear` drops what never got one) or, compiled, `compiled_key` (its rows
-    arrive at `_add_delivered`).
+    its hooks through `hook` (`hook_input_calls`: rows from each call's input, by `_add`), calls
+    `opened` at every forward it captures and pairs each call with its own output gradient through
+    `on_grad` (a hook on the output tensor; `clear` drops what never got one) or, compiled,
+    `compiled_key` (its rows arrive at `_add_delivered`).
 
     Pickled with the model (its forward hooks hold it), it goes detached: hooks that do nothing,
     no synchroniser; `remove_detached_captures` removes it from a loaded model.
