@@ -179,14 +179,9 @@ def _checkpoint_with_accelerator(accelerator, wrapper: nn.Module, sync) -> None:
             load_rank_state(sync_ref(), input_dir, accelerator.process_index, accelerator.num_processes,
                             index=index)
 
-    handles = [accelerator.register_save_state_pre_hook(save_hook),
-               accelerator.register_load_state_pre_hook(load_hook)]
-    weakref.finalize(sync, _remove_all, handles)
-
-
-def _remove_all(handles: list) -> None:
-    for h in handles:
-        h.remove()
+    for handle in (accelerator.register_save_state_pre_hook(save_hook),
+                   accelerator.register_load_state_pre_hook(load_hook)):
+        weakref.finalize(sync, handle.remove)
 
 
 def _enable_on_deepspeed(accelerator, model: nn.Module,

@@ -117,6 +117,7 @@ class ConvCapture(HookedCapture):
 @register_kind
 class ConvKind(LayerKind):
     name = "conv"
+    capture_class = ConvCapture
 
     def accepts(self, module: nn.Module) -> bool:
         if not any(runs_stock_forward(module, t) for t in CONV_TYPES):
@@ -136,8 +137,3 @@ class ConvKind(LayerKind):
         if module.bias is not None:
             out.append(Claim("bias", uses=keys, bias=True))  # split in the weight's row blocks
         return out
-
-    def capture(self, name, module, on_forward):
-        c = ConvCapture(name, module, on_forward)
-        return c, dict(c.by_key)
-

@@ -351,6 +351,7 @@ def _refusal(module: nn.RNNBase) -> Optional[str]:
 @register_kind
 class RNNKind(LayerKind):
     name = "rnn"
+    capture_class = RNNCapture
 
     def accepts(self, module: nn.Module) -> bool:
         if not any(runs_stock_forward(module, base) for base in STOCK):
@@ -372,7 +373,3 @@ class RNNKind(LayerKind):
                 if module.bias:
                     out.append(Claim(f"bias_{key}", uses=(key,), bias=True))
         return out
-
-    def capture(self, name, module, on_forward):
-        c = RNNCapture(name, module, on_forward)
-        return c, dict(c.by_key)
