@@ -7,20 +7,12 @@
     ...                                   # the training loop is unchanged
     sync.last_step_report().totals        # bytes sent, and what all-reduce would have sent
 
-By Accelerate's distributed type:
-
-* DDP: dAD becomes DDP's communication hook (`register_dad_comm_hook`); ``accumulate`` / ``no_sync``,
-  ``clip_grad_norm_`` and mixed precision keep working. ``save_state(dir)`` / ``load_state(dir)``
-  save and restore dAD's per-rank state (``dir/dad_state_rank{r}.pt``, on every process).
-* DeepSpeed: dAD is switched on by the ``"dad"`` block of the DeepSpeed config (`deepspeed_dad`,
-  found through `dad_integrations.engines`); this returns the engine's synchroniser, or attaches one
-  when ``config`` is given and the block is absent. Its state goes with ``save_checkpoint``.
-* FSDP2 (``fsdp_version: 2``, HSDP included): `enable_dad_fsdp` on the prepared model; a state that
-  holds anything (rank routes) gets the DDP path's per-rank files. FSDP1 is refused
-  (`engines.fsdp_detect`).
-* A single process: nothing to synchronise; returns None and says so once. Where the launcher
-  started several processes that Accelerate runs alone (``DistributedType.NO``), it raises.
-* Megatron-LM, XLA: rejected with an error.
+By Accelerate's distributed type (what each keeps working: ``docs/guides/accelerate.md``): under
+DDP dAD becomes its communication hook (`register_dad_comm_hook`); under DeepSpeed the config's
+``"dad"`` block switches it on (`deepspeed_dad`, found through `dad_integrations.engines`); under
+FSDP2 it goes inside the reduce-scatter (`enable_dad_fsdp`; FSDP1 is refused, `engines.fsdp_detect`).
+dAD's per-rank state follows ``save_state`` / ``load_state``. One process gets None; Megatron-LM
+and XLA are refused.
 """
 from __future__ import annotations
 
@@ -37,6 +29,7 @@ from dad_integrations.engines.checkpoint import keeps_state, load_rank_state, sa
 from dad_integrations.config import DADConfig
 from dad_integrations.ddp_hook import register_dad_comm_hook
 from dad_integrations.engines.registry import get_engine
+from dad_integrations.logs import OnceLogger
 from dad_integrations.engines.fsdp_detect import FSDP1_MESSAGE, fsdp2_modules
 from dad_integrations.synchronizer import DADSynchronizer
 
@@ -44,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _DDP_TYPES = ("MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
               "MULTI_HPU", "MULTI_NEURON")
-_said_single_process = False
+_say_once = OnceLogger(log, level=logging.INFO, rank=0)  # one process: rank 0
 
 
 @banner.engine("Accelerate")  # the attach below announces itself by this name
@@ -66,10 +59,7 @@ def enable_dad(accelerator, model: nn.Module,
     kind = getattr(accelerator.distributed_type, "value", str(accelerator.distributed_type))
     if kind == "NO" or accelerator.num_processes == 1:
         _refuse_launched_alone(kind, accelerator.num_processes)
-        global _said_single_process
-        if not _said_single_process:
-            log.info("dAD: a single process has nothing to synchronise; training runs unchanged")
-            _said_single_process = True
+        _say_once("dAD: a single process has nothing to synchronise; training runs unchanged")
         return None
     if kind == "DEEPSPEED":
         return _enable_on_deepspeed(accelerator, model, config)
@@ -189,23 +179,16 @@ def _checkpoint_with_accelerator(accelerator, wrapper: nn.Module, sync) -> None:
             load_rank_state(sync_ref(), input_dir, accelerator.process_index, accelerator.num_processes,
                             index=index)
 
-    handles = [accelerator.register_save_state_pre_hook(save_hook),
-               accelerator.register_load_state_pre_hook(load_hook)]
-    weakref.finalize(sync, _remove_all, handles)
-
-
-def _remove_all(handles: list) -> None:
-    for h in handles:
-        h.remove()
+    for handle in (accelerator.register_save_state_pre_hook(save_hook),
+                   accelerator.register_load_state_pre_hook(load_hook)):
+        weakref.finalize(sync, handle.remove)
 
 
 def _enable_on_deepspeed(accelerator, model: nn.Module,
                          config: Union[DADConfig, Mapping, None]) -> Optional[DADSynchronizer]:
     adapter = get_engine("deepspeed")
-    engine = model if adapter.is_engine(model) else None
-    for candidate in getattr(accelerator, "_models", []):
-        if engine is None and getattr(candidate, "module", None) is model:
-            engine = candidate
+    engine = model if adapter.is_engine(model) else next(
+        (c for c in getattr(accelerator, "_models", []) if getattr(c, "module", None) is model), None)
     if engine is None:
         raise ValueError("enable_dad() needs the DeepSpeed engine returned by accelerator.prepare(...)")
     sync = adapter.find(engine)

@@ -53,9 +53,7 @@ def default_objective() -> str:
 def default_lossless_steps() -> Any:
     """``$DAD_LOSSLESS_STEPS`` where it is set (an integer; anything else is reported by
     `DADConfig.validate`), else `DEFAULT_LOSSLESS_STEPS`."""
-    value = os.environ.get(LOSSLESS_STEPS_ENV)
-    if value is None:
-        return DEFAULT_LOSSLESS_STEPS
+    value = os.environ.get(LOSSLESS_STEPS_ENV, DEFAULT_LOSSLESS_STEPS)
     try:
         return int(value)
     except ValueError:
@@ -128,10 +126,9 @@ class DADConfig:
             factors rebuild the local gradient autograd computed; parameters that fail (used outside
             a captured module, custom gradient hooks, ...) fall back to dense all-reduce for good.
         rank_route: how rank-r information is shared: ``"allgather"`` (rank-dAD: every rank's own
-            rank-r factors, ``(S-1) r (m+n)`` per rank, a rank ``S r`` rebuild), ``"allreduce"``
-            (PowerSGD's shared power iteration: ``2 (S-1)/S r (m+n)``, flat in S, rank r of the
-            average), or ``"auto"`` (the default): per weight the fewer bytes, the all-reduce on
-            ties (at two sites: it trained better there, see `router`).
+            rank-r factors, a rank ``S r`` rebuild), ``"allreduce"`` (PowerSGD's shared power
+            iteration: rank r of the average; each route's bytes: `dad_integrations.routes`), or
+            ``"auto"`` (the default): per weight the fewer bytes, the all-reduce on ties.
         lossless_steps: the first this many synchronised steps take no rank route (auto without
             a rank: exact factors or dense, whichever is cheaper), as PowerSGD's hook all-reduces
             its first ``start_powerSGD_iter`` steps. Default 10 (``$DAD_LOSSLESS_STEPS`` changes

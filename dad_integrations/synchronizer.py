@@ -56,9 +56,8 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
         config: a `DADConfig` or a dict of its keys.
         prescale_factor: each rank's contribution is multiplied by it before the reduction.
         postscale_factor: the reduced sum is multiplied by it; None averages (``1 / world_size``).
-            Together they express the engines' reductions: Horovod's ``op=Sum`` is
-            ``postscale_factor=1``, its ``gradient_predivide_factor=f`` is ``prescale 1/f,
-            postscale f/size``, as is DeepSpeed's.
+            Together they express the engines' reductions (Horovod's ``op`` and predivide factor,
+            DeepSpeed's `deepspeed_dad.reduction_scales`).
         backward_passes_per_step: a weight's exchange starts at its k-th backward pass (Horovod's
             ``backward_passes_per_step``); factors of the earlier passes are kept and sent with it.
         broadcast_parameters: copy rank 0's parameters and buffers to every rank now, as DDP does;

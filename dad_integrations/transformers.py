@@ -5,14 +5,9 @@
                       callbacks=[DADCallback({"mode": "auto", "rank": 4})])
     trainer.train()
 
-When training begins the callback installs dAD as the communication hook of the DDP wrapper the
-Trainer made, picks up the DeepSpeed engine's synchroniser (the config's ``"dad"`` block), or puts
-dAD inside FSDP2's reduce-scatter (`enable_dad_fsdp`); FSDP1 is refused (`fsdp_detect`). Every log
-gets the bytes dAD sent per optimizer step, what all-reduce (and under FSDP2 its reduce-scatter)
-would have sent, and their ratio (``dad_*`` metrics). dAD's per-rank state goes into each
-``checkpoint-{step}`` folder (under DeepSpeed, the engine's ``save_checkpoint`` writes it) and is
-loaded by ``trainer.train(resume_from_checkpoint=...)``; a state that holds nothing (FSDP2's exact
-and auto modes without a rank) writes no file.
+The callback attaches dAD when training begins (DDP's hook, the DeepSpeed engine's ``"dad"`` block,
+or FSDP2's reduce-scatter; FSDP1 is refused, `fsdp_detect`), adds ``dad_*`` byte metrics to every
+log, and carries dAD's per-rank state in the Trainer's checkpoints (`on_save`, and on resume).
 """
 from __future__ import annotations
 
@@ -103,7 +98,8 @@ class DADCallback(TrainerCallback):
         """Write this rank's dAD state into the checkpoint folder the Trainer has just written.
 
         Under DeepSpeed the engine's ``save_checkpoint`` has already written it (into the folder's
-        tag), and a ``save_only_model`` checkpoint cannot be resumed, so neither gets a file here.
+        tag), and a ``save_only_model`` checkpoint cannot be resumed, so neither gets a file here; nor
+        does a state that holds nothing (FSDP2's exact and auto modes without a rank, `keeps_state`).
         """
         if self.sync is None or self._engine is not None or args.save_only_model or not keeps_state(self.sync):
             return

@@ -1,20 +1,18 @@
 """`DeepSpeedAggregator`: dAD's collectives over ``deepspeed.comm``.
 
-Like `dad_integrations.TorchDistributedAggregator`, an `EqualSizeAggregator`: gloo's and NCCL's
-all-gather need equal sizes on every rank, so rows of different lengths are padded to the longest.
+A `dad_integrations.TorchDistributedAggregator` whose engine calls go to ``deepspeed.comm``
+(rows padded to the longest, the same group timeout, launcher hint and peer directory).
 """
 from __future__ import annotations
 
 from datetime import timedelta
 from typing import Any, List, Optional, Sequence, Tuple
 
-import torch
-
 from dad_integrations.comm.aggregator import EqualSizeAggregator
-from dad_integrations.comm.topology import checked_partition, launcher_hint
+from dad_integrations.comm.torch_distributed import TorchDistributedAggregator, job_peer_directory
 
 
-class DeepSpeedAggregator(EqualSizeAggregator):
+class DeepSpeedAggregator(TorchDistributedAggregator):
     """Collectives over a ``deepspeed.comm`` process group.
 
     Args:
@@ -30,7 +28,7 @@ class DeepSpeedAggregator(EqualSizeAggregator):
     """
 
     def __init__(self, ranks: Optional[Sequence[int]] = None, *, timeout: Optional[timedelta] = None):
-        super().__init__()
+        EqualSizeAggregator.__init__(self)  # (not the torch aggregator's: it would make a group)
         from deepspeed import comm as dist
         if not dist.is_initialized():
             raise RuntimeError("DeepSpeedAggregator needs deepspeed.comm initialised: call "
@@ -43,67 +41,26 @@ class DeepSpeedAggregator(EqualSizeAggregator):
             raise RuntimeError(f"this process (rank {dist.get_rank()}) is not in the group {ranks}")
         self._rank = ranks.index(dist.get_rank())
         self._world = len(ranks)
-        self.peer_directory()  # publishes this rank's entry now, before any collective
-
-    def collective_timeout(self) -> Optional[timedelta]:
-        """The group's timeout (``deepspeed.init_distributed``'s, or the one given)."""
-        from dad_integrations.comm.groups import _group_timeout
-        return _group_timeout(self._group)
-
-    def peer_directory(self) -> Any:
-        """The job's ranks' addresses and nodes, from the job's store (`comm.peers`)."""
-        if getattr(self, "_peers", None) is None:
-            from dad_integrations.comm.torch_distributed import job_peer_directory
-            self._peers = job_peer_directory()
-        return self._peers
-
-    def topology_hint(self) -> Optional[Tuple[int, int]]:
-        """The launcher's node index and ranks per node (DeepSpeed's ``CROSS_RANK`` and
-        ``LOCAL_SIZE``, or torchrun's), for a group of every rank."""
-        if self._world != self._dist.get_world_size():
-            return None
-        return launcher_hint()
+        self._peers = job_peer_directory()  # publishes this rank's entry now, before any collective
 
     def split(self, partition: Sequence[Sequence[int]]) -> "DeepSpeedAggregator":
         """One new group per part (every rank creates each, in order, with this group's timeout);
         returns the aggregator over this rank's part."""
-        mine = None
-        for part in checked_partition(partition, self._world):
+        def make(part: List[int]) -> Tuple[List[int], Any]:
             ranks = [self._ranks[r] for r in part]
-            group = _new_group(self._dist, ranks, None)
-            if self._rank in part:
-                mine = (ranks, group)
+            return ranks, _new_group(self._dist, ranks, None)
+
+        ranks, group = self._split_with(partition, make)
         out = DeepSpeedAggregator.__new__(DeepSpeedAggregator)
         EqualSizeAggregator.__init__(out)
-        out._dist, out._ranks, out._group = self._dist, mine[0], mine[1]
-        out._rank, out._world = mine[0].index(self._dist.get_rank()), len(mine[0])
+        out._dist, out._ranks, out._group, out._peers = self._dist, ranks, group, self._peers
+        out._rank, out._world = ranks.index(self._dist.get_rank()), len(ranks)
         return out
-
-    @property
-    def group(self) -> Any:
-        """The dedicated process group dAD's collectives run on."""
-        return self._group
 
     @property
     def ranks(self) -> List[int]:
         """Global ranks of the group, by group rank."""
         return list(self._ranks)
-
-    # The calls into deepspeed.comm; every byte this backend moves passes through them.
-    def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
-        return self._dist.all_gather(out, tensor, group=self._group, async_op=async_op)
-
-    def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        return self._dist.all_reduce(tensor, group=self._group, async_op=async_op)
-
-    def _engine_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
-        return self._dist.all_to_all_single(out, tensor, group=self._group, async_op=async_op)
-
-    def _engine_all_to_all_v(self, out: torch.Tensor, tensor: torch.Tensor, out_sizes: List[int],
-                             in_sizes: List[int], async_op: bool = False):
-        # ZeRO-2/3's partition exchange (`deepspeed_dad.zero`)
-        return self._dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes,
-                                            input_split_sizes=in_sizes, group=self._group, async_op=async_op)
 
 
 def _new_group(ds_dist: Any, ranks: List[int], timeout: Optional[timedelta]) -> Any:

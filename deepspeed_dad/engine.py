@@ -12,12 +12,9 @@ ZeRO stages 0 and 1. `attach` swaps that method, on this engine only, for one th
 * off a boundary, does nothing, as DeepSpeed does: the backward of such a micro-step runs inside
   the synchroniser's ``no_sync()``, so the factors of every micro-step are kept and sent once.
 
-The engine's ``save_checkpoint`` / ``load_checkpoint`` carry dAD's per-rank state (`deepspeed_dad.attachment`).
-Everything after the reduction is DeepSpeed's own: fp16 overflow checks and skipped steps, loss-scale
-updates, gradient clipping, the optimizer step, ``zero_grad``. What the engine must be (configurations
-whose gradients DeepSpeed reduces elsewhere are rejected, saying why), and its reduction's scaling and
-wire dtype, are read by `deepspeed_dad.checks`. ZeRO stages 2 and 3, which reduce-scatter inside
-backward hooks, are attached by `deepspeed_dad.zero` instead (`attach` selects by stage).
+Everything after the reduction stays DeepSpeed's own (``docs/guides/deepspeed.md``). Checkpoints:
+`deepspeed_dad.attachment`; what the engine must be, its scaling and wire dtype: `deepspeed_dad.checks`;
+ZeRO stages 2 and 3, which reduce-scatter inside backward hooks: `deepspeed_dad.zero` (`attach` picks).
 """
 from __future__ import annotations
 

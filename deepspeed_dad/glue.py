@@ -7,9 +7,9 @@ DeepSpeed although the core never imports this package.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Optional
 
-from dad_integrations import DADConfig, DADSynchronizer
+from dad_integrations import DADSynchronizer
 from dad_integrations.engines.registry import register_engine
 
 from .attachment import get_attachment
@@ -19,17 +19,12 @@ from .engine import attach
 
 def register() -> None:
     """Register the ``"deepspeed"`` engine adapter (idempotent)."""
-    register_engine("deepspeed", is_engine=is_engine, find=_find, attach=_attach,
+    register_engine("deepspeed", is_engine=is_engine, find=lambda engine: _synchronizer(get_attachment(engine)),
+                    attach=lambda engine, config: _synchronizer(attach(engine, config)),
                     load_checkpoint_state=_load_checkpoint_state)
 
 
-def _find(engine: Any) -> Optional[DADSynchronizer]:
-    attachment = get_attachment(engine)
-    return None if attachment is None else attachment.synchronizer
-
-
-def _attach(engine: Any, config: Union[DADConfig, Mapping, None]) -> Optional[DADSynchronizer]:
-    attachment = attach(engine, config)
+def _synchronizer(attachment: Any) -> Optional[DADSynchronizer]:
     return None if attachment is None else attachment.synchronizer
 
 

@@ -26,7 +26,6 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from dad_integrations.comm.aggregator import CommHandle, FactorAggregator, Traffic
-from dad_integrations.comm.topology import checked_partition
 
 from ._horovod import HorovodInternalError, hvd
 
@@ -95,8 +94,8 @@ class HorovodAggregator(FactorAggregator):
         in the same order). Returns the aggregator over this rank's part."""
         members = self._process_set.ranks or list(range(hvd.size()))
         registered = {tuple(ranks): ps_id for ps_id, ranks in _registered_sets().items()}
-        mine = None
-        for part in checked_partition(partition, self._world):
+
+        def make(part: List[int]) -> Any:
             ranks = sorted(members[r] for r in part)
             if tuple(ranks) in registered:
                 ps = hvd.ProcessSet(ranks)
@@ -108,9 +107,9 @@ class HorovodAggregator(FactorAggregator):
                 raise NotImplementedError(
                     f"no Horovod process set of ranks {ranks}: pass horovod_dad.node_process_sets() to "
                     "hvd.init(process_sets=...), or run with HOROVOD_DYNAMIC_PROCESS_SETS=1")
-            if self._rank in part:
-                mine = ps
-        return HorovodAggregator(mine)
+            return ps
+
+        return HorovodAggregator(self._split_with(partition, make))
 
     # -- FactorAggregator -----------------------------------------------------------------------
     def _all_gather(self, tensor: torch.Tensor, name: str,

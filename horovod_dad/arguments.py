@@ -1,34 +1,13 @@
 """How each argument of ``hvd.DistributedOptimizer`` maps onto dAD, and the checks of those
 dAD cannot honour (`horovod_dad.optimizer.DADOptimizer` runs them in Horovod's order).
 
-Arguments and dAD:
-
-=========================  ===================================================================
-``named_parameters``       checked as Horovod checks them (tuples, unique names, every optimizer
-                           parameter named); dAD names its collectives after ``model``'s modules
-``compression``            ``Compression.none``; ``Compression.fp16`` sends factors and dense
-                           buckets as float16 (``wire_dtype="float16"``); any other compressor
-                           raises ``ValueError`` (it cannot be applied to factors)
-``backward_passes_per_step``  as Horovod: the exchange starts at the k-th backward pass, with the
-                           factors of all k passes; ``step()`` earlier sends what is there
-``op``                     ``hvd.Average`` and ``hvd.Sum``; ``hvd.Adasum``, ``Min``, ``Max``,
-                           ``Product`` raise ``ValueError`` (dAD rebuilds sums of factors)
-``gradient_predivide_factor``  as Horovod (only with ``op=Average``): prescale ``1/f``, postscale ``f/size``
-``num_groups`` / ``groups``  validated as Horovod validates them; they only group Horovod's
-                           all-reduces for fusion, which dAD's own buckets (``bucket_cap_mb``)
-                           replace, so the result is unchanged
-``sparse_as_dense``        sparse embedding gradients need ``sparse_as_dense=True`` (they then go
-                           through the dense buckets and are made sparse again, as in Horovod);
-                           with ``False`` a model with sparse embeddings raises ``ValueError``
-``process_set``            collectives run over it; a process outside it steps locally, as in Horovod
-``model`` (new, optional)  the module whose factors are captured; it must hold every parameter
-                           of the optimizer (not wrapped in DDP); only the optimizer's parameters
-                           are synchronised, as with Horovod. Without it (as Horovod's own
-                           scripts and tests call it) dAD attaches at the first forward of a
-                           module holding the optimizer's parameters (`discovery`); a step before
-                           any forward all-reduces the gradients as Horovod does
-``dad`` (new)              a `DADConfig` or a dict of its keys
-=========================  ===================================================================
+Each argument keeps Horovod's meaning and checks (``docs/guides/horovod.md``, "What stays
+Horovod's"): ``op`` is ``Average`` or ``Sum`` (dAD rebuilds sums of factors: Adasum, Min, Max,
+Product raise), ``gradient_predivide_factor`` becomes prescale ``1/f`` and postscale ``f/size``,
+``Compression.fp16`` the float16 wire (``wire_dtype="float16"``; other compressors raise),
+``groups`` is validated but dAD's own buckets (``bucket_cap_mb``) replace Horovod's fusion groups,
+and sparse embedding gradients need ``sparse_as_dense=True``. New: ``model`` (where factors are
+captured; without it, found at the first forward, `discovery`) and ``dad`` (a `DADConfig` or a dict).
 """
 from __future__ import annotations
 

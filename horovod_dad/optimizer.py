@@ -81,7 +81,6 @@ def DADOptimizer(optimizer: torch.optim.Optimizer,
                sparse_as_dense=bool(sparse_as_dense), process_set=process_set, model=model, config=config)
 
 
-
 class _DADOptimizerMixin(ModelAttachment, torch.optim.Optimizer):
     """Horovod's ``_DistributedOptimizer`` protocol over a `DADSynchronizer`.
 

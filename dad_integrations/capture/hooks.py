@@ -77,10 +77,10 @@ def call_input(args: tuple, kwargs: dict) -> torch.Tensor:
 class HookedCapture:
     """Base of a capture whose hooks feed one or several uses (a linear layer's weight, an attention
     module's projections, a recurrent layer's weights, a grouped convolution's groups): it registers
-    its hooks through `hook`, calls `opened` at every forward it captures and pairs each call with
-    its own output gradient through `on_grad` (a hook on the output tensor: `take` waits there until
-    that gradient arrives; `clear` drops what never got one) or, compiled, `compiled_key` (its rows
-    arrive at `_add_delivered`).
+    its hooks through `hook` (`hook_input_calls`: rows from each call's input, by `_add`), calls
+    `opened` at every forward it captures and pairs each call with its own output gradient through
+    `on_grad` (a hook on the output tensor; `clear` drops what never got one) or, compiled,
+    `compiled_key` (its rows arrive at `_add_delivered`).
 
     Pickled with the model (its forward hooks hold it), it goes detached: hooks that do nothing,
     no synchroniser; `remove_detached_captures` removes it from a loaded model.
@@ -127,12 +127,39 @@ class HookedCapture:
                 self.arrived()
             self._add_delivered(saved, grads)
 
-    def _add_delivered(self, saved: list, grads: list) -> None:  # pragma: no cover - subclasses that tap
-        raise NotImplementedError
-
     def hook(self, handle) -> None:
         """Keep a hook handle, removed with the capture."""
         self._handles.append(handle)
+
+    def hook_input_calls(self) -> None:
+        """Capture each call from its input and output gradient (`_input_hook`, rows by `_add`)."""
+        self.compiled_key()
+        self.hook(self.module.register_forward_hook(self._input_hook, with_kwargs=True))
+
+    def _input_hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
+        if self.detached or not (torch.is_grad_enabled() and isinstance(output, torch.Tensor)
+                                 and output.requires_grad):
+            return None
+        if not self.uses[0].param().requires_grad:
+            # frozen for now (a GAN's other half): no gradient will take these rows, and kept they
+            # would join the next step that trains the weight
+            return None
+        x = call_input(args, kwargs)
+        if compiled.compiling():
+            # the output wrapped so that its backward delivers the rows; whether a use is enabled
+            # is read when they arrive: a flag read while tracing would be guarded on (recompiles)
+            return compiled.tap(self.compiled_key(), [x], [output])[0]
+        self.opened()  # also when disabled: the step's window opens here
+        if self._wanted():
+            x = x.detach()
+            self.on_grad(output, lambda grad: self._add(x, grad))
+
+    def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:  # pragma: no cover - `_input_hook`'s users
+        raise NotImplementedError
+
+    def _add_delivered(self, saved: list, grads: list) -> None:
+        """A compiled call's rows (`_input_hook`'s, by default)."""
+        self._add(saved[0], grads[0])
 
     def opened(self) -> None:
         """A captured forward runs: the step's window opens (whether or not rows are kept)."""
@@ -174,29 +201,10 @@ class ModuleCapture(HookedCapture, Use):
         Use.__init__(self, name, module, kind)
         HookedCapture.__init__(self, name, module, [self], on_forward)
         self.rows_of_call = rows_of_call
-        self.compiled_key()
-        self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
+        self.hook_input_calls()
 
-    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
-            return None
-        if compiled.compiling():
-            # the output wrapped so that its backward delivers the rows; whether the use is enabled
-            # is read when they arrive: a flag read while tracing would be guarded on (recompiles)
-            if self.detached or not self.param().requires_grad:
-                return None
-            return compiled.tap(self.compiled_key(), [call_input(args, kwargs)], [output])[0]
-        if not self.param().requires_grad:
-            # frozen for now (a GAN's other half): no gradient will take these rows, and kept they
-            # would join the next step that trains the weight
-            return
-        self.opened()  # also when disabled: the step's window opens here
-        if self.enabled:
-            inputs = call_input(args, kwargs).detach()
-            self.on_grad(output, lambda grad: self.pairs.append(self.rows_of_call(self.module, inputs, grad)))
-
-    def _add_delivered(self, saved: list, grads: list) -> None:
-        self.pairs.append(self.rows_of_call(self.module, saved[0], grads[0]))
+    def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        self.pairs.append(self.rows_of_call(self.module, x, grad))
 
     def clear(self) -> None:
         self.pairs = []
@@ -239,7 +247,7 @@ def remove_detached_captures(model: nn.Module) -> int:
                 capture = getattr(hook.func, "__self__", capture)
             if isinstance(hook, ForwardStartHook):
                 capture = hook
-            if (isinstance(capture, (ModuleCapture, HookedCapture, ForwardStartHook))
+            if (isinstance(capture, (HookedCapture, ForwardStartHook))
                     and getattr(capture, "detached", False)
                     and id(capture) not in removed):
                 capture.remove()

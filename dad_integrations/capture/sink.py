@@ -30,7 +30,7 @@ class GradSink:
 
     def dense_grad(self, p: nn.Parameter) -> Optional[torch.Tensor]:
         """What a dense bucket reduces for ``p`` (None: this rank has no gradient of it)."""
-        return p.grad
+        return self._current(p)
 
     def add_local(self, p: nn.Parameter, value: torch.Tensor) -> None:
         """Add ``value`` to this rank's gradient of ``p`` before a dense bucket reduces it (an
@@ -117,12 +117,7 @@ class BucketViewSink(GradSink):
         self.shadow = False
         self.prior_scale = 1.0
 
-    def local_grad(self, p: nn.Parameter, dtype: torch.dtype) -> torch.Tensor:
-        if self.shadow:
-            return as_matrix(torch.zeros(p.shape, dtype=dtype, device=p.device))
-        return super().local_grad(p, dtype)
-
-    def dense_grad(self, p: nn.Parameter) -> Optional[torch.Tensor]:
+    def _current(self, p: nn.Parameter) -> Optional[torch.Tensor]:
         return None if self.shadow else p.grad
 
     def write_product(self, p: nn.Parameter, left: torch.Tensor, right: torch.Tensor) -> None:

@@ -19,7 +19,6 @@ from dad_integrations.capture.hooks import Use
 from dad_integrations.capture.rows import matrix_shape
 
 
-
 def param_shape(p: nn.Parameter) -> Tuple[int, ...]:
     """A parameter's full shape, also where an engine keeps only a partition in ``p.data``
     (DeepSpeed ZeRO-3 empties it and records the shape as ``ds_shape``)."""

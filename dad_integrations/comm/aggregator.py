@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -35,16 +35,13 @@ class Traffic:
     calls: int = 0
 
     def __add__(self, other: "Traffic") -> "Traffic":
-        return Traffic(*(a + b for a, b in zip(self._values(), other._values())))
+        return Traffic(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def __sub__(self, other: "Traffic") -> "Traffic":
-        return Traffic(*(a - b for a, b in zip(self._values(), other._values())))
-
-    def _values(self) -> Tuple[float, float, float, int]:
-        return self.handed, self.sent, self.received, self.calls
+        return Traffic(*(a - b for a, b in zip(astuple(self), astuple(other))))
 
     def copy(self) -> "Traffic":
-        return Traffic(self.handed, self.sent, self.received, self.calls)
+        return replace(self)
 
     def share(self, fraction: float) -> "Traffic":
         """This traffic's bytes times ``fraction``, no calls: one tensor's part of a bucket."""
@@ -185,6 +182,17 @@ class FactorAggregator(ABC):
         there are no two-level routes (``topology: "flat"``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot make subgroups: set topology to 'flat'")
 
+    def _split_with(self, partition: Sequence[Sequence[int]], make: Callable[[List[int]], Any]) -> Any:
+        """`split`'s loop: ``make(part)`` for every part of ``partition``, in order, on every rank
+        (it makes every part's group); returns what it made for this rank's part."""
+        from dad_integrations.comm.topology import checked_partition
+        mine = None
+        for part in checked_partition(partition, self.world_size):
+            made = make(part)
+            if self.rank in part:
+                mine = made
+        return mine
+
     def traffic(self) -> Traffic:
         """A snapshot of the bytes counted so far, over all collectives of every thread (see `CommHandle`)."""
         with self._lock:
@@ -249,7 +257,6 @@ class FactorAggregator(ABC):
         sent = (sum(send_sizes) - send_sizes[me]) * itemsize
         received = (sum(recv_sizes) - recv_sizes[me]) * itemsize
         return self._count(Traffic(handed=sum(send_sizes) * itemsize, sent=sent, received=received, calls=1))
-
 
     def _count_all_gather(self, nbytes_per_rank: Sequence[float]) -> Traffic:
         """Count a ring all-gather in which rank s contributes ``nbytes_per_rank[s]`` bytes;

@@ -14,11 +14,12 @@ import torch.distributed as dist
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.comm.groups import _group_timeout, new_group_like
 from dad_integrations.comm.peers import PeerDirectory
-from dad_integrations.comm.topology import checked_partition, launcher_hint
+from dad_integrations.comm.topology import launcher_hint
 
 
 class TorchDistributedAggregator(EqualSizeAggregator):
-    """Collectives over a ``torch.distributed`` process group.
+    """Collectives over a ``torch.distributed`` process group (``_dist``: the module whose collectives
+    it calls, ``deepspeed.comm`` in `deepspeed_dad.DeepSpeedAggregator`).
 
     Args:
         group: the process group; None creates a group of all ranks here (`comm.groups`: dAD's
@@ -26,6 +27,8 @@ class TorchDistributedAggregator(EqualSizeAggregator):
         timeout: the timeout of the group created here; None takes ``init_process_group``'s, so
             that a stalled rank makes dAD fail within the user's timeout, as DDP does.
     """
+
+    _dist = dist
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, *, timeout: Optional[timedelta] = None):
         super().__init__()
@@ -45,6 +48,7 @@ class TorchDistributedAggregator(EqualSizeAggregator):
 
     @property
     def group(self) -> dist.ProcessGroup:
+        """The process group dAD's collectives run on."""
         return self._group
 
     def collective_timeout(self) -> Optional[timedelta]:
@@ -59,36 +63,30 @@ class TorchDistributedAggregator(EqualSizeAggregator):
         """The launcher's node index and ranks per node (`comm.topology.launcher_hint`: torchrun,
         DeepSpeed's launcher, horovodrun), for a group of every rank (in a smaller group the
         launcher's node sizes do not apply)."""
-        if self._world != dist.get_world_size():
+        if self._world != self._dist.get_world_size():
             return None
         return launcher_hint()
 
     def split(self, partition: Sequence[Sequence[int]]) -> "TorchDistributedAggregator":
         """One new group per part (global ranks translated from this group's), each with this
         group's timeout; returns the aggregator over this rank's part."""
-        mine = None
-        for part in checked_partition(partition, self._world):
-            ranks = [dist.get_global_rank(self._group, r) for r in part]
-            group = new_group_like(ranks, base=self._group)
-            if self._rank in part:
-                mine = group
-        return TorchDistributedAggregator(mine)
+        return TorchDistributedAggregator(self._split_with(partition, lambda part: new_group_like(
+            [dist.get_global_rank(self._group, r) for r in part], base=self._group)))
 
-    # The calls into torch.distributed; every byte this backend moves passes through them.
+    # The calls into the engine's module; every byte this backend moves passes through them.
     def _engine_all_gather(self, out: List[torch.Tensor], tensor: torch.Tensor, async_op: bool = False):
-        return dist.all_gather(out, tensor, group=self._group, async_op=async_op)
+        return self._dist.all_gather(out, tensor, group=self._group, async_op=async_op)
 
     def _engine_all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
-        return dist.all_reduce(tensor, group=self._group, async_op=async_op)
+        return self._dist.all_reduce(tensor, group=self._group, async_op=async_op)
 
     def _engine_all_to_all(self, out: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
-        return dist.all_to_all_single(out, tensor, group=self._group, async_op=async_op)
+        return self._dist.all_to_all_single(out, tensor, group=self._group, async_op=async_op)
 
     def _engine_all_to_all_v(self, out: torch.Tensor, tensor: torch.Tensor, out_sizes: List[int],
                              in_sizes: List[int], async_op: bool = False):
-        return dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes, input_split_sizes=in_sizes,
-                                      group=self._group, async_op=async_op)
-
+        return self._dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes,
+                                            input_split_sizes=in_sizes, group=self._group, async_op=async_op)
 
 def job_peer_directory() -> Optional[PeerDirectory]:
     """The job's `PeerDirectory` over torch.distributed's default store (this rank's entry published

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dad_integrations.capture import compiled
-from dad_integrations.capture.hooks import HookedCapture, Use, call_input
+from dad_integrations.capture.hooks import HookedCapture, Use
 from dad_integrations.capture.rows import Rows
 from dad_integrations.capture.layers.registry import Claim, LayerKind, register_kind, runs_stock_forward
 from dad_integrations.logs import OnceLogger
@@ -107,35 +106,18 @@ class ConvCapture(HookedCapture):
             self.by_key = {k: Use(f"{name}[{k}]", module, "linear", block=(i * h, h))
                            for i, k in enumerate(_keys(module))}
         super().__init__(name, module, list(self.by_key.values()), on_forward)
-        self.compiled_key()
-        self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
-
-    def _forward_hook(self, module: nn.Module, args: tuple, kwargs: dict, output):
-        if self.detached or not (torch.is_grad_enabled() and isinstance(output, torch.Tensor)
-                                 and output.requires_grad):
-            return None
-        if not self.uses[0].param().requires_grad:
-            return None  # frozen now: no gradient will take these rows
-        x = call_input(args, kwargs)
-        if compiled.compiling():  # traced: the rows come from the output's backward (`compiled`)
-            return compiled.tap(self.compiled_key(), [x], [output])[0]
-        self.opened()  # also when disabled: the step's window opens here
-        if self._wanted():
-            x = x.detach()
-            self.on_grad(output, lambda grad: self._add(x, grad))
+        self.hook_input_calls()
 
     def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:
         for use, rows in zip(self.uses, conv_rows(self.module, x, grad)):
             if use.enabled:
                 use.pairs.append(rows)
 
-    def _add_delivered(self, saved: list, grads: list) -> None:
-        self._add(saved[0], grads[0])
-
 
 @register_kind
 class ConvKind(LayerKind):
     name = "conv"
+    capture_class = ConvCapture
 
     def accepts(self, module: nn.Module) -> bool:
         if not any(runs_stock_forward(module, t) for t in CONV_TYPES):
@@ -155,8 +137,3 @@ class ConvKind(LayerKind):
         if module.bias is not None:
             out.append(Claim("bias", uses=keys, bias=True))  # split in the weight's row blocks
         return out
-
-    def capture(self, name, module, on_forward):
-        c = ConvCapture(name, module, on_forward)
-        return c, dict(c.by_key)
-

@@ -7,11 +7,9 @@ captures every linear call of the module's own forward:
 
 - a forward pre-hook pushes a ``TorchFunctionMode`` (thread-local) and a forward hook registered
   with ``always_call=True`` pops it, so the mode sees only this module's calls, exception or not;
-- the handler runs ``F.multi_head_attention_forward`` as a copy whose ``has_torch_function`` check
-  is off (`_unchecked`), with the mode pushed again, so its nested ``torch._C._nn.linear`` calls
-  reach the mode with the very parameter objects (and their views), told apart by identity. That
-  copy and its projection helpers call the stock op even where an engine replaced ``F.linear``
-  (DeepSpeed ZeRO-3's ``zero3_linear_wrap``, which the mode could not tell from other products);
+- the handler runs ``F.multi_head_attention_forward``'s body under the mode (`_unchecked`), so its
+  nested ``linear`` calls (the stock op, even where an engine replaced ``F.linear``: DeepSpeed
+  ZeRO-3's ``zero3_linear_wrap``) reach it with the very parameter objects, told apart by identity;
 - each call's rows are ``D`` (its output's gradient, from a hook on that output) and ``X`` (its
   input), every leading dimension flattened.
 
@@ -72,7 +70,8 @@ def _unchecked(fn: Callable) -> Callable:
     """A copy of the Python function ``fn`` whose own ``has_torch_function`` check is always False
     (run from the mode's handler with the mode pushed again: ``fn``'s body, not ``fn`` dispatched to
     the mode forever). Its globals are a snapshot of ``fn``'s module taken at first use, with
-    ``linear`` the stock op, here and in copies of the projection helpers (`_PROJECTIONS`)."""
+    ``linear`` the stock op (the mode could not tell an engine's replacement from other products),
+    here and in copies of the projection helpers (`_PROJECTIONS`)."""
     g = dict(fn.__globals__)
     g["has_torch_function"] = lambda *_: False
     g["linear"] = _LINEAR
@@ -202,6 +201,7 @@ class MHACapture(HookedCapture):
 @register_kind
 class MHAKind(LayerKind):
     name = "mha"
+    capture_class = MHACapture
     compiles = False  # see `_push`: not captured while dynamo traces
     priority = 10  # before `linear`, which would claim `out_proj` (whose forward never runs)
 
@@ -219,8 +219,3 @@ class MHAKind(LayerKind):
         if module.out_proj.bias is not None:
             out.append(Claim("out_proj.bias", uses=("out_proj",), bias=True))
         return out
-
-    def capture(self, name, module, on_forward):
-        c = MHACapture(name, module, on_forward)
-        return c, c.by_key
-

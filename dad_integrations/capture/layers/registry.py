@@ -43,6 +43,7 @@ class LayerKind:
     # whether the kind captures while dynamo traces (``torch.compile``: `capture.compiled`); a kind
     # that does not has its weights routed from their dense gradients where compile is in use
     compiles: bool = True
+    capture_class: Optional[type] = None  # the default `capture`'s hooks (a `HookedCapture` with ``by_key``)
 
     def accepts(self, module: nn.Module) -> bool:
         """Whether this kind captures ``module`` (stock forward only: a subclass with its own
@@ -56,8 +57,12 @@ class LayerKind:
     def capture(self, name: str, module: nn.Module, on_forward: Optional[Callable[[], None]]
                 ) -> Tuple[object, Dict[str, Use]]:
         """Install the hooks on ``module``: ``(capture, uses by key)``. The capture has ``name``,
-        ``uses``, ``clear()`` and ``remove()`` (`capture.ModuleCapture`, `capture.HookedCapture`)."""
-        raise NotImplementedError
+        ``uses``, ``clear()`` and ``remove()`` (`capture.ModuleCapture`, `capture.HookedCapture`);
+        by default a ``capture_class(name, module, on_forward)`` with its uses in ``by_key``."""
+        if self.capture_class is None:
+            raise NotImplementedError
+        c = self.capture_class(name, module, on_forward)
+        return c, dict(c.by_key)
 
 
 class ModuleKind(LayerKind):

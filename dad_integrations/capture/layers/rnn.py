@@ -296,12 +296,8 @@ class RNNCapture(HookedCapture):
             batch, unbatched = sizes[0], False
         else:  # the input as given (a reference, no copy until backward); steps and batch from its shape
             rows, unbatched = x, x.dim() == 2
-            if unbatched:
-                steps, batch = x.shape[0], 1
-            elif module.batch_first:
-                batch, steps = x.shape[0], x.shape[1]
-            else:
-                steps, batch = x.shape[0], x.shape[1]
+            steps, batch = ((x.shape[0], 1) if unbatched else (x.shape[1], x.shape[0]) if module.batch_first
+                            else tuple(x.shape[:2]))
             sizes = [batch] * steps
         states = [_replay_order(s.detach(), unbatched, sorted_idx) if s is not None
                   else rows.new_zeros(layers, batch, hidden) for s in ((h0, c0) if module.mode == "LSTM" else (h0,))]
@@ -313,13 +309,9 @@ class RNNCapture(HookedCapture):
     @staticmethod
     def _time_major(module: nn.RNNBase, t: Optional[torch.Tensor], unbatched: bool) -> Optional[torch.Tensor]:
         """A (batch, steps, .) or (steps, batch, .) tensor as time-major rows (steps * batch, .)."""
-        if t is None:
-            return None
-        if unbatched:
+        if t is None or unbatched:
             return t
-        if module.batch_first:
-            t = t.transpose(0, 1)
-        return t.reshape(-1, t.shape[-1])
+        return (t.transpose(0, 1) if module.batch_first else t).reshape(-1, t.shape[-1])
 
     def _append(self, module: nn.RNNBase, saved: dict, g_out, g_hn, g_cn) -> None:
         if not self._wanted():
@@ -359,6 +351,7 @@ def _refusal(module: nn.RNNBase) -> Optional[str]:
 @register_kind
 class RNNKind(LayerKind):
     name = "rnn"
+    capture_class = RNNCapture
 
     def accepts(self, module: nn.Module) -> bool:
         if not any(runs_stock_forward(module, base) for base in STOCK):
@@ -380,7 +373,3 @@ class RNNKind(LayerKind):
                 if module.bias:
                     out.append(Claim(f"bias_{key}", uses=(key,), bias=True))
         return out
-
-    def capture(self, name, module, on_forward):
-        c = RNNCapture(name, module, on_forward)
-        return c, dict(c.by_key)
