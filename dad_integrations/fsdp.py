@@ -73,6 +73,8 @@ def enable_dad_fsdp(model: nn.Module, config: Union[DADConfig, Mapping, None] = 
 class FSDPDADSynchronizer(ShardedFacade):
     """dAD driven from FSDP2's reduce-scatter (see the module doc)."""
 
+    row_layout = RowShardCall  # the layout of a 1-D mesh's calls (another: docs/architecture.md)
+
     def __init__(self, model: nn.Module, config: Union[DADConfig, Mapping, None] = None):
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("enable_dad_fsdp needs an initialised default process group")
@@ -213,8 +215,8 @@ class FSDPDADSynchronizer(ShardedFacade):
                                     predivide, scale, rep, ex.wire, ex.rank_codec, ex.config)
         else:
             predivide, scale = seams.scaling(pg, group, inp, op)
-            call = RowShardCall(FSDPEngineCall(self, slots, group, op), slots, out, inp, predivide, agg, scale,
-                                ex.wire, ex.rank_codec)
+            call = self.row_layout(FSDPEngineCall(self, slots, group, op), slots, out, inp, predivide, agg, scale,
+                                   ex.wire, ex.rank_codec)
         if whole:
             call.reduce_dense(ex.report)
         else:
