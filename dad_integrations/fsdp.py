@@ -209,14 +209,13 @@ class FSDPDADSynchronizer(ShardedFacade):
             self._log_once(f"group {pg._module_fqn or '<root>'}: could not map FSDP's buffer to its parameters; "
                            f"FSDP's reduce-scatter used for the whole group")
             slots = [seams.whole_slot(pg, inp, S)]
+        engine = FSDPEngineCall(self, slots, group, op if rep is None else dist.ReduceOp.SUM)  # HSDP: the node's sum
         if rep is not None:
             predivide, scale = seams.hsdp_scaling(pg, seams.hsdp_info(pg), inp)
-            call = ReplicateHopCall(FSDPEngineCall(self, slots, group, dist.ReduceOp.SUM), slots, out, inp,
-                                    predivide, scale, rep, ex.wire, ex.rank_codec, ex.config)
+            call = ReplicateHopCall(engine, slots, out, inp, predivide, scale, rep, ex.wire, ex.rank_codec, ex.config)
         else:
             predivide, scale = seams.scaling(pg, group, inp, op)
-            call = self.row_layout(FSDPEngineCall(self, slots, group, op), slots, out, inp, predivide, agg, scale,
-                                   ex.wire, ex.rank_codec)
+            call = self.row_layout(engine, slots, out, inp, predivide, agg, scale, ex.wire, ex.rank_codec)
         if whole:
             call.reduce_dense(ex.report)
         else:

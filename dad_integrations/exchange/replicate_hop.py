@@ -31,7 +31,7 @@ from torch import nn
 from dad_integrations.capture.sink import ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
-from dad_integrations.codecs.sharded_exact import ShardedExactCodec
+from dad_integrations.codecs.sharded_exact import ShardedExactCodec, longest
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.row_shards import RowShardCall
 from dad_integrations.exchange.sharded import CallRoutes, EngineCall, Estimates
@@ -93,7 +93,7 @@ class ReplicateHopCall(RowShardCall):
     def estimates(self, unit: FactorUnit, counts: Optional[RowCounts]) -> Estimates:
         """Bytes one rank sends between nodes per route (`routes`' models on the ``replicate_hop``
         layout); rows per use: the most any rank captured (agreed, so every rank decides alike)."""
-        rows = [max(r[u] for r in counts) for u in range(len(unit.uses))] if counts else [0] * len(unit.uses)
+        rows = longest(counts) if counts else [0] * len(unit.uses)
         sizing = UnitSizing(tuple(unit.kinds), tuple(unit.shape), self.sink.inp.dtype, self.route_wire,
                             rank=self.config.rank or 0, rounds=self.config.power_iterations,
                             bias_numel=sum(b.shape[0] for b in self._biases(unit)), blocks=unit.blocks, rows=rows,
@@ -128,7 +128,7 @@ class ReplicateHopCall(RowShardCall):
             codec = self.rank_codec
             items = [codec.node_local(u, sums[id(u.param)].view(s.rows, -1) * sink.predivide, rep)
                      for (u, rep), s in zip(ranked, slots)]
-            results = codec.exchange_node(items, self.scale, routes.step, sink.inp.dtype) if items else []
+            results = codec.exchange(items, self.aggregator, self.scale, routes.step, sink.inp.dtype)
             for item, result in zip(items, results):
                 entry = self._put(item.unit.param, result.shard, item.representation, report, covered)
                 entry.components = result.components

@@ -1,10 +1,12 @@
 """The sharded exchanger: what FSDP2 and DeepSpeed ZeRO-2/3 share when dAD takes their reduce-scatter.
 
 A sharded engine reduces gradients in calls (FSDP2: one per parameter group, ZeRO: one per bucket);
-each rank keeps its shard of the average. An adapter hands each call over as a `ShardedCall`: which
-factor units it reduces, where their rows and local gradients are, and how its engine exchanges
-exact factors, rank routes and the dense rest. `ShardedExchanger.reduce` runs the rest, alike for
-both engines and in the same order on every rank:
+each rank keeps its shard of the average. An adapter hands each call over as two parts composed: its
+engine part (`EngineCall`: the units, their rows, the engine's own reduce-scatter, the step's end)
+held by a layout part (`ShardedCall`: how each unit's route is exchanged over the region a rank
+keeps, `exchange.row_shards`, `partitions`, `replicate_hop`, `node_partitions`), so that engines and
+layouts combine freely. `ShardedExchanger.reduce` runs the rest, alike for every engine and layout
+and in the same order on every rank:
 
 1. a route trial's dense step (or all dense decided): every weight by the engine's own reduction,
    capture drained, residuals flushed into it unless the trial holds them;
