@@ -128,7 +128,7 @@ class ReplicateHopCall(RowShardCall):
             codec = self.rank_codec
             items = [codec.node_local(u, sums[id(u.param)].view(s.rows, -1) * sink.predivide, rep)
                      for (u, rep), s in zip(ranked, slots)]
-            results = codec.exchange(items, self.aggregator, self.scale, routes.step, sink.inp.dtype)
+            results = codec.exchange(items, self.aggregator, self.scale, routes.step, sink.inp.dtype) if items else []
             for item, result in zip(items, results):
                 entry = self._put(item.unit.param, result.shard, item.representation, report, covered)
                 entry.components = result.components
