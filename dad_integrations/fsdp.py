@@ -10,8 +10,8 @@
 
 FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``ReduceScatter``
 (`FSDPModule.set_custom_reduce_scatter`). `fsdp_seams.DADReduceScatter` turns each call into a
-`ShardedCall` for `exchange.sharded.ShardedExchanger`, which routes, checks and keeps the rank
-routes' state, and whose row-block exchanges (`exchange.row_shards`) fill this rank's output chunk.
+row-shard layout's call (`exchange.row_shards`) over FSDP's engine part (`fsdp_calls`) for
+`exchange.sharded.ShardedExchanger`, which routes, checks and keeps the rank routes' state.
 Here is only FSDP's side of it (its internals in `fsdp_seams`; layout, scaling, call order, the
 committed-rows trap and the limits in ``docs/internals/fsdp2_notes.md``): its groups and the
 parameters each call reduces, its scaling, and its own reduce-scatter for the rest.
@@ -21,7 +21,7 @@ engine at the step's first reduce-scatter, after FSDP's own final callback: the 
 Rows are sent only once autograd has added them to the unsharded gradient (`capture.committed`).
 No-sync micro-steps need nothing: the hook is not called, the captures keep their rows. Under HSDP
 (a 2-D ``("replicate", "shard")`` mesh) FSDP keeps the reduce-scatter inside the node and dAD takes
-the all-reduce between nodes (`exchange.replicate_hop`), a `_HSDPCall` through the same exchanger.
+the all-reduce between nodes (`exchange.replicate_hop`), a `ReplicateHopCall` through the same exchanger.
 What dAD cannot take falls back to FSDP's own reduce-scatter, logged once; an adaptive rank
 (``adaptive_tolerance``) is refused, and so is FSDP1 (`engines.fsdp_detect`).
 """
@@ -47,9 +47,10 @@ from dad_integrations.config import WIRE_DTYPES, DADConfig
 from dad_integrations.engines import banner
 from dad_integrations.engines.fsdp_detect import reject_fsdp1
 from dad_integrations.logs import OnceLogger
-from dad_integrations.exchange.replicate_hop import ReplicateGroups
+from dad_integrations.exchange.replicate_hop import ReplicateGroups, ReplicateHopCall
+from dad_integrations.exchange.row_shards import RowShardCall
 from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
-from dad_integrations.fsdp_calls import _FSDPCall, _HSDPCall
+from dad_integrations.fsdp_calls import FSDPEngineCall
 from dad_integrations.fsdp_seams import DADReduceScatter
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
@@ -71,6 +72,8 @@ def enable_dad_fsdp(model: nn.Module, config: Union[DADConfig, Mapping, None] = 
 
 class FSDPDADSynchronizer(ShardedFacade):
     """dAD driven from FSDP2's reduce-scatter (see the module doc)."""
+
+    row_layout = RowShardCall  # the layout of a 1-D mesh's calls (another: docs/architecture.md)
 
     def __init__(self, model: nn.Module, config: Union[DADConfig, Mapping, None] = None):
         if not (dist.is_available() and dist.is_initialized()):
@@ -201,20 +204,22 @@ class FSDPDADSynchronizer(ShardedFacade):
         S = group.size()
         fps = self._with_grad.pop(id(pg), None)
         slots = None if fps is None or self._closed else seams.slots_of(fps, self._names, inp, S)
-        if slots is None:
+        whole = slots is None
+        if whole:
             self._log_once(f"group {pg._module_fqn or '<root>'}: could not map FSDP's buffer to its parameters; "
                            f"FSDP's reduce-scatter used for the whole group")
-            if rep is None:
-                seams.reduce_scatter_whole(pg, out, inp, group, op, ex.report)
-            else:
-                predivide, scale = seams.hsdp_scaling(pg, seams.hsdp_info(pg), inp)
-                _HSDPCall(self, [seams.whole_slot(pg, inp, S)], out, inp, predivide, scale, group).reduce_dense(ex.report)
-        elif rep is not None:
+            slots = [seams.whole_slot(pg, inp, S)]
+        engine = FSDPEngineCall(self, slots, group, op if rep is None else dist.ReduceOp.SUM)  # HSDP: the node's sum
+        if rep is not None:
             predivide, scale = seams.hsdp_scaling(pg, seams.hsdp_info(pg), inp)
-            ex.reduce(_HSDPCall(self, slots, out, inp, predivide, scale, group))
+            call = ReplicateHopCall(engine, slots, out, inp, predivide, scale, rep, ex.wire, ex.rank_codec, ex.config)
         else:
             predivide, scale = seams.scaling(pg, group, inp, op)
-            ex.reduce(_FSDPCall(self, slots, out, inp, predivide, group, op, scale, agg))
+            call = self.row_layout(engine, slots, out, inp, predivide, agg, scale, ex.wire, ex.rank_codec)
+        if whole:
+            call.reduce_dense(ex.report)
+        else:
+            ex.reduce(call)
         end, self._trial_end = self._trial_end, None
         if end is not None:  # not inside a backward: this call is the step
             end()

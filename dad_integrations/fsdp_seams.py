@@ -1,6 +1,6 @@
 """FSDP2's internals the adapter touches (torch 2.13), in one place: its parameter groups, the
-parameters one reduce-scatter carries and their places in its buffer, its gradient scaling, and its
-own reduce-scatter of what dAD leaves. Layout, scaling and call order: ``docs/internals/fsdp2_notes.md``.
+parameters one reduce-scatter carries and their places in its buffer, its gradient scaling. Layout,
+scaling and call order: ``docs/internals/fsdp2_notes.md``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (DefaultAllocM
                                                                     _get_gradient_divide_factors)
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-from dad_integrations.capture.sink import ShardSink, ShardSlot
-from dad_integrations.report import ShardedParamReport, ShardedStepReport
+from dad_integrations.capture.sink import ShardSlot
 
 OnCall = Callable[..., None]  # (param_group, output, input, group, op)
 
@@ -106,28 +105,6 @@ def slots_of(fps: list, names: Dict[int, str], inp: torch.Tensor, S: int) -> Opt
 def whole_slot(pg, inp: torch.Tensor, S: int) -> ShardSlot:
     """A group's whole buffer as one slot (where its parameters could not be mapped)."""
     return ShardSlot(f"{pg._module_fqn}.*", None, 0, inp.numel() // S, inp.numel() // S, (inp.numel(),))
-
-
-def reduce_scatter_whole(pg, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, op,
-                         report: ShardedStepReport) -> None:
-    """FSDP's own reduce-scatter of a whole group's buffer (where its parameters could not be mapped)."""
-    S = group.size()
-    reduce_scatter([whole_slot(pg, inp, S)], ShardSink([], out, inp, S), group, op, report)
-
-
-def reduce_scatter(dense: List[ShardSlot], sink: ShardSink, group, op, report: ShardedStepReport) -> None:
-    """FSDP's own reduce-scatter, on a buffer holding only ``dense``'s chunks."""
-    if not dense:
-        return
-    if sum(s.numel for s in dense) == sink.chunk:  # nothing went by factors: the buffer as it is
-        dist.reduce_scatter_tensor(sink.out, sink.inp, op=op, group=group)
-    else:
-        compact = sink.dense_input(dense)
-        result = torch.empty(compact.numel() // sink.world_size, dtype=compact.dtype, device=compact.device)
-        dist.reduce_scatter_tensor(result, compact, op=op, group=group)
-        sink.write_dense(dense, result)
-    report.params += [ShardedParamReport.of_shard(s.name, "dense", s.shape, s.numel, sink.world_size,
-                                                  sink.inp.element_size()) for s in dense]
 
 
 def scaling(pg, group: dist.ProcessGroup, inp: torch.Tensor, op) -> Tuple[float, float]:

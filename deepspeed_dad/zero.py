@@ -72,8 +72,6 @@ def check_zero(engine: Any, config: DADConfig) -> List[str]:
             problems.append("data_types.grad_accum_dtype different from the parameters' dtype is not supported with "
                             "dAD under ZeRO-2 (gradients are reduced into separate fp32 partition buffers); "
                             "remove data_types.grad_accum_dtype")
-        if getattr(opt, "zenflow", False):
-            problems.append("ZenFlow is not supported with dAD")
     inner = getattr(opt, "optimizer", None)
     if inner is not None and "Muon" in type(inner).__name__:
         problems.append("the Muon optimizer needs whole gradients on several ranks; not supported with dAD under "

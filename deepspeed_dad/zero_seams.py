@@ -155,7 +155,8 @@ class Zero3Seam(_Seam):
         super().__init__(dad, optimizer, {_Z3 + "avg_scatter_grads": self.avg_scatter_grads,
                                           _Z3 + "avg_scatter_contiguous_grads": self.avg_scatter_contiguous_grads})
 
-    def scale(self, all_reduce: bool) -> float:
+    @property
+    def scale(self) -> float:
         """What each call multiplies the sum of local gradients by (non-MoE parameters)."""
         opt, S = self.opt, self.world
         f, post = float(opt.gradient_predivide_factor), bool(opt.postscale_gradients)
@@ -171,7 +172,7 @@ class Zero3Seam(_Seam):
         return [(min(r * size, numel), min((r + 1) * size, numel)) for r in range(self.world)]
 
     def _reduce_to_partitions(self, params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor],
-                              scale: float, communication_data_type: torch.dtype) -> Dict[int, torch.Tensor]:
+                              communication_data_type: torch.dtype) -> Dict[int, torch.Tensor]:
         """`ZeroDAD.reduce`, as the partitions DeepSpeed's calls return (by ``id(param)``): the owned
         elements, zero past the weight's end, in the gradient accumulation dtype."""
         parts: Dict[int, torch.Tensor] = {}
@@ -182,15 +183,14 @@ class Zero3Seam(_Seam):
             parts[id(p)] = part
 
         itemsize = torch.empty((), dtype=communication_data_type).element_size()
-        self.dad.reduce(params, views, [self.ranges(p) for p in params], scale, itemsize, partition)
+        self.dad.reduce(params, views, [self.ranges(p) for p in params], self.scale, itemsize, partition)
         return parts
 
     def avg_scatter_grads(self, params_to_reduce: List[torch.nn.Parameter],
                           communication_data_type: torch.dtype) -> List[torch.Tensor]:
         original = self._originals[_Z3 + "avg_scatter_grads"]
         views = [p.grad.view(-1) for p in params_to_reduce]
-        parts = self._reduce_to_partitions(params_to_reduce, views, self.scale(all_reduce=False),
-                                           communication_data_type)
+        parts = self._reduce_to_partitions(params_to_reduce, views, communication_data_type)
         rest = [p for p in params_to_reduce if id(p) not in parts]
         dense = iter(original(rest, communication_data_type) if rest else [])
         return [parts[id(p)] if id(p) in parts else next(dense) for p in params_to_reduce]
@@ -202,7 +202,7 @@ class Zero3Seam(_Seam):
         params = list(bucket.params)
         offsets = [0, *itertools.accumulate(p.grad.numel() for p in params)]
         views = [buffer_to_reduce.narrow(0, offsets[k], p.grad.numel()) for k, p in enumerate(params)]
-        out = self._reduce_to_partitions(params, views, self.scale(all_reduce=True), communication_data_type)
+        out = self._reduce_to_partitions(params, views, communication_data_type)
         saved = bucket.params
         try:
             for a, b in _runs([id(p) in out for p in params]):

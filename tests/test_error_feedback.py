@@ -29,7 +29,7 @@ def test_a_residual_of_rank_at_most_q_is_kept_exactly_in_q_m_plus_n_numbers():
     memory = LowRankErrorFeedback(True, 3)
     grad, sent = torch.randn(20, 15, dtype=F64), _low_rank(20, 15, 4, seed=1)
     residual = _low_rank(20, 15, 3)
-    memory.update("w", grad + residual, grad)  # what was not sent: exactly `residual`
+    memory.keep("w", memory.pack("w", (grad + residual) - grad))  # what was not sent: exactly `residual`
     torch.testing.assert_close(memory.dense("w"), residual, rtol=1e-10, atol=1e-10)
     assert memory.numel() == 3 * (20 + 15)
     torch.testing.assert_close(memory.compensate("w", sent), sent + residual, rtol=1e-10, atol=1e-10)
@@ -52,7 +52,7 @@ def test_a_higher_rank_residual_keeps_its_strongest_directions():
 def test_state_loads_bitwise_and_converts_between_the_two_memories():
     like = torch.nn.Parameter(torch.zeros(20, 15, dtype=F64))
     low = LowRankErrorFeedback(True, 3)
-    low.update("w", _low_rank(20, 15, 3), torch.zeros(20, 15, dtype=F64))
+    low.keep("w", low.pack("w", _low_rank(20, 15, 3) - torch.zeros(20, 15, dtype=F64)))
     again = LowRankErrorFeedback(True, 3)
     again.load("w", low.state("w"), like)
     assert all(torch.equal(a, b) for a, b in zip(again.state("w"), low.state("w")))  # as saved
@@ -68,7 +68,7 @@ def test_state_loads_bitwise_and_converts_between_the_two_memories():
 
 def test_a_disabled_memory_keeps_nothing():
     memory = LowRankErrorFeedback(False, 2)
-    memory.update("w", torch.randn(4, 3, dtype=F64), torch.zeros(4, 3, dtype=F64))
+    memory.keep("w", memory.pack("w", torch.randn(4, 3, dtype=F64) - torch.zeros(4, 3, dtype=F64)))
     assert memory.state("w") is None and memory.numel() == 0
 
 
@@ -76,7 +76,7 @@ def test_at_q_of_the_smaller_side_the_residual_is_kept_whole():
     """``q >= min(m, n)``: a pair would hold more numbers than the residual and lose round-off."""
     memory = LowRankErrorFeedback(True, 8)
     residual = torch.randn(12, 5, dtype=F64)
-    memory.update("w", residual, torch.zeros(12, 5, dtype=F64))
+    memory.keep("w", memory.pack("w", residual - torch.zeros(12, 5, dtype=F64)))
     assert isinstance(memory.state("w"), torch.Tensor) and torch.equal(memory.dense("w"), residual)
     grad = torch.randn(12, 5, dtype=F64)
     assert torch.equal(memory.compensate("w", grad), grad + residual)

@@ -52,11 +52,6 @@ class ErrorFeedback:
         if self.enabled:
             self.residuals[name] = packed
 
-    def update(self, name: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
-        """Keep what was not sent: ``compensated - sent``."""
-        if self.enabled:
-            self.keep(name, self.pack(name, compensated - sent))
-
     def state(self, name: str) -> Optional[Packed]:
         return self.residuals.get(name)
 

@@ -27,7 +27,7 @@ the replicas stay identical bit for bit, as HSDP's all-reduce keeps them. Non-fi
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Callable, List, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.power_iteration import piece_span, split_blocks
 from dad_integrations.codecs.rank import RankItem
 from dad_integrations.codecs.route_state import RouteState
-from dad_integrations.codecs.sharded_rank import ROUTES, RankShard, ShardedRankCodec
+from dad_integrations.codecs.sharded_rank import RankShard, ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 
@@ -55,26 +55,16 @@ class ReplicateRankCodec(ShardedRankCodec):
         """``M_s``: this rank's rows (``c x n``, padded) of the node's sum, plus its residual."""
         return self.local(unit, [], lambda p, dtype: node_rows, representation)
 
-    def exchange_node(self, items: Sequence[RankItem], scale: float, step: int,
-                      wire: torch.dtype) -> List[RankShard]:
-        """Each item's shard, ``scale`` times its rows of the rank-r sum over nodes (in ``items``' order)."""
-        wire = self.wire_dtype or wire
-        out = {}
-        for route in ROUTES:
-            chosen = [(i, it) for i, it in enumerate(items) if it.representation == route]
-            if chosen:
-                run = self._allreduce_route if route == "rank_allreduce" else self._rank_dad
-                out.update(zip([i for i, _ in chosen], run([it for _, it in chosen], scale, step, wire)))
-        return [out[i] for i in range(len(items))]
-
-    # -- the routes ------------------------------------------------------------------------------
-    def _allreduce_route(self, items: Sequence[RankItem], scale: float, step: int, wire) -> List[RankShard]:
+    # -- the routes (`ShardedRankCodec.exchange` runs them, the all-gather route's first) ----------
+    def _rank_allreduce(self, items: Sequence[RankItem], agg, scale: float, step: int, wire,
+                        rebuild=None) -> List[RankShard]:
         bases, q_alls, traffic = self.shared_rounds(items, self.shared, step, "dad.replicate", sites=self.cross,
                                                     rows=self.intra, wire=wire)()
         return [RankShard((basis * scale) @ q_all.t(), t, it.rank)
                 for it, basis, q_all, t in zip(items, bases, q_alls, traffic)]
 
-    def _rank_dad(self, items: Sequence[RankItem], scale: float, step: int, wire) -> List[RankShard]:
+    def _start_gather(self, items: Sequence[RankItem], agg, scale: float, step: int,
+                      wire) -> Callable[[], List[RankShard]]:
         dtypes = [compute_dtype(it.unit.param) for it in items]
         bases, qs, _ = self.shared_rounds(items, self.own, step, "dad.replicate.node", rows=self.intra, wire=wire)()
         q_flat = torch.cat([q.reshape(-1) for q in qs])
@@ -92,7 +82,7 @@ class ReplicateRankCodec(ShardedRankCodec):
             left = torch.cat([j[0][i].to(dtypes[i]) for j in joined], dim=1) * scale  # per node: P^_{node,s}
             right = torch.cat([j[1][i].to(dtypes[i]) for j in joined], dim=1)         # per node: Q_node
             out.append(RankShard(left @ right.t(), t, it.rank))
-        return out
+        return lambda: out
 
     def _join_node_pieces(self, received: Sequence[torch.Tensor], p_numel: int, q_numel: int, items):
         """Per node (in the cross group's order): its P^_s blocks and its whole Q_node per item, the

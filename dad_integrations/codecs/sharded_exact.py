@@ -27,21 +27,26 @@ from dad_integrations.codecs.exact import (BiasUses, Blocks, ExactCodec, RowShar
 RowCounts = Sequence[Sequence[int]]   # by rank, by use
 
 
+def longest(rows_by_rank: RowCounts) -> List[int]:
+    """Each use's rows on the rank with the most: what every rank pads that use to."""
+    return [max(k) for k in zip(*rows_by_rank)]
+
+
 def encode_sliced(rows: Sequence[Rows], rows_by_rank: RowCounts, m: int, world_size: int,
                   wire: torch.dtype, blocks: Blocks = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """This rank's two payloads: ``right`` of every use flattened (for the all-gather), and
     ``send`` ``(S, sum_u longest_u, c)``: block d holds every use's cut for rank d, at its rows
     among d's ``c`` columns, each use's rows padded to its longest rank."""
-    longest = [max(r[u] for r in rows_by_rank) for u in range(len(rows))]
+    pads = longest(rows_by_rank)
     region, kinds = RowShards(world_size), ("linear",) * len(rows)  # linear-like uses only: no ids here
     rows = [(left, right.to(wire)) for left, right in rows]          # converted once, not per destination
     shape = (m, rows[0][1].shape[1] if rows else 0)
     device = rows[0][1].device if rows else None
-    send = torch.zeros(world_size, sum(longest), region.rows(0, m, 0)[2], dtype=wire, device=device)
+    send = torch.zeros(world_size, sum(pads), region.rows(0, m, 0)[2], dtype=wire, device=device)
     for d in range(world_size):
         lo, hi, _ = region.rows(d, m, 0)
         parts, row0 = cut(kinds, shape, rows, wire, blocks, region, d), 0
-        for u, pad in enumerate(longest):
+        for u, pad in enumerate(pads):
             left = parts[2 * u]
             if left.numel():
                 a, _ = use_span(blocks[u] if blocks is not None else None, lo, hi, m)
@@ -60,11 +65,10 @@ def decode_sliced(kinds: Sequence[str], shape: Tuple[int, int], rights: Sequence
     m, n = shape
     region = RowShards(len(rights))
     lo, hi, _ = region.rows(rank, m, n)
-    longest = [max(r[u] for r in rows_by_rank) for u in range(len(kinds))]
-    sources = []
+    pads, sources = longest(rows_by_rank), []
     for s, counts in enumerate(rows_by_rank):
         rows, pos, row0 = [], 0, 0
-        for k, pad in zip(counts, longest):
+        for k, pad in zip(counts, pads):
             rows.append((received[s, row0:row0 + k, :hi - lo], rights[s][pos:pos + k * n].view(k, n)))
             pos, row0 = pos + k * n, row0 + pad
         sources.append(rows)

@@ -13,7 +13,7 @@ representations on the hop between nodes:
 2. **between nodes, owners only**: node k's ranks together own one contiguous stretch of the
    weight, ``[min lo, max hi)`` over its ranks (ZeRO-3: about ``1/N`` of it). The owners run the flat
    partition exchange over their cross group (N members) with those node ranges in place of the
-   ranks' (`_CrossCall`, a `PartitionCall`: exact factors by one all-to-all of covering columns,
+   ranks' (a `PartitionCall` of their own: exact factors by one all-to-all of covering columns,
    rank-dAD's ``(P_k, Q_k)`` of the node sum the same way, or PowerSGD's P and Q all-reduced), so
    every owner rebuilds its node's stretch of the scaled average, and only that;
 3. **from the owner, inside the node** (one all-to-all per call): each rank's own elements.
@@ -82,22 +82,6 @@ class _LocalGrads:
         return q if q.dtype == dtype else q.to(dtype)
 
 
-class _CrossCall(PartitionCall):
-    """Hop 2: the flat partition exchange among one cross group's owners, each standing for its
-    node (its node's rows or gradient sum; its node's stretch of every weight)."""
-
-    def __init__(self, layout: PartitionLayout, units: Sequence[FactorUnit], sums: Sequence[torch.Tensor],
-                 node_ranges: Sequence[Sequence[Range]], *, scale: float, itemsize: int, dtype: torch.dtype):
-        self.results: Dict[int, torch.Tensor] = {}
-        super().__init__(layout, [u.param for u in units], sums, node_ranges, scale=scale, itemsize=itemsize,
-                         dtype=dtype, deliver=lambda p, owned: None)
-        self.S = layout.aggregator.world_size  # the nodes
-
-    def deliver(self, unit: FactorUnit, owned: torch.Tensor) -> None:
-        self.results[unit.index] = owned
-        self.delivered.add(id(unit.param))
-
-
 class NodePartitionCall(PartitionCall):
     """One ZeRO reduction call across nodes (module doc): dense weights by DeepSpeed's reduce-scatter,
     the others in three hops."""
@@ -164,8 +148,10 @@ class NodePartitionCall(PartitionCall):
         """Hop 2 for this rank's units over its cross group: each unit's stretch of this node."""
         units = [it.unit for it in mine]
         sums = [it.result[0] if sums_at_owner(it.rep) else self.grads[it.unit.index] for it in mine]
-        call = _CrossCall(self.nodes.cross, units, sums, [self.node_ranges(u) for u in units], scale=self.scale,
-                          itemsize=self.itemsize, dtype=self.dtype)
+        results: Dict[int, torch.Tensor] = {}  # by parameter: its node's stretch
+        call = PartitionCall(self.nodes.cross, [u.param for u in units], sums, [self.node_ranges(u) for u in units],
+                             scale=self.scale, itemsize=self.itemsize, dtype=self.dtype,
+                             deliver=lambda p, owned: results.__setitem__(id(p), owned))
         # exact: the node's stacked rows; rank routes: none (the node sum is reduced, `ShardedRankCodec.local`)
         call.prepare({it.unit.index: (it.rows if it.rep == "exact" else []) for it in mine})
         exact = [it.unit for it in mine if it.rep == "exact"]
@@ -173,7 +159,7 @@ class NodePartitionCall(PartitionCall):
         scratch = ShardedStepReport(step + 1, self.nodes.levels.topology.num_nodes)
         call.exchange(CallRoutes(step, counts, scratch, [(it.unit, it.rep) for it in mine]))
         by_name = {p.name: Traffic(p.handed_bytes, p.sent_bytes, p.received_bytes) for p in scratch.params}
-        return call.results, {it.unit.index: by_name.get(it.unit.name, Traffic()) for it in mine}
+        return results, {it.unit.index: by_name.get(it.unit.name, Traffic()) for it in mine}
 
     def _from_owner(self, items: List[HopItem], results: Mapping[int, torch.Tensor]) -> Traffic:
         """Hop 3: one all-to-all inside the node; every rank delivers its own elements of each unit."""
@@ -188,8 +174,9 @@ class NodePartitionCall(PartitionCall):
             own = piece(it, topo.rank)
             return (own.stop - own.start) * compute_dtype(it.unit.param).itemsize
 
-        by_rank = [[results[it.unit.index][piece(it, r)].to(compute_dtype(it.unit.param)).reshape(-1).view(torch.uint8)
-                    for it in items if it.owner == self.local] for r in topo.intra_ranks(topo.node)]
+        mine = [it for it in items if it.owner == self.local]
+        by_rank = [[results[id(it.unit.param)][piece(it, r)].to(compute_dtype(it.unit.param)).reshape(-1).view(
+            torch.uint8) for it in mine] for r in topo.intra_ranks(topo.node)]
         recv_sizes = [sum(nbytes(it) for it in items if it.owner == j) for j in range(self.L)]
         parts = [p for ps in by_rank for p in ps]
         send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.layout.device)

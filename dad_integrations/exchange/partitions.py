@@ -34,7 +34,7 @@ from dad_integrations.codecs.partition_exact import PartitionExactCodec, Partiti
 from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
-from dad_integrations.exchange.sharded import CallRoutes, ShardedCall, ShardedExchanger
+from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall, ShardedExchanger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, has_codec, raise_unsupported, routes_for
@@ -69,21 +69,19 @@ class PartitionCall(ShardedCall):
         self.layout, self.params, self.scale, self.itemsize, self.dtype, self._deliver = (
             layout, params, scale, itemsize, dtype, deliver)
         self.aggregator, self.rank_codec = layout.aggregator, layout.exchanger.rank_codec
-        self.S, self.config = layout.exchanger.world_size, layout.exchanger.config
+        self.S, self.config = layout.aggregator.world_size, layout.exchanger.config
         self.route_wire = layout.exchanger.wire or dtype
-        self._units: List[FactorUnit] = []
+        units: List[FactorUnit] = []
         self.grads: Dict[int, torch.Tensor] = {}
         self.ranges: Dict[int, list] = {}
         for p, g, r in zip(params, local, ranges):
             unit = layout.unit_of.get(id(p))
             if unit is not None:
-                self._units.append(unit)
+                units.append(unit)
                 self.grads[unit.index], self.ranges[unit.index] = g, list(r)
+        self.engine = EngineCall(units)  # ZeRO's: its rows as captured, its own reduction of the rest
         self.items: Dict[int, PartitionItem] = {}
         self.delivered: Set[int] = set()
-
-    def units(self) -> List[FactorUnit]:
-        return self._units
 
     def local_of(self, unit: FactorUnit) -> torch.Tensor:
         return self.grads[unit.index]
@@ -175,7 +173,7 @@ class PartitionCall(ShardedCall):
             report.params.append(entry)
         if shared:
             self._reduce_shared(shared, routes.step, report)
-        units = {u.index: u for u in self._units}
+        units = {u.index: u for u in self.engine.units()}
         for chunk in _chunks(routed, self.layout.chunk_bytes):
             # one all-to-all per chunk: a whole DeepSpeed bucket's factors at once would hold all of
             # their send and receive buffers together, above ZeRO's own peak

@@ -18,8 +18,8 @@ Per route, for rank s of node k:
 * **dense** (and biases under rank routes, and whatever no route covers): the node's
   reduce-scatter, then the shard's all-reduce over ``cross``, which is HSDP's own reduction.
 
-The adapter supplies the reduce-scatter inside the node (`reduce_scatter_node`), and says which
-units a call carries (`units`) and where their rows are (`take_pairs`), as for 1-D sharding.
+The adapter's engine part (`exchange.sharded.EngineCall`) is FSDP's, as for 1-D sharding: the units
+a call carries, where their rows are, and its reduce-scatter, here inside the node.
 """
 from __future__ import annotations
 
@@ -28,13 +28,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from dad_integrations.capture.sink import ShardSink, ShardSlot
+from dad_integrations.capture.sink import ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
-from dad_integrations.codecs.sharded_exact import ShardedExactCodec
+from dad_integrations.codecs.sharded_exact import ShardedExactCodec, longest
 from dad_integrations.comm.aggregator import FactorAggregator
-from dad_integrations.exchange.row_shards import SinkCall
-from dad_integrations.exchange.sharded import CallRoutes, Estimates
+from dad_integrations.exchange.row_shards import RowShardCall
+from dad_integrations.exchange.sharded import CallRoutes, EngineCall, Estimates
 from dad_integrations.routes import layouts
 from dad_integrations.routes.codec import start_codec
 from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, routes_for
@@ -67,28 +67,21 @@ class ReplicateGroups:
         return [row[s] for row in self.grid]
 
 
-class ReplicateHopCall(SinkCall):
+class ReplicateHopCall(RowShardCall):
     """One HSDP reduction call (module doc): ``slots`` place each parameter in the node's
     reduce-scatter buffers (``inp``: L chunks, already divided by ``predivide``; ``out``: this rank's
     chunk); ``scale`` turns a sum over the world of local gradients into what the engine keeps
-    before its post-divide."""
+    before its post-divide; ``engine``'s reduce-scatter runs inside the node."""
 
     LAYOUT = layouts.REPLICATE_HOP  # the layout its routes run on (`routes.layouts`)
 
-    def __init__(self, slots: List[ShardSlot], out: torch.Tensor, inp: torch.Tensor, predivide: float, scale: float,
-                 groups: ReplicateGroups, wire: Optional[torch.dtype], rank_codec: Optional[ReplicateRankCodec],
-                 config):
-        self.slots, self.scale, self.groups, self.config = slots, scale, groups, config
-        self.aggregator = groups.world       # counts, checks, a step's finiteness: every rank
-        self.sink = ShardSink(slots, out, inp, groups.local, predivide)
-        self.route_wire, self.rank_codec = wire, rank_codec
+    def __init__(self, engine: EngineCall, slots: List[ShardSlot], out: torch.Tensor, inp: torch.Tensor,
+                 predivide: float, scale: float, groups: ReplicateGroups, wire: Optional[torch.dtype],
+                 rank_codec: Optional[ReplicateRankCodec], config):
+        # counts, checks, a step's finiteness: every rank (the world)
+        super().__init__(engine, slots, out, inp, predivide, groups.world, scale, wire, rank_codec, groups.local)
+        self.groups, self.config = groups, config
 
-    # -- the adapter's part ----------------------------------------------------------------------
-    def reduce_scatter_node(self, compact: torch.Tensor) -> torch.Tensor:
-        """The engine's reduce-scatter (a sum) of ``compact`` (L chunks) inside the node."""
-        raise NotImplementedError
-
-    # -- ShardedCall ---------------------------------------------------------------------------
     def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
         # the node's residual, rank s holding its rows s: into this rank's own chunk only, which
         # the node's reduce-scatter adds once
@@ -100,7 +93,7 @@ class ReplicateHopCall(SinkCall):
     def estimates(self, unit: FactorUnit, counts: Optional[RowCounts]) -> Estimates:
         """Bytes one rank sends between nodes per route (`routes`' models on the ``replicate_hop``
         layout); rows per use: the most any rank captured (agreed, so every rank decides alike)."""
-        rows = [max(r[u] for r in counts) for u in range(len(unit.uses))] if counts else [0] * len(unit.uses)
+        rows = longest(counts) if counts else [0] * len(unit.uses)
         sizing = UnitSizing(tuple(unit.kinds), tuple(unit.shape), self.sink.inp.dtype, self.route_wire,
                             rank=self.config.rank or 0, rounds=self.config.power_iterations,
                             bias_numel=sum(b.shape[0] for b in self._biases(unit)), blocks=unit.blocks, rows=rows,
@@ -135,7 +128,7 @@ class ReplicateHopCall(SinkCall):
             codec = self.rank_codec
             items = [codec.node_local(u, sums[id(u.param)].view(s.rows, -1) * sink.predivide, rep)
                      for (u, rep), s in zip(ranked, slots)]
-            results = codec.exchange_node(items, self.scale, routes.step, sink.inp.dtype) if items else []
+            results = codec.exchange(items, self.aggregator, self.scale, routes.step, sink.inp.dtype) if items else []
             for item, result in zip(items, results):
                 entry = self._put(item.unit.param, result.shard, item.representation, report, covered)
                 entry.components = result.components
@@ -148,7 +141,7 @@ class ReplicateHopCall(SinkCall):
     # -- the hops --------------------------------------------------------------------------------
     def _node_sums(self, slots: Sequence[ShardSlot]) -> Dict[int, torch.Tensor]:
         """This rank's chunk of the node's sum (predivided, flat) of each slot."""
-        result = self.reduce_scatter_node(self.sink.dense_input(slots))
+        result = self._scatter(self.sink.dense_input(slots))
         out, pos = {}, 0
         for s in slots:
             out[id(s.param)] = result[pos:pos + s.numel]
@@ -157,7 +150,7 @@ class ReplicateHopCall(SinkCall):
 
     def _dense(self, slots: Sequence[ShardSlot], report: ShardedStepReport) -> None:
         if slots:
-            self._cross_dense(slots, self.reduce_scatter_node(self.sink.dense_input(slots)), report)
+            self._cross_dense(slots, self._scatter(self.sink.dense_input(slots)), report)
 
     def _cross_dense(self, slots: Sequence[ShardSlot], node_sum: Optional[torch.Tensor],
                      report: ShardedStepReport) -> None:

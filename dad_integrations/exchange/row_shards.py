@@ -3,8 +3,8 @@
 
 A call's buffers are read and written through a `capture.sink.ShardSink`; `RowShardCall` runs its
 exchanges: exact factors (`codecs.sharded_exact`), the rank routes (`codecs.sharded_rank`), routes
-with a codec of their own, and the engine's own reduce-scatter for the rest
-(`RowShardCall.reduce_rest`, the adapter's); their bytes are `routes`' models on ``row_shards``.
+with a codec of their own, and the engine's own reduce-scatter for the rest (its engine part's
+`EngineCall.reduce_scatter`); their bytes are `routes`' models on ``row_shards``.
 Biases in the weight's shard ride with exact factors; under other routes they stay on the engine's
 reduction.
 """
@@ -19,22 +19,28 @@ from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import agree_counts
 from dad_integrations.codecs.sharded_exact import ShardedExactCodec
-from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import agree_factors_rebuild
-from dad_integrations.exchange.sharded import CallRoutes, ShardedCall
+from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes.codec import start_codec_chunks
 from dad_integrations.routes.registry import get_route
 from dad_integrations.routing.router import UnitShape
 
 
-class SinkCall(ShardedCall):
-    """What the row-shard calls (`RowShardCall`, HSDP's `exchange.replicate_hop.ReplicateHopCall`)
-    share: buffers read and written through ``self.sink``, counts and checks over ``self.aggregator``,
-    a unit seen with the biases that ride with it."""
+class RowShardCall(ShardedCall):
+    """One reduce-scatter of row-block shards (see the module doc), for the engine part ``engine``
+    (its units, rows and reduce-scatter); HSDP's `exchange.replicate_hop.ReplicateHopCall` reuses its
+    buffers, counts, checks and reports, a unit seen with the biases that ride with it."""
 
-    sink: ShardSink
+    def __init__(self, engine: EngineCall, slots: List[ShardSlot], out: torch.Tensor, inp: torch.Tensor,
+                 predivide: float, aggregator: FactorAggregator, scale: float, wire, rank_codec, shards: int = 0):
+        """``slots``: each parameter's place in the engine's input buffer ``inp`` (``shards`` chunks,
+        default the group's size, already divided by ``predivide``) and output chunk ``out``;
+        ``scale``: what the engine's reduce-scatter multiplies the sum by."""
+        self.engine, self.slots, self.aggregator, self.scale = engine, slots, aggregator, scale
+        self.sink = ShardSink(slots, out, inp, shards or aggregator.world_size, predivide)
+        self.route_wire, self.rank_codec = wire, rank_codec
 
     def agree_counts(self, units):
         """Every rank's row count per unit and use: one all-gather of int64 for all ``units``."""
@@ -79,22 +85,22 @@ class SinkCall(ShardedCall):
         return entries[0]
 
 
-class RowShardCall(SinkCall):
-    """One reduce-scatter of row-block shards (see the module doc); the adapter says which units it
-    carries (`units`) and runs the engine's reduce-scatter of the rest (`reduce_rest`)."""
-
-    def __init__(self, slots: List[ShardSlot], out: torch.Tensor, inp: torch.Tensor, predivide: float,
-                 aggregator: FactorAggregator, scale: float, wire, rank_codec: ShardedRankCodec):
-        """``slots``: each parameter's place in the engine's input buffer ``inp`` (already divided by
-        ``predivide``) and output chunk ``out``; ``scale``: what the engine's reduce-scatter
-        multiplies the sum by."""
-        self.slots, self.aggregator, self.scale = slots, aggregator, scale
-        self.sink = ShardSink(slots, out, inp, aggregator.world_size, predivide)
-        self.route_wire, self.rank_codec = wire, rank_codec
-
     def reduce_rest(self, slots: List[ShardSlot], report: ShardedStepReport) -> None:
         """The engine's own reduce-scatter of ``slots`` (those no route above covered)."""
-        raise NotImplementedError
+        if not slots:
+            return
+        sink = self.sink
+        if sum(s.numel for s in slots) == sink.chunk:  # nothing went by a route: the buffer as it is
+            self.engine.reduce_scatter(sink.out, sink.inp)
+        else:
+            sink.write_dense(slots, self._scatter(sink.dense_input(slots)))
+        report.params += [self._entry(s.param, "dense", s) for s in slots]
+
+    def _scatter(self, compact: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of the engine's reduce-scatter of ``compact`` (one chunk per shard)."""
+        result = torch.empty(compact.numel() // self.sink.world_size, dtype=compact.dtype, device=compact.device)
+        self.engine.reduce_scatter(result, compact)
+        return result
 
     def add_residual(self, unit: FactorUnit, residual: torch.Tensor) -> None:
         self.sink.add_local(unit.param, residual)

@@ -1,10 +1,12 @@
 """The sharded exchanger: what FSDP2 and DeepSpeed ZeRO-2/3 share when dAD takes their reduce-scatter.
 
 A sharded engine reduces gradients in calls (FSDP2: one per parameter group, ZeRO: one per bucket);
-each rank keeps its shard of the average. An adapter hands each call over as a `ShardedCall`: which
-factor units it reduces, where their rows and local gradients are, and how its engine exchanges
-exact factors, rank routes and the dense rest. `ShardedExchanger.reduce` runs the rest, alike for
-both engines and in the same order on every rank:
+each rank keeps its shard of the average. An adapter hands each call over as two parts composed: its
+engine part (`EngineCall`: the units, their rows, the engine's own reduce-scatter, the step's end)
+held by a layout part (`ShardedCall`: how each unit's route is exchanged over the region a rank
+keeps, `exchange.row_shards`, `partitions`, `replicate_hop`, `node_partitions`), so that engines and
+layouts combine freely. `ShardedExchanger.reduce` runs the rest, alike for every engine and layout
+and in the same order on every rank:
 
 1. a route trial's dense step (or all dense decided): every weight by the engine's own reduction,
    capture drained, residuals flushed into it unless the trial holds them;
@@ -80,21 +82,39 @@ class CallRoutes:
         return [(u, rep) for u, rep in self.routed if has_codec(rep)]
 
 
-class ShardedCall:
-    """One reduction call of a sharded engine, as its adapter describes it (override what applies)."""
+class EngineCall:
+    """The engine part of one reduction call: what its engine hands over, whatever the layout (an
+    adapter subclasses it; a layout, `ShardedCall`, holds it as ``engine``)."""
 
-    LAYOUT: Layout = layouts.ROW_SHARDS  # the layout its routes run on (`routes.layouts`)
-
-    aggregator: FactorAggregator               # the call's group
-    route_wire: Optional[torch.dtype] = None   # the wire dtype the router counts in
+    def __init__(self, units: Sequence[FactorUnit] = ()):
+        self._units = list(units)
 
     def units(self) -> List[FactorUnit]:
         """The factor units this call reduces, in its order (dense-only ones included)."""
-        raise NotImplementedError
+        return self._units
 
     def take_pairs(self, unit: FactorUnit, use) -> list:
         """The captured (left, right) pairs of ``use`` that are ready to send (and forget them)."""
         return use.take()
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """The engine's own reduce-scatter of ``inp`` into ``out`` (the row layouts' dense reduction)."""
+        raise NotImplementedError
+
+    def at_step_end(self, end: Callable[[], None]) -> None:
+        """Run ``end`` once the step's last reduction is over (where the adapter does not call
+        `ShardedExchanger.end_rank_step` itself)."""
+
+
+class ShardedCall:
+    """The layout part of one reduction call: how its units' routes are exchanged over the region
+    each rank keeps, for the engine part it holds (``engine``; override what applies)."""
+
+    LAYOUT: Layout = layouts.ROW_SHARDS  # the layout its routes run on (`routes.layouts`)
+
+    engine: EngineCall
+    aggregator: FactorAggregator               # the call's group
+    route_wire: Optional[torch.dtype] = None   # the wire dtype the router counts in
 
     rows: Dict[int, List[Rows]]                # unit index -> rows per use (`prepare`)
 
@@ -142,10 +162,6 @@ class ShardedCall:
     def exchange(self, routes: CallRoutes) -> None:
         """Run the call's exchanges: exact factors, rank routes, the engine's reduction for the rest."""
         raise NotImplementedError
-
-    def at_step_end(self, end: Callable[[], None]) -> None:
-        """Run ``end`` once the step's last reduction is over (where the adapter does not call
-        `ShardedExchanger.end_rank_step` itself)."""
 
 
 class ShardedExchanger(TimedRoutes):
@@ -286,7 +302,7 @@ class ShardedExchanger(TimedRoutes):
             self.state.note_local(local)
         if not self._rank_touched:
             self._rank_touched = True
-            call.at_step_end(functools.partial(self.end_rank_step, call.aggregator, self.report))
+            call.engine.at_step_end(functools.partial(self.end_rank_step, call.aggregator, self.report))
 
     def _flush(self, call: ShardedCall, unit: FactorUnit) -> bool:
         """A unit off the rank routes with a residual left: it rides the engine's reduction now."""
@@ -303,8 +319,8 @@ class ShardedExchanger(TimedRoutes):
         cfg = self.config
         rows: Dict[int, List[Rows]] = {}
         live: List[FactorUnit] = []
-        for unit in call.units():  # rows are drained whatever the route: a step's rows are its own
-            taken = [call.take_pairs(unit, c) for c in unit.uses]
+        for unit in call.engine.units():  # rows are drained whatever the route: a step's rows are its own
+            taken = [call.engine.take_pairs(unit, c) for c in unit.uses]
             if unit.dense_only:
                 continue
             live.append(unit)

@@ -218,7 +218,7 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
                          rank: Optional[int], rank_route: str = DADConfig.rank_route,
                          dtype: torch.dtype = torch.float32, rows: Optional[RowCounts] = None) -> ShardedStepPlan:
     """Bytes one rank sends per unit in a steady-state FSDP2 step (`fsdp.enable_dad_fsdp`): every
-    unit's rows are exchanged each backward (`exchange.row_shards.SinkCall.agree_counts`; not in
+    unit's rows are exchanged each backward (`exchange.row_shards.RowShardCall.agree_counts`; not in
     mode ``"rank"``, `router.sharded_needs_counts`), the router decides with ``sharded=True`` on
     those counts, and the route's estimate is what the unit sends; parameters outside the units, and units routed dense, go through FSDP2's
     reduce-scatter (`costs.reduce_scatter_bytes`, in ``dtype``)."""
