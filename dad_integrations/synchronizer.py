@@ -23,7 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Iterator, List, Mapping, Optional, Tuple, Union
 
 from torch import nn
 
@@ -40,14 +40,12 @@ from dad_integrations.codecs.route_state import STATE_VERSION, route_table
 from dad_integrations.exchange.levels import build_levels
 from dad_integrations.synchronizer_hooks import ParamHooks
 from dad_integrations.synchronizer_step import StepLifecycle
-
-if TYPE_CHECKING:
-    from dad_integrations.routing.link import LinkModel
+from dad_integrations.routing.trial import TimedRoutes
 
 log = logging.getLogger(__name__)
 
 
-class DADSynchronizer(StepLifecycle, ParamHooks):
+class DADSynchronizer(StepLifecycle, ParamHooks, TimedRoutes):
     """Synchronises every trainable parameter's gradient of ``model`` across ranks.
 
     Args:
@@ -164,24 +162,10 @@ class DADSynchronizer(StepLifecycle, ParamHooks):
         """Per parameter: representation, rows, bytes handed/sent/received, and totals."""
         return self._report
 
-    def set_link(self, link: Union["LinkModel", Mapping]) -> None:
-        """Route by ``link`` (a `routing.link.LinkModel` or a config ``link`` dict, the same on every rank)
-        from the next route refresh on, in place of the measured or configured one (not by bytes)."""
-        from dad_integrations.routing.link import LinkModel
-        self._exchanger.policy.set_link(LinkModel.from_spec(link))
-
     @property
-    def timing(self):
-        """The link and compute models routes are chosen by (`routing.timing.StepTiming`); None where the
-        objective is bytes."""
-        return self._exchanger.policy.timing
-
-    @property
-    def route_trials(self) -> list:
-        """The route trials so far (`routing.trial.TrialOutcome`: a refresh's routes and all dense
-        measured, and what was kept); empty where routes are not chosen by time on a measured link."""
-        trial = self._exchanger.policy.trial
-        return list(trial.outcomes) if trial is not None else []
+    def _trial(self):
+        """Its routing by time (`routing.trial.TimedRoutes`: ``set_link``, ``timing``, ``route_trials``)."""
+        return self._exchanger.policy
 
     @property
     def units(self) -> List[FactorUnit]:

@@ -49,7 +49,8 @@ from dad_integrations.routes.layouts import RESIDUALS, Layout
 from dad_integrations.routes.registry import check_routes, has_codec, is_rank_route, raise_unsupported
 from dad_integrations.routing.router import (Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route,
                                              sharded_needs_counts)
-from dad_integrations.routing.sharded_trial import ShardedTrial, TimedRoutes, agree_on
+from dad_integrations.routing.sharded_trial import ShardedTrial, agree_on
+from dad_integrations.routing.trial import TimedRoutes
 from dad_integrations.routing.timing import LinkProbe
 
 log = logging.getLogger(__name__)
@@ -378,9 +379,9 @@ class ShardedExchanger(TimedRoutes):
         return [u for u in live if not u.dense_only]
 
 
-class ShardedFacade:
+class ShardedFacade(TimedRoutes):
     """The public face FSDP2's and ZeRO's adapters share, over their `ShardedExchanger`
-    (``self.exchanger``): reports, per-rank state, routing by time."""
+    (``self.exchanger``): reports, per-rank state, routing by time (`routing.trial.TimedRoutes`)."""
 
     exchanger: ShardedExchanger
     plan: object
@@ -428,17 +429,3 @@ class ShardedFacade:
         ex.state.load_state_dict(route_table(state), {u.name: u.param for u in self.plan.units})
         ex.steps, ex.report = int(state.get("steps", 0)), None
         ex.trial.cancel()  # every rank loads alike: a trial in progress ends on all of them
-
-    def set_link(self, link) -> None:
-        """`routing.sharded_trial.TimedRoutes.set_link`."""
-        self.exchanger.set_link(link)
-
-    @property
-    def timing(self):
-        """The link and compute models routes are chosen by; None where the objective is bytes."""
-        return self.exchanger.timing
-
-    @property
-    def route_trials(self):
-        """The route trials so far (`routing.trial.TrialOutcome`)."""
-        return self.exchanger.route_trials

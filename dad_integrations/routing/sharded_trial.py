@@ -183,27 +183,3 @@ class ShardedTrial(TrialOwner):
 def agree_on(aggregator: FactorAggregator, device: torch.device) -> Agree:
     """`link.agree_max` on ``aggregator`` (the trial's agreement collective)."""
     return lambda values: agree_max(aggregator, values, device, name="dad.trial.agree")
-
-
-class TimedRoutes:
-    """What a sharded synchroniser with a `ShardedTrial` (``self._trial``) shows of its routing by
-    time, as `DADSynchronizer` does: ``set_link``, ``timing``, ``route_trials``."""
-
-    _trial: ShardedTrial
-
-    def set_link(self, link) -> None:
-        """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; the same on every rank)
-        in place of the measured one, until it is measured again (every ``route_refresh_steps``);
-        with ``objective="bytes"`` it has no effect."""
-        self._trial.set_link(LinkModel.from_spec(link))
-
-    @property
-    def timing(self) -> Optional[StepTiming]:
-        """The link and compute models routes are chosen by; None where the objective is bytes."""
-        return self._trial.timing
-
-    @property
-    def route_trials(self) -> List[TrialOutcome]:
-        """The route trials so far (`trial.TrialOutcome`); empty where routes are not chosen
-        by time on a measured link in mode auto."""
-        return self._trial.outcomes

@@ -516,3 +516,27 @@ def _won(routes: Sequence[float], dense: Sequence[float], margin: float) -> int:
 def _lower_quartile(values: Sequence[Optional[float]]) -> float:
     known = sorted(v for v in values if v is not None)
     return known[len(known) // 4] if known else 0.0
+
+
+class TimedRoutes:
+    """What a synchroniser shows of its routing by time, over its `TrialOwner` (``self._trial``):
+    ``set_link``, ``timing``, ``route_trials``; the same for every engine."""
+
+    _trial: TrialOwner
+
+    def set_link(self, link) -> None:
+        """Route by ``link`` (a `link.LinkModel` or a config ``link`` dict; the same on every rank)
+        in place of the measured one, until it is measured again (every ``route_refresh_steps``);
+        with ``objective="bytes"`` it has no effect."""
+        self._trial.set_link(LinkModel.from_spec(link))
+
+    @property
+    def timing(self) -> Optional[StepTiming]:
+        """The link and compute models routes are chosen by; None where the objective is bytes."""
+        return self._trial.timing
+
+    @property
+    def route_trials(self) -> List[TrialOutcome]:
+        """The route trials so far (`TrialOutcome`); empty where routes are not chosen
+        by time on a measured link in mode auto."""
+        return self._trial.outcomes
