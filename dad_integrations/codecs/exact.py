@@ -338,13 +338,10 @@ def range_rebuild(kinds: Sequence[str], shape: Tuple[int, int], received: Sequen
                   own: Range, dtype: torch.dtype, blocks: Blocks = None) -> torch.Tensor:
     """The flat elements ``own`` of ``sum over sources`` of the unit's gradient, from every source's
     blocks for this rank (``received[s]``, as `range_cuts` makes them): `rebuild` of the covering rows."""
-    lo, hi = own
-    if hi <= lo:
-        return torch.zeros(0, dtype=dtype, device=next((b.device for parts in received for b in parts), None))
-    region = Ranges((own,))
-    r0 = region.rows(0, *shape)[0]
+    region = Ranges((own,))  # owning nothing: no rows, no elements
+    start = own[0] - region.rows(0, *shape)[0] * shape[1]
     rows, _ = rebuild(kinds, shape, [pairs(parts) for parts in received], dtype, blocks, region)
-    return rows.reshape(-1)[lo - r0 * shape[1]:hi - r0 * shape[1]]
+    return rows.reshape(-1)[start:start + max(own[1] - own[0], 0)]
 
 
 def dest_sizes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts], ranges: Sequence[Range],
