@@ -33,8 +33,7 @@ The *region* says which rows each rank keeps, and so which collective moves the 
   whose per-destination sizes follow from counts every rank agrees on (`use_counts`, one small
   all-gather per call), so no padding is sent and a rank owning nothing of a weight gets nothing.
 
-Units without uses, and blocks on a non-linear use, never take `RowShards` or `Ranges`
-(`sharded_exact_covers`). Bytes: `routes.exact`.
+`sharded_exact_covers` says which units take `RowShards` and `Ranges`. Bytes: `routes.exact`.
 
 On the wire a cut is two blocks per use (`exact_block_specs`): the left's columns (int32 ids for an
 embedding) and the right rows, in the wire dtype.
