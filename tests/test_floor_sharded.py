@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from dad_integrations.capture.hooks import Use
-from dad_integrations.codecs.exact import sharded_exact_covers
-from dad_integrations.codecs.sharded_exact import ShardedExactCodec
+from dad_integrations.codecs.exact import ExactCodec, sharded_exact_covers
 from dad_integrations.codecs.sharded_rank import ShardedRankCodec
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.router import UnitShape, RouteContext, UnitEvidence, route
@@ -64,9 +63,9 @@ def test_sharded_exact_routes_by_uses_and_blocks():
     shape = UnitShape(tuple(blocked.kinds), blocked.shape, 0, torch.float32, blocked.blocks)
     assert route(RouteContext(DADConfig(mode="exact"), **F32), shape, UnitEvidence(rows_by_rank=rows[0])).representation == "exact"
     with pytest.raises(ValueError, match="row blocks"):
-        ShardedExactCodec(None, torch.device("cpu")).exchange(odd, [], rows[1], None, 1.0)
+        ExactCodec(None, torch.device("cpu")).exchange_shards(odd, [], rows[1], None, 1.0)
     with pytest.raises(ValueError, match="no uses"):
-        ShardedExactCodec(None, torch.device("cpu")).exchange(floor, [], [], None, 1.0)
+        ExactCodec(None, torch.device("cpu")).exchange_shards(floor, [], [], None, 1.0)
 
 
 @pytest.mark.parametrize("representation", ["rank", "rank_allreduce"])

@@ -1,4 +1,4 @@
-"""The partition codec's algebra on one process (`dad_integrations.codecs.partition_exact`).
+"""The partition codec's algebra on one process (`dad_integrations.codecs.exact`, `Ranges`).
 
 S ranks are simulated: each rank encodes its blocks by destination, the all-to-all is done by hand
 (rank d receives block d of every rank), and every rank's decoded elements must equal its element
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
-from dad_integrations.codecs.partition_exact import (PartitionExactCodec, PartitionItem, block_specs,
-                                                     covering_rows, decode, encode, use_counts)
+from dad_integrations.codecs.exact import (ExactCodec, PartitionItem, covering_rows, range_cuts, range_rebuild,
+                                           range_specs, use_counts)
 from dad_integrations.capture.rows import add_rebuilt_grad
 from dad_integrations.codecs.wire import packed_size
 
@@ -76,16 +76,16 @@ def test_owned_elements_equal_the_slice_of_the_full_sum(kinds, shape, counts, la
     ranges = _zero3(numel, world) if layout == "zero3" else _cuts(numel, world, layout)
     rows = _rows(kinds, shape, counts, seed=3)
     full = _full(kinds, shape, rows)
-    sent = [encode(kinds, shape, r, ranges, F64) for r in rows]
-    agreed = [use_counts(kinds, r, ranges, shape[1]) for r in rows]
+    sent = [range_cuts(kinds, shape, r, ranges, F64) for r in rows]
+    agreed = [use_counts(kinds, r, [covering_rows(*o, shape[1]) for o in ranges]) for r in rows]
     for d, (lo, hi) in enumerate(ranges):
         received = [sent[s][d] for s in range(world)]
         for s in range(world):  # what the receiver computes from the counts matches what was sent
-            specs = block_specs(kinds, shape, agreed[s], d, ranges[d], F64)
+            specs = range_specs(kinds, shape, agreed[s], d, ranges[d], F64)
             assert [(t.dtype, tuple(t.shape)) for t in received[s]] == [(dt, sh) for dt, sh in specs]
             # per use: [rows], and an embedding's ids for each rank
             assert [len(k) for k in agreed[s]] == [1 + world if k == "embedding" else 1 for k in kinds]
-        owned = decode(kinds, shape, received, (lo, hi), F64)
+        owned = range_rebuild(kinds, shape, received, (lo, hi), F64)
         assert owned.shape == (max(0, hi - lo),)
         torch.testing.assert_close(owned, full[lo:hi], rtol=1e-12, atol=1e-12)
 
@@ -95,8 +95,8 @@ def test_a_rank_owning_nothing_receives_nothing():
     ranges = _cuts(35, 2, [35])
     rows = _rows(kinds, shape, [[3], [2]], seed=0)
     for r in rows:
-        assert encode(kinds, shape, r, ranges, F64)[1] == []
-        assert packed_size(block_specs(kinds, shape, [[3]], 1, ranges[1], F64)) == 0
+        assert range_cuts(kinds, shape, r, ranges, F64)[1] == []
+        assert packed_size(range_specs(kinds, shape, [[3]], 1, ranges[1], F64)) == 0
 
 
 def test_embedding_ids_go_to_their_owner_only():
@@ -104,7 +104,7 @@ def test_embedding_ids_go_to_their_owner_only():
     kinds = ("embedding",)   # a 10 x 2 weight
     ranges = [(0, 9), (9, 20)]          # rank 0 rows 0..4 (row 4 half), rank 1 rows 4..9
     ids = torch.tensor([0, 4, 4, 9, 7])
-    (counts,) = use_counts(kinds, [(ids, torch.ones(5, 2, dtype=F64))], ranges, 2)
+    (counts,) = use_counts(kinds, [(ids, torch.ones(5, 2, dtype=F64))], [covering_rows(*o, 2) for o in ranges])
     assert counts == [5, 3, 4]          # 0, 4, 4 to rank 0; 4, 4, 9, 7 to rank 1
 
 
@@ -128,16 +128,16 @@ def test_exchange_on_one_rank_is_the_scaled_local_gradient():
     (rows,) = _rows(kinds, shape, [[5, 3]], seed=1)
     items = [PartitionItem(7, kinds, shape, [(3, 30)], rows), PartitionItem(8, ("linear",), shape, [(0, 0)],
                                                                            rows[1:])]
-    codec, agg = PartitionExactCodec(None, torch.device("cpu")), _OneRank()
-    codec.agree_counts(items, agg)
+    codec, agg = ExactCodec(None, torch.device("cpu")), _OneRank()
+    codec.agree_range_counts(items, agg)
     assert items[0].rows_by_rank() == [[5, 3]]
     owned = {}
-    traffic = codec.exchange(items, agg, F64, scale=0.5, deliver=owned.__setitem__)
+    traffic = codec.exchange_ranges(items, agg, F64, scale=0.5, deliver=owned.__setitem__)
     full = _full(kinds, shape, [rows])
     assert list(owned) == [7, 8]        # delivered one by one, in order
     torch.testing.assert_close(owned[7], 0.5 * full[3:30])
     assert owned[8].numel() == 0
-    torch.testing.assert_close(codec.local(items[0], 0, F64), full[3:30])
+    torch.testing.assert_close(codec.local_range(items[0], 0, F64), full[3:30])
     assert traffic[7].sent == 0 and traffic[7].handed > 0
 
 
@@ -153,7 +153,7 @@ def test_all_to_all_v_checks_sizes():
 def test_row_blocked_linear_uses_rebuild_the_owned_elements(layout):
     """MHA's packed ``in_proj_weight`` (9 x 4): a whole-height use beside q, kv and v row blocks
     (lefts of 3, 6, 3 columns). Each destination gets, per use, only the columns of its covering
-    rows that the use's block meets (two empty blocks where it meets none: the sizes `block_specs`
+    rows that the use's block meets (two empty blocks where it meets none: the sizes `range_specs`
     gives), and every rank's owned elements equal its range of the full sum (cuts inside rows and
     blocks; a rank owning nothing)."""
     E, n, world = 3, 4, 3 if layout != [36] else 2
@@ -170,14 +170,14 @@ def test_row_blocked_linear_uses_rebuild_the_owned_elements(layout):
             add_rebuilt_grad("linear", full, pair, b)
     numel = m * n
     ranges = _zero3(numel, world) if layout == "zero3" else _cuts(numel, world, layout)
-    agreed = [use_counts(kinds, r, ranges, n) for r in rows]
+    agreed = [use_counts(kinds, r, [covering_rows(*o, n) for o in ranges]) for r in rows]
     for d in range(world):
         received = []
         for s in range(world):
-            (parts,) = encode(kinds, (m, n), rows[s], [ranges[d]], F64, blocks)
-            specs = block_specs(kinds, (m, n), agreed[s], d, ranges[d], F64, blocks)
+            (parts,) = range_cuts(kinds, (m, n), rows[s], [ranges[d]], F64, blocks)
+            specs = range_specs(kinds, (m, n), agreed[s], d, ranges[d], F64, blocks)
             assert [tuple(p.shape) for p in parts] == [shape for _, shape in specs]
             received.append(parts)
         lo, hi = ranges[d]
-        torch.testing.assert_close(decode(kinds, (m, n), received, ranges[d], F64, blocks), full.reshape(-1)[lo:hi],
-                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(range_rebuild(kinds, (m, n), received, ranges[d], F64, blocks),
+                                   full.reshape(-1)[lo:hi], rtol=1e-12, atol=1e-12)

@@ -1,4 +1,4 @@
-"""The sharded exact codec's algebra on one process (`dad_integrations.codecs.sharded_exact`).
+"""The sharded exact codec's algebra on one process (`dad_integrations.codecs.exact`, `RowShards`).
 
 S ranks are simulated: each rank's payloads are encoded, the all-to-all is done by hand (rank d
 receives block d of every rank's ``send``), and every rank's decoded shard must equal its rows of
@@ -10,7 +10,7 @@ from torch import nn
 
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.exact import shard_span
-from dad_integrations.codecs.sharded_exact import ShardedExactCodec, decode_sliced, decode_whole, encode_sliced
+from dad_integrations.codecs.exact import ExactCodec, decode_sliced, decode_whole, encode_sliced
 from dad_integrations.config import DADConfig
 from dad_integrations.capture.rows import add_rebuilt_grad, output_grad_rows
 from dad_integrations.capture.sink import ShardSink, ShardSlot
@@ -124,7 +124,7 @@ def test_exchange_on_one_rank_is_the_local_gradient(kind):
     x = torch.randn(5, 4, dtype=F64) if kind == "linear" else torch.randint(0, 10, (5,))
     layer(x).pow(2).sum().backward()
     rows = [(torch.cat([a for a, _ in c.pairs]), torch.cat([b for _, b in c.pairs])) for c in unit.uses]
-    result = ShardedExactCodec(None, torch.device("cpu")).exchange(unit, rows, [[r[0].shape[0] for r in rows]],
+    result = ExactCodec(None, torch.device("cpu")).exchange_shards(unit, rows, [[r[0].shape[0] for r in rows]],
                                                                    _OneRank(), scale=0.5)
     assert result.method == ("sliced" if kind == "linear" else "whole")
     for p in unit.params:

@@ -1,8 +1,7 @@
 """Codecs: how one unit's gradient is encoded, moved and decoded, below the route registry (`routes`).
 
 * `exact`: exact factors (lossless dAD), one cut and one rebuild over a region of the weight's rows
-  (`Whole`, `RowShards`, `Ranges`); the collectives that move them per layout: the flat all-gather
-  (`exact`), FSDP2's row shards (`sharded_exact`), ZeRO's element ranges (`partition_exact`);
+  (`Whole`, `RowShards`, `Ranges`), and the collectives that move them per region;
 * `power_iteration`: the one power iteration every rank route runs, a site's own (rank-dAD) or
   PowerSGD's all-reduced one, over a batch, on whole matrices or row shards;
 * `rank`, `rank_allreduce`: the flat rank routes (each rank's own factors all-gathered; PowerSGD's

@@ -20,19 +20,28 @@ the bias' rows; a conv1d's is its right, cut along the bias' own length.
 The *region* says which rows each rank keeps, and so which collective moves the cuts:
 
 * `Whole`: all rows everywhere (DDP, Horovod, the synchroniser, two levels). Every cut is the
-  rank's whole rows, so one packed buffer per rank is all-gathered (`ExactCodec`);
-* `RowShards`: FSDP2's ``Shard(0)`` (`codecs.sharded_exact`: rights all-gathered, lefts' cuts by
-  all-to-all);
-* `Ranges`: ZeRO's flat element ranges, each rank its covering rows (`codecs.partition_exact`:
-  every cut by one all-to-all with per-rank sizes).
+  rank's whole rows, so one packed buffer per rank is all-gathered (`ExactCodec.gather`);
+* `RowShards`: FSDP2's ``Shard(0)`` (`ExactCodec.exchange_shards`). A use's right is the same for
+  every destination, so it is all-gathered once; the lefts' cuts go by one all-to-all, each placed
+  at its rows among the destination's ``c`` columns (zero elsewhere, so a row-blocked use's cut
+  arrives as a whole-row one), every use's rows padded to the longest rank's. A unit with an
+  embedding use (GPT-2's tied ``wte``/``lm_head``) all-gathers whole factors, each rank cutting its
+  rows from them;
+* `Ranges`: ZeRO's flat element ranges (ZeRO-3: equal pieces of every parameter; ZeRO-2: a bucket
+  cut at arbitrary offsets), each rank its covering rows, keeping its elements
+  (`ExactCodec.exchange_ranges`): the cuts of every weight of one reduction call by one all-to-all
+  whose per-destination sizes follow from counts every rank agrees on (`use_counts`, one small
+  all-gather per call), so no padding is sent and a rank owning nothing of a weight gets nothing.
+
+`sharded_exact_covers` says which units take `RowShards` and `Ranges`. Bytes: `routes.exact`.
 
 On the wire a cut is two blocks per use (`exact_block_specs`): the left's columns (int32 ids for an
 embedding) and the right rows, in the wire dtype.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -40,13 +49,14 @@ from torch import nn
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.capture.rows import Block, Rows, add_bias_grad, add_rebuilt_grad, compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.wire import ID_DTYPE, BlockSpec, pack, packed_size, unpack
+from dad_integrations.codecs.wire import ID_DTYPE, BlockSpec, pack, pack_into, packed_size, unpack
 
 Blocks = Optional[Sequence[Block]]  # per use; None: every use covers every row
 Range = Tuple[int, int]             # [lo, hi) of the flattened weight; lo >= hi: nothing
 Span = Tuple[int, int, int]         # rows [r0, r1) a rank keeps, and the rows its result holds (padded)
-# per riding bias: (its use's index, or the indices of the uses of a split bias, its length)
 RowCounts = Sequence[Sequence[int]]  # by rank, by use
+Counts = Sequence[Sequence[int]]     # by use: [rows] (linear, conv1d) or [rows, ids for rank 0, ..., S-1]
+# per riding bias: (its use's index, or the indices of the uses of a split bias, its length)
 BiasUses = Sequence[Tuple[Union[int, Sequence[int]], int]]
 
 
@@ -236,9 +246,158 @@ def sharded_exact_covers(kinds: Sequence[str], blocks: Blocks = None) -> bool:
     return "embedding" not in kinds and all(b is None or k == "linear" for k, b in zip(kinds, blocks))
 
 
+def longest(rows_by_rank: RowCounts) -> List[int]:
+    """Each use's rows on the rank with the most: what every rank pads that use to."""
+    return [max(k) for k in zip(*rows_by_rank)]
+
+
+def encode_sliced(rows: Sequence[Rows], rows_by_rank: RowCounts, m: int, world_size: int,
+                  wire: torch.dtype, blocks: Blocks = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This rank's two payloads: ``right`` of every use flattened (for the all-gather), and
+    ``send`` ``(S, sum_u longest_u, c)``: block d holds every use's cut for rank d, at its rows
+    among d's ``c`` columns, each use's rows padded to its longest rank."""
+    pads = longest(rows_by_rank)
+    region, kinds = RowShards(world_size), ("linear",) * len(rows)  # linear-like uses only: no ids here
+    rows = [(left, right.to(wire)) for left, right in rows]          # converted once, not per destination
+    shape = (m, rows[0][1].shape[1] if rows else 0)
+    device = rows[0][1].device if rows else None
+    send = torch.zeros(world_size, sum(pads), region.rows(0, m, 0)[2], dtype=wire, device=device)
+    for d in range(world_size):
+        lo, hi, _ = region.rows(d, m, 0)
+        parts, row0 = cut(kinds, shape, rows, wire, blocks, region, d), 0
+        for u, pad in enumerate(pads):
+            left = parts[2 * u]
+            if left.numel():
+                a, _ = use_span(blocks[u] if blocks is not None else None, lo, hi, m)
+                send[d, row0:row0 + left.shape[0], a - lo:a - lo + left.shape[1]] = left
+            row0 += pad
+    right = torch.cat([r.reshape(-1) for _, r in rows]) if rows else torch.zeros(0, dtype=wire)
+    return right, send
+
+
+def decode_sliced(kinds: Sequence[str], shape: Tuple[int, int], rights: Sequence[torch.Tensor],
+                  received: torch.Tensor, rows_by_rank: RowCounts, rank: int, biases: BiasUses,
+                  dtype: torch.dtype) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Rank's padded shard ``(c, n)`` of ``sum_s G_s`` and of each bias, from every rank's flattened
+    ``right`` (``rights[s]``) and the all-to-all's ``received`` ``(S, L, c)`` (block s: rank s's cuts,
+    laid out as `encode_sliced` sends them)."""
+    m, n = shape
+    region = RowShards(len(rights))
+    lo, hi, _ = region.rows(rank, m, n)
+    pads, sources = longest(rows_by_rank), []
+    for s, counts in enumerate(rows_by_rank):
+        rows, pos, row0 = [], 0, 0
+        for k, pad in zip(counts, pads):
+            rows.append((received[s, row0:row0 + k, :hi - lo], rights[s][pos:pos + k * n].view(k, n)))
+            pos, row0 = pos + k * n, row0 + pad
+        sources.append(rows)
+    # placed among this rank's rows, every cut is a whole-row one
+    return rebuild(kinds, shape, sources, dtype, None, region, rank, biases)
+
+
+def decode_whole(kinds: Sequence[str], shape: Tuple[int, int], gathered: Sequence[Rows], rank: int,
+                 world_size: int, biases: BiasUses, dtype: torch.dtype) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Rank's padded shard of the unit's gradient and biases from every rank's whole factors,
+    stacked per use (``gathered[u]``: embedding ids int64, floats in ``dtype``): its own cut of
+    them, rebuilt (whole factors take no row blocks)."""
+    region = RowShards(world_size)
+    own = pairs(cut(kinds, shape, gathered, dtype, None, region, rank))
+    return rebuild(kinds, shape, [own], dtype, None, region, rank, biases)
+
+
+@dataclass
+class ShardedResult:
+    """One unit's exchange: padded shards by parameter (weight, then riding biases), its bytes,
+    and how (``"sliced"``: all-gather + all-to-all; ``"whole"``: the exact codec's all-gather)."""
+
+    shards: Dict[nn.Parameter, torch.Tensor]
+    traffic: Traffic
+    method: str
+
+
+def range_specs(kinds: Sequence[str], shape: Tuple[int, int], counts: Counts, dest: int, dest_range: Range,
+                wire: torch.dtype, blocks: Blocks = None) -> List[BlockSpec]:
+    """Layout of what a rank with ``counts`` sends rank ``dest`` (owning ``dest_range``) for one unit:
+    nothing where ``dest`` owns nothing (a use over a row block that misses its rows: two empty blocks)."""
+    if dest_range[1] <= dest_range[0]:
+        return []
+    per_use = [k[1 + dest] if len(k) > 1 else k[0] for k in counts]  # an embedding's: its ids for dest
+    return exact_block_specs(kinds, shape, per_use, wire, blocks, Ranges((dest_range,)))
+
+
+def range_cuts(kinds: Sequence[str], shape: Tuple[int, int], rows: Sequence[Rows], ranges: Sequence[Range],
+               wire: torch.dtype, blocks: Blocks = None) -> List[List[torch.Tensor]]:
+    """This rank's blocks for one unit, by destination (empty where it owns nothing): `cut`."""
+    region = Ranges(tuple(ranges))
+    return [cut(kinds, shape, rows, wire, blocks, region, d) if hi > lo else []
+            for d, (lo, hi) in enumerate(ranges)]
+
+
+def range_rebuild(kinds: Sequence[str], shape: Tuple[int, int], received: Sequence[Sequence[torch.Tensor]],
+                  own: Range, dtype: torch.dtype, blocks: Blocks = None) -> torch.Tensor:
+    """The flat elements ``own`` of ``sum over sources`` of the unit's gradient, from every source's
+    blocks for this rank (``received[s]``, as `range_cuts` makes them): `rebuild` of the covering rows."""
+    region = Ranges((own,))  # owning nothing: no rows, no elements
+    start = own[0] - region.rows(0, *shape)[0] * shape[1]
+    rows, _ = rebuild(kinds, shape, [pairs(parts) for parts in received], dtype, blocks, region)
+    return rows.reshape(-1)[start:start + max(own[1] - own[0], 0)]
+
+
+def dest_sizes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts], ranges: Sequence[Range],
+               wire: torch.dtype, blocks: Blocks = None) -> List[List[int]]:
+    """Bytes of one unit's blocks from each source to each destination, ``[s][d]`` (`range_specs`)."""
+    return [[packed_size(range_specs(kinds, shape, counts[s], d, ranges[d], wire, blocks)) for d in range(len(ranges))]
+            for s in range(len(ranges))]
+
+
+def exchange_bytes(kinds: Sequence[str], shape: Tuple[int, int], counts: Sequence[Counts],
+                   ranges: Sequence[Range], wire: torch.dtype, blocks: Blocks = None) -> Tuple[int, float]:
+    """Bytes of one unit's exchange: on its busiest rank (the most any rank sends to, or receives
+    from, the others), and sent per rank on average (``counts`` every rank's, ``ranges`` every
+    rank's owned range). Under ZeRO-2 a weight often lies in one rank's partition, which then
+    receives every other site's factors: the mean alone would hide that, the busiest rank alone
+    that the others send nothing."""
+    S = len(ranges)
+    sizes = [[0 if d == s else v for d, v in enumerate(row)]
+             for s, row in enumerate(dest_sizes(kinds, shape, counts, ranges, wire, blocks))]
+    busiest = max(max(sum(row) for row in sizes), max(sum(sizes[s][d] for s in range(S)) for d in range(S)))
+    return busiest, sum(map(sum, sizes)) / S
+
+
+@dataclass
+class PartitionItem:
+    """One unit in one exchange: its weight's (global) matrix view ``(shape[0], prod(shape[1:]))``
+    (`FactorUnit.shape`: ZeRO's owned ranges of the row-major flattening are the same in the view),
+    every rank's owned range, this rank's rows per use, and (after `ExactCodec.agree_range_counts`)
+    every rank's counts; ``blocks``: the uses' row blocks (`FactorUnit.blocks`; None: whole rows)."""
+
+    key: int
+    kinds: Tuple[str, ...]
+    shape: Tuple[int, int]
+    ranges: List[Range]
+    rows: List[Rows]
+    counts: List[List[List[int]]] = field(default_factory=list)   # by rank, by use
+    blocks: Optional[Tuple[Block, ...]] = None
+
+    def rows_by_rank(self) -> List[List[int]]:
+        """Every rank's row count per use (the router's ``rows_by_rank``)."""
+        return [[k[0] for k in per_rank] for per_rank in self.counts]
+
+
+def _shares(items: Sequence[PartitionItem], sizes: Dict[int, List[List[int]]], me: int, S: int) -> Dict[int, Traffic]:
+    """Each item's part of the one all-to-all (the call counted on the first item)."""
+    out = {}
+    for i, it in enumerate(items):
+        handed = sum(sizes[it.key][me])
+        sent = handed - sizes[it.key][me][me]
+        received = sum(sizes[it.key][s][me] for s in range(S) if s != me)
+        out[it.key] = Traffic(handed, sent, received, 1 if i == 0 else 0)
+    return out
+
+
 class ExactCodec:
-    """The `Whole` region's collective: a unit's rows as one packed buffer per rank (its cut), all
-    gathered; every rank rebuilds the whole average."""
+    """Exact factors' collectives, one per region (module doc): `gather` (`Whole`), `exchange_shards`
+    (`RowShards`), `exchange_ranges` (`Ranges`)."""
 
     def __init__(self, wire_dtype: Optional[torch.dtype], device: torch.device):
         self.wire_dtype = wire_dtype
@@ -302,3 +461,78 @@ class ExactCodec:
         for g in grads.values():
             g.mul_(scale)
         return grads
+
+    def exchange_shards(self, unit: FactorUnit, rows: Sequence[Rows], rows_by_rank: RowCounts,
+                        aggregator: FactorAggregator, scale: float) -> ShardedResult:
+        """``scale`` times this rank's shard of the sum over ranks, for the weight and its biases.
+        Every rank calls this with the same unit and ``rows_by_rank``, in the same order."""
+        if not sharded_exact_covers(unit.kinds, unit.blocks):  # refused before any collective
+            # (the router never routes these here: their row-shard byte model has no "exact")
+            raise ValueError(f"{unit.name}: sharded exact factors need uses, and row blocks on linear uses only "
+                             f"({'no uses' if not unit.has_factors else 'row blocks'})")
+        S, rank, shape, cdt = aggregator.world_size, aggregator.rank, unit.shape, compute_dtype(unit.param)
+        biases, name = bias_uses(unit), f"dad.sharded.{unit.name}"
+        if "embedding" not in unit.kinds:  # linear-like uses, whole or row-blocked: column slices
+            right, send = encode_sliced(rows, rows_by_rank, shape[0], S, self.wire(unit), unit.blocks)
+            gather = aggregator.all_gather(right, name=f"{name}.right",
+                                           first_dims=[sum(r) * shape[1] for r in rows_by_rank])
+            to_all = aggregator.all_to_all(send, name=f"{name}.left")
+            weight, values = decode_sliced(unit.kinds, shape, gather.wait(), to_all.wait(), rows_by_rank, rank,
+                                           biases, cdt)
+            traffic, method = gather.traffic + to_all.traffic, "sliced"
+        else:
+            gathered, traffic = self.gather_rows(unit, rows, rows_by_rank, aggregator, name)
+            weight, values = decode_whole(unit.kinds, shape, gathered, rank, S, biases, cdt)
+            method = "whole"
+        shards = {unit.param: weight.mul_(scale)}
+        shards.update((b.param, v.mul_(scale)) for b, v in zip(unit.biases, values))
+        return ShardedResult(shards, traffic, method)
+
+    def agree_range_counts(self, items: Sequence[PartitionItem], aggregator: FactorAggregator) -> Traffic:
+        """Fill every item's ``counts`` with every rank's (one all-gather of int64 for all items)."""
+        mine = [use_counts(it.kinds, it.rows, [covering_rows(lo, hi, it.shape[1]) for lo, hi in it.ranges])
+                for it in items]
+        counts, traffic = agree_counts(mine, aggregator, "dad.partition.counts", self.device)
+        for it, by_rank in zip(items, counts):
+            it.counts = by_rank
+        return traffic
+
+    def exchange_ranges(self, items: Sequence[PartitionItem], aggregator: FactorAggregator, dtype: torch.dtype,
+                        scale: float, deliver: Callable[[int, torch.Tensor], None]) -> Dict[int, Traffic]:
+        """Hand ``deliver(key, owned)`` ``scale`` times this rank's owned elements of each item's
+        summed gradient, in ``dtype``, one item at a time, and return each item's bytes. Every rank
+        calls it with the same items (same keys, shapes, ranges, agreed counts), in order.
+
+        ``owned`` is dropped once ``deliver`` returns, so the rebuild adds one item's covering rows
+        to the peak, not every item's owned elements at once."""
+        S, me = aggregator.world_size, aggregator.rank
+        wire = self.wire_dtype or dtype
+        sizes = {it.key: dest_sizes(it.kinds, it.shape, it.counts, it.ranges, wire, it.blocks) for it in items}
+        send_sizes = [sum(sizes[it.key][me][d] for it in items) for d in range(S)]
+        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
+        pos = 0
+        for d in range(S):   # by destination, items in order: the layout `range_specs` describes
+            for it in items:
+                parts = range_cuts(it.kinds, it.shape, it.rows, [it.ranges[d]], wire, it.blocks)[0]
+                pos += pack_into(parts, send.narrow(0, pos, sizes[it.key][me][d]))
+        recv_sizes = [sum(sizes[it.key][s][me] for it in items) for s in range(S)]
+        received = aggregator.all_to_all_v(send, send_sizes, recv_sizes, name="dad.partition.factors").wait()
+        per_source: Dict[int, List[List[torch.Tensor]]] = {it.key: [] for it in items}
+        pos = 0
+        for s in range(S):
+            for it in items:
+                size = sizes[it.key][s][me]
+                specs = range_specs(it.kinds, it.shape, it.counts[s], me, it.ranges[me], wire, it.blocks)
+                per_source[it.key].append(unpack(received[pos:pos + size], specs) if specs else [])
+                pos += size
+        for it in items:
+            deliver(it.key, range_rebuild(it.kinds, it.shape, per_source.pop(it.key), it.ranges[me], dtype,
+                                          it.blocks).mul_(scale))
+        return _shares(items, sizes, me, S)
+
+    def local_range(self, item: PartitionItem, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``rank``'s owned elements of its *own* gradient, rebuilt from its own rows only (the
+        first step's check against autograd's local gradient)."""
+        wire = self.wire_dtype or dtype
+        (own,) = range_cuts(item.kinds, item.shape, item.rows, [item.ranges[rank]], wire, item.blocks)
+        return range_rebuild(item.kinds, item.shape, [own], item.ranges[rank], dtype, item.blocks)

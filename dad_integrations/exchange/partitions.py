@@ -8,7 +8,7 @@ its matrix view ``(shape[0], prod(shape[1:]))``, whose row-major flattening is t
   rank's partition, and that rank receives every site's factors, so the estimates are the busiest
   rank's bytes and ties go by the mean over ranks;
 * exact factors and rank-dAD's ``(P_s^T, Q_s^T)`` (r rows of a linear use) travel together in one
-  all-to-all per run of weights (`codecs.partition_exact`); each rank rebuilds the covering rows of
+  all-to-all per run of weights (`codecs.exact`); each rank rebuilds the covering rows of
   its range and keeps its elements;
 * PowerSGD's all-reduce route (P and Q all-reduced): each rank rebuilds only the covering rows of
   its owned elements (`sharded_rank.reduced_elements`);
@@ -29,8 +29,7 @@ from torch import nn
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, param_shape
-from dad_integrations.codecs.exact import Range, sharded_exact_covers
-from dad_integrations.codecs.partition_exact import PartitionExactCodec, PartitionItem
+from dad_integrations.codecs.exact import ExactCodec, PartitionItem, Range, sharded_exact_covers
 from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
@@ -55,7 +54,7 @@ class PartitionLayout:
     chunk_bytes: float
 
     def __post_init__(self) -> None:
-        self.codec = PartitionExactCodec(self.exchanger.wire, self.device)
+        self.codec = ExactCodec(self.exchanger.wire, self.device)
 
 
 class PartitionCall(ShardedCall):
@@ -100,7 +99,7 @@ class PartitionCall(ShardedCall):
 
     def agree_counts(self, units):
         items = [self.item(u) for u in units]
-        traffic = self.layout.codec.agree_counts(items, self.aggregator)
+        traffic = self.layout.codec.agree_range_counts(items, self.aggregator)
         return {it.key: it.rows_by_rank() for it in items}, traffic, len(items)
 
     def checkable(self, unit: FactorUnit) -> bool:
@@ -112,7 +111,7 @@ class PartitionCall(ShardedCall):
         cdt = torch.float64 if self.dtype == torch.float64 else torch.float32
         for unit in units:
             it = self.item(unit)
-            mine = self.layout.codec.local(it, me, cdt)
+            mine = self.layout.codec.local_range(it, me, cdt)
             lo, hi = it.ranges[me]
             autograd = self.grads[it.key][lo:hi].to(cdt) if hi > lo else mine
             low = self.dtype not in VERIFY_TOLERANCE or any(
@@ -177,8 +176,9 @@ class PartitionCall(ShardedCall):
         for chunk in _chunks(routed, self.layout.chunk_bytes):
             # one all-to-all per chunk: a whole DeepSpeed bucket's factors at once would hold all of
             # their send and receive buffers together, above ZeRO's own peak
-            traffic = self.layout.codec.exchange(chunk, self.aggregator, compute_dtype(units[chunk[0].key].param),
-                                              self.scale, lambda key, owned: self.deliver(units[key], owned))
+            traffic = self.layout.codec.exchange_ranges(chunk, self.aggregator,
+                                                        compute_dtype(units[chunk[0].key].param), self.scale,
+                                                        lambda key, owned: self.deliver(units[key], owned))
             for it in chunk:
                 unit = units[it.key]
                 rep = self._report(unit.name, "rank" if it.key in ranked else "exact", unit.param)

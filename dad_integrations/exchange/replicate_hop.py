@@ -11,7 +11,7 @@ Per route, for rank s of node k:
 
 * **exact**: each rank's own rows are all-gathered over ``cross`` (the only bytes between nodes),
   then the rows of the whole column (R times as many) go through the 1-D sharded exact exchange
-  inside the node (`codecs.sharded_exact`). Every rank of a column stacks the same rows in the same
+  inside the node (`codecs.exact`). Every rank of a column stacks the same rows in the same
   order, so the replicas' shards are equal bit for bit;
 * **rank routes**: the node's reduce-scatter first (dense, inside the node), then
   `codecs.replicate_rank` on the node's row shards;
@@ -31,7 +31,7 @@ from torch import nn
 from dad_integrations.capture.sink import ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
-from dad_integrations.codecs.sharded_exact import ShardedExactCodec, longest
+from dad_integrations.codecs.exact import ExactCodec, longest
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.row_shards import RowShardCall
 from dad_integrations.exchange.sharded import CallRoutes, EngineCall, Estimates
@@ -171,12 +171,12 @@ class ReplicateHopCall(RowShardCall):
         """Rows across nodes, then the column's rows through the sharded exact exchange inside the node."""
         g = self.groups
         world = [list(c) for c in counts]  # by world rank
-        codec = ShardedExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
-        whole, column = codec.whole, [world[r] for r in g.column(g.shard)]
-        stacked, across = whole.gather_rows(unit, self.rows[unit.index], column, g.cross, f"dad.replicate.{unit.name}")
+        codec = ExactCodec(self.route_wire or self.sink.inp.dtype, self.sink.inp.device)
+        column = [world[r] for r in g.column(g.shard)]
+        stacked, across = codec.gather_rows(unit, self.rows[unit.index], column, g.cross, f"dad.replicate.{unit.name}")
         intra_counts = [[sum(world[r][u] for r in g.column(s)) for u in range(len(unit.uses))]
                         for s in range(g.local)]
-        result = codec.exchange(unit, stacked, intra_counts, g.intra, self.scale)
+        result = codec.exchange_shards(unit, stacked, intra_counts, g.intra, self.scale)
         return result.shards, across + result.traffic, across.sent
 
     def _entry(self, p: nn.Parameter, representation: str, slot: Optional[ShardSlot] = None) -> ShardedParamReport:

@@ -2,7 +2,7 @@
 ``[r c, (r+1) c)`` of the average, ``c = ceil(m/S)`` of the matrix view.
 
 A call's buffers are read and written through a `capture.sink.ShardSink`; `RowShardCall` runs its
-exchanges: exact factors (`codecs.sharded_exact`), the rank routes (`codecs.sharded_rank`), routes
+exchanges: exact factors (`codecs.exact`), the rank routes (`codecs.sharded_rank`), routes
 with a codec of their own, and the engine's own reduce-scatter for the rest (its engine part's
 `EngineCall.reduce_scatter`); their bytes are `routes`' models on ``row_shards``.
 Biases in the weight's shard ride with exact factors; under other routes they stay on the engine's
@@ -17,8 +17,7 @@ from torch import nn
 
 from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import agree_counts
-from dad_integrations.codecs.sharded_exact import ShardedExactCodec
+from dad_integrations.codecs.exact import ExactCodec, agree_counts
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import agree_factors_rebuild
 from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall
@@ -112,9 +111,9 @@ class RowShardCall(ShardedCall):
         sink, report, covered = self.sink, routes.report, set()
         # factors travel in the reduce-scatter's dtype where the config names none, as the router counts
         # them (not in the sharded parameters' dtype: fp32 factors under a bf16 policy)
-        codec = ShardedExactCodec(self.route_wire or sink.inp.dtype, sink.inp.device)
+        codec = ExactCodec(self.route_wire or sink.inp.dtype, sink.inp.device)
         for unit in routes.exact:
-            result = codec.exchange(unit, self.rows[unit.index], routes.counts[unit.index], self.aggregator,
+            result = codec.exchange_shards(unit, self.rows[unit.index], routes.counts[unit.index], self.aggregator,
                                     self.scale)
             weight = self._put_exact(unit, result.shards, report, covered)
             weight.max_rows, weight.method = max(sum(r) for r in routes.counts[unit.index]), result.method

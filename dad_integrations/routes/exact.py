@@ -7,9 +7,8 @@ rank's row count agreed first (a size exchange) and costs:
 - flat: ``(S-1) max_s N_s (m+n) w`` (an all-gather, padded to the longest rank), rebuild
   ``2 S N m n`` flops;
 - row shards (FSDP2): every ``X_s`` all-gathered, each rank's columns of every ``D_s`` by
-  all-to-all, ``(S-1) N (n + ceil(m/S)) w`` (`codecs.sharded_exact`);
-- ZeRO's partitions: the covering rows of each rank's range, one all-to-all
-  (`codecs.partition_exact.exchange_bytes`);
+  all-to-all, ``(S-1) N (n + ceil(m/S)) w``;
+- ZeRO's partitions: the covering rows of each rank's range, one all-to-all (`exchange_bytes`);
 - two levels: every rank's rows to the owner, the node's rows all-gathered between nodes,
   ``(N-1) max_k R_k (m+n) w``, the average back.
 
@@ -19,8 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dad_integrations.codecs.exact import exact_block_specs, sharded_exact_covers
-from dad_integrations.codecs.partition_exact import exchange_bytes
+from dad_integrations.codecs.exact import exact_block_specs, exchange_bytes, longest, shard_span, sharded_exact_covers
 from dad_integrations.codecs.wire import packed_size
 from dad_integrations.routes.hops import node_itemsize, on_node_partitions
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
@@ -37,13 +35,12 @@ def flat(s: UnitSizing) -> Optional[float]:
 
 
 def sharded_exact_bytes(s: UnitSizing) -> float:
-    """Bytes one rank receives in `codecs.sharded_exact`'s exchange of one unit."""
+    """Bytes one rank receives in `ExactCodec.exchange_shards` of one unit."""
     S = s.world_size
     if "embedding" in s.kinds:  # whole factors, all-gathered
         return (S - 1) * max(packed_size(exact_block_specs(s.kinds, s.shape, r, s.wire)) for r in s.rows)
     m, n = s.shape
-    longest = sum(max(r[u] for r in s.rows) for u in range(len(s.kinds)))
-    return (S - 1) * longest * (n + -(-m // S)) * s.wire.itemsize
+    return (S - 1) * sum(longest(s.rows)) * (n + shard_span(0, S, m)[2]) * s.wire.itemsize
 
 
 def row_shards(s: UnitSizing) -> Optional[float]:

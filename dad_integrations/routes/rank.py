@@ -16,7 +16,7 @@ Biases go densely beside it.
 """
 from __future__ import annotations
 
-from dad_integrations.codecs.partition_exact import exchange_bytes
+from dad_integrations.codecs.exact import exchange_bytes
 from dad_integrations.codecs.wire import packed_size, rank_block_specs
 from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, needs_rank, node_itemsize,
                                           on_node_partitions, replicate_bias, shard_bias, to_owner_dense)
