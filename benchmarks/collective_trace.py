@@ -63,7 +63,11 @@ CASES: Dict[str, dict] = {
        (("exact", EXACT), ("rank_allgather", RANK_AG), ("rank_allreduce", RANK_AR))},
     **{f"two_level_{k}": _case("sync", 4, {**c, "topology": 2}) for k, c in
        (("exact", EXACT), ("rank_allreduce", RANK_AR), ("rank_allgather", RANK_AG))},
-    **{f"hsdp_{k}": _case("hsdp", 4, c) for k, c in (("rank_allreduce", RANK_AR), ("rank_allgather", RANK_AG))},
+    **{f"hsdp_{k}": _case("hsdp", 4, c) for k, c in
+       (("rank_allreduce", RANK_AR), ("rank_allgather", RANK_AG), ("exact", EXACT))},
+    # ZeRO's partitions across 2 nodes of 2 ranks (`exchange.node_partitions`)
+    **{f"zero{s}_nodes_{k}": _case("zero", 4, {**c, "topology": 2}, stage=s) for s in (2, 3) for k, c in
+       (("exact", EXACT), ("rank_allreduce", RANK_AR), ("rank_allgather", RANK_AG))},
 }
 
 
