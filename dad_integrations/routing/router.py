@@ -51,10 +51,8 @@ from dad_integrations.routing.timing import StepTiming
 
 RowCounts = Sequence[Sequence[int]]           # by rank, by use
 SWITCH_MARGIN = 0.25  # by time, a unit changes route only for a predicted gain above this share
-# by time, routes predicted within this share of the fastest tie, and ties go by the registry's
-# order (`routes`): a difference that small is the compute model's noise (rank-dAD's all-gather
-# and PowerSGD's all-reduce tie in bytes at two sites; their measured compute would otherwise pick
-# one at random)
+# by time, routes predicted within this share of the fastest tie (the compute model's noise,
+# docs/concepts/routing-by-time.md), and ties go by the registry's order (`routes`)
 TIE_BAND = 0.05
 
 
@@ -89,10 +87,23 @@ def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
 
 
 def choose_at(config: DADConfig, step: Optional[int], estimates: Dict[str, float],
-              ties: Optional[Dict[str, float]] = None) -> str:
-    """`choose` under ``config`` in step ``step`` (`step_rules`)."""
+              ties: Optional[Dict[str, float]] = None, *, seconds: Optional[Dict[str, float]] = None,
+              current: Optional[str] = None) -> str:
+    """The one pick of a unit's route, every layout's: `choose` under ``config`` in step ``step``
+    (`step_rules`) by ``estimates`` (bytes; ``ties`` break theirs), or, given ``seconds``, by time,
+    the estimates breaking ties: in mode auto routes within `TIE_BAND` of the fastest tie, and a
+    ``current`` route is kept unless another is predicted faster by more than `SWITCH_MARGIN`."""
     config, rules = step_rules(config, step)
-    return choose(config.mode, estimates, ties=ties, **rules)
+    pick = functools.partial(choose, config.mode, **rules)
+    if seconds is None:
+        return pick(estimates, ties=ties)
+    best = pick(seconds, ties=estimates)
+    if config.mode == "auto":
+        best = pick({k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]})
+    if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
+        if pick({**seconds, current: -1.0}) == current:
+            best = current  # still allowed, and not worth a switch
+    return best
 
 
 def candidates_at(config: DADConfig, step: Optional[int], available: Iterable[str]) -> List[str]:
@@ -204,7 +215,6 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
     world_size, wire_dtype, first_step, sharded = ctx.world_size, ctx.wire_dtype, ctx.first_step, ctx.sharded
     config, rules = step_rules(ctx.config, ctx.step)
     rank_allowed = rules["rank_allowed"]
-    pick = functools.partial(choose, **rules, ties=seen.ties)
     if seen.dense_only:
         return Route("dense", first_step)
     if not unit.has_factors:  # no rows: decided without counts, never a size exchange
@@ -212,33 +222,26 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
             return Route("dense", False)
     timed = ctx.timing if config.objective == "time" else None
 
-    def decide(mode: str, rows: RowCounts, given: Optional[Dict[str, float]], exchange: bool,
+    def decide(rows: RowCounts, given: Optional[Dict[str, float]], exchange: bool,
                size_exchange: bool = False) -> Route:
         est = given if given is not None else unit_estimates(config, unit, rows, world_size, wire_dtype,
                                                              sharded=sharded, size_exchange=size_exchange)
         if timed is None:
-            return Route(pick(mode, est), exchange)
+            return Route(choose_at(ctx.config, ctx.step, est, seen.ties), exchange)
         seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
                                       world_size=world_size, sharded=sharded, size_exchange=size_exchange)
-        best = pick(mode, seconds, ties=est)
-        if mode == "auto":
-            tied = {k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]}
-            best = pick(mode, tied, ties=None)
-        current = seen.current
-        if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
-            if pick(mode, {**seconds, current: -1.0}, ties=None) == current:
-                best = current  # still allowed, and not worth a switch
+        best = choose_at(ctx.config, ctx.step, est, seconds=seconds, current=seen.current)
         return Route(best, exchange, seconds.get("dense", seconds[best]) - seconds[best],
-                     spare_seconds(seconds, best) if mode == "auto" else 0.0)
+                     spare_seconds(seconds, best) if config.mode == "auto" else 0.0)
 
     if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size
-        return decide(config.mode, no_rows, seen.estimates, first_step and unit.has_factors)
+        return decide(no_rows, seen.estimates, first_step and unit.has_factors)
     if seen.rows_by_rank is not None:
-        return decide(config.mode, seen.rows_by_rank, seen.estimates, True)
+        return decide(seen.rows_by_rank, seen.estimates, True)
     if first_step or ctx.refresh or config.mode == "exact" or seen.last_rows is None:
         return Route("exact" if config.mode == "exact" else None, True)
-    predicted = decide(config.mode, seen.last_rows, None, False, size_exchange=True)
+    predicted = decide(seen.last_rows, None, False, size_exchange=True)
     if predicted.representation != "exact":
         return predicted                # no counts needed
     return Route(None, True)            # exact predicted: refresh the counts, decide on them

@@ -103,7 +103,7 @@ def choose_two_level(config: DADConfig, unit: UnitShape, node_rows: Optional[Nod
     if timing is None or config.objective != "time":
         return choose_at(config, step, between), hops, {}
     seconds = {rep: timing.seconds(rep, h, unit, node_rows, local_size, layout) for rep, h in hops.items()}
-    return choose_at(config, step, seconds, ties=between), hops, seconds
+    return choose_at(config, step, between, seconds=seconds), hops, seconds
 
 
 # -- a whole step, flat against two levels ---------------------------------------------------------------
@@ -157,15 +157,15 @@ def node_rows_of(rows_by_rank: Sequence[Sequence[int]], topology: Topology) -> L
 
 def flat_choice(config: DADConfig, unit: LevelUnit, *, step: int, world_size: int,
                 timing: StepTiming) -> Tuple[str, Dict[str, float], Dict[str, float]]:
-    """The flat route of ``unit`` by predicted time, as the router allows it at step ``step``
-    (`router.step_rules`; dense for good after a failed check); returns it, every candidate's
+    """The flat route of ``unit`` by predicted time, as the router picks it at step ``step``
+    (`router.choose_at`; dense for good after a failed check); returns it, every candidate's
     bytes per rank and its seconds."""
     est = unit_estimates(step_rules(config, step)[0], unit.shape, unit.rows_by_rank, world_size, unit.wire_dtype)
     if unit.dense_only:
         est = {"dense": est["dense"]}
     seconds = timing.route_seconds(est, shape=unit.shape.shape, uses=len(unit.shape.kinds),
                                    rows_by_rank=unit.rows_by_rank, world_size=world_size)
-    return choose_at(config, step, seconds), est, seconds
+    return choose_at(config, step, est, seconds=seconds), est, seconds
 
 
 def compare_levels(config: DADConfig, units: Sequence[LevelUnit], *, step: int, topology: Topology,
