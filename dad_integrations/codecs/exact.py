@@ -231,9 +231,6 @@ def rebuild_unit(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype) -> 
     return dict(zip(unit.params, [weight] + values))
 
 
-local_rebuild = rebuild_unit  # (unit, rows, dtype): this rank's own gradients, from its own rows
-
-
 def sharded_exact_covers(kinds: Sequence[str], blocks: Blocks = None) -> bool:
     """Whether the exchanges of exact factors over `RowShards` and `Ranges` carry a unit with uses
     ``kinds`` and row ``blocks``: it needs uses, and a use with a row block must be ``linear`` (its
