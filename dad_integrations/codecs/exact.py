@@ -185,6 +185,13 @@ def agree_counts(mine: Sequence[Sequence[Sequence[int]]], aggregator: FactorAggr
     return out, handle.traffic
 
 
+def agree_rows(mine: Sequence[Sequence[int]], aggregator: FactorAggregator, name: str,
+               device: torch.device) -> Tuple[List[List[List[int]]], Traffic]:
+    """`agree_counts` of one count per use (this rank's rows, by unit, by use): by unit, by rank, by use."""
+    counts, traffic = agree_counts([[[k] for k in unit] for unit in mine], aggregator, name, device)
+    return [[[k[0] for k in r] for r in by_rank] for by_rank in counts], traffic
+
+
 def pairs(blocks: Sequence[torch.Tensor]) -> List[Rows]:
     """One source's cut, as `cut` lays it out flat, as ``(left, right)`` per use."""
     return list(zip(blocks[0::2], blocks[1::2]))
