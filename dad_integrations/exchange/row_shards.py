@@ -82,7 +82,6 @@ class RowShardCall(ShardedCall):
         entries[0].rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
         return entries[0]
 
-
     def reduce_rest(self, slots: List[ShardSlot], report: ShardedStepReport) -> None:
         """The engine's own reduce-scatter of ``slots`` (those no route above covered)."""
         if not slots:
@@ -113,7 +112,7 @@ class RowShardCall(ShardedCall):
         codec = ExactCodec(self.route_wire or sink.inp.dtype, sink.inp.device)
         for unit in routes.exact:
             result = codec.exchange_shards(unit, self.rows[unit.index], routes.counts[unit.index], self.aggregator,
-                                    self.scale)
+                                           self.scale)
             weight = self._put_exact(unit, result.shards, report, covered)
             weight.max_rows, weight.method = max(sum(r) for r in routes.counts[unit.index]), result.method
             weight.add_traffic(result.traffic)
