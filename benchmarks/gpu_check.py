@@ -7,7 +7,7 @@
 Without CUDA (and without ``--device cpu``) it prints that it skipped and exits 0. Parts:
 
 1. **Exactness of capture and rebuild** in fp32 and under bf16 autocast: every captured weight's
-   gradient rebuilt from its own captured rows (`codecs.exact.local_rebuild`) against autograd's,
+   gradient rebuilt from its own captured rows (`codecs.exact.rebuild_unit`) against autograd's,
    relative error (floored at 1e-6 of the whole gradient's norm). fp32 must be at round-off
    (< 1e-5); bf16 is reported (rows are bf16 activations, the rebuild runs in fp32).
 2. **Overhead per layer against backward** on GPT-2-small geometry: the compute model's own
@@ -38,7 +38,7 @@ from benchmarks.gpu_overhead import build, measure, timed
 def exactness(precision: str, tiny: bool, device: torch.device, batch: int, seq: int) -> Dict[str, float]:
     """Max relative error of every weight's rebuild from its captured rows against autograd's."""
     from dad_integrations import DADConfig
-    from dad_integrations.codecs.exact import local_rebuild
+    from dad_integrations.codecs.exact import rebuild_unit
     from dad_integrations.capture.rows import concat_rows
     from dad_integrations.capture.assign import build_plan
 
@@ -54,7 +54,7 @@ def exactness(precision: str, tiny: bool, device: torch.device, batch: int, seq:
     worst = 0.0
     for u in plan.units:
         rows = [concat_rows(c.take(), c.kind, tuple(u.param.shape), u.param) for c in u.uses]
-        for q, g in local_rebuild(u, rows, torch.float32).items():
+        for q, g in rebuild_unit(u, rows, torch.float32).items():
             err = float((g - q.grad.float()).norm()) / max(float(q.grad.float().norm()), 1e-6 * total)
             worst = max(worst, err)
     for c in plan.captures:

@@ -185,6 +185,13 @@ def agree_counts(mine: Sequence[Sequence[Sequence[int]]], aggregator: FactorAggr
     return out, handle.traffic
 
 
+def agree_rows(mine: Sequence[Sequence[int]], aggregator: FactorAggregator, name: str,
+               device: torch.device) -> Tuple[List[List[List[int]]], Traffic]:
+    """`agree_counts` of one count per use (this rank's rows, by unit, by use): by unit, by rank, by use."""
+    counts, traffic = agree_counts([[[k] for k in unit] for unit in mine], aggregator, name, device)
+    return [[[k[0] for k in r] for r in by_rank] for by_rank in counts], traffic
+
+
 def pairs(blocks: Sequence[torch.Tensor]) -> List[Rows]:
     """One source's cut, as `cut` lays it out flat, as ``(left, right)`` per use."""
     return list(zip(blocks[0::2], blocks[1::2]))
@@ -224,14 +231,22 @@ def bias_uses(unit: FactorUnit) -> BiasUses:
     return [(tuple(unit.uses.index(u) for u in b.uses), b.param.shape[0]) for b in unit.biases]
 
 
-def rebuild_unit(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype) -> Dict[nn.Parameter, torch.Tensor]:
+def rebuild_unit(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype,
+                 scale: float = 1.0) -> Dict[nn.Parameter, torch.Tensor]:
     """`rebuild` of a unit from one source's ``rows`` (a rank's own, or every rank's stacked), all of
-    it: by parameter, the weight's gradient, then each riding bias'."""
+    it: by parameter, the weight's gradient, then each riding bias', times ``scale``."""
     weight, values = rebuild(unit.kinds, unit.shape, [rows], dtype, unit.blocks, biases=bias_uses(unit))
-    return dict(zip(unit.params, [weight] + values))
+    return by_param(unit, weight, values, scale)
 
 
-local_rebuild = rebuild_unit  # (unit, rows, dtype): this rank's own gradients, from its own rows
+def by_param(unit: FactorUnit, weight: torch.Tensor, values: Sequence[torch.Tensor],
+             scale: float = 1.0) -> Dict[nn.Parameter, torch.Tensor]:
+    """A `rebuild`'s weight and bias values by parameter (`FactorUnit.params`), scaled in place."""
+    out = dict(zip(unit.params, [weight, *values]))
+    if scale != 1.0:
+        for g in out.values():
+            g.mul_(scale)
+    return out
 
 
 def sharded_exact_covers(kinds: Sequence[str], blocks: Blocks = None) -> bool:
@@ -457,10 +472,7 @@ class ExactCodec:
         used the weight (its gradient then stays as it is, as with DDP)."""
         if not any(any(r) for r in rows_by_rank):
             return None
-        grads = rebuild_unit(unit, self.stacked_rows(unit, buffers, rows_by_rank), compute_dtype(unit.param))
-        for g in grads.values():
-            g.mul_(scale)
-        return grads
+        return rebuild_unit(unit, self.stacked_rows(unit, buffers, rows_by_rank), compute_dtype(unit.param), scale)
 
     def exchange_shards(self, unit: FactorUnit, rows: Sequence[Rows], rows_by_rank: RowCounts,
                         aggregator: FactorAggregator, scale: float) -> ShardedResult:
@@ -484,9 +496,7 @@ class ExactCodec:
             gathered, traffic = self.gather_rows(unit, rows, rows_by_rank, aggregator, name)
             weight, values = decode_whole(unit.kinds, shape, gathered, rank, S, biases, cdt)
             method = "whole"
-        shards = {unit.param: weight.mul_(scale)}
-        shards.update((b.param, v.mul_(scale)) for b, v in zip(unit.biases, values))
-        return ShardedResult(shards, traffic, method)
+        return ShardedResult(by_param(unit, weight, values, scale), traffic, method)
 
     def agree_range_counts(self, items: Sequence[PartitionItem], aggregator: FactorAggregator) -> Traffic:
         """Fill every item's ``counts`` with every rank's (one all-gather of int64 for all items)."""

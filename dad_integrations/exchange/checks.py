@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
-from dad_integrations.codecs.exact import local_rebuild
+from dad_integrations.codecs.exact import rebuild_unit
 from dad_integrations.capture.rows import Rows
 from dad_integrations.capture.sink import GradSink, ShardSink
 from dad_integrations.capture.units import FactorUnit, SyncPlan
@@ -92,7 +92,7 @@ def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Uni
                         for pair in rows for t in pair)
     tol = VERIFY_TOLERANCE_LOW_PRECISION if low_precision else VERIFY_TOLERANCE.get(
         unit.param.dtype, VERIFY_TOLERANCE_LOW_PRECISION)
-    rebuilt = local_rebuild(unit, rows, cdt)
+    rebuilt = rebuild_unit(unit, rows, cdt)
     autograd = {p: sink.local_grad(p, cdt) for p in rebuilt}
     # each tensor's error against its own norm, floored at tol x the unit's whole norm (so the
     # error bound is at least tol^2 = 1e-6 of it in fp32): a bias whose gradient is round-off (a conv

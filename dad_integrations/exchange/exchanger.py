@@ -25,7 +25,7 @@ from torch import nn
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.exchange.checks import why_factors_fail, factors_rebuild_local_grad
 from dad_integrations.codecs.dense import DenseBuckets, bucket_dtype
-from dad_integrations.codecs.exact import ExactCodec, local_rebuild
+from dad_integrations.codecs.exact import ExactCodec, rebuild_unit
 from dad_integrations.codecs.rank import RankBucket, RankCodec
 from dad_integrations.codecs.rank_allreduce import AllReduceBucket, RankAllReduceCodec
 from dad_integrations.config import DADConfig
@@ -440,7 +440,7 @@ def _rederive_priors(unit: FactorUnit, rows: List[Rows], window: StepWindow) -> 
     if all(id(q) in known for q in unit.params):
         return
     cdt = compute_dtype(unit.param)
-    for q, local in local_rebuild(unit, rows, cdt).items():
+    for q, local in rebuild_unit(unit, rows, cdt).items():
         if id(q) in known:
             continue
         if q.grad is None:

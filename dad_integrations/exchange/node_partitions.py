@@ -198,16 +198,9 @@ class NodePartitionCall(PartitionCall):
         for it in items:
             u = it.unit
             share = u.shape[0] * u.shape[1] / total
-            rep = self._report(u.name, it.rep, u.param)
-            rep.level = "two_level"
-            rep.rows = sum(left.shape[0] for left, _ in self.rows[u.index]) if it.rep == "exact" else 0
-            rep.add_traffic(to_owner.share(share))
-            rep.add_traffic(from_owner.share(share))
-            hop2 = between.get(u.index)
-            if hop2 is not None:
-                rep.add_traffic(hop2)
-                rep.inter_bytes += hop2.received
-            report.params.append(rep)
+            hop2 = between.get(u.index, Traffic())
+            self._entry(report, u, it.rep, to_owner.share(share), from_owner.share(share), hop2, level="two_level",
+                        rows=self.own_rows(u) if it.rep == "exact" else 0, inter_bytes=float(hop2.received))
         self.reduce_dense(report)
 
 

@@ -31,14 +31,14 @@ from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, param_shape
 from dad_integrations.codecs.exact import ExactCodec, PartitionItem, Range, sharded_exact_covers
 from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
-from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
 from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall, ShardedExchanger
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, has_codec, raise_unsupported, routes_for
+from dad_integrations.routes.registry import estimates_on, get_route, has_codec, raise_unsupported, routes_for
 from dad_integrations.routes.codec import start_codec_chunks
-from dad_integrations.routing.router import UnitShape
+from dad_integrations.routing.router import UnitShape, unit_sizing
 
 
 @dataclass
@@ -119,7 +119,8 @@ class PartitionCall(ShardedCall):
             tol = VERIFY_TOLERANCE_LOW_PRECISION if low else VERIFY_TOLERANCE[self.dtype]
             err = float((mine - autograd).norm())
             flags.append(0.0 if err <= tol * max(float(autograd.norm()), 1e-30) or err <= 1e-12 else 1.0)
-        handle = self.aggregator.all_reduce(torch.tensor(flags, device=self.layout.codec.device), name="dad.zero.verify")
+        flags = torch.tensor(flags, device=self.layout.codec.device)
+        handle = self.aggregator.all_reduce(flags, name="dad.zero.verify")
         return [u for u, bad in zip(units, handle.wait().tolist()) if bad], handle.traffic
 
     def unit_shape(self, unit: FactorUnit) -> UnitShape:
@@ -136,6 +137,20 @@ class PartitionCall(ShardedCall):
         shape = tuple(param_shape(p))
         return ShardedParamReport.of_shard(name, representation, shape, -(-math.prod(shape) // self.S), self.S,
                                            self.itemsize)
+
+    def _entry(self, report: ShardedStepReport, unit: FactorUnit, representation: str, *traffic: Traffic,
+               **fields) -> None:
+        """Append ``unit``'s entry to ``report``: `_report`, then ``fields``, then each collective's bytes."""
+        entry = self._report(unit.name, representation, unit.param)
+        for key, value in fields.items():
+            setattr(entry, key, value)
+        for t in traffic:
+            entry.add_traffic(t)
+        report.params.append(entry)
+
+    def own_rows(self, unit: FactorUnit) -> int:
+        """This rank's captured rows of ``unit``, over its uses."""
+        return sum(left.shape[0] for left, _ in self.rows[unit.index])
 
     def deliver(self, unit: FactorUnit, owned: torch.Tensor) -> None:
         self._deliver(unit.param, owned)
@@ -167,9 +182,7 @@ class PartitionCall(ShardedCall):
             chunks = [local[lo:hi] if hi > lo else local[:0] for lo, hi in self.ranges[unit.index]]
             handle = start_codec_chunks(get_route(rep).codec, chunks, self.aggregator, name=f"dad.{rep}.{unit.name}")
             self.deliver(unit, handle.wait().mul_(self.scale))
-            entry = self._report(unit.name, rep, unit.param)
-            entry.add_traffic(handle.traffic)
-            report.params.append(entry)
+            self._entry(report, unit, rep, handle.traffic)
         if shared:
             self._reduce_shared(shared, routes.step, report)
         units = {u.index: u for u in self.engine.units()}
@@ -181,14 +194,10 @@ class PartitionCall(ShardedCall):
                                                         lambda key, owned: self.deliver(units[key], owned))
             for it in chunk:
                 unit = units[it.key]
-                rep = self._report(unit.name, "rank" if it.key in ranked else "exact", unit.param)
-                rep.rows = sum(left.shape[0] for left, _ in self.item(unit).rows)
-                rep.max_rows = max(sum(k) for k in it.rows_by_rank())
-                rep.method = "partition"
-                if it.key in ranked:
-                    rep.components, rep.method = ranked[it.key]
-                rep.add_traffic(traffic[it.key])
-                report.params.append(rep)
+                components, method = ranked.get(it.key, (0, "partition"))
+                self._entry(report, unit, "rank" if it.key in ranked else "exact", traffic[it.key],
+                            rows=self.own_rows(unit), max_rows=max(sum(k) for k in it.rows_by_rank()),
+                            components=components, method=method)
         self.reduce_dense(report)
 
     def estimates(self, unit: FactorUnit, counts) -> Tuple[Dict[str, float], Dict[str, float]]:
@@ -197,10 +206,8 @@ class PartitionCall(ShardedCall):
         while rank-dAD's other rank receives nothing), from the real partition ranges (`routes`'
         models on ``partitions``); "exact" only where `exact.sharded_exact_covers` the unit."""
         config, it, exact = self.config, self.item(unit), sharded_exact_covers(unit.kinds, unit.blocks)
-        sizing = UnitSizing(tuple(it.kinds), tuple(it.shape), self.dtype, self.route_wire,
-                            rank=config.rank if self.rank_codec is not None else 0,
-                            rounds=config.power_iterations, blocks=it.blocks, world_size=self.S,
-                            engine_itemsize=self.itemsize, counts=it.counts, ranges=it.ranges)
+        sizing = unit_sizing(config, self.unit_shape(unit), None, self.route_wire, world_size=self.S,
+                             engine_itemsize=self.itemsize, counts=it.counts, ranges=it.ranges)
         names = [k for k in routes_for(config.routes) if exact or not get_route(k).needs_rows]
         pairs = estimates_on(layouts.PARTITIONS, sizing, names)
         return {k: v[0] for k, v in pairs.items()}, {k: v[1] for k, v in pairs.items()}
@@ -230,11 +237,8 @@ class PartitionCall(ShardedCall):
                                            self.route_wire, rebuild=owned)
         for (unit, ri), res in zip(shared, results):
             self.deliver(unit, res.shard)
-            rep = self._report(unit.name, "rank_allreduce", unit.param)
-            rep.rows = sum(left.shape[0] for left, _ in self.item(unit).rows)
-            rep.components, rep.method = res.components, ri.method
-            rep.add_traffic(res.traffic)
-            report.params.append(rep)
+            self._entry(report, unit, "rank_allreduce", res.traffic, rows=self.own_rows(unit),
+                        components=res.components, method=ri.method)
 
 
 def _chunks(items: Sequence[PartitionItem], cap_bytes: float) -> List[List[PartitionItem]]:

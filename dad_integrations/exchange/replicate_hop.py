@@ -37,9 +37,9 @@ from dad_integrations.exchange.row_shards import RowShardCall
 from dad_integrations.exchange.sharded import CallRoutes, EngineCall, Estimates
 from dad_integrations.routes import layouts
 from dad_integrations.routes.codec import start_codec
-from dad_integrations.routes.registry import UnitSizing, estimates_on, get_route, routes_for
+from dad_integrations.routes.registry import estimates_on, get_route, routes_for
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
-from dad_integrations.routing.router import RowCounts
+from dad_integrations.routing.router import RowCounts, unit_sizing
 
 Grid = Sequence[Sequence[int]]  # grid[node][s]: world ranks
 
@@ -94,10 +94,8 @@ class ReplicateHopCall(RowShardCall):
         """Bytes one rank sends between nodes per route (`routes`' models on the ``replicate_hop``
         layout); rows per use: the most any rank captured (agreed, so every rank decides alike)."""
         rows = longest(counts) if counts else [0] * len(unit.uses)
-        sizing = UnitSizing(tuple(unit.kinds), tuple(unit.shape), self.sink.inp.dtype, self.route_wire,
-                            rank=self.config.rank or 0, rounds=self.config.power_iterations,
-                            bias_numel=sum(b.shape[0] for b in self._biases(unit)), blocks=unit.blocks, rows=rows,
-                            nodes=self.groups.nodes, local=self.groups.local)
+        sizing = unit_sizing(self.config, self.unit_shape(unit), rows, self.route_wire, nodes=self.groups.nodes,
+                             local=self.groups.local)
         return estimates_on(layouts.REPLICATE_HOP, sizing, routes_for(self.config.routes)), None
 
     def reduce_dense(self, report: ShardedStepReport) -> None:

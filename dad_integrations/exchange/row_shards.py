@@ -17,7 +17,7 @@ from torch import nn
 
 from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import ExactCodec, agree_counts
+from dad_integrations.codecs.exact import ExactCodec, agree_rows
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.checks import agree_factors_rebuild
 from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall
@@ -43,10 +43,9 @@ class RowShardCall(ShardedCall):
 
     def agree_counts(self, units):
         """Every rank's row count per unit and use: one all-gather of int64 for all ``units``."""
-        mine = [[[left.shape[0]] for left, _ in self.rows[u.index]] for u in units]
-        counts, traffic = agree_counts(mine, self.aggregator, "dad.sharded.rows", units[0].param.device)
-        counts = {u.index: [[k[0] for k in r] for r in c] for u, c in zip(units, counts)}
-        return counts, traffic, sum(len(u.uses) for u in units)
+        mine = [[left.shape[0] for left, _ in self.rows[u.index]] for u in units]
+        counts, traffic = agree_rows(mine, self.aggregator, "dad.sharded.rows", units[0].param.device)
+        return {u.index: c for u, c in zip(units, counts)}, traffic, sum(len(u.uses) for u in units)
 
     def verify(self, units):
         _, failed, traffic = agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
@@ -83,7 +82,6 @@ class RowShardCall(ShardedCall):
         entries[0].rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
         return entries[0]
 
-
     def reduce_rest(self, slots: List[ShardSlot], report: ShardedStepReport) -> None:
         """The engine's own reduce-scatter of ``slots`` (those no route above covered)."""
         if not slots:
@@ -114,7 +112,7 @@ class RowShardCall(ShardedCall):
         codec = ExactCodec(self.route_wire or sink.inp.dtype, sink.inp.device)
         for unit in routes.exact:
             result = codec.exchange_shards(unit, self.rows[unit.index], routes.counts[unit.index], self.aggregator,
-                                    self.scale)
+                                           self.scale)
             weight = self._put_exact(unit, result.shards, report, covered)
             weight.max_rows, weight.method = max(sum(r) for r in routes.counts[unit.index]), result.method
             weight.add_traffic(result.traffic)

@@ -353,11 +353,9 @@ class ShardedExchanger(TimedRoutes):
             rep = decision.representation
             if rep not in ("dense", "exact") and not is_rank_route(rep) and not has_codec(rep):
                 raise_unsupported(rep, call.LAYOUT)
-            if is_rank_route(rep):
-                routes.routed.append((unit, rep))
-            elif self._flush(call, unit):
+            if not is_rank_route(rep) and self._flush(call, unit):
                 continue  # its residual rides the engine's reduction this step
-            elif rep != "dense":
+            if rep != "dense":
                 routes.routed.append((unit, rep))
         call.exchange(routes)
         for unit, _ in routes.ranked:

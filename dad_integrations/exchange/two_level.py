@@ -31,7 +31,7 @@ from dad_integrations.capture.units import FactorUnit
 from dad_integrations.exchange.node_hops import HopItem, NodeHops, sums_at_owner
 from dad_integrations.routes.codec import start_codec
 from dad_integrations.routes.registry import get_route, has_codec, is_rank_route
-from dad_integrations.codecs.exact import agree_counts
+from dad_integrations.codecs.exact import agree_rows
 from dad_integrations.codecs.wire import pack, packed_size, unpack
 from dad_integrations.comm.aggregator import Traffic, ring_allreduce_bytes
 from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
@@ -195,11 +195,10 @@ class TwoLevelExchanger:
         maybe = [it for it in items if lossless and it.unit is not None and it.unit.has_factors
                  and not (it.unit.dense_only or it.unit.rows_unused)]
         if maybe:
-            mine = [[[c] for c in it.counts] for it in maybe]
-            table, _ = agree_counts(mine, self.world, f"dad.twolevel.counts.{maybe[0].name}", self.device)
+            table, _ = agree_rows([it.counts for it in maybe], self.world, f"dad.twolevel.counts.{maybe[0].name}",
+                                  self.device)
             topo = self.levels.topology
-            for it, counts in zip(maybe, table):
-                by_rank = [[k[0] for k in r] for r in counts]
+            for it, by_rank in zip(maybe, table):
                 it.rank_rows = [by_rank[r] for r in topo.intra_ranks(topo.node)]
                 it.node_rows = node_rows_of(by_rank, topo)
         for it in items:
