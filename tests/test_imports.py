@@ -6,7 +6,7 @@
 Every import is read with `ast`, those inside functions too (a lazy import is still a dependency),
 and none is executed. The layers, lowest first (docs/architecture.md draws them):
 
-0. ``comm``, ``config``, ``logs``, ``report``, ``rng``: collectives, the config, plain data;
+0. ``comm``, ``config``, ``logs``, ``report``, ``rng``, ``builtin_routes``: collectives, the config, plain data;
 1. ``capture``: hooks, rows, units, sinks, layer kinds;
 2. ``codecs``: one per representation, with wire packing, error feedback, low-rank kernels;
 3. ``routes`` (the route registry, one module per route) and ``routing``: router, costs, link and compute models, trials, the planner's library;
@@ -29,7 +29,7 @@ ENGINE_PACKAGES = ("deepspeed_dad", "horovod_dad")  # built on dad_integrations,
 TRAMPOLINE = "deepspeed_dad_hook"
 MAX_ADAPTER_LINES = 250
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LAYERS = {"comm": 0, "config": 0, "logs": 0, "report": 0, "rng": 0, "capture": 1, "codecs": 2, "routes": 3, "routing": 3, "exchange": 4}
+LAYERS = {"comm": 0, "config": 0, "builtin_routes": 0, "logs": 0, "report": 0, "rng": 0, "capture": 1, "codecs": 2, "routes": 3, "routing": 3, "exchange": 4}
 ADAPTER_LAYER = 5
 # what the algorithms (layers 0-4) never import: the engines and their adapters
 # (a layer kind may import a model library's layer class: `transformers.pytorch_utils.Conv1D`)

@@ -7,6 +7,7 @@ engine's own: the baseline every other route is priced against.
 """
 from __future__ import annotations
 
+from dad_integrations.builtin_routes import DENSE
 from dad_integrations.routes.hops import (node_itemsize, reduce_scatter_bytes, replicate_bias, ring_allreduce_bytes,
                                           shard_bias, to_owner_dense)
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
@@ -47,8 +48,8 @@ def replicate_hop(s: UnitSizing) -> float:
     return ring_allreduce_bytes(-(-m // s.local) * n * s.grad_dtype.itemsize, s.nodes) + replicate_bias(s)
 
 
-DENSE = register_route(RouteSpec(
-    name="dense",
+SPEC = register_route(RouteSpec(
+    name=DENSE,
     summary="the engine's own reduction of the gradient",
     order=0,
     lossless=True,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dad_integrations.builtin_routes import EXACT
 from dad_integrations.codecs.exact import exact_block_specs, exchange_bytes, longest, shard_span, sharded_exact_covers
 from dad_integrations.codecs.wire import packed_size
 from dad_integrations.routes.hops import node_itemsize, on_node_partitions
@@ -77,8 +78,8 @@ def compute(costs, capture: float, rows, world_size: int, calls: int) -> float:
     return costs.exact_per_row * world_size * longest + capture * calls
 
 
-EXACT = register_route(RouteSpec(
-    name="exact",
+SPEC = register_route(RouteSpec(
+    name=EXACT,
     summary="every rank's captured factors, rebuilt exactly (dAD)",
     order=1,
     lossless=True,

@@ -16,6 +16,7 @@ Biases go densely beside it.
 """
 from __future__ import annotations
 
+from dad_integrations.builtin_routes import RANK
 from dad_integrations.codecs.exact import exchange_bytes
 from dad_integrations.codecs.wire import packed_size, rank_block_specs
 from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, needs_rank, node_itemsize,
@@ -64,8 +65,8 @@ def replicate_hop(s: UnitSizing) -> float:
     return (s.nodes - 1) * replicate_piece(s) + replicate_bias(s)
 
 
-RANK = register_route(RouteSpec(
-    name="rank",
+SPEC = register_route(RouteSpec(
+    name=RANK,
     summary="each rank's own rank-r factors, all-gathered (rank-dAD)",
     order=3,
     lossless=False,

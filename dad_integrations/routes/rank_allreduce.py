@@ -10,6 +10,7 @@ flops, an orthonormalisation and the rebuild. Biases go densely beside it.
 """
 from __future__ import annotations
 
+from dad_integrations.builtin_routes import RANK_ALLREDUCE
 from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, needs_rank, node_itemsize,
                                           on_node_partitions, replicate_bias, ring_allreduce_bytes, shard_bias,
                                           to_owner_dense)
@@ -53,8 +54,8 @@ def replicate_hop(s: UnitSizing) -> float:
     return s.rounds * ring_allreduce_bytes(replicate_piece(s), s.nodes) + replicate_bias(s)
 
 
-RANK_ALLREDUCE = register_route(RouteSpec(
-    name="rank_allreduce",
+SPEC = register_route(RouteSpec(
+    name=RANK_ALLREDUCE,
     summary="PowerSGD's all-reduced P and Q: rank r of the average",
     order=2,
     lossless=False,
