@@ -17,9 +17,8 @@ from torch import nn
 from dad_integrations.comm.aggregator import EqualSizeAggregator
 from dad_integrations.codecs.rank import RankCodec
 from dad_integrations.codecs.rank_allreduce import RankAllReduceCodec
-from dad_integrations.codecs.exact import shard_span
-from dad_integrations.codecs.sharded_rank import (ShardedRankCodec, gathered_shard, reduced_elements, reduced_shard,
-                                                   row_blocks)
+from dad_integrations.codecs.exact import decode_sliced, encode_sliced, shard_span
+from dad_integrations.codecs.sharded_rank import ShardedRankCodec, reduced_elements, reduced_shard
 from dad_integrations.config import DADConfig
 from dad_integrations.codecs.route_state import RouteState
 from dad_integrations.report import ParamReport
@@ -106,13 +105,13 @@ def _check_shard(shard: torch.Tensor, full: torch.Tensor, rank: int, world: int,
 
 @pytest.mark.parametrize("m,n,world", LAYOUTS)
 def test_row_blocks_are_the_shards_zero_padded(m, n, world):
-    p = torch.randn(m, 3, dtype=F64)
-    blocks = row_blocks(p, world)
+    p, q = torch.randn(m, 3, dtype=F64), torch.randn(n, 3, dtype=F64)
+    q_flat, blocks = encode_sliced([(p.t(), q.t())], [[3]] * world, m, world, F64)  # P^T, Q^T as 3 rows
     c = -(-m // world)
-    assert blocks.shape == (world, c, 3)
+    assert blocks.shape == (world, 3, c) and torch.equal(q_flat, q.t().reshape(-1))
     for d in range(world):
         a, b, _ = shard_span(d, world, m)
-        assert torch.equal(blocks[d, :b - a], p[a:b]) and not blocks[d, b - a:].any()
+        assert torch.equal(blocks[d, :, :b - a], p[a:b].t()) and not blocks[d, :, b - a:].any()
 
 
 @pytest.mark.parametrize("m,n,world", LAYOUTS)
@@ -126,8 +125,10 @@ def test_sliced_p_and_gathered_q_give_the_rows_of_the_unsharded_rebuild(m, n, wo
     left, right = RankCodec.decode(unit, torch.cat([torch.cat([p.t(), q.t()], 1) for p, q in zip(ps, qs)]), scale)
     full = left @ right
     for d in range(world):
-        received = torch.stack([row_blocks(p, world)[d] for p in ps])  # the all-to-all, by hand
-        shard = gathered_shard(received, torch.stack([q.t() for q in qs]), scale)
+        sent = [encode_sliced([(p.t(), q.t())], [[r]] * world, m, world, F64) for p, q in zip(ps, qs)]
+        received = torch.stack([blocks[d] for _, blocks in sent])  # the all-to-all, by hand
+        shard = decode_sliced(("linear",), (m, n), [q for q, _ in sent], received, [[r]] * world, d, (), F64)[0]
+        shard *= scale
         a, b, c = shard_span(d, world, m)
         assert shard.shape == (c, n) and not shard[b - a:].any()
         _check_shard(shard[:b - a], full, d, world, 1e-12)

@@ -4,16 +4,15 @@ rebuilds only its own rows (or elements) of the rank-r average (bytes: `routes.r
 
 A weight ``m x n`` is sharded along dim 0 over S ranks: rank d keeps rows ``[a, b) = [d c, min((d+1) c,
 m))``, ``c = ceil(m/S)`` (`exact.shard_span`). **All-gather route (rank-dAD).** Each site reduces its
-own ``M_s ~= P_s Q_s^T`` (`rank.RankRoutes.reduce_own`). Row i of ``scale * sum_s P_s Q_s^T`` needs
-every ``Q_s`` whole but of ``P_s`` only row i, so rank d gets every ``Q_s^T`` by all-gather and its rows
-of every ``P_s`` by all-to-all (block d = rows ``[d c, (d+1) c)``, zero past m), and rebuilds
+own ``M_s ~= P_s Q_s^T`` (`rank.RankRoutes.reduce_own`) and sends ``(P_s^T, Q_s^T)``, r pseudo-rows of
+one linear use, by the exact codec's row-shard exchange (`exact.encode_sliced`): every ``Q_s^T``
+all-gathered, rank d's columns of every ``P_s^T`` by all-to-all, and ``shard_d = scale * sum_s P_s[a:b]
+Q_s^T`` rebuilt site after site (`exact.decode_sliced`), as ZeRO's partitions do (`exchange.partitions`).
 
-    shard_d = scale * sum_s P_s[a:b] Q_s^T = scale * [P_1[a:b] .. P_S[a:b]] [Q_1 .. Q_S]^T
-
-with one ``(c x S r) (S r x n)`` matmul, 1/S of the unsharded one. **All-reduce route (PowerSGD).**
-The flat route's rounds (`rank.RankRoutes.shared_rounds`), then ``shard_d = scale * P^[a:b] Q'^T``:
-only the rebuild shrinks. A reduce-scatter of P does not suffice: the orthonormalisation mixes all
-rows of P, and ``M_s^T P^`` needs all of ``P^`` on site s, the only one that holds ``M_s``.
+**All-reduce route (PowerSGD).** The flat route's rounds (`rank.RankRoutes.shared_rounds`), then
+``shard_d = scale * P^[a:b] Q'^T``: only the rebuild shrinks. A reduce-scatter of P does not suffice:
+the orthonormalisation mixes all rows of P, and ``M_s^T P^`` needs all of ``P^`` on site s, the only
+one that holds ``M_s``.
 
 **Error feedback** keeps one *unsharded* residual (m x n) per rank-routed weight and rank, S times
 that weight's gradient shard (site s compresses its whole ``M_s``, which no other rank knows);
@@ -23,8 +22,8 @@ gradients (`RouteState.note_local`). Embeddings, units without uses and units wh
 blocks are reduced from the dense local gradient, as its matrix view (`FactorUnit.shape`: FSDP2's
 Shard(0) cuts its rows, ZeRO's flat partitions its row-major flattening).
 
-The pure functions (`row_blocks`, `gathered_shard`, `reduced_shard`, `reduced_elements`) hold the
-algebra; `ShardedRankCodec` runs the collectives, every rank calling it alike.
+The pure functions (`reduced_shard`, `reduced_elements`) hold the all-reduce route's algebra;
+`ShardedRankCodec` runs the collectives, every rank calling it alike.
 """
 from __future__ import annotations
 
@@ -36,30 +35,11 @@ import torch
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.exact import covering_rows, shard_span
+from dad_integrations.codecs.exact import covering_rows, decode_sliced, encode_sliced, shard_span
 from dad_integrations.codecs.rank import LocalGrad, RankItem, RankRoutes
 
 ROUTES = ("rank", "rank_allreduce")
 SharedRebuild = Callable[["RankItem", torch.Tensor, torch.Tensor], torch.Tensor]  # (item, P^, Q') -> its part
-
-
-def row_blocks(p: torch.Tensor, world_size: int) -> torch.Tensor:
-    """``(S, c, r)``: block d holds rows ``[d c, (d+1) c)`` of ``p`` (m x r), zero past m (what rank
-    d receives of this site's P in the all-to-all)."""
-    m, r = p.shape
-    c = -(-m // world_size)
-    out = p.new_zeros(world_size * c, r)
-    out[:m] = p
-    return out.view(world_size, c, r)
-
-
-def gathered_shard(p_blocks: torch.Tensor, q_ts: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale * sum_s p_blocks[s] @ q_ts[s]`` as one ``(c x S r) (S r x n)`` matmul: ``p_blocks``
-    ``(S, c, r)`` holds every site's rows of its P for this rank, ``q_ts`` ``(S, r, n)`` every site's
-    ``Q_s^T``. Returns the padded shard ``(c, n)`` (zero past m)."""
-    world, c, r = p_blocks.shape
-    left = p_blocks.permute(1, 0, 2).reshape(c, world * r) * scale  # the scale on the small side
-    return left @ q_ts.reshape(world * r, -1)
 
 
 def reduced_shard(basis: torch.Tensor, q: torch.Tensor, rank: int, world_size: int, scale: float) -> torch.Tensor:
@@ -122,14 +102,15 @@ class ShardedRankCodec(RankRoutes):
 
     def _start_gather(self, items: Sequence[RankItem], agg: FactorAggregator, scale: float, step: int,
                       wire: torch.dtype) -> Callable[[], List[RankShard]]:
-        """All-gather every site's ``Q_s^T`` and all-to-all its P's row blocks; the returned finish
-        rebuilds each unit's shard."""
+        """All-gather every site's ``Q_s^T`` and all-to-all its ``P_s^T``'s columns (`exact.encode_sliced` of
+        each item's pseudo-rows, the items side by side); the returned finish rebuilds each unit's shard."""
         S, rank = agg.world_size, agg.rank
         q_parts, p_parts, components = [], [], []
         for it in items:
             p, q, k = self.reduce_own(it, step)
-            q_parts.append(q.t().reshape(-1).to(wire))
-            p_parts.append(row_blocks(p, S).reshape(S, -1).to(wire))
+            q_part, p_part = encode_sliced([(p.t(), q.t())], [[it.rank]] * S, it.unit.shape[0], S, wire)
+            q_parts.append(q_part)
+            p_parts.append(p_part.reshape(S, -1))
             components.append(k)
         flat_q, send = torch.cat(q_parts), torch.cat(p_parts, dim=1)
         name = f"dad.sharded.rank.{items[0].unit.name}"
@@ -140,15 +121,13 @@ class ShardedRankCodec(RankRoutes):
             qs, received = gather.wait(), to_all.wait()
             out, q0, p0 = [], 0, 0
             for it, q_part, p_part, k in zip(items, q_parts, p_parts, components):
-                m, n = it.unit.shape
-                cdt = compute_dtype(it.unit.param)
-                a, b, c = shard_span(rank, S, m)
-                q_ts = torch.stack([g[q0:q0 + q_part.numel()].view(it.rank, n) for g in qs]).to(cdt)
-                p_blocks = received[:, p0:p0 + p_part.shape[1]].reshape(S, c, it.rank).to(cdt)
-                shard = gathered_shard(p_blocks, q_ts, scale)[:b - a]
+                a, b, c = shard_span(rank, S, it.unit.shape[0])
+                shard, _ = decode_sliced(("linear",), it.unit.shape, [g[q0:q0 + q_part.numel()] for g in qs],
+                                         received[:, p0:p0 + p_part.shape[1]].reshape(S, it.rank, c),
+                                         [[it.rank]] * S, rank, (), compute_dtype(it.unit.param))
                 traffic = (gather.traffic.share(q_part.numel() / flat_q.numel())
                            + to_all.traffic.share(p_part.shape[1] / send.shape[1]))
-                out.append(RankShard(shard, traffic, k))
+                out.append(RankShard(shard[:b - a].mul_(scale), traffic, k))
                 q0, p0 = q0 + q_part.numel(), p0 + p_part.shape[1]
             return out
 
