@@ -24,6 +24,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from dad_integrations.builtin_routes import RANK
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.capture.rows import Rows, compute_dtype
@@ -72,7 +73,7 @@ class RankRoutes:
         method = "dense"
         if rows and unit.factors_only and not (dense or self.memory.enabled or unit.rows_unused):
             n_rows = sum(int(left.shape[0]) for left, _ in rows)
-            if representation == "rank":
+            if representation == RANK:
                 method = choose_method(n_rows, m, n, r, self.config.power_iterations, factors_available=True)
             else:  # PowerSGD's products: the factors or the dense gradient
                 costs = method_costs(n_rows, m, n, r, 2, factors_available=True)
@@ -145,7 +146,7 @@ class RankCodec(RankRoutes):
                *, dense: bool = False) -> torch.Tensor:
         """This rank's payload (``r`` rows of ``m + n``; fewer with adaptive tolerance); ``dense``:
         from ``local_grad`` whatever the rows (a node's sum, `exchange.two_level`)."""
-        it = self.item(unit, rows, local_grad, "rank", dense)
+        it = self.item(unit, rows, local_grad, RANK, dense)
         entry.method = it.method
         p, q, entry.components = self.reduce_own(it, step, self.config.adaptive_tolerance)
         return torch.cat([p.t(), q.t()], dim=1).to(self.wire_dtype or unit.param.dtype)

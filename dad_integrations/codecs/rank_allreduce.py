@@ -14,6 +14,7 @@ from typing import Callable, List, Sequence, Tuple, Union
 
 import torch
 
+from dad_integrations.builtin_routes import RANK_ALLREDUCE
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient
@@ -36,7 +37,7 @@ class RankAllReduceCodec(RankRoutes):
     def local(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, entry: ParamReport, *,
               dense: bool = False) -> LocalGradient:
         """This rank's ``M_s`` (`RankRoutes.item`)."""
-        it = self.item(unit, rows, local_grad, "rank_allreduce", dense)
+        it = self.item(unit, rows, local_grad, RANK_ALLREDUCE, dense)
         entry.method, entry.components = it.method, it.rank
         (self._owned.add if it.owned else self._owned.discard)(unit.name)
         return it.local
@@ -56,7 +57,7 @@ class RankAllReduceCodec(RankRoutes):
         iteration) and returns each unit's ``(left, right)``, ``left @ right = scale P Q^T``."""
         done = [it[4] if len(it) > 4 else None for it in items]
         items = [it[:4] for it in items]
-        rounds = self.shared_rounds([RankItem(u, "rank_allreduce", m_s, e.method, q.shape[1], u.name in self._owned)
+        rounds = self.shared_rounds([RankItem(u, RANK_ALLREDUCE, m_s, e.method, q.shape[1], u.name in self._owned)
                                      for u, m_s, q, e in items], self.shared, 0, "dad.powersgd",
                                     qs=[q for _, _, q, _ in items], done=done, sites=aggregator, note=note,
                                     wire=self.wire_dtype or items[0][0].param.dtype)

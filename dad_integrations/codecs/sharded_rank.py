@@ -32,13 +32,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from dad_integrations.builtin_routes import RANK, RANK_ALLREDUCE
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import covering_rows, decode_sliced, encode_sliced, shard_span
 from dad_integrations.codecs.rank import LocalGrad, RankItem, RankRoutes
 
-ROUTES = ("rank", "rank_allreduce")
+ROUTES = (RANK, RANK_ALLREDUCE)
 SharedRebuild = Callable[["RankItem", torch.Tensor, torch.Tensor], torch.Tensor]  # (item, P^, Q') -> its part
 
 
@@ -89,8 +90,8 @@ class ShardedRankCodec(RankRoutes):
         if not items:
             return []
         wire = self.wire_dtype or wire
-        gather = [i for i, it in enumerate(items) if it.representation == "rank"]
-        shared = [i for i, it in enumerate(items) if it.representation == "rank_allreduce"]
+        gather = [i for i, it in enumerate(items) if it.representation == RANK]
+        shared = [i for i, it in enumerate(items) if it.representation == RANK_ALLREDUCE]
         out: Dict[int, RankShard] = {}
         finish = self._start_gather([items[i] for i in gather], aggregator, scale, step, wire) if gather else None
         if shared:  # its two rounds run while the all-gather route's collectives are in flight
