@@ -292,10 +292,10 @@ def encode_sliced(rows: Sequence[Rows], rows_by_rank: RowCounts, m: int, world_s
 
 def decode_sliced(kinds: Sequence[str], shape: Tuple[int, int], rights: Sequence[torch.Tensor],
                   received: torch.Tensor, rows_by_rank: RowCounts, rank: int, biases: BiasUses,
-                  dtype: torch.dtype) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+                  dtype: torch.dtype, stacked: bool = False) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Rank's padded shard ``(c, n)`` of ``sum_s G_s`` and of each bias, from every rank's flattened
     ``right`` (``rights[s]``) and the all-to-all's ``received`` ``(S, L, c)`` (block s: rank s's cuts,
-    laid out as `encode_sliced` sends them)."""
+    laid out as `encode_sliced` sends them); ``stacked``: every rank's rows as one source (`rebuild`)."""
     m, n = shape
     region = RowShards(len(rights))
     lo, hi, _ = region.rows(rank, m, n)
@@ -306,6 +306,8 @@ def decode_sliced(kinds: Sequence[str], shape: Tuple[int, int], rights: Sequence
             rows.append((received[s, row0:row0 + k, :hi - lo], rights[s][pos:pos + k * n].view(k, n)))
             pos, row0 = pos + k * n, row0 + pad
         sources.append(rows)
+    if stacked:
+        sources = [[tuple(torch.cat(t) for t in zip(*use)) for use in zip(*sources)]]
     # placed among this rank's rows, every cut is a whole-row one
     return rebuild(kinds, shape, sources, dtype, None, region, rank, biases)
 

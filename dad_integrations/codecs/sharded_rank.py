@@ -6,8 +6,10 @@ A weight ``m x n`` is sharded along dim 0 over S ranks: rank d keeps rows ``[a, 
 m))``, ``c = ceil(m/S)`` (`exact.shard_span`). **All-gather route (rank-dAD).** Each site reduces its
 own ``M_s ~= P_s Q_s^T`` (`rank.RankRoutes.reduce_own`) and sends ``(P_s^T, Q_s^T)``, r pseudo-rows of
 one linear use, by the exact codec's row-shard exchange (`exact.encode_sliced`): every ``Q_s^T``
-all-gathered, rank d's columns of every ``P_s^T`` by all-to-all, and ``shard_d = scale * sum_s P_s[a:b]
-Q_s^T`` rebuilt site after site (`exact.decode_sliced`), as ZeRO's partitions do (`exchange.partitions`).
+all-gathered, rank d's columns of every ``P_s^T`` by all-to-all, as ZeRO's partitions send them through
+the exact codec (`exchange.partitions`); the sites' rows stacked, ``shard_d = scale * [P_1[a:b] ..
+P_S[a:b]] [Q_1 .. Q_S]^T`` is one ``(c x S r) (S r x n)`` matmul (`exact.decode_sliced`), 1/S of the
+unsharded one.
 
 **All-reduce route (PowerSGD).** The flat route's rounds (`rank.RankRoutes.shared_rounds`), then
 ``shard_d = scale * P^[a:b] Q'^T``: only the rebuild shrinks. A reduce-scatter of P does not suffice:
@@ -125,7 +127,7 @@ class ShardedRankCodec(RankRoutes):
                 a, b, c = shard_span(rank, S, it.unit.shape[0])
                 shard, _ = decode_sliced(("linear",), it.unit.shape, [g[q0:q0 + q_part.numel()] for g in qs],
                                          received[:, p0:p0 + p_part.shape[1]].reshape(S, it.rank, c),
-                                         [[it.rank]] * S, rank, (), compute_dtype(it.unit.param))
+                                         [[it.rank]] * S, rank, (), compute_dtype(it.unit.param), stacked=True)
                 traffic = (gather.traffic.share(q_part.numel() / flat_q.numel())
                            + to_all.traffic.share(p_part.shape[1] / send.shape[1]))
                 out.append(RankShard(shard[:b - a].mul_(scale), traffic, k))

@@ -53,11 +53,6 @@ def on_node_partitions(two_level: ByteModel) -> ByteModel:
     return model
 
 
-def needs_rank(model: ByteModel) -> ByteModel:
-    """A rank-``r`` route's byte model: None (the unit cannot take it) without a rank."""
-    return lambda s: model(s) if s.rank else None
-
-
 def flat_bias(s: UnitSizing) -> float:
     """The biases beside a factor route, all-reduced densely on the wire over the flat group."""
     return ring_allreduce_bytes(s.bias_numel * s.wire.itemsize, s.world_size)

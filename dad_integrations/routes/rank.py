@@ -19,7 +19,7 @@ from __future__ import annotations
 from dad_integrations.builtin_routes import RANK
 from dad_integrations.codecs.exact import exchange_bytes
 from dad_integrations.codecs.wire import packed_size, rank_block_specs
-from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, needs_rank, node_itemsize,
+from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, node_itemsize,
                                           on_node_partitions, replicate_bias, shard_bias, to_owner_dense)
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
@@ -29,23 +29,19 @@ def _r(s: UnitSizing) -> int:
     return min(s.rank, m, n)
 
 
-@needs_rank
 def flat(s: UnitSizing) -> float:
     return (s.world_size - 1) * packed_size(rank_block_specs(s.shape, _r(s), s.wire_dtype)) + flat_bias(s)
 
 
-@needs_rank
 def row_shards(s: UnitSizing) -> float:
     m, n = s.shape
     return (s.world_size - 1) * _r(s) * (n + -(-m // s.world_size)) * s.wire.itemsize + shard_bias(s)
 
 
-@needs_rank
 def partitions(s: UnitSizing):
     return exchange_bytes(("linear",), s.shape, [[[_r(s)]]] * s.world_size, s.ranges, s.wire_dtype)
 
 
-@needs_rank
 def two_level(s: UnitSizing) -> HopBytes:
     m, n = s.shape
     r, b = _r(s), node_itemsize(s)
@@ -60,7 +56,6 @@ def replicate_piece(s: UnitSizing) -> float:
     return _r(s) * (-(-m // s.local) + -(-n // s.local)) * s.wire.itemsize
 
 
-@needs_rank
 def replicate_hop(s: UnitSizing) -> float:
     return (s.nodes - 1) * replicate_piece(s) + replicate_bias(s)
 

@@ -11,9 +11,8 @@ flops, an orthonormalisation and the rebuild. Biases go densely beside it.
 from __future__ import annotations
 
 from dad_integrations.builtin_routes import RANK_ALLREDUCE
-from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, needs_rank, node_itemsize,
-                                          on_node_partitions, replicate_bias, ring_allreduce_bytes, shard_bias,
-                                          to_owner_dense)
+from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, node_itemsize, on_node_partitions,
+                                          replicate_bias, ring_allreduce_bytes, shard_bias, to_owner_dense)
 from dad_integrations.routes.rank import replicate_piece
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
 
@@ -24,23 +23,19 @@ def _pq(s: UnitSizing) -> float:
     return ring_allreduce_bytes(min(s.rank, m, n) * (m + n) * s.wire.itemsize, s.world_size)
 
 
-@needs_rank
 def flat(s: UnitSizing) -> float:
     return s.rounds * _pq(s) + flat_bias(s)
 
 
-@needs_rank
 def row_shards(s: UnitSizing) -> float:
     return s.rounds * _pq(s) + shard_bias(s)
 
 
-@needs_rank
 def partitions(s: UnitSizing):
     both = s.rounds * float(_pq(s))
     return both, both
 
 
-@needs_rank
 def two_level(s: UnitSizing) -> HopBytes:
     m, n = s.shape
     r, b = min(s.rank, m, n), node_itemsize(s)
@@ -49,7 +44,6 @@ def two_level(s: UnitSizing) -> HopBytes:
     return HopBytes(to_owner_dense(s), between, *from_owner(s, back))
 
 
-@needs_rank
 def replicate_hop(s: UnitSizing) -> float:
     return s.rounds * ring_allreduce_bytes(replicate_piece(s), s.nodes) + replicate_bias(s)
 

@@ -98,7 +98,8 @@ class RouteSpec:
         collectives: by layout name, the collective kind on each of the layout's hops.
         bytes: by layout name, its byte model: bytes one rank sends for one unit (a float; ZeRO's
             partitions: the busiest rank's and the mean; three-hop layouts: `HopBytes`), or None
-            where the unit cannot take it (exact factors without agreed counts).
+            where the unit cannot take it (exact factors without agreed counts; a rank route's
+            model is not asked without a rank, `bytes_on`).
         compute: its local seconds for one unit from the compute model's figures.
         codec: a route that brings its own codec (`codec.GradientCodec`) runs through every
             layout's generic exchange (`codec.start_codec`); the built-in routes' codecs are the
@@ -147,10 +148,11 @@ class RouteSpec:
         return self.collectives[lay.name][lay.wire_hop]
 
     def bytes_on(self, layout: Union[str, Layout], sizing: UnitSizing) -> Optional[Bytes]:
-        """This route's bytes for one unit on ``layout`` (`bytes`)."""
+        """This route's bytes for one unit on ``layout`` (`bytes`); None for a rank-``r`` route
+        without a rank (no unit can take it)."""
         name = _layout_name(layout)
         self.check_layout(name)
-        return self.bytes[name](sizing)
+        return None if self.is_rank and not sizing.rank else self.bytes[name](sizing)
 
 
 _ROUTES: Dict[str, RouteSpec] = {}
