@@ -5,10 +5,8 @@ iteration warm-started from its last ``Q_s``, sends ``r (m+n)`` numbers, and eve
 ``(1/S) sum_s P_s Q_s^T``, a rank-``S r`` matrix. Lossy, with error feedback; no rows needed.
 
 - flat: ``(S-1) r (m+n) w`` (an all-gather), rebuild ``2 S r m n`` flops;
-- row shards (FSDP2): every ``Q_s`` all-gathered, each rank's rows of every ``P_s`` by all-to-all,
-  ``(S-1) r (n + ceil(m/S)) w`` (`codecs.sharded_rank`);
-- ZeRO's partitions: ``(P_s^T, Q_s^T)`` as ``r`` rows of a linear use, through the exact
-  partition exchange;
+- row shards (FSDP2) and ZeRO's partitions: ``(P_s^T, Q_s^T)`` as ``r`` rows of a linear use, through
+  the exact codec's exchange (`routes.exact`), under row shards ``(S-1) r (n + ceil(m/S)) w``;
 - two levels: the node's sum reduced once by its owner, ``(N-1) r (m+n) w`` between nodes;
 - HSDP's replicate hop: ``(R-1) r (ceil(m/L) + ceil(n/L)) w`` between nodes.
 
@@ -16,9 +14,12 @@ Biases go densely beside it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dad_integrations.builtin_routes import RANK
 from dad_integrations.codecs.exact import exchange_bytes
 from dad_integrations.codecs.wire import packed_size, rank_block_specs
+from dad_integrations.routes.exact import sharded_exact_bytes
 from dad_integrations.routes.hops import (between_bias, flat_bias, from_owner, node_itemsize,
                                           on_node_partitions, replicate_bias, shard_bias, to_owner_dense)
 from dad_integrations.routes.registry import per_layout, HopBytes, RouteSpec, UnitSizing, register_route
@@ -34,8 +35,7 @@ def flat(s: UnitSizing) -> float:
 
 
 def row_shards(s: UnitSizing) -> float:
-    m, n = s.shape
-    return (s.world_size - 1) * _r(s) * (n + -(-m // s.world_size)) * s.wire.itemsize + shard_bias(s)
+    return sharded_exact_bytes(replace(s, kinds=("linear",), rows=[[_r(s)]] * s.world_size)) + shard_bias(s)
 
 
 def partitions(s: UnitSizing):
