@@ -21,11 +21,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.wire import BlockSpec, pack_into, packed_size, unpack
+from dad_integrations.codecs.wire import BlockSpec, pack, packed_size, unpack
 from dad_integrations.report import ParamReport
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import has_codec, is_rank_route, raise_unsupported
@@ -43,7 +44,7 @@ class HopItem:
     counts: Optional[List[int]] = None              # this rank's rows per use
     node_rows: Optional[List[List[int]]] = None     # by node, by use
     rank_rows: Optional[List[List[int]]] = None     # by rank of this node, by use
-    rep: str = "dense"
+    rep: str = DENSE
     hop_bytes: Tuple[float, float, float] = (0.0, 0.0, 0.0)  # to the owner, between nodes, back
     factors_back: bool = False                      # hop 3 carries the factors, not the average
     entries: List[ParamReport] = field(default_factory=list)
@@ -70,9 +71,9 @@ class NodeHops:
     # -- hop 1 -------------------------------------------------------------------------------------
     def send_blocks(self, it: HopItem, sink: GradSink) -> List[torch.Tensor]:
         """This rank's contribution to the item, as blocks."""
-        if it.rep == "exact":
+        if it.rep == EXACT:
             return [self.exact.encode(it.unit, it.rows)]
-        if it.rep == "dense":
+        if it.rep == DENSE:
             out = []
             for q in it.params:
                 g = sink.dense_grad(q)
@@ -86,7 +87,7 @@ class NodeHops:
     def _summed(self, it: HopItem) -> Tuple[torch.dtype, int]:
         """The dtype and the numbers beyond the gradient (the dense route's flag) of each block a
         route that sums at the owner sends; raises for a route with no two-level exchange."""
-        if it.rep == "dense":
+        if it.rep == DENSE:
             return self.dense_dtype, 1
         if not sums_at_owner(it.rep):
             raise_unsupported(it.rep, layouts.TWO_LEVEL)
@@ -94,7 +95,7 @@ class NodeHops:
 
     def send_specs(self, it: HopItem, local: int) -> List[BlockSpec]:
         """The layout of what local rank ``local`` sends for the item."""
-        if it.rep == "exact":
+        if it.rep == EXACT:
             return [(torch.uint8, tuple(self.exact.sizes(it.unit, [it.rank_rows[local]])))]
         dtype, extra = self._summed(it)
         return [(dtype, (q.numel() + extra,)) for q in it.params]
@@ -102,7 +103,7 @@ class NodeHops:
     def receive(self, it: HopItem, by_rank: Sequence[List[torch.Tensor]]) -> None:
         """The owner's view of what the node sent: rows stacked in rank order (exact, into
         ``it.rows``) or the node's sums, in rank order (into ``it.result``)."""
-        if it.rep == "exact":
+        if it.rep == EXACT:
             it.rows = self.exact.stacked_rows(it.unit, [b[0] for b in by_rank], it.rank_rows)
             return
         it.result = []
@@ -119,11 +120,7 @@ class NodeHops:
         size = intra.world_size
         by_owner = [[b for it in items if it.owner == j for b in self.send_blocks(it, sink)] for j in range(size)]
         send_sizes = [packed_size([(b.dtype, tuple(b.shape)) for b in blocks]) for blocks in by_owner]
-        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
-        offset = 0
-        for blocks, nbytes in zip(by_owner, send_sizes):  # each block copied once, into its place
-            pack_into(blocks, send.narrow(0, offset, nbytes))
-            offset += nbytes
+        send = pack([b for blocks in by_owner for b in blocks], self.device)  # each block padded alone
         mine = [it for it in items if it.owner == local]
         recv_specs = [[s for it in mine for s in self.send_specs(it, k)] for k in range(size)]
         recv_sizes = [packed_size(specs) for specs in recv_specs]
@@ -164,14 +161,14 @@ class NodeHops:
 
     def result_specs(self, it: HopItem) -> List[BlockSpec]:
         """The layout of the owner's hop-3 blocks of the item."""
-        if it.rep == "dense":
+        if it.rep == DENSE:
             return self.send_specs(it, 0)
         cdt = compute_dtype(it.params[0])
-        if it.rep == "exact":
+        if it.rep == EXACT:
             return [(cdt, tuple(q.shape)) for q in it.params]
         m, n = it.unit.shape
         if it.factors_back:
-            r = min(self.rank, m, n) * (self.nodes if it.rep == "rank" else 1)
+            r = min(self.rank, m, n) * (self.nodes if it.rep == RANK else 1)
             weight = [(cdt, (m, r)), (cdt, (r, n))]
         else:
             weight = [(cdt, (m * n,))]
@@ -180,12 +177,12 @@ class NodeHops:
     @staticmethod
     def write(it: HopItem, blocks: List[torch.Tensor], sink: GradSink) -> None:
         """Write the item's synchronised gradients from the owner's hop-3 blocks."""
-        if it.rep == "dense":
+        if it.rep == DENSE:
             for q, b in zip(it.params, blocks):
                 if b[-1] > 0:  # some rank had a gradient
                     sink.write_dense(q, b[:-1].view(q.shape).to(q.dtype), True)
             return
-        if it.rep == "exact":
+        if it.rep == EXACT:
             if not any(any(r) for r in it.node_rows):
                 sink.write_unused(it.unit.param)
                 return

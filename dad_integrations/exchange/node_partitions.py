@@ -36,6 +36,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec, Range
@@ -104,8 +105,8 @@ class NodePartitionCall(PartitionCall):
             self.config, self.unit_shape(unit), node_rows, step=ctx.step or 0, nodes=topo.num_nodes,
             local_size=self.L, wire_dtype=self.route_wire, timing=self.nodes.levels.timing,
             dense_only=evidence.dense_only, layout=self.LAYOUT, engine_itemsize=self.itemsize)
-        saved = seconds["dense"] - seconds[rep] if seconds and "dense" in seconds else 0.0
-        return Route(rep, True, saved, spare_seconds(seconds, rep) if "dense" in seconds else 0.0)
+        saved = seconds[DENSE] - seconds[rep] if seconds and DENSE in seconds else 0.0
+        return Route(rep, True, saved, spare_seconds(seconds, rep) if DENSE in seconds else 0.0)
 
     # -- the exchange -----------------------------------------------------------------------------
     def exchange(self, routes: CallRoutes) -> None:
@@ -121,7 +122,7 @@ class NodePartitionCall(PartitionCall):
                 # gradient to the owner: sent, never lost (`RouteState.flush`)
                 self.rank_codec.state.flush(unit.name, functools.partial(self.add_residual, unit))
             it = HopItem(unit.name, [self.grads[unit.index]], owner, unit=unit, rows=self.rows[unit.index], rep=rep)
-            if rep == "exact":
+            if rep == EXACT:
                 by_rank = routes.counts[unit.index]
                 it.counts = list(by_rank[topo.rank])
                 it.rank_rows = [list(by_rank[r]) for r in node_ranks]
@@ -153,8 +154,8 @@ class NodePartitionCall(PartitionCall):
                              scale=self.scale, itemsize=self.itemsize, dtype=self.dtype,
                              deliver=lambda p, owned: results.__setitem__(id(p), owned))
         # exact: the node's stacked rows; rank routes: none (the node sum is reduced, `ShardedRankCodec.local`)
-        call.prepare({it.unit.index: (it.rows if it.rep == "exact" else []) for it in mine})
-        exact = [it.unit for it in mine if it.rep == "exact"]
+        call.prepare({it.unit.index: (it.rows if it.rep == EXACT else []) for it in mine})
+        exact = [it.unit for it in mine if it.rep == EXACT]
         counts = call.agree_counts(exact)[0] if exact else {}  # embeddings: ids per node's rows
         scratch = ShardedStepReport(step + 1, self.nodes.levels.topology.num_nodes)
         call.exchange(CallRoutes(step, counts, scratch, [(it.unit, it.rep) for it in mine]))
@@ -200,7 +201,7 @@ class NodePartitionCall(PartitionCall):
             share = u.shape[0] * u.shape[1] / total
             hop2 = between.get(u.index, Traffic())
             self._entry(report, u, it.rep, to_owner.share(share), from_owner.share(share), hop2, level="two_level",
-                        rows=self.own_rows(u) if it.rep == "exact" else 0, inter_bytes=float(hop2.received))
+                        rows=self.own_rows(u) if it.rep == EXACT else 0, inter_bytes=float(hop2.received))
         self.reduce_dense(report)
 
 

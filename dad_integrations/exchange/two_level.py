@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK, RANK_ALLREDUCE
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
@@ -54,7 +55,7 @@ def unit_entries(report: Dict[str, ParamReport], unit: FactorUnit, rep: str, wor
     exact factors and go dense beside every other route."""
     names = [unit.name] + [b.name for b in unit.biases]
     for i, (name, q) in enumerate(zip(names, unit.params)):
-        report[name] = param_entry(name, rep if i == 0 or rep in ("exact", "dense") else "dense", q, world_size,
+        report[name] = param_entry(name, rep if i == 0 or rep in (EXACT, DENSE) else DENSE, q, world_size,
                                    **fields, **(weight if i == 0 else {}))
     return [report[name] for name in names]
 
@@ -203,7 +204,7 @@ class TwoLevelExchanger:
                 it.node_rows = node_rows_of(by_rank, topo)
         for it in items:
             if it.unit is None:
-                it.rep = "dense"
+                it.rep = DENSE
                 continue
             u = it.unit
             it.rep, hops, _ = choose_two_level(self.config, UnitShape.of(u), it.node_rows, step=step, nodes=self.N,
@@ -216,7 +217,7 @@ class TwoLevelExchanger:
     def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
         """The item's report entries (`unit_entries`; a dense parameter's own)."""
         if it.unit is None:
-            report[it.name] = param_entry(it.name, "dense", it.params[0], self.world.world_size, level="two_level")
+            report[it.name] = param_entry(it.name, DENSE, it.params[0], self.world.world_size, level="two_level")
             return [report[it.name]]
         return unit_entries(report, it.unit, it.rep, self.world.world_size, dict(rows=sum(it.counts or [])),
                             level="two_level")
@@ -229,10 +230,9 @@ class TwoLevelExchanger:
         ``it.result``."""
         kinds = ["codec" if has_codec(it.rep) else it.rep for it in mine]
         batches = [(self._dense, [(it, i) for it in mine for i in range(len(it.params))
-                                  if it.rep == "dense" or (i > 0 and sums_at_owner(it.rep))])]
+                                  if it.rep == DENSE or (i > 0 and sums_at_owner(it.rep))])]
         batches += [(start, [it for it, k in zip(mine, kinds) if k == kind]) for kind, start in (
-            ("exact", self._exact), ("rank", self._rank), ("codec", self._codec),
-            ("rank_allreduce", self._rank_allreduce))]
+            (EXACT, self._exact), (RANK, self._rank), ("codec", self._codec), (RANK_ALLREDUCE, self._rank_allreduce))]
         finishes = [start(batch, scale, step) for start, batch in batches if batch]
         for finish in finishes:
             finish()
@@ -247,7 +247,7 @@ class TwoLevelExchanger:
             total = self.state.note(handle.wait())
             for (it, i), part in zip(parts, total.split([it.result[i].numel() for it, i in parts])):
                 it.result[i] = part
-            for it in [it for it, i in parts if i == 0 and it.rep == "dense"]:
+            for it in [it for it, i in parts if i == 0 and it.rep == DENSE]:
                 it.result = [self.hops.dense_average(r, scale) for r in it.result]
 
         return finish
