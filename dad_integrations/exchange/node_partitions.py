@@ -6,16 +6,13 @@ the weights the router gives a dAD route (`routing.two_level.choose_two_level` o
 three hops, as qgZ does with its INT4 all-to-alls (reduce inside the node, across nodes, scatter back), but with dAD's
 representations on the hop between nodes:
 
-1. **to the owner, inside the node** (`exchange.node_hops.NodeHops.to_owner`, one all-to-all per
-   call): every rank's rows (exact) or its local gradient (rank routes) go to the weight's owner,
-   one local index fixed at attach (`exchange.levels.assign_owners`), which stacks the rows or sums
-   the gradients: the node's contribution;
+1. **to the owner, inside the node** (`exchange.node_hops`, one all-to-all per call): the node's
+   rows stacked, or its local gradients summed, at the weight's owner (`exchange.levels.assign_owners`);
 2. **between nodes, owners only**: node k's ranks together own one contiguous stretch of the
    weight, ``[min lo, max hi)`` over its ranks (ZeRO-3: about ``1/N`` of it). The owners run the flat
-   partition exchange over their cross group (N members) with those node ranges in place of the
-   ranks' (a `PartitionCall` of their own: exact factors by one all-to-all of covering columns,
-   rank-dAD's ``(P_k, Q_k)`` of the node sum the same way, or PowerSGD's P and Q all-reduced), so
-   every owner rebuilds its node's stretch of the scaled average, and only that;
+   partition exchange (a `PartitionCall` of their own) over their cross group (N members) with
+   those node ranges in place of the ranks', so every owner rebuilds its node's stretch of the
+   scaled average, and only that;
 3. **from the owner, inside the node** (one all-to-all per call): each rank's own elements.
 
 Bytes per hop: `routes`' models on ``node_partitions``. The rebuild is done once per node, by the
@@ -178,17 +175,15 @@ class NodePartitionCall(PartitionCall):
         mine = [it for it in items if it.owner == self.local]
         by_rank = [[results[id(it.unit.param)][piece(it, r)].to(compute_dtype(it.unit.param)).reshape(-1).view(
             torch.uint8) for it in mine] for r in topo.intra_ranks(topo.node)]
-        recv_sizes = [sum(nbytes(it) for it in items if it.owner == j) for j in range(self.L)]
+        sizes = [[nbytes(it) for it in items if it.owner == j] for j in range(self.L)]  # by owner, by unit
+        recv_sizes = [sum(s) for s in sizes]
         parts = [p for ps in by_rank for p in ps]
         send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.layout.device)
         handle = self.nodes.levels.intra.all_to_all_v(send, [sum(p.numel() for p in ps) for ps in by_rank],
                                                       recv_sizes, name=f"dad.zero.from_owner.{items[0].name}")
-        got = handle.wait()
-        offsets = [sum(recv_sizes[:j]) for j in range(self.L)]
+        got = [iter(part.split(s)) for part, s in zip(handle.wait().split(recv_sizes), sizes)]
         for it in items:
-            j, size = it.owner, nbytes(it)
-            self.deliver(it.unit, got[offsets[j]:offsets[j] + size].view(compute_dtype(it.unit.param)))
-            offsets[j] += size
+            self.deliver(it.unit, next(got[it.owner]).view(compute_dtype(it.unit.param)))
         return handle.traffic
 
     def _report_items(self, items: List[HopItem], report: ShardedStepReport, to_owner: Traffic,

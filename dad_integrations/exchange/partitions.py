@@ -33,7 +33,7 @@ from dad_integrations.capture.units import FactorUnit, param_shape
 from dad_integrations.codecs.exact import ExactCodec, PartitionItem, Range, sharded_exact_covers
 from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
-from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
+from dad_integrations.exchange.checks import failed_somewhere, verify_tolerance
 from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall, ShardedExchanger, filled
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
@@ -115,14 +115,10 @@ class PartitionCall(ShardedCall):
             mine = self.layout.codec.local_range(it, me, cdt)
             lo, hi = it.ranges[me]
             autograd = self.grads[it.key][lo:hi].to(cdt) if hi > lo else mine
-            low = self.dtype not in VERIFY_TOLERANCE or any(
-                t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE for pair in it.rows for t in pair)
-            tol = VERIFY_TOLERANCE_LOW_PRECISION if low else VERIFY_TOLERANCE[self.dtype]
+            tol = verify_tolerance(self.dtype, it.rows)
             err = float((mine - autograd).norm())
             flags.append(0.0 if err <= tol * max(float(autograd.norm()), 1e-30) or err <= 1e-12 else 1.0)
-        flags = torch.tensor(flags, device=self.layout.codec.device)
-        handle = self.aggregator.all_reduce(flags, name="dad.zero.verify")
-        return [u for u, bad in zip(units, handle.wait().tolist()) if bad], handle.traffic
+        return failed_somewhere(units, flags, self.aggregator, "dad.zero.verify", self.layout.codec.device)
 
     def unit_shape(self, unit: FactorUnit) -> UnitShape:
         return UnitShape(tuple(unit.kinds), unit.shape, 0, self.dtype, unit.blocks)

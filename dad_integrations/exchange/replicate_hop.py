@@ -100,7 +100,7 @@ class ReplicateHopCall(RowShardCall):
         return estimates_on(layouts.REPLICATE_HOP, sizing, routes_for(self.config.routes)), None
 
     def reduce_dense(self, report: ShardedStepReport) -> None:
-        self._dense(self.slots, report)
+        self._cross_dense(self.slots, None, report)
 
     def exchange(self, routes: CallRoutes) -> None:
         sink, report, covered = self.sink, routes.report, set()
@@ -128,7 +128,7 @@ class ReplicateHopCall(RowShardCall):
                           components=result.components, inter_bytes=result.traffic.sent)
             self._cross_dense(rest, torch.cat([sums[id(s.param)] for s in rest]) if rest else None, report)
         else:
-            self._dense(rest, report)
+            self._cross_dense(rest, None, report)
 
     # -- the hops --------------------------------------------------------------------------------
     def _node_sums(self, slots: Sequence[ShardSlot]) -> Dict[int, torch.Tensor]:
@@ -140,15 +140,14 @@ class ReplicateHopCall(RowShardCall):
             pos += s.numel
         return out
 
-    def _dense(self, slots: Sequence[ShardSlot], report: ShardedStepReport) -> None:
-        if slots:
-            self._cross_dense(slots, self._scatter(self.sink.dense_input(slots)), report)
-
     def _cross_dense(self, slots: Sequence[ShardSlot], node_sum: Optional[torch.Tensor],
                      report: ShardedStepReport) -> None:
-        """HSDP's own all-reduce between nodes of the node sums of ``slots``, scaled, written."""
+        """HSDP's own all-reduce between nodes of the node sums of ``slots`` (None: their reduce-scatter
+        inside the node first), scaled, written."""
         if not slots:
             return
+        if node_sum is None:
+            node_sum = self._scatter(self.sink.dense_input(slots))
         handle = self.groups.cross.all_reduce(node_sum, name="dad.replicate.dense", op="sum")
         total = handle.wait().mul_(self.sink.predivide * self.scale)
         self.sink.write_dense(slots, total)

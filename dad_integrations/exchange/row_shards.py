@@ -49,8 +49,7 @@ class RowShardCall(ShardedCall):
         return {u.index: c for u, c in zip(units, counts)}, traffic, sum(len(u.uses) for u in units)
 
     def verify(self, units):
-        _, failed, traffic = agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
-        return failed, traffic
+        return agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
 
     def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
         """The unit's biases that this call's buffers hold (they ride with its exact factors)."""

@@ -182,7 +182,7 @@ class TwoLevelExchanger:
         # node's contributions summed (dense, rank routes) or stacked (exact)
         mine, traffic = self.hops.to_owner(items, sink, self.levels.intra, self.local,
                                            f"dad.twolevel.to_owner.{items[0].name}")
-        self._share(items, traffic, lambda it: it.hop_bytes[0] or it.numel)
+        self._share(items, traffic, lambda it: it.hop.to_owner or it.numel)
         self._between(mine, scale, step)
         self._from_owner(items, sink)
 
@@ -210,9 +210,7 @@ class TwoLevelExchanger:
             it.rep, hops, _ = choose_two_level(self.config, UnitShape.of(u), it.node_rows, step=step, nodes=self.N,
                                                local_size=self.L, wire_dtype=self.wire_dtype or u.param.dtype,
                                                timing=self.levels.timing, dense_only=u.dense_only)
-            chosen = hops[it.rep]
-            it.hop_bytes = (chosen.to_owner, chosen.between, chosen.from_owner)
-            it.factors_back = chosen.factors_back
+            it.hop = hops[it.rep]
 
     def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
         """The item's report entries (`unit_entries`; a dense parameter's own)."""
@@ -256,7 +254,7 @@ class TwoLevelExchanger:
         """Every node's stacked rows, all-gathered; each owner rebuilds the average."""
         handle, decoded = self.exact.gather(self.levels.cross, [(it.unit, it.rows, it.node_rows) for it in items],
                                             f"dad.twolevel.exact.{items[0].name}")
-        self._share(items, handle.traffic, lambda it: it.hop_bytes[1], between=True)
+        self._share(items, handle.traffic, lambda it: it.hop.between, between=True)
 
         def finish() -> None:
             for it, grads in zip(items, decoded(scale)):
@@ -271,7 +269,7 @@ class TwoLevelExchanger:
             self.levels.cross, [(it.unit, self.rank_codec.encode(it.unit, [], self.hops.node_grad(it), it.entries[0],
                                                                  step, dense=True)) for it in items],
             f"dad.twolevel.rank.{items[0].name}", self.state.note)
-        self._share(items, handle.traffic, lambda it: it.hop_bytes[1], between=True)
+        self._share(items, handle.traffic, lambda it: it.hop.between, between=True)
 
         return self._products(items, decoded, scale)
 
@@ -319,19 +317,16 @@ class TwoLevelExchanger:
         keeps or drops the step's rank-route state alike)."""
         mine, note = [it for it in items if it.owner == self.local], self.state.note
         blocks = [b.to(dtype) for it in mine for b, (dtype, _) in zip(it.result, self.hops.result_specs(it))]
-        payload = pack(blocks, self.device) if blocks else torch.empty(0, dtype=torch.uint8, device=self.device)
+        payload = pack(blocks, self.device)
         specs = [[s for it in items if it.owner == j for s in self.hops.result_specs(it)] for j in range(self.L)]
         handle = self.levels.intra.all_gather(payload, name=f"dad.twolevel.from_owner.{items[0].name}",
                                               first_dims=[packed_size(s) for s in specs])
         got = handle.wait()
-        self._share(items, handle.traffic, lambda it: it.hop_bytes[2] or it.numel)
-        per_owner = [unpack(got[j], specs[j]) for j in range(self.L)]
-        cursor = [0] * self.L
+        self._share(items, handle.traffic, lambda it: it.hop.from_owner or it.numel)
+        per_owner = [iter(unpack(got[j], specs[j])) for j in range(self.L)]
         for it in items:
-            j = it.owner
-            k = len(self.hops.result_specs(it))
-            self.hops.write(it, [note(b) for b in per_owner[j][cursor[j]:cursor[j] + k]], sink)
-            cursor[j] += k
+            blocks = per_owner[it.owner]
+            self.hops.write(it, [note(next(blocks)) for _ in self.hops.result_specs(it)], sink)
 
     # -- reports ----------------------------------------------------------------------------------
     @staticmethod
