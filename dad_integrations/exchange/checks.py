@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Dict, List, Sequence, Tuple, Union
 
@@ -40,10 +41,7 @@ def check_same_model(plan: SyncPlan, aggregator: FactorAggregator, device: torch
     for rank, t in enumerate(theirs):
         if t == mine:
             continue
-        other = json.loads(t)
-        for i in range(max(len(own), len(other))):
-            a = own[i] if i < len(own) else None
-            b = other[i] if i < len(other) else None
+        for i, (a, b) in enumerate(itertools.zip_longest(own, json.loads(t))):
             if a != b:
                 raise ValueError(
                     f"the model differs across ranks: parameter #{i} is {a} on rank {aggregator.rank} but "

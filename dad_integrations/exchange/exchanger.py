@@ -365,12 +365,8 @@ class Exchanger:
             return None
         handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}")
         entry.add_traffic(handle.traffic)
-        sink, scale, note = st.sink, st.scale, self.state.note
-
-        def finish() -> None:
-            sink.write_product(unit.param, *self.rank_codec.decode(unit, note(torch.cat(handle.wait())), scale))
-
-        return finish
+        return self._write_products(st, [unit], lambda scale: [
+            self.rank_codec.decode(unit, self.state.note(torch.cat(handle.wait())), scale)])
 
     def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> Tuple[List[List[int]], Traffic]:
         """Exchange every rank's row counts and first-step check; returns the counts by rank."""
@@ -381,13 +377,12 @@ class Exchanger:
         if any(int(t[0]) != unit.index for t in metas):
             raise RuntimeError(f"ranks disagree on the exchange order at {unit.name!r}: "
                                f"{[int(t[0]) for t in metas]}")
-        if not all(int(t[1]) for t in metas):
+        passed, rows_by_rank = [bool(int(t[1])) for t in metas], [[int(v) for v in t[2:]] for t in metas]
+        if not all(passed):
             unit.set_dense_only(True)
             if agg.rank == 0:
-                log.warning("dAD: %s; it goes dense from now on",
-                            why_factors_fail(unit.name, [bool(int(t[1])) for t in metas],
-                                             [[int(v) for v in t[2:]] for t in metas]))
-        return [[int(v) for v in t[2:]] for t in metas], handle.traffic
+                log.warning("dAD: %s; it goes dense from now on", why_factors_fail(unit.name, passed, rows_by_rank))
+        return rows_by_rank, handle.traffic
 
     # -- the shared buckets of the rank routes ------------------------------------------------------
     def _send_shared(self, st: _Step) -> Finish:

@@ -187,10 +187,8 @@ class PartitionCall(ShardedCall):
         self.reduce_dense(report)
 
     def estimates(self, unit: FactorUnit, counts) -> Tuple[Dict[str, float], Dict[str, float]]:
-        """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
-        breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
-        while rank-dAD's other rank receives nothing), from the real partition ranges (`routes`'
-        models on ``partitions``); "exact" only where `exact.sharded_exact_covers` the unit."""
+        """Each route's bytes for one weight on its busiest rank, and on average (ties), from the real
+        ranges (module doc; `routes`' models on ``partitions``)."""
         config, it, exact = self.config, self.item(unit), sharded_exact_covers(unit.kinds, unit.blocks)
         sizing = unit_sizing(config, self.unit_shape(unit), None, self.route_wire, world_size=self.S,
                              engine_itemsize=self.itemsize, counts=it.counts, ranges=it.ranges)
@@ -199,10 +197,8 @@ class PartitionCall(ShardedCall):
         return {k: v[0] for k, v in pairs.items()}, {k: v[1] for k, v in pairs.items()}
 
     def _rank_item(self, unit: FactorUnit, step: int) -> Tuple[PartitionItem, Tuple[int, str]]:
-        """Rank-dAD's local half for one weight: this site's ``M_s`` (local gradient plus residual)
-        reduced to rank r, as r rows ``(P_s^T, Q_s^T)`` of a linear use, for the same partition
-        exchange as exact factors: rank d receives every site's ``Q_s`` and the columns of ``P_s^T``
-        over its covering rows. Returns that item and (the components this site sent, how it reduced)."""
+        """Rank-dAD's local half for one weight, ``M_s`` reduced to r rows ``(P_s^T, Q_s^T)`` of a linear
+        use (module doc); returns that item and (the components this site sent, how it reduced)."""
         it, ranked = self.item(unit), self._local_rank(unit, RANK)
         p, q, components = self.rank_codec.reduce_own(ranked, step)
         item = PartitionItem(it.key, ("linear",), it.shape, it.ranges, [(p.t(), q.t())])

@@ -87,11 +87,10 @@ class TwoLevelExchanger:
         topo, plan = levels.topology, self.plan
         self.local, self.L, self.N = topo.local_rank, topo.local_size, topo.num_nodes
         costs = [float(u.param.numel()) for u in plan.units] + [float(q.numel()) for _, q in plan.dense]
-        owners = assign_owners(costs, self.L)
+        names = [u.name for u in plan.units] + [name for name, _ in plan.dense]
+        self.owner_of: Dict[str, int] = dict(zip(names, assign_owners(costs, self.L)))
         self.chosen = False  # the last refresh's choice: two-level steps until the next
         self.routes: Dict[int, str] = {}  # the last two-level step's, by unit index
-        self.owner_of: Dict[str, int] = {u.name: owners[i] for i, u in enumerate(plan.units)}
-        self.owner_of.update({name: owners[len(plan.units) + i] for i, (name, _) in enumerate(plan.dense)})
 
     # -- flat or two levels -------------------------------------------------------------------------
     def prefer(self, step: int, policy) -> bool:
