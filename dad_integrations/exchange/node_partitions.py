@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -69,15 +70,6 @@ class NodeLayout:
         rank = exchanger.config.rank
         hops = NodeHops(ExactCodec(exchanger.wire, flat.device), torch.float32, rank, topo.num_nodes, flat.device)
         return cls(levels, {u.name: owners[i] for i, u in enumerate(units)}, cross, hops)
-
-
-class _LocalGrads:
-    """The `GradSink` face `NodeHops.send_blocks` reads a rank route's local gradient through: the
-    hop item's parameter is the call's flat local gradient itself."""
-
-    @staticmethod
-    def local_grad(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return q if q.dtype == dtype else q.to(dtype)
 
 
 class NodePartitionCall(PartitionCall):
@@ -121,12 +113,13 @@ class NodePartitionCall(PartitionCall):
             it = HopItem(unit.name, [self.grads[unit.index]], owner, unit=unit, rows=self.rows[unit.index], rep=rep)
             if rep == EXACT:
                 by_rank = routes.counts[unit.index]
-                it.counts = list(by_rank[topo.rank])
                 it.rank_rows = [list(by_rank[r]) for r in node_ranks]
                 it.node_rows = node_rows_of(by_rank, topo)
             items.append(it)
         levels = self.nodes.levels
-        mine, to_owner = self.nodes.hops.to_owner(items, _LocalGrads(), levels.intra, self.local,
+        # the `GradSink` face hop 1 reads a rank route's local gradient through: the item's parameter is it
+        local = SimpleNamespace(local_grad=lambda q, dtype: q.to(dtype))
+        mine, to_owner = self.nodes.hops.to_owner(items, local, levels.intra, self.local,
                                                   f"dad.zero.to_owner.{items[0].name}")
         results, between = self._between(mine, routes.step) if mine else ({}, {})
         from_owner = self._from_owner(items, results)
