@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Dict, List, Sequence, Tuple, Union
 
@@ -40,10 +41,7 @@ def check_same_model(plan: SyncPlan, aggregator: FactorAggregator, device: torch
     for rank, t in enumerate(theirs):
         if t == mine:
             continue
-        other = json.loads(t)
-        for i in range(max(len(own), len(other))):
-            a = own[i] if i < len(own) else None
-            b = other[i] if i < len(other) else None
+        for i, (a, b) in enumerate(itertools.zip_longest(own, json.loads(t))):
             if a != b:
                 raise ValueError(
                     f"the model differs across ranks: parameter #{i} is {a} on rank {aggregator.rank} but "
@@ -84,14 +82,24 @@ def broadcast_model(model: nn.Module, aggregator: FactorAggregator, chunk_bytes:
                     t.copy_(value)
 
 
+def verify_tolerance(dtype: torch.dtype, rows: Sequence[Rows]) -> float:
+    """The relative error allowed for gradients of ``dtype`` rebuilt from ``rows``: low precision
+    where either is (under autocast the output-gradient rows are bf16/fp16, the inputs maybe fp32)."""
+    low = any(t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE for pair in rows for t in pair)
+    return VERIFY_TOLERANCE_LOW_PRECISION if low else VERIFY_TOLERANCE.get(dtype, VERIFY_TOLERANCE_LOW_PRECISION)
+
+
+def failed_somewhere(units: Sequence[FactorUnit], bad: Sequence[float], aggregator: FactorAggregator, name: str,
+                     device) -> Tuple[List[FactorUnit], Traffic]:
+    """The units flagged ``bad`` (1.0) on some rank, agreed in one sum all-reduce of the flags, and its bytes."""
+    handle = aggregator.all_reduce(torch.tensor(bad, device=device), name=name, op="sum")
+    return [u for u, flag in zip(units, handle.wait().tolist()) if flag], handle.traffic
+
+
 def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Union[GradSink, ShardSink]) -> bool:
     """Do this rank's factors rebuild the gradients autograd computed locally (weight and biases)?"""
     cdt = torch.float64 if unit.param.dtype == torch.float64 else torch.float32
-    # under autocast the output-gradient rows are bf16/fp16 while the inputs may be fp32
-    low_precision = any(t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE
-                        for pair in rows for t in pair)
-    tol = VERIFY_TOLERANCE_LOW_PRECISION if low_precision else VERIFY_TOLERANCE.get(
-        unit.param.dtype, VERIFY_TOLERANCE_LOW_PRECISION)
+    tol = verify_tolerance(unit.param.dtype, rows)
     rebuilt = rebuild_unit(unit, rows, cdt)
     autograd = {p: sink.local_grad(p, cdt) for p in rebuilt}
     # each tensor's error against its own norm, floored at tol x the unit's whole norm (so the
@@ -122,12 +130,8 @@ def why_factors_fail(name: str, ok_by_rank: Sequence[bool], rows_by_rank: Sequen
 
 def agree_factors_rebuild(units: Sequence[FactorUnit], rows: Dict[int, Sequence[Rows]],
                           sink: Union[GradSink, ShardSink], aggregator: FactorAggregator
-                          ) -> Tuple[List[FactorUnit], List[FactorUnit], Traffic]:
-    """`factors_rebuild_local_grad` for every unit (``rows`` by ``unit.index``), agreed over ranks in
-    one sum all-reduce of flags: (units that pass on every rank, units that fail on some, its bytes)."""
-    flags = torch.tensor([0.0 if factors_rebuild_local_grad(u, rows[u.index], sink) else 1.0 for u in units],
-                         device=units[0].param.device if units else None)
-    handle = aggregator.all_reduce(flags, name="dad.verify", op="sum")
-    failed = handle.wait().tolist()
-    return ([u for u, bad in zip(units, failed) if not bad], [u for u, bad in zip(units, failed) if bad],
-            handle.traffic)
+                          ) -> Tuple[List[FactorUnit], Traffic]:
+    """`factors_rebuild_local_grad` for every unit (``rows`` by ``unit.index``), agreed over ranks
+    (`failed_somewhere`): the units that fail on some rank, and the bytes."""
+    return failed_somewhere(units, [0.0 if factors_rebuild_local_grad(u, rows[u.index], sink) else 1.0 for u in units],
+                            aggregator, "dad.verify", units[0].param.device if units else None)

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK, RANK_ALLREDUCE
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.exchange.checks import why_factors_fail, factors_rebuild_local_grad
 from dad_integrations.codecs.dense import DenseBuckets, bucket_dtype
@@ -86,8 +87,8 @@ class Exchanger:
         self.rank_codec = RankCodec(config, wire_dtype, self.state) if lossy else None
         self.rank_allreduce = RankAllReduceCodec(config, wire_dtype, self.state) if lossy else None
         self.closed = False
-        self._starts = {"exact": self._start_exact, "dense": self._start_dense, "rank": self._start_rank,
-                        "rank_allreduce": self._start_rank_allreduce, "codec": self._start_codec}
+        self._starts = {EXACT: self._start_exact, DENSE: None, RANK: self._start_rank,
+                        RANK_ALLREDUCE: self._start_rank_allreduce, "codec": self._start_codec}
         # one dtype for every dense bucket, whatever goes dense in a step (as one call over all of them)
         self.dense_dtype = bucket_dtype([q for u in plan.units for q in u.params] + [q for _, q in plan.dense],
                                         wire_dtype) or torch.float32
@@ -147,7 +148,7 @@ class Exchanger:
 
         def account(name: str, p: Optional[nn.Parameter], traffic: Traffic) -> None:
             if name not in report:
-                report[name] = param_entry(name, "dense", p, s) if p is not None else ParamReport(name, "overhead", ())
+                report[name] = param_entry(name, DENSE, p, s) if p is not None else ParamReport(name, "overhead", ())
             report[name].add_traffic(traffic)
 
         dense = DenseBuckets(self.aggregator, sink, bucket_cap_mb=self.config.bucket_cap_mb, dtype=self.dense_dtype,
@@ -187,7 +188,7 @@ class Exchanger:
         # whether the results are finite only decides whether rank-route state is kept
         finite = st.dense.finish(check_finite=self.state.pending)
         for name, entry in st.report.items():
-            if entry.representation == "dense":
+            if entry.representation == DENSE:
                 entry.overlapped = name in st.dense.overlapped  # its all-reduce began during backward
         self.state.end_step(finite)
         params = list(st.report.values())
@@ -236,7 +237,7 @@ class Exchanger:
         for buffer, send, handle, params in buckets:
             numel = max(buffer.numel(), 1)
             for p in params:
-                entry = param_entry(names.get(id(p), "?"), "dense", p, s, overlapped=True)
+                entry = param_entry(names.get(id(p), "?"), DENSE, p, s, overlapped=True)
                 entry.add_traffic(handle.traffic.share(p.numel() / numel))
                 report.append(entry)
         for u in self.plan.units:  # rows a forward still captured (after the checked first step) are
@@ -265,7 +266,7 @@ class Exchanger:
         # off the rank routes with a residual left: this dense step sends it (`RouteState.flush`)
         if not is_rank_route(rep) and not self.policy.holds_residuals(st.step) and self.state.flush(
                 unit.name, functools.partial(st.sink.add_local, unit.param)):
-            rep = "dense"  # it carries the residual this step; its route applies from the next
+            rep = DENSE  # it carries the residual this step; its route applies from the next
         max_rows = max(sum(r) for r in rows_by_rank) if rows_by_rank else 0
         entry = unit_entries(st.report, unit, rep, self.aggregator.world_size,
                              dict(rows=sum(counts), overlapped=overlapped, max_rows=max_rows))[0]
@@ -304,24 +305,19 @@ class Exchanger:
     def _start(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
                entry: ParamReport, st: _Step) -> Optional[Finish]:
         """Start the unit's route (one ``_start_*`` each; a route with a codec of its own:
-        `_start_codec`); returns what finishes it (or None). A collective started for the unit
-        alone adds its traffic to ``entry``."""
-        start = self._starts.get("codec" if has_codec(rep) else rep)
-        if start is None:
+        `_start_codec`; dense: a place in the dense buckets); returns what finishes it (or None). A
+        collective started for the unit alone adds its traffic to ``entry``. Exact factors carry the
+        unit's biases; every other route puts them in the dense buckets first (after a dense weight)."""
+        key = "codec" if has_codec(rep) else rep
+        if key not in self._starts:
             raise_unsupported(rep, layouts.FLAT)
-        return start(unit, rep, rows, rows_by_rank, entry, st)
-
-    @staticmethod
-    def _dense_biases(unit: FactorUnit, st: _Step) -> None:
-        """The unit's biases into the dense buckets (exact factors carry them; every other route does not)."""
-        for b in unit.biases:
-            st.dense.add(b.name, b.param)
-
-    def _start_dense(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
-                     entry: ParamReport, st: _Step) -> None:
-        """A place in the dense buckets, the weight's, then its biases'."""
-        st.dense.add(unit.name, unit.param)
-        self._dense_biases(unit, st)
+        if rep == DENSE:
+            st.dense.add(unit.name, unit.param)
+        if rep != EXACT:
+            for b in unit.biases:
+                st.dense.add(b.name, b.param)
+        start = self._starts[key]
+        return start(unit, rep, rows, rows_by_rank, entry, st) if start is not None else None
 
     def _start_exact(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: RowCounts, entry: ParamReport,
                      st: _Step) -> Finish:
@@ -344,7 +340,6 @@ class Exchanger:
                      entry: ParamReport, st: _Step) -> Finish:
         """A route with its own codec (`routes.codec`): the unit's local gradient encoded, its
         collective over the group; its finish writes the scaled sum."""
-        self._dense_biases(unit, st)
         p, sink, scale = unit.param, st.sink, st.scale
         handle = start_codec(get_route(rep).codec, sink.local_grad(p, torch.float32), self.aggregator,
                              name=f"dad.{rep}.{unit.name}")
@@ -358,26 +353,20 @@ class Exchanger:
     def _start_rank_allreduce(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
                               entry: ParamReport, st: _Step) -> None:
         """A place in the rank-r all-reduce route's bucket (`_send_shared`)."""
-        self._dense_biases(unit, st)
         st.shared.add(self.rank_allreduce.queue_item(unit, rows, st.sink.local_grad, entry, st.step))
 
     def _start_rank(self, unit: FactorUnit, rep: str, rows: List[Rows], rows_by_rank: Optional[RowCounts],
                     entry: ParamReport, st: _Step) -> Optional[Finish]:
         """The unit's rank-r payload: in the rank bucket (`_send_rank_bucket`: r rows on every rank),
         or with ``adaptive_tolerance`` (its row count differs by rank) an all-gather of its own."""
-        self._dense_biases(unit, st)
         payload = self.rank_codec.encode(unit, rows, st.sink.local_grad, entry, st.step)
         if self.config.adaptive_tolerance is None:
             st.bucket.add(unit, payload, entry)
             return None
         handle = self.aggregator.all_gather(payload, name=f"dad.rank.{unit.name}")
         entry.add_traffic(handle.traffic)
-        sink, scale, note = st.sink, st.scale, self.state.note
-
-        def finish() -> None:
-            sink.write_product(unit.param, *self.rank_codec.decode(unit, note(torch.cat(handle.wait())), scale))
-
-        return finish
+        return self._write_products(st, [unit], lambda scale: [
+            self.rank_codec.decode(unit, self.state.note(torch.cat(handle.wait())), scale)])
 
     def _agree(self, unit: FactorUnit, ok: bool, counts: List[int]) -> Tuple[List[List[int]], Traffic]:
         """Exchange every rank's row counts and first-step check; returns the counts by rank."""
@@ -388,13 +377,12 @@ class Exchanger:
         if any(int(t[0]) != unit.index for t in metas):
             raise RuntimeError(f"ranks disagree on the exchange order at {unit.name!r}: "
                                f"{[int(t[0]) for t in metas]}")
-        if not all(int(t[1]) for t in metas):
+        passed, rows_by_rank = [bool(int(t[1])) for t in metas], [[int(v) for v in t[2:]] for t in metas]
+        if not all(passed):
             unit.set_dense_only(True)
             if agg.rank == 0:
-                log.warning("dAD: %s; it goes dense from now on",
-                            why_factors_fail(unit.name, [bool(int(t[1])) for t in metas],
-                                             [[int(v) for v in t[2:]] for t in metas]))
-        return [[int(v) for v in t[2:]] for t in metas], handle.traffic
+                log.warning("dAD: %s; it goes dense from now on", why_factors_fail(unit.name, passed, rows_by_rank))
+        return rows_by_rank, handle.traffic
 
     # -- the shared buckets of the rank routes ------------------------------------------------------
     def _send_shared(self, st: _Step) -> Finish:

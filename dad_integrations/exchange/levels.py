@@ -137,10 +137,8 @@ def describe_hops(config: DADConfig, aggregator: FactorAggregator, levels: Optio
             why = "flat (one node)"
         else:
             why = "flat"
+    link_text = f"link {link.brief()}" if link is not None else f"link not modelled ({unmodelled})"
     if layout == "HSDP":  # the engine reduces inside a node, dAD's routes run between nodes
         why = "two levels (HSDP: its reduce-scatter inside a node, dAD's routes between nodes)"
-        link_text = (f"between nodes {link.brief()}" if link is not None else
-                     f"between nodes link not modelled ({unmodelled})")
-        return f"dAD across {shape}: {why}; {link_text}"
-    link_text = f"link {link.brief()}" if link is not None else f"link not modelled ({unmodelled})"
+        link_text = f"between nodes {link.brief() if link is not None else link_text}"
     return f"dAD across {shape}: {why}; {link_text}"

@@ -15,20 +15,22 @@ the node knows beforehand, so neither hop exchanges sizes.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec
-from dad_integrations.codecs.wire import BlockSpec, pack_into, packed_size, unpack
+from dad_integrations.codecs.wire import BlockSpec, pack, packed_size, unpack
 from dad_integrations.report import ParamReport
 from dad_integrations.routes import layouts
-from dad_integrations.routes.registry import has_codec, is_rank_route, raise_unsupported
+from dad_integrations.routes.registry import HopBytes, has_codec, is_rank_route, raise_unsupported
 
 
 @dataclass
@@ -43,9 +45,8 @@ class HopItem:
     counts: Optional[List[int]] = None              # this rank's rows per use
     node_rows: Optional[List[List[int]]] = None     # by node, by use
     rank_rows: Optional[List[List[int]]] = None     # by rank of this node, by use
-    rep: str = "dense"
-    hop_bytes: Tuple[float, float, float] = (0.0, 0.0, 0.0)  # to the owner, between nodes, back
-    factors_back: bool = False                      # hop 3 carries the factors, not the average
+    rep: str = DENSE
+    hop: HopBytes = HopBytes(0.0, 0.0, 0.0, False)  # its route's bytes by hop (`routes.registry.HopBytes`)
     entries: List[ParamReport] = field(default_factory=list)
     result: Optional[List[torch.Tensor]] = None     # the owner's: node sums, then hop 3's blocks
 
@@ -69,10 +70,10 @@ class NodeHops:
 
     # -- hop 1 -------------------------------------------------------------------------------------
     def send_blocks(self, it: HopItem, sink: GradSink) -> List[torch.Tensor]:
-        """This rank's contribution to the item, as blocks."""
-        if it.rep == "exact":
+        """This rank's contribution to the item, as blocks; raises for a route with no two-level exchange."""
+        if it.rep == EXACT:
             return [self.exact.encode(it.unit, it.rows)]
-        if it.rep == "dense":
+        if it.rep == DENSE:
             out = []
             for q in it.params:
                 g = sink.dense_grad(q)
@@ -80,64 +81,41 @@ class NodeHops:
                            else torch.cat([g.detach().reshape(-1).to(self.dense_dtype),
                                            torch.ones(1, dtype=self.dense_dtype, device=self.device)]))
             return out
-        cdt, _ = self._summed(it)
-        return [sink.local_grad(q, cdt).reshape(-1) for q in it.params]
-
-    def _summed(self, it: HopItem) -> Tuple[torch.dtype, int]:
-        """The dtype and the numbers beyond the gradient (the dense route's flag) of each block a
-        route that sums at the owner sends; raises for a route with no two-level exchange."""
-        if it.rep == "dense":
-            return self.dense_dtype, 1
         if not sums_at_owner(it.rep):
             raise_unsupported(it.rep, layouts.TWO_LEVEL)
-        return compute_dtype(it.unit.param), 0
+        return [sink.local_grad(q, compute_dtype(it.unit.param)).reshape(-1) for q in it.params]
 
-    def send_specs(self, it: HopItem, local: int) -> List[BlockSpec]:
-        """The layout of what local rank ``local`` sends for the item."""
-        if it.rep == "exact":
+    def send_specs(self, it: HopItem, local: int, mine: Sequence[torch.Tensor]) -> List[BlockSpec]:
+        """The layout of what local rank ``local`` sends for the item: as this rank's blocks ``mine``,
+        but exact factors' (their sizes from the agreed row counts)."""
+        if it.rep == EXACT:
             return [(torch.uint8, tuple(self.exact.sizes(it.unit, [it.rank_rows[local]])))]
-        dtype, extra = self._summed(it)
-        return [(dtype, (q.numel() + extra,)) for q in it.params]
+        return [(b.dtype, tuple(b.shape)) for b in mine]
 
     def receive(self, it: HopItem, by_rank: Sequence[List[torch.Tensor]]) -> None:
         """The owner's view of what the node sent: rows stacked in rank order (exact, into
         ``it.rows``) or the node's sums, in rank order (into ``it.result``)."""
-        if it.rep == "exact":
+        if it.rep == EXACT:
             it.rows = self.exact.stacked_rows(it.unit, [b[0] for b in by_rank], it.rank_rows)
             return
-        it.result = []
-        for i in range(len(by_rank[0])):
-            acc = by_rank[0][i].clone()
-            for b in by_rank[1:]:
-                acc += b[i]
-            it.result.append(acc)
+        it.result = [functools.reduce(torch.add, blocks[1:], blocks[0].clone()) for blocks in zip(*by_rank)]
 
     def to_owner(self, items: Sequence[HopItem], sink: GradSink, intra, local: int, name: str):
         """Hop 1 for a bucket: one all-to-all inside the node (``intra``, local size L) of every
         item's `send_blocks` to its owner; returns this rank's items (``local`` is its index), with
         the node's contributions stacked or summed (`receive`), and the collective's traffic."""
         size = intra.world_size
-        by_owner = [[b for it in items if it.owner == j for b in self.send_blocks(it, sink)] for j in range(size)]
+        sent = {id(it): self.send_blocks(it, sink) for it in sorted(items, key=lambda it: it.owner)}
+        by_owner = [[b for it in items if it.owner == j for b in sent[id(it)]] for j in range(size)]
         send_sizes = [packed_size([(b.dtype, tuple(b.shape)) for b in blocks]) for blocks in by_owner]
-        send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=self.device)
-        offset = 0
-        for blocks, nbytes in zip(by_owner, send_sizes):  # each block copied once, into its place
-            pack_into(blocks, send.narrow(0, offset, nbytes))
-            offset += nbytes
+        send = pack([b for blocks in by_owner for b in blocks], self.device)  # each block padded alone
         mine = [it for it in items if it.owner == local]
-        recv_specs = [[s for it in mine for s in self.send_specs(it, k)] for k in range(size)]
+        recv_specs = [[s for it in mine for s in self.send_specs(it, k, sent[id(it)])] for k in range(size)]
         recv_sizes = [packed_size(specs) for specs in recv_specs]
         handle = intra.all_to_all_v(send, send_sizes, recv_sizes, name=name)
-        got = handle.wait()
-        per_rank, offset = [], 0
-        for k in range(size):
-            per_rank.append(unpack(got[offset:offset + recv_sizes[k]], recv_specs[k]))
-            offset += recv_sizes[k]
-        cursor = 0  # every rank sends an item as many blocks
-        for it in mine:
-            n_blocks = len(self.send_specs(it, 0))
-            self.receive(it, [blocks[cursor:cursor + n_blocks] for blocks in per_rank])
-            cursor += n_blocks
+        per_rank = [iter(unpack(part, specs)) for part, specs in zip(handle.wait().split(recv_sizes), recv_specs)]
+        for it in mine:  # every rank sends an item as many blocks
+            self.receive(it, [[next(blocks) for _ in sent[id(it)]] for blocks in per_rank])
         return mine, handle.traffic
 
     @staticmethod
@@ -159,19 +137,19 @@ class NodeHops:
     def product_blocks(it: HopItem, left: torch.Tensor, right: torch.Tensor, scale: float) -> List[torch.Tensor]:
         """A rank route's hop-3 blocks: its factors where fewer bytes, else the product; then its
         biases' averages (their node sums, all-reduced, in ``it.result[1:]``)."""
-        weight = [left.contiguous(), right.contiguous()] if it.factors_back else [(left @ right).reshape(-1)]
+        weight = [left.contiguous(), right.contiguous()] if it.hop.factors_back else [(left @ right).reshape(-1)]
         return weight + [r * scale for r in it.result[1:]]
 
     def result_specs(self, it: HopItem) -> List[BlockSpec]:
         """The layout of the owner's hop-3 blocks of the item."""
-        if it.rep == "dense":
-            return self.send_specs(it, 0)
+        if it.rep == DENSE:
+            return [(self.dense_dtype, (q.numel() + 1,)) for q in it.params]
         cdt = compute_dtype(it.params[0])
-        if it.rep == "exact":
+        if it.rep == EXACT:
             return [(cdt, tuple(q.shape)) for q in it.params]
         m, n = it.unit.shape
-        if it.factors_back:
-            r = min(self.rank, m, n) * (self.nodes if it.rep == "rank" else 1)
+        if it.hop.factors_back:
+            r = min(self.rank, m, n) * (self.nodes if it.rep == RANK else 1)
             weight = [(cdt, (m, r)), (cdt, (r, n))]
         else:
             weight = [(cdt, (m * n,))]
@@ -180,12 +158,12 @@ class NodeHops:
     @staticmethod
     def write(it: HopItem, blocks: List[torch.Tensor], sink: GradSink) -> None:
         """Write the item's synchronised gradients from the owner's hop-3 blocks."""
-        if it.rep == "dense":
+        if it.rep == DENSE:
             for q, b in zip(it.params, blocks):
                 if b[-1] > 0:  # some rank had a gradient
                     sink.write_dense(q, b[:-1].view(q.shape).to(q.dtype), True)
             return
-        if it.rep == "exact":
+        if it.rep == EXACT:
             if not any(any(r) for r in it.node_rows):
                 sink.write_unused(it.unit.param)
                 return
@@ -193,7 +171,7 @@ class NodeHops:
                 sink.write(q, b)
             return
         m, n = it.unit.shape
-        if it.factors_back:
+        if it.hop.factors_back:
             sink.write_product(it.unit.param, blocks[0], blocks[1])
             rest = blocks[2:]
         else:

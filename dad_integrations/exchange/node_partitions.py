@@ -6,16 +6,13 @@ the weights the router gives a dAD route (`routing.two_level.choose_two_level` o
 three hops, as qgZ does with its INT4 all-to-alls (reduce inside the node, across nodes, scatter back), but with dAD's
 representations on the hop between nodes:
 
-1. **to the owner, inside the node** (`exchange.node_hops.NodeHops.to_owner`, one all-to-all per
-   call): every rank's rows (exact) or its local gradient (rank routes) go to the weight's owner,
-   one local index fixed at attach (`exchange.levels.assign_owners`), which stacks the rows or sums
-   the gradients: the node's contribution;
+1. **to the owner, inside the node** (`exchange.node_hops`, one all-to-all per call): the node's
+   rows stacked, or its local gradients summed, at the weight's owner (`exchange.levels.assign_owners`);
 2. **between nodes, owners only**: node k's ranks together own one contiguous stretch of the
    weight, ``[min lo, max hi)`` over its ranks (ZeRO-3: about ``1/N`` of it). The owners run the flat
-   partition exchange over their cross group (N members) with those node ranges in place of the
-   ranks' (a `PartitionCall` of their own: exact factors by one all-to-all of covering columns,
-   rank-dAD's ``(P_k, Q_k)`` of the node sum the same way, or PowerSGD's P and Q all-reduced), so
-   every owner rebuilds its node's stretch of the scaled average, and only that;
+   partition exchange (a `PartitionCall` of their own) over their cross group (N members) with
+   those node ranges in place of the ranks', so every owner rebuilds its node's stretch of the
+   scaled average, and only that;
 3. **from the owner, inside the node** (one all-to-all per call): each rank's own elements.
 
 Bytes per hop: `routes`' models on ``node_partitions``. The rebuild is done once per node, by the
@@ -32,10 +29,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec, Range
@@ -73,15 +72,6 @@ class NodeLayout:
         return cls(levels, {u.name: owners[i] for i, u in enumerate(units)}, cross, hops)
 
 
-class _LocalGrads:
-    """The `GradSink` face `NodeHops.send_blocks` reads a rank route's local gradient through: the
-    hop item's parameter is the call's flat local gradient itself."""
-
-    @staticmethod
-    def local_grad(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return q if q.dtype == dtype else q.to(dtype)
-
-
 class NodePartitionCall(PartitionCall):
     """One ZeRO reduction call across nodes (module doc): dense weights by DeepSpeed's reduce-scatter,
     the others in three hops."""
@@ -104,8 +94,8 @@ class NodePartitionCall(PartitionCall):
             self.config, self.unit_shape(unit), node_rows, step=ctx.step or 0, nodes=topo.num_nodes,
             local_size=self.L, wire_dtype=self.route_wire, timing=self.nodes.levels.timing,
             dense_only=evidence.dense_only, layout=self.LAYOUT, engine_itemsize=self.itemsize)
-        saved = seconds["dense"] - seconds[rep] if seconds and "dense" in seconds else 0.0
-        return Route(rep, True, saved, spare_seconds(seconds, rep) if "dense" in seconds else 0.0)
+        saved = seconds[DENSE] - seconds[rep] if seconds and DENSE in seconds else 0.0
+        return Route(rep, True, saved, spare_seconds(seconds, rep) if DENSE in seconds else 0.0)
 
     # -- the exchange -----------------------------------------------------------------------------
     def exchange(self, routes: CallRoutes) -> None:
@@ -121,14 +111,15 @@ class NodePartitionCall(PartitionCall):
                 # gradient to the owner: sent, never lost (`RouteState.flush`)
                 self.rank_codec.state.flush(unit.name, functools.partial(self.add_residual, unit))
             it = HopItem(unit.name, [self.grads[unit.index]], owner, unit=unit, rows=self.rows[unit.index], rep=rep)
-            if rep == "exact":
+            if rep == EXACT:
                 by_rank = routes.counts[unit.index]
-                it.counts = list(by_rank[topo.rank])
                 it.rank_rows = [list(by_rank[r]) for r in node_ranks]
                 it.node_rows = node_rows_of(by_rank, topo)
             items.append(it)
         levels = self.nodes.levels
-        mine, to_owner = self.nodes.hops.to_owner(items, _LocalGrads(), levels.intra, self.local,
+        # the `GradSink` face hop 1 reads a rank route's local gradient through: the item's parameter is it
+        local = SimpleNamespace(local_grad=lambda q, dtype: q.to(dtype))
+        mine, to_owner = self.nodes.hops.to_owner(items, local, levels.intra, self.local,
                                                   f"dad.zero.to_owner.{items[0].name}")
         results, between = self._between(mine, routes.step) if mine else ({}, {})
         from_owner = self._from_owner(items, results)
@@ -153,8 +144,8 @@ class NodePartitionCall(PartitionCall):
                              scale=self.scale, itemsize=self.itemsize, dtype=self.dtype,
                              deliver=lambda p, owned: results.__setitem__(id(p), owned))
         # exact: the node's stacked rows; rank routes: none (the node sum is reduced, `ShardedRankCodec.local`)
-        call.prepare({it.unit.index: (it.rows if it.rep == "exact" else []) for it in mine})
-        exact = [it.unit for it in mine if it.rep == "exact"]
+        call.prepare({it.unit.index: (it.rows if it.rep == EXACT else []) for it in mine})
+        exact = [it.unit for it in mine if it.rep == EXACT]
         counts = call.agree_counts(exact)[0] if exact else {}  # embeddings: ids per node's rows
         scratch = ShardedStepReport(step + 1, self.nodes.levels.topology.num_nodes)
         call.exchange(CallRoutes(step, counts, scratch, [(it.unit, it.rep) for it in mine]))
@@ -177,17 +168,15 @@ class NodePartitionCall(PartitionCall):
         mine = [it for it in items if it.owner == self.local]
         by_rank = [[results[id(it.unit.param)][piece(it, r)].to(compute_dtype(it.unit.param)).reshape(-1).view(
             torch.uint8) for it in mine] for r in topo.intra_ranks(topo.node)]
-        recv_sizes = [sum(nbytes(it) for it in items if it.owner == j) for j in range(self.L)]
+        sizes = [[nbytes(it) for it in items if it.owner == j] for j in range(self.L)]  # by owner, by unit
+        recv_sizes = [sum(s) for s in sizes]
         parts = [p for ps in by_rank for p in ps]
         send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=self.layout.device)
         handle = self.nodes.levels.intra.all_to_all_v(send, [sum(p.numel() for p in ps) for ps in by_rank],
                                                       recv_sizes, name=f"dad.zero.from_owner.{items[0].name}")
-        got = handle.wait()
-        offsets = [sum(recv_sizes[:j]) for j in range(self.L)]
+        got = [iter(part.split(s)) for part, s in zip(handle.wait().split(recv_sizes), sizes)]
         for it in items:
-            j, size = it.owner, nbytes(it)
-            self.deliver(it.unit, got[offsets[j]:offsets[j] + size].view(compute_dtype(it.unit.param)))
-            offsets[j] += size
+            self.deliver(it.unit, next(got[it.owner]).view(compute_dtype(it.unit.param)))
         return handle.traffic
 
     def _report_items(self, items: List[HopItem], report: ShardedStepReport, to_owner: Traffic,
@@ -200,7 +189,7 @@ class NodePartitionCall(PartitionCall):
             share = u.shape[0] * u.shape[1] / total
             hop2 = between.get(u.index, Traffic())
             self._entry(report, u, it.rep, to_owner.share(share), from_owner.share(share), hop2, level="two_level",
-                        rows=self.own_rows(u) if it.rep == "exact" else 0, inter_bytes=float(hop2.received))
+                        rows=self.own_rows(u) if it.rep == EXACT else 0, inter_bytes=float(hop2.received))
         self.reduce_dense(report)
 
 

@@ -27,13 +27,14 @@ from typing import Callable, Dict, List, Mapping, Sequence, Set, Tuple
 import torch
 from torch import nn
 
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK, RANK_ALLREDUCE
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, param_shape
 from dad_integrations.codecs.exact import ExactCodec, PartitionItem, Range, sharded_exact_covers
 from dad_integrations.codecs.sharded_rank import RankItem, reduced_elements
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
-from dad_integrations.exchange.checks import VERIFY_TOLERANCE, VERIFY_TOLERANCE_LOW_PRECISION
-from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall, ShardedExchanger
+from dad_integrations.exchange.checks import failed_somewhere, verify_tolerance
+from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall, ShardedExchanger, filled
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import estimates_on, get_route, has_codec, raise_unsupported, routes_for
@@ -114,14 +115,10 @@ class PartitionCall(ShardedCall):
             mine = self.layout.codec.local_range(it, me, cdt)
             lo, hi = it.ranges[me]
             autograd = self.grads[it.key][lo:hi].to(cdt) if hi > lo else mine
-            low = self.dtype not in VERIFY_TOLERANCE or any(
-                t.is_floating_point() and t.dtype not in VERIFY_TOLERANCE for pair in it.rows for t in pair)
-            tol = VERIFY_TOLERANCE_LOW_PRECISION if low else VERIFY_TOLERANCE[self.dtype]
+            tol = verify_tolerance(self.dtype, it.rows)
             err = float((mine - autograd).norm())
             flags.append(0.0 if err <= tol * max(float(autograd.norm()), 1e-30) or err <= 1e-12 else 1.0)
-        flags = torch.tensor(flags, device=self.layout.codec.device)
-        handle = self.aggregator.all_reduce(flags, name="dad.zero.verify")
-        return [u for u, bad in zip(units, handle.wait().tolist()) if bad], handle.traffic
+        return failed_somewhere(units, flags, self.aggregator, "dad.zero.verify", self.layout.codec.device)
 
     def unit_shape(self, unit: FactorUnit) -> UnitShape:
         return UnitShape(tuple(unit.kinds), unit.shape, 0, self.dtype, unit.blocks)
@@ -130,7 +127,7 @@ class PartitionCall(ShardedCall):
         """Reports every parameter not delivered (all of them here): DeepSpeed reduces them."""
         for p in self.params:
             if id(p) not in self.delivered:
-                report.params.append(self._report(self.layout.names.get(id(p), "?"), "dense", p))
+                report.params.append(self._report(self.layout.names.get(id(p), "?"), DENSE, p))
 
     def _report(self, name: str, representation: str, p: nn.Parameter) -> ShardedParamReport:
         # DeepSpeed's reduce-scatter moves (S-1) of S pieces of ceil(numel/S) elements per rank
@@ -140,13 +137,8 @@ class PartitionCall(ShardedCall):
 
     def _entry(self, report: ShardedStepReport, unit: FactorUnit, representation: str, *traffic: Traffic,
                **fields) -> None:
-        """Append ``unit``'s entry to ``report``: `_report`, then ``fields``, then each collective's bytes."""
-        entry = self._report(unit.name, representation, unit.param)
-        for key, value in fields.items():
-            setattr(entry, key, value)
-        for t in traffic:
-            entry.add_traffic(t)
-        report.params.append(entry)
+        """Append ``unit``'s entry to ``report``: `_report`, `filled` with ``fields`` and each collective's bytes."""
+        report.params.append(filled(self._report(unit.name, representation, unit.param), *traffic, **fields))
 
     def own_rows(self, unit: FactorUnit) -> int:
         """This rank's captured rows of ``unit``, over its uses."""
@@ -161,23 +153,17 @@ class PartitionCall(ShardedCall):
         routed: List[PartitionItem] = []   # exact factors, or (rank-dAD) P_s^T and Q_s^T as rows
         ranked: Dict[int, Tuple[int, str]] = {}   # components sent, how M_s was reduced
         shared: List[Tuple[FactorUnit, RankItem]] = []   # PowerSGD's all-reduce route
-        coded: List[Tuple[FactorUnit, str]] = []          # routes with a codec of their own
         for unit, rep in routes.routed:
-            if rep == "exact":
+            if rep == EXACT:
                 routed.append(self.item(unit))
-            elif rep == "rank":
-                item, components, method = self._rank_item(unit, routes.step)
+            elif rep == RANK:
+                item, ranked[unit.index] = self._rank_item(unit, routes.step)
                 routed.append(item)
-                ranked[unit.index] = (components, method)
-            elif rep == "rank_allreduce":
-                local = self.grads[unit.index].view(*unit.shape)
-                shared.append((unit, self.rank_codec.local(unit, self.item(unit).rows,
-                                                           lambda p, cdt: local.to(cdt), "rank_allreduce")))
-            elif has_codec(rep):
-                coded.append((unit, rep))
-            else:
+            elif rep == RANK_ALLREDUCE:
+                shared.append((unit, self._local_rank(unit, rep)))
+            elif not has_codec(rep):
                 raise_unsupported(rep, layouts.PARTITIONS)
-        for unit, rep in coded:  # each rank's range of the local gradient, to that rank (qgZ's pattern)
+        for unit, rep in routes.coded:  # each rank's range of the local gradient, to that rank (qgZ's pattern)
             local = self.grads[unit.index].reshape(-1)
             chunks = [local[lo:hi] if hi > lo else local[:0] for lo, hi in self.ranges[unit.index]]
             handle = start_codec_chunks(get_route(rep).codec, chunks, self.aggregator, name=f"dad.{rep}.{unit.name}")
@@ -195,16 +181,14 @@ class PartitionCall(ShardedCall):
             for it in chunk:
                 unit = units[it.key]
                 components, method = ranked.get(it.key, (0, "partition"))
-                self._entry(report, unit, "rank" if it.key in ranked else "exact", traffic[it.key],
+                self._entry(report, unit, RANK if it.key in ranked else EXACT, traffic[it.key],
                             rows=self.own_rows(unit), max_rows=max(sum(k) for k in it.rows_by_rank()),
                             components=components, method=method)
         self.reduce_dense(report)
 
     def estimates(self, unit: FactorUnit, counts) -> Tuple[Dict[str, float], Dict[str, float]]:
-        """Each route's bytes for one weight on its busiest rank, and sent per rank on average (what
-        breaks a tie: at two sites rank-dAD and PowerSGD's route tie on a weight one rank owns,
-        while rank-dAD's other rank receives nothing), from the real partition ranges (`routes`'
-        models on ``partitions``); "exact" only where `exact.sharded_exact_covers` the unit."""
+        """Each route's bytes for one weight on its busiest rank, and on average (ties), from the real
+        ranges (module doc; `routes`' models on ``partitions``)."""
         config, it, exact = self.config, self.item(unit), sharded_exact_covers(unit.kinds, unit.blocks)
         sizing = unit_sizing(config, self.unit_shape(unit), None, self.route_wire, world_size=self.S,
                              engine_itemsize=self.itemsize, counts=it.counts, ranges=it.ranges)
@@ -212,17 +196,19 @@ class PartitionCall(ShardedCall):
         pairs = estimates_on(layouts.PARTITIONS, sizing, names)
         return {k: v[0] for k, v in pairs.items()}, {k: v[1] for k, v in pairs.items()}
 
-    def _rank_item(self, unit: FactorUnit, step: int) -> Tuple[PartitionItem, int, str]:
-        """Rank-dAD's local half for one weight: this site's ``M_s`` (local gradient plus residual)
-        reduced to rank r, as r rows ``(P_s^T, Q_s^T)`` of a linear use, for the same partition
-        exchange as exact factors: rank d receives every site's ``Q_s`` and the columns of ``P_s^T``
-        over its covering rows. Returns that item, the components this site sent and how it reduced."""
-        it, local = self.item(unit), self.grads[unit.index].view(*unit.shape)
-        ranked = self.rank_codec.local(unit, it.rows, lambda p, cdt: local.to(cdt), "rank")
+    def _rank_item(self, unit: FactorUnit, step: int) -> Tuple[PartitionItem, Tuple[int, str]]:
+        """Rank-dAD's local half for one weight, ``M_s`` reduced to r rows ``(P_s^T, Q_s^T)`` of a linear
+        use (module doc); returns that item and (the components this site sent, how it reduced)."""
+        it, ranked = self.item(unit), self._local_rank(unit, RANK)
         p, q, components = self.rank_codec.reduce_own(ranked, step)
         item = PartitionItem(it.key, ("linear",), it.shape, it.ranges, [(p.t(), q.t())])
         item.counts = [[[p.shape[1]]] for _ in range(self.S)]  # padded to r everywhere: no count exchange
-        return item, components, ranked.method
+        return item, (components, ranked.method)
+
+    def _local_rank(self, unit: FactorUnit, rep: str) -> RankItem:
+        """A rank route's ``M_s`` of one weight, from its local gradient's matrix view."""
+        local = self.grads[unit.index].view(*unit.shape)
+        return self.rank_codec.local(unit, self.item(unit).rows, lambda p, cdt: local.to(cdt), rep)
 
     def _reduce_shared(self, shared: Sequence[Tuple[FactorUnit, RankItem]], step: int,
                        report: ShardedStepReport) -> None:
@@ -237,7 +223,7 @@ class PartitionCall(ShardedCall):
                                            self.route_wire, rebuild=owned)
         for (unit, ri), res in zip(shared, results):
             self.deliver(unit, res.shard)
-            self._entry(report, unit, "rank_allreduce", res.traffic, rows=self.own_rows(unit),
+            self._entry(report, unit, RANK_ALLREDUCE, res.traffic, rows=self.own_rows(unit),
                         components=res.components, method=ri.method)
 
 

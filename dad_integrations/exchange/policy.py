@@ -27,6 +27,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit, SyncPlan
 from dad_integrations.codecs.route_state import RouteState
@@ -99,13 +100,13 @@ class RoutePolicy(TrialOwner):
         if arm is not None and self.two_level_trial():  # its flat arm: the flat router's routes, anew
             return None
         if arm is not None:  # a route trial's step: all dense, or the routes it tries
-            return "dense" if arm == "dense" else self.trial.routes.get(unit.index, "dense")
+            return DENSE if arm == "dense" else self.trial.routes.get(unit.index, DENSE)
         if self.refresh(step):
             return None
         held = self.last_route.get(unit.index)
         if held == TWO_LEVEL:  # what a kept trial of two-level steps holds: a flat step routes anew
             return None
-        return None if held == "exact" and unit.rows_unused else held  # exact needs its rows
+        return None if held == EXACT and unit.rows_unused else held  # exact needs its rows
 
     def dense_for_sure(self, unit: FactorUnit, step: int, verify: bool) -> bool:
         """Whether ``unit`` goes through the dense buckets in step ``step`` whatever its rows say: a
@@ -114,7 +115,7 @@ class RoutePolicy(TrialOwner):
         holds), so the hooks skip that bookkeeping, and routing it needs no early wake-up."""
         if self.two_level:
             return not verify and unit.dense_only
-        return not verify and (unit.dense_only or self._held_route(unit, step, verify) == "dense")
+        return not verify and (unit.dense_only or self._held_route(unit, step, verify) == DENSE)
 
     def holds_residuals(self, step: int) -> bool:
         """A route trial's dense step (`RouteTrial.holds_residuals`; not of a two-level trial):
@@ -151,7 +152,7 @@ class RoutePolicy(TrialOwner):
         shape = UnitShape.of(unit)
         held = self._held_route(unit, step, verify)
         if held is not None:
-            decision = Route(held, held == "exact")
+            decision = Route(held, held == EXACT)
         else:
             evidence = UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index))
             decision = route(dataclasses.replace(ctx, refresh=self.refresh(step)), shape, evidence)
@@ -175,7 +176,7 @@ class RoutePolicy(TrialOwner):
         if is_rank_route(decision.representation) and method == "dense" and not decision.exchange_sizes:
             # the unit's route for good (mode rank; auto's prediction, held), from the dense gradient
             unit.stop_using_rows()
-        elif decision.representation == "dense" and self.timing is not None and not verify:
+        elif decision.representation == DENSE and self.timing is not None and not verify:
             # dense by time until the next refresh (not a unit only flushing its residual through
             # the dense buckets: its route may be exact)
             unit.stop_using_rows()
@@ -214,7 +215,7 @@ class RoutePolicy(TrialOwner):
         if arm is not None and self.two_level_trial():  # either arm may send exact factors
             self.use_rows()
         elif arm == "routes":
-            self.use_rows([i for i, rep in self.trial.routes.items() if rep == "exact"])
+            self.use_rows([i for i, rep in self.trial.routes.items() if rep == EXACT])
         elif arm == "dense":
             self.drop_rows()
         if not self.refresh(next_step):
@@ -242,9 +243,9 @@ class RoutePolicy(TrialOwner):
         else:
             self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
             for u in self.units:  # what the next steps take until the next refresh
-                self.last_route[u.index] = trial.routes.get(u.index, "dense") if outcome.kept else "dense"
+                self.last_route[u.index] = trial.routes.get(u.index, DENSE) if outcome.kept else DENSE
             if outcome.kept:  # exact factors need their rows from the next step on
-                self.use_rows([i for i, rep in trial.routes.items() if rep == "exact"])
+                self.use_rows([i for i, rep in trial.routes.items() if rep == EXACT])
             else:
                 self.drop_rows()
         self.say_outcome(outcome, "two levels, " if two_level else "",
@@ -255,10 +256,10 @@ class RoutePolicy(TrialOwner):
         units = self.units
         if self.two_level:  # this step went at two levels: try them against the flat routes
             routes = {u.index: TWO_LEVEL for u in units}
-            compressed = [i for i, rep in self.two_level_routes.items() if rep != "dense"]
+            compressed = [i for i, rep in self.two_level_routes.items() if rep != DENSE]
             saving, spare = self.two_level_saving, 0.0
         else:
-            routes = {u.index: self.last_route.get(u.index, "dense") for u in units}
-            compressed = [i for i, rep in routes.items() if rep != "dense"]
+            routes = {u.index: self.last_route.get(u.index, DENSE) for u in units}
+            compressed = [i for i, rep in routes.items() if rep != DENSE]
             saving, spare = sum(self.saved.get(i, 0.0) for i in compressed), sum(self.spare.get(i, 0.0) for i in routes)
         return routes, bool(compressed), saving, spare

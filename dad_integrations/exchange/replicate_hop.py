@@ -28,13 +28,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from dad_integrations.builtin_routes import DENSE
 from dad_integrations.capture.sink import ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.replicate_rank import ReplicateRankCodec
 from dad_integrations.codecs.exact import ExactCodec, longest
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.exchange.row_shards import RowShardCall
-from dad_integrations.exchange.sharded import CallRoutes, EngineCall, Estimates
+from dad_integrations.exchange.sharded import CallRoutes, EngineCall, Estimates, filled
 from dad_integrations.routes import layouts
 from dad_integrations.routes.codec import start_codec
 from dad_integrations.routes.registry import estimates_on, get_route, routes_for
@@ -99,15 +100,13 @@ class ReplicateHopCall(RowShardCall):
         return estimates_on(layouts.REPLICATE_HOP, sizing, routes_for(self.config.routes)), None
 
     def reduce_dense(self, report: ShardedStepReport) -> None:
-        self._dense(self.slots, report)
+        self._cross_dense(self.slots, None, report)
 
     def exchange(self, routes: CallRoutes) -> None:
         sink, report, covered = self.sink, routes.report, set()
         for unit in routes.exact:
             shards, traffic, inter = self._exact(unit, routes.counts[unit.index])
-            entry = self._put_exact(unit, shards, report, covered)
-            entry.add_traffic(traffic)
-            entry.inter_bytes = inter
+            self._put_exact(unit, shards, report, covered, traffic, inter_bytes=inter)
         ranked, coded = routes.ranked, routes.coded
         rest = [s for s in self.slots if id(s.param) not in covered and
                 not any(s.param is u.param for u, _ in ranked + coded)]
@@ -119,22 +118,17 @@ class ReplicateHopCall(RowShardCall):
                 handle = start_codec(get_route(rep).codec, sums[id(u.param)], self.groups.cross,
                                      name=f"dad.replicate.{rep}.{u.name}")
                 sink.write_dense([s], handle.wait().mul_(sink.predivide * self.scale).to(sums[id(u.param)].dtype))
-                entry = self._entry(u.param, rep)
-                entry.add_traffic(handle.traffic)
-                entry.inter_bytes = handle.traffic.sent
-                report.params.append(entry)
+                report.params.append(filled(self._entry(u.param, rep), handle.traffic, inter_bytes=handle.traffic.sent))
             codec = self.rank_codec
             items = [codec.node_local(u, sums[id(u.param)].view(s.rows, -1) * sink.predivide, rep)
                      for (u, rep), s in zip(ranked, slots)]
             results = codec.exchange(items, self.aggregator, self.scale, routes.step, sink.inp.dtype) if items else []
             for item, result in zip(items, results):
-                entry = self._put(item.unit.param, result.shard, item.representation, report, covered)
-                entry.components = result.components
-                entry.add_traffic(result.traffic)
-                entry.inter_bytes = result.traffic.sent
+                self._put(item.unit.param, result.shard, item.representation, report, covered, result.traffic,
+                          components=result.components, inter_bytes=result.traffic.sent)
             self._cross_dense(rest, torch.cat([sums[id(s.param)] for s in rest]) if rest else None, report)
         else:
-            self._dense(rest, report)
+            self._cross_dense(rest, None, report)
 
     # -- the hops --------------------------------------------------------------------------------
     def _node_sums(self, slots: Sequence[ShardSlot]) -> Dict[int, torch.Tensor]:
@@ -146,24 +140,20 @@ class ReplicateHopCall(RowShardCall):
             pos += s.numel
         return out
 
-    def _dense(self, slots: Sequence[ShardSlot], report: ShardedStepReport) -> None:
-        if slots:
-            self._cross_dense(slots, self._scatter(self.sink.dense_input(slots)), report)
-
     def _cross_dense(self, slots: Sequence[ShardSlot], node_sum: Optional[torch.Tensor],
                      report: ShardedStepReport) -> None:
-        """HSDP's own all-reduce between nodes of the node sums of ``slots``, scaled, written."""
+        """HSDP's own all-reduce between nodes of the node sums of ``slots`` (None: their reduce-scatter
+        inside the node first), scaled, written."""
         if not slots:
             return
+        if node_sum is None:
+            node_sum = self._scatter(self.sink.dense_input(slots))
         handle = self.groups.cross.all_reduce(node_sum, name="dad.replicate.dense", op="sum")
         total = handle.wait().mul_(self.sink.predivide * self.scale)
         self.sink.write_dense(slots, total)
         whole = float(sum(s.numel for s in slots)) or 1.0
-        for s in slots:
-            entry = self._entry(s.param, "dense", s)
-            entry.add_traffic(handle.traffic.share(s.numel / whole))
-            entry.inter_bytes = handle.traffic.sent * s.numel / whole
-            report.params.append(entry)
+        report.params += [filled(self._entry(s.param, DENSE, s), handle.traffic.share(s.numel / whole),
+                                 inter_bytes=handle.traffic.sent * s.numel / whole) for s in slots]
 
     def _exact(self, unit: FactorUnit, counts: RowCounts) -> Tuple[Dict[nn.Parameter, torch.Tensor], object, float]:
         """Rows across nodes, then the column's rows through the sharded exact exchange inside the node."""

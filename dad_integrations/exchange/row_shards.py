@@ -15,12 +15,13 @@ from typing import List, Mapping, Optional
 import torch
 from torch import nn
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.capture.sink import ShardSink, ShardSlot
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.exact import ExactCodec, agree_rows
-from dad_integrations.comm.aggregator import FactorAggregator
+from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.exchange.checks import agree_factors_rebuild
-from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall
+from dad_integrations.exchange.sharded import CallRoutes, EngineCall, ShardedCall, filled
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes.codec import start_codec_chunks
 from dad_integrations.routes.registry import get_route
@@ -48,8 +49,7 @@ class RowShardCall(ShardedCall):
         return {u.index: c for u, c in zip(units, counts)}, traffic, sum(len(u.uses) for u in units)
 
     def verify(self, units):
-        _, failed, traffic = agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
-        return failed, traffic
+        return agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
 
     def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
         """The unit's biases that this call's buffers hold (they ride with its exact factors)."""
@@ -67,20 +67,20 @@ class RowShardCall(ShardedCall):
                                            self.sink.inp.element_size())
 
     def _put(self, p: nn.Parameter, shard: torch.Tensor, representation: str, report: ShardedStepReport,
-             covered: set) -> ShardedParamReport:
-        """Write ``p``'s reduced shard, count it covered and report it: the entry, to fill in."""
+             covered: set, *traffic: Traffic, **fields) -> ShardedParamReport:
+        """Write ``p``'s reduced shard, count it covered and report it (`filled`); returns the entry."""
         self.sink.write(p, shard)
         covered.add(id(p))
-        report.params.append(self._entry(p, representation))
+        report.params.append(filled(self._entry(p, representation), *traffic, **fields))
         return report.params[-1]
 
     def _put_exact(self, unit: FactorUnit, shards: Mapping[nn.Parameter, torch.Tensor], report: ShardedStepReport,
-                   covered: set) -> ShardedParamReport:
+                   covered: set, *traffic: Traffic, **fields) -> ShardedParamReport:
         """`_put` the unit's exact shards, the weight's and its riding biases'; returns the weight's
-        entry, which the exchange's bytes go to (the biases ride free)."""
-        entries = [self._put(p, shards[p], "exact", report, covered) for p in [unit.param] + self._biases(unit)]
-        entries[0].rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
-        return entries[0]
+        entry, which the exchange's bytes and ``fields`` go to (the biases ride free)."""
+        entries = [self._put(p, shards[p], EXACT, report, covered) for p in [unit.param] + self._biases(unit)]
+        rows = sum(left.shape[0] for left, _ in self.rows[unit.index])
+        return filled(entries[0], *traffic, rows=rows, **fields)
 
     def reduce_rest(self, slots: List[ShardSlot], report: ShardedStepReport) -> None:
         """The engine's own reduce-scatter of ``slots`` (those no route above covered)."""
@@ -91,7 +91,7 @@ class RowShardCall(ShardedCall):
             self.engine.reduce_scatter(sink.out, sink.inp)
         else:
             sink.write_dense(slots, self._scatter(sink.dense_input(slots)))
-        report.params += [self._entry(s.param, "dense", s) for s in slots]
+        report.params += [self._entry(s.param, DENSE, s) for s in slots]
 
     def _scatter(self, compact: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of the engine's reduce-scatter of ``compact`` (one chunk per shard)."""
@@ -113,17 +113,15 @@ class RowShardCall(ShardedCall):
         for unit in routes.exact:
             result = codec.exchange_shards(unit, self.rows[unit.index], routes.counts[unit.index], self.aggregator,
                                            self.scale)
-            weight = self._put_exact(unit, result.shards, report, covered)
-            weight.max_rows, weight.method = max(sum(r) for r in routes.counts[unit.index]), result.method
-            weight.add_traffic(result.traffic)
+            self._put_exact(unit, result.shards, report, covered, result.traffic, method=result.method,
+                            max_rows=max(sum(r) for r in routes.counts[unit.index]))
         if routes.ranked:  # biases stay on the engine's reduce-scatter
             codec = self.rank_codec
             items = [codec.local(unit, self.rows[unit.index], sink.local_grad, rep) for unit, rep in routes.ranked]
             for item, result in zip(items, codec.exchange(items, self.aggregator, self.scale, routes.step,
                                                           sink.inp.dtype)):
-                entry = self._put(item.unit.param, result.shard, item.representation, report, covered)
-                entry.components, entry.method = result.components, item.method
-                entry.add_traffic(result.traffic)
+                self._put(item.unit.param, result.shard, item.representation, report, covered, result.traffic,
+                          components=result.components, method=item.method)
         for unit, rep in routes.coded:  # biases stay on the engine's reduce-scatter
             m, n = unit.shape
             S, c = self.aggregator.world_size, -(-m // self.aggregator.world_size)
@@ -133,5 +131,5 @@ class RowShardCall(ShardedCall):
                                         name=f"dad.{rep}.{unit.name}")
             a = min(self.aggregator.rank * c, m)
             shard = handle.wait().view(c, n)[:min(a + c, m) - a].mul_(self.scale).to(sink.out.dtype)
-            self._put(unit.param, shard, rep, report, covered).add_traffic(handle.traffic)
+            self._put(unit.param, shard, rep, report, covered, handle.traffic)
         self.reduce_rest([s for s in self.slots if id(s.param) not in covered], report)

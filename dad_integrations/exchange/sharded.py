@@ -32,6 +32,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.capture.hooks import ForwardStartHook
 from dad_integrations.capture.rows import Rows, compute_dtype, concat_rows
 from dad_integrations.capture.units import FactorUnit
@@ -71,7 +72,7 @@ class CallRoutes:
 
     @property
     def exact(self) -> List[FactorUnit]:
-        return [u for u, rep in self.routed if rep == "exact"]
+        return [u for u, rep in self.routed if rep == EXACT]
 
     @property
     def ranked(self) -> List[Tuple[FactorUnit, str]]:
@@ -81,6 +82,15 @@ class CallRoutes:
     def coded(self) -> List[Tuple[FactorUnit, str]]:
         """Units on a route that brings its own codec (`routes.codec`)."""
         return [(u, rep) for u, rep in self.routed if has_codec(rep)]
+
+
+def filled(entry: ShardedParamReport, *traffic: Traffic, **fields) -> ShardedParamReport:
+    """``entry`` with ``fields`` set and each collective's bytes added (the layouts' report entries)."""
+    for key, value in fields.items():
+        setattr(entry, key, value)
+    for t in traffic:
+        entry.add_traffic(t)
+    return entry
 
 
 class EngineCall:
@@ -351,11 +361,11 @@ class ShardedExchanger(TimedRoutes):
                                                           estimates=estimates, ties=ties))
             self._trial.note(unit, decision)
             rep = decision.representation
-            if rep not in ("dense", "exact") and not is_rank_route(rep) and not has_codec(rep):
+            if rep not in (DENSE, EXACT) and not is_rank_route(rep) and not has_codec(rep):
                 raise_unsupported(rep, call.LAYOUT)
             if not is_rank_route(rep) and self._flush(call, unit):
                 continue  # its residual rides the engine's reduction this step
-            if rep != "dense":
+            if rep != DENSE:
                 routes.routed.append((unit, rep))
         call.exchange(routes)
         for unit, _ in routes.ranked:

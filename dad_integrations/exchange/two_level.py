@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK, RANK_ALLREDUCE
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.sink import GradSink
 from dad_integrations.capture.units import FactorUnit
@@ -54,7 +55,7 @@ def unit_entries(report: Dict[str, ParamReport], unit: FactorUnit, rep: str, wor
     exact factors and go dense beside every other route."""
     names = [unit.name] + [b.name for b in unit.biases]
     for i, (name, q) in enumerate(zip(names, unit.params)):
-        report[name] = param_entry(name, rep if i == 0 or rep in ("exact", "dense") else "dense", q, world_size,
+        report[name] = param_entry(name, rep if i == 0 or rep in (EXACT, DENSE) else DENSE, q, world_size,
                                    **fields, **(weight if i == 0 else {}))
     return [report[name] for name in names]
 
@@ -86,11 +87,10 @@ class TwoLevelExchanger:
         topo, plan = levels.topology, self.plan
         self.local, self.L, self.N = topo.local_rank, topo.local_size, topo.num_nodes
         costs = [float(u.param.numel()) for u in plan.units] + [float(q.numel()) for _, q in plan.dense]
-        owners = assign_owners(costs, self.L)
+        names = [u.name for u in plan.units] + [name for name, _ in plan.dense]
+        self.owner_of: Dict[str, int] = dict(zip(names, assign_owners(costs, self.L)))
         self.chosen = False  # the last refresh's choice: two-level steps until the next
         self.routes: Dict[int, str] = {}  # the last two-level step's, by unit index
-        self.owner_of: Dict[str, int] = {u.name: owners[i] for i, u in enumerate(plan.units)}
-        self.owner_of.update({name: owners[len(plan.units) + i] for i, (name, _) in enumerate(plan.dense)})
 
     # -- flat or two levels -------------------------------------------------------------------------
     def prefer(self, step: int, policy) -> bool:
@@ -181,7 +181,7 @@ class TwoLevelExchanger:
         # node's contributions summed (dense, rank routes) or stacked (exact)
         mine, traffic = self.hops.to_owner(items, sink, self.levels.intra, self.local,
                                            f"dad.twolevel.to_owner.{items[0].name}")
-        self._share(items, traffic, lambda it: it.hop_bytes[0] or it.numel)
+        self._share(items, traffic, lambda it: it.hop.to_owner or it.numel)
         self._between(mine, scale, step)
         self._from_owner(items, sink)
 
@@ -203,20 +203,18 @@ class TwoLevelExchanger:
                 it.node_rows = node_rows_of(by_rank, topo)
         for it in items:
             if it.unit is None:
-                it.rep = "dense"
+                it.rep = DENSE
                 continue
             u = it.unit
             it.rep, hops, _ = choose_two_level(self.config, UnitShape.of(u), it.node_rows, step=step, nodes=self.N,
                                                local_size=self.L, wire_dtype=self.wire_dtype or u.param.dtype,
                                                timing=self.levels.timing, dense_only=u.dense_only)
-            chosen = hops[it.rep]
-            it.hop_bytes = (chosen.to_owner, chosen.between, chosen.from_owner)
-            it.factors_back = chosen.factors_back
+            it.hop = hops[it.rep]
 
     def _entries(self, it: HopItem, report: Dict[str, ParamReport]) -> List[ParamReport]:
         """The item's report entries (`unit_entries`; a dense parameter's own)."""
         if it.unit is None:
-            report[it.name] = param_entry(it.name, "dense", it.params[0], self.world.world_size, level="two_level")
+            report[it.name] = param_entry(it.name, DENSE, it.params[0], self.world.world_size, level="two_level")
             return [report[it.name]]
         return unit_entries(report, it.unit, it.rep, self.world.world_size, dict(rows=sum(it.counts or [])),
                             level="two_level")
@@ -229,10 +227,9 @@ class TwoLevelExchanger:
         ``it.result``."""
         kinds = ["codec" if has_codec(it.rep) else it.rep for it in mine]
         batches = [(self._dense, [(it, i) for it in mine for i in range(len(it.params))
-                                  if it.rep == "dense" or (i > 0 and sums_at_owner(it.rep))])]
+                                  if it.rep == DENSE or (i > 0 and sums_at_owner(it.rep))])]
         batches += [(start, [it for it, k in zip(mine, kinds) if k == kind]) for kind, start in (
-            ("exact", self._exact), ("rank", self._rank), ("codec", self._codec),
-            ("rank_allreduce", self._rank_allreduce))]
+            (EXACT, self._exact), (RANK, self._rank), ("codec", self._codec), (RANK_ALLREDUCE, self._rank_allreduce))]
         finishes = [start(batch, scale, step) for start, batch in batches if batch]
         for finish in finishes:
             finish()
@@ -247,7 +244,7 @@ class TwoLevelExchanger:
             total = self.state.note(handle.wait())
             for (it, i), part in zip(parts, total.split([it.result[i].numel() for it, i in parts])):
                 it.result[i] = part
-            for it in [it for it, i in parts if i == 0 and it.rep == "dense"]:
+            for it in [it for it, i in parts if i == 0 and it.rep == DENSE]:
                 it.result = [self.hops.dense_average(r, scale) for r in it.result]
 
         return finish
@@ -256,7 +253,7 @@ class TwoLevelExchanger:
         """Every node's stacked rows, all-gathered; each owner rebuilds the average."""
         handle, decoded = self.exact.gather(self.levels.cross, [(it.unit, it.rows, it.node_rows) for it in items],
                                             f"dad.twolevel.exact.{items[0].name}")
-        self._share(items, handle.traffic, lambda it: it.hop_bytes[1], between=True)
+        self._share(items, handle.traffic, lambda it: it.hop.between, between=True)
 
         def finish() -> None:
             for it, grads in zip(items, decoded(scale)):
@@ -271,7 +268,7 @@ class TwoLevelExchanger:
             self.levels.cross, [(it.unit, self.rank_codec.encode(it.unit, [], self.hops.node_grad(it), it.entries[0],
                                                                  step, dense=True)) for it in items],
             f"dad.twolevel.rank.{items[0].name}", self.state.note)
-        self._share(items, handle.traffic, lambda it: it.hop_bytes[1], between=True)
+        self._share(items, handle.traffic, lambda it: it.hop.between, between=True)
 
         return self._products(items, decoded, scale)
 
@@ -319,19 +316,16 @@ class TwoLevelExchanger:
         keeps or drops the step's rank-route state alike)."""
         mine, note = [it for it in items if it.owner == self.local], self.state.note
         blocks = [b.to(dtype) for it in mine for b, (dtype, _) in zip(it.result, self.hops.result_specs(it))]
-        payload = pack(blocks, self.device) if blocks else torch.empty(0, dtype=torch.uint8, device=self.device)
+        payload = pack(blocks, self.device)
         specs = [[s for it in items if it.owner == j for s in self.hops.result_specs(it)] for j in range(self.L)]
         handle = self.levels.intra.all_gather(payload, name=f"dad.twolevel.from_owner.{items[0].name}",
                                               first_dims=[packed_size(s) for s in specs])
         got = handle.wait()
-        self._share(items, handle.traffic, lambda it: it.hop_bytes[2] or it.numel)
-        per_owner = [unpack(got[j], specs[j]) for j in range(self.L)]
-        cursor = [0] * self.L
+        self._share(items, handle.traffic, lambda it: it.hop.from_owner or it.numel)
+        per_owner = [iter(unpack(got[j], specs[j])) for j in range(self.L)]
         for it in items:
-            j = it.owner
-            k = len(self.hops.result_specs(it))
-            self.hops.write(it, [note(b) for b in per_owner[j][cursor[j]:cursor[j] + k]], sink)
-            cursor[j] += k
+            blocks = per_owner[it.owner]
+            self.hops.write(it, [note(next(blocks)) for _ in self.hops.result_specs(it)], sink)
 
     # -- reports ----------------------------------------------------------------------------------
     @staticmethod
