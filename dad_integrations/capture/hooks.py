@@ -173,7 +173,7 @@ class HookedCapture:
     def clear(self) -> None:
         """Drop the rows of the window, and whatever waits for a gradient."""
         for u in self.uses:
-            u.clear()
+            u.pairs = []
         self._pending.clear()
 
     def remove(self) -> None:
@@ -209,10 +209,6 @@ class ModuleCapture(HookedCapture, Use):
 
     def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:
         self.pairs.append(self.rows_of_call(self.module, x, grad))
-
-    def clear(self) -> None:
-        self.pairs = []
-        self._pending.clear()
 
     def __getstate__(self) -> dict:
         return dict(HookedCapture.__getstate__(self), pairs=[], enabled=False)
