@@ -33,8 +33,8 @@ class CommittedRows:
         # before the compiled backward's gradients are accumulated (`capture.compiled`)
         for u in units:
             for c in u.uses:
-                if c.capture is not None:
-                    c.capture.arrived = functools.partial(self._watch_now, u, c)
+                if c.fed_by is not None:
+                    c.fed_by.arrived = functools.partial(self._watch_now, u, c)
 
     def take(self, capture: Use) -> List[Rows]:
         """The committed rows of ``capture`` since the last take."""

@@ -42,10 +42,10 @@ class Use:
     ``kind`` is the pairs' row layout (`rows`: ``"linear"``, ``"conv1d"``, ``"embedding"``),
     ``block`` the rows of the weight's matrix view they cover (None: all), ``module`` the module
     whose forward runs the use, and ``attr`` the dotted path from it to the weight. A capture (the
-    hooks, ``capture``) feeds one or several uses; ``enabled`` switches a use's capture off, hooks left in place.
+    hooks, ``fed_by``) feeds one or several uses; ``enabled`` switches a use's capture off, hooks left in place.
     """
 
-    capture: Optional["HookedCapture"] = None  # set by the capture that feeds this use
+    fed_by: Optional["HookedCapture"] = None  # set by the capture that feeds this use
 
     def __init__(self, name: str, module: nn.Module, kind: str, attr: str = "weight", block: Block = None):
         self.name, self.module, self.kind, self.attr, self.block = name, module, kind, attr, block
@@ -94,7 +94,7 @@ class HookedCapture:
                  on_forward: Optional[Callable[[], None]] = None):
         self.name, self.module, self.by_key, self.uses = name, module, by_key, list(by_key.values())
         for use in self.uses:
-            use.capture = self
+            use.fed_by = self
         self._on_forward = on_forward
         self._handles: list = []
         self.detached = False
