@@ -194,11 +194,7 @@ class HookedCapture:
 
 class ModuleCapture(HookedCapture, Use):
     """Collects ``(left, right)`` row pairs of one module's calls: one use (see `layers`) that is its
-    own capture, its rows from ``rows_of_call(module, input, output_grad)``.
-
-    ``on_forward`` is called at every captured forward (the synchroniser opens a step's window
-    there, enabled or not); ``enabled`` switches the capture of rows off without removing the hooks.
-    """
+    own capture, its rows from ``rows_of_call(module, input, output_grad)``."""
 
     def __init__(self, name: str, module: nn.Module, kind: str, rows_of_call: RowsOfCall,
                  on_forward: Optional[Callable[[], None]] = None):

@@ -115,7 +115,6 @@ class BucketViewSink(GradSink):
         super().__init__(priors)
         self.views: Dict[int, torch.Tensor] = {}
         self.shadow = False
-        self.prior_scale = 1.0
 
     def _current(self, p: nn.Parameter) -> Optional[torch.Tensor]:
         return None if self.shadow else p.grad

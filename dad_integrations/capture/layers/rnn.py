@@ -255,13 +255,13 @@ class RNNCapture(HookedCapture):
         out_t = out.data if isinstance(out, PackedSequence) else out
         if not out_t.requires_grad or not any(p.requires_grad for p in module.parameters()):
             return None
+        x, hx = _call(args, kwargs)
+        h_n, c_n = _pair(state)
         if compiled.compiling():
-            return self._compiled_forward(args, kwargs, out, state)
+            return self._compiled_forward(x, hx, out, h_n, c_n)
         self.opened()  # also when disabled: the step's window opens here
         if not self._wanted():
             return
-        x, hx = _call(args, kwargs)
-        h_n, c_n = _pair(state)
         saved = self._saved_call(x, *_pair(hx), out_t.dtype)  # (autocast: the replay's dtype too)
         epoch = self._epoch
 
@@ -271,15 +271,13 @@ class RNNCapture(HookedCapture):
 
         when_all_grads([t for t in (out_t, h_n, c_n) if t is not None], arrived)
 
-    def _compiled_forward(self, args: tuple, kwargs: dict, out, state):
+    def _compiled_forward(self, x, hx, out, h_n, c_n):
         """The traced hook: the outputs wrapped so that their backward delivers the input, the
         initial states and every output's gradient at once (`compiled.tap`), for the replay. A
         ``PackedSequence`` (its batch sizes are data) is not captured: the first step's check
         routes its weights from their dense gradients."""
-        x, hx = _call(args, kwargs)
         if isinstance(x, PackedSequence):
             return None
-        h_n, c_n = _pair(state)
         outs = compiled.tap(self.compiled_key(), [x, *_pair(hx)], [t for t in (out, h_n, c_n) if t is not None])
         return outs[0], ((outs[1], outs[2]) if c_n is not None else outs[1])
 
