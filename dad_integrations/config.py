@@ -196,7 +196,7 @@ class DADConfig:
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
-        for key in ("layer_kinds", "exclude", "routes"):
+        for key in _STRING_LISTS:
             object.__setattr__(self, key, _string_tuple(key, getattr(self, key)))
         self.validate()
 
@@ -208,7 +208,8 @@ class DADConfig:
                 raise ValueError(f"dad config key {key!r}: {value!r}{_source(key, value)} is not one of {choices}")
         for key, (least, optional) in _INTEGERS.items():
             value = getattr(self, key)
-            if not (optional and value is None) and (_not_int(value) or value < least):
+            if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, int)
+                                                     or value < least):
                 allowed = f"an integer >= {least}{' or None' if optional else ''}"
                 raise ValueError(f"dad config key {key!r}: must be {allowed}, got {value!r}{_source(key, value)}")
         if self.mode == "rank" and self.rank is None:
@@ -231,8 +232,6 @@ class DADConfig:
             parse_topology(self.topology)
         except ValueError as e:
             raise ValueError(f"dad config key 'topology': {e}") from None
-        for key in ("layer_kinds", "exclude", "routes"):
-            _string_tuple(key, getattr(self, key))
         bad = [r for r in self.routes if not r.isidentifier()]
         if bad:
             raise ValueError(f"dad config key 'routes': {bad} are not route names")
@@ -256,8 +255,7 @@ class DADConfig:
     def to_dict(self) -> dict:
         """The config as plain JSON-able values; ``from_dict(to_dict())`` gives an equal config."""
         out = dataclasses.asdict(self)
-        out["layer_kinds"] = list(self.layer_kinds)
-        out["exclude"] = list(self.exclude)
+        out.update({key: list(getattr(self, key)) for key in _STRING_LISTS})
         out["link"] = None if self.link is None else dict(self.link)
         return out
 
@@ -285,6 +283,7 @@ _CHOICES = {"mode": MODES, "rank_route": RANK_ROUTES, "objective": OBJECTIVES, "
             "uncaptured_matrices": UNCAPTURED_MATRICES}
 _INTEGERS = {"rank": (1, True), "error_feedback_rank": (1, True), "lossless_steps": (0, False),
              "power_iterations": (1, False), "route_refresh_steps": (1, False), "route_trial_steps": (0, False)}
+_STRING_LISTS = ("layer_kinds", "exclude", "routes")  # keys that take lists of strings (kept as tuples)
 _FROM_ENV = {"objective": OBJECTIVE_ENV, "lossless_steps": LOSSLESS_STEPS_ENV}  # keys whose default is read there
 
 
@@ -292,10 +291,6 @@ def _source(key: str, value: Any) -> str:
     """`` (from $VAR)`` where ``value`` of ``key`` came from its environment variable (`_FROM_ENV`)."""
     env = _FROM_ENV.get(key)
     return f" (from ${env})" if env is not None and os.environ.get(env) == str(value) else ""
-
-
-def _not_int(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int)
 
 
 def _finite_number(value: Any) -> bool:

@@ -33,8 +33,8 @@ class CommittedRows:
         # before the compiled backward's gradients are accumulated (`capture.compiled`)
         for u in units:
             for c in u.uses:
-                for capture in _captures_feeding(c):
-                    capture.arrived = functools.partial(self._watch_now, u, c)
+                if c.fed_by is not None:
+                    c.fed_by.arrived = functools.partial(self._watch_now, u, c)
 
     def take(self, capture: Use) -> List[Rows]:
         """The committed rows of ``capture`` since the last take."""
@@ -62,15 +62,3 @@ class CommittedRows:
             self._committed.setdefault(id(capture), []).extend(capture.pairs)
             capture.pairs = []
 
-
-def _captures_feeding(use: Use) -> list:
-    """The capture objects whose compiled path delivers ``use``'s rows (a `ModuleCapture` is its
-    own use; a `HookedCapture`'s uses are found through their module's hooks)."""
-    if hasattr(use, "_delivered"):
-        return [use]
-    found = []
-    for hook in list(use.module._forward_hooks.values()):
-        capture = getattr(hook, "__self__", None)
-        if capture is not None and use in getattr(capture, "uses", ()) and hasattr(capture, "_delivered"):
-            found.append(capture)
-    return found

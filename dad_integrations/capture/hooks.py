@@ -10,7 +10,7 @@ traces, the same hooks take the compiled path (`compiled`), feeding the same ``p
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,8 +42,10 @@ class Use:
     ``kind`` is the pairs' row layout (`rows`: ``"linear"``, ``"conv1d"``, ``"embedding"``),
     ``block`` the rows of the weight's matrix view they cover (None: all), ``module`` the module
     whose forward runs the use, and ``attr`` the dotted path from it to the weight. A capture (the
-    hooks) feeds one or several uses; ``enabled`` switches a use's capture off, hooks left in place.
+    hooks, ``fed_by``) feeds one or several uses; ``enabled`` switches a use's capture off, hooks left in place.
     """
+
+    fed_by: Optional["HookedCapture"] = None  # set by the capture that feeds this use
 
     def __init__(self, name: str, module: nn.Module, kind: str, attr: str = "weight", block: Block = None):
         self.name, self.module, self.kind, self.attr, self.block = name, module, kind, attr, block
@@ -88,9 +90,11 @@ class HookedCapture:
 
     _calls = 0
 
-    def __init__(self, name: str, module: nn.Module, uses: Sequence[Use],
+    def __init__(self, name: str, module: nn.Module, by_key: Dict[str, Use],
                  on_forward: Optional[Callable[[], None]] = None):
-        self.name, self.module, self.uses = name, module, list(uses)
+        self.name, self.module, self.by_key, self.uses = name, module, by_key, list(by_key.values())
+        for use in self.uses:
+            use.fed_by = self
         self._on_forward = on_forward
         self._handles: list = []
         self.detached = False
@@ -169,7 +173,7 @@ class HookedCapture:
     def clear(self) -> None:
         """Drop the rows of the window, and whatever waits for a gradient."""
         for u in self.uses:
-            u.clear()
+            u.pairs = []
         self._pending.clear()
 
     def remove(self) -> None:
@@ -190,25 +194,17 @@ class HookedCapture:
 
 class ModuleCapture(HookedCapture, Use):
     """Collects ``(left, right)`` row pairs of one module's calls: one use (see `layers`) that is its
-    own capture, its rows from ``rows_of_call(module, input, output_grad)``.
-
-    ``on_forward`` is called at every captured forward (the synchroniser opens a step's window
-    there, enabled or not); ``enabled`` switches the capture of rows off without removing the hooks.
-    """
+    own capture, its rows from ``rows_of_call(module, input, output_grad)``."""
 
     def __init__(self, name: str, module: nn.Module, kind: str, rows_of_call: RowsOfCall,
                  on_forward: Optional[Callable[[], None]] = None):
         Use.__init__(self, name, module, kind)
-        HookedCapture.__init__(self, name, module, [self], on_forward)
+        HookedCapture.__init__(self, name, module, {"weight": self}, on_forward)
         self.rows_of_call = rows_of_call
         self.hook_input_calls()
 
     def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:
         self.pairs.append(self.rows_of_call(self.module, x, grad))
-
-    def clear(self) -> None:
-        self.pairs = []
-        self._pending.clear()
 
     def __getstate__(self) -> dict:
         return dict(HookedCapture.__getstate__(self), pairs=[], enabled=False)

@@ -1,14 +1,7 @@
-"""Gradient sinks: where a step reads each local gradient and writes each synchronised one.
-
-* `GradSink`: the parameters' ``.grad`` (the plain API, Horovod, DeepSpeed).
-* `BucketViewSink`: DDP's bucket views (the communication hook path): DDP copies whatever the
-  hook leaves in its buckets into ``.grad``, and a parameter DDP did not hand over is not ours
-  to change.
-* `ShardSink`: FSDP2's reduce-scatter buffers (`fsdp`): each parameter's whole local gradient is
-  read from the input, and this rank's padded shard of the result written into the output chunk.
-
-The first two keep the window's priors (gradients left from before, see `window`) out of the local gradient
-and add them back to the average.
+"""Gradient sinks: where a step reads each local gradient and writes each synchronised one: `GradSink`
+(``.grad``: the plain API, Horovod, DeepSpeed), `BucketViewSink` (DDP's communication hook) and
+`ShardSink` (FSDP2's reduce-scatter buffers, `fsdp`). The first two keep the window's priors
+(gradients left from before, see `window`) out of the local gradient and add them back to the average.
 """
 from __future__ import annotations
 
@@ -101,7 +94,8 @@ class GradSink:
 
 
 class BucketViewSink(GradSink):
-    """Reads ``.grad`` and writes DDP's bucket views (DDP copies them into ``.grad``).
+    """Reads ``.grad`` and writes DDP's bucket views (DDP copies them into ``.grad``; a parameter
+    DDP did not hand over is not ours to change).
 
     ``shadow``: DDP's ``join`` runs this step on a rank that has run out of inputs, handing over
     zero buckets to match the other ranks' collectives (``_DDPJoinHook``): this rank adds
@@ -115,7 +109,6 @@ class BucketViewSink(GradSink):
         super().__init__(priors)
         self.views: Dict[int, torch.Tensor] = {}
         self.shadow = False
-        self.prior_scale = 1.0
 
     def _current(self, p: nn.Parameter) -> Optional[torch.Tensor]:
         return None if self.shadow else p.grad
@@ -154,7 +147,8 @@ class ShardSlot:
 
 
 class ShardSink:
-    """Reads and writes FSDP2's reduce-scatter buffers.
+    """Reads and writes FSDP2's reduce-scatter buffers: each parameter's whole local gradient from
+    the input, this rank's padded shard of the result into the output chunk.
 
     ``inp`` is ``(S * chunk,)``: chunk r holds, per slot, rows ``[r c, (r+1) c)`` of this rank's
     local gradient (zero past the last row), already multiplied by FSDP's ``1/predivide``.

@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 
 from torch import nn
 
+from dad_integrations.builtin_routes import DENSE
 from dad_integrations.capture.hooks import Use
 from dad_integrations.capture.rows import matrix_shape
 
@@ -117,7 +118,7 @@ class SyncPlan:
         """What every rank must agree on, in order: names, shapes, dtypes and routes."""
         sig = [["factor", u.name, list(param_shape(u.param)), str(u.param.dtype), u.kinds,
                 [b.name for b in u.biases]] for u in self.units]
-        sig += [["dense", n, list(param_shape(p)), str(p.dtype)] for n, p in self.dense]
+        sig += [[DENSE, n, list(param_shape(p)), str(p.dtype)] for n, p in self.dense]
         return sig
 
     def signature_bytes(self) -> bytes:

@@ -185,11 +185,7 @@ class CollectiveCounter:
                 exclude_group: Any = _NO_GROUP) -> Traffic:
         """Bytes and calls counted so far: on ``group`` (default every group), of ``function``
         (default every function), leaving out calls on ``exclude_group``."""
-        total = Traffic()
-        for (_, name), t in self._select(group, exclude_group):
-            if function is None or name == function:
-                total = total + t
-        return total
+        return sum((t for (_, name), t in self._select(group, exclude_group) if function in (None, name)), Traffic())
 
     def by_function(self, group: Any = ALL_GROUPS, *, exclude_group: Any = _NO_GROUP) -> Dict[str, Traffic]:
         """Bytes and calls per function name, of the functions called (same filters as `traffic`)."""

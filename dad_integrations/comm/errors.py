@@ -132,8 +132,7 @@ class PeerInfo:
         """The peer in words, e.g. ``"rank 2 (node 1), at 10.0.0.2:41234"``."""
         at = f"{fault.addr}:{fault.port}" if fault.addr else None
         if self.ranks:
-            who = (f"rank {self.ranks[0]}" if len(self.ranks) == 1
-                   else f"one of ranks {', '.join(map(str, self.ranks))}")
+            who = _ranks(self.ranks) if len(self.ranks) == 1 else f"one of {_ranks(self.ranks)}"
             return f"{who} ({self.node or 'node unknown'}){f', at {at}' if at else ''}"
         if at:
             return f"{at} (rank and node unknown)"

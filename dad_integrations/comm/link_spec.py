@@ -17,9 +17,7 @@ _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 def parse_bandwidth(value: Any) -> float:
     """Bytes per second from ``"10gbit"``, ``"100mbit"``, ``"1.5GB/s"``-like strings or a number
     (already bytes per second)."""
-    if isinstance(value, bool):
-        raise ValueError(f"bandwidth must be a number or a string like '10gbit', got {value!r}")
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         out = float(value)
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(bit|b|byte|bytes)?(?:/s|ps)?\s*",

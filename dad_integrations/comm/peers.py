@@ -129,11 +129,11 @@ class PeerDirectory:
 
     def _read(self) -> None:
         try:
-            keys = [KEY.format(r) for r in self._ranks if r != self.me]
-            present = [k for k in keys if int(k.rsplit("/", 1)[1]) not in self._entries and self._store.check([k])]
-            values = self._store.multi_get(present) if present else []
-            for key, value in zip(present, values):
-                self._entries[int(key.rsplit("/", 1)[1])] = json.loads(bytes(value).decode())
+            present = [r for r in self._ranks
+                       if r != self.me and r not in self._entries and self._store.check([KEY.format(r)])]
+            values = self._store.multi_get([KEY.format(r) for r in present]) if present else []
+            for r, value in zip(present, values):
+                self._entries[r] = json.loads(bytes(value).decode())
         except Exception:  # noqa: BLE001 - messages then say "unknown"
             pass
         finally:

@@ -11,6 +11,7 @@ mismatch raises `TopologyError` at attach, on every rank alike: never a hang in 
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -122,11 +123,8 @@ def resolve_topology(spec: Any, aggregator: Any, device: torch.device) -> Topolo
                                                        first_dims=[3] * s).wait()]
     hinted = all(row[0] >= 0 for row in table)
     keys = [row[0] if hinted else row[2] for row in table]
-    order: List[int] = []
-    for k in keys:  # nodes in the order of their lowest rank
-        if k not in order:
-            order.append(k)
-    nodes = tuple(tuple(r for r in range(s) if keys[r] == k) for k in order)
+    # nodes in the order of their lowest rank
+    nodes = tuple(tuple(r for r in range(s) if keys[r] == k) for k in dict.fromkeys(keys))
     sizes = sorted({len(n) for n in nodes})
     if len(sizes) > 1:
         raise TopologyError(f"topology: nodes have unequal numbers of ranks ({[len(n) for n in nodes]}, found "
@@ -155,8 +153,6 @@ LAUNCHER_ENV = (("GROUP_RANK", "LOCAL_WORLD_SIZE"), ("CROSS_RANK", "LOCAL_SIZE")
 def launcher_hint(env: Optional[dict] = None) -> Optional[Tuple[int, int]]:
     """``(node index, ranks per node)`` from the first launcher's variables set (`LAUNCHER_ENV`),
     else None."""
-    import os
-
     env = os.environ if env is None else env
     for node_key, size_key in LAUNCHER_ENV:
         try:

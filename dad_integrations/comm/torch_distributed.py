@@ -1,8 +1,5 @@
-"""`TorchDistributedAggregator`: the embedded default backend, over ``torch.distributed``.
-
-gloo's and NCCL's all-gather need equal sizes on every rank: `EqualSizeAggregator` pads rows of
-different lengths to the longest after an exchange of sizes.
-"""
+"""`TorchDistributedAggregator`: the embedded default backend, over ``torch.distributed`` (gloo's and
+NCCL's all-gather need equal sizes: an `EqualSizeAggregator`)."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -87,6 +84,7 @@ class TorchDistributedAggregator(EqualSizeAggregator):
                              in_sizes: List[int], async_op: bool = False):
         return self._dist.all_to_all_single(out, tensor, output_split_sizes=out_sizes,
                                             input_split_sizes=in_sizes, group=self._group, async_op=async_op)
+
 
 def job_peer_directory() -> Optional[PeerDirectory]:
     """The job's `PeerDirectory` over torch.distributed's default store (this rank's entry published

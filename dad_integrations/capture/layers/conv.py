@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Dict, List, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -100,12 +100,11 @@ class ConvCapture(HookedCapture):
 
     def __init__(self, name: str, module: nn.Module, on_forward=None):
         if module.groups == 1:
-            self.by_key: Dict[str, Use] = {"weight": Use(name, module, "linear")}
+            by_key = {"weight": Use(name, module, "linear")}
         else:
             h = module.out_channels // module.groups
-            self.by_key = {k: Use(f"{name}[{k}]", module, "linear", block=(i * h, h))
-                           for i, k in enumerate(_keys(module))}
-        super().__init__(name, module, list(self.by_key.values()), on_forward)
+            by_key = {k: Use(f"{name}[{k}]", module, "linear", block=(i * h, h)) for i, k in enumerate(_keys(module))}
+        super().__init__(name, module, by_key, on_forward)
         self.hook_input_calls()
 
     def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:

@@ -112,8 +112,7 @@ class MHACapture(HookedCapture):
         else:
             uses = {k: Use(f"{name}.{k}", module, "linear", k) for k in SEPARATE_USES}
         uses["out_proj"] = Use(f"{name}.out_proj.weight", module, "linear", "out_proj.weight")
-        super().__init__(name, module, list(uses.values()), on_forward)
-        self.by_key = uses
+        super().__init__(name, module, uses, on_forward)
         # per thread (the mode stack is thread-local), the modes the pre-hook pushed, one per open call
         self._modes: Dict[int, List[Optional[_LinearCalls]]] = {}
         self._warned = False

@@ -213,6 +213,11 @@ def _replay_order(state: torch.Tensor, unbatched: bool, sorted_idx: Optional[tor
     return state.index_select(1, sorted_idx) if sorted_idx is not None else state
 
 
+def _keys(module: nn.RNNBase) -> List[str]:
+    """The uses of a recurrent module, two per layer: ``ih_l{k}`` and ``hh_l{k}``."""
+    return [f"{side}_l{k}" for k in range(module.num_layers) for side in ("ih", "hh")]
+
+
 def layer_weights(module: nn.RNNBase, k: int) -> Weights:
     """Layer ``k``'s (w_ih, w_hh, b_ih, b_hh), detached (biases None without ``bias``)."""
     def get(name: str) -> Optional[torch.Tensor]:
@@ -230,10 +235,8 @@ class RNNCapture(HookedCapture):
     """
 
     def __init__(self, name: str, module: nn.RNNBase, on_forward=None):
-        self.keys = [f"{side}_l{k}" for k in range(module.num_layers) for side in ("ih", "hh")]
-        self.by_key: Dict[str, Use] = {key: Use(f"{name}.{key}", module, "linear", attr=f"weight_{key}")
-                                       for key in self.keys}
-        super().__init__(name, module, list(self.by_key.values()), on_forward)
+        super().__init__(name, module, {key: Use(f"{name}.{key}", module, "linear", attr=f"weight_{key}")
+                                        for key in _keys(module)}, on_forward)
         self._epoch = 0
         self.compiled_key()
         self.hook(module.register_forward_hook(self._forward_hook, with_kwargs=True))
@@ -252,43 +255,40 @@ class RNNCapture(HookedCapture):
         out_t = out.data if isinstance(out, PackedSequence) else out
         if not out_t.requires_grad or not any(p.requires_grad for p in module.parameters()):
             return None
+        x, hx = _call(args, kwargs)
+        h_n, c_n = _pair(state)
         if compiled.compiling():
-            return self._compiled_forward(args, kwargs, out, state)
+            return self._compiled_forward(x, hx, out, h_n, c_n)
         self.opened()  # also when disabled: the step's window opens here
         if not self._wanted():
             return
-        x, hx = _call(args, kwargs)
-        h_n, c_n = _pair(state)
-        saved = self._saved_call(module, x, *_pair(hx), out_t.dtype)  # (autocast: the replay's dtype too)
+        saved = self._saved_call(x, *_pair(hx), out_t.dtype)  # (autocast: the replay's dtype too)
         epoch = self._epoch
-        watched = [t for t in (out_t, h_n, c_n) if t is not None]
 
         def arrived(grads: Sequence[Optional[torch.Tensor]]) -> None:
             if epoch == self._epoch and not self.detached:
-                self._append(module, saved, *(list(grads) + [None])[:3])
+                self._append(saved, grads)
 
-        when_all_grads(watched, arrived)
+        when_all_grads([t for t in (out_t, h_n, c_n) if t is not None], arrived)
 
-    def _compiled_forward(self, args: tuple, kwargs: dict, out, state):
+    def _compiled_forward(self, x, hx, out, h_n, c_n):
         """The traced hook: the outputs wrapped so that their backward delivers the input, the
         initial states and every output's gradient at once (`compiled.tap`), for the replay. A
         ``PackedSequence`` (its batch sizes are data) is not captured: the first step's check
         routes its weights from their dense gradients."""
-        x, hx = _call(args, kwargs)
         if isinstance(x, PackedSequence):
             return None
-        h_n, c_n = _pair(state)
         outs = compiled.tap(self.compiled_key(), [x, *_pair(hx)], [t for t in (out, h_n, c_n) if t is not None])
         return outs[0], ((outs[1], outs[2]) if c_n is not None else outs[1])
 
     def _add_delivered(self, saved: list, grads: list) -> None:
         """A compiled call's input, initial states and outputs' gradients (in its backward)."""
-        call = self._saved_call(self.module, *saved, grads[0].dtype)
-        self._append(self.module, call, *(list(grads) + [None])[:3])
+        self._append(self._saved_call(*saved, grads[0].dtype), grads)
 
-    def _saved_call(self, module: nn.RNNBase, x, h0, c0, dtype: torch.dtype) -> dict:
+    def _saved_call(self, x, h0, c0, dtype: torch.dtype) -> dict:
         """The call in the replay's terms: time-major rows, batch sizes, initial states (L, B, H), and
         the ``dtype`` the module ran in (under autocast bf16/fp16: so does the replay)."""
+        module = self.module
         layers, hidden = module.num_layers, module.hidden_size
         sorted_idx = None
         if isinstance(x, PackedSequence):
@@ -306,26 +306,27 @@ class RNNCapture(HookedCapture):
                 "h0": states[0], "c0": states[1] if len(states) > 1 else None,
                 "weights": [layer_weights(module, k) for k in range(layers)]}
 
-    @staticmethod
-    def _time_major(module: nn.RNNBase, t: Optional[torch.Tensor], unbatched: bool) -> Optional[torch.Tensor]:
+    def _time_major(self, t: Optional[torch.Tensor], unbatched: bool) -> Optional[torch.Tensor]:
         """A (batch, steps, .) or (steps, batch, .) tensor as time-major rows (steps * batch, .)."""
         if t is None or unbatched:
             return t
-        return (t.transpose(0, 1) if module.batch_first else t).reshape(-1, t.shape[-1])
+        return (t.transpose(0, 1) if self.module.batch_first else t).reshape(-1, t.shape[-1])
 
-    def _append(self, module: nn.RNNBase, saved: dict, g_out, g_hn, g_cn) -> None:
+    def _append(self, saved: dict, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Replay one call (`_saved_call`) with its outputs' gradients, ``(out, h_n[, c_n])``."""
         if not self._wanted():
             return
+        g_out, g_hn, g_cn = (list(grads) + [None])[:3]
         sizes, sorted_idx, unbatched = saved["sizes"], saved["sorted"], saved["unbatched"]
         x = saved["rows"]
         if not saved["packed"]:  # input and output gradient as time-major rows
-            x, g_out = (self._time_major(module, t, unbatched) for t in (x, g_out))
+            x, g_out = (self._time_major(t, unbatched) for t in (x, g_out))
         # (the module returned the final states in the caller's order)
         finals = [None if g is None else _replay_order(g, unbatched, sorted_idx) for g in (g_hn, g_cn)]
         dt = saved["dtype"]
         weights = [tuple(w.to(dt) if w is not None else None for w in ws) for ws in saved["weights"]]
         c0 = saved["c0"].to(dt) if saved["c0"] is not None else None
-        rows = replay_rows(module.mode, weights, x.to(dt), saved["h0"].to(dt), c0, sizes,
+        rows = replay_rows(self.module.mode, weights, x.to(dt), saved["h0"].to(dt), c0, sizes,
                            g_out.detach() if g_out is not None else None,
                            *(g.detach() if g is not None else None for g in finals))
         for k, (g, x, g_hh, h_prev) in enumerate(rows):
@@ -366,10 +367,8 @@ class RNNKind(LayerKind):
 
     def claims(self, module: nn.Module) -> List[Claim]:
         out = []
-        for k in range(module.num_layers):
-            for side in ("ih", "hh"):
-                key = f"{side}_l{k}"
-                out.append(Claim(f"weight_{key}", uses=(key,)))
-                if module.bias:
-                    out.append(Claim(f"bias_{key}", uses=(key,), bias=True))
+        for key in _keys(module):
+            out.append(Claim(f"weight_{key}", uses=(key,)))
+            if module.bias:
+                out.append(Claim(f"bias_{key}", uses=(key,), bias=True))
         return out
