@@ -85,14 +85,9 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
 
 
 class DDPDriver(DDPSteps):
-    """Drives a `DADSynchronizer`'s steps from DDP's buckets instead of its own weight hooks.
-
-    Buckets come in the same order on every rank. A unit is ready when the buckets of its weight
-    and of all its biases have arrived (results go into those buckets, see `sink.BucketViewSink`);
-    the step runs on the synchroniser's worker thread, and the step's futures complete when it is
-    over. An all-dense step goes by DDP's buckets as they are (`on_native_bucket`). It is DDP's hook
-    state (pickling: the module doc); ``sync`` is None once loaded, until `before_forward` attaches one.
-    """
+    """Drives a `DADSynchronizer`'s steps from DDP's buckets instead of its own weight hooks (module
+    doc): a unit is ready when the buckets of its weight and all its biases are in. It is DDP's hook
+    state; ``sync`` is None once loaded, until `before_forward` attaches one."""
 
     def __init__(self, sync: Optional[DADSynchronizer], *, timeout: Optional[timedelta] = None,
                  own_aggregator: bool = False):

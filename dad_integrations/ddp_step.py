@@ -35,9 +35,8 @@ class DDPSteps:
                      last: bool, on_done: OnDone) -> bool:
         """One bucket of a native step on the wire (`Exchanger.start_native`: scaled before the sum,
         as DDP scales its own), the step's first bucket deciding whether it is one; returns whether
-        it was. The last bucket ends the step right here, on the autograd thread: every collective
-        of the step is issued by then and DDP waits for the buckets' futures next anyway; a hop to
-        dAD's worker thread would only add thread wake-ups and GIL hand-overs."""
+        it was. The last bucket ends the step right here, on the autograd thread (DDP waits for the
+        buckets' futures next anyway: a hop to dAD's worker would only add thread wake-ups)."""
         if window.native is None:
             window.native = [] if buffer is not None and self._native(window) else False
         if window.native is False:
@@ -63,12 +62,9 @@ class DDPSteps:
 
     def _park_hooks(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Before a training forward with no step open: a step whose every unit is sure to go dense
-        (`DADSynchronizer._bookless`, refreshed when a step ends) runs without the per-parameter
-        hooks (they would only note that backward reached each parameter: ~50 Python calls a step);
-        a step that needs them gets them back. Changed here, between steps and outside backward,
-        before every forward whose backward DDP reduces. A forward inside ``no_sync()`` opens the step's window now, as its backward's first hook
-        would: the step's span (route trials) starts at its first micro-step, and
-        `DADSynchronizer.load_state_dict` refuses to load between micro-steps."""
+        (`DADSynchronizer._bookless`) runs without the per-parameter hooks, which would only note
+        that backward reached each parameter; a step that needs them gets them back. A forward
+        inside ``no_sync()`` opens the step's window now, as its backward's first hook would."""
         sync = self.sync
         if sync._window is not None:  # a step is open (micro-steps): its hooks stay as they are
             return

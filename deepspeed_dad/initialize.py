@@ -71,13 +71,9 @@ def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
 
 def initialize_with_block(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], args: tuple,
                           kwargs: dict) -> Tuple[Any, Any, Any, Any]:
-    """What the wrapped ``deepspeed.initialize`` runs for a config that holds a ``"dad"`` block.
-
-    The block is validated first (a bad or unknown key raises, naming the block and the key).
-    With ``DAD_DEEPSPEED_HOOK=0`` and no `patch_deepspeed_initialize` an enabled block raises:
-    the config asks for dAD, the environment forbids attaching it, and training on with
-    DeepSpeed's all-reduce would ignore the block without a word.
-    """
+    """What the wrapped ``deepspeed.initialize`` runs for a config that holds a ``"dad"`` block, as
+    `initialize` does; under the opt-out (``DAD_DEEPSPEED_HOOK=0``, no `patch_deepspeed_initialize`)
+    an enabled block raises rather than be ignored without a word."""
     return _initialize_with(ds_initialize, True, *args, **kwargs)
 
 
