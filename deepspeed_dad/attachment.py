@@ -1,12 +1,7 @@
-"""What both attachments share (`deepspeed_dad.engine.DeepSpeedDAD` for ZeRO 0/1,
-`deepspeed_dad.zero.ZeroDAD` for ZeRO-2/3): where the attachment lives on the engine, the engine
-methods it shadows, and dAD's per-rank state inside DeepSpeed checkpoints.
-
-The engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped so that every rank writes its own
-dAD state (its synchroniser's ``state_dict``: warm starts, error-feedback residuals, ...) into the
-checkpoint's tag folder, next to DeepSpeed's files, as ``dad_state_rank{r}.pt``, and reads it back.
-Accelerate's ``save_state`` / ``load_state`` and the Hugging Face ``Trainer`` go through these
-methods under DeepSpeed, so they carry it as well.
+"""What both attachments share (`engine.DeepSpeedDAD` for ZeRO 0/1, `zero.ZeroDAD` for ZeRO-2/3):
+taking the engine, where the attachment lives on it, the methods it shadows, and dAD's per-rank
+state inside DeepSpeed checkpoints: the wrapped ``save_checkpoint`` / ``load_checkpoint`` write and
+read each rank's ``dad_state_rank{r}.pt`` in the tag folder (``docs/checkpoints.md``, "DeepSpeed").
 """
 from __future__ import annotations
 
@@ -54,7 +49,7 @@ class RankStateCheckpoints:
     synchronizer: Any
     _originals: Dict[str, Callable]
 
-    def _take(self, engine: Any, config: DADConfig, sharded: Any = None) -> Tuple[int, DADConfig]:
+    def _take(self, engine: Any, config: DADConfig, sharded: bool = False) -> Tuple[int, DADConfig]:
         """Check ``engine`` (`checks.check_engine`; ``sharded``: ZeRO-2/3's own checks), then hold it,
         its stage and dAD's aggregator (a new group); returns the world size and the config."""
         world, config = check_engine(engine, config, sharded)

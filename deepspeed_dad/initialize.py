@@ -24,12 +24,6 @@ log = logging.getLogger(__name__)
 _explicit = False  # patch_deepspeed_initialize was called: the opt-out does not apply
 
 
-def _deepspeed_initialize() -> Callable[..., Tuple[Any, Any, Any, Any]]:
-    """DeepSpeed's own ``initialize``, even while `patch_deepspeed_initialize` is in effect."""
-    import deepspeed
-    return getattr(deepspeed.initialize, hook.ORIGINAL, deepspeed.initialize)
-
-
 def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], by_hook: bool,
                      *args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
@@ -66,7 +60,9 @@ def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     without the block, builds the engine and attaches dAD to it (`deepspeed_dad.attach`).
     Without a block, or with ``"enabled": false``, the engine keeps DeepSpeed's all-reduce.
     """
-    return _initialize_with(_deepspeed_initialize(), False, *args, **kwargs)
+    import deepspeed
+    # DeepSpeed's own ``initialize``, even while `patch_deepspeed_initialize` is in effect
+    return _initialize_with(getattr(deepspeed.initialize, hook.ORIGINAL, deepspeed.initialize), False, *args, **kwargs)
 
 
 def initialize_with_block(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], args: tuple,

@@ -33,40 +33,6 @@ from .attachment import ATTR, RankStateCheckpoints, shadow
 log = logging.getLogger(__name__)
 
 
-def check_zero(engine: Any, config: DADConfig) -> List[str]:
-    """What dAD cannot honour under ZeRO-2/3 (each problem names its setting); [] when fine."""
-    stage = int(engine.zero_optimization_stage())
-    zc = engine._config.zero_config
-    opt = engine.optimizer
-    problems: List[str] = []
-    if config.adaptive_tolerance is not None:
-        problems.append(f"dad.adaptive_tolerance is not supported under ZeRO-{stage} (ranks are padded to 'rank' "
-                        f"so that no count exchange is needed); remove it")
-    for name, setting in (("offload_optimizer", zc.offload_optimizer), ("offload_param", zc.offload_param)):
-        device = getattr(setting, "device", None)
-        if setting is not None and str(getattr(device, "value", device)) != "none":
-            problems.append(f"zero_optimization.{name} (device {getattr(device, 'value', device)}) is not supported "
-                            f"with dAD under ZeRO-{stage}: the offloaded reduction path is not replaced; remove it")
-    for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
-        if getattr(zc, key, False):
-            problems.append(f"ZeRO++ zero_optimization.{key}=true is not supported with dAD (ZeRO++ quantizes and "
-                            f"reduces gradients with its own all-to-all); set it to false")
-    # hpZ (zero_hpz_partition_size) is accepted: it keeps a secondary copy of the parameters inside
-    # a node for backward's all-gather; gradients still reduce-scatter over the whole group into
-    # the same partitions (checked on the simulated 2x2 cluster, tests/test_multinode.py)
-    if opt is not None and stage == 2:
-        if getattr(opt, "use_grad_accum_attribute", False) or (
-                getattr(opt, "gradient_accumulation_dtype", opt.dtype) != opt.dtype):
-            problems.append("data_types.grad_accum_dtype different from the parameters' dtype is not supported with "
-                            "dAD under ZeRO-2 (gradients are reduced into separate fp32 partition buffers); "
-                            "remove data_types.grad_accum_dtype")
-    inner = getattr(opt, "optimizer", None)
-    if inner is not None and "Muon" in type(inner).__name__:
-        problems.append("the Muon optimizer needs whole gradients on several ranks; not supported with dAD under "
-                        "ZeRO-2/3")
-    return problems
-
-
 class ZeroDAD(RankStateCheckpoints, ShardedFacade):
     """dAD attached to one ZeRO-2/3 engine; made by `deepspeed_dad.attach`.
 
@@ -77,7 +43,7 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
 
     def __init__(self, engine: Any, config: DADConfig):
         from .zero_seams import Zero2Seam, Zero3Seam
-        world_size, config = self._take(engine, config, check_zero)
+        world_size, config = self._take(engine, config, sharded=True)
         self.config = config
         self._world = world_size
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
