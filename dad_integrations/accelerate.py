@@ -147,13 +147,9 @@ def _enable_on_fsdp(accelerator, model: nn.Module, config: Union[DADConfig, Mapp
 
 
 def _checkpoint_with_accelerator(accelerator, wrapper: nn.Module, sync) -> None:
-    """Save and load ``sync``'s per-rank state with ``accelerator.save_state`` / ``load_state``.
-
-    Their pre-hooks run on every process (``register_for_checkpointing`` objects are written by
-    the main process only, which would keep rank 0's state alone). The hooks hold the model (the
-    DDP wrapper, or the FSDP2 model) and the synchroniser weakly and are removed with the
-    synchroniser.
-    """
+    """Save and load ``sync``'s per-rank state with ``accelerator.save_state`` / ``load_state``, by
+    pre-hooks run on every process (``docs/checkpoints.md``), holding the model (the DDP wrapper, or
+    the FSDP2 model) and the synchroniser weakly, removed with the synchroniser."""
     sync_ref, ddp_ref = weakref.ref(sync), weakref.ref(wrapper)
 
     def index_in(models: List[nn.Module]) -> Optional[int]:

@@ -85,14 +85,9 @@ def register_dad_comm_hook(ddp: nn.parallel.DistributedDataParallel,
 
 
 class DDPDriver(DDPSteps):
-    """Drives a `DADSynchronizer`'s steps from DDP's buckets instead of its own weight hooks.
-
-    Buckets come in the same order on every rank. A unit is ready when the buckets of its weight
-    and of all its biases have arrived (results go into those buckets, see `sink.BucketViewSink`);
-    the step runs on the synchroniser's worker thread, and the step's futures complete when it is
-    over. An all-dense step goes by DDP's buckets as they are (`on_native_bucket`). It is DDP's hook
-    state (pickling: the module doc); ``sync`` is None once loaded, until `before_forward` attaches one.
-    """
+    """Drives a `DADSynchronizer`'s steps from DDP's buckets instead of its own weight hooks (module
+    doc): a unit is ready when the buckets of its weight and all its biases are in. It is DDP's hook
+    state; ``sync`` is None once loaded, until `before_forward` attaches one."""
 
     def __init__(self, sync: Optional[DADSynchronizer], *, timeout: Optional[timedelta] = None,
                  own_aggregator: bool = False):
@@ -142,13 +137,11 @@ class DDPDriver(DDPSteps):
         _DRIVERS[ddp.module] = self
         ddp.register_comm_hook(self, _dad_comm_hook)
 
-    def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool,
-                  on_done: OnDone, buffer: Optional[torch.Tensor] = None) -> None:
-        """DDP handed over a bucket of finished local gradients; results are written into ``views``."""
+    def on_bucket(self, params: List[torch.Tensor], views: List[torch.Tensor], last: bool, on_done: OnDone) -> None:
+        """DDP handed over a bucket of finished local gradients (not a native step's, `on_native_bucket`);
+        results are written into ``views``."""
         sync = self._live_sync()
         window = sync._current_window()
-        if self._take_native(window, buffer, lambda: params, last, on_done):  # views are not used
-            return
         if not window.sink.views and self._joined():  # the step's first bucket, shadowed by join
             window.sink.shadow = True
             for c in sync._plan.captures:  # rows of no_sync micro-steps before joining: DDP sends zeros
@@ -199,6 +192,6 @@ def _dad_comm_hook(driver: DDPDriver, bucket: dist.GradBucket) -> torch.futures.
     for p in params:  # the bucket holds its parameters' gradients flattened, in this order
         views.append(buffer[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
-    driver.on_bucket(params, views, bucket.is_last(), done, buffer)
+    driver.on_bucket(params, views, bucket.is_last(), done)
     return future
 

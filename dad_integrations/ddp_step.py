@@ -8,7 +8,7 @@ The base of `ddp_hook.DDPDriver`, which holds the state these methods read.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,28 +25,21 @@ class DDPSteps:
 
     def on_native_bucket(self, bucket: dist.GradBucket, on_done: OnDone) -> bool:
         """If this step goes by DDP's buckets as they are (`_native`, decided at its first bucket):
-        put ``bucket`` on the wire now and, at the last bucket, end the step; returns whether it
-        did (False: the per-parameter path, `on_bucket`). Asked before the bucket's per-parameter
-        views are cut: a native step needs none."""
-        window = self._live_sync()._current_window()
-        return self._take_native(window, bucket.buffer(), bucket.parameters, bucket.is_last(), on_done)
-
-    def _take_native(self, window, buffer: Optional[torch.Tensor], params: Callable[[], List[torch.Tensor]],
-                     last: bool, on_done: OnDone) -> bool:
-        """One bucket of a native step on the wire (`Exchanger.start_native`: scaled before the sum,
-        as DDP scales its own), the step's first bucket deciding whether it is one; returns whether
-        it was. The last bucket ends the step right here, on the autograd thread: every collective
-        of the step is issued by then and DDP waits for the buckets' futures next anyway; a hop to
-        dAD's worker thread would only add thread wake-ups and GIL hand-overs."""
+        put ``bucket`` on the wire now (`Exchanger.start_native`: scaled before the sum, as DDP
+        scales its own) and, at the last bucket, end the step right here, on the autograd thread
+        (DDP waits for the buckets' futures next anyway: a hop to dAD's worker would only add thread
+        wake-ups); returns whether it did (False: the per-parameter path, `on_bucket`). Asked before
+        the bucket's per-parameter views are cut: a native step needs none."""
+        sync = self._live_sync()
+        window = sync._current_window()
         if window.native is None:
-            window.native = [] if buffer is not None and self._native(window) else False
+            window.native = [] if self._native(window) else False
         if window.native is False:
             return False
-        sync = self.sync
         with window.lock:
-            window.native.append(sync._exchanger.start_native(buffer, sync.scale) + (params(),))
+            window.native.append(sync._exchanger.start_native(bucket.buffer(), sync.scale) + (bucket.parameters(),))
             window.done.append(on_done)
-        if last:
+        if bucket.is_last():
             self._run_step(window, inline=True)
         return True
 
@@ -63,12 +56,9 @@ class DDPSteps:
 
     def _park_hooks(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Before a training forward with no step open: a step whose every unit is sure to go dense
-        (`DADSynchronizer._bookless`, refreshed when a step ends) runs without the per-parameter
-        hooks (they would only note that backward reached each parameter: ~50 Python calls a step);
-        a step that needs them gets them back. Changed here, between steps and outside backward,
-        before every forward whose backward DDP reduces. A forward inside ``no_sync()`` opens the step's window now, as its backward's first hook
-        would: the step's span (route trials) starts at its first micro-step, and
-        `DADSynchronizer.load_state_dict` refuses to load between micro-steps."""
+        (`DADSynchronizer._bookless`) runs without the per-parameter hooks, which would only note
+        that backward reached each parameter; a step that needs them gets them back. A forward
+        inside ``no_sync()`` opens the step's window now, as its backward's first hook would."""
         sync = self.sync
         if sync._window is not None:  # a step is open (micro-steps): its hooks stay as they are
             return
@@ -106,10 +96,9 @@ class DDPSteps:
         return self._join_config() is not None and not in_backward()
 
     def _join_postscale(self, window) -> Tuple[Optional[float], Optional[ParamReport]]:
-        """In a DDP that has entered ``join``: the step's postscale (DDP's divisor: the ranks still
-        training with ``divide_by_initial_world_size=False``, else None for all ranks), having
-        set the window's prior scale; the traffic of counting those ranks (every rank, joined or
-        not, runs that collective in the step). Elsewhere (None, None)."""
+        """In a DDP that has entered ``join`` (`ddp_hook`'s module doc, "Uneven inputs"): the step's
+        postscale, having set the window's prior scale, and the traffic of counting the ranks still
+        training. Elsewhere (None, None)."""
         if self._join_config() is None:
             return None, None
         sync = self.sync

@@ -41,12 +41,8 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
     built as torch builds it, with ``timeout`` (torch's default for ``backend`` when None) on the
     store too, inside a ``PrefixStore`` of the restart attempt (and world size). Anywhere else, or
     given a ``store`` or another ``init_method``, it is torch's call unchanged. Other keyword
-    arguments (``device_id``, ``pg_options``, ...) pass through.
-
-    Every node's agent must count the same restarts (it does when a node is lost: every surviving
-    node's workers fail and restart). A node joining later starts at count 0 while the others do
-    not; for jobs that grow back, run torchrun with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a
-    fresh store per attempt, and then this is torch's call).
+    arguments (``device_id``, ``pg_options``, ...) pass through. Jobs whose nodes join later:
+    ``docs/checkpoints.md``, "Elastic restarts across nodes".
     """
     global _group
     attempt = restart_attempt()

@@ -10,7 +10,7 @@
 
 FSDP2 hands each parameter group's flat, rank-chunked gradient buffers to a ``ReduceScatter``
 (`FSDPModule.set_custom_reduce_scatter`). `fsdp_seams.DADReduceScatter` turns each call into a
-row-shard layout's call (`exchange.row_shards`) over FSDP's engine part (`fsdp_calls`) for
+row-shard layout's call (`exchange.row_shards`) over FSDP's engine part (`FSDPEngineCall`) for
 `exchange.sharded.ShardedExchanger`, which routes, checks and keeps the rank routes' state.
 Here is only FSDP's side of it (its internals in `fsdp_seams`; layout, scaling, call order, the
 committed-rows trap and the limits in ``docs/internals/fsdp2_notes.md``): its groups and the
@@ -19,17 +19,15 @@ parameters each call reduces, its scaling, and its own reduce-scatter for the re
 A step runs from the root's forward (a route trial's span) to a callback queued on autograd's
 engine at the step's first reduce-scatter, after FSDP's own final callback: the ranks agree there.
 Rows are sent only once autograd has added them to the unsharded gradient (`capture.committed`).
-No-sync micro-steps need nothing: the hook is not called, the captures keep their rows. Under HSDP
-(a 2-D ``("replicate", "shard")`` mesh) FSDP keeps the reduce-scatter inside the node and dAD takes
-the all-reduce between nodes (`exchange.replicate_hop`), a `ReplicateHopCall` through the same exchanger.
-What dAD cannot take falls back to FSDP's own reduce-scatter, logged once; an adaptive rank
-(``adaptive_tolerance``) is refused, and so is FSDP1 (`engines.fsdp_detect`).
+Under HSDP (a 2-D ``("replicate", "shard")`` mesh) FSDP keeps the reduce-scatter inside the node
+and dAD takes the all-reduce between nodes (`exchange.replicate_hop`). What dAD cannot take falls
+back to FSDP's own reduce-scatter, logged once; ``adaptive_tolerance`` and FSDP1 are refused.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Dict, Mapping, Optional, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -49,8 +47,7 @@ from dad_integrations.engines.fsdp_detect import reject_fsdp1
 from dad_integrations.logs import OnceLogger
 from dad_integrations.exchange.replicate_hop import ReplicateGroups, ReplicateHopCall
 from dad_integrations.exchange.row_shards import RowShardCall
-from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
-from dad_integrations.fsdp_calls import FSDPEngineCall
+from dad_integrations.exchange.sharded import EngineCall, ShardedExchanger, ShardedFacade
 from dad_integrations.fsdp_seams import DADReduceScatter
 from dad_integrations.report import ShardedParamReport, ShardedStepReport
 from dad_integrations.routes import layouts
@@ -223,6 +220,28 @@ class FSDPDADSynchronizer(ShardedFacade):
         end, self._trial_end = self._trial_end, None
         if end is not None:  # not inside a backward: this call is the step
             end()
+
+
+class FSDPEngineCall(EngineCall):
+    """One reduce-scatter call's engine part (`exchange.sharded.EngineCall`), from ``sync``: its
+    units, their committed rows, the step's end, and FSDP's reduce-scatter over ``group`` by ``op``
+    (under HSDP: inside the node, a sum)."""
+
+    def __init__(self, sync: Any, slots: list, group: dist.ProcessGroup, op):
+        super().__init__([u for u in (sync._unit_of.get(id(s.param)) for s in slots) if u is not None])
+        self.sync, self.group, self.op = sync, group, op
+
+    def take_pairs(self, unit: FactorUnit, use) -> list:
+        return self.sync._committed.take(use)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        dist.reduce_scatter_tensor(out, inp, op=self.op, group=self.group)
+
+    def at_step_end(self, end: Callable[[], None]) -> None:
+        if torch._C._current_graph_task_id() < 0:
+            end()  # not inside a backward: this call is the step
+        else:       # after every group's reduce-scatter, FSDP's final callback included
+            Variable._execution_engine.queue_callback(end)
 
 
 def hsdp_config(config: DADConfig) -> DADConfig:

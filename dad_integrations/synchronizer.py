@@ -7,16 +7,11 @@ Usage, in an ordinary training loop::
     sync.synchronize()        # every param.grad now holds the average over ranks, as DDP gives
     optimizer.step()
 
-How a step runs (``docs/concepts/step.md``): the step's `exchange.window.StepWindow` opens when
-backward first reaches a synchronised parameter, keeping what ``.grad`` held (the prior); a unit is
-ready when autograd has finished its weight and biases, and the `exchange.Exchanger` exchanges it on
-a background thread (`worker`); `synchronize()` releases units that never got a gradient and waits.
-Results land in the step's sink (`.grad`, or DDP's buckets through `ddp_hook`). A unit sure to go
-dense in a step skips the window's bookkeeping in its hooks: it needs no prior and no marks.
-
-This class is the facade over those pieces: it wires the hooks (`synchronizer_hooks`), holds the
-step's lifecycle (open, dispatch, finish: `synchronizer_step`), and carries what survives a
-checkpoint (`state_dict`: the rank routes' state, `codecs.route_state`, and the units' flags).
+How a step runs: ``docs/concepts/step.md``. Backward opens the step's `exchange.window.StepWindow`
+(keeping what ``.grad`` held); the `exchange.Exchanger` exchanges each unit on a background thread
+once autograd has finished its weight and biases, into the step's sink (`.grad`, or DDP's buckets).
+This class is the facade: it wires the hooks (`synchronizer_hooks`), holds the step's lifecycle
+(`synchronizer_step`), and carries what survives a checkpoint (`state_dict`).
 """
 from __future__ import annotations
 

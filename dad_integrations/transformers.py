@@ -159,10 +159,9 @@ def _wrapper_of(model: Optional[nn.Module]) -> tuple[Any, Optional[EngineAdapter
 def _resume_checkpoint(args, state) -> Optional[str]:
     """The checkpoint folder ``trainer.train(resume_from_checkpoint=...)`` resumes from, or None.
 
-    Callbacks are not told it. ``_inner_training_loop``, which calls ``on_train_begin``, holds it
-    as its argument, so it is read from that frame; should a Trainer version not have that frame,
-    a resumed state (``global_step > 0`` at train begin: a fresh ``train()`` starts at 0) points
-    to the Trainer's own naming, ``output_dir/checkpoint-{global_step}``.
+    Callbacks are not told it: it is read from the frame of ``_inner_training_loop`` (which calls
+    ``on_train_begin``); without that frame a resumed state (``global_step > 0`` at train begin)
+    points to the Trainer's own naming, ``output_dir/checkpoint-{global_step}``.
     """
     frame = sys._getframe(1)
     while frame is not None:

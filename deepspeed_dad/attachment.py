@@ -1,20 +1,19 @@
-"""What both attachments share (`deepspeed_dad.engine.DeepSpeedDAD` for ZeRO 0/1,
-`deepspeed_dad.zero.ZeroDAD` for ZeRO-2/3): where the attachment lives on the engine, the engine
-methods it shadows, and dAD's per-rank state inside DeepSpeed checkpoints.
-
-The engine's ``save_checkpoint`` / ``load_checkpoint`` are wrapped so that every rank writes its own
-dAD state (its synchroniser's ``state_dict``: warm starts, error-feedback residuals, ...) into the
-checkpoint's tag folder, next to DeepSpeed's files, as ``dad_state_rank{r}.pt``, and reads it back.
-Accelerate's ``save_state`` / ``load_state`` and the Hugging Face ``Trainer`` go through these
-methods under DeepSpeed, so they carry it as well.
+"""What both attachments share (`engine.DeepSpeedDAD` for ZeRO 0/1, `zero.ZeroDAD` for ZeRO-2/3):
+taking the engine, where the attachment lives on it, the methods it shadows, and dAD's per-rank
+state inside DeepSpeed checkpoints: the wrapped ``save_checkpoint`` / ``load_checkpoint`` write and
+read each rank's ``dad_state_rank{r}.pt`` in the tag folder (``docs/checkpoints.md``, "DeepSpeed").
 """
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from dad_integrations import DADConfig
 from dad_integrations.engines.checkpoint import load_rank_state, save_rank_state
+
+from .aggregator import DeepSpeedAggregator
+from .checks import check_engine
 
 ATTR = "_dad_attachment"  # where the attachment lives on the engine
 
@@ -27,25 +26,41 @@ def get_attachment(engine: Any) -> Optional[Any]:
     return getattr(engine, ATTR, None)
 
 
+def shadow(obj: Any, methods: Mapping[str, Callable], originals: Dict[str, Callable]) -> None:
+    """Shadow ``obj``'s methods by instance attributes (this object only), noting each original."""
+    for name, replacement in methods.items():
+        originals[name] = getattr(obj, name)
+        setattr(obj, name, replacement)
+
+
+def unshadow(obj: Any, originals: Dict[str, Callable]) -> None:
+    """Give ``obj`` back the methods `shadow` shadowed."""
+    for name in originals:
+        obj.__dict__.pop(name, None)
+    originals.clear()
+
+
 class RankStateCheckpoints:
-    """Base of both attachments: needs ``engine``, ``aggregator`` and ``synchronizer`` (with
-    ``state_dict`` / ``load_state_dict``)."""
+    """Base of both attachments: takes the engine (`_take`), shadows its methods, and carries
+    ``synchronizer``'s ``state_dict`` in its checkpoints."""
 
     engine: Any
     aggregator: Any
     synchronizer: Any
     _originals: Dict[str, Callable]
 
-    def _patch(self, name: str, replacement: Callable) -> None:
-        # an instance attribute shadows the class method for this engine only; _restore_engine() deletes it
-        self._originals[name] = getattr(self.engine, name)
-        setattr(self.engine, name, replacement)
+    def _take(self, engine: Any, config: DADConfig, sharded: bool = False) -> Tuple[int, DADConfig]:
+        """Check ``engine`` (`checks.check_engine`; ``sharded``: ZeRO-2/3's own checks), then hold it,
+        its stage and dAD's aggregator (a new group); returns the world size and the config."""
+        world, config = check_engine(engine, config, sharded)
+        self.engine, self.zero_stage = engine, int(engine.zero_optimization_stage())
+        self.aggregator = DeepSpeedAggregator()
+        self._originals = {}
+        return world, config
 
     def _restore_engine(self) -> None:
         """Give the engine its own methods back and forget this attachment."""
-        for name in self._originals:
-            self.engine.__dict__.pop(name, None)
-        self._originals.clear()
+        unshadow(self.engine, self._originals)
         if getattr(self.engine, ATTR, None) is self:
             delattr(self.engine, ATTR)
 
@@ -93,5 +108,4 @@ class RankStateCheckpoints:
             return result
 
         save_checkpoint.__doc__, load_checkpoint.__doc__ = save.__doc__, load.__doc__
-        self._patch("save_checkpoint", save_checkpoint)
-        self._patch("load_checkpoint", load_checkpoint)
+        shadow(self.engine, {"save_checkpoint": save_checkpoint, "load_checkpoint": load_checkpoint}, self._originals)

@@ -1,13 +1,13 @@
 """What a DeepSpeed engine must be for dAD to take over its reduction, and how it scales and types it.
 
-Read from the engine before attaching (both `deepspeed_dad.engine` and `deepspeed_dad.zero` use
-them): the settings dAD cannot honour are rejected with a reason, the reduction's scaling
-(`reduction_scales`) and wire dtype are DeepSpeed's own.
+Read from the engine before attaching (`deepspeed_dad.engine`, and `deepspeed_dad.zero` with
+ZeRO-2/3's own problems): the settings dAD cannot honour are rejected with a reason, the
+reduction's scaling (`reduction_scales`) and wire dtype are DeepSpeed's own.
 """
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -64,19 +64,17 @@ def wire_dtype(engine: Any, config: DADConfig) -> Optional[str]:
     return name
 
 
-def check_engine(engine: Any, config: DADConfig,
-                 sharded: Optional[Callable[[Any, DADConfig], List[str]]] = None) -> Tuple[int, DADConfig]:
+def check_engine(engine: Any, config: DADConfig, sharded: bool = False) -> Tuple[int, DADConfig]:
     """Reject what dAD cannot honour; returns the data-parallel world size and ``config`` with its
-    `wire_dtype`. ``sharded``: ZeRO-2/3's own problems (`deepspeed_dad.zero.check_zero`), for an
-    engine of those stages."""
+    `wire_dtype`. ``sharded``: for `deepspeed_dad.zero` (ZeRO-2/3, with their own problems)."""
     from deepspeed import comm as dist
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     if not is_engine(engine):
         raise TypeError(f"attach() needs a deepspeed.DeepSpeedEngine, got {type(engine).__name__}")
-    problems: List[str] = [] if sharded is None else sharded(engine, config)
     stage = int(engine.zero_optimization_stage())
-    if stage not in (0, 1) and sharded is None:
+    problems = _zero_problems(engine, config, stage) if sharded else []
+    if stage not in (0, 1) and not sharded:
         problems.append(f"ZeRO stage {stage} is attached by deepspeed_dad.zero, not here")
     if engine.optimizer is None:
         problems.append("the engine has no optimizer (dAD synchronises training gradients)")
@@ -120,3 +118,36 @@ def check_engine(engine: Any, config: DADConfig,
     if wire != config.wire_dtype:
         config = DADConfig.from_dict({**config.to_dict(), "wire_dtype": wire})
     return world, config
+
+
+def _zero_problems(engine: Any, config: DADConfig, stage: int) -> List[str]:
+    """What dAD cannot honour under ZeRO-2/3 (each problem names its setting); [] when fine."""
+    zc = engine._config.zero_config
+    opt = engine.optimizer
+    problems: List[str] = []
+    if config.adaptive_tolerance is not None:
+        problems.append(f"dad.adaptive_tolerance is not supported under ZeRO-{stage} (ranks are padded to 'rank' "
+                        f"so that no count exchange is needed); remove it")
+    for name, setting in (("offload_optimizer", zc.offload_optimizer), ("offload_param", zc.offload_param)):
+        device = getattr(setting, "device", None)
+        if setting is not None and str(getattr(device, "value", device)) != "none":
+            problems.append(f"zero_optimization.{name} (device {getattr(device, 'value', device)}) is not supported "
+                            f"with dAD under ZeRO-{stage}: the offloaded reduction path is not replaced; remove it")
+    for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        if getattr(zc, key, False):
+            problems.append(f"ZeRO++ zero_optimization.{key}=true is not supported with dAD (ZeRO++ quantizes and "
+                            f"reduces gradients with its own all-to-all); set it to false")
+    # hpZ (zero_hpz_partition_size) is accepted: it keeps a secondary copy of the parameters inside
+    # a node for backward's all-gather; gradients still reduce-scatter over the whole group into
+    # the same partitions (checked on the simulated 2x2 cluster, tests/test_multinode.py)
+    if opt is not None and stage == 2:
+        if getattr(opt, "use_grad_accum_attribute", False) or (
+                getattr(opt, "gradient_accumulation_dtype", opt.dtype) != opt.dtype):
+            problems.append("data_types.grad_accum_dtype different from the parameters' dtype is not supported with "
+                            "dAD under ZeRO-2 (gradients are reduced into separate fp32 partition buffers); "
+                            "remove data_types.grad_accum_dtype")
+    inner = getattr(opt, "optimizer", None)
+    if inner is not None and "Muon" in type(inner).__name__:
+        problems.append("the Muon optimizer needs whole gradients on several ranks; not supported with dAD under "
+                        "ZeRO-2/3")
+    return problems

@@ -1,26 +1,20 @@
-"""Attach dAD to a DeepSpeed engine, in place of the engine's own gradient all-reduce.
+"""Attach dAD to a DeepSpeed engine (ZeRO 0 and 1), in place of the engine's gradient all-reduce.
 
-How it replaces the all-reduce. A DeepSpeed engine reduces gradients in
-``engine.allreduce_gradients()``, which ``engine.backward()`` calls (through
-``_backward_epilogue``) after autograd has finished, only at gradient-accumulation boundaries for
-ZeRO stages 0 and 1. `attach` swaps that method, on this engine only, for one that:
+``engine.backward()`` reduces gradients in ``engine.allreduce_gradients()``, after autograd, at
+gradient-accumulation boundaries only. `attach` swaps that method, on this engine only, for one
+that waits for dAD (`DADSynchronizer.synchronize`, whose exchanges started during backward) and,
+for ZeRO 1, lets the ZeRO optimizer copy each rank's partition out of the reduced gradients with
+no collective (`_reduction_without_communication`). Off a boundary the backward runs inside the
+synchroniser's ``no_sync()``: every micro-step's factors are sent once, at the boundary.
 
-* at a boundary, waits for dAD (`DADSynchronizer.synchronize`, whose exchanges started during
-  backward), so that every ``param.grad`` holds the reduced gradient on every rank; then, for
-  ZeRO stage 1, lets the ZeRO optimizer copy each rank's partition out of those gradients with its
-  reduction turned into the identity (no collective runs: the gradients are already reduced);
-* off a boundary, does nothing, as DeepSpeed does: the backward of such a micro-step runs inside
-  the synchroniser's ``no_sync()``, so the factors of every micro-step are kept and sent once.
-
-Everything after the reduction stays DeepSpeed's own (``docs/guides/deepspeed.md``). Checkpoints:
-`deepspeed_dad.attachment`; what the engine must be, its scaling and wire dtype: `deepspeed_dad.checks`;
-ZeRO stages 2 and 3, which reduce-scatter inside backward hooks: `deepspeed_dad.zero` (`attach` picks).
+What stays DeepSpeed's: ``docs/guides/deepspeed.md``. Checkpoints: `deepspeed_dad.attachment`; the
+engine's checks, scaling and wire dtype: `deepspeed_dad.checks`; ZeRO-2/3: `deepspeed_dad.zero`.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Mapping, Optional, Union
 
 import torch
 
@@ -28,9 +22,8 @@ from dad_integrations import DADConfig, DADSynchronizer, StepReport
 from dad_integrations.engines import banner
 from dad_integrations.logs import process_rank
 
-from .aggregator import DeepSpeedAggregator
-from .attachment import ATTR, RankStateCheckpoints
-from .checks import check_engine, reduction_scales
+from .attachment import ATTR, RankStateCheckpoints, shadow
+from .checks import reduction_scales
 from .config import DADBlock, parse_block
 
 if TYPE_CHECKING:
@@ -49,12 +42,9 @@ class DeepSpeedDAD(RankStateCheckpoints):
     """
 
     def __init__(self, engine: Any, config: DADConfig):
-        self.engine = engine
-        stage = int(engine.zero_optimization_stage())
-        self.zero_stage = stage
-        world, config = check_engine(engine, config)
+        world, config = self._take(engine, config)
+        stage = self.zero_stage
         prescale, postscale = reduction_scales(engine, world)
-        self.aggregator = DeepSpeedAggregator()
         # DeepSpeed broadcast rank 0's parameters when it built the engine
         with banner.engine(f"DeepSpeed ZeRO-{stage}"):
             self.synchronizer = DADSynchronizer(engine.module, self.aggregator, config,
@@ -62,12 +52,12 @@ class DeepSpeedDAD(RankStateCheckpoints):
                                                 broadcast_parameters=False)
         self.config = self.synchronizer.config
         self._accumulating: Optional[contextlib.AbstractContextManager] = None
-        self._originals: Dict[str, Callable] = {}
-        self._patch("allreduce_gradients", self._allreduce_gradients)
-        self._patch("backward", self._around(engine.backward, begin=True, end=True))
         # ZeRO engines also run a plain ``loss.backward()`` through hooks that call the prologue
-        self._patch("_backward_prologue", self._around(engine._backward_prologue, begin=True, end=False))
-        self._patch("_backward_epilogue", self._around(engine._backward_epilogue, begin=False, end=True))
+        shadow(engine, {"allreduce_gradients": self._allreduce_gradients,
+                        "backward": self._around(engine.backward, begin=True, end=True),
+                        "_backward_prologue": self._around(engine._backward_prologue, begin=True, end=False),
+                        "_backward_epilogue": self._around(engine._backward_epilogue, begin=False, end=True)},
+               self._originals)
         self._patch_checkpoints()
         setattr(engine, ATTR, self)
         if self.aggregator.rank == 0:

@@ -7,9 +7,8 @@ DeepSpeed although the core never imports this package.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
-from dad_integrations import DADSynchronizer
 from dad_integrations.engines.registry import register_engine
 
 from .attachment import get_attachment
@@ -18,14 +17,12 @@ from .engine import attach
 
 
 def register() -> None:
-    """Register the ``"deepspeed"`` engine adapter (idempotent)."""
-    register_engine("deepspeed", is_engine=is_engine, find=lambda engine: _synchronizer(get_attachment(engine)),
-                    attach=lambda engine, config: _synchronizer(attach(engine, config)),
+    """Register the ``"deepspeed"`` engine adapter (idempotent); the core sees each attachment's
+    synchronizer (None where there is no attachment)."""
+    register_engine("deepspeed", is_engine=is_engine,
+                    find=lambda engine: getattr(get_attachment(engine), "synchronizer", None),
+                    attach=lambda engine, config: getattr(attach(engine, config), "synchronizer", None),
                     load_checkpoint_state=_load_checkpoint_state)
-
-
-def _synchronizer(attachment: Any) -> Optional[DADSynchronizer]:
-    return None if attachment is None else attachment.synchronizer
 
 
 def _load_checkpoint_state(engine: Any, checkpoint_dir: str) -> bool:

@@ -24,12 +24,6 @@ log = logging.getLogger(__name__)
 _explicit = False  # patch_deepspeed_initialize was called: the opt-out does not apply
 
 
-def _deepspeed_initialize() -> Callable[..., Tuple[Any, Any, Any, Any]]:
-    """DeepSpeed's own ``initialize``, even while `patch_deepspeed_initialize` is in effect."""
-    import deepspeed
-    return getattr(deepspeed.initialize, hook.ORIGINAL, deepspeed.initialize)
-
-
 def _initialize_with(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], by_hook: bool,
                      *args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     bound = inspect.signature(ds_initialize).bind(*args, **kwargs)
@@ -66,18 +60,16 @@ def initialize(*args: Any, **kwargs: Any) -> Tuple[Any, Any, Any, Any]:
     without the block, builds the engine and attaches dAD to it (`deepspeed_dad.attach`).
     Without a block, or with ``"enabled": false``, the engine keeps DeepSpeed's all-reduce.
     """
-    return _initialize_with(_deepspeed_initialize(), False, *args, **kwargs)
+    import deepspeed
+    # DeepSpeed's own ``initialize``, even while `patch_deepspeed_initialize` is in effect
+    return _initialize_with(getattr(deepspeed.initialize, hook.ORIGINAL, deepspeed.initialize), False, *args, **kwargs)
 
 
 def initialize_with_block(ds_initialize: Callable[..., Tuple[Any, Any, Any, Any]], args: tuple,
                           kwargs: dict) -> Tuple[Any, Any, Any, Any]:
-    """What the wrapped ``deepspeed.initialize`` runs for a config that holds a ``"dad"`` block.
-
-    The block is validated first (a bad or unknown key raises, naming the block and the key).
-    With ``DAD_DEEPSPEED_HOOK=0`` and no `patch_deepspeed_initialize` an enabled block raises:
-    the config asks for dAD, the environment forbids attaching it, and training on with
-    DeepSpeed's all-reduce would ignore the block without a word.
-    """
+    """What the wrapped ``deepspeed.initialize`` runs for a config that holds a ``"dad"`` block, as
+    `initialize` does; under the opt-out (``DAD_DEEPSPEED_HOOK=0``, no `patch_deepspeed_initialize`)
+    an enabled block raises rather than be ignored without a word."""
     return _initialize_with(ds_initialize, True, *args, **kwargs)
 
 

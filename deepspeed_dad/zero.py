@@ -1,23 +1,13 @@
-"""dAD under DeepSpeed ZeRO-2 and ZeRO-3: each rank rebuilds only the gradient partition it keeps.
+"""dAD under DeepSpeed ZeRO-2 and ZeRO-3: each rank rebuilds only the gradient partition it keeps
+(what stays DeepSpeed's, the modes and the limits: ``docs/guides/sharded.md``).
 
 `attach` selects this for stages 2 and 3 (`ZeroDAD`). ZeRO reduces gradients during backward, in
-buckets: a reduction call receives the local gradients of a set of parameters and produces this
-rank's partition of their average. `deepspeed_dad.zero_seams` replaces exactly that call, per
-stage, for the parameters factors cover; everything else (biases, norms, weights routed dense,
-the partition bookkeeping, accumulation over micro-steps, clipping, the optimizer step and the
-all-gather of updated parameters) stays DeepSpeed's.
-
-Each call goes to `dad_integrations.exchange.sharded.ShardedExchanger` as a
-`exchange.partitions.PartitionCall` (row counts, the first call's check, routes, residual flushes,
-the step's finiteness, and the exchanges on ZeRO's flat partitions). A step is a backward that
-reduces; it ends after the engine's backward epilogue (ZeRO reduces its last bucket there), where
-every rank agrees: a route trial's span ends and the rank routes' state is kept only if every
-rank's local gradients were finite. Across nodes (`comm.topology`: more than one node of more than
-one rank) each call is a `exchange.node_partitions.NodePartitionCall` instead: the weights routed
-off DeepSpeed's reduce-scatter reduce inside the node, cross between nodes by dAD's routes among one
-owner per node, and scatter back. That state is per rank: ``save_checkpoint`` /
-``load_checkpoint`` write and read one file per rank (`deepspeed_dad.attachment`). An adaptive
-rank is refused under ZeRO-2/3.
+buckets; `deepspeed_dad.zero_seams` replaces each reduction call for the parameters factors cover
+and hands it to `exchange.sharded.ShardedExchanger` as an `exchange.partitions.PartitionCall`
+(across nodes, an `exchange.node_partitions.NodePartitionCall`). A step is a backward that reduces;
+it ends after the engine's backward epilogue (ZeRO reduces its last bucket there), where every rank
+agrees: a route trial's span ends and the rank routes' state is kept only if every rank's local
+gradients were finite.
 """
 from __future__ import annotations
 
@@ -38,45 +28,9 @@ from dad_integrations.exchange.sharded import ShardedExchanger, ShardedFacade
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import check_routes
 
-from .aggregator import DeepSpeedAggregator
-from .attachment import ATTR, RankStateCheckpoints
-from .checks import check_engine
+from .attachment import ATTR, RankStateCheckpoints, shadow
 
 log = logging.getLogger(__name__)
-
-
-def check_zero(engine: Any, config: DADConfig) -> List[str]:
-    """What dAD cannot honour under ZeRO-2/3 (each problem names its setting); [] when fine."""
-    stage = int(engine.zero_optimization_stage())
-    zc = engine._config.zero_config
-    opt = engine.optimizer
-    problems: List[str] = []
-    if config.adaptive_tolerance is not None:
-        problems.append(f"dad.adaptive_tolerance is not supported under ZeRO-{stage} (ranks are padded to 'rank' "
-                        f"so that no count exchange is needed); remove it")
-    for name, setting in (("offload_optimizer", zc.offload_optimizer), ("offload_param", zc.offload_param)):
-        device = getattr(setting, "device", None)
-        if setting is not None and str(getattr(device, "value", device)) != "none":
-            problems.append(f"zero_optimization.{name} (device {getattr(device, 'value', device)}) is not supported "
-                            f"with dAD under ZeRO-{stage}: the offloaded reduction path is not replaced; remove it")
-    for key in ("zero_quantized_gradients", "zero_quantized_weights", "zero_quantized_nontrainable_weights"):
-        if getattr(zc, key, False):
-            problems.append(f"ZeRO++ zero_optimization.{key}=true is not supported with dAD (ZeRO++ quantizes and "
-                            f"reduces gradients with its own all-to-all); set it to false")
-    # hpZ (zero_hpz_partition_size) is accepted: it keeps a secondary copy of the parameters inside
-    # a node for backward's all-gather; gradients still reduce-scatter over the whole group into
-    # the same partitions (checked on the simulated 2x2 cluster, tests/test_multinode.py)
-    if opt is not None and stage == 2:
-        if getattr(opt, "use_grad_accum_attribute", False) or (
-                getattr(opt, "gradient_accumulation_dtype", opt.dtype) != opt.dtype):
-            problems.append("data_types.grad_accum_dtype different from the parameters' dtype is not supported with "
-                            "dAD under ZeRO-2 (gradients are reduced into separate fp32 partition buffers); "
-                            "remove data_types.grad_accum_dtype")
-    inner = getattr(opt, "optimizer", None)
-    if inner is not None and "Muon" in type(inner).__name__:
-        problems.append("the Muon optimizer needs whole gradients on several ranks; not supported with dAD under "
-                        "ZeRO-2/3")
-    return problems
 
 
 class ZeroDAD(RankStateCheckpoints, ShardedFacade):
@@ -89,11 +43,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
 
     def __init__(self, engine: Any, config: DADConfig):
         from .zero_seams import Zero2Seam, Zero3Seam
-        world_size, config = check_engine(engine, config, check_zero)
-        self.engine = engine
-        self.zero_stage = int(engine.zero_optimization_stage())
+        world_size, config = self._take(engine, config, sharded=True)
         self.config = config
-        self.aggregator = DeepSpeedAggregator()
         self._world = world_size
         self._names = {id(p): n for n, p in engine.module.named_parameters()}
         self.plan = build_plan(engine.module, config)
@@ -123,7 +74,6 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         self.exchanger.say_residuals(layouts.layout_for("zero", across_nodes=self._nodes is not None),
                                      None if self._nodes is None else self._nodes.owner_of)
         self._new_backward = True
-        self._originals: Dict[str, Any] = {}
         prologue, epilogue = engine._backward_prologue, engine._backward_epilogue
 
         def backward_prologue(*args: Any, **kwargs: Any) -> Any:
@@ -138,8 +88,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
             ex.trial_end(self.aggregator, self._layout.device)()
             return out
 
-        self._patch("_backward_prologue", backward_prologue)
-        self._patch("_backward_epilogue", backward_epilogue)
+        shadow(engine, {"_backward_prologue": backward_prologue, "_backward_epilogue": backward_epilogue},
+               self._originals)
         if self.keeps_state:
             self._patch_checkpoints()
         seam = Zero2Seam if self.zero_stage == 2 else Zero3Seam

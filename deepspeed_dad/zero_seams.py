@@ -33,11 +33,13 @@ Scaling mirrors each call: ZeRO-2 divides by S (when averaging); ZeRO-3 divides 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Dict, List, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Set
 
 import torch
 
 from dad_integrations.codecs.exact import Range
+
+from .attachment import shadow, unshadow
 
 _Z3 = "_DeepSpeedZeroOptimizer_Stage3__"  # name-mangled private methods of the stage-3 optimizer
 
@@ -46,14 +48,11 @@ class _Seam:
     def __init__(self, dad: Any, optimizer: Any, methods: Dict[str, Callable]):
         self.dad, self.opt = dad, optimizer
         self.world, self.rank = dad._world, dad.aggregator.rank
-        self._originals = {name: getattr(optimizer, name) for name in methods}
-        for name, replacement in methods.items():
-            setattr(optimizer, name, replacement)  # an instance attribute shadows the method
+        self._originals: Dict[str, Callable] = {}
+        shadow(optimizer, methods, self._originals)
 
     def remove(self) -> None:
-        for name in self._originals:
-            self.opt.__dict__.pop(name, None)
-        self._originals.clear()
+        unshadow(self.opt, self._originals)
 
     def _reduce_in_place(self, params: Sequence[torch.nn.Parameter], views: Sequence[torch.Tensor],
                          ranges: Sequence[Sequence[Range]], itemsize: int) -> Set[int]:
@@ -68,15 +67,20 @@ class _Seam:
         return self.dad.reduce(params, views, ranges, self.scale, itemsize, write)
 
 
-def _runs(covered: Sequence[bool]) -> List[Tuple[int, int]]:
-    """``[start, end)`` of each run of consecutive False entries."""
-    runs, start = [], 0
-    for c, run in itertools.groupby(covered):
-        end = start + len(list(run))
-        if not c:
-            runs.append((start, end))
-        start = end
-    return runs
+def _by_runs(bucket: Any, entries: list, covered: Sequence[bool], reduce: Callable[[int, int], None]) -> None:
+    """``reduce(a, b)`` for each run ``[a, b)`` of consecutive uncovered entries, with ``bucket.params``
+    narrowed to ``entries[a:b]`` meanwhile (DeepSpeed's calls reduce the bucket's parameters)."""
+    saved, start = bucket.params, 0
+    try:
+        for c, run in itertools.groupby(covered):
+            end = start + len(list(run))
+            if not c:
+                bucket.params = entries[start:end]
+                reduce(start, end)
+            start = end
+    finally:
+        bucket.params = saved
+
 
 class Zero2Seam(_Seam):
     """ZeRO-2's ``average_tensor`` and ``buffered_reduce_fallback`` (module doc)."""
@@ -118,13 +122,8 @@ class Zero2Seam(_Seam):
         views = [tensor.narrow(0, offsets[k], p.numel()) for k, p in enumerate(params)]
         owned = self._reduce_in_place(params, views, ranges, tensor.element_size())
         self._after_writes()
-        saved = bucket.params
-        try:
-            for a, b in _runs([id(p) in owned for p in params]):
-                bucket.params = entries[a:b]
-                original(tensor.narrow(0, offsets[a], offsets[b] - offsets[a]), communication_data_type)
-        finally:
-            bucket.params = saved
+        _by_runs(bucket, entries, [id(p) in owned for p in params], lambda a, b: original(
+            tensor.narrow(0, offsets[a], offsets[b] - offsets[a]), communication_data_type))
 
     def buffered_reduce_fallback(self, rank: Any, grads: List[torch.Tensor], communication_data_type: torch.dtype,
                                  elements_per_buffer: int = 500000000, log: Any = None) -> None:
@@ -203,13 +202,10 @@ class Zero3Seam(_Seam):
         offsets = [0, *itertools.accumulate(p.grad.numel() for p in params)]
         views = [buffer_to_reduce.narrow(0, offsets[k], p.grad.numel()) for k, p in enumerate(params)]
         out = self._reduce_to_partitions(params, views, communication_data_type)
-        saved = bucket.params
-        try:
-            for a, b in _runs([id(p) in out for p in params]):
-                bucket.params = params[a:b]
-                parts = original(buffer_to_reduce.narrow(0, offsets[a], offsets[b] - offsets[a]),
-                                 communication_data_type)
-                out.update((id(p), part) for p, part in zip(params[a:b], parts))
-        finally:
-            bucket.params = saved
+
+        def dense(a: int, b: int) -> None:
+            parts = original(buffer_to_reduce.narrow(0, offsets[a], offsets[b] - offsets[a]), communication_data_type)
+            out.update((id(p), part) for p, part in zip(params[a:b], parts))
+
+        _by_runs(bucket, params, [id(p) in out for p in params], dense)
         return [out[id(p)] for p in params]

@@ -1,13 +1,7 @@
-"""How each argument of ``hvd.DistributedOptimizer`` maps onto dAD, and the checks of those
-dAD cannot honour (`horovod_dad.optimizer.DADOptimizer` runs them in Horovod's order).
-
-Each argument keeps Horovod's meaning and checks (``docs/guides/horovod.md``, "What stays
-Horovod's"): ``op`` is ``Average`` or ``Sum`` (dAD rebuilds sums of factors: Adasum, Min, Max,
-Product raise), ``gradient_predivide_factor`` becomes prescale ``1/f`` and postscale ``f/size``,
-``Compression.fp16`` the float16 wire (``wire_dtype="float16"``; other compressors raise),
-``groups`` is validated but dAD's own buckets (``bucket_cap_mb``) replace Horovod's fusion groups,
-and sparse embedding gradients need ``sparse_as_dense=True``. New: ``model`` (where factors are
-captured; without it, found at the first forward, `discovery`) and ``dad`` (a `DADConfig` or a dict).
+"""How each argument of ``hvd.DistributedOptimizer`` maps onto dAD, and the checks of those dAD
+cannot honour (`horovod_dad.optimizer.DADOptimizer` runs them in Horovod's order; what each keeps
+and what raises: ``docs/guides/horovod.md``, "What stays Horovod's"). ``gradient_predivide_factor``
+becomes prescale ``1/f`` and postscale ``f/size``, ``Compression.fp16`` the float16 wire.
 """
 from __future__ import annotations
 
@@ -20,10 +14,7 @@ from dad_integrations import DADConfig
 
 from ._horovod import Compression, hvd
 
-_OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
-for _name in ("Min", "Max", "Product"):
-    if hasattr(hvd, _name):
-        _OP_NAMES.setdefault(getattr(hvd, _name), _name)
+_OP_NAMES = {getattr(hvd, n): n for n in ("Average", "Sum", "Adasum", "Min", "Max", "Product") if hasattr(hvd, n)}
 
 
 def dad_config_for(op: Any, gradient_predivide_factor: Any, dad: Union[DADConfig, Mapping[str, Any], None],

@@ -50,8 +50,17 @@ def requiring_grad_only(model: nn.Module, params: List[nn.Parameter]) -> Iterato
 class ModelAttachment:
     """The attaching half of `DADOptimizer`'s classes (no state of its own)."""
 
-    def _check_model(self, model: nn.Module) -> None:
-        """Refuse what dAD cannot synchronise, before anything is attached."""
+    def _check_model(self, model: nn.Module, found: bool = False) -> None:
+        """Refuse what dAD cannot synchronise, before anything is attached (``found``: ``model`` is
+        the module `ModelFinder` found at its first forward)."""
+        held = {id(p) for p in model.parameters()}
+        outside = [self._parameter_names.get(p, "?") for p in self._requires_update if id(p) not in held]
+        if outside and found:
+            raise ValueError(
+                f"DADOptimizer without model=: the first forward after it was built ran a "
+                f"{type(model).__name__} that holds only some of the optimizer's parameters (not "
+                f"{outside[:4]}{'...' if len(outside) > 4 else ''}); dAD must attach to one module that "
+                f"holds all of them before its forward: pass model=")
         sparse_modules = [(n, m) for n, m in model.named_modules()
                           if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and
                           any(m.weight is p for p in self._requires_update)]
@@ -64,8 +73,6 @@ class ModelAttachment:
             self._config = DADConfig.from_dict(dict(self._config.to_dict(), exclude=list(self._config.exclude) + [
                 n for n, _ in sparse_modules]))
             self._sparse_params = [m.weight for _, m in sparse_modules]
-        model_params = {id(p) for p in model.parameters()}
-        outside = [self._parameter_names.get(p, "?") for p in self._requires_update if id(p) not in model_params]
         if outside:
             raise ValueError(f"parameters {outside} of the optimizer are not parameters of model=: dAD "
                              f"synchronises the parameters of the model it is attached to, so these would "
@@ -74,15 +81,7 @@ class ModelAttachment:
     def _on_model_found(self, module: nn.Module) -> None:
         """`ModelFinder`'s call, at the first forward of a module holding the optimizer's parameters."""
         try:
-            held = {id(p) for p in module.parameters()}
-            missing = [self._parameter_names.get(p, "?") for p in self._requires_update if id(p) not in held]
-            if missing:
-                raise ValueError(
-                    f"DADOptimizer without model=: the first forward after it was built ran a "
-                    f"{type(module).__name__} that holds only some of the optimizer's parameters (not "
-                    f"{missing[:4]}{'...' if len(missing) > 4 else ''}); dAD must attach to one module that "
-                    f"holds all of them before its forward: pass model=")
-            self._check_model(module)
+            self._check_model(module, found=True)
             self._attach(module)
         except BaseException as e:
             self._attach_error = e  # synchronize() raises it too: never step on local gradients

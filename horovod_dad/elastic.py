@@ -1,18 +1,10 @@
-"""Horovod elastic with `DADOptimizer`: ``hvd.elastic.TorchState(model, optimizer)`` unchanged.
-
-Importing `horovod_dad` puts `DADOptimizerStateHandler` first in Horovod's registry of state
-handlers (``horovod.torch.elastic.state``), so a ``TorchState`` holding a `DADOptimizer` uses it.
-Horovod calls the handler's ``sync()`` on every rank, survivors and new workers alike, each time
-the job (re)starts after ``hvd.init()``; there the handler re-attaches dAD for the current size
-before broadcasting the optimizer's state as Horovod does:
-
-- a new `HorovodAggregator` (Horovod's rank and size now; the old one's name prefix, which every
-  process drew alike when it built its optimizer) and a new `DADSynchronizer` whose average
-  divides by the current size, as ``hvd.DistributedOptimizer`` reads ``size()`` at each call;
-- dAD's state restarts on every rank alike (warm starts, step count, first-step check, row
-  counts: a new worker has none of them, and the collectives must match), except the
-  error-feedback residuals: each weight's is the mean over the ranks that had one (one sum
-  all-reduce per weight), so what the average still owed is kept, less a departed worker's share.
+"""Horovod elastic with `DADOptimizer`: ``hvd.elastic.TorchState(model, optimizer)`` unchanged
+(``docs/checkpoints.md``, "Elastic jobs"). Importing `horovod_dad` puts `DADOptimizerStateHandler`
+first in Horovod's registry of state handlers; its ``sync()``, run on every rank after each (re)start,
+re-attaches dAD at Horovod's current size (`reattach`: a new aggregator with the old one's name
+prefix, which every process drew alike) before broadcasting the optimizer's state as Horovod does.
+The error-feedback residuals become each weight's mean over the ranks that held one (one sum
+all-reduce per weight); the rest of dAD's state restarts on every rank alike (a new worker has none).
 """
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """`DADOptimizer`: a drop-in for ``hvd.DistributedOptimizer`` that synchronises with dAD.
 
 Like Horovod's, it builds a subclass of the wrapped optimizer's class at run time, so the object
-is still an ``SGD`` / ``AdamW`` / ... (``state_dict``, ``param_groups``, LR schedulers work), and it
-keeps Horovod's protocol: ``synchronize()``, ``skip_synchronize()``, ``step()``, ``zero_grad()``,
-``set_backward_passes_per_step()``, the same argument checks and the same errors. What travels is
-decided by a `DADSynchronizer` attached to ``model``: layer factors, rank-r factors or bucketed dense
-all-reduce, over Horovod's collectives (`HorovodAggregator`).
-
-Arguments and dAD: each one maps onto dAD as `horovod_dad.arguments` tells, which also checks
-them. Attaching to the model (given, or found at its first forward) is `horovod_dad.attaching`.
-The state dict carries this rank's dAD state under ``"dad"``. Differences from Horovod, on purpose,
-are in docs/guides/horovod.md; also, a ``step()`` right after ``synchronize()`` warns as Horovod
-does but does not exchange the same gradients again.
+is still an ``SGD`` / ``AdamW`` / ... and keeps Horovod's protocol (``synchronize()``,
+``skip_synchronize()``, ``step()``, ``zero_grad()``, ``set_backward_passes_per_step()``); a
+`DADSynchronizer` attached to ``model`` decides what travels, over Horovod's collectives
+(`HorovodAggregator`). Its arguments: `horovod_dad.arguments`; attaching: `horovod_dad.attaching`;
+what differs from Horovod, on purpose: ``docs/guides/horovod.md``. The state dict carries this
+rank's dAD state under ``"dad"``.
 """
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
-"""dAD's per-rank state in checkpoints: one file per rank, next to the engine's own files.
-
-dAD's state (rank-dAD warm-start factors, error-feedback residuals, weights sent dense for good)
-differs across ranks, so every rank writes its own ``dad_state_rank{r}.pt`` into the checkpoint
-folder and reads its own back. The engines' glue calls these from their checkpoint paths
-(Accelerate's ``save_state`` hooks, DeepSpeed's ``save_checkpoint``, the Trainer's ``on_save``);
-a plain ``torch.distributed`` loop calls them directly, from the package's face
-(``from dad_integrations import save_rank_state, load_rank_state``). A job of another number of
-processes loads the merge of every old rank's file (`engines.merge`).
+"""dAD's per-rank state in checkpoints: one file per rank (``dad_state_rank{r}.pt``) next to the
+engine's own files, as it differs across ranks (each engine's way: ``docs/checkpoints.md``). A plain
+``torch.distributed`` loop calls `save_rank_state` / `load_rank_state` from the package's face; a job
+of another number of processes loads the merge of every old rank's file (`engines.merge`).
 """
 from __future__ import annotations
 
 import glob
+import itertools
 import logging
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -109,22 +105,14 @@ def _load_resized(sync: Any, directory: str, process_rank: int, world_size: int,
     """
     first = _read(state_file(directory, 0, index), 0, saved_world, None)
     meta = {k: v for k, v in first.items() if k != "state"}
-    merged, summary = merge_rank_states(_old_states(first.pop("state"), directory, index, saved_world))
+    # old rank 0's state, then each other old rank's, read one at a time (one file in memory)
+    merged, summary = merge_rank_states(itertools.chain([first.pop("state")], (
+        _read(state_file(directory, r, index), r, saved_world, None)["state"] for r in range(1, saved_world))))
     sync.load_state_dict(merged)
     # shown at default levels: a job resumed at another size should see what its dAD state became
     say(f"dAD: resuming on {world_size} processes from dAD state saved by {saved_world} ({directory}): {summary}",
         rank=process_rank)
     return {**meta, "state": merged, "rank": process_rank, "world_size": world_size, "resized_from": saved_world}
-
-
-def _old_states(first: dict, directory: str, index: int, saved_world: int) -> Iterable[dict]:
-    """Old rank 0's state, then each other old rank's, read one at a time (one file in memory)."""
-    state = first
-    del first
-    yield state
-    for old_rank in range(1, saved_world):
-        state = _read(state_file(directory, old_rank, index), old_rank, saved_world, None)["state"]
-        yield state
 
 
 def keeps_state(sync: Any) -> bool:
