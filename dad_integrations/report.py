@@ -5,6 +5,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
+from dad_integrations.builtin_routes import BUILT_IN, DENSE
+
 
 @dataclass
 class ParamReport:
@@ -65,7 +67,7 @@ class StepReport:
         keys = ("handed_bytes", "sent_bytes", "received_bytes", "allreduce_bytes")
         out = {k: float(sum(getattr(p, k) for p in self.params)) for k in keys}
         out["ratio"] = out["sent_bytes"] / out["allreduce_bytes"] if out["allreduce_bytes"] else 0.0
-        for rep in ("exact", "rank", "rank_allreduce", "dense"):
+        for rep in BUILT_IN:
             out[f"params_{rep}"] = sum(1 for p in self.params if p.representation == rep)
         return out
 
@@ -118,7 +120,7 @@ class ShardedParamReport(ParamReport):
         S, chunk, numel = world_size, shard_numel * itemsize, math.prod(shape)
         rep = cls(name, representation, tuple(shape), reduce_scatter_bytes=(S - 1) * chunk,
                   allreduce_bytes=2.0 * (S - 1) / S * numel * itemsize)
-        if representation == "dense":
+        if representation == DENSE:
             rep.handed_bytes, rep.sent_bytes, rep.received_bytes = S * chunk, (S - 1) * chunk, (S - 1) * chunk
         return rep
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK_ALLREDUCE
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.planner import StepPlan, _ms, _table, rate_below
 from dad_integrations.routing.timing import StepTiming
@@ -47,7 +48,7 @@ class TimePlan:
 
 def _powersgd_compute(timing: StepTiming, shape, psgd: Optional[float], allreduce: float) -> float:
     compresses = psgd is not None and psgd < allreduce
-    return timing.compute.seconds("rank_allreduce", shape, rows_by_rank=[[0]], world_size=1) if compresses else 0.0
+    return timing.compute.seconds(RANK_ALLREDUCE, shape, rows_by_rank=[[0]], world_size=1) if compresses else 0.0
 
 
 def time_plan(step: StepPlan, timing: StepTiming, *, sites: int, compressed: Optional[StepPlan] = None) -> TimePlan:
@@ -63,7 +64,7 @@ def time_plan(step: StepPlan, timing: StepTiming, *, sites: int, compressed: Opt
         rows.append(UnitTime(r.name, r.route, dad, link.seconds("all_reduce", r.allreduce, 0), psgd))
     dense = link.seconds("all_reduce", step.dense_allreduce, 0)
     dense_psgd = None if step.dense_powersgd is None else link.seconds("all_reduce", step.dense_powersgd, 0)
-    rows.append(UnitTime(f"dense parameters ({step.dense_params})", "dense",
+    rows.append(UnitTime(f"dense parameters ({step.dense_params})", DENSE,
                          link.seconds("all_reduce", step.dense_dad, 0), dense, dense_psgd))
     # the dense buckets' latency: one call per bucket, every method alike
     total_psgd = None if step.powersgd is None else sum(u.powersgd or 0.0 for u in rows)
@@ -81,7 +82,7 @@ def _break_even(step: StepPlan, timing: StepTiming, sites: int) -> Optional[floa
     for r in step.units:
         compute += timing.compute.seconds(r.route, r.shape, rows_by_rank=[r.rows] * sites, world_size=sites,
                                           calls=len(r.rows))
-        if r.route == "exact":
+        if r.route == EXACT:
             latency += (1 + int(r.exchange_sizes)) * timing.link.all_gather.alpha
     return _solve(step.allreduce, step.total, compute, latency)
 

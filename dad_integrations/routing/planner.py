@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import BUILT_IN, DENSE, EXACT
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
 from dad_integrations.comm.link_spec import KINDS, LinkCost
@@ -156,8 +157,8 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         counts[rep] += 1
         own = size_exchange_bytes(len(u.uses), s) if exchange else 0.0
         d_numel = d_items = 0
-        if rep == "exact":
-            own += est["exact"]
+        if rep == EXACT:
+            own += est[EXACT]
         elif is_rank_route(rep):
             own += est[rep] - ring_allreduce_bytes(bias_numel * item, s)
             d_numel, d_items = bias_numel, len(u.biases)
@@ -167,7 +168,7 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         dense_numel += d_numel
         dense_items += d_items
         units.append(UnitRow(u.name, (m, n), use, rep, exchange, own + ring_allreduce_bytes(d_numel * item, s),
-                             est["dense"], _powersgd(u.params, psgd_rank, s, item), d_numel, d_items, unit_kind(u)))
+                             est[DENSE], _powersgd(u.params, psgd_rank, s, item), d_numel, d_items, unit_kind(u)))
     total = sent
     if dense_items:
         total += ring_allreduce_bytes(dense_numel * item, s)
@@ -234,7 +235,7 @@ def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, 
         baseline = reduce_scatter_bytes((m, n), s, item) + sum(reduce_scatter_bytes(tuple(b.param.shape), s, item)
                                                                for b in u.biases)
         counts_exchange = (s - 1) * 8.0 * len(u.uses) if exchanges_counts else 0.0  # whatever the route
-        dad = (baseline if rep == "dense" else est[rep]) + counts_exchange
+        dad = (baseline if rep == DENSE else est[rep]) + counts_exchange
         units.append(ShardedUnitRow(u.name, (m, n), use, rep, dad, baseline, unit_kind(u)))
     dense = sum(reduce_scatter_bytes(tuple(p.shape), s, item) for _, p in plan.dense)
     return ShardedStepPlan(units=units, dense_params=len(plan.dense), dense_reduce_scatter=dense,
@@ -343,7 +344,7 @@ def render(step: StepPlan, header: str) -> str:
     """The plan as a text table, one line per factor unit, then the dense parameters and totals."""
     columns = _unit_columns(step.units, ("all-reduce MB", 13), ("PowerSGD MB", 11))
     units = [_unit_cells(r, _mb(r.allreduce), _mb(r.powersgd)) for r in step.units]
-    other = [f"dense parameters ({step.dense_params})", "dense", f"{step.dense_param_numel:,} el", "", "dense",
+    other = [f"dense parameters ({step.dense_params})", DENSE, f"{step.dense_param_numel:,} el", "", DENSE,
              _mb(step.dense_dad), _mb(step.dense_allreduce), _mb(step.dense_powersgd)]
     total = ["total", "", "", "", "", _mb(step.total), _mb(step.allreduce), _mb(step.powersgd)]
     c = step.counts
@@ -359,7 +360,7 @@ def render_sharded(step: ShardedStepPlan, header: str) -> str:
     reduce-scatter; then the other parameters and the totals."""
     columns = _unit_columns(step.units, ("reduce-scatter MB", 17))
     units = [_unit_cells(r, _mb(r.reduce_scatter)) for r in step.units]
-    other = [f"other parameters ({step.dense_params})", "dense", "", "", "dense", _mb(step.dense_reduce_scatter),
+    other = [f"other parameters ({step.dense_params})", DENSE, "", "", DENSE, _mb(step.dense_reduce_scatter),
              _mb(step.dense_reduce_scatter)]
     total = ["total", "", "", "", "", _mb(step.total), _mb(step.reduce_scatter)]
     footer = ["routes: " + ", ".join(f"{v} {k}" for k, v in sorted(step.counts.items())),
@@ -476,7 +477,7 @@ def _unit_break_even(config: DADConfig, unit: LevelUnit, node_rows, *, step: int
         rep, _, _ = choose_two_level(config, unit.shape, node_rows, step=step, nodes=topology.num_nodes,
                                      local_size=topology.local_size, wire_dtype=unit.wire_dtype, timing=at,
                                      dense_only=unit.dense_only)
-        return rep != "dense"
+        return rep != DENSE
 
     return break_even_bandwidth(compresses)
 
@@ -486,7 +487,7 @@ def _step_break_even(pairs, timing: TwoLevelTiming, local_size: int) -> Tuple[fl
     bandwidth below which compressed is faster. ``pairs``: per unit ``(unit, node_rows, dense
     hops, compressed route, its hops)``."""
     def seconds(at: TwoLevelTiming) -> Tuple[float, float]:
-        dense = sum(at.seconds("dense", d, u.shape, rows, local_size) for u, rows, d, _, _ in pairs)
+        dense = sum(at.seconds(DENSE, d, u.shape, rows, local_size) for u, rows, d, _, _ in pairs)
         packed = sum(at.seconds(rep, h, u.shape, rows, local_size) for u, rows, _, rep, h in pairs)
         return dense, packed
 
@@ -527,7 +528,7 @@ def plan_levels(plan, *, tokens: int, positions: int, nodes: int, local_size: in
             cache[key] = _unit_break_even(config, unit, c.node_rows, step=step, topology=topology, timing=timing)
         rep, hops, _ = choose_two_level(by_bytes, unit.shape, c.node_rows, step=step, nodes=nodes,
                                         local_size=local_size, wire_dtype=dtype, timing=None)
-        pairs.append((unit, c.node_rows, hop_bytes("dense", unit.shape, c.node_rows, **args), rep, hops[rep]))
+        pairs.append((unit, c.node_rows, hop_bytes(DENSE, unit.shape, c.node_rows, **args), rep, hops[rep]))
         h = c.hops
         out.append(LevelUnitRow(u.name, u.shape, c.flat_route, c.flat_bytes, c.flat_seconds, c.route, h.to_owner,
                                 h.between, h.from_owner, c.seconds, cache[key]))

@@ -62,6 +62,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE
 from dad_integrations.config import DADConfig
 from dad_integrations.logs import say
 from dad_integrations.report import ParamReport, route_summary
@@ -339,7 +340,7 @@ class RouteTrial:
         return routes, dense
 
     def _decide(self, step: int, routes: List[float], dense: List[float], verdict: Optional[bool]) -> TrialOutcome:
-        compressed = sum(rep != "dense" for rep in self.routes.values())
+        compressed = sum(rep != DENSE for rep in self.routes.values())
         kept = True if verdict is None else verdict  # split evidence: the models chose the routes
         difference = statistics.median([r - d for r, d in zip(routes, dense)]) if routes else 0.0
         if compressed:
