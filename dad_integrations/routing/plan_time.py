@@ -56,11 +56,11 @@ def time_plan(step: StepPlan, timing: StepTiming, *, sites: int, compressed: Opt
     all-reduce and PowerSGD; ``compressed`` (the same model's plan by bytes) gives dAD's break-even."""
     link = timing.link
     rows: List[UnitTime] = []
-    for r in step.units:
+    psgd_compute = [_powersgd_compute(timing, r.shape, r.powersgd, r.allreduce) for r in step.units]
+    for r, compute in zip(step.units, psgd_compute):
         dad = timing.route_seconds({r.route: r.dad}, shape=r.shape, uses=len(r.rows), rows_by_rank=[r.rows] * sites,
                                    world_size=sites, size_exchange=r.exchange_sizes)[r.route]
-        psgd = None if r.powersgd is None else (link.seconds("all_reduce", r.powersgd, 0)
-                                                + _powersgd_compute(timing, r.shape, r.powersgd, r.allreduce))
+        psgd = None if r.powersgd is None else link.seconds("all_reduce", r.powersgd, 0) + compute
         rows.append(UnitTime(r.name, r.route, dad, link.seconds("all_reduce", r.allreduce, 0), psgd))
     dense = link.seconds("all_reduce", step.dense_allreduce, 0)
     dense_psgd = None if step.dense_powersgd is None else link.seconds("all_reduce", step.dense_powersgd, 0)
@@ -71,8 +71,7 @@ def time_plan(step: StepPlan, timing: StepTiming, *, sites: int, compressed: Opt
     plan = TimePlan(rows, sum(u.dad for u in rows), sum(u.allreduce for u in rows), total_psgd, {})
     plan.break_even["dad"] = _break_even(compressed or step, timing, sites)
     if step.powersgd is not None:
-        compute = sum(_powersgd_compute(timing, r.shape, r.powersgd, r.allreduce) for r in step.units)
-        plan.break_even["powersgd"] = _solve(step.allreduce, step.powersgd, compute, 0.0)
+        plan.break_even["powersgd"] = _solve(step.allreduce, step.powersgd, sum(psgd_compute), 0.0)
     return plan
 
 
@@ -104,4 +103,4 @@ def render_time(plan: TimePlan, link: LinkModel, compute_note: str) -> str:
     if "powersgd" in plan.break_even:
         footer.append(f"PowerSGD pays {rate_below(plan.break_even['powersgd'], 'never', 'at any bandwidth')}")
     return _table(f"predicted step time beyond compute, per rank: link {link.describe()}; {compute_note}", columns,
-                  units, None, total, footer)
+                  units, total, footer)
