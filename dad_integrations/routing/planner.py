@@ -131,17 +131,11 @@ def _steady_routes(plan, ctx: RouteContext, tokens: int, positions: int, rows: O
 def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str, rank: Optional[int],
                  rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
                  powersgd_rank: Optional[int] = None, timing=None, rows: Optional[RowCounts] = None) -> StepPlan:
-    """Bytes one rank sends per unit in a steady-state step of ``mode`` (the router's decision from
-    the counts of the unit's last size exchange), with ``tokens`` rows per captured call, or the
-    counted ``rows`` per use (`count_rows`) where given.
-
-    Size exchanges count where the route needs agreed rows; biases of rank-r and dense units go to
-    the dense buckets, as the synchroniser sends them (a step where every rank has every gradient
-    needs no flags: `codecs.dense`). ``powersgd_rank``
-    (default ``rank``) adds PyTorch's PowerSGD hook per parameter; None when neither is set.
-    With a ``timing`` (`timing.StepTiming`), routes are chosen by predicted time (objective
-    ``"time"``), else by bytes.
-    """
+    """Bytes one rank sends per unit in a steady-state step of ``mode`` (`_steady_routes`), with
+    ``tokens`` rows per captured call, or the counted ``rows`` per use (`count_rows`) where given.
+    Biases of rank-r and dense units go to the dense buckets, as the synchroniser sends them.
+    ``powersgd_rank`` (default ``rank``) adds PyTorch's PowerSGD hook per parameter; None when
+    neither is set. With a ``timing`` (`timing.StepTiming`), routes are chosen by predicted time."""
     s, item = world_size, dtype.itemsize
     config = DADConfig(mode=mode, rank=rank, rank_route=rank_route,
                        objective="time" if timing is not None else "bytes")
@@ -223,11 +217,9 @@ class ShardedStepPlan:
 def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str,
                          rank: Optional[int], rank_route: str = DADConfig.rank_route,
                          dtype: torch.dtype = torch.float32, rows: Optional[RowCounts] = None) -> ShardedStepPlan:
-    """Bytes one rank sends per unit in a steady-state FSDP2 step (`fsdp.enable_dad_fsdp`): every
-    unit's rows are exchanged each backward (`exchange.row_shards.RowShardCall.agree_counts`; not in
-    mode ``"rank"``, `router.sharded_needs_counts`), the router decides with ``sharded=True`` on
-    those counts, and the route's estimate is what the unit sends; parameters outside the units, and units routed dense, go through FSDP2's
-    reduce-scatter (`costs.reduce_scatter_bytes`, in ``dtype``)."""
+    """Bytes one rank sends per unit in a steady-state FSDP2 step (`fsdp.enable_dad_fsdp`): each
+    unit's row counts (`router.sharded_needs_counts`) and its route's estimate (`_steady_routes`);
+    parameters outside the units, and units routed dense, go through FSDP2's reduce-scatter."""
     s, item = world_size, dtype.itemsize
     config = DADConfig(mode=mode, rank=rank, rank_route=rank_route)
     exchanges_counts = sharded_needs_counts(config, step=config.lossless_steps)  # a steady-state step

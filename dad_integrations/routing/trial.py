@@ -267,8 +267,7 @@ class RouteTrial:
         if not 0 <= k < self.rounds * 2 * self.pairs_per_round:
             return None
         pair, second = divmod(k, 2)
-        first = "routes" if pair % 2 == 0 else "dense"
-        return first if not second else ("dense" if first == "routes" else "routes")
+        return ("routes", "dense")[(pair + second) % 2]
 
     def holds_residuals(self, step: int) -> bool:
         """Step ``step`` is a dense-arm step: error-feedback residuals wait for the trial's next
