@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -159,13 +160,9 @@ def route_summary(params: Sequence[ParamReport]) -> str:
     sharded engines' reduce-scatter's):
     ``"flat: 10 exact, 18 dense; sent 0.31x all-reduce's bytes"``; at two levels the hop between
     nodes counts what this rank received over it."""
-    counts: Dict[str, Dict[str, int]] = {}
-    for p in params:
-        if p.representation != "overhead":
-            by_rep = counts.setdefault(p.level, {})
-            by_rep[p.representation] = by_rep.get(p.representation, 0) + 1
-    hops = [f"{HOP_NAMES.get(level, level)}: " + ", ".join(f"{n} {rep}" for rep, n in sorted(reps.items()))
-            for level, reps in sorted(counts.items())]
+    counts = sorted(Counter((p.level, p.representation) for p in params if p.representation != "overhead").items())
+    hops = [f"{HOP_NAMES.get(level, level)}: " + ", ".join(f"{n} {rep}" for (at, rep), n in counts if at == level)
+            for level in sorted({level for (level, _), _ in counts})]
     sent = sum(p.sent_bytes for p in params)
     allreduce = sum(p.allreduce_bytes for p in params)
     scatter = sum(getattr(p, "reduce_scatter_bytes", 0.0) for p in params)  # the sharded engines' own
