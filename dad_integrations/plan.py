@@ -38,15 +38,12 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 
-# the models and the cluster options live in plan_models and plan_cluster; the public names defined
-# here before that split are still importable from here
 from dad_integrations.config import DADConfig
-from dad_integrations.plan_cluster import (_check_levels, _level_plan, _levels_header, _time_plan, cluster_shape,
-                                           plan_options)
-from dad_integrations.plan_cluster import compute_model  # noqa: F401  (importable here, as before the split)
-from dad_integrations.plan_models import dummy_batch, preset_config  # noqa: F401  (importable here, as before)
-from dad_integrations.plan_models import (DTYPES, PRESETS, build_meta_model, forward_rows, load_config,  # noqa: F401
-                                          max_positions, model_task)
+# the models and the cluster options live in plan_models and plan_cluster; every name is importable here too
+from dad_integrations.plan_cluster import (_check_levels, _level_plan, _levels_header, _time_plan,  # noqa: F401
+                                           cluster_shape, compute_model, plan_options)
+from dad_integrations.plan_models import (DTYPES, PRESETS, build_meta_model, dummy_batch, forward_rows,  # noqa: F401
+                                          load_config, max_positions, model_task, preset_config)
 from dad_integrations.routing.planner import plan_model, plan_sharded_model, render, render_levels, render_sharded
 
 
