@@ -4,12 +4,9 @@
 
     python -m dad_integrations.plan --model vit-base --sites 16 --batch-per-rank 32 --rank 4
 
-``--model`` is a preset (see `PRESETS`) or a local Hugging Face ``config.json`` (or its folder).
-The model is built on the meta device (no weights, no downloads); the units, routes and bytes come
-from the synchroniser's own plan, router and cost model through `routing.planner`, beside dense all-reduce and PyTorch's PowerSGD hook at the same rank. Each layer shows
-its kind: the `layers` registry's kind that captures it (``linear``, ``conv1d``, ``embedding``,
-``conv``, ...), ``floor`` for a matrix no kind captures (PowerSGD's coverage floor: dense or the
-rank routes from its dense gradient), and ``dense`` for the parameters outside the units.
+``--model`` is a preset (see `PRESETS`) or a local Hugging Face ``config.json`` (or its folder),
+built on the meta device (no weights, no downloads); `routing.planner` plans its steady state. Each
+layer shows its kind (`routing.planner.unit_kind`), ``dense`` for the parameters outside the units.
 
 Rows per step and rank, two ways:
 
@@ -25,11 +22,8 @@ Rows per step and rank, two ways:
 Figures are bytes one rank sends per step, after the first (checked) step.
 
 A cluster of nodes (``--nodes``, ``--local-size``, ``--intra-bw``, ``--inter-bw``) adds the
-two-level plan (`routing.planner.plan_levels`): per layer the route between nodes and the bytes of
-each hop beside the flat route, whether dAD runs the step flat or at two levels, the inter-node
-bandwidth below which compressing between nodes beats a hierarchical all-reduce, and the bytes each
-node sends between nodes. The routes' compute is measured on ``--compute-device`` or stated
-(``--compute-tflops``, ``--compute-memory-bw``: a roofline, for a device not at hand).
+two-level plan (`routing.planner.plan_levels`). The routes' compute is measured on
+``--compute-device`` or stated (``--compute-tflops``, ``--compute-memory-bw``: a roofline).
 
     python -m dad_integrations.plan --model llama-3-8b-geometry --nodes 4 --local-size 8 \
         --intra-bw 900GB/s --inter-bw 100gbit --tokens-per-rank 4096 --rank 4 \
@@ -44,15 +38,12 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 
-# the models and the cluster options live in plan_models and plan_cluster; the public names defined
-# here before that split are still importable from here
 from dad_integrations.config import DADConfig
-from dad_integrations.plan_cluster import (_check_levels, _level_plan, _levels_header, _time_plan, cluster_shape,
-                                           plan_options)
-from dad_integrations.plan_cluster import compute_model  # noqa: F401  (importable here, as before the split)
-from dad_integrations.plan_models import dummy_batch, preset_config  # noqa: F401  (importable here, as before)
-from dad_integrations.plan_models import (DTYPES, PRESETS, build_meta_model, forward_rows, load_config,  # noqa: F401
-                                          max_positions, model_task)
+# the models and the cluster options live in plan_models and plan_cluster; every name is importable here too
+from dad_integrations.plan_cluster import (_check_levels, _level_plan, _levels_header, _time_plan,  # noqa: F401
+                                           cluster_shape, compute_model, plan_options)
+from dad_integrations.plan_models import (DTYPES, PRESETS, build_meta_model, dummy_batch, forward_rows,  # noqa: F401
+                                          load_config, max_positions, model_task, preset_config)
 from dad_integrations.routing.planner import plan_model, plan_sharded_model, render, render_levels, render_sharded
 
 

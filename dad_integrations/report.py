@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
+
+from dad_integrations.builtin_routes import BUILT_IN, DENSE
 
 
 @dataclass
@@ -65,7 +68,7 @@ class StepReport:
         keys = ("handed_bytes", "sent_bytes", "received_bytes", "allreduce_bytes")
         out = {k: float(sum(getattr(p, k) for p in self.params)) for k in keys}
         out["ratio"] = out["sent_bytes"] / out["allreduce_bytes"] if out["allreduce_bytes"] else 0.0
-        for rep in ("exact", "rank", "rank_allreduce", "dense"):
+        for rep in BUILT_IN:
             out[f"params_{rep}"] = sum(1 for p in self.params if p.representation == rep)
         return out
 
@@ -118,7 +121,7 @@ class ShardedParamReport(ParamReport):
         S, chunk, numel = world_size, shard_numel * itemsize, math.prod(shape)
         rep = cls(name, representation, tuple(shape), reduce_scatter_bytes=(S - 1) * chunk,
                   allreduce_bytes=2.0 * (S - 1) / S * numel * itemsize)
-        if representation == "dense":
+        if representation == DENSE:
             rep.handed_bytes, rep.sent_bytes, rep.received_bytes = S * chunk, (S - 1) * chunk, (S - 1) * chunk
         return rep
 
@@ -157,13 +160,9 @@ def route_summary(params: Sequence[ParamReport]) -> str:
     sharded engines' reduce-scatter's):
     ``"flat: 10 exact, 18 dense; sent 0.31x all-reduce's bytes"``; at two levels the hop between
     nodes counts what this rank received over it."""
-    counts: Dict[str, Dict[str, int]] = {}
-    for p in params:
-        if p.representation != "overhead":
-            by_rep = counts.setdefault(p.level, {})
-            by_rep[p.representation] = by_rep.get(p.representation, 0) + 1
-    hops = [f"{HOP_NAMES.get(level, level)}: " + ", ".join(f"{n} {rep}" for rep, n in sorted(reps.items()))
-            for level, reps in sorted(counts.items())]
+    counts = sorted(Counter((p.level, p.representation) for p in params if p.representation != "overhead").items())
+    hops = [f"{HOP_NAMES.get(level, level)}: " + ", ".join(f"{n} {rep}" for (at, rep), n in counts if at == level)
+            for level in sorted({level for (level, _), _ in counts})]
     sent = sum(p.sent_bytes for p in params)
     allreduce = sum(p.allreduce_bytes for p in params)
     scatter = sum(getattr(p, "reduce_scatter_bytes", 0.0) for p in params)  # the sharded engines' own

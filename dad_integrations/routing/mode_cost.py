@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.config import DADConfig
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.compute_model import ComputeModel
@@ -49,11 +50,11 @@ def mode_cost_line(config: DADConfig, units: Sequence[Tuple[UnitShape, Optional[
         seconds = timing.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
                                        world_size=world_size, sharded=sharded, size_exchange=True)
         if not unit.has_factors and (config.mode == "exact" or not rules["rank_allowed"]):
-            mine = "dense"
+            mine = DENSE
         else:
             mine = choose(config.mode, seconds, **rules)
         auto = choose("auto", seconds, **rules)
-        mode_s, dense_s, auto_s = mode_s + seconds[mine], dense_s + seconds["dense"], auto_s + seconds[auto]
+        mode_s, dense_s, auto_s = mode_s + seconds[mine], dense_s + seconds[DENSE], auto_s + seconds[auto]
         auto_routes[auto] += 1
     return _line(config, mode_s, dense_s, auto_s, auto_routes, link, sharded, name)
 
@@ -72,11 +73,11 @@ def report_cost_line(config: DADConfig, params: Sequence[ParamReport], *, link: 
             mode_s += link.seconds("all_gather", p.sent_bytes, 1)
             continue
         own = getattr(p, "reduce_scatter_bytes", 0.0) or p.allreduce_bytes
-        d = link.seconds(collective_of("dense", sharded), own, 0)
-        m = d if p.representation == "dense" else link.seconds(
-            collective_of(p.representation, sharded), p.sent_bytes, 2 if p.representation == "exact" else 0)
+        d = link.seconds(collective_of(DENSE, sharded), own, 0)
+        m = d if p.representation == DENSE else link.seconds(
+            collective_of(p.representation, sharded), p.sent_bytes, 2 if p.representation == EXACT else 0)
         mode_s, dense_s, auto_s = mode_s + m, dense_s + d, auto_s + min(m, d)
-        auto_routes[p.representation if m < d else "dense"] += 1
+        auto_routes[p.representation if m < d else DENSE] += 1
     return _line(config, mode_s, dense_s, auto_s, auto_routes, link, sharded, name)
 
 

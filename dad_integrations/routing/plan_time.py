@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK_ALLREDUCE
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.planner import StepPlan, _ms, _table, rate_below
 from dad_integrations.routing.timing import StepTiming
@@ -47,7 +48,7 @@ class TimePlan:
 
 def _powersgd_compute(timing: StepTiming, shape, psgd: Optional[float], allreduce: float) -> float:
     compresses = psgd is not None and psgd < allreduce
-    return timing.compute.seconds("rank_allreduce", shape, rows_by_rank=[[0]], world_size=1) if compresses else 0.0
+    return timing.compute.seconds(RANK_ALLREDUCE, shape, rows_by_rank=[[0]], world_size=1) if compresses else 0.0
 
 
 def time_plan(step: StepPlan, timing: StepTiming, *, sites: int, compressed: Optional[StepPlan] = None) -> TimePlan:
@@ -55,23 +56,22 @@ def time_plan(step: StepPlan, timing: StepTiming, *, sites: int, compressed: Opt
     all-reduce and PowerSGD; ``compressed`` (the same model's plan by bytes) gives dAD's break-even."""
     link = timing.link
     rows: List[UnitTime] = []
-    for r in step.units:
+    psgd_compute = [_powersgd_compute(timing, r.shape, r.powersgd, r.allreduce) for r in step.units]
+    for r, compute in zip(step.units, psgd_compute):
         dad = timing.route_seconds({r.route: r.dad}, shape=r.shape, uses=len(r.rows), rows_by_rank=[r.rows] * sites,
                                    world_size=sites, size_exchange=r.exchange_sizes)[r.route]
-        psgd = None if r.powersgd is None else (link.seconds("all_reduce", r.powersgd, 0)
-                                                + _powersgd_compute(timing, r.shape, r.powersgd, r.allreduce))
+        psgd = None if r.powersgd is None else link.seconds("all_reduce", r.powersgd, 0) + compute
         rows.append(UnitTime(r.name, r.route, dad, link.seconds("all_reduce", r.allreduce, 0), psgd))
     dense = link.seconds("all_reduce", step.dense_allreduce, 0)
     dense_psgd = None if step.dense_powersgd is None else link.seconds("all_reduce", step.dense_powersgd, 0)
-    rows.append(UnitTime(f"dense parameters ({step.dense_params})", "dense",
+    rows.append(UnitTime(f"dense parameters ({step.dense_params})", DENSE,
                          link.seconds("all_reduce", step.dense_dad, 0), dense, dense_psgd))
     # the dense buckets' latency: one call per bucket, every method alike
     total_psgd = None if step.powersgd is None else sum(u.powersgd or 0.0 for u in rows)
     plan = TimePlan(rows, sum(u.dad for u in rows), sum(u.allreduce for u in rows), total_psgd, {})
     plan.break_even["dad"] = _break_even(compressed or step, timing, sites)
     if step.powersgd is not None:
-        compute = sum(_powersgd_compute(timing, r.shape, r.powersgd, r.allreduce) for r in step.units)
-        plan.break_even["powersgd"] = _solve(step.allreduce, step.powersgd, compute, 0.0)
+        plan.break_even["powersgd"] = _solve(step.allreduce, step.powersgd, sum(psgd_compute), 0.0)
     return plan
 
 
@@ -81,7 +81,7 @@ def _break_even(step: StepPlan, timing: StepTiming, sites: int) -> Optional[floa
     for r in step.units:
         compute += timing.compute.seconds(r.route, r.shape, rows_by_rank=[r.rows] * sites, world_size=sites,
                                           calls=len(r.rows))
-        if r.route == "exact":
+        if r.route == EXACT:
             latency += (1 + int(r.exchange_sizes)) * timing.link.all_gather.alpha
     return _solve(step.allreduce, step.total, compute, latency)
 
@@ -103,4 +103,4 @@ def render_time(plan: TimePlan, link: LinkModel, compute_note: str) -> str:
     if "powersgd" in plan.break_even:
         footer.append(f"PowerSGD pays {rate_below(plan.break_even['powersgd'], 'never', 'at any bandwidth')}")
     return _table(f"predicted step time beyond compute, per rank: link {link.describe()}; {compute_note}", columns,
-                  units, None, total, footer)
+                  units, total, footer)

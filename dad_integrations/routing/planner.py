@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import BUILT_IN, DENSE, EXACT, RANK, RANK_ALLREDUCE
 from dad_integrations.capture.assign import build_plan
 from dad_integrations.comm.aggregator import ring_allreduce_bytes
 from dad_integrations.comm.link_spec import KINDS, LinkCost
@@ -129,23 +131,16 @@ def _steady_routes(plan, ctx: RouteContext, tokens: int, positions: int, rows: O
 def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str, rank: Optional[int],
                  rank_route: str = DADConfig.rank_route, dtype: torch.dtype = torch.float32,
                  powersgd_rank: Optional[int] = None, timing=None, rows: Optional[RowCounts] = None) -> StepPlan:
-    """Bytes one rank sends per unit in a steady-state step of ``mode`` (the router's decision from
-    the counts of the unit's last size exchange), with ``tokens`` rows per captured call, or the
-    counted ``rows`` per use (`count_rows`) where given.
-
-    Size exchanges count where the route needs agreed rows; biases of rank-r and dense units go to
-    the dense buckets, as the synchroniser sends them (a step where every rank has every gradient
-    needs no flags: `codecs.dense`). ``powersgd_rank``
-    (default ``rank``) adds PyTorch's PowerSGD hook per parameter; None when neither is set.
-    With a ``timing`` (`timing.StepTiming`), routes are chosen by predicted time (objective
-    ``"time"``), else by bytes.
-    """
+    """Bytes one rank sends per unit in a steady-state step of ``mode`` (`_steady_routes`), with
+    ``tokens`` rows per captured call, or the counted ``rows`` per use (`count_rows`) where given.
+    Biases of rank-r and dense units go to the dense buckets, as the synchroniser sends them.
+    ``powersgd_rank`` (default ``rank``) adds PyTorch's PowerSGD hook per parameter; None when
+    neither is set. With a ``timing`` (`timing.StepTiming`), routes are chosen by predicted time."""
     s, item = world_size, dtype.itemsize
     config = DADConfig(mode=mode, rank=rank, rank_route=rank_route,
                        objective="time" if timing is not None else "bytes")
     psgd_rank = powersgd_rank if powersgd_rank is not None else rank
     ctx = RouteContext(config, world_size=s, wire_dtype=dtype, timing=timing)
-    counts = {"exact": 0, "rank": 0, "rank_allreduce": 0, "dense": 0}
     units: List[UnitRow] = []
     sent = 0.0  # everything but the dense buckets
     dense_param_numel = sum(p.numel() for _, p in plan.dense)
@@ -153,11 +148,10 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
     for u, shape, use, decision, est in _steady_routes(plan, ctx, tokens, positions, rows):
         (m, n), bias_numel = shape.shape, u.bias_numel  # the matrix view: a convolution's (out, in x kernel)
         rep, exchange = decision.representation, decision.exchange_sizes
-        counts[rep] += 1
         own = size_exchange_bytes(len(u.uses), s) if exchange else 0.0
         d_numel = d_items = 0
-        if rep == "exact":
-            own += est["exact"]
+        if rep == EXACT:
+            own += est[EXACT]
         elif is_rank_route(rep):
             own += est[rep] - ring_allreduce_bytes(bias_numel * item, s)
             d_numel, d_items = bias_numel, len(u.biases)
@@ -167,7 +161,7 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         dense_numel += d_numel
         dense_items += d_items
         units.append(UnitRow(u.name, (m, n), use, rep, exchange, own + ring_allreduce_bytes(d_numel * item, s),
-                             est["dense"], _powersgd(u.params, psgd_rank, s, item), d_numel, d_items, unit_kind(u)))
+                             est[DENSE], _powersgd(u.params, psgd_rank, s, item), d_numel, d_items, unit_kind(u)))
     total = sent
     if dense_items:
         total += ring_allreduce_bytes(dense_numel * item, s)
@@ -178,7 +172,13 @@ def steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: st
         dense_allreduce=dense_dad, dense_powersgd=dense_psgd, dense_numel=dense_numel, dense_items=dense_items,
         total=total, allreduce=ring_allreduce_bytes((dense_param_numel + sum(m * n for m, n in (r.shape for r in units))
                                                      + sum(u.bias_numel for u in plan.units)) * item, s),
-        powersgd=None if dense_psgd is None else dense_psgd + sum(r.powersgd for r in units), counts=counts)
+        powersgd=None if dense_psgd is None else dense_psgd + sum(r.powersgd for r in units),
+        counts=route_counts(units, BUILT_IN))
+
+
+def route_counts(rows, first: Sequence[str] = ()) -> Dict[str, int]:
+    """Units per route of a plan's ``rows``: ``first`` in order (0 where none), then the others as met."""
+    return {**dict.fromkeys(first, 0), **Counter(r.route for r in rows)}
 
 
 def _powersgd(params, rank: Optional[int], sites: int, item: int) -> Optional[float]:
@@ -217,29 +217,25 @@ class ShardedStepPlan:
 def sharded_steady_state(plan, *, tokens: int, positions: int, world_size: int, mode: str,
                          rank: Optional[int], rank_route: str = DADConfig.rank_route,
                          dtype: torch.dtype = torch.float32, rows: Optional[RowCounts] = None) -> ShardedStepPlan:
-    """Bytes one rank sends per unit in a steady-state FSDP2 step (`fsdp.enable_dad_fsdp`): every
-    unit's rows are exchanged each backward (`exchange.row_shards.RowShardCall.agree_counts`; not in
-    mode ``"rank"``, `router.sharded_needs_counts`), the router decides with ``sharded=True`` on
-    those counts, and the route's estimate is what the unit sends; parameters outside the units, and units routed dense, go through FSDP2's
-    reduce-scatter (`costs.reduce_scatter_bytes`, in ``dtype``)."""
+    """Bytes one rank sends per unit in a steady-state FSDP2 step (`fsdp.enable_dad_fsdp`): each
+    unit's row counts (`router.sharded_needs_counts`) and its route's estimate (`_steady_routes`);
+    parameters outside the units, and units routed dense, go through FSDP2's reduce-scatter."""
     s, item = world_size, dtype.itemsize
     config = DADConfig(mode=mode, rank=rank, rank_route=rank_route)
     exchanges_counts = sharded_needs_counts(config, step=config.lossless_steps)  # a steady-state step
-    counts: Dict[str, int] = {}
     units: List[ShardedUnitRow] = []
     ctx = RouteContext(config, world_size=s, wire_dtype=dtype, sharded=True)
     for u, shape, use, decision, est in _steady_routes(plan, ctx, tokens, positions, rows):
         (m, n), rep = shape.shape, decision.representation
-        counts[rep] = counts.get(rep, 0) + 1
         baseline = reduce_scatter_bytes((m, n), s, item) + sum(reduce_scatter_bytes(tuple(b.param.shape), s, item)
                                                                for b in u.biases)
         counts_exchange = (s - 1) * 8.0 * len(u.uses) if exchanges_counts else 0.0  # whatever the route
-        dad = (baseline if rep == "dense" else est[rep]) + counts_exchange
+        dad = (baseline if rep == DENSE else est[rep]) + counts_exchange
         units.append(ShardedUnitRow(u.name, (m, n), use, rep, dad, baseline, unit_kind(u)))
     dense = sum(reduce_scatter_bytes(tuple(p.shape), s, item) for _, p in plan.dense)
     return ShardedStepPlan(units=units, dense_params=len(plan.dense), dense_reduce_scatter=dense,
                            total=dense + sum(r.dad for r in units),
-                           reduce_scatter=dense + sum(r.reduce_scatter for r in units), counts=counts)
+                           reduce_scatter=dense + sum(r.reduce_scatter for r in units), counts=route_counts(units))
 
 
 def count_rows(model: torch.nn.Module, plan, inputs: Dict[str, torch.Tensor]) -> RowCounts:
@@ -303,13 +299,11 @@ def _mb(b: Optional[float]) -> str:
     return "-" if b is None else f"{b / 2 ** 20:,.2f}"
 
 
-def _table(header: str, columns: Sequence[Tuple[str, int]], units: Sequence[Sequence[str]],
-           other: Optional[Sequence[str]], total: Sequence[str], footer: Sequence[str]) -> str:
+def _table(header: str, columns: Sequence[Tuple[str, int]], units: Sequence[Sequence[str]], total: Sequence[str],
+           footer: Sequence[str]) -> str:
     """A plan as text: the name column, then ``columns`` (title, width; right-aligned but for the
-    kind and the routes), one line per factor unit, the other parameters (if any), a rule and the
-    totals."""
-    others = [other] if other is not None else []
-    name_w = max(len(u[0]) for u in list(units) + others + [total])
+    kind and the routes), one line per factor unit (and the other parameters), a rule and the totals."""
+    name_w = max(len(u[0]) for u in list(units) + [total])
 
     def line(cells: Sequence[str]) -> str:
         out = [f"{cells[0]:<{name_w}}"]
@@ -319,52 +313,46 @@ def _table(header: str, columns: Sequence[Tuple[str, int]], units: Sequence[Sequ
 
     head = line(["layer"] + [title for title, _ in columns])
     rule = "-" * len(head)
-    return "\n".join([header, "", head, rule] + [line(u) for u in list(units) + others] + [rule, line(total), ""]
+    return "\n".join([header, "", head, rule] + [line(u) for u in units] + [rule, line(total), ""]
                      + list(footer))
 
 
-def _unit_columns(units, *more: Tuple[str, int]) -> List[Tuple[str, int]]:
-    """The columns `render` and `render_sharded` share (kind to dAD's bytes), then ``more``."""
-    return [("kind", max([len(r.kind) for r in units] + [5])), ("shape", 12), ("rows", 11), ("route", 14),
-            ("dAD MB", 10), *more]
-
-
-def _unit_cells(r, *more: str) -> List[str]:
-    """A unit's cells in `_unit_columns`, then ``more``."""
-    return [r.name, r.kind, "x".join(map(str, r.shape)), _rows(r.rows), r.route, _mb(r.dad), *more]
-
-
-def _rows(rows: Sequence[int]) -> str:
-    """Rows per use, ``+``-joined; ``-`` for a unit without uses (its dense gradient is routed)."""
-    return "+".join(map(str, rows)) if rows else "-"
+def _step_table(step, header: str, other: Tuple[str, str, float], baselines: Sequence[Tuple[str, int, str]],
+                footer: Sequence[str]) -> str:
+    """`render`'s and `render_sharded`'s table: per factor unit its kind, rows (``-`` without uses:
+    its dense gradient is routed), dAD's route and MB, then each of ``baselines`` (title, width, the
+    attribute of the rows and, ``dense_`` before it, of the plan); then the parameters outside the
+    units (``other``: their label, numel and dAD's bytes) and the totals."""
+    attrs = [a for _, _, a in baselines]
+    columns = [("kind", max([len(r.kind) for r in step.units] + [5])), ("shape", 12), ("rows", 11), ("route", 14),
+               ("dAD MB", 10), *[(title, width) for title, width, _ in baselines]]
+    units = [[r.name, r.kind, "x".join(map(str, r.shape)), "+".join(map(str, r.rows)) or "-", r.route, _mb(r.dad),
+              *[_mb(getattr(r, a)) for a in attrs]] for r in step.units]
+    label, numel, dad = other
+    units.append([f"{label} ({step.dense_params})", DENSE, numel, "", DENSE, _mb(dad),
+                  *[_mb(getattr(step, "dense_" + a)) for a in attrs]])
+    total = ["total", "", "", "", "", _mb(step.total), *[_mb(getattr(step, a)) for a in attrs]]
+    return _table(header, columns, units, total, footer)
 
 
 def render(step: StepPlan, header: str) -> str:
     """The plan as a text table, one line per factor unit, then the dense parameters and totals."""
-    columns = _unit_columns(step.units, ("all-reduce MB", 13), ("PowerSGD MB", 11))
-    units = [_unit_cells(r, _mb(r.allreduce), _mb(r.powersgd)) for r in step.units]
-    other = [f"dense parameters ({step.dense_params})", "dense", f"{step.dense_param_numel:,} el", "", "dense",
-             _mb(step.dense_dad), _mb(step.dense_allreduce), _mb(step.dense_powersgd)]
-    total = ["total", "", "", "", "", _mb(step.total), _mb(step.allreduce), _mb(step.powersgd)]
     c = step.counts
-    footer = [f"routes: {c['exact']} exact, {c['rank']} rank (all-gather), "
-              f"{c['rank_allreduce']} rank (all-reduce), {c['dense']} dense",
+    footer = [f"routes: {c[EXACT]} exact, {c[RANK]} rank (all-gather), "
+              f"{c[RANK_ALLREDUCE]} rank (all-reduce), {c[DENSE]} dense",
               f"dAD / all-reduce: {step.total / step.allreduce:.4f}"
               + ("" if step.powersgd is None else f"; PowerSGD / all-reduce: {step.powersgd / step.allreduce:.4f}")]
-    return _table(header, columns, units, other, total, footer)
+    return _step_table(step, header, ("dense parameters", f"{step.dense_param_numel:,} el", step.dense_dad),
+                       [("all-reduce MB", 13, "allreduce"), ("PowerSGD MB", 11, "powersgd")], footer)
 
 
 def render_sharded(step: ShardedStepPlan, header: str) -> str:
     """The sharded plan as a text table: per factor unit, dAD's route and bytes beside FSDP2's
     reduce-scatter; then the other parameters and the totals."""
-    columns = _unit_columns(step.units, ("reduce-scatter MB", 17))
-    units = [_unit_cells(r, _mb(r.reduce_scatter)) for r in step.units]
-    other = [f"other parameters ({step.dense_params})", "dense", "", "", "dense", _mb(step.dense_reduce_scatter),
-             _mb(step.dense_reduce_scatter)]
-    total = ["total", "", "", "", "", _mb(step.total), _mb(step.reduce_scatter)]
     footer = ["routes: " + ", ".join(f"{v} {k}" for k, v in sorted(step.counts.items())),
               f"dAD / reduce-scatter: {step.total / step.reduce_scatter:.4f}"]
-    return _table(header, columns, units, other, total, footer)
+    return _step_table(step, header, ("other parameters", "", step.dense_reduce_scatter),
+                       [("reduce-scatter MB", 17, "reduce_scatter")], footer)
 
 
 def plan_sharded_model(model: torch.nn.Module, *, sites: int, tokens_per_rank: int, rank: Optional[int],
@@ -468,17 +456,22 @@ def break_even_bandwidth(pays: Callable[[float], bool], bounds: Tuple[float, flo
     return math.sqrt(lo * hi)
 
 
+def _inter_break_even(timing: TwoLevelTiming, pays: Callable[[TwoLevelTiming], bool]) -> Optional[float]:
+    """`break_even_bandwidth` of ``pays`` on ``timing`` with each bandwidth between nodes."""
+    return break_even_bandwidth(
+        lambda beta: pays(dataclasses.replace(timing, inter=with_bandwidth(timing.inter, beta))))
+
+
 def _unit_break_even(config: DADConfig, unit: LevelUnit, node_rows, *, step: int, topology: Topology,
                      timing: TwoLevelTiming) -> Optional[float]:
     """Inter-node bandwidth below which ``unit`` leaves dense at two levels (by time)."""
-    def compresses(beta: float) -> bool:
-        at = dataclasses.replace(timing, inter=with_bandwidth(timing.inter, beta))
+    def compresses(at: TwoLevelTiming) -> bool:
         rep, _, _ = choose_two_level(config, unit.shape, node_rows, step=step, nodes=topology.num_nodes,
                                      local_size=topology.local_size, wire_dtype=unit.wire_dtype, timing=at,
                                      dense_only=unit.dense_only)
-        return rep != "dense"
+        return rep != DENSE
 
-    return break_even_bandwidth(compresses)
+    return _inter_break_even(timing, compresses)
 
 
 def _step_break_even(pairs, timing: TwoLevelTiming, local_size: int) -> Tuple[float, float, Optional[float]]:
@@ -486,16 +479,15 @@ def _step_break_even(pairs, timing: TwoLevelTiming, local_size: int) -> Tuple[fl
     bandwidth below which compressed is faster. ``pairs``: per unit ``(unit, node_rows, dense
     hops, compressed route, its hops)``."""
     def seconds(at: TwoLevelTiming) -> Tuple[float, float]:
-        dense = sum(at.seconds("dense", d, u.shape, rows, local_size) for u, rows, d, _, _ in pairs)
+        dense = sum(at.seconds(DENSE, d, u.shape, rows, local_size) for u, rows, d, _, _ in pairs)
         packed = sum(at.seconds(rep, h, u.shape, rows, local_size) for u, rows, _, rep, h in pairs)
         return dense, packed
 
-    def pays(beta: float) -> bool:
-        dense, packed = seconds(dataclasses.replace(timing, inter=with_bandwidth(timing.inter, beta)))
+    def pays(at: TwoLevelTiming) -> bool:
+        dense, packed = seconds(at)
         return packed < dense
 
-    dense, packed = seconds(timing)
-    return dense, packed, break_even_bandwidth(pays)
+    return (*seconds(timing), _inter_break_even(timing, pays))
 
 
 def plan_levels(plan, *, tokens: int, positions: int, nodes: int, local_size: int, mode: str,
@@ -527,7 +519,7 @@ def plan_levels(plan, *, tokens: int, positions: int, nodes: int, local_size: in
             cache[key] = _unit_break_even(config, unit, c.node_rows, step=step, topology=topology, timing=timing)
         rep, hops, _ = choose_two_level(by_bytes, unit.shape, c.node_rows, step=step, nodes=nodes,
                                         local_size=local_size, wire_dtype=dtype, timing=None)
-        pairs.append((unit, c.node_rows, hop_bytes("dense", unit.shape, c.node_rows, **args), rep, hops[rep]))
+        pairs.append((unit, c.node_rows, hop_bytes(DENSE, unit.shape, c.node_rows, **args), rep, hops[rep]))
         h = c.hops
         out.append(LevelUnitRow(u.name, u.shape, c.flat_route, c.flat_bytes, c.flat_seconds, c.route, h.to_owner,
                                 h.between, h.from_owner, c.seconds, cache[key]))
@@ -566,12 +558,12 @@ def plan_levels_model(model: torch.nn.Module, *, nodes: int, local_size: int, to
                        powersgd_rank=rank or None, rows=rows)
 
 
-def _gbit(b: Optional[float]) -> str:
-    """A bandwidth in Gbit/s, three digits or whole ones; ``any`` for inf, ``never`` for None."""
+def _gbit(b: Optional[float], never: str = "never", anywhere: str = "any") -> str:
+    """A bandwidth in Gbit/s, three digits or whole ones; ``anywhere`` for inf, ``never`` for None."""
     if b is None:
-        return "never"
+        return never
     if b == float("inf"):
-        return "any"
+        return anywhere
     g = b * 8 / 1e9
     return f"{g:,.0f}" if g >= 1000 else f"{g:.3g}"
 
@@ -587,7 +579,7 @@ def render_levels(lp: LevelPlan, header: str) -> str:
     total = ["total", "", "", _mb(sum(r.flat_bytes for r in lp.units)), _ms(lp.flat), "",
              _mb(sum(r.to_owner for r in lp.units)), _mb(sum(r.between for r in lp.units)),
              _mb(sum(r.from_owner for r in lp.units)), _ms(lp.two_level), ""]
-    counts = {k: sum(r.route == k for r in lp.units) for k in ("exact", "rank", "rank_allreduce", "dense")}
+    counts = route_counts(lp.units, BUILT_IN)
     nb = lp.node_bytes
     by_node = [("all-reduce, flat", nb["allreduce"]), ("PowerSGD, flat", nb["powersgd"]),
                ("dAD, flat routes", nb["dad_flat"]), ("all-reduce, two levels (hierarchical)", nb["allreduce_two_level"]),
@@ -605,7 +597,7 @@ def render_levels(lp: LevelPlan, header: str) -> str:
         "MB one node sends between nodes per step (flat: a ring over the ranks in node order, which leaves each "
         "node once):"]
     footer += [f"  {k:<{label_w}}  {_mb(v):>10}" for k, v in by_node]
-    return _table(header, columns, units, None, total, footer)
+    return _table(header, columns, units, total, footer)
 
 
 def _ms(s: Optional[float]) -> str:
@@ -614,8 +606,4 @@ def _ms(s: Optional[float]) -> str:
 
 def rate_below(b: Optional[float], never: str, anywhere: str, unit: str = "") -> str:
     """A break-even bandwidth as text: ``never`` for None, ``anywhere`` for inf, else "below ..."."""
-    if b is None:
-        return never
-    if b == float("inf"):
-        return anywhere
-    return f"below {_gbit(b)} Gbit/s{unit}"
+    return _gbit(b, never, anywhere) if b is None or b == float("inf") else f"below {_gbit(b)} Gbit/s{unit}"

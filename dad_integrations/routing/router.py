@@ -42,6 +42,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.config import DADConfig
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import (UnitSizing, estimates_on, get_route, rank_route_names, routes_for,
@@ -77,7 +78,7 @@ def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
     route either (the opt-in ones a config names, which ``"auto"`` weighs beside the others)."""
     available = list(available)
     if mode == "exact":
-        return ["exact" if "exact" in available else "dense"]
+        return [EXACT if EXACT in available else DENSE]
     ranks = [k for k in rank_route_names(rank_route) if k in available] if rank_allowed else []
     if mode == "rank" and ranks:
         return ranks
@@ -216,10 +217,10 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
     config, rules = step_rules(ctx.config, ctx.step)
     rank_allowed = rules["rank_allowed"]
     if seen.dense_only:
-        return Route("dense", first_step)
+        return Route(DENSE, first_step)
     if not unit.has_factors:  # no rows: decided without counts, never a size exchange
         if config.mode == "exact" or not rank_allowed:
-            return Route("dense", False)
+            return Route(DENSE, False)
     timed = ctx.timing if config.objective == "time" else None
 
     def decide(rows: RowCounts, given: Optional[Dict[str, float]], exchange: bool,
@@ -231,7 +232,7 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
         seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
                                       world_size=world_size, sharded=sharded, size_exchange=size_exchange)
         best = choose_at(ctx.config, ctx.step, est, seconds=seconds, current=seen.current)
-        return Route(best, exchange, seconds.get("dense", seconds[best]) - seconds[best],
+        return Route(best, exchange, seconds.get(DENSE, seconds[best]) - seconds[best],
                      spare_seconds(seconds, best) if config.mode == "auto" else 0.0)
 
     if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
@@ -240,9 +241,9 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
     if seen.rows_by_rank is not None:
         return decide(seen.rows_by_rank, seen.estimates, True)
     if first_step or ctx.refresh or config.mode == "exact" or seen.last_rows is None:
-        return Route("exact" if config.mode == "exact" else None, True)
+        return Route(EXACT if config.mode == "exact" else None, True)
     predicted = decide(seen.last_rows, None, False, size_exchange=True)
-    if predicted.representation != "exact":
+    if predicted.representation != EXACT:
         return predicted                # no counts needed
     return Route(None, True)            # exact predicted: refresh the counts, decide on them
 
@@ -250,8 +251,8 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
 def spare_seconds(seconds: Dict[str, float], chosen: str) -> float:
     """Where ``chosen`` is dense: the predicted seconds of the fastest other route priced
     (``seconds``) beyond dense's; 0 otherwise, or where no other route is priced."""
-    others = [t for k, t in seconds.items() if k != "dense"]
-    return max(0.0, min(others) - seconds["dense"]) if chosen == "dense" and others else 0.0
+    others = [t for k, t in seconds.items() if k != DENSE]
+    return max(0.0, min(others) - seconds[DENSE]) if chosen == DENSE and others else 0.0
 
 
 def rank_only(config: DADConfig, step: int) -> bool:
@@ -283,8 +284,8 @@ def unit_estimates(config: DADConfig, unit: UnitShape, rows_by_rank: RowCounts, 
     ``size_exchange``: exact factors exchange their sizes first (`costs.size_exchange_bytes`)."""
     sizing = unit_sizing(config, unit, rows_by_rank, wire_dtype, world_size=world_size)
     est = estimates_on(layouts.ROW_SHARDS if sharded else layouts.FLAT, sizing, routes_for(config.routes))
-    if size_exchange and "exact" in est:
-        est["exact"] += size_exchange_bytes(len(unit.kinds), world_size)
+    if size_exchange and EXACT in est:
+        est[EXACT] += size_exchange_bytes(len(unit.kinds), world_size)
     return est
 
 

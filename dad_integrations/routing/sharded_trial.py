@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.report import ParamReport
@@ -119,8 +120,8 @@ class ShardedTrial(TrialOwner):
 
     def note(self, unit: FactorUnit, decision: Route) -> None:
         """One weight's route this step."""
-        self._routes[unit.index] = decision.representation or "exact"
-        if decision.representation not in (None, "dense"):
+        self._routes[unit.index] = decision.representation or EXACT
+        if decision.representation not in (None, DENSE):
             self._compressed += 1
             self._saved += decision.saved_s
         else:

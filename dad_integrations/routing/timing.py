@@ -29,6 +29,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.routing.compute_model import ComputeModel, measure_compute
 from dad_integrations.config import DADConfig
@@ -66,11 +67,11 @@ class StepTiming:
         """Predicted seconds per representation of one unit, from its byte ``estimates``."""
         out = {}
         for rep, nbytes in estimates.items():
-            calls = (1 + int(size_exchange)) if rep == "exact" else 0
+            calls = (1 + int(size_exchange)) if rep == EXACT else 0
             out[rep] = (self.link.seconds(collective_of(rep, sharded), nbytes, calls)
                         + self.compute.seconds(rep, shape, rows_by_rank=rows_by_rank, world_size=world_size,
                                                calls=uses)
-                        + (self.overhead_s if rep != "dense" else 0.0))
+                        + (self.overhead_s if rep != DENSE else 0.0))
         return out
 
 

@@ -62,6 +62,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE
 from dad_integrations.config import DADConfig
 from dad_integrations.logs import say
 from dad_integrations.report import ParamReport, route_summary
@@ -266,8 +267,7 @@ class RouteTrial:
         if not 0 <= k < self.rounds * 2 * self.pairs_per_round:
             return None
         pair, second = divmod(k, 2)
-        first = "routes" if pair % 2 == 0 else "dense"
-        return first if not second else ("dense" if first == "routes" else "routes")
+        return ("routes", "dense")[(pair + second) % 2]
 
     def holds_residuals(self, step: int) -> bool:
         """Step ``step`` is a dense-arm step: error-feedback residuals wait for the trial's next
@@ -339,7 +339,7 @@ class RouteTrial:
         return routes, dense
 
     def _decide(self, step: int, routes: List[float], dense: List[float], verdict: Optional[bool]) -> TrialOutcome:
-        compressed = sum(rep != "dense" for rep in self.routes.values())
+        compressed = sum(rep != DENSE for rep in self.routes.values())
         kept = True if verdict is None else verdict  # split evidence: the models chose the routes
         difference = statistics.median([r - d for r, d in zip(routes, dense)]) if routes else 0.0
         if compressed:

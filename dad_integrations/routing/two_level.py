@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from dad_integrations.builtin_routes import DENSE
 from dad_integrations.comm.topology import Topology
 from dad_integrations.config import DADConfig
 from dad_integrations.routing.compute_model import ComputeModel
@@ -63,11 +64,11 @@ class TwoLevelTiming:
         ZeRO's partitions across nodes the engine's own reduce-scatter (``dense``) is the hop
         between nodes alone, shared by the node's ``L`` ranks."""
         between = self.inter.seconds(get_route(rep).collective(layout), hops.between, 0) / local_size
-        if layout is layouts.NODE_PARTITIONS and rep == "dense":
+        if layout is layouts.NODE_PARTITIONS and rep == DENSE:
             return between
         t = self.intra.seconds("all_to_all", hops.to_owner, 0) + self.intra.seconds("all_gather", hops.from_owner, 0)
         t += between
-        if self.compute is not None and rep != "dense":
+        if self.compute is not None and rep != DENSE:
             rows = node_rows if node_rows is not None else [[0] * len(unit.kinds)]
             t += self.compute.seconds(rep, unit.shape, rows_by_rank=rows, world_size=len(rows),
                                       calls=len(unit.kinds)) / local_size
@@ -79,7 +80,7 @@ def candidates(config: DADConfig, unit: UnitShape, step: int, *, rows_known: boo
     """The routes ``unit`` may take on ``layout`` in step ``step``: the router's rule
     (`router.candidates_at`) over the routes that run there, exact only where its rows are known."""
     if dense_only:
-        return ("dense",)
+        return (DENSE,)
     available = [name for name in routes_for(config.routes)
                  if get_route(name).supports(layout)
                  and (not get_route(name).needs_rows or (rows_known and unit.has_factors))]
@@ -162,7 +163,7 @@ def flat_choice(config: DADConfig, unit: LevelUnit, *, step: int, world_size: in
     bytes per rank and its seconds."""
     est = unit_estimates(step_rules(config, step)[0], unit.shape, unit.rows_by_rank, world_size, unit.wire_dtype)
     if unit.dense_only:
-        est = {"dense": est["dense"]}
+        est = {DENSE: est[DENSE]}
     seconds = timing.route_seconds(est, shape=unit.shape.shape, uses=len(unit.shape.kinds),
                                    rows_by_rank=unit.rows_by_rank, world_size=world_size)
     return choose_at(config, step, est, seconds=seconds), est, seconds
