@@ -20,7 +20,7 @@ GROUP, INSIDE, BETWEEN = "the whole group", "inside a node", "between nodes"
 # where a rank route's error-feedback residual of one weight lives (`Layout.residuals`), for the
 # docs' table and the attach warning (`codecs.error_feedback.residual_note`)
 RESIDUALS: Dict[str, str] = {
-    "rank": "one whole `m x n` residual per rank-routed weight, on every rank",
+    "every_rank": "one whole `m x n` residual per rank-routed weight, on every rank",
     "owner": "one whole `m x n` residual of the node's sum per rank-routed weight, on the weight's owner only "
              "(one rank a node; each owns about `1/L` of the weights)",
     "rows": "each rank its rows of its node's residual, `ceil(m/L) x n`: sharded like the gradient",
@@ -40,7 +40,7 @@ class Layout:
     wire_hop: int = 0
     sharded: bool = False
     keeps: str = ""
-    residuals: str = "rank"
+    residuals: str = "every_rank"
     engine_inside: str = ""
 
 
