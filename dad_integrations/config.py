@@ -142,6 +142,12 @@ class DADConfig:
             is never slower than all-reduce's; on a measured link a route trial checks that on
             the job's own steps (``route_trial_steps``). ``"bytes"``: the fewest bytes, with the guarantee
             of never sending more than PyTorch's PowerSGD hook at rank ``rank``.
+        byte_cap: under ``objective="time"`` in mode ``"auto"`` with a rank, no weight takes a
+            compressed route (exact factors, rank-dAD's all-gather, a route of ``routes``) that sends
+            more bytes than PyTorch's PowerSGD hook would for it at rank ``rank`` (the lesser of its
+            all-reduced ``P``, ``Q`` and dense); dense stays a choice. False lets time choose any
+            route, for example rank-dAD's one all-gather at more than two sites where it is faster
+            than PowerSGD's two all-reduces at more bytes.
         link: the link model for ``objective="time"``: None measures it on the job's own group at
             attach (and again every ``route_refresh_steps``); a dict states it, for planning and
             tests: ``{"bandwidth": "10gbit", "latency_us": 20}`` (bandwidth as ``"<n>gbit"``,
@@ -188,6 +194,7 @@ class DADConfig:
     rank_route: str = "auto"
     lossless_steps: int = dataclasses.field(default_factory=default_lossless_steps)
     objective: str = dataclasses.field(default_factory=default_objective)
+    byte_cap: bool = True
     link: Optional[Mapping[str, Any]] = None
     route_refresh_steps: int = 200
     route_trial_steps: int = 8
@@ -217,7 +224,7 @@ class DADConfig:
         if self.route_trial_steps % 2:
             raise ValueError("dad config key 'route_trial_steps': must be an even integer >= 0 (pairs of "
                              f"steps; 0: no trial), got {self.route_trial_steps!r}")
-        for key in ("warm_start", "error_feedback", "verify_first_step"):
+        for key in ("warm_start", "error_feedback", "verify_first_step", "byte_cap"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"dad config key {key!r}: must be true or false, got {getattr(self, key)!r}")
         tol = self.adaptive_tolerance

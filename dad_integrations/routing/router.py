@@ -16,6 +16,8 @@ Against PowerSGD. PowerSGD's hook sends each matrix as ``r (m+n)`` all-reduced (
 that does not compress it twofold) and everything else dense. Auto with ``rank=r`` takes the
 fewest bytes among routes that include both of those (``"rank_allreduce"`` is PowerSGD's
 exchange; ``"dense"`` its all-reduce), so in steady state it never sends more, weight by weight.
+By time the same holds for every compressed route (`byte_capped`, config key ``byte_cap``): one
+that would send more than the lesser of those two is no candidate; dense always is.
 
 Size exchanges. Exact factors have a row count per rank, which the ranks agree on (one small
 all-gather per unit) before the factors' all-gather. The first step (verification) exchanges
@@ -42,7 +44,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from dad_integrations.builtin_routes import DENSE, EXACT
+from dad_integrations.builtin_routes import DENSE, EXACT, RANK_ALLREDUCE
 from dad_integrations.config import DADConfig
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import (UnitSizing, estimates_on, get_route, rank_route_names, routes_for,
@@ -98,6 +100,7 @@ def choose_at(config: DADConfig, step: Optional[int], estimates: Dict[str, float
     pick = functools.partial(choose, config.mode, **rules)
     if seconds is None:
         return pick(estimates, ties=ties)
+    seconds = byte_capped(config, estimates, seconds)
     best = pick(seconds, ties=estimates)
     if config.mode == "auto":
         best = pick({k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]})
@@ -105,6 +108,17 @@ def choose_at(config: DADConfig, step: Optional[int], estimates: Dict[str, float
         if pick({**seconds, current: -1.0}) == current:
             best = current  # still allowed, and not worth a switch
     return best
+
+
+def byte_capped(config: DADConfig, estimates: Dict[str, float], seconds: Dict[str, float]) -> Dict[str, float]:
+    """``seconds`` without the compressed routes that send more bytes (``estimates``) than PowerSGD's
+    hook would for the weight at the same rank: the lesser of its all-reduced ``P``, ``Q`` and dense
+    (config key ``byte_cap``; mode auto with a rank, where the rank routes are priced). Dense stays.
+    By bytes no cap is needed: PowerSGD's two routes are among the candidates."""
+    if not (config.byte_cap and config.mode == "auto" and RANK_ALLREDUCE in estimates and DENSE in estimates):
+        return seconds
+    cap = min(estimates[RANK_ALLREDUCE], estimates[DENSE]) * (1 + 1e-12)
+    return {k: t for k, t in seconds.items() if k == DENSE or estimates.get(k, 0.0) <= cap}
 
 
 def candidates_at(config: DADConfig, step: Optional[int], available: Iterable[str]) -> List[str]:
