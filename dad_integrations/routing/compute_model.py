@@ -13,16 +13,36 @@ sites, N rows per site, rank r, ``k`` power iterations:
   ``2 S N m n`` flops, which grows with the number of sites (the paper's ViT blow-up).
 
 These are memory-bound at small r and launch-bound on a GPU for small layers, so they are not
-derived from a peak flop rate: `measure_compute` times the rank routes' own kernel sequence once
-per distinct weight shape, the exact rebuild at one reference row count (scaled linearly in rows:
-it is one GEMM with an ``S N`` inner dimension), and one captured call of a small layer against
-an uncaptured one. Ranks agree by taking the slowest rank's figures, so every rank routes alike.
+derived from a peak flop rate: `measure_compute` times the rank routes' own kernel sequence, the
+exact rebuild at a reference row count (scaled linearly in rows: it is one GEMM with an ``S N``
+inner dimension), and one captured call of a small layer against an uncaptured one. Ranks agree
+by taking the slowest rank's figures, so every rank routes alike.
+
+Bounded shapes. Timing a 32000 x 4096 embedding as it is would take seconds and hold several
+copies of it; so a weight of more than ``BOUND_ELEMENTS`` (2^22, 16 MiB in fp32) is timed as
+``bounded_shape``: each dimension capped at ``BOUND_DIM`` (2048, or the rank where that is larger,
+so the power iteration's r is the one of the full shape), and its seconds scaled to the full shape
+by ``m n / m' n'`` (`scale`). That ratio is every term's: at a fixed r the power iteration's
+``4 k m n r`` and the rebuilds' ``2 m n r``, ``2 S r m n`` flops, the exact rebuild's
+``2 rows m n``, and the memory-bound compensation and residual passes over ``m n`` numbers all grow
+as ``m n``. Only the exact route's packing (``m + n`` per row) grows more slowly, and scaling it by
+``m n`` over-counts a term the GEMM dwarfs. Several full shapes share one bounded shape (every
+Llama-7B matrix is timed as 2048 x 2048), so each bounded shape is timed once. The exact rebuild
+is timed at ``EXACT_REFERENCE_ROWS`` rows per site, at most ``EXACT_MAX_ROWS`` in all.
+
+Why these bounds: 2^22 elements keeps the shapes of models up to about 1 B parameters (GPT-2's
+768- and 1024-wide matrices, TinyLlama's 2048 x 2048 and 256 x 2048) timed as they are, with no
+scaling error; a 16 MiB buffer (four of them per probe) outgrows CPU caches and a GPU's L2, so the
+bounded probe streams from memory as the full shape does; and at 2^22 elements a pass takes about a
+millisecond on a CPU and tens of microseconds on a GPU, more than a kernel launch. Where launches
+still dominate (a GPU's small probes), scaling over-counts them: the estimate errs towards dense.
+No probe buffer holds more than 2^22 numbers (`bounded_shape` and the row cap) at a rank up to 2048.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -35,8 +55,30 @@ from dad_integrations.rng import isolated, private_generator
 from dad_integrations.routes.registry import get_route
 
 Shape = Tuple[int, int]
+BOUND_ELEMENTS = 1 << 22     # a weight of more numbers is timed as its bounded shape and scaled
+BOUND_DIM = 2048             # a bounded shape's dimensions, at most (or the rank, where larger)
 EXACT_REFERENCE_ROWS = 256   # rows per site at which the exact rebuild is timed
+EXACT_MAX_ROWS = 1024        # and at most this many in all (the rebuild is linear in rows)
 REPS = 3
+
+
+def bounded_shape(shape: Shape, rank: Optional[int] = None) -> Shape:
+    """The shape ``measure_compute`` times for a weight of ``shape``: itself up to
+    ``BOUND_ELEMENTS`` numbers, else each dimension capped at ``BOUND_DIM`` (or at ``rank``, where
+    that is larger: the power iteration then runs at the full shape's r)."""
+    m, n = (int(d) for d in shape)
+    if m < 1 or n < 1:
+        raise ValueError(f"a weight shape has positive dimensions, got {tuple(shape)}")
+    if m * n <= BOUND_ELEMENTS:
+        return m, n
+    cap = max(BOUND_DIM, rank or 0)
+    return min(m, cap), min(n, cap)
+
+
+def scale(shape: Shape, timed: Shape) -> float:
+    """The factor from seconds timed at ``timed`` to ``shape``'s: ``m n / m' n'``, every route
+    term's flop and byte ratio at the same r (see the module doc)."""
+    return (shape[0] * shape[1]) / (timed[0] * timed[1])
 
 
 @dataclass(frozen=True)
@@ -54,6 +96,7 @@ class ComputeModel:
 
     shapes: Dict[Shape, ShapeCosts] = field(default_factory=dict)
     capture_per_call: float = 0.0
+    timed_as: Dict[Shape, Shape] = field(default_factory=dict)  # measured: each shape's bounded shape
 
     def seconds(self, representation: str, shape: Shape, *, rows_by_rank: Sequence[Sequence[int]],
                 world_size: int, calls: int = 1) -> float:
@@ -81,21 +124,31 @@ class ComputeModel:
 def measure_compute(shapes: Iterable[Shape], *, rank: Optional[int], world_size: int, iterations: int,
                     error_feedback: bool, device: torch.device, dtype: torch.dtype = torch.float32,
                     aggregator: Optional[FactorAggregator] = None) -> ComputeModel:
-    """Time each route's local work for every distinct ``shape`` on ``device`` (see the module doc);
-    with an ``aggregator``, the slowest rank's figures, agreed by every rank."""
+    """Each route's local seconds for every distinct ``shape`` on ``device``: timed once per
+    distinct `bounded_shape` and scaled to the shape (see the module doc); with an ``aggregator``,
+    the slowest rank's figures, agreed by every rank."""
     distinct = sorted(set(tuple(s) for s in shapes))
-    costs: Dict[Shape, ShapeCosts] = {}
-    for m, n in distinct:
-        costs[(m, n)] = ShapeCosts(
+    timed_as = {s: bounded_shape(s, rank) for s in distinct}
+    rows = min(world_size * EXACT_REFERENCE_ROWS, EXACT_MAX_ROWS)
+    timed: Dict[Shape, ShapeCosts] = {}
+    for m, n in sorted(set(timed_as.values())):
+        timed[(m, n)] = ShapeCosts(
             rank_allreduce=_rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype,
                                          shared=True) if rank else 0.0,
             rank=_rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype) if rank else 0.0,
-            exact_per_row=_exact_seconds(m, n, world_size, device, dtype) / (world_size * EXACT_REFERENCE_ROWS))
-    model = ComputeModel(costs, _capture_seconds(device, dtype))
+            exact_per_row=_exact_seconds(m, n, rows, device, dtype) / rows)
+    costs = {s: _scaled(timed[b], scale(s, b)) for s, b in timed_as.items()}
+    model = ComputeModel(costs, _capture_seconds(device, dtype), timed_as)
     if aggregator is None or aggregator.world_size == 1:
         return model
     agreed = agree_max(aggregator, model.to_list(distinct), device, name="dad.compute.agree")
-    return ComputeModel.from_list(distinct, agreed)
+    return replace(ComputeModel.from_list(distinct, agreed), timed_as=timed_as)
+
+
+def _scaled(costs: ShapeCosts, factor: float) -> ShapeCosts:
+    if factor == 1:  # timed as it is: the figures unchanged, to the bit
+        return costs
+    return ShapeCosts(costs.rank_allreduce * factor, costs.rank * factor, costs.exact_per_row * factor)
 
 
 def _timed(fn: Callable[[], None], device: torch.device, reps: int = REPS) -> float:
@@ -138,8 +191,9 @@ def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, e
     return _timed(step, device)
 
 
-def _exact_seconds(m: int, n: int, world_size: int, device: torch.device, dtype: torch.dtype) -> float:
-    rows = world_size * EXACT_REFERENCE_ROWS
+def _exact_seconds(m: int, n: int, rows: int, device: torch.device, dtype: torch.dtype) -> float:
+    """The exact route's local work on an ``m x n`` weight: packing one site's factors and the
+    rebuild from ``rows`` rows (summed over sites)."""
     gen = private_generator(device)
     left = torch.randn(EXACT_REFERENCE_ROWS, m, device=device, dtype=dtype, generator=gen)
     right = torch.randn(EXACT_REFERENCE_ROWS, n, device=device, dtype=dtype, generator=gen)

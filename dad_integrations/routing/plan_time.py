@@ -5,10 +5,11 @@
 
 Per unit, the seconds one step spends on it beyond a step without communication: wire time on the
 link (`link.LinkModel`, the stated bandwidth and latency) plus the route's local compute
-(`compute_model`, measured here on ``--compute-device`` for the model's own weight shapes; ``none``
-counts no compute). dAD's routes are chosen by that prediction (objective ``"time"``), as the
-synchroniser chooses them on such a link; PowerSGD's hook pays its wire time and, for each matrix
-it compresses, the same local work as dAD's rank-r all-reduce route (the same algorithm).
+(`compute_model`, measured here on ``--compute-device`` for the model's own weight shapes, each
+timed at its bounded shape and scaled as at attach; ``none`` counts no compute). dAD's routes are
+chosen by that prediction (objective ``"time"``), as the synchroniser chooses them on such a link;
+PowerSGD's hook pays its wire time and, for each matrix it compresses, the same local work as dAD's
+rank-r all-reduce route (the same algorithm).
 
 Break-even bandwidth. Each method's step contribution is ``C + L + W / beta``: compute, latency and
 bytes over the bandwidth. Against all-reduce's ``L_a + W_a / beta`` a compressed plan pays below
