@@ -81,7 +81,8 @@ class ShardedTrial(TrialOwner):
         again = self.trial is not None and self.trial.refresh_at == step
         if (self.timing is not None and self.config.link is None and step > self._probed_step
                 and (again or step % self.config.route_refresh_steps == 0)):
-            self.timing = dataclasses.replace(self.timing, link=self.probe(aggregator, device))
+            self.timing = dataclasses.replace(self.timing, link=self.probe(aggregator, device,
+                                                                           top_bytes=self.timing.probe_top))
             self._probed_step = step
         return self.timing
 
