@@ -31,7 +31,8 @@ slowest time (a small all-gather), and the next size (4x the bytes) is probed on
 predicted to fit in what is left. On a slow link the ladder so stops early, already deep in the
 bandwidth regime: at 100 Mbit/s a 2-rank all-reduce of 1 MiB takes 84 ms, and the ladder stops
 there after about 0.35 s. On loopback or a fast fabric it reaches the top. A kind costs ``reps``
-timed calls per size probed, one warm-up call before the first, and one agreement per size.
+timed calls per size probed (their fastest counts: a slower one waited on a loaded core), one
+warm-up call before the first, and one agreement per size.
 
 The fit (`fit_link_cost`) gives each end of the ladder the parameter it measures. ``1 / beta`` is
 the least-squares slope over the large sizes, those within 16x of the largest (the top three of a
@@ -229,7 +230,9 @@ def _probe_kind(aggregator: FactorAggregator, device: torch.device, kind: str, l
             if rep or i:
                 times.append(time.perf_counter() - t0)
         del x  # dropped before the next, larger size is made
-        took = agree_max(aggregator, [statistics.median(times)], device, name=f"dad.link.{kind}.{size}.t")[0]
+        # the fastest call: the others waited on something else (a loaded core, another job), and
+        # where in doubt the link is taken as fast (`fit_link_cost`); the slowest rank's is agreed
+        took = agree_max(aggregator, [min(times)], device, name=f"dad.link.{kind}.{size}.t")[0]
         # the bytes the cost model counts for the call (ring models): the fitted rates predict them
         samples.append((wire_bytes(kind, numel * 4, s)[0], took))
         spent += took * (reps + (i == 0))
