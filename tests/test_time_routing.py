@@ -602,7 +602,7 @@ def test_sharded_untried_dense_is_watched_and_a_miss_measures_the_link_again():
     pieces.trial = RouteTrial(4)
     pieces.timing = _timing("10gbit")
     probed = []
-    pieces.probe = lambda aggregator, device: probed.append(1) or _timing("20mbit").link
+    pieces.probe = lambda aggregator, device, **sizing: probed.append(1) or _timing("20mbit").link
     units = [type("Unit", (), {"index": i})() for i in range(3)]
     now = [0.0]
     pieces.clock.clock = lambda: now[0]

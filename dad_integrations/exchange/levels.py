@@ -74,7 +74,7 @@ def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.
         elif config.link is not None:
             links = [LinkModel.from_spec(config.link)] * 2
         else:
-            links = measure_levels(aggregator, intra, cross, device)
+            links = measure_levels(aggregator, intra, cross, device, top_bytes=level_probe_top(config))
         timing = TwoLevelTiming(links[0], links[1])
         if aggregator.rank == 0:  # the details; `describe_hops` says the line users see
             log.debug("dAD: %s; inside a node %s; between nodes %s", topology.describe(), links[0].describe(),
@@ -82,13 +82,21 @@ def build_levels(config: DADConfig, aggregator: FactorAggregator, device: torch.
     return Levels(topology, intra, cross, timing, measured=timing is not None and config.link is None)
 
 
+def level_probe_top(config: DADConfig) -> int:
+    """The largest probe of each hop (`routing.link.probe_top`): a dense bucket, ``bucket_cap_mb``."""
+    from dad_integrations.routing.link import probe_top
+    return probe_top((), config.bucket_cap_mb * 2 ** 20)
+
+
 def measure_levels(world: FactorAggregator, intra: FactorAggregator, cross: FactorAggregator,
-                   device: torch.device) -> list:
+                   device: torch.device, *, top_bytes: int) -> list:
     """Both hops' link models, probed on every node and every cross group at once (as a step loads
-    them) and agreed across the whole group (the slowest figures); a collective."""
+    them) up to ``top_bytes`` (`level_probe_top`) and agreed across the whole group (the slowest
+    figures); a collective."""
     from dad_integrations.routing.link import LinkModel, agree_max, probe_link
 
-    local = probe_link(intra, device).to_list() + probe_link(cross, device).to_list()
+    local = (probe_link(intra, device, top_bytes=top_bytes).to_list()
+             + probe_link(cross, device, top_bytes=top_bytes).to_list())
     agreed = agree_max(world, local, device, name="dad.link.levels")
     k = len(agreed) // 2
     return [LinkModel.from_list(agreed[:k], measured=True), LinkModel.from_list(agreed[k:], measured=True)]

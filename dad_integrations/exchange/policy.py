@@ -35,7 +35,7 @@ from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.report import ParamReport
 from dad_integrations.routes.registry import is_rank_route
-from dad_integrations.routing.link import LinkModel, probe_link
+from dad_integrations.routing.link import LinkModel, job_probe_top, probe_link
 from dad_integrations.routing.mode_cost import mode_cost_line
 from dad_integrations.routing.router import Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route
 from dad_integrations.routing.sharded_trial import agree_on
@@ -197,7 +197,9 @@ class RoutePolicy(TrialOwner):
 
     def _probe(self) -> LinkModel:
         """Measure the flat link (a collective, at the same point on every rank)."""
-        return probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather"))
+        top = self.timing.probe_top if self.timing is not None else job_probe_top(
+            (u.shape for u in self.units), self.config.bucket_cap_mb)
+        return probe_link(self.aggregator, self.device, kinds=("all_reduce", "all_gather"), top_bytes=top)
 
     def _mode_cost_line(self, link: LinkModel) -> Optional[str]:
         """`routing.mode_cost.mode_cost_line` on the units' shapes and last agreed row counts."""

@@ -56,11 +56,12 @@ class ReplicateGroups:
         self.node, self.shard = next((k, row.index(world_rank)) for k, row in enumerate(self.grid)
                                      if world_rank in row)
 
-    def probe_link(self, _aggregator: FactorAggregator, device: torch.device):
+    def probe_link(self, _aggregator: FactorAggregator, device: torch.device, **sizing: int):
         """The link between nodes: probed on every cross group at once (as a step loads it), the
-        slowest figures agreed over the world, so that every rank routes alike (a collective)."""
+        slowest figures agreed over the world, so that every rank routes alike (a collective).
+        ``sizing``: `routing.link.probe_link`'s ``top_bytes``."""
         from dad_integrations.routing.link import LinkModel, agree_max, probe_link
-        local = probe_link(self.cross, device).to_list()
+        local = probe_link(self.cross, device, **sizing).to_list()
         return LinkModel.from_list(agree_max(self.world, local, device, name="dad.link.replicate"), measured=True)
 
     def column(self, s: int) -> List[int]:

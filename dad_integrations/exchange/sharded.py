@@ -277,7 +277,7 @@ class ShardedExchanger(TimedRoutes):
             if report is not None:  # what users see of the step's routes (rank 0); the link a mode's
                 # cost is priced on, where none is modelled, measured here (on every rank alike)
                 self._trial.note_report(step, report.params,
-                                        probe=lambda: self._trial.probe(aggregator, device))
+                                        probe=lambda: self._trial.measure_link(aggregator, device))
             end(step, agree_on(aggregator, device))
         return run
 

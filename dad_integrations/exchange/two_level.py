@@ -35,7 +35,7 @@ from dad_integrations.routes.registry import get_route, has_codec, is_rank_route
 from dad_integrations.codecs.exact import agree_rows
 from dad_integrations.codecs.wire import pack, packed_size, unpack
 from dad_integrations.comm.aggregator import Traffic, ring_allreduce_bytes
-from dad_integrations.exchange.levels import Levels, assign_owners, measure_levels
+from dad_integrations.exchange.levels import Levels, assign_owners, level_probe_top, measure_levels
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.router import Route, UnitShape, rank_only
 from dad_integrations.routing.two_level import LevelUnit, choose_two_level, compare_levels, node_rows_of
@@ -106,7 +106,8 @@ class TwoLevelExchanger:
         policy.two_level_vetoed = False
         if step > 1 and self.levels.measured:  # links are measured again at each refresh, as the flat one
             self.levels.timing = dataclasses.replace(self.levels.timing, **dict(zip(
-                ("intra", "inter"), measure_levels(self.world, self.levels.intra, self.levels.cross, self.device))))
+                ("intra", "inter"), measure_levels(self.world, self.levels.intra, self.levels.cross, self.device,
+                                                top_bytes=level_probe_top(self.config)))))
         flat_timing, timing = policy.timing, self.levels.timing
         if flat_timing is None or timing is None or self.config.objective != "time":
             choice = True

@@ -32,7 +32,7 @@ from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.config import DADConfig
 from dad_integrations.report import ParamReport
-from dad_integrations.routing.link import LinkModel, agree_max, probe_link
+from dad_integrations.routing.link import LinkModel, agree_max, job_probe_top, probe_link
 from dad_integrations.routing.mode_cost import report_cost_line
 from dad_integrations.routing.trial import Agree, RouteTrial, StepClock, TrialOutcome, TrialOwner
 from dad_integrations.routing.router import Route
@@ -81,9 +81,16 @@ class ShardedTrial(TrialOwner):
         again = self.trial is not None and self.trial.refresh_at == step
         if (self.timing is not None and self.config.link is None and step > self._probed_step
                 and (again or step % self.config.route_refresh_steps == 0)):
-            self.timing = dataclasses.replace(self.timing, link=self.probe(aggregator, device))
+            self.timing = dataclasses.replace(self.timing, link=self.measure_link(aggregator, device))
             self._probed_step = step
         return self.timing
+
+    def measure_link(self, aggregator: FactorAggregator, device: torch.device) -> LinkModel:
+        """The link, probed (`probe`, a collective) up to the job's sizes: the timing's ``probe_top``,
+        or the units' and buckets' where routes go by bytes (`link.job_probe_top`)."""
+        top = (self.timing.probe_top if self.timing is not None
+               else job_probe_top((u.shape for u in self.units), self.config.bucket_cap_mb))
+        return self.probe(aggregator, device, top_bytes=top)
 
     # -- refreshes --------------------------------------------------------------------------------
     def refresh(self, step: int) -> bool:

@@ -33,14 +33,15 @@ from dad_integrations.builtin_routes import DENSE, EXACT
 from dad_integrations.comm.aggregator import FactorAggregator
 from dad_integrations.routing.compute_model import ComputeModel, measure_compute
 from dad_integrations.config import DADConfig
-from dad_integrations.routing.link import LinkModel, probe_link
+from dad_integrations.routing.link import DEFAULT_TOP, LinkModel, job_probe_top, probe_link
 from dad_integrations.rng import isolated
 from dad_integrations.routes import layouts
 from dad_integrations.routes.registry import get_route
 
 log = logging.getLogger(__name__)
 
-LinkProbe = Callable[[FactorAggregator, torch.device], LinkModel]  # measures a link (a collective)
+# measures a link (a collective): ``probe(aggregator, device, top_bytes=...)``, as `probe_link`
+LinkProbe = Callable[..., LinkModel]
 
 
 def collective_of(route: str, sharded: bool = False) -> str:
@@ -55,11 +56,13 @@ def collective_of(route: str, sharded: bool = False) -> str:
 class StepTiming:
     """The link and compute models every rank agreed on; ``overhead_s``: seconds per step charged
     to each non-dense route of a weight on top of the models, calibrated by the job's own steps
-    (`trial`)."""
+    (`trial`); ``probe_top``: the largest link probe for the job's sizes (`link.job_probe_top`), which
+    a refresh measures up to again."""
 
     link: LinkModel
     compute: ComputeModel
     overhead_s: float = 0.0
+    probe_top: int = DEFAULT_TOP
 
     def route_seconds(self, estimates: Dict[str, float], *, shape: Tuple[int, int], uses: int,
                       rows_by_rank: Sequence[Sequence[int]], world_size: int, sharded: bool = False,
@@ -84,9 +87,13 @@ def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregato
                  device: torch.device, *, link_kinds: Sequence[str] = ("all_reduce", "all_gather"),
                  dtype: torch.dtype = torch.float32, probe: Optional[LinkProbe] = None) -> Optional[StepTiming]:
     """Measure (or, for a stated ``link``, take) the models for units of ``shapes``; None where
-    the config does not choose by time. A collective: every rank calls it at the same point."""
+    the config does not choose by time. The link is probed up to the sizes the step sends (the
+    dense buckets' ``bucket_cap_mb``, the largest weight; `link.job_probe_top`). A collective: every
+    rank calls it at the same point."""
     if not wants_timing(config):
         return None
+    shapes = list(shapes)
+    top = job_probe_top(shapes, config.bucket_cap_mb)
     # the measurement draws from dAD's own generators; whatever draws from the global ones (a
     # probe layer's initialisation, a kernel's) runs on a copy: the caller's dropout masks stay
     # those of the run without dAD (`rng`)
@@ -94,12 +101,12 @@ def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregato
         if config.link is not None:
             link = LinkModel.from_spec(config.link)
         else:
-            link = probe(aggregator, device) if probe is not None else probe_link(aggregator, device,
-                                                                                  kinds=link_kinds)
+            link = (probe(aggregator, device, top_bytes=top) if probe is not None
+                    else probe_link(aggregator, device, kinds=link_kinds, top_bytes=top))
         compute = measure_compute(shapes, rank=config.rank, world_size=aggregator.world_size,
                                   iterations=config.power_iterations, error_feedback=config.error_feedback,
                                   device=device, dtype=dtype, aggregator=aggregator)
     if aggregator.rank == 0:  # the details; the attach line users see says the link (`exchange.levels`)
         log.debug("dAD: routes by predicted time; link %s (%s); capture %.1f us per call",
                  link.describe(), "measured" if link.measured else "stated", compute.capture_per_call * 1e6)
-    return StepTiming(link, compute)
+    return StepTiming(link, compute, probe_top=top)
