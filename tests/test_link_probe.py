@@ -22,9 +22,11 @@ def test_probe_top_reaches_the_jobs_sizes():
     assert probe_top([40 * MIB], 25 * MIB) == 40 * MIB
     # the ceiling: GPT-2's 50257 x 768 embedding (154 MB in fp32) is probed at 64 MiB
     assert job_probe_top([(50257, 768), (768, 2304)], 25.0) == PROBE_CEILING == 64 * MIB
-    assert job_probe_top([(512, 768)], 2.0) == 2 * MIB   # a 1.5 MiB weight: the bucket
+    assert job_probe_top([(512, 768)] * 2, 2.0) == 2 * MIB   # two 1.5 MiB weights: the bucket
+    # a small model's buckets hold all its weights, less than a bucket cap
+    assert job_probe_top([(64, 64)] * 3, 25.0) == 3 * 64 * 64 * 4
     assert job_probe_top([(1024, 768)], 2.0) == 3 * MIB   # the 3 MiB weight
-    assert job_probe_top([(1024, 768)], 2.0, itemsize=2) == 2 * MIB
+    assert job_probe_top([(1024, 768)] * 2, 2.0, itemsize=2) == 2 * MIB
     assert probe_top([], 1) == PROBE_FLOOR                 # never below the smallest probe
     assert probe_top() == DEFAULT_TOP == 25 * MIB
 

@@ -65,7 +65,7 @@ class RoutePolicy(TrialOwner):
         # objective "time": the agreed link and compute models (measured here: a collective),
         # timed in the dtype the rank codecs compute in (fp32 for fp16/bf16 weights)
         self.timing: Optional[StepTiming] = (
-            build_timing(config, {u.shape for u in plan.units}, aggregator, device,
+            build_timing(config, [u.shape for u in plan.units], aggregator, device,
                          dtype=compute_dtype(plan.units[0].param)) if plan.units else None)
         # on a measured link, routes that compress are checked against all-dense on the job's steps
         self.trial: Optional[RouteTrial] = (

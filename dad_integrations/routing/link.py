@@ -134,9 +134,12 @@ def probe_top(unit_bytes: Iterable[int] = (), bucket_bytes: float = DEFAULT_TOP,
 
 
 def job_probe_top(shapes: Iterable[Tuple[int, int]], bucket_cap_mb: float, itemsize: int = 4) -> int:
-    """`probe_top` for a job's weights of ``shapes`` (``itemsize`` bytes an element: fp32, the
-    widest the wire sends, by default) and dense buckets of ``bucket_cap_mb``."""
-    return probe_top((int(m) * int(n) * itemsize for m, n in shapes), bucket_cap_mb * 2 ** 20)
+    """`probe_top` for a job's weights of ``shapes`` (every weight's, repeats included; ``itemsize``
+    bytes an element: fp32, the widest the wire sends, by default) and dense buckets of
+    ``bucket_cap_mb``, which never hold more than all the weights together (a small model's step
+    sends less than one bucket)."""
+    sizes = [int(m) * int(n) * itemsize for m, n in shapes]
+    return probe_top(sizes, min(bucket_cap_mb * 2 ** 20, sum(sizes)) if sizes else bucket_cap_mb * 2 ** 20)
 
 
 def probe_ladder(top: int) -> Tuple[int, ...]:
