@@ -29,8 +29,9 @@ Per method (`results/scale.json`, `results/scale.md`):
   routes             weights per representation in dAD's last step (and every step's)
 
 Memory: two ranks of the 307 M model hold about 3.7 GB each per method with SGD (weights, gradients,
-DDP's bucket), so ``--together`` methods (2) are alive at a time and take turns; SGD instead of AdamW
-for the same reason. FSDP2 and ZeRO-3 are not run here (`benchmarks.sharded_memory` measures them).
+DDP's bucket), so ``--together`` methods are alive at a time and take turns (by default 2 at 124 M;
+at 307 M 1: each method alone, one after the other); SGD instead of AdamW for the same reason.
+FSDP2 and ZeRO-3 are not run here (`benchmarks.sharded_memory` measures them at small widths).
 """
 from __future__ import annotations
 
@@ -45,23 +46,23 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from benchmarks._scale_ranks import METHODS
+from benchmarks._scale_ranks import METHODS, _groups
 from benchmarks.workload import fmt_bytes, median
 
 ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = {
     # transformers' GPT-2 small: 50257 x 768, 12 layers (124 M)
-    "gpt2-124m": {"kind": "gpt2", "config": {}},
+    "gpt2-124m": {"kind": "gpt2", "config": {}, "together": 2},
     # TinyLlama's shapes, 4 layers (307 M)
     "llama-307m": {"kind": "llama", "config": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                                                    num_hidden_layers=4, num_attention_heads=32,
-                                                   num_key_value_heads=4)},
+                                                   num_key_value_heads=4), "together": 1},
     # the same code path at tiny widths (tests)
     "gpt2-tiny": {"kind": "gpt2", "config": dict(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2)},
     "llama-tiny": {"kind": "llama", "config": dict(vocab_size=256, hidden_size=32, intermediate_size=64,
                                                    num_hidden_layers=1, num_attention_heads=4,
-                                                   num_key_value_heads=2, max_position_embeddings=64)},
+                                                   num_key_value_heads=2, max_position_embeddings=64), "together": 1},
 }
 
 PRESETS = {
@@ -86,8 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {METHODS}")
     p.add_argument("--steps", type=int, help="timed steps per method")
     p.add_argument("--mem-steps", type=int, help="steps of each method alone for its peak RSS (0: none)")
-    p.add_argument("--together", type=int, default=2,
-                   help="methods alive at a time (memory); 1: each alone, no turns, its peak read from its steps")
+    p.add_argument("--together", type=int, help="methods alive at a time (memory; the model's default: 2 at "
+                   "124 M, 1 at 307 M); 1: each alone, no turns, its peak read from its steps")
     p.add_argument("--rank", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -100,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in args.models if m not in MODELS] + [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"unknown models or methods: {bad}")
-    if args.together < 1:
+    if args.together is not None and args.together < 1:
         p.error("--together must be at least 1")
     args.steps = preset["steps"] if args.steps is None else args.steps
     args.mem_steps = preset["mem_steps"] if args.mem_steps is None else args.mem_steps
@@ -122,11 +123,17 @@ def _uptime() -> str:
         return "unknown"
 
 
+def together(args, name: str) -> int:
+    """Methods alive at a time for model ``name``: ``--together``, else the model's own default
+    (2 of the 307 M model's methods take about 15 GB on two ranks; 1: each alone)."""
+    return args.together if args.together is not None else MODELS[name].get("together", 2)
+
+
 def run_model(args, name: str, workdir: str) -> dict:
     """Spawn 2 rank processes for one model; their gathered per-rank results."""
     out = os.path.join(workdir, f"{name}.json")
     spec = {"model": MODELS[name], "methods": args.methods, "steps": args.steps, "mem_steps": args.mem_steps,
-            "together": args.together, "rank": args.rank, "lr": args.lr, "seed": args.seed, "batch": 1,
+            "together": together(args, name), "rank": args.rank, "lr": args.lr, "seed": args.seed, "batch": 1,
             "seq": args.seq, "powersgd_warmup": WARM, "out": out, "timeout_s": args.timeout}
     spec_file = os.path.join(workdir, f"{name}.spec.json")
     with open(spec_file, "w") as fh:
@@ -224,10 +231,7 @@ def _s(x: Optional[float]) -> str:
 def markdown(result: dict) -> str:
     lines = ["# Scale: 124 M and 307 M parameters", "",
              f"Command: `{result['command']}`. 2 gloo ranks on loopback, fp32, 1 x {result['seq']} byte tokens a "
-             f"rank, SGD (lr {result['lr']}), {result['steps']} timed steps per method ("
-             + (f"methods in turns, {result['together']} alive at a time), peak RSS from "
-                f"{result['mem_steps']} steps of each method alone." if result["together"] > 1
-                else "each alone, no turns), peak RSS from its timed steps."),
+             f"rank, SGD (lr {result['lr']}), {result['steps']} timed steps per method.",
              f"Machine load (1/5/15-min averages): before {result['load_before']}, after {result['load_after']}; "
              f"wall time {result['wall_s']:.0f} s.", ""]
     for name, model in result["models"].items():
@@ -235,7 +239,11 @@ def markdown(result: dict) -> str:
         ar = ms.get("allreduce")
         ps = ms.get("powersgd")
         n = next(iter(ms.values()))["n_params"]
-        lines += [f"## {name} ({n / 1e6:.0f} M parameters)", "",
+        k = model["together"]
+        how = (f"Methods in turns, {k} alive at a time ({', '.join('/'.join(g) for g in _groups(list(ms), k))}); "
+               f"peak RSS from {result['mem_steps']} steps of each method alone." if k > 1 else
+               "Each method alone, one after the other (no turns: memory); peak RSS from its timed steps.")
+        lines += [f"## {name} ({n / 1e6:.0f} M parameters)", "", how, "",
                   "| method | attach (turns / alone) | step median | max step | peak RSS (x all-reduce) "
                   "| bytes/step last (x all-reduce, x PowerSGD) | routes (last step) |",
                   "|---|---|---|---|---|---|---|"]
@@ -272,7 +280,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     result = {"command": "python -m benchmarks.scale " + " ".join(argv if argv is not None else sys.argv[1:]),
               "seq": args.seq, "lr": args.lr, "steps": args.steps, "mem_steps": args.mem_steps,
-              "together": args.together, "rank": args.rank, "load_before": _uptime(), "models": {}}
+              "rank": args.rank, "load_before": _uptime(), "models": {}}
     warm = WARM + 2  # bytes' steady mean: after the warm-up and PowerSGD's first compressed step
     with tempfile.TemporaryDirectory() as work:
         for name in args.models:
@@ -280,7 +288,8 @@ def main(argv=None) -> dict:
             ranks = run_model(args, name, work)
             methods = summarise(ranks, args.methods, warm)
             result["models"][name] = {"methods": methods, "targets": targets(methods),
-                                      "wall_s": time.perf_counter() - t0, "load_after": _uptime()}
+                                      "together": together(args, name), "wall_s": time.perf_counter() - t0,
+                                      "load_after": _uptime()}
             print(f"{name}: {time.perf_counter() - t0:.0f} s, load {_uptime()}", flush=True)
     result["load_after"] = _uptime()
     result["wall_s"] = time.perf_counter() - start
