@@ -291,14 +291,18 @@ def main(argv=None) -> dict:
                                       "together": together(args, name), "wall_s": time.perf_counter() - t0,
                                       "load_after": _uptime()}
             print(f"{name}: {time.perf_counter() - t0:.0f} s, load {_uptime()}", flush=True)
+            _write(args, result, start)  # after every model: a run cut short keeps what it measured
+    print(markdown(result))
+    return result
+
+
+def _write(args, result: dict, start: float) -> None:
     result["load_after"] = _uptime()
     result["wall_s"] = time.perf_counter() - start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(result, indent=1))
     (out / "scale.md").write_text(markdown(result))
-    print(markdown(result))
-    return result
 
 
 if __name__ == "__main__":

@@ -279,7 +279,8 @@ def test_scale_smoke_writes_every_model_and_method(tmp_path):
             assert len(r["times"]) == result["steps"] and min(r["times"]) > 0
             assert r["attach_s"] >= 0 and r["peak_rss_mb"] > 0 and r["bytes_last"] > 0
             assert ("routes" in r) == name.startswith("dad-")
-        assert ms["powersgd"]["bucket_mb"] > ms["allreduce"]["bucket_mb"]  # one bucket for PowerSGD's hook
+        for name in ("powersgd", "dad-auto-100mbit"):  # one DDP bucket holds the whole model
+            assert ms[name]["bucket_mb"] * 2 ** 20 >= 4 * ms[name]["n_params"]
         for name in ("dad-auto", "dad-auto-100mbit"):
             assert ms[name]["routes"] == ms[name]["routes_by_step"][-1] and min(ms[name]["routes"].values()) > 0
             assert ms[name]["bytes_last"] <= ms["allreduce"]["bytes_last"] * (1 + 1e-9)
