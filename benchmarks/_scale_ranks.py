@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from benchmarks.workload import current_rss_mb, median, peak_memory_mb, reset_peak_memory
 from dad_integrations.comm.counter import CollectiveCounter
 
-METHODS = ("allreduce", "powersgd", "dad-auto", "dad-auto-100mbit")
+METHODS = ("allreduce", "dad-auto", "powersgd", "dad-auto-100mbit")  # in pairs: the first two take turns
 STATED_LINK = {"bandwidth": "100mbit", "latency_us": 100}
 DDP_DEFAULT_BUCKET_MB = 25  # DDP's own default: all-reduce and dad-auto meet DDP as users do
 
