@@ -240,3 +240,50 @@ def test_robustness_smoke_writes_every_key(tmp_path):
     stats = data["meta"]["load_stats"]["loopback"]
     assert stats["bursts"] >= 1 and stats["busy_s"] > 0   # the hog ran, and stopped
     assert "| loopback | 1 |" in (tmp_path / "robustness.md").read_text()
+
+
+def test_scale_powersgd_bytes_follow_the_hook():
+    """`_scale_ranks.powersgd_bytes`: vectors whole, matrices as P and Q where the hook compresses
+    them (its own `_should_compress`), whole where it does not."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    from benchmarks._scale_ranks import powersgd_bytes
+
+    assert powersgd_bytes((2048,), 8192.0, 4) == 8192.0
+    for shape in ((32000, 2048), (768, 2304), (8, 8), (9, 9), (64, 4, 4)):
+        n, m = shape[0], int(torch.tensor(shape[1:]).prod())
+        full = 4.0 * n * m
+        squeeze = _should_compress(n, m, 4, 2)[0]
+        expect = full * (n + m) * 4 / (n * m) if squeeze else full
+        assert powersgd_bytes(shape, full, 4) == pytest.approx(expect)
+    assert powersgd_bytes((8, 8), 256.0, 4) == 256.0  # (8 + 8) 4 * 2 = 128 > 64: sent whole
+
+
+def test_scale_smoke_writes_every_model_and_method(tmp_path):
+    """`python -m benchmarks.scale --smoke`: GPT-2 and Llama at tiny widths through the 124 M / 307 M
+    code path: per model and method the attach time, every step's time, a peak RSS, bytes per step;
+    dAD's routes per step and its bytes at most all-reduce's; the checks and the table written."""
+    from benchmarks._scale_ranks import METHODS
+
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((tmp_path / "scale.json").read_text())
+    assert list(result["models"]) == ["gpt2-tiny", "llama-tiny"]
+    assert result["load_before"] and result["load_after"]
+    for model in result["models"].values():
+        ms = model["methods"]
+        assert list(ms) == list(METHODS)
+        for name, r in ms.items():
+            assert len(r["times"]) == result["steps"] and min(r["times"]) > 0
+            assert r["attach_s"] >= 0 and r["peak_rss_mb"] > 0 and r["bytes_last"] > 0
+            assert ("routes" in r) == name.startswith("dad-")
+        for name in ("powersgd", "dad-auto-100mbit"):  # one DDP bucket holds the whole model
+            assert ms[name]["bucket_mb"] * 2 ** 20 >= 4 * ms[name]["n_params"]
+        for name in ("dad-auto", "dad-auto-100mbit"):
+            assert ms[name]["routes"] == ms[name]["routes_by_step"][-1] and min(ms[name]["routes"].values()) > 0
+            assert ms[name]["bytes_last"] <= ms["allreduce"]["bytes_last"] * (1 + 1e-9)
+        checks = {t["target"] for t in model["targets"]}
+        assert any("1.10" in c for c in checks) and any("PowerSGD" in c for c in checks)
+    assert "## gpt2-tiny" in (tmp_path / "scale.md").read_text()
