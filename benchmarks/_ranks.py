@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import gc
 import json
-import os
 import time
 from typing import Dict, List, Optional
 
@@ -22,8 +20,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.atomo import AtomoState, atomo_hook
-from benchmarks.workload import (NullAggregator, Workload, build_model, current_rss_mb, lower_quartile, median,
-                                 peak_memory_mb, reset_peak_memory)
+from benchmarks.workload import (NullAggregator, Workload, build_model, current_rss_mb, gloo_rank, lower_quartile,
+                                 median, peak_memory_mb, reset_peak_memory)
 from dad_integrations.comm.counter import CollectiveCounter
 
 DDP_METHODS = ("allreduce", "fp16", "powersgd", "atomo")
@@ -190,17 +188,7 @@ def link_check(nbytes: int = 1 << 20, reps: int = 2) -> float:
 
 
 def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
-    from benchmarks.cpu_load import die_with_parent
-
-    die_with_parent()  # a rank never outlives its phase
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=spec.get("timeout_s", 600)))
-    try:
-        _run_phase(spec)
-    finally:
-        dist.destroy_process_group()
+    gloo_rank(rank, world, port, spec.get("timeout_s", 600), lambda: _run_phase(spec))
 
 
 def _run_phase(spec: dict) -> None:

@@ -20,10 +20,8 @@ two ranks beside other jobs (AdamW would add 2.5 GB per method and rank).
 """
 from __future__ import annotations
 
-import datetime
 import gc
 import json
-import os
 import time
 from collections import Counter
 from typing import Dict, List, Optional
@@ -32,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.workload import current_rss_mb, median, peak_memory_mb, reset_peak_memory
+from benchmarks.workload import current_rss_mb, gloo_rank, lm_step, median, peak_memory_mb, reset_peak_memory
 from dad_integrations.comm.counter import CollectiveCounter
 
 METHODS = ("allreduce", "dad-auto", "powersgd", "dad-auto-100mbit")  # in pairs: the first two take turns
@@ -118,11 +116,12 @@ class Method:
         self.bucket_mb = bucket_mb
         self.model, self.ddp = model, ddp
         self.opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+        self.losses: List[float] = []
+        self._train = lm_step(ddp, self.opt, losses=self.losses)  # DDP's hook synchronises in backward
         self.batches = byte_lm_batches(data, spec["batch"], spec["seq"], rank=dist.get_rank(), world_size=world,
                                        seed=spec["seed"])
         self.times: List[float] = []
         self.sent: List[float] = []
-        self.losses: List[float] = []
         self.routes: List[Dict[str, int]] = []
         self.report = None
 
@@ -131,12 +130,8 @@ class Method:
         self.counter.reset()
         with self.counter:
             start = time.perf_counter()
-            loss = self.ddp(input_ids=x, labels=x).loss
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            self._train(x)
             self.times.append(time.perf_counter() - start)
-        self.losses.append(float(loss.detach()))
         if self.sync is not None:
             self.report = self.sync.last_step_report()
             self.sent.append(self.report.totals["sent_bytes"])
@@ -166,17 +161,7 @@ class Method:
 
 
 def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
-    from benchmarks.cpu_load import die_with_parent
-
-    die_with_parent()  # a rank never outlives its launcher
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=spec.get("timeout_s", 900)))
-    try:
-        _run(spec)
-    finally:
-        dist.destroy_process_group()
+    gloo_rank(rank, world, port, spec.get("timeout_s", 900), lambda: _run(spec))
 
 
 def _groups(methods: List[str], together: int) -> List[List[str]]:

@@ -87,6 +87,26 @@ def lm_step(fwd, opt: torch.optim.Optimizer, sync=None,
     return step
 
 
+def gloo_rank(rank: int, world: int, port: int, timeout_s: float, body: Callable[[], None]) -> None:
+    """One benchmark rank: bound to its launcher's life, one thread, the gloo group on loopback at
+    ``port`` for ``body``, left again however ``body`` ends."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from benchmarks.cpu_load import die_with_parent
+
+    die_with_parent()  # a rank never outlives its launcher
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        body()
+    finally:
+        dist.destroy_process_group()
+
+
 def _status_kb(key: str) -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
