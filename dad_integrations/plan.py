@@ -40,11 +40,11 @@ from typing import Optional, Sequence
 
 from dad_integrations.config import DADConfig
 # the models and the cluster options live in plan_models and plan_cluster; every name is importable here too
-from dad_integrations.plan_cluster import (_check_levels, _level_plan, _levels_header, _time_plan,  # noqa: F401
-                                           cluster_shape, compute_model, plan_options)
+from dad_integrations.plan_cluster import (_check_levels, _level_plan, _levels_header, _sharded_plans,  # noqa: F401
+                                           _time_plan, cluster_shape, compute_model, plan_options)
 from dad_integrations.plan_models import (DTYPES, PRESETS, build_meta_model, dummy_batch, forward_rows,  # noqa: F401
                                           load_config, max_positions, model_task, preset_config)
-from dad_integrations.routing.planner import plan_model, plan_sharded_model, render, render_levels, render_sharded
+from dad_integrations.routing.planner import plan_model, render, render_levels, render_sharded
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rank-route", choices=("auto", "allgather", "allreduce"), default=DADConfig.rank_route)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="gradient and wire dtype")
     p.add_argument("--sharded", action="store_true",
-                   help="plan for FSDP2 (each rank keeps a shard; the baseline is a reduce-scatter)")
+                   help="plan for a sharded engine (each rank keeps a shard; the baseline is a reduce-scatter): "
+                        "FSDP2 by default, HSDP on --nodes x --local-size")
+    p.add_argument("--engine", choices=("fsdp2", "zero3"),
+                   help="with --sharded: FSDP2 (row shards; the default) or DeepSpeed ZeRO-3 (flat partitions)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--bandwidth", help="a link to predict step time on, e.g. 10gbit, 100mbit (per rank); "
                                        "routes are then chosen by time, as objective 'time' does")
@@ -101,6 +104,8 @@ def _check(p: argparse.ArgumentParser, args) -> bool:
         p.error("need --tokens-per-rank >= 1 and --batch-per-rank >= 1")
     if args.mode == "rank" and not args.rank:
         p.error("--mode rank needs a rank (--rank >= 1)")
+    if args.engine is not None and not args.sharded:
+        p.error("--engine names a sharded engine: give --sharded")
     return two_level
 
 
@@ -125,13 +130,10 @@ def _plans(args, two_level: bool):
     task = model_task(cfg)
     model = build_meta_model(cfg)
     rows = _rows(args, cfg, model, task)
-    planner = plan_sharded_model if args.sharded else plan_model
-    step = planner(model, sites=args.sites, **plan_options(args, cfg, rows))
-    timed = None
-    if args.bandwidth is not None:
-        if args.sharded:
-            raise ValueError("--bandwidth: the step-time prediction covers unsharded plans only")
-        timed = _time_plan(args, model, cfg, step, rows)
+    if args.sharded:  # FSDP2, HSDP, ZeRO-3: one plan of hops (`plan_cluster._sharded_plans`)
+        return (task, *_sharded_plans(args, model, cfg, rows, two_level), None)
+    step = plan_model(model, sites=args.sites, **plan_options(args, cfg, rows))
+    timed = _time_plan(args, model, cfg, step, rows) if args.bandwidth is not None else None
     levels = _level_plan(args, model, cfg, step, rows) if two_level else None
     return task, step, timed, levels
 
@@ -141,6 +143,13 @@ def _print_json(args, task: str, step, timed, levels) -> None:
     out = {"model": args.model, "task": task, **{k: getattr(args, k) for k in (
         "sites", "tokens_per_rank", "batch_per_rank", "sharded", "rank", "mode", "rank_route", "dtype")},
            **asdict(step)}
+    if args.sharded:
+        out["engine"] = args.engine or "fsdp2"
+        if timed is not None:
+            out["time"] = asdict(timed[0])
+            out["time"]["links"] = {h: link.to_spec() for h, link in timed[1].items()}
+            out["time"]["compute"] = timed[2]
+        timed = None
     if timed is not None:
         out["time"] = asdict(timed[0])
         out["time"]["by_time"] = asdict(timed[1])
@@ -156,15 +165,28 @@ def _print_text(args, task: str, step, timed, levels) -> None:
                 f"{args.batch_per_rank} {'images' if task == 'image' else 'clips'} per rank (rows counted)")
     header = (f"{args.model}: {args.sites} sites, {per_rank}, mode {args.mode}, "
               f"rank {args.rank or '-'}, rank route {args.rank_route}, {args.dtype}"
-              f"{', sharded (FSDP2)' if args.sharded else ''}; MB one rank sends per steady-state step")
+              f"{_sharded_label(args)}; MB one rank sends per steady-state step")
     print((render_sharded if args.sharded else render)(step, header))
-    if timed is not None:
+    if args.sharded and timed is not None:
+        from dad_integrations.routing.plan_sharded import render_sharded_time
+        print()
+        print(render_sharded_time(*timed))
+    elif timed is not None:
         from dad_integrations.routing.plan_time import render_time
         print()
         print(render_time(timed[0], timed[2], timed[3]))
     if levels is not None:
         print()
         print(render_levels(levels[0], _levels_header(args, *levels[1:])))
+
+
+def _sharded_label(args) -> str:
+    """The header's engine: none unsharded, FSDP2 (the default), HSDP on nodes, ZeRO-3."""
+    if not args.sharded:
+        return ""
+    if args.nodes > 1 and args.local_size > 1:
+        return f", sharded (HSDP: {args.nodes} nodes x {args.local_size} ranks)"
+    return f", sharded ({'ZeRO-3' if args.engine == 'zero3' else 'FSDP2'})"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

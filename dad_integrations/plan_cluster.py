@@ -35,6 +35,45 @@ def _time_plan(args, model: torch.nn.Module, cfg, by_bytes: StepPlan, rows: Opti
     return time_plan(by_time, timing, sites=args.sites, compressed=by_bytes), by_time, link, note
 
 
+def _sharded_plans(args, model: torch.nn.Module, cfg, rows: Optional[RowCounts], two_level: bool):
+    """The sharded plans (`routing.plan_sharded`): the steady state by bytes, and where a link is
+    stated (``--bandwidth``; HSDP's ``--intra-bw`` and ``--inter-bw``) the plan by time, as
+    ``(time plan, links by hop, compute note)``; FSDP2 on one level keeps its own byte table
+    (`routing.planner.plan_sharded_model`)."""
+    from dad_integrations.comm.link_spec import parse_bandwidth
+    from dad_integrations.routing.link import LinkModel
+    from dad_integrations.routing.plan_sharded import as_step_plan, sharded_time_plan
+    from dad_integrations.routing.planner import _model_plan, plan_sharded_model
+    from dad_integrations.routing.timing import StepTiming
+
+    engine = args.engine or "fsdp2"
+    opts = plan_options(args, cfg, rows)
+    plan, dad_rank, seq = _model_plan(model, opts["tokens_per_rank"], opts["positions"], mode=args.mode,
+                                      rank=args.rank or None, rank_route=args.rank_route)
+    where = dict(engine=engine, tokens=opts["tokens_per_rank"], positions=seq, world_size=args.sites, mode=args.mode,
+                 rank=dad_rank, rank_route=args.rank_route, dtype=opts["dtype"], rows=rows,
+                 nodes=args.nodes if two_level else 1)
+    links: dict = {}
+    if two_level:
+        for hop, flag, bw, latency in (("inside", "--intra-bw", args.intra_bw, args.intra_latency_us),
+                                       ("between", "--inter-bw", args.inter_bw, args.inter_latency_us)):
+            try:
+                links[hop] = LinkModel.uniform(parse_bandwidth(bw), latency * 1e-6)
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+    elif args.bandwidth is not None:
+        links["group"] = LinkModel.uniform(parse_bandwidth(args.bandwidth), args.latency_us * 1e-6)
+    by_bytes = sharded_time_plan(plan, **where, intra=links.get("inside"))
+    step = (plan_sharded_model(model, sites=args.sites, **opts) if engine == "fsdp2" and not two_level
+            else as_step_plan(by_bytes))
+    if not links:
+        return step, None
+    compute, note = compute_model(args, {tuple(r.shape) for r in by_bytes.units})
+    timing = StepTiming(links.get("group", links.get("between")), compute)
+    timed = sharded_time_plan(plan, **where, timing=timing, intra=links.get("inside"))
+    return step, (timed, links, note)
+
+
 def cluster_shape(sites: Optional[int], nodes: Optional[int], local_size: Optional[int]) -> Tuple[int, int, int]:
     """``(sites, nodes, ranks per node)`` from the flags given: ``--sites`` alone is one node;
     any two of the three give the third; all three must agree. Raises ValueError naming the flags."""
@@ -75,8 +114,9 @@ def _check_levels(args) -> bool:
         raise ValueError(f"{args.nodes} nodes x {args.local_size} ranks: give both --intra-bw and --inter-bw")
     if args.bandwidth is not None:
         raise ValueError("--bandwidth is the one-level link; on nodes, the flat routes run on --inter-bw")
-    if args.sharded:
-        raise ValueError("--sharded: two-level routes cover unsharded plans only")
+    if args.sharded and args.engine == "zero3":
+        raise ValueError("--sharded --engine zero3: ZeRO across nodes (node partitions) is not planned in this "
+                         "version; plan it on --sites, or FSDP2's HSDP without --engine")
     if args.intra_latency_us < 0 or args.inter_latency_us < 0:
         raise ValueError("latencies must be >= 0")
     return True
