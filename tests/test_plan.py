@@ -430,7 +430,7 @@ def test_bad_cluster_flags_give_a_clear_error(capsys, tiny_llama):
             (["--nodes", "1", "--local-size", "4", "--intra-bw", "1gbit", "--inter-bw", "1gbit"], "--nodes > 1"),
             (cluster_args(tiny_llama, "fast"), "--inter-bw: bandwidth 'fast'"),
             (cluster_args(tiny_llama, "1gbit", "--bandwidth", "1gbit"), "--bandwidth is the one-level link"),
-            (cluster_args(tiny_llama, "1gbit", "--sharded"), "unsharded plans only"),
+            (cluster_args(tiny_llama, "1gbit", "--sharded", "--engine", "zero3"), "is not planned in this version"),
             (cluster_args(tiny_llama, "1gbit", "--compute-device", "cpu"), "without --compute-device")):
         model = [] if argv[0] == "--model" else ["--model", tiny_llama, "--tokens-per-rank", "8"]
         with pytest.raises(SystemExit):
