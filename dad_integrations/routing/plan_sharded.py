@@ -21,7 +21,10 @@ the same layout (`routes.layouts`) and with the same byte models, link and compu
   Inside a node, FSDP2's reduce-scatter over the ``L`` ranks (dense, the rank routes and biases),
   or, for exact factors, the column's rows (``N`` times one rank's) through the 1-D sharded exact
   exchange; between nodes, each route's bytes on the replicate hop, by which the exchanger routes
-  (`exchange.replicate_hop.ReplicateHopCall.estimates`, timed on the inter-node link).
+  (`exchange.replicate_hop.ReplicateHopCall.estimates`, timed on the inter-node link). Not counted
+  inside the node: the rank routes' own small collectives there (the power iteration's sums over
+  the node's row shards, ``Q``'s pieces gathered), ``r (m + n)``-sized against the reduce-scatter's
+  ``m n``, which the exchanger's routing does not price either.
 
 Seconds per weight: each hop's bytes over its link (`link.LinkModel.seconds`, the route's collective
 on the row shards, `timing.collective_of`), plus the route's local compute (`compute_model`) and,
