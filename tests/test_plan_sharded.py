@@ -142,3 +142,22 @@ def test_cli_sharded_bandwidth(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(base[:-3] + ["--engine", "zero3"])
     assert "give --sharded" in capsys.readouterr().err
+
+
+# bytes one rank sent in step 3 of `benchmarks.collective_trace`'s cases (2 ranks; HSDP 2 x 2), rank 0,
+# its row counts and finiteness flags aside: per ring all-reduce 2 (S-1)/S, all-gather (S-1), reduce-scatter
+# (S-1)/S of the tensor, all-to-all what leaves the rank
+TRACED = [("fsdp2", "rank", "allreduce", 1, {"group": 5268}), ("fsdp2", "rank", "allgather", 1, {"group": 4020}),
+          ("fsdp2", "exact", "auto", 1, {"group": 20544}), ("zero3", "rank", "allreduce", 1, {"group": 5268}),
+          ("zero3", "rank", "allgather", 1, {"group": 4020}),
+          ("fsdp2", "exact", "auto", 2, {"inside": 41088, "between": 25632})]
+
+
+@pytest.mark.parametrize("engine, mode, rank_route, nodes, sent", TRACED)
+def test_hops_equal_what_the_traced_engines_sent(engine, mode, rank_route, nodes, sent):
+    """On the collective trace's model (24 rows a rank), each hop's bytes are what FSDP2, ZeRO-3 and
+    HSDP sent in the traced steps."""
+    plan = _plan(mode, 4 if mode == "rank" else None)
+    tp = _hops(plan, engine, mode, 4 if mode == "rank" else None, sites=2 * nodes, rank_route=rank_route,
+               nodes=nodes, intra=LinkModel.uniform(1e9, 0.0) if nodes > 1 else None)
+    assert tp.hop_bytes == pytest.approx(sent, rel=1e-12)

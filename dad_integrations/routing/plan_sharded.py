@@ -131,7 +131,7 @@ def zero3_counts(kinds: Sequence[str], shape: Tuple[int, int], rows: Sequence[in
 @functools.lru_cache(maxsize=4096)
 def _zero3_estimates(config: DADConfig, shape: UnitShape, use: Tuple[int, ...], world_size: int, itemsize: int):
     """ZeRO-3's estimates of one unit, busiest rank and mean (`exchange.partitions.PartitionCall.estimates`),
-    as sorted items: the layers of a model repeat their shapes, and pricing ``S x S`` destinations
+    as tuples of items (hashable, so cached): the layers of a model repeat their shapes, and pricing ``S x S`` destinations
     once per shape keeps a 64-rank plan of a 7B model within seconds."""
     s = world_size
     ranges = zero3_ranges(shape.shape[0] * shape.shape[1], s)
@@ -179,15 +179,17 @@ class _Layout:
             return estimates_on(layouts.REPLICATE_HOP, sizing, routes_for(cfg.routes)), None
         return None, None  # FSDP2: the router's own (`router.unit_estimates`, row shards)
 
-    def inside(self, shape: UnitShape, use: List[int], rep: str) -> Tuple[float, float]:
-        """HSDP's hop inside a node: (dAD's bytes for ``rep``, FSDP2's reduce-scatter's) per rank."""
-        L = self.local
-        rs = (reduce_scatter_bytes(shape.shape, L, self.item)
-              + (reduce_scatter_bytes((shape.bias_numel,), L, self.item) if shape.bias_numel else 0.0))
-        if rep != EXACT:
-            return rs, rs
-        column = [[self.nodes * k for k in use]] * L   # every node's rows of the same shard
-        return sharded_exact_bytes(unit_sizing(self.config, shape, column, self.dtype, world_size=L)), rs
+    def inside(self, shape: UnitShape, use: List[int], rep: str) -> float:
+        """HSDP's hop inside a node: dAD's bytes per rank for ``rep`` (module doc)."""
+        if rep != EXACT:  # the node's reduce-scatter
+            return self._reduce_scatter(shape.shape, shape.bias_numel, self.local)
+        column = [[self.nodes * k for k in use]] * self.local   # every node's rows of the same shard
+        return sharded_exact_bytes(unit_sizing(self.config, shape, column, self.dtype, world_size=self.local))
+
+    def _reduce_scatter(self, shape: Tuple[int, int], bias_numel: int, group: int) -> float:
+        """FSDP2's reduce-scatter of a weight and its biases over ``group`` ranks, per rank."""
+        bias = reduce_scatter_bytes((bias_numel,), group, self.item) if bias_numel else 0.0
+        return reduce_scatter_bytes(shape, group, self.item) + bias
 
     def engine_bytes(self, shape: Tuple[int, int], bias_numel: int = 0) -> Dict[str, float]:
         """The engine's own reduction of a weight (and its biases) per hop."""
@@ -196,15 +198,12 @@ class _Layout:
             numel = shape[0] * shape[1]
             return {"group": float((S - 1) * -(-numel // S) * b)
                     + (float((S - 1) * -(-bias_numel // S) * b) if bias_numel else 0.0)}
-        rs = reduce_scatter_bytes(shape, S, b) + (reduce_scatter_bytes((bias_numel,), S, b) if bias_numel else 0.0)
-        if self.layout is layouts.REPLICATE_HOP:
+        if self.layout is layouts.REPLICATE_HOP:  # inside the node, then the shard's all-reduce between nodes
             sizing = unit_sizing(self.config, UnitShape((), shape, bias_numel, self.dtype), None, self.dtype,
                                  nodes=self.nodes, local=self.local)
-            between = get_route(DENSE).bytes_on(layouts.REPLICATE_HOP, sizing)
-            inside = reduce_scatter_bytes(shape, self.local, b) + (
-                reduce_scatter_bytes((bias_numel,), self.local, b) if bias_numel else 0.0)
-            return {"inside": inside, "between": between}
-        return {"group": rs}
+            return {"inside": self._reduce_scatter(shape, bias_numel, self.local),
+                    "between": get_route(DENSE).bytes_on(layouts.REPLICATE_HOP, sizing)}
+        return {"group": self._reduce_scatter(shape, bias_numel, S)}
 
 
 def sharded_time_plan(plan, *, engine: str, tokens: int, positions: int, world_size: int, mode: str,
@@ -250,8 +249,7 @@ def sharded_time_plan(plan, *, engine: str, tokens: int, positions: int, world_s
             est = unit_estimates(config, shape, by_rank, s, dtype, sharded=True)
         engine_b = lay.engine_bytes(shape.shape, shape.bias_numel)
         if lay.layout is layouts.REPLICATE_HOP:
-            inside, _ = lay.inside(shape, use, rep)
-            dad_b = {"inside": inside, "between": est[rep]}
+            dad_b = {"inside": lay.inside(shape, use, rep), "between": est[rep]}
         else:
             dad_b = {"group": est[rep]}
         if engine == "zero3" and u.bias_numel:  # ZeRO reduce-scatters the biases as parameters of their own
