@@ -39,11 +39,11 @@ def _sharded_plans(args, model: torch.nn.Module, cfg, rows: Optional[RowCounts],
     """The sharded plans (`routing.plan_sharded`): the steady state by bytes, and where a link is
     stated (``--bandwidth``; HSDP's ``--intra-bw`` and ``--inter-bw``) the plan by time, as
     ``(time plan, links by hop, compute note)``; FSDP2 on one level keeps its own byte table
-    (`routing.planner.plan_sharded_model`)."""
+    (`routing.planner.sharded_steady_state`)."""
     from dad_integrations.comm.link_spec import parse_bandwidth
     from dad_integrations.routing.link import LinkModel
     from dad_integrations.routing.plan_sharded import as_step_plan, sharded_time_plan
-    from dad_integrations.routing.planner import _model_plan, plan_sharded_model
+    from dad_integrations.routing.planner import _model_plan, sharded_steady_state
     from dad_integrations.routing.timing import StepTiming
 
     engine = args.engine or "fsdp2"
@@ -64,8 +64,9 @@ def _sharded_plans(args, model: torch.nn.Module, cfg, rows: Optional[RowCounts],
     elif args.bandwidth is not None:
         links["group"] = LinkModel.uniform(parse_bandwidth(args.bandwidth), args.latency_us * 1e-6)
     by_bytes = sharded_time_plan(plan, **where, intra=links.get("inside"))
-    step = (plan_sharded_model(model, sites=args.sites, **opts) if engine == "fsdp2" and not two_level
-            else as_step_plan(by_bytes))
+    step = (sharded_steady_state(plan, **{k: where[k] for k in ("tokens", "positions", "mode", "rank", "rank_route",
+                                                                  "dtype", "rows")}, world_size=args.sites)
+            if engine == "fsdp2" and not two_level else as_step_plan(by_bytes))
     if not links:
         return step, None
     compute, note = compute_model(args, {tuple(r.shape) for r in by_bytes.units})
