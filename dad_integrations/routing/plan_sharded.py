@@ -131,8 +131,9 @@ def zero3_counts(kinds: Sequence[str], shape: Tuple[int, int], rows: Sequence[in
 @functools.lru_cache(maxsize=4096)
 def _zero3_estimates(config: DADConfig, shape: UnitShape, use: Tuple[int, ...], world_size: int, itemsize: int):
     """ZeRO-3's estimates of one unit, busiest rank and mean (as `exchange.partitions.PartitionCall`
-    weighs them), as tuples of items (hashable, so cached): the layers of a model repeat their shapes, and pricing ``S x S`` destinations
-    once per shape keeps a 64-rank plan of a 7B model within seconds."""
+    weighs them), as tuples of items (hashable, so cached): the layers of a model repeat their
+    shapes, and pricing ``S x S`` destinations once per shape keeps a 64-rank plan of a 7B model
+    within seconds."""
     s = world_size
     ranges = zero3_ranges(shape.shape[0] * shape.shape[1], s)
     exact = sharded_exact_covers(shape.kinds, shape.blocks)
