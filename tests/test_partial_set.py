@@ -15,7 +15,7 @@ from dad_integrations.routing.compute_model import ComputeModel, ShapeCosts
 from dad_integrations.routing.link import LinkModel
 from dad_integrations.routing.partial_set import (COPY_PASSES, LeaveCost, SetUnit, choose_set, measure_leave_cost,
                                                   set_seconds)
-from dad_integrations.routing.router import RouteContext, UnitEvidence, UnitShape, route
+from dad_integrations.routing.router import Route, RouteContext, UnitEvidence, UnitShape, route
 from dad_integrations.routing.timing import StepTiming
 
 MB = 2 ** 20
@@ -73,6 +73,44 @@ def test_groups_leave_apart():
     routes = {0: RANK, 1: DENSE, 2: DENSE}
     assert set_seconds(units, routes, SLOW_COPY) == pytest.approx(3e-3 + SLOW_COPY.seconds(MB, 1))
     assert SLOW_COPY.seconds(MB, 1) == pytest.approx(COPY_PASSES * (MB * 1e-9 + 1e-5))
+
+
+def _sharded_step(pieces, step: int, units, rest: int, leaving: bool = True) -> list:
+    """One step as the sharded adapters drive `ShardedTrial`: one call, ``a`` compressed, ``b`` (4 MB)
+    dense (its rank route 0.2 ms slower), the call's other parameters ``rest`` bytes; returns the routes."""
+    pieces.open(step)
+    if pieces.dense(step):
+        pieces.end(step, lambda values: list(values))
+        return [DENSE, DENSE]
+    group = pieces.note_call((rest, 4)) if leaving else None
+    taken = []
+    for unit, nbytes, route_ in zip(units, (16 * 1024, 4 * MB), (
+            Route(RANK_ALLREDUCE, False, 4e-3, 0.0, {DENSE: 5e-3, RANK_ALLREDUCE: 1e-3}),
+            Route(DENSE, False, 0.0, 0.0, {DENSE: 0.5e-3, RANK_ALLREDUCE: 0.7e-3}))):
+        decision = pieces.held(step, unit, {}) or route_
+        pieces.note(unit, decision, nbytes, group)
+        taken.append(decision.representation)
+    pieces.end(step, lambda values: list(values))
+    return taken
+
+
+@pytest.mark.parametrize("leaving", [True, False])
+def test_sharded_trial_holds_the_cheaper_whole_set(leaving):
+    """`ShardedTrial` (FSDP2, ZeRO) driven as the adapters drive it, no processes, stated link: a
+    refresh's partial set whose call leaves the engine's reduce-scatter is replaced until the next
+    refresh (all dense: the engine's own; all compressed: held); a layout that keeps its dense rest
+    (ZeRO: no group) keeps the router's routes."""
+    from dad_integrations.routing.sharded_trial import ShardedTrial
+
+    units = [type("Unit", (), {"index": i})() for i in range(2)]
+    for rest, whole in ((32 * MB, [DENSE, DENSE]), (0, [RANK_ALLREDUCE, RANK_ALLREDUCE])):
+        pieces = ShardedTrial(DADConfig(mode="auto", rank=4, objective="time", lossless_steps=0,
+                                        link={"bandwidth": "1gbit"}, route_refresh_steps=3))
+        pieces.leave = SLOW_COPY  # (`start` measures it: a collective)
+        taken = [_sharded_step(pieces, step, units, rest, leaving) for step in range(4)]
+        partial = [RANK_ALLREDUCE, DENSE]
+        assert taken == ([partial, whole, whole, partial] if leaving else [partial] * 4), taken
+        assert ("set: " in pieces.decision) == leaving
 
 
 def _timing(bandwidth: str) -> StepTiming:

@@ -101,7 +101,8 @@ def measure_leave_cost(device: torch.device, aggregator: Optional[FactorAggregat
 class SetUnit:
     """One weight of a route set: its ``chosen`` route, the predicted ``seconds`` of each route it may
     take (dense among them; `router.Route.seconds`), the ``nbytes`` and ``tensors`` of its gradient
-    on the engine's path (weight and riding biases), and the ``group`` that leaves the path together."""
+    on the engine's path (weight and riding biases), and the ``group`` that leaves the path together
+    (None: the engine keeps its dense rest whatever this unit takes, as ZeRO does)."""
 
     index: int
     chosen: str
@@ -151,7 +152,7 @@ def set_seconds(units: Sequence[SetUnit], routes: Mapping[int, str], leave: Leav
     group with a compressed unit (its dense units and its ``rest``, the parameters always dense)."""
     rest = rest or {}
     total = sum(u.seconds.get(routes[u.index], 0.0) for u in units)
-    leaving = {u.group for u in units if routes[u.index] != DENSE}
+    leaving = {u.group for u in units if routes[u.index] != DENSE and u.group is not None}
     for g in leaving:
         nbytes, tensors = rest.get(g, (0, 0))
         for u in units:
@@ -168,6 +169,8 @@ def choose_set(units: Sequence[SetUnit], leave: LeaveCost, rest: Rest = None) ->
     if all(rep == DENSE for rep in chosen.values()):
         return SetChoice(chosen)
     partial = any(u.compressible and chosen[u.index] == DENSE for u in units)
+    if set_seconds(units, chosen, leave, rest) <= sum(u.seconds.get(chosen[u.index], 0.0) for u in units):
+        return SetChoice(chosen)  # nothing leaves: the router's weight-by-weight choice stands
     dense = {u.index: DENSE if u.compressible else u.chosen for u in units}
     whole = {u.index: u.best_compressed() if u.compressible else u.chosen for u in units}
     prices = {name: set_seconds(units, r, leave, rest) for name, r in
