@@ -31,9 +31,10 @@ backward (no route is credited with overlap, `timing`) and the dAD path's Python
 parameter beyond a copy launch; the route trial measures those on a measured link.
 
 The rule (`choose_set`), at every refresh: a chosen set that compresses anything is priced with
-the leaving against all-dense (the engine's path, no leaving) and all-compressed (each weight that
-has one on its fastest non-dense route among those the router allowed it, so within the byte cap,
-`router.byte_capped`; the same set where the router compressed every such weight). The cheapest of
+the leaving against all-dense (the engine's path, no leaving) and all-compressed (the weights the
+router compressed on their routes, each other weight that has one on its fastest non-dense route
+among those the router allowed it, so within the byte cap, `router.byte_capped`; the same set where
+the router compressed every such weight). The cheapest of
 the three is kept; ties keep the chosen set. So auto never keeps a partial set (a few weights
 compressed) slower than both wholes, nor compresses a few weights where moving the rest costs more
 than they save. A pure function of agreed numbers: every rank decides alike, with a stated link as
@@ -172,7 +173,8 @@ def choose_set(units: Sequence[SetUnit], leave: LeaveCost, rest: Rest = None) ->
     if set_seconds(units, chosen, leave, rest) <= sum(u.seconds.get(chosen[u.index], 0.0) for u in units):
         return SetChoice(chosen)  # nothing leaves: the router's weight-by-weight choice stands
     dense = {u.index: DENSE if u.compressible else u.chosen for u in units}
-    whole = {u.index: u.best_compressed() if u.compressible else u.chosen for u in units}
+    # a weight the router compressed keeps its route (its pick among them, tie band and switch margin included)
+    whole = {u.index: u.best_compressed() if u.compressible and u.chosen == DENSE else u.chosen for u in units}
     prices = {name: set_seconds(units, r, leave, rest) for name, r in
               (("chosen", chosen), ("all dense", dense), ("all compressed", whole))}
     taken = min(prices, key=lambda k: (prices[k], k != "chosen", k != "all dense"))
