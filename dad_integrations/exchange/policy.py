@@ -8,6 +8,9 @@ decide it. The exchanger (`exchanger.Exchanger`) runs the collectives and asks i
 - **Holding** (objective ``"time"``): routes are chosen at a refresh (`RoutePolicy.refresh`:
   every ``route_refresh_steps``, and when the lossless steps end) and held until the next, so that
   they change together, on every rank, whatever the models learn in between.
+- **Whole sets** (`routing.partial_set`, objective ``"time"``): after a step that chose routes
+  anew, a partial set (a few weights compressed) is priced with what moving every other gradient
+  off DDP's own buckets costs, against all dense and all compressed; the cheapest is held.
 - **Trying** (`routing.trial`, on a measured link in mode ``"auto"``): after a refresh its routes
   are tried against all dense, and every decision's steps are watched.
 - **Capture on and off**: a unit whose rows no route of the coming steps uses stops capturing
@@ -22,6 +25,7 @@ construction (`routing.timing.build_timing`) is a collective too.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
@@ -37,11 +41,14 @@ from dad_integrations.report import ParamReport
 from dad_integrations.routes.registry import is_rank_route
 from dad_integrations.routing.link import LinkModel, job_probe_top, probe_link
 from dad_integrations.routing.mode_cost import mode_cost_line
+from dad_integrations.routing.partial_set import (LeaveCost, SetChoice, SetUnit, choose_set, grad_bytes,
+                                                  measure_leave_cost)
 from dad_integrations.routing.router import Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route
 from dad_integrations.routing.sharded_trial import agree_on
 from dad_integrations.routing.timing import StepTiming, build_timing
 from dad_integrations.routing.trial import RouteTrial, TrialOwner
 
+log = logging.getLogger(__name__)
 TWO_LEVEL = "two_level"  # a route trial's routes arm when it tries two-level steps (`exchange.two_level`)
 
 
@@ -67,6 +74,11 @@ class RoutePolicy(TrialOwner):
         self.timing: Optional[StepTiming] = (
             build_timing(config, [u.shape for u in plan.units], aggregator, device,
                          dtype=compute_dtype(plan.units[0].param)) if plan.units else None)
+        # what a step's dense gradients pay to leave DDP's buckets once one weight compresses (a
+        # collective where timed: after the models, on every rank alike)
+        self.leave: LeaveCost = (measure_leave_cost(device, aggregator) if self.timing is not None else LeaveCost())
+        self.priced: Dict[int, Dict[str, float]] = {}  # unit index -> its routes' seconds, chosen anew this step
+        self.set_clause = ""  # a replaced partial set, for the next routes line said
         # on a measured link, routes that compress are checked against all-dense on the job's steps
         self.trial: Optional[RouteTrial] = (
             RouteTrial(config.route_trial_steps, rank=aggregator.rank)
@@ -165,6 +177,8 @@ class RoutePolicy(TrialOwner):
         if held is None:
             self.saved[unit.index] = decision.saved_s
             self.spare[unit.index] = decision.spare_s
+            if decision.seconds is not None:
+                self.priced[unit.index] = decision.seconds
         self.last_route[unit.index] = decision.representation
         return decision, rows_by_rank
 
@@ -188,12 +202,59 @@ class RoutePolicy(TrialOwner):
         the next step's preparation."""
         tried = self.arm(step) is not None  # a trial's step says no routes (read before the trial ends)
         summary = self.summary(step, params)
+        self._price_set(step, tried)
         self._run_trial(step, None if started is None else self.clock() - started)
         if step == 0 and self.units:
             self.say_mode_cost(self._probe, self._mode_cost_line)
         if not tried and (self.trial is None or not self.trial.active):
+            if summary and self.set_clause:
+                summary = f"{summary} [{self.set_clause}]"
             self.say_routes(step, summary)
+            if self.set_clause and self._said_routes == summary:
+                self.set_clause = ""
         self._prepare_refresh(step + 1)
+
+    def _price_set(self, step: int, tried: bool) -> None:
+        """After a step whose routes were chosen anew (by time, flat): keep them, or, where they are a
+        partial set priced above a whole one with the leaving of DDP's buckets counted, hold the
+        cheaper whole set until the next refresh (`routing.partial_set`)."""
+        priced, self.priced = self.priced, {}
+        if not priced or self.two_level or tried or not (step == 0 or self.refresh(step)):
+            return
+        choice = choose_set(self._set_units(priced), self.leave,
+                            {0: (grad_bytes([q for _, q in self.plan.dense]), len(self.plan.dense))})
+        if choice.replaced:
+            self._hold_set(choice, priced)
+
+    def _set_units(self, priced: Dict[int, Dict[str, float]]) -> list:
+        """The units as `partial_set.SetUnit`: those chosen anew with their routes' seconds, the
+        others fixed on their route (one step of DDP: one group)."""
+        out = []
+        for u in self.units:
+            rep = DENSE if u.dense_only else self.last_route.get(u.index, DENSE)
+            seconds = priced.get(u.index) if not u.dense_only else None
+            out.append(SetUnit(u.index, rep, seconds if seconds is not None else {rep: 0.0}, grad_bytes(u.params),
+                               len(u.params)))
+        return out
+
+    def _hold_set(self, choice: SetChoice, priced: Dict[int, Dict[str, float]]) -> None:
+        """Hold ``choice``'s whole set from the next step: routes, their predicted savings (what a
+        route trial tries), and capture where the route changes its need of rows."""
+        for u in self.units:
+            rep = choice.routes[u.index]
+            if rep == self.last_route.get(u.index) or u.dense_only:
+                continue
+            self.last_route[u.index] = rep
+            seconds = priced.get(u.index, {})
+            self.saved[u.index] = seconds.get(DENSE, 0.0) - seconds.get(rep, 0.0)
+            self.spare[u.index] = 0.0
+            if rep == EXACT:
+                self.use_rows([u.index])
+            elif rep == DENSE and not u.rows_unused:
+                u.stop_using_rows()
+        self.set_clause = choice.clause()
+        if self.aggregator.rank == 0:
+            log.info("%s: %s", self.name, self.set_clause)
 
     def _probe(self) -> LinkModel:
         """Measure the flat link (a collective, at the same point on every rank)."""

@@ -51,6 +51,18 @@ class RowShardCall(ShardedCall):
     def verify(self, units):
         return agree_factors_rebuild(units, self.rows, self.sink, self.aggregator)
 
+    def leaving(self, units):
+        """A call with a compressed weight packs the rest of its buffer for the reduce-scatter and
+        writes it back (`reduce_rest`): each unit's gradient bytes in the input, and the rest's."""
+        size, index = self.sink.world_size * self.sink.inp.element_size(), {id(u.param): u.index for u in units}
+        own, rest, tensors = {}, 0, 0
+        for s in self.slots:
+            if id(s.param) in index:
+                own[index[id(s.param)]] = s.numel * size
+            else:
+                rest, tensors = rest + s.numel * size, tensors + 1
+        return own, (rest, tensors)
+
     def _biases(self, unit: FactorUnit) -> List[nn.Parameter]:
         """The unit's biases that this call's buffers hold (they ride with its exact factors)."""
         return [b.param for b in unit.biases if self.sink.slot(b.param) is not None]

@@ -157,6 +157,12 @@ class ShardedCall:
     def unit_shape(self, unit: FactorUnit) -> UnitShape:
         raise NotImplementedError
 
+    def leaving(self, units: Sequence[FactorUnit]) -> Optional[Tuple[Dict[int, int], Tuple[int, int]]]:
+        """What leaves the engine's own reduction where one of ``units`` takes another route
+        (`routing.partial_set`): each unit's bytes there, and the rest's (bytes, tensors); None where
+        the engine reduces its dense rest as it is whatever the routes (ZeRO's partitions)."""
+        return None
+
     def estimates(self, unit: FactorUnit, counts: Optional[RowCounts]) -> Estimates:
         """The engine's own byte estimates and ties for ``unit`` (None: the cost model's)."""
         return None, None
@@ -355,11 +361,15 @@ class ShardedExchanger(TimedRoutes):
         timing = self._trial.models(call.aggregator, live[0].param.device, step) if live else None
         ctx = RouteContext(cfg, call.aggregator.world_size, call.route_wire, step=step, sharded=True, timing=timing)
         routes = CallRoutes(step, counts, report)
+        leaving = call.leaving(live)  # what a compressed weight moves off the engine's reduction
+        group = self._trial.note_call(leaving[1]) if leaving is not None else None
         for unit in live:
-            estimates, ties = call.estimates(unit, counts.get(unit.index))
-            decision = call.route(ctx, unit, UnitEvidence(rows_by_rank=counts.get(unit.index),
-                                                          estimates=estimates, ties=ties))
-            self._trial.note(unit, decision)
+            decision = self._trial.held(step, unit, counts)  # a whole set held since the last refresh
+            if decision is None:
+                estimates, ties = call.estimates(unit, counts.get(unit.index))
+                decision = call.route(ctx, unit, UnitEvidence(rows_by_rank=counts.get(unit.index),
+                                                              estimates=estimates, ties=ties))
+            self._trial.note(unit, decision, leaving[0].get(unit.index, 0) if leaving is not None else 0, group)
             rep = decision.representation
             if rep not in (DENSE, EXACT) and not is_rank_route(rep) and not has_codec(rep):
                 raise_unsupported(rep, call.LAYOUT)

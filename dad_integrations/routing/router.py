@@ -158,12 +158,15 @@ class Route:
     route trial checks, `route_trial`). ``spare_s``: by time in mode auto, where the unit goes
     dense, the seconds its fastest other route is predicted to take beyond dense (what the watch
     of a decision no trial checked allows its steps to slow by, `trial.RouteTrial.watch_untried`).
+    ``seconds``: by time, the predicted seconds of every route the unit may take this step (allowed
+    and within the byte cap, dense among them): what a route set is priced on (`partial_set`).
     """
 
     representation: Optional[str]
     exchange_sizes: bool
     saved_s: float = 0.0
     spare_s: float = 0.0
+    seconds: Optional[Dict[str, float]] = dataclasses.field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -246,8 +249,10 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
         seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
                                       world_size=world_size, sharded=sharded, size_exchange=size_exchange)
         best = choose_at(ctx.config, ctx.step, est, seconds=seconds, current=seen.current)
+        capped = byte_capped(config, est, seconds)
+        allowed = {k: capped[k] for k in candidates_at(ctx.config, ctx.step, capped)}
         return Route(best, exchange, seconds.get(DENSE, seconds[best]) - seconds[best],
-                     spare_seconds(seconds, best) if config.mode == "auto" else 0.0)
+                     spare_seconds(seconds, best) if config.mode == "auto" else 0.0, {**allowed, best: seconds[best]})
 
     if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size

@@ -13,12 +13,18 @@ The adapter calls, per step and on every rank alike:
 
 * `forward` from a forward pre-hook on the root module (the step's span starts there:
   `trial.StepClock`);
-* `open(step)` at the step's first reduction call, then `dense(step)` ("force dense this step?")
-  and `note(route)` for each weight it routes;
+* `open(step)` at the step's first reduction call, then `dense(step)` ("force dense this step?"),
+  per call `note_call` (where its dense rest leaves the engine's reduction with a compressed
+  weight), and per weight `held` (a whole set held since the last refresh) and `note(route)`;
 * `end(step, agree)` once the step's last reduction is over (FSDP2: a callback queued on autograd's
   engine, which runs after FSDP's own final callback; ZeRO: after the engine's backward epilogue).
   ``agree`` is `link.agree_max` on the adapter's group: a collective, at the same point on every
   rank, with no reduction of the step in flight.
+
+Whole sets (`partial_set`): at the end of a step that chose routes anew, the routes noted are priced
+as a set, with what moving each call's dense rest off the engine's reduce-scatter costs, against
+all dense and all compressed; where a whole set is cheaper it is held until the next refresh (all
+dense: the all-dense hold above; all compressed: `held`), and said.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.report import ParamReport
 from dad_integrations.routing.link import LinkModel, agree_max, job_probe_top, probe_link
 from dad_integrations.routing.mode_cost import report_cost_line
+from dad_integrations.routing.partial_set import LeaveCost, SetChoice, SetUnit, choose_set, measure_leave_cost
 from dad_integrations.routing.trial import Agree, RouteTrial, StepClock, TrialOutcome, TrialOwner
 from dad_integrations.routing.router import Route
 from dad_integrations.routing.timing import LinkProbe, StepTiming, build_timing
@@ -59,6 +66,11 @@ class ShardedTrial(TrialOwner):
         self._spare = 0.0                     # dense weights: what other routes are predicted to cost beyond
         self._routes: Dict[int, str] = {}     # unit index -> its route this step
         self._dense_until: Optional[int] = None  # all dense decided: every step before this one
+        self.leave = LeaveCost()                  # leaving the engine's reduction (`start`)
+        self._priced: List[SetUnit] = []          # this step's weights routed anew, as a set
+        self._rests: Dict[int, Tuple[int, int]] = {}  # call -> its dense rest (bytes, tensors)
+        self._held: Dict[int, Route] = {}         # a whole set taken: unit index -> its route
+        self._held_until: Optional[int] = None    # ... every step before this one
 
     # -- set-up -----------------------------------------------------------------------------------
     def start(self, units: Sequence[FactorUnit], aggregator: FactorAggregator, device: torch.device) -> None:
@@ -70,6 +82,8 @@ class ShardedTrial(TrialOwner):
             return
         cfg = self.config
         self.timing = build_timing(cfg, [u.shape for u in self.units], aggregator, device, probe=self.probe)
+        if self.timing is not None:  # a collective too, after the models
+            self.leave = measure_leave_cost(device, aggregator)
         if (self.timing is not None and cfg.link is None and cfg.mode == "auto"
                 and cfg.route_trial_steps > 0):
             self.trial = RouteTrial(cfg.route_trial_steps, rank=self.say_rank, name=self.name)
@@ -125,8 +139,28 @@ class ShardedTrial(TrialOwner):
             return arm == "dense"
         return self._dense_until is not None and step < self._dense_until
 
-    def note(self, unit: FactorUnit, decision: Route) -> None:
-        """One weight's route this step."""
+    def note_call(self, rest: Tuple[int, int]) -> int:
+        """A reduction call whose dense ``rest`` (bytes, tensors) leaves the engine's reduction with
+        any compressed weight of it; returns the call's group for `note`."""
+        self._rests[len(self._rests)] = rest
+        return len(self._rests) - 1
+
+    def held(self, step: int, unit: FactorUnit, counts: Dict[int, object]) -> Optional[Route]:
+        """The unit's route in step ``step`` where a whole set is held (exact factors only with this
+        call's agreed counts), else None: the router decides."""
+        if self._held_until is None or step >= self._held_until:
+            return None
+        decision = self._held.get(unit.index)
+        if decision is None or (decision.representation == EXACT and unit.index not in counts):
+            return None
+        return decision
+
+    def note(self, unit: FactorUnit, decision: Route, nbytes: int = 0, group: Optional[int] = None) -> None:
+        """One weight's route this step (``nbytes``: its gradient's in the engine's reduction, whose
+        ``group`` leaves it together, `note_call`)."""
+        if decision.seconds is not None:
+            self._priced.append(SetUnit(unit.index, decision.representation or EXACT, decision.seconds, nbytes,
+                                        1, group))
         self._routes[unit.index] = decision.representation or EXACT
         if decision.representation not in (None, DENSE):
             self._compressed += 1
@@ -140,16 +174,26 @@ class ShardedTrial(TrialOwner):
         if self.step != step:
             return None
         self.step = None
+        whole = self._price_set(step)
+        nxt = step + 1
+        if self.refresh(nxt):
+            self._held, self._held_until = {}, None
         trial = self.trial
         if trial is None:
+            if whole is not None and whole.taken == "all dense":
+                self._dense_until = self.next_refresh(step)
+            if self.refresh(nxt) and self._dense_until is not None:  # routes anew: capture again
+                self._dense_until = None
+                self.use_rows()
             return None
         outcome = self.trial_step(step, self.clock.clock() - self._started, agree)
+        if whole is not None and whole.taken == "all dense":  # after the trial read the set (`chosen`)
+            self._dense_until = self.next_refresh(step)
         if outcome is not None:
             self._dense_until = None if outcome.kept else self.next_refresh(step)
             if self.timing is not None:
                 self.timing = dataclasses.replace(self.timing, overhead_s=outcome.overhead_s)
             self.say_outcome(outcome)
-        nxt = step + 1
         if self.refresh(nxt):
             trial.stop_watching()
             self._dense_until = None
@@ -158,6 +202,31 @@ class ShardedTrial(TrialOwner):
         else:
             self.use_rows()
         return outcome
+
+    def _price_set(self, step: int) -> Optional[SetChoice]:
+        """After a step that chose its routes anew: the whole set to hold instead, where the routes
+        noted are priced above one with their calls' leaving counted (`partial_set.choose_set`),
+        said, with this step's routes, what a trial tries, set to it; else None."""
+        priced, rests, self._priced, self._rests = self._priced, self._rests, [], {}
+        if not priced or not self.refresh(step) or self.arm(step) is not None or self._held_until is not None:
+            return None
+        choice = choose_set(priced, self.leave, rests)
+        if not choice.replaced:
+            return None
+        seconds = {u.index: u.seconds for u in priced}
+        self._routes = dict(choice.routes)
+        compressed = [i for i, rep in choice.routes.items() if rep != DENSE]
+        self._compressed, self._spare = len(compressed), 0.0
+        self._saved = sum(seconds[i].get(DENSE, 0.0) - seconds[i][choice.routes[i]] for i in compressed)
+        if compressed:
+            self._held = {i: Route(rep, rep == EXACT, seconds[i].get(DENSE, 0.0) - seconds[i][rep], 0.0, seconds[i])
+                          for i, rep in choice.routes.items()}
+            self._held_until = self.next_refresh(step)
+            self.use_rows()
+        else:
+            self.drop_rows()
+        self.say(f"{self.name} routes from step {step + 1}: {choice.clause()}")
+        return choice
 
     def chosen(self, step: int) -> Tuple[Dict[int, str], bool, float, float]:
         """`TrialOwner.chosen`: this step's routes (`note`); no all-dense hold past a refresh."""
@@ -185,6 +254,7 @@ class ShardedTrial(TrialOwner):
         self.clock.cancel()
         self.step = None
         self._dense_until = None
+        self._held, self._held_until, self._priced, self._rests = {}, None, [], {}
         self.use_rows()
 
 
