@@ -151,3 +151,31 @@ def test_fsdp2_with_a_tiny_budget_keeps_rank_q_residuals(tmp_path):
     assert not any("residual_budget" in s for s in ranks[0]["rank-user"]["said"])
     assert "error feedback" not in next(s for s in ranks[0]["exact"]["said"] if s.startswith("dAD memory"))
     assert all(r[case]["said"] == [] for r in ranks[1:] for case in r)
+
+
+def test_plan_memory_counts_residuals_of_rank_routes_and_rows_of_exact_ones():
+    units = [((64, 64), [10], "rank_allreduce"), ((64, 64), [10], "exact"), ((8, 64), [10, 5], "dense"),
+             ((32, 64), [10], "rank")]
+    rows = memory.plan_memory(units, params=20000, world_size=8, rank=2, local_size=4, residual_budget=0.05)
+    by = dict(rows)
+    assert list(by) == ["DDP, Horovod, ZeRO-0", "ZeRO-1", "ZeRO-2", "FSDP2, ZeRO-3", "HSDP (4 a node)"]
+    whole = residual_bytes([(64, 64), (32, 64)])
+    assert by["DDP, Horovod, ZeRO-0"].residuals == whole and by["DDP, Horovod, ZeRO-0"].weights == 2
+    assert by["FSDP2, ZeRO-3"].residual_rank == fit_residual_rank([(64, 64), (32, 64)], 0.05 * 20000 * 2)
+    assert by["HSDP (4 a node)"].residuals == whole // 4 and by["HSDP (4 a node)"].state == 20000 * 4
+    assert all(m.rows == 10 * (64 + 64) * 4 for m in by.values())   # the exact weight's only
+    assert all(m.warm_starts == (64 + 64) * 2 * 4 for m in by.values())
+    no_ef = dict(memory.plan_memory(units, params=20000, world_size=8, rank=2, error_feedback=False))
+    assert no_ef["ZeRO-1"].rows == (10 * 128 + 10 * 128 + 10 * 96) * 4 and no_ef["ZeRO-1"].residuals == 0
+    text = memory.render_memory(rows)
+    assert text.splitlines()[0].startswith("memory per rank, GiB") and "(rank " in text.splitlines()[5]
+
+
+def test_planner_prints_memory_per_rank(capsys):
+    from dad_integrations import plan
+    plan.main(["--model", "llama-small", "--sites", "16", "--tokens-per-rank", "64", "--sharded", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["memory"]) == {"DDP, Horovod, ZeRO-0", "ZeRO-1", "ZeRO-2", "FSDP2, ZeRO-3"}
+    fsdp = out["memory"]["FSDP2, ZeRO-3"]
+    assert fsdp["state"] == pytest.approx(out["memory"]["DDP, Horovod, ZeRO-0"]["state"] / 16)  # all sharded
+    assert fsdp["residuals"] <= fsdp["state"] or fsdp["residual_rank"] == 1

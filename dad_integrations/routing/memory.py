@@ -30,7 +30,7 @@ the largest rank ``q`` (at most `FIT_RANK_CAP`) whose residuals fit (`RankMemory
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 Shape = Tuple[int, int]
 
@@ -144,11 +144,12 @@ class RankMemory:
 def rank_memory(engine: str, *, params: int, world_size: int, routed: Sequence[Shape], captured: Sequence[Shape] = (),
                 rank: Optional[int] = None, error_feedback: bool = True, error_feedback_rank: Optional[int] = None,
                 residual_budget: Optional[float] = 1.0, param_itemsize: int = 4, residual_itemsize: int = 4,
-                rows: int = 0, residual_share: float = 1.0, state_world_size: Optional[int] = None,
-                warm_start: bool = True) -> RankMemory:
+                rows: Union[int, Sequence[int]] = 0, residual_share: float = 1.0,
+                state_world_size: Optional[int] = None, warm_start: bool = True) -> RankMemory:
     """Memory per rank of a job on ``engine`` (a `SHARDING` key) of ``params`` parameters on
     ``world_size`` ranks: ``routed`` the weights the rank routes may take (where the rank holds
-    their residuals), ``captured`` those whose rows are captured, ``rows`` rows of each.
+    their residuals), ``captured`` those whose rows are captured, ``rows`` rows of each (or per
+    weight of ``captured``, all its uses' together).
     ``residual_share``: the part of each residual a rank keeps (HSDP's replicate hop: ``1/L``,
     where no budget applies). ``state_world_size``: the ranks the state is sharded over (HSDP: a
     node's). The residuals' rank: ``error_feedback_rank`` where set, else the budget's fit
@@ -162,9 +163,11 @@ def rank_memory(engine: str, *, params: int, world_size: int, routed: Sequence[S
         q = fit_residual_rank(routed, budget, residual_itemsize)
     held = int(residual_bytes(routed, q, residual_itemsize) * residual_share) if holds else 0
     per_row = row_bytes(captured, 1, param_itemsize)
+    each = [rows] * len(captured) if isinstance(rows, int) else list(rows)
+    held_rows = sum(row_bytes([shape], r, param_itemsize) for shape, r in zip(captured, each))
     return RankMemory(engine, world_size, state, held, q if holds else None, whole,
                       warm_start_bytes(routed, rank if warm_start else None, residual_itemsize),
-                      per_row * rows, per_row, budget, residual_itemsize, len(routed))
+                      held_rows, per_row, budget, residual_itemsize, len(routed))
 
 
 def size(nbytes: float) -> str:
@@ -191,5 +194,57 @@ def describe(mem: RankMemory) -> str:
     if mem.warm_starts:
         parts.append(f"warm starts {size(mem.warm_starts)}")
     if mem.row_bytes_per_row:
-        parts.append(f"captured rows {size(mem.row_bytes_per_row)} per token")
+        parts.append(f"captured rows up to {size(mem.row_bytes_per_row)} per token")
     return "dAD memory per rank: " + "; ".join(parts)
+
+
+# -- the planner ------------------------------------------------------------------------------------
+PLAN_ENGINES = (("DDP, Horovod, ZeRO-0", "replicated"), ("ZeRO-1", "zero1"), ("ZeRO-2", "zero2"),
+                ("FSDP2, ZeRO-3", "fsdp2"))
+RANK_ROUTES = ("rank", "rank_allreduce")  # `builtin_routes`' names of the two rank routes
+
+
+def plan_memory(units: Sequence[Tuple[Shape, Sequence[int], str]], *, params: int, world_size: int,
+                rank: Optional[int], param_itemsize: int = 4, residual_itemsize: int = 4,
+                local_size: Optional[int] = None, error_feedback: bool = True,
+                error_feedback_rank: Optional[int] = None,
+                residual_budget: Optional[float] = 1.0) -> List[Tuple[str, RankMemory]]:
+    """Memory per rank of a planned step under every engine (`PLAN_ENGINES`; HSDP too where
+    ``local_size`` ranks a node shard the model, ``1 < local_size < world_size``): ``units`` per
+    weight its shape, rows per use and steady-state route. Residuals and warm starts count the
+    weights on a rank route, rows those whose route sends them (exact factors; a rank route only
+    without error feedback, whose residual needs the dense gradient: others stop capturing), the
+    defaults of a config elsewhere."""
+    routed = [shape for shape, _, route in units if route in RANK_ROUTES]
+    rows_used = ("exact",) + (() if error_feedback else RANK_ROUTES)  # (a residual needs the dense gradient)
+    captured = [(shape, sum(rows)) for shape, rows, route in units if route in rows_used and sum(rows)]
+    kw = dict(params=params, world_size=world_size, routed=routed, captured=[c[0] for c in captured],
+              rows=[c[1] for c in captured], rank=rank, error_feedback=error_feedback,
+              error_feedback_rank=error_feedback_rank, residual_budget=residual_budget,
+              param_itemsize=param_itemsize, residual_itemsize=residual_itemsize)
+    out = [(label, rank_memory(engine, **kw)) for label, engine in PLAN_ENGINES]
+    if local_size is not None and 1 < local_size < world_size:
+        out.append((f"HSDP ({local_size} a node)", rank_memory("fsdp2", state_world_size=local_size,
+                                                               residual_share=1.0 / local_size, **kw)))
+    return out
+
+
+def render_memory(rows: Sequence[Tuple[str, RankMemory]]) -> str:
+    """`plan_memory`'s table: per engine the state, residuals (their rank where not whole), warm
+    starts, captured rows and what dAD adds against the state, in GiB per rank."""
+    def gib(b: float) -> str:
+        return f"{b / 2 ** 30:,.3f}"
+
+    mem = rows[0][1] if rows else None
+    head = (f"memory per rank, GiB (engine state: Adam, 16 B a parameter, sharded as the engine shards it; "
+            f"residuals {dtype_name(mem.itemsize) if mem else 'fp32'}, of the {mem.weights if mem else 0} weights on "
+            f"rank routes; residual_budget fits a rank under ZeRO-2/3 and FSDP2)")
+    table = [("engine", "state", "residuals", "warm starts", "rows", "dAD / state")]
+    for label, m in rows:
+        kept = "" if m.residual_rank is None else f" (rank {m.residual_rank})"
+        table.append((label, gib(m.state), gib(m.residuals) + kept, gib(m.warm_starts), gib(m.rows),
+                      f"{m.dad / m.state:.2f}x" if m.state else "-"))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in table]
+    return "\n".join([head, *lines])
