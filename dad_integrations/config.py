@@ -185,9 +185,9 @@ class DADConfig:
             ``m x n`` per weight the rank routes may take) would hold more, each is kept as its
             rank-``q`` part, the largest ``q`` up to 64 that fits (as ``error_feedback_rank: q`` does),
             said at attach. Default 1.0 (residuals at most the state itself); None: whole residuals
-            whatever they hold. ``error_feedback_rank`` wins where set; HSDP's residuals, sharded
-            like the gradient, and the unsharded engines (whose state is at least 4x whole
-            residuals) never need it.
+            whatever they hold. ``error_feedback_rank`` wins where set. HSDP's residuals are sharded
+            like the gradient; under DDP, Horovod and ZeRO-0/1 the state is at least twice whole
+            residuals: none of them takes a budget.
     """
 
     mode: str = "auto"

@@ -101,6 +101,19 @@ def test_rank_memory_fits_only_where_a_budget_applies():
     assert rank_memory("fsdp2", **dict(kw, rank=None)).warm_starts == 0
 
 
+@pytest.mark.parametrize("engine,itemsize", [("fsdp2", 4), ("zero3", 2), ("zero2", 4), ("zero2", 2)])
+def test_the_default_budget_never_applies_at_up_to_4_ranks(engine, itemsize):
+    """The existing 2- and 4-rank jobs keep whole residuals: a rank's state is at least 4 bytes a
+    parameter there, whole fp32 residuals at most 4 (every parameter a routed weight)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        shapes = [tuple(int(d) for d in torch.randint(1, 300, (2,), generator=gen)) for _ in range(5)]
+        params = sum(m * n for m, n in shapes)
+        for world in (2, 3, 4):
+            assert not rank_memory(engine, params=params, world_size=world, routed=shapes, rank=4,
+                                   param_itemsize=itemsize).fitted
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "1"])
 def test_residual_budget_is_checked(bad):
     with pytest.raises(ValueError, match="'residual_budget': must be a number > 0 or None"):
