@@ -176,6 +176,18 @@ class DADConfig:
             lossless steps. The built-in routes follow ``mode``, ``rank`` and ``rank_route``. Each
             name is checked at attach: an unknown one, or one that does not run on the engine's
             layout, raises naming it.
+        residual_budget: under FSDP2 and ZeRO-2/3, the most error feedback's residuals may hold on
+            a rank, as a multiple of the rank's engine state: 16 bytes a parameter (parameter,
+            gradient, Adam's two fp32 moments and, for 16-bit parameters, an fp32 master copy, as
+            the ZeRO paper counts), each part divided by the ranks the engine shards it over
+            (FSDP2 and ZeRO-3: all of it; ZeRO-2: gradients and optimizer state).
+            `routing.memory` holds the model. Where whole residuals (fp32 for 16-bit weights, one
+            ``m x n`` per weight the rank routes may take) would hold more, each is kept as its
+            rank-``q`` part, the largest ``q`` up to 64 that fits (as ``error_feedback_rank: q`` does),
+            said at attach. Default 1.0 (residuals at most the state itself); None: whole residuals
+            whatever they hold. ``error_feedback_rank`` wins where set. HSDP's residuals are sharded
+            like the gradient; under DDP, Horovod and ZeRO-0/1 the state is at least twice whole
+            residuals: none of them takes a budget.
     """
 
     mode: str = "auto"
@@ -200,6 +212,7 @@ class DADConfig:
     route_trial_steps: int = 8
     topology: Any = "auto"
     routes: Tuple[str, ...] = ()
+    residual_budget: Optional[float] = 1.0
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__
@@ -233,6 +246,9 @@ class DADConfig:
         if self.rank_route == "allreduce" and tol is not None:
             raise ValueError("dad config key 'adaptive_tolerance': an adaptive rank applies to each site's own "
                              "factors (rank_route 'allgather' or 'auto'), not to the shared all-reduce")
+        budget = self.residual_budget
+        if budget is not None and (not _finite_number(budget) or budget <= 0):
+            raise ValueError(f"dad config key 'residual_budget': must be a number > 0 or None, got {budget!r}")
         if self.link is not None:
             parse_link_spec(self.link)  # names the bad sub-key
         try:

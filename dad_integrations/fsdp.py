@@ -81,8 +81,7 @@ class FSDPDADSynchronizer(ShardedFacade):
                              "routes exchange equal blocks of r components from every rank); leave it unset")
         reject_fsdp1(model, "enable_dad_fsdp")
         self._log_once = OnceLogger(log, "dAD/FSDP2: ", rank=dist.get_rank())  # the model's: rank 0 says it
-        self._closed = False
-        self._task: Optional[int] = None
+        self._closed, self._task = False, None  # _task: the open step's autograd graph task
         self._aggregators: Dict[int, TorchDistributedAggregator] = {}
         self._with_grad: Dict[int, list] = {}  # per group: the FSDPParams its post_backward reduces
         groups = seams.param_groups(model, self._log_once)
@@ -128,7 +127,8 @@ class FSDPDADSynchronizer(ShardedFacade):
             seams.install(module, pg, self._reduce, self._with_grad)
         banner.announce("FSDP2", self.config, process_rank=dist.get_rank(), world_size=dist.get_world_size(),
                         factor_weights=len(units), dense_params=banner.dense_count(model, units),
-                        hops=self.exchanger.describe_hops(world, layout=None if rep is None else "HSDP"))
+                        hops=self.exchanger.describe_hops(world, layout=None if rep is None else "HSDP"),
+                        memory=self.exchanger.memory_line)
 
     def _replicate_groups(self, pgs: list) -> Optional[ReplicateGroups]:
         """HSDP's groups (`exchange.replicate_hop`) where the model is sharded on a 2-D mesh; refuses,

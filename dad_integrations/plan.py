@@ -129,6 +129,7 @@ def _plans(args, two_level: bool):
     cfg = load_config(args.model)
     task = model_task(cfg)
     model = build_meta_model(cfg)
+    args.params = sum(p.numel() for p in model.parameters())  # for the memory table (`_memory`)
     rows = _rows(args, cfg, model, task)
     if args.sharded:  # FSDP2, HSDP, ZeRO-3: one plan of hops (`plan_cluster._sharded_plans`)
         return (task, *_sharded_plans(args, model, cfg, rows, two_level), None)
@@ -136,6 +137,17 @@ def _plans(args, two_level: bool):
     timed = _time_plan(args, model, cfg, step, rows) if args.bandwidth is not None else None
     levels = _level_plan(args, model, cfg, step, rows) if two_level else None
     return task, step, timed, levels
+
+
+def _memory(args, step):
+    """Memory per rank under every engine for the planned routes (`routing.memory.plan_memory`)."""
+    from dad_integrations.capture.rows import compute_dtype
+    from dad_integrations.routing.memory import plan_memory
+
+    dtype = DTYPES[args.dtype]
+    return plan_memory([(u.shape, u.rows, u.route) for u in step.units], params=args.params, world_size=args.sites,
+                       rank=args.rank if args.rank and args.mode != "exact" else None, param_itemsize=dtype.itemsize,
+                       residual_itemsize=compute_dtype(dtype).itemsize, local_size=args.local_size)
 
 
 def _print_json(args, task: str, step, timed, levels) -> None:
@@ -153,6 +165,7 @@ def _print_json(args, task: str, step, timed, levels) -> None:
     if timed is not None:
         out["time"] = asdict(timed[0])
         out["time"]["by_time"] = asdict(timed[1])
+    out["memory"] = {label: asdict(m) for label, m in _memory(args, step)}
     if levels is not None:
         out["two_level"] = {**asdict(levels[0]), "intra": levels[1].to_spec(), "inter": levels[2].to_spec(),
                             "compute": levels[3]}
@@ -178,6 +191,9 @@ def _print_text(args, task: str, step, timed, levels) -> None:
     if levels is not None:
         print()
         print(render_levels(levels[0], _levels_header(args, *levels[1:])))
+    from dad_integrations.routing.memory import render_memory
+    print()
+    print(render_memory(_memory(args, step)))
 
 
 def _sharded_label(args) -> str:

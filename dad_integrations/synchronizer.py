@@ -104,7 +104,10 @@ class DADSynchronizer(StepLifecycle, ParamHooks, TimedRoutes):
         self._init_hooks(model)
         self._start_worker()
         banner.announce("DADSynchronizer", self.config, process_rank=aggregator.rank, world_size=aggregator.world_size,
-                        factor_weights=len(self._plan.units), dense_params=len(self._plan.dense), hops=self._exchanger.describe_hops())
+                        factor_weights=len(self._plan.units), dense_params=len(self._plan.dense),
+                        hops=self._exchanger.describe_hops(),
+                        memory=banner.memory_line("DADSynchronizer", self.config, model, self._plan.units,
+                                                  aggregator.world_size))
 
     # -- public API -----------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -97,7 +97,8 @@ class ZeroDAD(RankStateCheckpoints, ShardedFacade):
         banner.announce(f"DeepSpeed ZeRO-{self.zero_stage}", config, process_rank=self.aggregator.rank,
                         world_size=world_size, factor_weights=len(self._unit_of),
                         dense_params=banner.dense_count(engine.module, self.units),
-                        hops=self.exchanger.describe_hops(self.aggregator, self.levels, self._nodes is not None))
+                        hops=self.exchanger.describe_hops(self.aggregator, self.levels, self._nodes is not None),
+                        memory=self.exchanger.memory_line)
         if self.aggregator.rank == 0:
             log.info("dAD replaces ZeRO-%d's gradient reduction for %d weights (mode %s, wire dtype %s)",
                      self.zero_stage, len(self._unit_of), config.mode, config.wire_dtype or "gradients' dtype")

@@ -30,6 +30,7 @@ from dad_integrations.config import DADConfig
 from dad_integrations.capture.rows import Rows, compute_dtype
 from dad_integrations.codecs.low_rank import LocalGradient, choose_method, method_costs, reduce_rank
 from dad_integrations.codecs.power_iteration import PowerIteration
+from dad_integrations.codecs.error_feedback import ErrorFeedback
 from dad_integrations.report import ParamReport
 from dad_integrations.capture.units import FactorUnit
 from dad_integrations.codecs.finite import finite_flag
@@ -59,7 +60,12 @@ class RankRoutes:
         self.config = config
         self.wire_dtype = wire_dtype
         self.state = state or RouteState(config)
-        self.memory, self.own, self.shared = self.state.memory, self.state.own, self.state.shared
+        self.own, self.shared = self.state.own, self.state.shared
+
+    @property
+    def memory(self) -> ErrorFeedback:
+        """The state's error feedback (read each time: a residual budget may set it at attach)."""
+        return self.state.memory
 
     def item(self, unit: FactorUnit, rows: Sequence[Rows], local_grad: LocalGrad, representation: str,
              dense: bool = False) -> RankItem:

@@ -31,7 +31,7 @@ from torch import nn
 
 from dad_integrations.capture.rows import compute_dtype
 from dad_integrations.capture.units import FactorUnit
-from dad_integrations.codecs.error_feedback import Packed, error_feedback_for
+from dad_integrations.codecs.error_feedback import LowRankErrorFeedback, Packed, error_feedback_for
 from dad_integrations.codecs.finite import finite_flag
 from dad_integrations.comm.aggregator import FactorAggregator, Traffic
 from dad_integrations.comm.groups import process_rank
@@ -78,11 +78,19 @@ class RouteState:
         self.own = WarmStart(config.warm_start)     # rank-dAD: each rank's own Q_s
         self.shared = WarmStart(config.warm_start)  # PowerSGD's all-reduced Q
         self.shard = shard
+        self.iterations = config.power_iterations
         self._pending: List[Tuple[WarmStart, FactorUnit, Optional[torch.Tensor], Optional[Packed]]] = []
         self._flushed: List[Tuple[str, Packed]] = []
         self._finite = True                             # every result noted this step
         self._local_ok: Optional[torch.Tensor] = None   # every local gradient noted (on the device: no sync)
         self._device: Optional[torch.device] = None
+
+    def keep_residuals_at(self, q: int) -> None:
+        """From now on keep each residual as its rank-``q`` part (`LowRankErrorFeedback`; a residual
+        budget's fit, chosen at attach). Raises where residuals are held already: none may be lost."""
+        if self.memory.residuals:
+            raise RuntimeError("dAD: the error-feedback memory changes only before residuals are held")
+        self.memory = LowRankErrorFeedback(self.memory.enabled, q, self.iterations)
 
     # -- a step ---------------------------------------------------------------------------------
     def start_step(self) -> None:

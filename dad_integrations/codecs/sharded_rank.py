@@ -18,7 +18,8 @@ one that holds ``M_s``.
 
 **Error feedback** keeps one *unsharded* residual (m x n) per rank-routed weight and rank, S times
 that weight's gradient shard (site s compresses its whole ``M_s``, which no other rank knows);
-``error_feedback_rank: q`` keeps its rank-q part instead. **Non-finite steps**: as `codecs.rank`;
+``error_feedback_rank: q`` keeps its rank-q part instead, as does a ``residual_budget`` whole
+residuals exceed (`routing.memory`). **Non-finite steps**: as `codecs.rank`;
 every rank sees only its shard, so the ranks agree on the step's finiteness from their local
 gradients (`RouteState.note_local`). Embeddings, units without uses and units whose uses cover row
 blocks are reduced from the dense local gradient, as its matrix view (`FactorUnit.shape`: FSDP2's

@@ -50,6 +50,7 @@ from dad_integrations.routes.layouts import RESIDUALS, Layout
 from dad_integrations.routes.registry import check_routes, has_codec, is_rank_route, raise_unsupported
 from dad_integrations.routing.router import (Route, RouteContext, RowCounts, UnitEvidence, UnitShape, route,
                                              sharded_needs_counts)
+from dad_integrations.routing.memory import RankMemory, describe, dtype_name, engine_kind, rank_memory, size
 from dad_integrations.routing.sharded_trial import ShardedTrial, agree_on
 from dad_integrations.routing.trial import TimedRoutes
 from dad_integrations.routing.timing import LinkProbe
@@ -214,6 +215,8 @@ class ShardedExchanger(TimedRoutes):
         self._rank_touched = False        # this step took a rank route or flushed a residual
         self._units_noted: List[FactorUnit] = []  # the units `say_residuals` counts
         self.residual_bytes_said: Optional[int] = None  # the figure `say_residuals` said
+        self.memory: Optional[RankMemory] = None  # what a rank holds (`say_residuals`: the attach line)
+        self._params, self._param_itemsize = 0, 4     # the model's, counted at `start`
 
     @property
     def trial(self) -> ShardedTrial:
@@ -231,6 +234,9 @@ class ShardedExchanger(TimedRoutes):
         if layout is not None:
             check_routes(self.config.routes, layout)
         self._units_noted = list(units)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self._params = sum(int(getattr(p, "ds_numel", p.numel())) for p in trained)  # ZeRO-3 empties p.data
+        self._param_itemsize = trained[0].element_size() if trained else 4
         if residual_note:
             self.say_residuals(layout or layouts.ROW_SHARDS)
         if link_probe is not None:  # the link routes are timed on, where not the group's own (HSDP)
@@ -240,15 +246,16 @@ class ShardedExchanger(TimedRoutes):
         return ForwardStartHook(model, self._trial.forward)
 
     def say_residuals(self, layout: Layout, owner_of: Optional[Mapping[str, int]] = None) -> Optional[str]:
-        """Rank 0 warns what error feedback's whole residuals will hold (`sharded_residual_note`), in
-        their own dtype (the compute dtype: fp32 for bf16 and fp16 weights), where ``layout`` keeps
-        them (`routes.layouts.RESIDUALS`): on every rank, or on each weight's owner (``owner_of``:
-        unit name -> local index), whose busiest one the figure counts. Sets
-        ``residual_bytes_said`` (None where nothing is said); returns the line (rank 0)."""
+        """Per rank, what error feedback's residuals will hold (`routing.memory`), in their own dtype
+        (the compute dtype: fp32 for bf16 and fp16 weights), where ``layout`` keeps them
+        (`routes.layouts.RESIDUALS`): on every rank, or on each weight's owner (``owner_of``: unit
+        name -> local index), whose busiest one the figure counts. Where whole residuals exceed
+        ``residual_budget``, keeps them at the rank that fits (`RouteState.keep_residuals_at`) and
+        rank 0 warns so; else rank 0 warns what whole ones cost (`sharded_residual_note`). Sets
+        ``memory`` (the attach line's figures) and ``residual_bytes_said`` (None where nothing is
+        said); returns the warning (rank 0)."""
         units = [u for u in self._units_noted if not u.dense_only]
         self.residual_bytes_said = None
-        if layout.residuals == "rows" or self.state.shard is not None:
-            return None  # sharded like the gradient (HSDP's replicate hop): nothing beyond the engine's
         held = units
         if layout.residuals == "owner" and owner_of:
             by_owner: Dict[int, List[FactorUnit]] = {}
@@ -257,15 +264,46 @@ class ShardedExchanger(TimedRoutes):
             held = max(by_owner.values(), key=lambda us: (sum(u.shape[0] * u.shape[1] for u in us), -len(us)),
                        default=[])
         itemsize = torch.empty((), dtype=compute_dtype(units[0].param)).element_size() if units else 4
-        note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size, itemsize,
-                                     held=[u.shape for u in held], where=RESIDUALS[layout.residuals].replace("`", ""))
-        if note is None:
-            return None
-        self.residual_bytes_said = residual_bytes([u.shape for u in held], itemsize)
-        if self.process_rank == 0:
+        self.memory = self._memory([u.shape for u in held], [u.shape for u in units if u.has_factors], itemsize,
+                                   rows_sharded=layout.residuals == "rows" or self.state.shard is not None)
+        if layout.residuals == "rows" or self.state.shard is not None:
+            return None  # sharded like the gradient (HSDP's replicate hop): nothing beyond the engine's
+        mem, note = self.memory, None
+        if mem.fitted:
+            self.state.keep_residuals_at(mem.residual_rank)
+            self.residual_bytes_said = mem.residuals
+            note = (f"whole {dtype_name(itemsize)} error-feedback residuals would hold {size(mem.whole_residuals)} a "
+                    f"rank, over 'residual_budget' ({self.config.residual_budget:g}x the rank's engine state, "
+                    f"{size(mem.budget)}): each is kept as its rank-{mem.residual_rank} part, {size(mem.residuals)} "
+                    f"a rank ('error_feedback_rank' chooses the rank; 'residual_budget' the bound)")
+        else:
+            note = sharded_residual_note(self.config, [u.shape for u in units], self.world_size, itemsize,
+                                         held=[u.shape for u in held],
+                                         where=RESIDUALS[layout.residuals].replace("`", ""))
+            if note is not None:
+                self.residual_bytes_said = residual_bytes([u.shape for u in held], itemsize)
+        if note is not None and self.process_rank == 0:
             self.log.warning("dAD/%s: %s", self.engine, note)
             return note
         return None
+
+    @property
+    def memory_line(self) -> Optional[str]:
+        """The attach line of what a rank holds (`routing.memory.describe`; None before `say_residuals`)."""
+        return None if self.memory is None else describe(self.memory)
+
+    def _memory(self, held: List[Tuple[int, int]], captured: List[Tuple[int, int]], itemsize: int,
+                rows_sharded: bool) -> RankMemory:
+        """`routing.memory.rank_memory` of this engine: ``held`` the shapes whose residuals a rank
+        keeps (each its ``1/L`` under HSDP, ``rows_sharded``), ``captured`` those with rows."""
+        cfg, shard = self.config, self.state.shard
+        width = shard[1] if shard is not None else self.world_size
+        return rank_memory(engine_kind(self.engine), params=self._params, world_size=self.world_size,
+                           state_world_size=width, routed=held, captured=captured,
+                           rank=None if cfg.mode == "exact" else cfg.rank, error_feedback=cfg.error_feedback,
+                           error_feedback_rank=cfg.error_feedback_rank, residual_budget=cfg.residual_budget,
+                           param_itemsize=self._param_itemsize, residual_itemsize=itemsize,
+                           residual_share=1.0 / width if rows_sharded else 1.0, warm_start=cfg.warm_start)
 
     def describe_hops(self, aggregator: FactorAggregator, levels: Optional[Levels] = None,
                       two_level: Optional[bool] = None, layout: Optional[str] = None) -> str:

@@ -1,0 +1,194 @@
+"""Memory per rank and the residual budget (issue 38, item 5): the memory model's figures
+(`routing.memory`), the rank a budget fits, the user's ``error_feedback_rank`` winning, the attach
+line's figures in the residuals' own dtype, and one 2-rank FSDP2 job with a budget too small for
+whole residuals (tests/workers/residual_budget_worker.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_torchrun
+from dad_integrations.capture.assign import build_plan
+from dad_integrations.codecs.error_feedback import LowRankErrorFeedback
+from dad_integrations.config import DADConfig
+from dad_integrations.engines import banner
+from dad_integrations.routing import memory
+from dad_integrations.routing.memory import (FIT_RANK_CAP, describe, fit_residual_rank, rank_memory,
+                                             residual_bytes, state_bytes)
+
+WORKERS = Path(__file__).parent / "workers"
+GIB = 2 ** 30
+
+
+def llama_7b_shapes():
+    """Llama-7B's weight matrices: 32 layers of q, k, v, o (4096 x 4096) and the MLP (11008 x 4096,
+    twice, and 4096 x 11008), the embedding and the head (32000 x 4096)."""
+    h, f, v, layers = 4096, 11008, 32000, 32
+    return [(h, h)] * 4 * layers + [(f, h), (f, h), (h, f)] * layers + [(v, h), (v, h)]
+
+
+@pytest.mark.parametrize("engine,itemsize,per_param", [
+    ("replicated", 4, 16.0), ("zero1", 4, 4 + 4 + 8 / 4), ("zero2", 4, 4 + 12 / 4), ("zero3", 4, 4.0),
+    ("fsdp2", 4, 4.0), ("fsdp2", 2, 4.0), ("zero2", 2, 2 + 14 / 4), ("fsdp2", 8, 32 / 4)])
+def test_engine_state_is_16_bytes_a_parameter_sharded_as_the_engine_shards(engine, itemsize, per_param):
+    assert state_bytes(1000, 4, engine, itemsize) == pytest.approx(1000 * per_param)
+
+
+def test_unknown_engine_is_refused():
+    with pytest.raises(ValueError, match="unknown engine 'zero4'"):
+        state_bytes(10, 2, "zero4")
+
+
+@pytest.mark.parametrize("name,kind", [("FSDP2", "fsdp2"), ("ZeRO-3", "zero3"), ("DeepSpeed ZeRO-2", "zero2"),
+                                       ("DeepSpeed ZeRO-1", "zero1"), ("DeepSpeed ZeRO-0", "replicated"),
+                                       ("DDP", "replicated"), ("Horovod", "replicated")])
+def test_engines_named_as_the_banner_names_them(name, kind):
+    assert memory.engine_kind(name) == kind
+
+
+@pytest.mark.parametrize("q", [1, 2, 5, 7, 8, 40, 64])
+def test_residual_numbers_are_what_the_low_rank_memory_keeps(q):
+    shapes = [(12, 5), (3, 40), (8, 64), (64, 64)]
+    mem = LowRankErrorFeedback(True, q)
+    kept = [mem.pack(f"w{i}", torch.randn(m, n, dtype=torch.float64)) for i, (m, n) in enumerate(shapes)]
+    numel = sum(t.numel() for k in kept for t in (k if isinstance(k, tuple) else (k,)))
+    assert residual_bytes(shapes, q, 8) == numel * 8
+    assert residual_bytes(shapes, None) == sum(m * n for m, n in shapes) * 4
+
+
+def test_llama_7b_on_64_ranks_under_zero3():
+    """The issue's figures: 25.1 GiB of whole residuals against 1.57 GiB of ZeRO-3's state; rank 16
+    would hold 0.15 GiB; the default budget keeps them at the cap's rank, inside the state."""
+    shapes = llama_7b_shapes()
+    params = sum(m * n for m, n in shapes) + 65 * 4096  # and the norms
+    mem = rank_memory("zero3", params=params, world_size=64, routed=shapes, rank=4)
+    assert mem.state / GIB == pytest.approx(1.57, abs=0.005)
+    assert mem.whole_residuals / GIB == pytest.approx(25.1, abs=0.05)
+    assert residual_bytes(shapes, 16) / GIB == pytest.approx(0.15, abs=0.005)
+    assert mem.fitted and mem.residual_rank == FIT_RANK_CAP and mem.residuals == residual_bytes(shapes, FIT_RANK_CAP)
+    assert mem.residuals <= mem.state
+    line = describe(mem)
+    assert "error feedback up to 0.6 GiB (fp32, rank 64, 226 weights, fit to residual_budget 1.6 GiB; " \
+           "whole: 25.1 GiB)" in line, line
+
+
+def test_budget_chooses_the_largest_rank_that_fits():
+    shapes = [(64, 64), (64, 64), (8, 64)]  # rank q < 8: 4 (2 * 128 q + 72 q) = 1312 q bytes
+    assert fit_residual_rank(shapes, residual_bytes(shapes)) is None   # whole fits
+    assert fit_residual_rank(shapes, 7040) == 5 and fit_residual_rank(shapes, 1312 * 5 - 1) == 4
+    assert fit_residual_rank(shapes, 1.0) == 1   # nothing fits: the least, said at attach
+    # the pair outgrows the residual before q reaches min(m, n): the largest q that fits, not the first miss
+    assert fit_residual_rank([(64, 64)], 64 * 64 * 4 - 1) == 31
+
+
+def test_rank_memory_fits_only_where_a_budget_applies():
+    shapes, params = [(64, 64), (64, 64), (8, 64)], 2 * 64 * 65 + 8 * 65
+    kw = dict(params=params, world_size=2, routed=shapes, rank=2)
+    assert rank_memory("fsdp2", **kw).residual_rank is None              # S = 2: whole fits in 1x
+    small = rank_memory("fsdp2", residual_budget=0.1, **kw)
+    assert small.fitted and small.residual_rank == 5 and small.residuals == 1312 * 5
+    assert small.budget == pytest.approx(0.1 * state_bytes(params, 2, "fsdp2"))
+    user = rank_memory("fsdp2", residual_budget=0.1, error_feedback_rank=3, **kw)   # the user's rank wins
+    assert user.residual_rank == 3 and not user.fitted and user.residuals == residual_bytes(shapes, 3)
+    assert rank_memory("replicated", residual_budget=0.1, **kw).residual_rank is None  # unsharded: no budget
+    assert rank_memory("fsdp2", residual_budget=None, **kw).residual_rank is None
+    hsdp = rank_memory("fsdp2", residual_budget=0.1, residual_share=0.5, **kw)         # sharded like the gradient
+    assert hsdp.residual_rank is None and hsdp.residuals == residual_bytes(shapes) // 2
+    assert rank_memory("fsdp2", error_feedback=False, **kw).residuals == 0
+    assert rank_memory("fsdp2", **dict(kw, rank=None)).warm_starts == 0
+
+
+@pytest.mark.parametrize("engine,itemsize", [("fsdp2", 4), ("zero3", 2), ("zero2", 4), ("zero2", 2)])
+def test_the_default_budget_never_applies_at_up_to_4_ranks(engine, itemsize):
+    """The existing 2- and 4-rank jobs keep whole residuals: a rank's state is at least 4 bytes a
+    parameter there, whole fp32 residuals at most 4 (every parameter a routed weight)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        shapes = [tuple(int(d) for d in torch.randint(1, 300, (2,), generator=gen)) for _ in range(5)]
+        params = sum(m * n for m, n in shapes)
+        for world in (2, 3, 4):
+            assert not rank_memory(engine, params=params, world_size=world, routed=shapes, rank=4,
+                                   param_itemsize=itemsize).fitted
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_residual_budget_is_checked(bad):
+    with pytest.raises(ValueError, match="'residual_budget': must be a number > 0 or None"):
+        DADConfig(residual_budget=bad)
+    assert DADConfig.from_dict({"residual_budget": None}).residual_budget is None
+    assert DADConfig.from_dict(DADConfig(residual_budget=0.25).to_dict()).residual_budget == 0.25
+
+
+@pytest.mark.parametrize("dtype,itemsize", [(torch.bfloat16, 4), (torch.float16, 4), (torch.float32, 4),
+                                            (torch.float64, 8)])
+def test_attach_line_counts_residuals_in_the_dtype_they_are_kept_in(dtype, itemsize):
+    """fp32 residuals for 16-bit weights (the gradient's dtype would say half)."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 128)).to(dtype)
+    config = DADConfig(mode="rank", rank=2)
+    units = build_plan(model, config).units
+    line = banner.memory_line("DDP", config, model, units, world_size=2)
+    whole = (256 * 256 + 128 * 256) * itemsize
+    kind = "fp64" if itemsize == 8 else "fp32"
+    assert line.startswith("dAD memory per rank: engine state ~"), line
+    assert f"error feedback up to {memory.size(whole)} ({kind}, whole, 2 weights)" in line, line
+    assert "fit to" not in line and "sharded" not in line
+    exact = banner.memory_line("DDP", DADConfig(mode="exact"), model, units, world_size=2)
+    assert "error feedback" not in exact and "warm starts" not in exact and "captured rows" in exact
+
+
+def test_fsdp2_with_a_tiny_budget_keeps_rank_q_residuals(tmp_path):
+    """2 ranks, FSDP2 on gloo, ``residual_budget: 0.1``: the rank routes hold rank-5 pairs, as much as
+    the warning said, on every rank; the user's ``error_feedback_rank`` wins; exact factors and the
+    lossless steps train bitwise as with the default budget."""
+    path = tmp_path / "out.json"
+    run_torchrun(WORKERS / "residual_budget_worker.py", 2, [path], timeout=300)
+    ranks = json.loads(path.read_text())["ranks"]
+    for r in ranks:
+        assert r["exact"]["params"] == r["exact-tiny"]["params"]
+        assert r["lossless"]["params"] == r["lossless-tiny"]["params"]
+        tiny = r["rank-tiny"]
+        assert tiny["memory"] == "LowRankErrorFeedback" and tiny["q"] == 5
+        assert sorted(tiny["held"]) == ["0.weight", "2.weight", "4.weight"]
+        assert all(len(pair) == 2 and pair[0][1] == pair[1][1] == 5 for pair in tiny["held"].values()), tiny["held"]
+        assert tiny["held_bytes"] == tiny["said_bytes"] == 1312 * 5
+        assert r["rank-user"]["q"] == 3 and r["rank-user"]["said_bytes"] is None
+        assert r["lossless"]["memory"] == "ErrorFeedback" and r["lossless-tiny"]["q"] == 5
+    said = ranks[0]["rank-tiny"]["said"]
+    warned = [s for s in said if "over 'residual_budget' (0.1x the rank's engine state" in s]
+    assert len(warned) == 1 and "each is kept as its rank-5 part, 6.4 KiB a rank" in warned[0], said
+    lines = [s for s in said if s.startswith("dAD memory per rank: ")]
+    assert len(lines) == 1 and "(fp32, rank 5, 3 weights, fit to residual_budget 6.9 KiB; whole: 34.0 KiB)" in lines[0]
+    assert not any("residual_budget" in s for s in ranks[0]["rank-user"]["said"])
+    assert "error feedback" not in next(s for s in ranks[0]["exact"]["said"] if s.startswith("dAD memory"))
+    assert all(r[case]["said"] == [] for r in ranks[1:] for case in r)
+
+
+def test_plan_memory_counts_residuals_of_rank_routes_and_rows_of_exact_ones():
+    units = [((64, 64), [10], "rank_allreduce"), ((64, 64), [10], "exact"), ((8, 64), [10, 5], "dense"),
+             ((32, 64), [10], "rank")]
+    rows = memory.plan_memory(units, params=20000, world_size=8, rank=2, local_size=4, residual_budget=0.05)
+    by = dict(rows)
+    assert list(by) == ["DDP, Horovod, ZeRO-0", "ZeRO-1", "ZeRO-2", "FSDP2, ZeRO-3", "HSDP (4 a node)"]
+    whole = residual_bytes([(64, 64), (32, 64)])
+    assert by["DDP, Horovod, ZeRO-0"].residuals == whole and by["DDP, Horovod, ZeRO-0"].weights == 2
+    assert by["FSDP2, ZeRO-3"].residual_rank == fit_residual_rank([(64, 64), (32, 64)], 0.05 * 20000 * 2)
+    assert by["HSDP (4 a node)"].residuals == whole // 4 and by["HSDP (4 a node)"].state == 20000 * 4
+    assert all(m.rows == 10 * (64 + 64) * 4 for m in by.values())   # the exact weight's only
+    assert all(m.warm_starts == (64 + 64) * 2 * 4 for m in by.values())
+    no_ef = dict(memory.plan_memory(units, params=20000, world_size=8, rank=2, error_feedback=False))
+    assert no_ef["ZeRO-1"].rows == (10 * 128 + 10 * 128 + 10 * 96) * 4 and no_ef["ZeRO-1"].residuals == 0
+    text = memory.render_memory(rows)
+    assert text.splitlines()[0].startswith("memory per rank, GiB") and "(rank " in text.splitlines()[5]
+
+
+def test_planner_prints_memory_per_rank(capsys):
+    from dad_integrations import plan
+    plan.main(["--model", "llama-small", "--sites", "16", "--tokens-per-rank", "64", "--sharded", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["memory"]) == {"DDP, Horovod, ZeRO-0", "ZeRO-1", "ZeRO-2", "FSDP2, ZeRO-3"}
+    fsdp = out["memory"]["FSDP2, ZeRO-3"]
+    assert fsdp["state"] == pytest.approx(out["memory"]["DDP, Horovod, ZeRO-0"]["state"] / 16)  # all sharded
+    assert fsdp["residuals"] <= fsdp["state"] or fsdp["residual_rank"] == 1
