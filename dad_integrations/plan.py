@@ -139,19 +139,22 @@ def _plans(args, two_level: bool):
     return task, step, timed, levels
 
 
-def _memory(args, step):
-    """Memory per rank under every engine for the planned routes (`routing.memory.plan_memory`)."""
+def _memory(args, step, timed=None):
+    """Memory per rank under every engine for the planned routes (`routing.memory.plan_memory`): a
+    sharded plan by time (``timed``) holds what its routes by time hold."""
     from dad_integrations.capture.rows import compute_dtype
     from dad_integrations.routing.memory import plan_memory
 
     dtype = DTYPES[args.dtype]
-    return plan_memory([(u.shape, u.rows, u.route) for u in step.units], params=args.params, world_size=args.sites,
+    units = timed[0].units if args.sharded and timed is not None else step.units
+    return plan_memory([(u.shape, u.rows, u.route) for u in units], params=args.params, world_size=args.sites,
                        rank=args.rank if args.rank and args.mode != "exact" else None, param_itemsize=dtype.itemsize,
                        residual_itemsize=compute_dtype(dtype).itemsize, local_size=args.local_size)
 
 
 def _print_json(args, task: str, step, timed, levels) -> None:
     """The plans as one JSON object (``--json``)."""
+    memory = _memory(args, step, timed)
     out = {"model": args.model, "task": task, **{k: getattr(args, k) for k in (
         "sites", "tokens_per_rank", "batch_per_rank", "sharded", "rank", "mode", "rank_route", "dtype")},
            **asdict(step)}
@@ -165,7 +168,7 @@ def _print_json(args, task: str, step, timed, levels) -> None:
     if timed is not None:
         out["time"] = asdict(timed[0])
         out["time"]["by_time"] = asdict(timed[1])
-    out["memory"] = {label: asdict(m) for label, m in _memory(args, step)}
+    out["memory"] = {label: asdict(m) for label, m in memory}
     if levels is not None:
         out["two_level"] = {**asdict(levels[0]), "intra": levels[1].to_spec(), "inter": levels[2].to_spec(),
                             "compute": levels[3]}
@@ -193,7 +196,7 @@ def _print_text(args, task: str, step, timed, levels) -> None:
         print(render_levels(levels[0], _levels_header(args, *levels[1:])))
     from dad_integrations.routing.memory import render_memory
     print()
-    print(render_memory(_memory(args, step)))
+    print(render_memory(_memory(args, step, timed)))
 
 
 def _sharded_label(args) -> str:

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
+from dad_integrations.builtin_routes import EXACT, RANK, RANK_ALLREDUCE
+
 Shape = Tuple[int, int]
 
 # engine -> which of (parameters, gradients, optimizer state) it shards over the ranks
@@ -201,7 +203,7 @@ def describe(mem: RankMemory) -> str:
 # -- the planner ------------------------------------------------------------------------------------
 PLAN_ENGINES = (("DDP, Horovod, ZeRO-0", "replicated"), ("ZeRO-1", "zero1"), ("ZeRO-2", "zero2"),
                 ("FSDP2, ZeRO-3", "fsdp2"))
-RANK_ROUTES = ("rank", "rank_allreduce")  # `builtin_routes`' names of the two rank routes
+RANK_ROUTES = (RANK, RANK_ALLREDUCE)
 
 
 def plan_memory(units: Sequence[Tuple[Shape, Sequence[int], str]], *, params: int, world_size: int,
@@ -216,7 +218,7 @@ def plan_memory(units: Sequence[Tuple[Shape, Sequence[int], str]], *, params: in
     without error feedback, whose residual needs the dense gradient: others stop capturing), the
     defaults of a config elsewhere."""
     routed = [shape for shape, _, route in units if route in RANK_ROUTES]
-    rows_used = ("exact",) + (() if error_feedback else RANK_ROUTES)  # (a residual needs the dense gradient)
+    rows_used = (EXACT,) + (() if error_feedback else RANK_ROUTES)  # (a residual needs the dense gradient)
     captured = [(shape, sum(rows)) for shape, rows, route in units if route in rows_used and sum(rows)]
     kw = dict(params=params, world_size=world_size, routed=routed, captured=[c[0] for c in captured],
               rows=[c[1] for c in captured], rank=rank, error_feedback=error_feedback,

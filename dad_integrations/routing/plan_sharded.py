@@ -32,7 +32,7 @@ where the routes need them, the agreed row counts (one small all-gather per redu
 counted here, its latency not: the planner does not know the engine's calls). The engine's plain
 reduce-scatter is priced on the same links: ``engine`` beside ``dad``.
 
-Memory per rank goes in `memory_lines` (one place, filled by the memory model where it exists).
+Memory per rank is `routing.memory.plan_memory`'s table, over the routes chosen by time.
 """
 from __future__ import annotations
 
@@ -300,13 +300,6 @@ def as_step_plan(tp: ShardedTimePlan) -> ShardedStepPlan:
                            reduce_scatter=other + sum(u.reduce_scatter for u in units), counts=dict(tp.counts))
 
 
-def memory_lines(tp: ShardedTimePlan) -> List[str]:
-    """The lines of memory per rank under the plan (the engine's shards, dAD's residuals, warm
-    starts and captured rows), printed after the step time: the one place the memory model's
-    figures go. None are computed here yet: empty."""
-    return []
-
-
 def render_sharded_time(tp: ShardedTimePlan, links: Dict[str, LinkModel], compute_note: str) -> str:
     """The sharded plan by time as a text table: per weight its route, per hop MB and ms, its
     compute, dAD's seconds, and the engine's bytes and seconds; then per hop and in total."""
@@ -330,7 +323,6 @@ def render_sharded_time(tp: ShardedTimePlan, links: Dict[str, LinkModel], comput
                   "reduction call; its latency not counted)")
     ratio = f" ({tp.dad / tp.engine_total:.3f}x)" if tp.engine_total > 0 else ""
     footer.append(f"predicted step: dAD {_ms(tp.dad)} ms, {eng}'s own reduction {_ms(tp.engine_total)} ms{ratio}")
-    footer += memory_lines(tp)
     header = (f"predicted {eng} step beyond compute, per rank ({tp.layout} layout; MB one rank sends per hop); "
               f"{compute_note}")
     return _table(header, columns, rows, total, footer)
