@@ -128,6 +128,7 @@ class ShardedTrial(TrialOwner):
     def note(self, unit: FactorUnit, decision: Route) -> None:
         """One weight's route this step."""
         self._routes[unit.index] = decision.representation or EXACT
+        self.note_noise(unit.index, decision)
         if decision.representation not in (None, DENSE):
             self._compressed += 1
             self._saved += decision.saved_s
