@@ -61,20 +61,27 @@ class ScriptedClock:
         return self.now
 
 
+def _interleaved(calls: Sequence[Sequence[float]]) -> List[float]:
+    """Three calls of each figure of one bounded shape, as `measure_compute` times them: in turns."""
+    return [c[rep] for rep in range(3) for c in calls]
+
+
 def _run_durations(seed: int) -> List[float]:
-    """One run's timed calls, in `measure_compute`'s order (per bounded shape: PowerSGD's work,
-    rank-dAD's, the exact rebuild; then the capture, bare and hooked), three calls each. The two rank
-    routes cost the same, 1 ms at every shape (the near-tie that flipped between runs); each run's
-    median moves by up to `SPREAD` (its ``offset``) and its calls spread by `SPREAD` around it."""
+    """One run's timed calls, in `measure_compute`'s order (per bounded shape, in turns: the exact
+    rebuild, PowerSGD's work, rank-dAD's; then the capture, bare and hooked), three calls each. The
+    two rank routes cost the same, 1 ms at every shape (the near-tie that flipped between runs);
+    each run's median moves by up to `SPREAD` (its ``offset``) and its calls spread by `SPREAD`."""
     rng = random.Random(seed)
-    out = []
-    bases = [1e-3, 1e-3, 4e-3] * len(SHAPES) + [2e-3, 2.2e-3]
-    for base in bases:
+
+    def calls(base: float) -> List[float]:
         offset = rng.uniform(-SPREAD, SPREAD)
-        calls = [base * (1 + offset + d) for d in (-SPREAD, 0.0, SPREAD)]
-        rng.shuffle(calls)
-        out += calls
-    return out
+        out = [base * (1 + offset + d) for d in (-SPREAD, 0.0, SPREAD)]
+        rng.shuffle(out)
+        return out
+    out: List[float] = []
+    for _ in SHAPES:
+        out += _interleaved([calls(4e-3), calls(1e-3), calls(1e-3)])
+    return out + calls(2e-3) + calls(2.2e-3)
 
 
 def _model(seed: int) -> ComputeModel:
@@ -96,8 +103,9 @@ def test_compute_model_keeps_each_figures_spread():
     """Each figure is the median of its three calls; its spread is half their range (capped at
     `NOISE_CAP` of the median), per figure and for the capture, and `ComputeModel.noise` is a
     route's compute over the figures plus their spreads, less over the figures."""
+    calls = [1.0e-3, 1.2e-3, 0.8e-3]
     model = measure_compute([(32, 32)], rank=RANK, world_size=2, iterations=1, error_feedback=True, device=CPU,
-                            clock=ScriptedClock([1.0e-3, 1.2e-3, 0.8e-3]))
+                            clock=ScriptedClock(_interleaved([calls] * 3) + calls * 2))
     costs, spread = model.shapes[(32, 32)], model.spreads[(32, 32)]
     assert costs.rank == pytest.approx(1.0e-3) and spread.rank == pytest.approx(0.2e-3)
     assert spread.rank_allreduce == pytest.approx(0.2e-3)
@@ -108,13 +116,27 @@ def test_compute_model_keeps_each_figures_spread():
     exact = spread.exact_per_row * 2 * 128 + model.capture_spread * 3
     assert model.noise("exact", (32, 32), rows_by_rank=rows, world_size=2, calls=3) == pytest.approx(exact)
     # a call waiting on a loaded core: the spread counts at most NOISE_CAP of the median
+    wild_calls = [1e-3, 1e-3, 9e-3]
     wild = measure_compute([(32, 32)], rank=RANK, world_size=2, iterations=1, error_feedback=True, device=CPU,
-                           clock=ScriptedClock([1e-3, 1e-3, 9e-3]))
+                           clock=ScriptedClock(_interleaved([wild_calls] * 3) + wild_calls * 2))
     assert wild.spreads[(32, 32)].rank == pytest.approx(compute_model.NOISE_CAP * 1e-3)
     # the figures ranks agree on carry the spreads; a stated model has none
     again = ComputeModel.from_list([(32, 32)], model.to_list([(32, 32)]))
     assert again.spreads == model.spreads and again.capture_spread == model.capture_spread
     assert ComputeModel({(32, 32): costs}).noise("rank", (32, 32), rows_by_rank=rows, world_size=2) == 0.0
+
+
+def test_a_burst_of_load_moves_no_route_alone():
+    """The figures of one shape are timed in turns: a burst of load through one round (every call
+    10x) slows one call of each, and every median stays put, so the two rank routes keep their
+    order; timed one after the other, the burst would have fallen on one route's calls alone."""
+    quiet, burst = [1.0e-3, 1.1e-3, 1.2e-3], [1.0e-3, 11e-3, 1.2e-3]
+    durations = [d for rep in range(3) for d in (4e-3, quiet[rep], burst[rep])] + quiet * 2
+    model = measure_compute([(32, 32)], rank=RANK, world_size=2, iterations=1, error_feedback=True, device=CPU,
+                            clock=ScriptedClock(durations))
+    costs = model.shapes[(32, 32)]
+    assert costs.rank_allreduce == pytest.approx(1.1e-3) and costs.rank == pytest.approx(1.2e-3)
+    assert model.spreads[(32, 32)].rank == pytest.approx(compute_model.NOISE_CAP * 1.2e-3)
 
 
 def test_link_noise_counts_in_route_noise():

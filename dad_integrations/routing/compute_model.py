@@ -38,9 +38,12 @@ millisecond on a CPU and tens of microseconds on a GPU, more than a kernel launc
 still dominate (a GPU's small probes), scaling over-counts them: the estimate errs towards dense.
 No probe buffer holds more than 2^22 numbers (`bounded_shape` and the row cap) at a rank up to 2048.
 
-Noise. Each figure is the median of ``REPS`` timed calls after a warm-up, and the model keeps how
-far those calls spread: half their range (``(max - min) / 2``, at most `NOISE_CAP` of the median),
-per figure (``ComputeModel.spreads``) and for the capture hooks. `ComputeModel.noise` turns it into
+Noise. Each figure is the median of ``REPS`` timed calls after a warm-up. One bounded shape's
+figures are timed in turns (exact, PowerSGD's, rank-dAD's, then again): a burst of load from
+elsewhere slows one call of each, which every median drops, instead of all calls of one route,
+which would move that route's median alone and swap two near-equal routes. The model keeps how
+far each figure's calls spread: half their range (``(max - min) / 2``, at most `NOISE_CAP` of the
+median), per figure (``ComputeModel.spreads``) and for the capture hooks. `ComputeModel.noise` turns it into
 seconds of a route's prediction: the route's own compute over the figures plus their spreads,
 less its compute over the figures. On a loaded machine a median of three moves by about that much
 from run to run, so the router takes two routes whose predictions differ by less than their
@@ -170,14 +173,19 @@ def measure_compute(shapes: Iterable[Shape], *, rank: Optional[int], world_size:
     rows = min(world_size * EXACT_REFERENCE_ROWS, EXACT_MAX_ROWS)
     timed: Dict[Shape, ShapeCosts] = {}
     spread: Dict[Shape, ShapeCosts] = {}
-    zero = (0.0, 0.0)
     for m, n in sorted(set(timed_as.values())):
-        shared = _rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype, clock,
-                               shared=True) if rank else zero
-        own = _rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype, clock) if rank else zero
-        exact = _exact_seconds(m, n, rows, device, dtype, clock)
-        timed[(m, n)] = ShapeCosts(shared[0], own[0], exact[0] / rows)
-        spread[(m, n)] = ShapeCosts(shared[1], own[1], exact[1] / rows)
+        gen = private_generator(device)  # test matrices from dAD's own generator: the caller's stay put
+        g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
+        out = torch.empty_like(g)
+        steps = [_exact_step(g, rows, gen, out)]
+        if rank:
+            steps += [_rank_step(g, rank, iterations, world_size, error_feedback, gen, out, shared=True),
+                      _rank_step(g, rank, iterations, world_size, error_feedback, gen, out)]
+        figures = _timed_together(steps, device, clock)
+        (exact, exact_spread), (shared, shared_spread), (own, own_spread) = (figures + [(0.0, 0.0)] * 2)[:3]
+        timed[(m, n)] = ShapeCosts(shared, own, exact / rows)
+        spread[(m, n)] = ShapeCosts(shared_spread, own_spread, exact_spread / rows)
+        del g, out, steps  # each bounded shape's buffers dropped before the next one's are made
     costs = {s: _scaled(timed[b], scale(s, b)) for s, b in timed_as.items()}
     spreads = {s: _scaled(spread[b], scale(s, b)) for s, b in timed_as.items()}
     capture, capture_spread = _capture_seconds(device, dtype, clock)
@@ -196,34 +204,45 @@ def _scaled(costs: ShapeCosts, factor: float) -> ShapeCosts:
 
 def _timed(fn: Callable[[], None], device: torch.device, clock: Callable[[], float] = time.perf_counter,
            reps: int = REPS) -> Tuple[float, float]:
-    """Median seconds of ``fn`` after one warm-up call, and the calls' spread: half their range,
-    at most `NOISE_CAP` of the median (module doc)."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(reps):
-        t0 = clock()
+    """Median seconds of ``fn`` after one warm-up call, and the calls' spread (`_timed_together`)."""
+    return _timed_together([fn], device, clock, reps)[0]
+
+
+def _timed_together(fns: Sequence[Callable[[], None]], device: torch.device,
+                    clock: Callable[[], float] = time.perf_counter, reps: int = REPS) -> List[Tuple[float, float]]:
+    """Per function of ``fns``, its median seconds after one warm-up call and the calls' spread:
+    half their range, at most `NOISE_CAP` of the median (module doc). The calls take turns, one
+    of each per round: a burst of load from elsewhere slows one call of every function, which
+    their medians drop alike, rather than every call of one function, which would move its
+    median alone (and two near-equal routes' order with it)."""
+    for fn in fns:
         fn()
-        synchronize(device)
-        times.append(clock() - t0)
-    middle = statistics.median(times)
-    return middle, min((max(times) - min(times)) / 2, NOISE_CAP * max(middle, 0.0))
+    synchronize(device)
+    times: List[List[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, took in zip(fns, times):
+            t0 = clock()
+            fn()
+            synchronize(device)
+            took.append(clock() - t0)
+    out = []
+    for took in times:
+        middle = statistics.median(took)
+        out.append((middle, min((max(took) - min(took)) / 2, NOISE_CAP * max(middle, 0.0))))
+    return out
 
 
-def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, error_feedback: bool,
-                  device: torch.device, dtype: torch.dtype, clock: Callable[[], float], *,
-                  shared: bool = False) -> Tuple[float, float]:
-    """A rank route's local work on an ``m x n`` gradient: error-feedback compensation, the routes'
-    own power iteration (`power_iteration`), the residual, and the rebuild: ``P Q^T`` (``shared``:
-    PowerSGD's) or rank-dAD's rank-``S r`` one."""
+def _rank_step(g: torch.Tensor, rank: int, iterations: int, world_size: int, error_feedback: bool,
+               gen: torch.Generator, out: torch.Tensor, *, shared: bool = False) -> Callable[[], None]:
+    """A rank route's local work on the ``m x n`` gradient ``g``: error-feedback compensation, the
+    routes' own power iteration (`power_iteration`), the residual, and the rebuild: ``P Q^T``
+    (``shared``: PowerSGD's) or rank-dAD's rank-``S r`` one (``out``: scratch of ``g``'s shape)."""
+    (m, n), device, dtype = g.shape, g.device, g.dtype
     r = min(rank, m, n)
-    gen = private_generator(device)  # test matrices from dAD's own generator: the caller's stay put
-    g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
     residual = torch.zeros_like(g) if error_feedback else None
     q = torch.randn(n, r, device=device, dtype=dtype, generator=gen)
     gathered = None if shared else [torch.randn(world_size * r, k, device=device, dtype=dtype, generator=gen)
                                     for k in (m, n)]
-    out = torch.empty_like(g)
 
     def step() -> None:
         mat = g + residual if residual is not None else g
@@ -235,25 +254,23 @@ def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, e
         if gathered is not None:
             torch.mm(gathered[0].t(), gathered[1], out=out)
 
-    return _timed(step, device, clock)
+    return step
 
 
-def _exact_seconds(m: int, n: int, rows: int, device: torch.device, dtype: torch.dtype,
-                   clock: Callable[[], float]) -> Tuple[float, float]:
-    """The exact route's local work on an ``m x n`` weight: packing one site's factors and the
-    rebuild from ``rows`` rows (summed over sites)."""
-    gen = private_generator(device)
+def _exact_step(g: torch.Tensor, rows: int, gen: torch.Generator, out: torch.Tensor) -> Callable[[], None]:
+    """The exact route's local work on an ``m x n`` weight (``g``'s shape; ``out``: scratch of it):
+    packing one site's factors and the rebuild from ``rows`` rows (summed over sites)."""
+    (m, n), device, dtype = g.shape, g.device, g.dtype
     left = torch.randn(EXACT_REFERENCE_ROWS, m, device=device, dtype=dtype, generator=gen)
     right = torch.randn(EXACT_REFERENCE_ROWS, n, device=device, dtype=dtype, generator=gen)
     gl = torch.randn(rows, m, device=device, dtype=dtype, generator=gen)
     gr = torch.randn(rows, n, device=device, dtype=dtype, generator=gen)
-    out = torch.empty(m, n, device=device, dtype=dtype)
 
     def step() -> None:
         torch.cat([left.reshape(-1), right.reshape(-1)])  # packing the factors
         torch.mm(gl.t(), gr, out=out)
 
-    return _timed(step, device, clock)
+    return step
 
 
 def _capture_seconds(device: torch.device, dtype: torch.dtype, clock: Callable[[], float],
