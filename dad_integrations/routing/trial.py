@@ -82,6 +82,7 @@ log = logging.getLogger(__name__)
 KEEP_MARGIN = 0.02   # compressed routes must beat all-dense by this share of the step (or the noise) to win a pair
 CONSISTENT = 0.75    # share of the pairs one side must win to decide
 MAX_ROUNDS = 3       # rounds of route_trial_steps before split evidence goes dense
+NOISE_PAIRS = 3      # pairs from which their noise is measured (`pair_noise`)
 WATCH_MARGIN = 0.10  # the chosen arm's steps may exceed both arms' (trial or predicted) figures by this share
 
 def in_backward() -> bool:
@@ -170,9 +171,10 @@ def judge(routes: Sequence[float], dense: Sequence[float], margin: float = KEEP_
 
 def pair_noise(routes: Sequence[float], dense: Sequence[float]) -> float:
     """The pairs' noise: the median absolute deviation of their differences (``routes - dense``),
-    as a share of the dense steps' median (0 without pairs). One outlying pair of four moves it
-    not at all."""
-    if not routes:
+    as a share of the dense steps' median; 0 below `NOISE_PAIRS` pairs (two differences cannot
+    tell their noise from a real gap: the next round measures it). One outlying pair of four moves
+    it not at all."""
+    if len(routes) < NOISE_PAIRS:
         return 0.0
     differences = [r - d for r, d in zip(routes, dense)]
     middle = statistics.median(differences)
