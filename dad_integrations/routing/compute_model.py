@@ -43,7 +43,11 @@ figures are timed in turns (exact, PowerSGD's, rank-dAD's, then again): a burst 
 elsewhere slows one call of each, which every median drops, instead of all calls of one route,
 which would move that route's median alone and swap two near-equal routes. The model keeps how
 far each figure's calls spread: half their range (``(max - min) / 2``, at most `NOISE_CAP` of the
-median), per figure (``ComputeModel.spreads``) and for the capture hooks. `ComputeModel.noise` turns it into
+median), per figure (``ComputeModel.spreads``) and for the capture hooks; and every figure's
+spread is at least the machine's, the widest relative spread of any route figure at attach. On a
+CPU shared with other work a call is preempted or not, whole scheduler quanta at a time: three
+calls of one figure can all be slowed (a 1.4 ms power iteration measured at 25 ms three times,
+while its neighbour's ran at 1.5 ms), and only the other figures' spread shows it. `ComputeModel.noise` turns it into
 seconds of a route's prediction: the route's own compute over the figures plus their spreads,
 less its compute over the figures. On a loaded machine a median of three moves by about that much
 from run to run, so the router takes two routes whose predictions differ by less than their
@@ -72,7 +76,7 @@ BOUND_DIM = 2048             # a bounded shape's dimensions, at most (or the ran
 EXACT_REFERENCE_ROWS = 256   # rows per site at which the exact rebuild is timed
 EXACT_MAX_ROWS = 1024        # and at most this many in all (the rebuild is linear in rows)
 REPS = 3
-NOISE_CAP = 0.5              # a figure's spread counts at most this share of its median (module doc)
+NOISE_CAP = 1.0              # a figure's spread counts at most its median (module doc)
 
 
 def bounded_shape(shape: Shape, rank: Optional[int] = None) -> Shape:
@@ -186,6 +190,7 @@ def measure_compute(shapes: Iterable[Shape], *, rank: Optional[int], world_size:
         timed[(m, n)] = ShapeCosts(shared, own, exact / rows)
         spread[(m, n)] = ShapeCosts(shared_spread, own_spread, exact_spread / rows)
         del g, out, steps  # each bounded shape's buffers dropped before the next one's are made
+    spread = _pooled(timed, spread)
     costs = {s: _scaled(timed[b], scale(s, b)) for s, b in timed_as.items()}
     spreads = {s: _scaled(spread[b], scale(s, b)) for s, b in timed_as.items()}
     capture, capture_spread = _capture_seconds(device, dtype, clock)
@@ -194,6 +199,15 @@ def measure_compute(shapes: Iterable[Shape], *, rank: Optional[int], world_size:
         return model
     agreed = agree_max(aggregator, model.to_list(distinct), device, name="dad.compute.agree")
     return replace(ComputeModel.from_list(distinct, agreed), timed_as=timed_as)
+
+
+def _pooled(timed: Dict[Shape, ShapeCosts], spread: Dict[Shape, ShapeCosts]) -> Dict[Shape, ShapeCosts]:
+    """Each figure's spread, at least the machine's: the widest relative spread any figure showed
+    (module doc). A figure whose calls were all slowed alike shows none of its own."""
+    shares = [d / c for b in timed for c, d in zip(_figures(timed[b]), _figures(spread[b])) if c > 0]
+    widest = max(shares, default=0.0)
+    return {b: ShapeCosts(*(max(d, widest * c) for c, d in zip(_figures(timed[b]), _figures(spread[b]))))
+            for b in timed}
 
 
 def _scaled(costs: ShapeCosts, factor: float) -> ShapeCosts:
