@@ -177,24 +177,31 @@ def test_margin_is_the_larger_of_the_band_and_the_noise():
     seconds = {"dense": 10.0, "rank_allreduce": 1.10e-3, "rank": 1.0e-3}
     assert timed_pick(CONFIG, 0, {}, seconds) == ("rank", 0.0)  # 10 % apart, no noise: time decides
     best, within = timed_pick(CONFIG, 0, {}, seconds, noise={"rank": 0.06e-3, "rank_allreduce": 0.06e-3})
-    assert best == "rank_allreduce" and within == pytest.approx(0.12)
+    assert best == "rank_allreduce" and within == pytest.approx(0.12 / 1.10)  # over the slower's seconds
     best, within = timed_pick(CONFIG, 0, {}, {**seconds, "rank_allreduce": 1.04e-3})  # inside the 5 % band
-    assert best == "rank_allreduce" and within == pytest.approx(TIE_BAND)
+    assert best == "rank_allreduce" and within == pytest.approx(TIE_BAND / 1.04)
     # far outside any noise: dense, on a slow link, never ties a compressed route
     assert timed_pick(CONFIG, 0, {}, seconds, noise={k: 0.5 * t for k, t in seconds.items() if k != "dense"})[0] \
         == "rank_allreduce"
 
 
 def test_hysteresis_keeps_the_current_route():
-    """At a refresh a unit keeps its route unless another beats it by more than the larger of
-    `SWITCH_MARGIN` and their noise; beyond it, it switches."""
+    """At a refresh a unit keeps its route unless another beats it by more than `SWITCH_MARGIN`,
+    or than their noise where larger and the current route comes first in the tie order (a
+    compressed route whose gain over dense is inside the noise is not held); beyond, it switches."""
     seconds = {"dense": 10.0, "rank_allreduce": 1.0e-3, "rank": 1.2e-3}  # 20 % apart: beyond the band
     assert timed_pick(CONFIG, 0, {}, seconds)[0] == "rank_allreduce"
     assert timed_pick(CONFIG, 0, {}, seconds, current="rank")[0] == "rank"             # inside SWITCH_MARGIN
     slower = {**seconds, "rank": 1.4e-3}                                                 # 40 % apart
     assert timed_pick(CONFIG, 0, {}, slower, current="rank")[0] == "rank_allreduce"
     noisy = {"rank": 0.3e-3, "rank_allreduce": 0.2e-3}                                   # 0.5 ms of noise
-    assert timed_pick(CONFIG, 0, {}, slower, current="rank", noise=noisy)[0] == "rank"
+    assert timed_pick(CONFIG, 0, {}, slower, current="rank", noise=noisy)[0] == "rank_allreduce"  # rank after
+    ahead = {"dense": 10.0, "rank_allreduce": 1.4e-3, "rank": 1.0e-3}
+    assert timed_pick(CONFIG, 0, {}, ahead, current="rank_allreduce")[0] == "rank"
+    assert timed_pick(CONFIG, 0, {}, ahead, current="rank_allreduce", noise=noisy)[0] == "rank_allreduce"
+    # a fast link: dense costs nothing, the rank route its compute, all of it noise: it is left
+    fast = {"dense": 1e-6, "rank_allreduce": 1.0e-3}
+    assert timed_pick(CONFIG, 0, {}, fast, current="rank_allreduce", noise={"rank_allreduce": 1.0e-3})[0] == "dense"
     assert SWITCH_MARGIN > TIE_BAND
     # through the router: a weight with no factors (an embedding) keeps its rank route at a refresh
     model = ComputeModel({(512, 32): ShapeCosts(1.0e-3, 1.2e-3, 1e-7)})

@@ -113,7 +113,9 @@ def timed_pick(config: DADConfig, step: Optional[int], estimates: Dict[str, floa
     the routes within it of the fastest are equal, and the registry's tie order picks among them
     (dense, exact, PowerSGD's all-reduce, rank-dAD: lossless first, then the fewer bytes), an order
     no timing moves: identical runs pick alike. A ``current`` route (hysteresis) is kept unless
-    another is predicted faster by more than the larger of `SWITCH_MARGIN` and their noise."""
+    another is predicted faster by more than `SWITCH_MARGIN`, or than their noise where that is
+    larger and ``current`` comes first in the tie order. ``within`` is the widest margin over the
+    slower route's seconds."""
     config, rules = step_rules(config, step)
     pick = functools.partial(choose, config.mode, **rules)
     seconds = byte_capped(config, estimates, seconds)
@@ -129,11 +131,14 @@ def timed_pick(config: DADConfig, step: Optional[int], estimates: Dict[str, floa
         band = {k: 0.0 for k, t in seconds.items() if t - fastest <= margin(k, best, TIE_BAND)}
         equal = allowed_routes(config.mode, band, **rules)
         if len(equal) > 1:  # a decision inside the noise: said in the routes line (`trial.TrialOwner`)
-            within = max(margin(k, best, TIE_BAND) for k in equal if k != best) / fastest if fastest > 0 else 0.0
+            within = max(margin(k, best, TIE_BAND) / max(seconds[k], fastest, 1e-12) for k in equal if k != best)
         best = pick(band)
-    if current in seconds and current != best and seconds[current] - seconds[best] <= margin(current, best,
-                                                                                           SWITCH_MARGIN):
-        if pick({**seconds, current: -1.0}) == current:
+    if current in seconds and current != best:
+        # the noise widens the hold only towards the tie order's earlier route (a compressed route
+        # whose gain over dense is inside the noise is not kept, as at a first choice)
+        hold = margin(current, best, SWITCH_MARGIN) if tie_order(current) < tie_order(best) else \
+            SWITCH_MARGIN * seconds[best]
+        if seconds[current] - seconds[best] <= hold and pick({**seconds, current: -1.0}) == current:
             best = current  # still allowed, and not worth a switch
     return best, within
 
