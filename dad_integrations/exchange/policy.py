@@ -166,7 +166,8 @@ class RoutePolicy(TrialOwner):
         if held is not None:
             decision = Route(held, held == EXACT)
         else:
-            evidence = UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index))
+            evidence = UnitEvidence(dense_only=unit.dense_only, last_rows=self.last_rows.get(unit.index),
+                                    current=self.last_route.get(unit.index))
             decision = route(dataclasses.replace(ctx, refresh=self.refresh(step)), shape, evidence)
         rows_by_rank = None
         if decision.exchange_sizes:
@@ -179,6 +180,7 @@ class RoutePolicy(TrialOwner):
             self.spare[unit.index] = decision.spare_s
             if decision.seconds is not None:
                 self.priced[unit.index] = decision.seconds
+            self.note_noise(unit.index, decision)
         self.last_route[unit.index] = decision.representation
         return decision, rows_by_rank
 

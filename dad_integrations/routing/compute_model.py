@@ -37,6 +37,22 @@ bounded probe streams from memory as the full shape does; and at 2^22 elements a
 millisecond on a CPU and tens of microseconds on a GPU, more than a kernel launch. Where launches
 still dominate (a GPU's small probes), scaling over-counts them: the estimate errs towards dense.
 No probe buffer holds more than 2^22 numbers (`bounded_shape` and the row cap) at a rank up to 2048.
+
+Noise. Each figure is the median of ``REPS`` timed calls after a warm-up. One bounded shape's
+figures are timed in turns (exact, PowerSGD's, rank-dAD's, then again): a burst of load from
+elsewhere slows one call of each, which every median drops, instead of all calls of one route,
+which would move that route's median alone and swap two near-equal routes. The model keeps how
+far each figure's calls spread: half their range (``(max - min) / 2``, at most `NOISE_CAP` of the
+median), per figure (``ComputeModel.spreads``) and for the capture hooks; and every figure's
+spread is at least the machine's, the widest relative spread of any route figure at attach. On a
+CPU shared with other work a call is preempted or not, whole scheduler quanta at a time: three
+calls of one figure can all be slowed (a 1.4 ms power iteration measured at 25 ms three times,
+while its neighbour's ran at 1.5 ms), and only the other figures' spread shows it. `ComputeModel.noise` turns it into
+seconds of a route's prediction: the route's own compute over the figures plus their spreads,
+less its compute over the figures. On a loaded machine a median of three moves by about that much
+from run to run, so the router takes two routes whose predictions differ by less than their
+noise as equal (`router.choose_at`). The spreads cost nothing more to measure: they are read off
+the calls the medians already time, and agreed with them (the largest over ranks).
 """
 from __future__ import annotations
 
@@ -60,6 +76,7 @@ BOUND_DIM = 2048             # a bounded shape's dimensions, at most (or the ran
 EXACT_REFERENCE_ROWS = 256   # rows per site at which the exact rebuild is timed
 EXACT_MAX_ROWS = 1024        # and at most this many in all (the rebuild is linear in rows)
 REPS = 3
+NOISE_CAP = 1.0              # a figure's spread counts at most its median (module doc)
 
 
 def bounded_shape(shape: Shape, rank: Optional[int] = None) -> Shape:
@@ -97,6 +114,8 @@ class ComputeModel:
     shapes: Dict[Shape, ShapeCosts] = field(default_factory=dict)
     capture_per_call: float = 0.0
     timed_as: Dict[Shape, Shape] = field(default_factory=dict)  # measured: each shape's bounded shape
+    spreads: Dict[Shape, ShapeCosts] = field(default_factory=dict)  # measured: each figure's spread (seconds)
+    capture_spread: float = 0.0                                     # and the capture's, per call
 
     def seconds(self, representation: str, shape: Shape, *, rows_by_rank: Sequence[Sequence[int]],
                 world_size: int, calls: int = 1) -> float:
@@ -108,41 +127,87 @@ class ComputeModel:
             return 0.0
         return spec.compute(costs, self.capture_per_call, rows_by_rank, world_size, calls)
 
+    def noise(self, representation: str, shape: Shape, *, rows_by_rank: Sequence[Sequence[int]],
+              world_size: int, calls: int = 1) -> float:
+        """Seconds by which `seconds` may be off from the timing's noise alone: the route's compute
+        over every figure plus its spread, less its compute over the figures (0 where no spread is
+        known: a stated model, or a shape nobody measured)."""
+        costs, spread = self.shapes.get(tuple(shape)), self.spreads.get(tuple(shape))
+        if costs is None or (spread is None and not self.capture_spread):
+            return 0.0
+        spread = spread or ShapeCosts(0.0, 0.0, 0.0)
+        high = ShapeCosts(*(c + d for c, d in zip(_figures(costs), _figures(spread))))
+        spec = get_route(representation)
+        top = spec.compute(high, self.capture_per_call + self.capture_spread, rows_by_rank, world_size, calls)
+        return max(0.0, top - spec.compute(costs, self.capture_per_call, rows_by_rank, world_size, calls))
+
     def to_list(self, shapes: Sequence[Shape]) -> List[float]:
-        out = [self.capture_per_call]
+        """The figures ranks agree on (larger is slower): the capture's, each shape's, then their
+        spreads in the same order."""
+        out, spreads = [self.capture_per_call], [self.capture_spread]
         for s in shapes:
-            c = self.shapes[s]
-            out += [c.rank_allreduce, c.rank, c.exact_per_row]
-        return out
+            out += _figures(self.shapes[s])
+            spreads += _figures(self.spreads.get(s, ShapeCosts(0.0, 0.0, 0.0)))
+        return out + spreads
 
     @classmethod
     def from_list(cls, shapes: Sequence[Shape], values: Sequence[float]) -> "ComputeModel":
-        costs = {s: ShapeCosts(*values[1 + 3 * i: 4 + 3 * i]) for i, s in enumerate(shapes)}
-        return cls(costs, float(values[0]))
+        k = 1 + 3 * len(shapes)
+        figures, spreads = values[:k], values[k:] or [0.0] * k
+
+        def per_shape(vals: Sequence[float]) -> Dict[Shape, ShapeCosts]:
+            return {s: ShapeCosts(*(float(v) for v in vals[1 + 3 * i: 4 + 3 * i])) for i, s in enumerate(shapes)}
+        return cls(per_shape(figures), float(figures[0]), spreads=per_shape(spreads), capture_spread=float(spreads[0]))
+
+
+def _figures(costs: ShapeCosts) -> List[float]:
+    return [costs.rank_allreduce, costs.rank, costs.exact_per_row]
 
 
 def measure_compute(shapes: Iterable[Shape], *, rank: Optional[int], world_size: int, iterations: int,
                     error_feedback: bool, device: torch.device, dtype: torch.dtype = torch.float32,
-                    aggregator: Optional[FactorAggregator] = None) -> ComputeModel:
+                    aggregator: Optional[FactorAggregator] = None,
+                    clock: Callable[[], float] = time.perf_counter) -> ComputeModel:
     """Each route's local seconds for every distinct ``shape`` on ``device``: timed once per
-    distinct `bounded_shape` and scaled to the shape (see the module doc); with an ``aggregator``,
-    the slowest rank's figures, agreed by every rank."""
+    distinct `bounded_shape` and scaled to the shape (see the module doc), with each figure's
+    spread; with an ``aggregator``, the slowest rank's figures and spreads, agreed by every rank.
+    ``clock`` reads the time (a test's seam: timings it chooses, on the real kernels)."""
     distinct = sorted(set(tuple(s) for s in shapes))
     timed_as = {s: bounded_shape(s, rank) for s in distinct}
     rows = min(world_size * EXACT_REFERENCE_ROWS, EXACT_MAX_ROWS)
     timed: Dict[Shape, ShapeCosts] = {}
+    spread: Dict[Shape, ShapeCosts] = {}
     for m, n in sorted(set(timed_as.values())):
-        timed[(m, n)] = ShapeCosts(
-            rank_allreduce=_rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype,
-                                         shared=True) if rank else 0.0,
-            rank=_rank_seconds(m, n, rank, iterations, world_size, error_feedback, device, dtype) if rank else 0.0,
-            exact_per_row=_exact_seconds(m, n, rows, device, dtype) / rows)
+        gen = private_generator(device)  # test matrices from dAD's own generator: the caller's stay put
+        g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
+        out = torch.empty_like(g)
+        steps = [_exact_step(g, rows, gen, out)]
+        if rank:
+            steps += [_rank_step(g, rank, iterations, world_size, error_feedback, gen, out, shared=True),
+                      _rank_step(g, rank, iterations, world_size, error_feedback, gen, out)]
+        figures = _timed_together(steps, device, clock)
+        (exact, exact_spread), (shared, shared_spread), (own, own_spread) = (figures + [(0.0, 0.0)] * 2)[:3]
+        timed[(m, n)] = ShapeCosts(shared, own, exact / rows)
+        spread[(m, n)] = ShapeCosts(shared_spread, own_spread, exact_spread / rows)
+        del g, out, steps  # each bounded shape's buffers dropped before the next one's are made
+    spread = _pooled(timed, spread)
     costs = {s: _scaled(timed[b], scale(s, b)) for s, b in timed_as.items()}
-    model = ComputeModel(costs, _capture_seconds(device, dtype), timed_as)
+    spreads = {s: _scaled(spread[b], scale(s, b)) for s, b in timed_as.items()}
+    capture, capture_spread = _capture_seconds(device, dtype, clock)
+    model = ComputeModel(costs, capture, timed_as, spreads, capture_spread)
     if aggregator is None or aggregator.world_size == 1:
         return model
     agreed = agree_max(aggregator, model.to_list(distinct), device, name="dad.compute.agree")
     return replace(ComputeModel.from_list(distinct, agreed), timed_as=timed_as)
+
+
+def _pooled(timed: Dict[Shape, ShapeCosts], spread: Dict[Shape, ShapeCosts]) -> Dict[Shape, ShapeCosts]:
+    """Each figure's spread, at least the machine's: the widest relative spread any figure showed
+    (module doc). A figure whose calls were all slowed alike shows none of its own."""
+    shares = [d / c for b in timed for c, d in zip(_figures(timed[b]), _figures(spread[b])) if c > 0]
+    widest = max(shares, default=0.0)
+    return {b: ShapeCosts(*(max(d, widest * c) for c, d in zip(_figures(timed[b]), _figures(spread[b]))))
+            for b in timed}
 
 
 def _scaled(costs: ShapeCosts, factor: float) -> ShapeCosts:
@@ -151,32 +216,47 @@ def _scaled(costs: ShapeCosts, factor: float) -> ShapeCosts:
     return ShapeCosts(costs.rank_allreduce * factor, costs.rank * factor, costs.exact_per_row * factor)
 
 
-def _timed(fn: Callable[[], None], device: torch.device, reps: int = REPS) -> float:
-    """Median seconds of ``fn`` after one warm-up call."""
-    fn()
-    synchronize(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
+def _timed(fn: Callable[[], None], device: torch.device, clock: Callable[[], float] = time.perf_counter,
+           reps: int = REPS) -> Tuple[float, float]:
+    """Median seconds of ``fn`` after one warm-up call, and the calls' spread (`_timed_together`)."""
+    return _timed_together([fn], device, clock, reps)[0]
+
+
+def _timed_together(fns: Sequence[Callable[[], None]], device: torch.device,
+                    clock: Callable[[], float] = time.perf_counter, reps: int = REPS) -> List[Tuple[float, float]]:
+    """Per function of ``fns``, its median seconds after one warm-up call and the calls' spread:
+    half their range, at most `NOISE_CAP` of the median (module doc). The calls take turns, one
+    of each per round: a burst of load from elsewhere slows one call of every function, which
+    their medians drop alike, rather than every call of one function, which would move its
+    median alone (and two near-equal routes' order with it)."""
+    for fn in fns:
         fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    synchronize(device)
+    times: List[List[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, took in zip(fns, times):
+            t0 = clock()
+            fn()
+            synchronize(device)
+            took.append(clock() - t0)
+    out = []
+    for took in times:
+        middle = statistics.median(took)
+        out.append((middle, min((max(took) - min(took)) / 2, NOISE_CAP * max(middle, 0.0))))
+    return out
 
 
-def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, error_feedback: bool,
-                  device: torch.device, dtype: torch.dtype, *, shared: bool = False) -> float:
-    """A rank route's local work on an ``m x n`` gradient: error-feedback compensation, the routes'
-    own power iteration (`power_iteration`), the residual, and the rebuild: ``P Q^T`` (``shared``:
-    PowerSGD's) or rank-dAD's rank-``S r`` one."""
+def _rank_step(g: torch.Tensor, rank: int, iterations: int, world_size: int, error_feedback: bool,
+               gen: torch.Generator, out: torch.Tensor, *, shared: bool = False) -> Callable[[], None]:
+    """A rank route's local work on the ``m x n`` gradient ``g``: error-feedback compensation, the
+    routes' own power iteration (`power_iteration`), the residual, and the rebuild: ``P Q^T``
+    (``shared``: PowerSGD's) or rank-dAD's rank-``S r`` one (``out``: scratch of ``g``'s shape)."""
+    (m, n), device, dtype = g.shape, g.device, g.dtype
     r = min(rank, m, n)
-    gen = private_generator(device)  # test matrices from dAD's own generator: the caller's stay put
-    g = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
     residual = torch.zeros_like(g) if error_feedback else None
     q = torch.randn(n, r, device=device, dtype=dtype, generator=gen)
     gathered = None if shared else [torch.randn(world_size * r, k, device=device, dtype=dtype, generator=gen)
                                     for k in (m, n)]
-    out = torch.empty_like(g)
 
     def step() -> None:
         mat = g + residual if residual is not None else g
@@ -188,28 +268,29 @@ def _rank_seconds(m: int, n: int, rank: int, iterations: int, world_size: int, e
         if gathered is not None:
             torch.mm(gathered[0].t(), gathered[1], out=out)
 
-    return _timed(step, device)
+    return step
 
 
-def _exact_seconds(m: int, n: int, rows: int, device: torch.device, dtype: torch.dtype) -> float:
-    """The exact route's local work on an ``m x n`` weight: packing one site's factors and the
-    rebuild from ``rows`` rows (summed over sites)."""
-    gen = private_generator(device)
+def _exact_step(g: torch.Tensor, rows: int, gen: torch.Generator, out: torch.Tensor) -> Callable[[], None]:
+    """The exact route's local work on an ``m x n`` weight (``g``'s shape; ``out``: scratch of it):
+    packing one site's factors and the rebuild from ``rows`` rows (summed over sites)."""
+    (m, n), device, dtype = g.shape, g.device, g.dtype
     left = torch.randn(EXACT_REFERENCE_ROWS, m, device=device, dtype=dtype, generator=gen)
     right = torch.randn(EXACT_REFERENCE_ROWS, n, device=device, dtype=dtype, generator=gen)
     gl = torch.randn(rows, m, device=device, dtype=dtype, generator=gen)
     gr = torch.randn(rows, n, device=device, dtype=dtype, generator=gen)
-    out = torch.empty(m, n, device=device, dtype=dtype)
 
     def step() -> None:
         torch.cat([left.reshape(-1), right.reshape(-1)])  # packing the factors
         torch.mm(gl.t(), gr, out=out)
 
-    return _timed(step, device)
+    return step
 
 
-def _capture_seconds(device: torch.device, dtype: torch.dtype, calls: int = 20) -> float:
-    """Per call: a small layer's forward and backward with dAD's capture hooks, minus without."""
+def _capture_seconds(device: torch.device, dtype: torch.dtype, clock: Callable[[], float],
+                     calls: int = 20) -> Tuple[float, float]:
+    """Per call: a small layer's forward and backward with dAD's capture hooks, minus without; and
+    the spread of that difference (both timings' spreads)."""
     from dad_integrations.capture.hooks import ModuleCapture
     from dad_integrations.capture.layers.linear import linear_rows
 
@@ -221,10 +302,10 @@ def _capture_seconds(device: torch.device, dtype: torch.dtype, calls: int = 20) 
         for _ in range(calls):
             layer(x).sum().backward()
 
-    bare = _timed(run, device)
+    bare, bare_spread = _timed(run, device, clock)
     capture = ModuleCapture("dad.compute.probe", layer, "linear", linear_rows)
     try:
-        hooked = _timed(lambda: (run(), capture.clear()), device)
+        hooked, hooked_spread = _timed(lambda: (run(), capture.clear()), device, clock)
     finally:
         capture.remove()
-    return max(hooked - bare, 0.0) / calls
+    return max(hooked - bare, 0.0) / calls, (bare_spread + hooked_spread) / calls

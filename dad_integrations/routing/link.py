@@ -41,6 +41,11 @@ sizes' relative noise, or a faster protocol for small calls, set the rate that p
 bucket. ``alpha`` is the median of what the smaller sizes' times leave over once the bytes are
 paid at that rate: a 1 % error on a 64 MiB call would be a millisecond of "latency" in an
 unweighted fit.
+
+Noise (``LinkModel.noise``): how far the timed calls of the largest size probed spread, as a share
+of their median (half their range, at most `NOISE_CAP`), the largest over kinds and ranks. The
+largest size is the one in the bandwidth regime, which prices a step's large messages. It costs no
+call: read off the calls already timed, agreed with the figures. A stated link has none.
 """
 from __future__ import annotations
 
@@ -61,16 +66,19 @@ DEFAULT_TOP = 25 * 2 ** 20      # the default dense bucket (``bucket_cap_mb``): 
 PROBE_REPS = 3
 PROBE_BUDGET_S = 1.0            # seconds per kind, warm-up included (module doc)
 BANDWIDTH_SPAN = 16             # the fit's large sizes: within this factor of the largest (module doc)
+NOISE_CAP = 0.5                 # the noise counts at most this share of a prediction (module doc)
 
 
 @dataclass(frozen=True)
 class LinkModel:
-    """One `LinkCost` per collective kind (`KINDS`)."""
+    """One `LinkCost` per collective kind (`KINDS`); ``noise``: the share by which a prediction may
+    be off from the probe's noise (module doc; 0 where stated)."""
 
     all_reduce: LinkCost
     all_gather: LinkCost
     all_to_all: LinkCost
     measured: bool = False
+    noise: float = 0.0
 
     def seconds(self, kind: str, nbytes: float, calls: int = 1) -> float:
         """Predicted time of ``calls`` collectives of ``kind`` moving ``nbytes`` in all (per rank);
@@ -94,17 +102,18 @@ class LinkModel:
         return cls(**parse_link_spec(spec))
 
     def to_list(self) -> List[float]:
-        """``[alpha, 1/beta]`` per kind: the figures ranks agree on (larger is slower)."""
+        """``[alpha, 1/beta]`` per kind, then the noise: the figures ranks agree on (larger is slower)."""
         out = []
         for kind in KINDS:
             c: LinkCost = getattr(self, kind)
             out += [c.alpha, 1.0 / c.beta]
-        return out
+        return out + [self.noise]
 
     @classmethod
     def from_list(cls, values: Sequence[float], measured: bool = False) -> "LinkModel":
         costs = {k: LinkCost(float(values[2 * i]), 1.0 / float(values[2 * i + 1])) for i, k in enumerate(KINDS)}
-        return cls(**costs, measured=measured)
+        noise = float(values[2 * len(KINDS)]) if len(values) > 2 * len(KINDS) else 0.0
+        return cls(**costs, measured=measured, noise=noise)
 
     def to_spec(self) -> dict:
         """The config's ``link`` form of this model (per kind), e.g. to route another run by it."""
@@ -199,21 +208,25 @@ def probe_link(aggregator: FactorAggregator, device: torch.device, *, kinds: Seq
     top = int(agree_max(aggregator, [float(top_bytes)], device, name="dad.link.top")[0])
     ladder = probe_ladder(top)
     fitted: Dict[str, LinkCost] = {}
+    noise = 0.0
     for kind in kinds:
-        samples = _probe_kind(aggregator, device, kind, ladder, reps, budget_s)
-        if samples is not None:
+        probed = _probe_kind(aggregator, device, kind, ladder, reps, budget_s)
+        if probed is not None:
+            samples, spread = probed
             fitted[kind] = fit_link_cost(samples)
+            noise = max(noise, spread)
     for kind in KINDS:
         fitted.setdefault(kind, fitted.get("all_gather") or fitted["all_reduce"])
-    local = LinkModel(**fitted, measured=True)
+    local = LinkModel(**fitted, measured=True, noise=noise)
     return LinkModel.from_list(agree_max(aggregator, local.to_list(), device, name="dad.link.agree"),
                                measured=True)
 
 
 def _probe_kind(aggregator: FactorAggregator, device: torch.device, kind: str, ladder: Sequence[int], reps: int,
-                budget_s: float) -> Optional[List[Tuple[float, float]]]:
-    """``(wire bytes, agreed seconds)`` per size of ``ladder`` probed for ``kind``; None where the
-    backend lacks it. Every rank stops at the same size: the decision reads agreed times only."""
+                budget_s: float) -> Optional[Tuple[List[Tuple[float, float]], float]]:
+    """``(wire bytes, agreed seconds)`` per size of ``ladder`` probed for ``kind``, and this rank's
+    noise at the largest size probed (module doc); None where the backend lacks it. Every rank stops
+    at the same size: the decision reads agreed times only."""
     s = aggregator.world_size
     samples: List[Tuple[float, float]] = []
     spent = 0.0
@@ -239,9 +252,11 @@ def _probe_kind(aggregator: FactorAggregator, device: torch.device, kind: str, l
         # the bytes the cost model counts for the call (ring models): the fitted rates predict them
         samples.append((wire_bytes(kind, numel * 4, s)[0], took))
         spent += took * (reps + (i == 0))
+        middle = statistics.median(times)
+        spread = min((max(times) - min(times)) / 2 / middle, NOISE_CAP) if middle > 0 else 0.0
         if i + 1 < len(ladder) and spent + took * reps * ladder[i + 1] / size > budget_s:
             break  # the next size would overrun the budget (bytes scale the time at most linearly)
-    return samples
+    return samples, spread
 
 
 def agree_max(aggregator: FactorAggregator, values: Sequence[float], device: torch.device, *,

@@ -53,9 +53,10 @@ from dad_integrations.routing.costs import size_exchange_bytes
 from dad_integrations.routing.timing import StepTiming
 
 RowCounts = Sequence[Sequence[int]]           # by rank, by use
-SWITCH_MARGIN = 0.25  # by time, a unit changes route only for a predicted gain above this share
-# by time, routes predicted within this share of the fastest tie (the compute model's noise,
-# docs/concepts/routing-by-time.md), and ties go by the registry's order (`routes`)
+# by time, a unit changes route only for a predicted gain above this share (or the routes' noise)
+SWITCH_MARGIN = 0.25
+# by time, routes predicted within this share of the fastest (or their measured noise, where larger)
+# tie, and ties go by the registry's order (`routes`; docs/concepts/routing-by-time.md)
 TIE_BAND = 0.05
 
 
@@ -91,23 +92,55 @@ def allowed_routes(mode: str, available: Iterable[str], *, rank_allowed: bool,
 
 def choose_at(config: DADConfig, step: Optional[int], estimates: Dict[str, float],
               ties: Optional[Dict[str, float]] = None, *, seconds: Optional[Dict[str, float]] = None,
-              current: Optional[str] = None) -> str:
+              current: Optional[str] = None, noise: Optional[Dict[str, float]] = None) -> str:
     """The one pick of a unit's route, every layout's: `choose` under ``config`` in step ``step``
-    (`step_rules`) by ``estimates`` (bytes; ``ties`` break theirs), or, given ``seconds``, by time,
-    the estimates breaking ties: in mode auto routes within `TIE_BAND` of the fastest tie, and a
-    ``current`` route is kept unless another is predicted faster by more than `SWITCH_MARGIN`."""
+    (`step_rules`) by ``estimates`` (bytes; ``ties`` break theirs), or, given ``seconds``, by time
+    (`timed_pick`; ``noise``: each route's measured noise in seconds)."""
+    if seconds is None:
+        config, rules = step_rules(config, step)
+        return choose(config.mode, estimates, ties=ties, **rules)
+    return timed_pick(config, step, estimates, seconds, current=current, noise=noise)[0]
+
+
+def timed_pick(config: DADConfig, step: Optional[int], estimates: Dict[str, float], seconds: Dict[str, float], *,
+               current: Optional[str] = None, noise: Optional[Dict[str, float]] = None) -> Tuple[str, float]:
+    """A unit's route by predicted ``seconds`` (the ``estimates``' bytes breaking exact ties), and
+    whether the pick was inside the noise: the margin it was made within, as a share of the
+    fastest route's seconds (0: a clear pick).
+
+    The margin between the fastest route and another is the larger of `TIE_BAND` of the fastest's
+    seconds and the two routes' measured ``noise`` (`timing.StepTiming.route_noise`). In mode auto
+    the routes within it of the fastest are equal, and the registry's tie order picks among them
+    (dense, exact, PowerSGD's all-reduce, rank-dAD: lossless first, then the fewer bytes), an order
+    no timing moves: identical runs pick alike. A ``current`` route (hysteresis) is kept unless
+    another is predicted faster by more than `SWITCH_MARGIN`, or than their noise where that is
+    larger and ``current`` comes first in the tie order. ``within`` is the widest margin over the
+    slower route's seconds."""
     config, rules = step_rules(config, step)
     pick = functools.partial(choose, config.mode, **rules)
-    if seconds is None:
-        return pick(estimates, ties=ties)
     seconds = byte_capped(config, estimates, seconds)
+    noise = noise or {}
     best = pick(seconds, ties=estimates)
+    fastest = seconds[best]
+
+    def margin(k: str, a: str, floor: float) -> float:
+        return max(floor * seconds[a], noise.get(k, 0.0) + noise.get(a, 0.0))
+
+    within = 0.0
     if config.mode == "auto":
-        best = pick({k: 0.0 for k, t in seconds.items() if t <= (1 + TIE_BAND) * seconds[best]})
-    if current in seconds and current != best and seconds[current] <= (1 + SWITCH_MARGIN) * seconds[best]:
-        if pick({**seconds, current: -1.0}) == current:
+        band = {k: 0.0 for k, t in seconds.items() if t - fastest <= margin(k, best, TIE_BAND)}
+        equal = allowed_routes(config.mode, band, **rules)
+        if len(equal) > 1:  # a decision inside the noise: said in the routes line (`trial.TrialOwner`)
+            within = max(margin(k, best, TIE_BAND) / max(seconds[k], fastest, 1e-12) for k in equal if k != best)
+        best = pick(band)
+    if current in seconds and current != best:
+        # the noise widens the hold only towards the tie order's earlier route (a compressed route
+        # whose gain over dense is inside the noise is not kept, as at a first choice)
+        hold = margin(current, best, SWITCH_MARGIN) if tie_order(current) < tie_order(best) else \
+            SWITCH_MARGIN * seconds[best]
+        if seconds[current] - seconds[best] <= hold and pick({**seconds, current: -1.0}) == current:
             best = current  # still allowed, and not worth a switch
-    return best
+    return best, within
 
 
 def byte_capped(config: DADConfig, estimates: Dict[str, float], seconds: Dict[str, float]) -> Dict[str, float]:
@@ -160,12 +193,15 @@ class Route:
     of a decision no trial checked allows its steps to slow by, `trial.RouteTrial.watch_untried`).
     ``seconds``: by time, the predicted seconds of every route the unit may take this step (allowed
     and within the byte cap, dense among them): what a route set is priced on (`partial_set`).
+    ``within_noise``: by time, where another route was predicted within the margin of the chosen one
+    (`timed_pick`), that margin as a share of the fastest's seconds; 0 for a clear pick.
     """
 
     representation: Optional[str]
     exchange_sizes: bool
     saved_s: float = 0.0
     spare_s: float = 0.0
+    within_noise: float = 0.0
     seconds: Optional[Dict[str, float]] = dataclasses.field(default=None, compare=False)
 
 
@@ -212,8 +248,8 @@ class UnitEvidence:
         ties: with ``estimates``, agreed bytes that break their ties before the order of
             the registry's tie order does (ZeRO: estimates on the busiest rank, ties by the mean over ranks).
         current: the unit's route so far; by time, it is kept unless another is predicted faster
-            by more than `SWITCH_MARGIN` (a switch must pay for the noise of the measurements
-            and for the residual it flushes).
+            by more than `SWITCH_MARGIN` or their measured noise (a switch must pay for the noise
+            of the measurements and for the residual it flushes).
     """
 
     dense_only: bool = False
@@ -246,13 +282,16 @@ def route(ctx: RouteContext, unit: UnitShape, seen: UnitEvidence = NO_EVIDENCE) 
                                                              sharded=sharded, size_exchange=size_exchange)
         if timed is None:
             return Route(choose_at(ctx.config, ctx.step, est, seen.ties), exchange)
-        seconds = timed.route_seconds(est, shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows,
-                                      world_size=world_size, sharded=sharded, size_exchange=size_exchange)
-        best = choose_at(ctx.config, ctx.step, est, seconds=seconds, current=seen.current)
+        where = dict(shape=unit.shape, uses=len(unit.kinds), rows_by_rank=rows, world_size=world_size,
+                     sharded=sharded, size_exchange=size_exchange)
+        seconds = timed.route_seconds(est, **where)
+        best, within = timed_pick(ctx.config, ctx.step, est, seconds, current=seen.current,
+                                  noise=timed.route_noise(est, **where))
         capped = byte_capped(config, est, seconds)
         allowed = {k: capped[k] for k in candidates_at(ctx.config, ctx.step, capped)}
         return Route(best, exchange, seconds.get(DENSE, seconds[best]) - seconds[best],
-                     spare_seconds(seconds, best) if config.mode == "auto" else 0.0, {**allowed, best: seconds[best]})
+                     spare_seconds(seconds, best) if config.mode == "auto" else 0.0, within,
+                     {**allowed, best: seconds[best]})
 
     if (config.mode == "rank" and rank_allowed) or not unit.has_factors:  # rank routes need no counts
         no_rows = [[0] * len(unit.kinds)] * world_size

@@ -162,6 +162,7 @@ class ShardedTrial(TrialOwner):
             self._priced.append(SetUnit(unit.index, decision.representation or EXACT, decision.seconds, nbytes,
                                         1, group))
         self._routes[unit.index] = decision.representation or EXACT
+        self.note_noise(unit.index, decision)
         if decision.representation not in (None, DENSE):
             self._compressed += 1
             self._saved += decision.saved_s

@@ -18,6 +18,12 @@ dense all-reduce's predicted time is its wire time, and since dense is always a 
 predicted step is never slower than all-reduce's. What the models miss, route trials measure on
 the job's own steps, calibrating ``StepTiming.overhead_s`` (`trial`).
 
+Noise. Both models know how far their own timings spread (`compute_model.ComputeModel.noise`,
+``link.LinkModel.noise``); `StepTiming.route_noise` sums them per route: the seconds by which a
+route's prediction may be off from measurement noise alone. The router takes routes whose
+predictions differ by less than that as equal (`router.choose_at`), so near-equal routes do not
+flip between identical runs on a machine's load.
+
 `StepTiming` carries the two models every rank agreed on; `build_timing` measures them (or takes
 the config's stated link) for a synchroniser's units.
 """
@@ -77,6 +83,19 @@ class StepTiming:
                         + (self.overhead_s if rep != DENSE else 0.0))
         return out
 
+    def route_noise(self, estimates: Dict[str, float], *, shape: Tuple[int, int], uses: int,
+                    rows_by_rank: Sequence[Sequence[int]], world_size: int, sharded: bool = False,
+                    size_exchange: bool = False) -> Dict[str, float]:
+        """Seconds by which each representation's `route_seconds` may be off from the models'
+        measured noise alone: its wire time times the link's noise, plus its compute's (module doc)."""
+        out = {}
+        for rep, nbytes in estimates.items():
+            calls = (1 + int(size_exchange)) if rep == EXACT else 0
+            out[rep] = (self.link.seconds(collective_of(rep, sharded), nbytes, calls) * self.link.noise
+                        + self.compute.noise(rep, shape, rows_by_rank=rows_by_rank, world_size=world_size,
+                                             calls=uses))
+        return out
+
 
 def wants_timing(config: DADConfig) -> bool:
     """Whether ``config``'s routes are chosen by predicted time (and so need the models)."""
@@ -107,6 +126,7 @@ def build_timing(config: DADConfig, shapes: Iterable[Tuple[int, int]], aggregato
                                   iterations=config.power_iterations, error_feedback=config.error_feedback,
                                   device=device, dtype=dtype, aggregator=aggregator)
     if aggregator.rank == 0:  # the details; the attach line users see says the link (`exchange.levels`)
-        log.debug("dAD: routes by predicted time; link %s (%s); capture %.1f us per call",
-                 link.describe(), "measured" if link.measured else "stated", compute.capture_per_call * 1e6)
+        log.debug("dAD: routes by predicted time; link %s (%s, noise %.0f %%); capture %.1f us per call",
+                  link.describe(), "measured" if link.measured else "stated", link.noise * 100,
+                  compute.capture_per_call * 1e6)
     return StepTiming(link, compute, probe_top=top)

@@ -18,12 +18,20 @@ moves both arms alike). A D step holds the routes' error-feedback residuals for 
 DDP's own buckets). A round is ``route_trial_steps`` steps; at its end every rank takes each step's
 slowest-rank time (one all-gather), so all decide alike, and per pair ``routes - dense``:
 
-* the routes win a pair when they beat dense by `KEEP_MARGIN`; dense wins it otherwise;
-* a side that wins at least `CONSISTENT` (3 in 4) of the pairs so far decides;
-* else another round, up to `MAX_ROUNDS`; still split, the models' prediction (the refresh's
-  routes) is kept, and the outcome says the evidence was inconclusive.
+* the pairs' noise (`pair_noise`): how far the pairs' differences spread around their median (the
+  median absolute deviation), as a share of the dense steps' median;
+* the routes win a pair when they beat dense by the margin, the larger of `KEEP_MARGIN` and that
+  noise; dense wins it where the routes do not beat it by `KEEP_MARGIN`;
+* the routes decide when they win at least `CONSISTENT` (3 in 4) of the pairs so far by the
+  margin; dense decides when it wins that share;
+* else another round, up to `MAX_ROUNDS`; still split, the win is inside the noise, and every
+  weight goes dense: the lower-risk arm (exact gradients, no residuals, the engine's own path, and
+  a step no slower than the noise lets anyone tell). A compressed route that pays does not hide
+  in the noise: on a link slow enough for it, it wins its pairs clearly; so auto never keeps
+  compressed routes whose win is inconclusive. The outcome says the decision was within noise.
 
-A burst of load from elsewhere spoils a pair, not the decision.
+A burst of load from elsewhere spoils a pair, not the decision (and not the noise: a median
+absolute deviation ignores one pair of four).
 
 **Catching a wrong choice** (`Watch`). After every decision the chosen arm's steps are watched:
 every ``route_trial_steps`` steps the ranks agree on their lower quartile (a paused rank stretches
@@ -71,9 +79,10 @@ from dad_integrations.routing.timing import StepTiming
 
 log = logging.getLogger(__name__)
 
-KEEP_MARGIN = 0.02   # compressed routes must beat all-dense by this share of the step to win a pair
+KEEP_MARGIN = 0.02   # compressed routes must beat all-dense by this share of the step (or the noise) to win a pair
 CONSISTENT = 0.75    # share of the pairs one side must win to decide
-MAX_ROUNDS = 3       # rounds of route_trial_steps before the models' prediction is kept
+MAX_ROUNDS = 3       # rounds of route_trial_steps before split evidence goes dense
+NOISE_PAIRS = 3      # pairs from which their noise is measured (`pair_noise`)
 WATCH_MARGIN = 0.10  # the chosen arm's steps may exceed both arms' (trial or predicted) figures by this share
 
 def in_backward() -> bool:
@@ -125,10 +134,11 @@ class TrialOutcome:
     kept: bool                 # the tried routes were kept (else every weight stays dense)
     overhead_s: float          # the per-weight overhead charged to non-dense routes from now on
     pairs: int = 0             # paired steps measured
-    routes_won: int = 0        # pairs in which the routes beat dense by KEEP_MARGIN
+    routes_won: int = 0        # pairs in which the routes beat dense by the margin (KEEP_MARGIN or the noise)
     median_difference_s: float = 0.0  # median over pairs of routes - dense
-    conclusive: bool = True    # a side won CONSISTENT of the pairs (else the prediction was kept)
+    conclusive: bool = True    # a side won CONSISTENT of the pairs (else inside the noise: all dense)
     cause: str = "refresh"     # "refresh": routes chosen anew; "watch": the last choice missed
+    noise: float = 0.0         # the pairs' noise (`pair_noise`), a share of the dense steps' median
 
     def line(self, name: str, tried: str) -> str:
         """The decision line both owners say (``tried``: the routes the trial tried)."""
@@ -137,7 +147,8 @@ class TrialOutcome:
     def describe(self) -> str:
         verdict = "routes kept" if self.kept else "all dense"
         why = (f"routes faster in {self.routes_won} of {self.pairs} pairs" if self.conclusive else
-               f"inconclusive ({self.routes_won} of {self.pairs} pairs for the routes): the models' prediction kept")
+               f"inconclusive ({self.routes_won} of {self.pairs} pairs for the routes), {noise_clause(self.noise)}: "
+               f"the lower-risk arm taken")
         return (f"{verdict}: {self.compressed} weights compressed {self.routes_s * 1e3:.1f} ms/step, all dense "
                 f"{self.dense_s * 1e3:.1f} ms/step (median difference {self.median_difference_s * 1e3:+.1f} ms, "
                 f"predicted saving {self.predicted_saving_s * 1e3:.1f} ms); {why}")
@@ -145,17 +156,35 @@ class TrialOutcome:
 
 def judge(routes: Sequence[float], dense: Sequence[float], margin: float = KEEP_MARGIN,
           consistent: float = CONSISTENT) -> Optional[bool]:
-    """The decision rule on paired step times: True (the routes win), False (dense wins) or None
-    (neither side won ``consistent`` of the pairs)."""
+    """The decision rule on paired step times: True (the routes beat dense by the larger of
+    ``margin`` and the pairs' noise, `pair_noise`, in ``consistent`` of the pairs), False (they do
+    not beat it by ``margin`` in that share) or None (neither: inside the noise)."""
     pairs = len(routes)
     if not pairs:
         return None
-    won = _won(routes, dense, margin)
-    if won >= consistent * pairs:
+    if _won(routes, dense, max(margin, pair_noise(routes, dense))) >= consistent * pairs:
         return True
-    if pairs - won >= consistent * pairs:
+    if pairs - _won(routes, dense, margin) >= consistent * pairs:
         return False
     return None
+
+
+def pair_noise(routes: Sequence[float], dense: Sequence[float]) -> float:
+    """The pairs' noise: the median absolute deviation of their differences (``routes - dense``),
+    as a share of the dense steps' median; 0 below `NOISE_PAIRS` pairs (two differences cannot
+    tell their noise from a real gap: the next round measures it). One outlying pair of four moves
+    it not at all."""
+    if len(routes) < NOISE_PAIRS:
+        return 0.0
+    differences = [r - d for r, d in zip(routes, dense)]
+    middle = statistics.median(differences)
+    base = statistics.median(dense)
+    return statistics.median(abs(x - middle) for x in differences) / base if base > 0 else 0.0
+
+
+def noise_clause(share: float) -> str:
+    """How a decision inside the noise is said: ``"within noise (±4 %)"``."""
+    return f"within noise (±{share * 100:.0f} %)"
 
 
 @dataclass
@@ -340,7 +369,8 @@ class RouteTrial:
 
     def _decide(self, step: int, routes: List[float], dense: List[float], verdict: Optional[bool]) -> TrialOutcome:
         compressed = sum(rep != DENSE for rep in self.routes.values())
-        kept = True if verdict is None else verdict  # split evidence: the models chose the routes
+        kept = verdict is True  # split evidence is inside the noise: the lower-risk arm, all dense (module doc)
+        noise = pair_noise(routes, dense)
         difference = statistics.median([r - d for r, d in zip(routes, dense)]) if routes else 0.0
         if compressed:
             self.overhead_s = max(0.0, self.overhead_s + (self.predicted_saving_s + difference) / compressed)
@@ -348,8 +378,9 @@ class RouteTrial:
         dense_s = statistics.median(dense) if dense else 0.0
         outcome = TrialOutcome(self.start, compressed, routes_s, dense_s, self.predicted_saving_s, kept,
                                self.overhead_s, pairs=len(routes),
-                               routes_won=_won(routes, dense, KEEP_MARGIN),
-                               median_difference_s=difference, conclusive=verdict is not None, cause=self.cause)
+                               routes_won=_won(routes, dense, max(KEEP_MARGIN, noise)),
+                               median_difference_s=difference, conclusive=verdict is not None, cause=self.cause,
+                               noise=noise)
         if self.cause == "watch" and self.missed_arm == ("routes" if kept else "dense") and self.watch_interval > 0:
             self.watch_interval *= 2  # the choice confirmed: a lasting load need not re-trial as often
         self.outcomes.append(outcome)
@@ -380,6 +411,7 @@ class TrialOwner:
         self.decision = ""       # the last decision said, with its evidence (reports)
         self._tried = ""         # the last routes-arm step's routes and bytes
         self._said_routes = ""   # the routes last said
+        self.within_noise: Dict[int, float] = {}  # unit index -> its last choice's margin, where inside the noise
 
     # -- which steps choose anew ------------------------------------------------------------------
     def refresh(self, step: int) -> bool:
@@ -467,6 +499,21 @@ class TrialOwner:
         self.say(outcome.line(self.name, how + (self._tried or "none")) + after)
 
     # -- what users see ---------------------------------------------------------------------------
+    def note_noise(self, index: int, decision) -> None:
+        """Unit ``index`` was routed anew by ``decision`` (a `router.Route`): whether inside the noise."""
+        if decision.within_noise > 0:
+            self.within_noise[index] = decision.within_noise
+        else:
+            self.within_noise.pop(index, None)
+
+    def noise_note(self) -> str:
+        """The routes line's clause for choices made inside the noise (`router.timed_pick`):
+        ``"; 13 weights within noise (±6 %), taken in the routes' tie order"``, or ""."""
+        shares = self.within_noise.values()
+        if not shares:
+            return ""
+        return f"; {len(shares)} weights {noise_clause(max(shares))}, taken in the routes' tie order"
+
     def say(self, line: str) -> None:
         """A decision, with its evidence: shown on rank 0 (`logs.say`), kept for the reports."""
         self.decision = line
@@ -491,7 +538,7 @@ class TrialOwner:
         self._said_routes = summary
         how = (f"by the models, link {self.timing.link.brief()}" if self.timing is not None else
                f"mode {self.config.mode}" if self.config.mode != "auto" else "by bytes")
-        self.say(f"{self.name} routes at step {step}: {summary} ({how})")
+        self.say(f"{self.name} routes at step {step}: {summary} ({how}){self.noise_note()}")
 
     def say_mode_cost(self, probe: Callable[[], Optional[LinkModel]],
                       cost_line: Callable[[LinkModel], Optional[str]]) -> None:
