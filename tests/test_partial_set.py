@@ -85,8 +85,8 @@ def _sharded_step(pieces, step: int, units, rest: int, leaving: bool = True) -> 
     group = pieces.note_call((rest, 4)) if leaving else None
     taken = []
     for unit, nbytes, route_ in zip(units, (16 * 1024, 4 * MB), (
-            Route(RANK_ALLREDUCE, False, 4e-3, 0.0, {DENSE: 5e-3, RANK_ALLREDUCE: 1e-3}),
-            Route(DENSE, False, 0.0, 0.0, {DENSE: 0.5e-3, RANK_ALLREDUCE: 0.7e-3}))):
+            Route(RANK_ALLREDUCE, False, 4e-3, 0.0, seconds={DENSE: 5e-3, RANK_ALLREDUCE: 1e-3}),
+            Route(DENSE, False, 0.0, 0.0, seconds={DENSE: 0.5e-3, RANK_ALLREDUCE: 0.7e-3}))):
         decision = pieces.held(step, unit, {}) or route_
         pieces.note(unit, decision, nbytes, group)
         taken.append(decision.representation)

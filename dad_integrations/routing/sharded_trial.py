@@ -220,8 +220,8 @@ class ShardedTrial(TrialOwner):
         self._compressed, self._spare = len(compressed), 0.0
         self._saved = sum(seconds[i].get(DENSE, 0.0) - seconds[i][choice.routes[i]] for i in compressed)
         if compressed:
-            self._held = {i: Route(rep, rep == EXACT, seconds[i].get(DENSE, 0.0) - seconds[i][rep], 0.0, seconds[i])
-                          for i, rep in choice.routes.items()}
+            self._held = {i: Route(rep, rep == EXACT, seconds[i].get(DENSE, 0.0) - seconds[i][rep], 0.0,
+                                   seconds=seconds[i]) for i, rep in choice.routes.items()}
             self._held_until = self.next_refresh(step)
             self.use_rows()
         else:
