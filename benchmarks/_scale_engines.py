@@ -69,6 +69,22 @@ def dad_config(kind: Optional[str], rank: int) -> Optional[dict]:
     raise ValueError(f"unknown dAD config kind {kind!r}")
 
 
+def preload(methods) -> None:
+    """Import what ``methods``' engines and models need, up front (then `gc.freeze` can set the
+    imported objects aside: a collection between methods scans only what the methods made)."""
+    import transformers  # noqa: F401
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+
+    import dad_integrations  # noqa: F401
+    engines = {engine_of(m) for m in methods}
+    if "fsdp2" in engines:
+        import dad_integrations.fsdp  # noqa: F401
+    if "zero3" in engines:
+        import deepspeed  # noqa: F401
+
+        import deepspeed_dad  # noqa: F401
+
+
 def build_model(spec: dict) -> torch.nn.Module:
     """The model of ``spec["model"]`` from its config (``kind`` gpt2 or llama), dropout off,
     weights from ``spec["seed"]`` (every method and rank builds the same weights)."""
