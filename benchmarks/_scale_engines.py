@@ -72,17 +72,15 @@ def dad_config(kind: Optional[str], rank: int) -> Optional[dict]:
 def preload(methods) -> None:
     """Import what ``methods``' engines and models need, up front (then `gc.freeze` can set the
     imported objects aside: a collection between methods scans only what the methods made)."""
-    import transformers  # noqa: F401
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+    import importlib
 
-    import dad_integrations  # noqa: F401
     engines = {engine_of(m) for m in methods}
-    if "fsdp2" in engines:
-        import dad_integrations.fsdp  # noqa: F401
-    if "zero3" in engines:
-        import deepspeed  # noqa: F401
-
-        import deepspeed_dad  # noqa: F401
+    modules = ["transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+               "dad_integrations"]
+    modules += ["dad_integrations.fsdp"] if "fsdp2" in engines else []
+    modules += ["deepspeed", "deepspeed_dad"] if "zero3" in engines else []
+    for name in modules:
+        importlib.import_module(name)
 
 
 def build_model(spec: dict) -> torch.nn.Module:
