@@ -284,7 +284,10 @@ def test_scale_smoke_writes_every_model_and_method(tmp_path):
             if "dad" in name:
                 assert r["routes"] == r["routes_by_step"][-1] and min(r["routes"].values()) > 0
                 plain = ms[PLAIN[r["engine"]]]
-                assert r["bytes_last"] <= plain["bytes_last"] * (1 + 1e-3)  # dAD never sends more than the engine
+                # no more than the engine, but for dAD's own small collectives under FSDP2 / ZeRO (row
+                # counts, a step's finiteness: 88 B a step here)
+                slack = 0 if r["engine"] == "ddp" else 512
+                assert r["bytes_last"] <= plain["bytes_last"] * (1 + 1e-9) + slack
                 c = model["checks"][name]
                 assert c["plain"] == PLAIN[r["engine"]] and len(c["step"]["ratios"]) == len(r["times"])
                 assert c["peak_ratio"] > 0 and c["bytes_vs_powersgd"] > 0
