@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Dict, List
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from models import write_and_exit  # noqa: E402
+from visible_worker import Lines  # noqa: E402
 
 TINY = 0.1  # x the rank's state: whole residuals hold about 0.49x here, rank 5 fits
 BASE = {"lossless_steps": 0, "objective": "bytes"}
@@ -33,15 +34,6 @@ CASES = {
     "rank-user": dict(BASE, mode="rank", rank=2, residual_budget=TINY, error_feedback_rank=3),
 }
 WIDTH, ROWS, STEPS = 64, 32, 3
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.lines: List[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def run(case: str) -> Dict[str, object]:
