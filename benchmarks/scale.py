@@ -171,15 +171,16 @@ def _uptime() -> str:
         return "unknown"
 
 
-def launch(args, names: List[str], workdir: str) -> Dict[str, dict]:
-    """Spawn 2 fresh rank processes for the models ``names`` (one after the other); per model their
-    gathered per-rank results. Ranks that outlive ``args.timeout`` are ended and reported."""
+def launch(args, plans: List[Tuple[str, List[dict]]], workdir: str) -> Dict[str, dict]:
+    """Spawn 2 fresh rank processes for ``plans``, (model, its groups) run one after the other; per
+    model their gathered per-rank results. Ranks that outlive ``args.timeout`` are ended and reported."""
     import torch.multiprocessing as mp
 
     from benchmarks._scale_ranks import rank_main
 
+    names = [n for n, _ in plans]
     out = os.path.join(workdir, f"{names[0]}.json")
-    runs = [{"name": n, "model": MODELS[n], "groups": args.plans[n]} for n in names]
+    runs = [{"name": n, "model": MODELS[n], "groups": groups} for n, groups in plans]
     spec = {"runs": runs, "mem_steps": args.mem_steps, "rank": args.rank, "lr": args.lr, "seed": args.seed,
             "batch": 1, "seq": args.seq, "powersgd_warmup": WARM, "out": out, "timeout_s": args.timeout}
     # the ranks' environment (spawned, they inherit it and this process' sys.path): one thread each,
@@ -304,13 +305,20 @@ def main(argv=None) -> dict:
               "seq": args.seq, "lr": args.lr, "mem_steps": args.mem_steps, "rank": args.rank,
               "load_before": _uptime(), "models": {}}
     warm = WARM + 2  # bytes' steady mean: after the warm-up and PowerSGD's first compressed step
-    launches = [args.models] if args.one_launch else [[m] for m in args.models]
+    if args.one_launch:
+        launches = [[(m, args.plans[m]) for m in args.models]]
+    else:  # a launch per group: at 307 M an engine's memory is not all given back, so each starts fresh
+        launches = [[(m, [g])] for m in args.models for g in args.plans[m]]
+    gathered: Dict[str, Dict[str, dict]] = {}  # model -> rank -> method -> record, over its launches
     with tempfile.TemporaryDirectory() as work:
-        for names in launches:
+        for plans in launches:
             t0 = time.perf_counter()
-            ranks = launch(args, names, work)
+            ranks = launch(args, plans, work)
+            names = [n for n, _ in plans]
             for name in names:
-                methods = summarise(ranks[name], warm)
+                for rank, records in ranks[name].items():
+                    gathered.setdefault(name, {}).setdefault(rank, {}).update(records)
+                methods = summarise(gathered[name], warm)
                 result["models"][name] = {"methods": methods, "checks": method_checks(methods),
                                           "groups": args.plans[name], "load_after": _uptime()}
             print(f"{', '.join(names)}: {time.perf_counter() - t0:.0f} s, load {_uptime()}", flush=True)
