@@ -104,9 +104,18 @@ class LowRankErrorFeedback(ErrorFeedback):
         return power_iteration(LocalGradient(dense=residual), start, self.iterations)
 
 
-def residual_bytes(shapes, itemsize: int) -> int:
-    """Bytes of one whole residual per weight of ``shapes`` (``(m, n)`` each) at ``itemsize``."""
-    return sum(m * n for m, n in shapes) * itemsize
+def residual_numbers(shape: Tuple[int, int], q: Optional[int] = None) -> int:
+    """Numbers one residual of ``shape`` holds, whole (``q`` None) or at rank ``q`` as
+    `LowRankErrorFeedback.pack` keeps it (the residual itself where ``q >= min(m, n)``)."""
+    m, n = shape
+    if q is None or min(q, m, n) == min(m, n):
+        return m * n
+    return q * (m + n)
+
+
+def residual_bytes(shapes, q: Optional[int] = None, itemsize: int = 4) -> int:
+    """Bytes of one residual per weight of ``shapes`` (``(m, n)`` each; `residual_numbers`) at ``itemsize``."""
+    return sum(residual_numbers(s, q) for s in shapes) * itemsize
 
 
 def _size(nbytes: float) -> str:
@@ -126,7 +135,7 @@ def sharded_residual_note(config, shapes, world_size: int, itemsize: int, held=N
             or config.error_feedback_rank is not None or not shapes):
         return None
     held = list(shapes if held is None else held)
-    mine, shards = residual_bytes(held, itemsize), residual_bytes(shapes, itemsize) / world_size
+    mine, shards = residual_bytes(held, itemsize=itemsize), residual_bytes(shapes, itemsize=itemsize) / world_size
     low = sum(min(16, m, n) * (m + n) if min(m, n) > 16 else m * n for m, n in held) * itemsize
     kind = {2: "16-bit", 4: "fp32", 8: "fp64"}.get(itemsize, f"{itemsize}-byte")
     bound = (f"'error_feedback_rank': 16 would keep {_size(low)} (part of its gain: docs/reference/config.md, "

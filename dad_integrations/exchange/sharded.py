@@ -281,7 +281,7 @@ class ShardedExchanger(TimedRoutes):
                                          held=[u.shape for u in held],
                                          where=RESIDUALS[layout.residuals].replace("`", ""))
             if note is not None:
-                self.residual_bytes_said = residual_bytes([u.shape for u in held], itemsize)
+                self.residual_bytes_said = residual_bytes([u.shape for u in held], itemsize=itemsize)
         if note is not None and self.process_rank == 0:
             self.log.warning("dAD/%s: %s", self.engine, note)
             return note

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from dad_integrations.builtin_routes import EXACT, RANK, RANK_ALLREDUCE
+from dad_integrations.codecs.error_feedback import residual_bytes
 
 Shape = Tuple[int, int]
 
@@ -75,20 +76,6 @@ def state_bytes(params: int, world_size: int, engine: str, param_itemsize: int =
     s = max(int(world_size), 1)
     parts = ((param_itemsize, shard_p), (param_itemsize, shard_g), (optimizer_bytes(param_itemsize), shard_o))
     return sum(params * size / (s if sharded else 1) for size, sharded in parts)
-
-
-def residual_numbers(shape: Shape, q: Optional[int] = None) -> int:
-    """Numbers one residual of ``shape`` holds, whole (``q`` None) or at rank ``q`` as
-    `LowRankErrorFeedback.pack` keeps it (the residual itself where ``q >= min(m, n)``)."""
-    m, n = shape
-    if q is None or min(q, m, n) == min(m, n):
-        return m * n
-    return q * (m + n)
-
-
-def residual_bytes(shapes: Iterable[Shape], q: Optional[int] = None, itemsize: int = 4) -> int:
-    """Bytes of one residual per weight of ``shapes`` (`residual_numbers`) at ``itemsize``."""
-    return sum(residual_numbers(s, q) for s in shapes) * itemsize
 
 
 def warm_start_bytes(shapes: Iterable[Shape], rank: Optional[int], itemsize: int = 4) -> int:
