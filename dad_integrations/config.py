@@ -155,7 +155,10 @@ class DADConfig:
             kind: ``{"all_reduce": {...}, "all_gather": {...}, "all_to_all": {...}}``.
         route_refresh_steps: under ``objective="time"``, every this many steps the link is measured
             again (where it is not stated), every weight's row counts are exchanged and its route
-            is chosen again, identically on every rank.
+            is chosen again, identically on every rank. Routes are also chosen again when the
+            lossless steps end, on the link measured at attach. Under DDP a choosing step is first
+            routed on the rows its forward counted (one all-gather at its first bucket); where every
+            weight goes dense it runs as DDP's own step (`exchange.ahead`).
         route_trial_steps: under ``objective="time"`` on a measured link, after a refresh that
             compresses any weight, steps on its routes and with every weight dense alternate in
             pairs (``R D D R ...``) for rounds of this many steps (an even number >= 2; up to 3

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dad_integrations.exchange.ahead import agree_forward_rows
 from dad_integrations.report import ParamReport, StepReport
 from dad_integrations.routing.trial import in_backward
 
@@ -50,9 +51,19 @@ class DDPSteps:
 
     def _native(self, window) -> bool:
         """Whether this step goes by DDP's buckets as they are (`RoutePolicy.native_dense`); not in a
-        ``join`` (its shadow and divisor are dAD's to apply)."""
+        ``join`` (its shadow and divisor are dAD's to apply). A step that chooses routes chooses them
+        here first, on the rows its forward counted (`exchange.ahead`): a collective, at every rank's
+        first bucket."""
         sync = self.sync
-        return self._join_config() is None and sync._exchanger.policy.native_dense(sync._steps, not sync._verified)
+        if self._join_config() is not None:
+            return False
+        exchanger, step, verify = sync._exchanger, sync._steps, not sync._verified
+        policy = exchanger.policy
+        if policy.decides_ahead(step, verify):
+            rows = agree_forward_rows(sync._plan.units, sync.aggregator, exchanger.device)
+            if rows is not None:
+                policy.decide_ahead(step, rows)
+        return policy.native_dense(step, verify)
 
     def _park_hooks(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Before a training forward with no step open: a step whose every unit is sure to go dense

@@ -51,6 +51,10 @@ class Use:
         self.name, self.module, self.kind, self.attr, self.block = name, module, kind, attr, block
         self.enabled = True
         self.pairs: List[Rows] = []
+        # rows this step's forwards will give the use, counted as they run (captured or not; None:
+        # a call this capture cannot count ahead of its gradient): what routes are decided on
+        # before backward (`routing.ahead`)
+        self.forward_rows: Optional[int] = 0
 
     def param(self) -> torch.Tensor:
         """The weight this use adds to, as the module holds it now (read at every captured forward:
@@ -60,12 +64,14 @@ class Use:
 
     def take(self) -> List[Rows]:
         """The window's pairs; clears them (a capture: and drops inputs that never got a gradient)."""
-        pairs = self.pairs
+        pairs, counted = self.pairs, self.forward_rows
         self.clear()
+        self.forward_rows = counted  # the step's count holds until the step ends
         return pairs
 
     def clear(self) -> None:
         self.pairs = []
+        self.forward_rows = 0
 
     def __getstate__(self) -> dict:  # rows never travel with a pickled model
         return dict(self.__dict__, pairs=[], enabled=False)
@@ -152,14 +158,23 @@ class HookedCapture:
         if compiled.compiling():
             # the output wrapped so that its backward delivers the rows; whether a use is enabled
             # is read when they arrive: a flag read while tracing would be guarded on (recompiles)
+            for u in self.uses:
+                u.forward_rows = None
             return compiled.tap(self.compiled_key(), [x], [output])[0]
         self.opened()  # also when disabled: the step's window opens here
+        self.count_rows(x)
         if self._wanted():
             x = x.detach()
             self.on_grad(output, lambda grad: self._add(x, grad))
 
     def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:  # pragma: no cover - `_input_hook`'s users
         raise NotImplementedError
+
+    def count_rows(self, x: torch.Tensor) -> None:
+        """Note the rows a call of input ``x`` will give each use (`Use.forward_rows`); a capture that
+        cannot tell before the gradient leaves them unknown."""
+        for u in self.uses:
+            u.forward_rows = None
 
     def _add_delivered(self, saved: list, grads: list) -> None:
         """A compiled call's rows (`_input_hook`'s, by default)."""
@@ -174,6 +189,7 @@ class HookedCapture:
         """Drop the rows of the window, and whatever waits for a gradient."""
         for u in self.uses:
             u.pairs = []
+            u.forward_rows = 0
         self._pending.clear()
 
     def remove(self) -> None:
@@ -197,14 +213,22 @@ class ModuleCapture(HookedCapture, Use):
     own capture, its rows from ``rows_of_call(module, input, output_grad)``."""
 
     def __init__(self, name: str, module: nn.Module, kind: str, rows_of_call: RowsOfCall,
-                 on_forward: Optional[Callable[[], None]] = None):
+                 on_forward: Optional[Callable[[], None]] = None,
+                 count_of_call: Optional[Callable[[torch.Tensor], int]] = None):
         Use.__init__(self, name, module, kind)
         HookedCapture.__init__(self, name, module, {"weight": self}, on_forward)
         self.rows_of_call = rows_of_call
+        self.count_of_call = count_of_call
         self.hook_input_calls()
 
     def _add(self, x: torch.Tensor, grad: torch.Tensor) -> None:
         self.pairs.append(self.rows_of_call(self.module, x, grad))
+
+    def count_rows(self, x: torch.Tensor) -> None:
+        if self.count_of_call is None or self.forward_rows is None:
+            self.forward_rows = None
+        else:
+            self.forward_rows += self.count_of_call(x)
 
     def __getstate__(self) -> dict:
         return dict(HookedCapture.__getstate__(self), pairs=[], enabled=False)

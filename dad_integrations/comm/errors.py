@@ -65,7 +65,7 @@ KINDS: Dict[str, str] = {
     "dad.broadcast": "the initial parameters (attach)", "dad.verify": "the first-step check",
     "dad.link": "link measurements", "dad.trial": "the route trial's agreement",
     "dad.compute": "compute measurements", "dad.join": "DDP join's count of ranks training",
-    "dad.leave": "copy-rate measurements (attach)",
+    "dad.leave": "copy-rate measurements (attach)", "dad.ahead": "the forward's row counts",
     "dad.powersgd": "PowerSGD's all-reduced P and Q", "dad.sharded.powersgd": "PowerSGD's P and Q of row shards",
     "dad.sharded.rank.finite": "the step's finiteness flag", "dad.zero.finite": "the step's finiteness flag",
     "dad.fsdp.finite": "the step's finiteness flag", "dad.fsdp.row_counts": "factor row counts",

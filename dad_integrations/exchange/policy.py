@@ -8,6 +8,9 @@ decide it. The exchanger (`exchanger.Exchanger`) runs the collectives and asks i
 - **Holding** (objective ``"time"``): routes are chosen at a refresh (`RoutePolicy.refresh`:
   every ``route_refresh_steps``, and when the lossless steps end) and held until the next, so that
   they change together, on every rank, whatever the models learn in between.
+- **Deciding ahead** (`RoutePolicy.decide_ahead`, `exchange.ahead`, DDP): a choosing step is routed
+  at its first bucket on the rows its forward counted; where every unit goes dense, it goes by
+  DDP's own buckets, and the first-step check waits for the first step that sends factors.
 - **Whole sets** (`routing.partial_set`, objective ``"time"``): after a step that chose routes
   anew, a partial set (a few weights compressed) is priced with what moving every other gradient
   off DDP's own buckets costs, against all dense and all compressed; the cheapest is held.
@@ -17,9 +20,11 @@ decide it. The exchanger (`exchanger.Exchanger`) runs the collectives and asks i
   them (the hooks' work saved; a step whose every unit goes dense costs what DDP's does), and
   captures them again before a step whose route may use them.
 
-Two collectives belong to the policy, issued at the end of a step on every rank alike
-(`RoutePolicy.end_step`): a trial's agreement on step times (`routing.link.agree_max`) and, before
-a refresh on a measured link, the link probe (`routing.link.probe_link`). Measuring the models at
+The policy's collectives, on every rank alike: at the end of a step (`RoutePolicy.end_step`), a
+trial's agreement on step times (`routing.link.agree_max`) and, before a refresh that measures an
+unstated link again (`TrialOwner.measures_link`), the link probe (`routing.link.probe_link`); at a
+choosing step's first bucket under DDP, the agreement on the forward's row counts
+(`exchange.ahead`). Measuring the models at
 construction (`routing.timing.build_timing`) is a collective too.
 """
 from __future__ import annotations
@@ -92,6 +97,10 @@ class RoutePolicy(TrialOwner):
         self.two_level_saving = 0.0
         self.two_level_vetoed = False  # a route trial found the two-level steps slower than all dense
         self.wire_dtype: Optional[torch.dtype] = None  # the factors' (the exchanger's), for `mode_cost_line`
+        # routes decided ahead of backward (`decide_ahead`): the step they were last decided for,
+        # and whether any was (the first-step check then waits for a step that sends factors)
+        self.ahead_step: Optional[int] = None
+        self.ahead = False
 
     @property
     def units(self) -> Sequence[FactorUnit]:
@@ -106,7 +115,11 @@ class RoutePolicy(TrialOwner):
     def _held_route(self, unit: FactorUnit, step: int, verify: bool) -> Optional[str]:
         """By time, a unit keeps the route of the last refresh until the next (the models may have
         changed in between: routes change together, at a refresh, on every rank)."""
-        if self.timing is None or verify or unit.dense_only:
+        if self.timing is None or unit.dense_only:
+            return None
+        if self.ahead_step == step:  # decided ahead of this step's backward: every unit dense
+            return DENSE
+        if verify and not self.ahead:
             return None
         arm = self.arm(step)
         if arm is not None and self.two_level_trial():  # its flat arm: the flat router's routes, anew
@@ -127,7 +140,7 @@ class RoutePolicy(TrialOwner):
         holds), so the hooks skip that bookkeeping, and routing it needs no early wake-up."""
         if self.two_level:
             return not verify and unit.dense_only
-        return not verify and (unit.dense_only or self._held_route(unit, step, verify) == DENSE)
+        return (not verify or self.ahead) and (unit.dense_only or self._held_route(unit, step, verify) == DENSE)
 
     def holds_residuals(self, step: int) -> bool:
         """A route trial's dense step (`RouteTrial.holds_residuals`; not of a two-level trial):
@@ -146,11 +159,47 @@ class RoutePolicy(TrialOwner):
         route trial's dense step, or dense for good) and nothing owed to be flushed. Such a step is
         what DDP's is, with no per-parameter packing on dAD's worker (`Exchanger.run_native`)."""
         state, units = self.state, self.units
-        if self.two_level or verify or state.pending or not all(self.dense_for_sure(u, step, verify) for u in units):
+        if self.two_level or (verify and not self.ahead) or state.pending or not all(
+                self.dense_for_sure(u, step, verify) for u in units):
             return False
         if self.holds_residuals(step):
             return True
         return not (state.memory.enabled and any(state.memory.dense(u.name) is not None for u in units))
+
+    # -- every unit's route, ahead of backward (`exchange.ahead`) ------------------------------------
+    def decides_ahead(self, step: int, verify: bool) -> bool:
+        """Whether step ``step`` is routed at its first bucket, on its forward's counts: a step that
+        chooses routes (the unchecked first, a refresh) by time in mode auto, flat, outside a trial."""
+        return (self.timing is not None and self.config.mode == "auto" and not self.two_level
+                and self.arm(step) is None and (self.refresh(step) or (verify and not self.ahead)))
+
+    def decide_ahead(self, step: int, rows: Dict[int, RowCounts]) -> bool:
+        """Route every unit on ``rows`` (every rank's forward counts by unit index, agreed); where every
+        unit goes dense, hold that for step ``step`` and on (as a refresh's routes are held) and return
+        True. Otherwise keep nothing and return False: the step decides unit by unit."""
+        decisions = {}
+        for u in self.units:
+            if u.dense_only:
+                continue
+            ctx = RouteContext(self.config, self.aggregator.world_size, self.wire_dtype or u.param.dtype, step=step,
+                               refresh=True, timing=self.timing)
+            decision = route(ctx, UnitShape.of(u), UnitEvidence(rows_by_rank=rows[u.index],
+                                                                current=self.last_route.get(u.index)))
+            if decision.representation != DENSE:
+                return False
+            decisions[u.index] = decision
+        for u in self.units:
+            decision = decisions.get(u.index)
+            if decision is None:
+                continue
+            self.last_rows[u.index] = rows[u.index]
+            self.last_route[u.index] = DENSE
+            self.saved[u.index], self.spare[u.index] = decision.saved_s, decision.spare_s
+            if decision.seconds is not None:
+                self.priced[u.index] = decision.seconds
+            self.note_noise(u.index, decision)
+        self.ahead_step, self.ahead = step, True
+        return True
 
     # -- one unit's route --------------------------------------------------------------------------
     def decide(self, unit: FactorUnit, ctx: RouteContext, step: int, verify: bool,
@@ -287,7 +336,7 @@ class RoutePolicy(TrialOwner):
             return
         if self.trial is not None:
             self.trial.stop_watching()
-        if self.config.link is None:
+        if self.config.link is None and self.measures_link(next_step):
             self.set_link(self._probe())
         self.use_rows()
 

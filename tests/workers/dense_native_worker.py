@@ -7,9 +7,10 @@ buckets; every step compares the two models' gradients bit for bit, counts dAD's
 its group (`CollectiveCounter`) against the buckets DDP handed over, and notes whether the
 synchroniser's per-parameter hooks were registered during the step's backward.
 
-Steps: 0 is the checked first step (per-parameter path); 1-3 native; 4 is a route refresh (routes
-chosen anew: the per-parameter path, hooks back); 5-7 native again, step 6 in two micro-steps (the
-first inside both DDPs' ``no_sync()``).
+Steps: 0 is the first step and 4 a route refresh: both choose routes, ahead of backward on the rows
+their forward counted (`exchange.ahead`: one all-gather at the first bucket, the hooks on), every
+weight dense, so they too go by DDP's buckets (the first-step check waits for a step that sends
+factors); 1-3 and 5-7 native, step 6 in two micro-steps (the first inside both DDPs' ``no_sync()``).
 
 ``join``: rank 0 runs out of inputs after 3 steps, rank 1 trains 6, every other step in two
 micro-steps: a step of a DDP in ``join`` takes the per-parameter path (DDP's divisor and the

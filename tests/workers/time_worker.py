@@ -191,9 +191,10 @@ class RecordingAggregator(TorchDistributedAggregator):
 
 
 def run_fast_ddp(case: dict) -> dict:
-    """DDP's hook on a stated fast link: after the checked first step every weight goes dense, and
-    DDP's buckets go on the wire as they are (`RoutePolicy.native_dense`): every gradient equals a
-    plain DDP's on the same weights and batches, bit for bit, step after step."""
+    """DDP's hook on a stated fast link: every weight goes dense from the first step (its routes
+    decided ahead of backward, `exchange.ahead`), and DDP's buckets go on the wire as they are
+    (`RoutePolicy.native_dense`): every gradient equals a plain DDP's on the same weights and
+    batches, bit for bit, step after step."""
     model = build(MODEL, seed=0)
     ref = build(MODEL, seed=0)
     agg = RecordingAggregator()

@@ -29,3 +29,4 @@ class EmbeddingKind(ModuleKind):
     base = nn.Embedding
     layout = "embedding"
     rows = embedding_rows
+    forward_count = torch.numel  # every id (the padding row's are dropped later: at most this many)

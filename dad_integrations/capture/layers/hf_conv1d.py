@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from dad_integrations.capture.rows import Rows
-from dad_integrations.capture.layers.registry import ModuleKind, register_kind
+from dad_integrations.capture.layers.registry import ModuleKind, leading_rows, register_kind
 
 try:  # transformers is optional
     from transformers.pytorch_utils import Conv1D as HFConv1D
@@ -24,3 +24,4 @@ class HFConv1DKind(ModuleKind):
     base = HFConv1D
     layout = "conv1d"
     rows = hf_conv1d_rows
+    forward_count = leading_rows

@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from dad_integrations.capture.rows import Rows
-from dad_integrations.capture.layers.registry import ModuleKind, register_kind
+from dad_integrations.capture.layers.registry import ModuleKind, leading_rows, register_kind
 
 
 def linear_rows(module: nn.Module, inputs: torch.Tensor, grad_out: torch.Tensor) -> Rows:
@@ -19,6 +19,7 @@ class LinearKind(ModuleKind):
     name = "linear"
     base = nn.Linear
     rows = linear_rows
+    forward_count = leading_rows
 
     def accepts(self, module: nn.Module) -> bool:
         # MultiheadAttention's out_proj has Linear's forward, but attention never calls it (it hands

@@ -73,6 +73,9 @@ class ModuleKind(LayerKind):
     base: Optional[type] = None
     layout = "linear"
     rows: Callable[[nn.Module, torch.Tensor, torch.Tensor], Rows]
+    # the rows a call of input x gives, before its gradient (`capture.Use.forward_rows`); None: not
+    # known ahead (routes are then decided on the exchanged counts only)
+    forward_count: Optional[Callable[[torch.Tensor], int]] = None
 
     def accepts(self, module: nn.Module) -> bool:
         return self.base is not None and runs_stock_forward(module, self.base)
@@ -81,7 +84,7 @@ class ModuleKind(LayerKind):
         return [Claim("weight")] + ([Claim("bias", bias=True)] if getattr(module, "bias", None) is not None else [])
 
     def capture(self, name, module, on_forward):
-        c = ModuleCapture(name, module, self.layout, type(self).rows, on_forward)
+        c = ModuleCapture(name, module, self.layout, type(self).rows, on_forward, type(self).forward_count)
         return c, {"weight": c}
 
 
@@ -122,6 +125,11 @@ def layer_kind(module: nn.Module) -> Optional[str]:
     """The name of the kind that captures ``module``, else None."""
     kind = kind_of(module)
     return kind.name if kind is not None else None
+
+
+def leading_rows(x: torch.Tensor) -> int:
+    """The rows of an input whose last dimension is the features (every leading one flattened)."""
+    return x.numel() // x.shape[-1] if x.dim() else 1
 
 
 def runs_stock_forward(module: nn.Module, base: type) -> bool:
