@@ -18,6 +18,8 @@ from dad_integrations.codecs.exact import RowShards, bias_uses, cut, pairs, rebu
 from dad_integrations.config import DADConfig
 from dad_integrations.exchange.checks import SKETCH_COLUMNS, factors_rebuild_local_grad, sketch_matrix
 
+from conftest import result, run_cases
+
 TOKENS = 6
 
 
@@ -199,3 +201,37 @@ def test_sketched_rebuild_is_the_rebuild_times_the_sketch():
             ws, values_s = rebuild(*args, sketch=v)
             torch.testing.assert_close(ws, w @ v, rtol=1e-10, atol=1e-10)
             assert all(torch.equal(a, b) for a, b in zip(values, values_s))
+
+
+# 2 gloo ranks under torchrun (`workers/check_worker.py`, DDP as the reference with the same hooks):
+# tests/workers/models.py's MLP, every weight wider than the sketch
+HOOKED = {
+    "sync-weight": {"config": {"mode": "exact"}, "grad_hooks": {"hidden.weight": 1.01}},
+    "sync-bias": {"config": {"mode": "exact"}, "grad_hooks": {"inp.bias": 1.01}, "uneven": True},
+    "ddphook-auto-weight": {"config": {"mode": "auto"}, "grad_hooks": {"hidden.weight": 1.01}, "ddp_hook": True},
+    "sync-none": {"config": {"mode": "exact"}},
+}
+DENSE = {"sync-weight": "hidden.weight", "sync-bias": "inp.weight", "ddphook-auto-weight": "hidden.weight"}
+
+
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory):
+    return run_cases(tmp_path_factory, 2, {k: dict(v, kind="grad", model="mlp", steps=3) for k, v in HOOKED.items()})
+
+
+@pytest.mark.parametrize("case_id", sorted(HOOKED))
+def test_a_hooked_gradient_goes_dense_for_good_on_real_ranks(hooked, case_id):
+    """A gradient hook scaling a weight (or only its bias) by 1.01: the unit fails the first step's
+    check on both ranks, goes dense for good with the check's warning (rank 0), and every gradient
+    equals DDP's under the same hook; without a hook nothing fails."""
+    for rank, r in enumerate(result(hooked, case_id)):
+        assert r["worst"] <= 1e-5, (rank, r["per_param"])
+        warned = [line for line in r["warnings"] if "goes dense" in line]
+        if case_id not in DENSE:
+            assert r["dense_only"] == [] and not warned, (r["dense_only"], warned)
+            continue
+        name = DENSE[case_id]
+        assert r["dense_only"] == [name], r["dense_only"]
+        assert warned == ([] if rank else [
+            f"dAD: the factors of {name!r} do not rebuild its local gradient on rank(s) [0, 1] (is the weight "
+            f"used outside its layers, or changed by a gradient hook?); it goes dense from now on"]), warned
