@@ -112,7 +112,7 @@ def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Uni
     biases together, so that a bias whose gradient is round-off, a conv bias before batch norm,
     cannot send its weight dense). Building ``R`` costs ``2 N m n`` flops over the rows' N tokens
     and an ``m x n`` buffer, and comparing it three more passes over ``m x n``: at 307 M
-    parameters this was most of the first step. Instead:
+    parameters, most of a first step's exchange. Instead:
 
     1. draw ``V``, ``n x k`` with ``k = columns``, i.i.d. standard normal, from a generator of the
        check's own (seeded by the unit: the same on every run, and the user's random stream is
@@ -132,8 +132,9 @@ def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Uni
 
     What it may miss: ``||E V||^2 / k = sum_i s_i^2 c_i / k`` over ``E``'s singular values ``s_i``,
     with ``c_i`` independent chi-square variables of ``k`` degrees, a mean of ``||E||^2``. For any
-    ``E``, ``P(||E V||^2 <= t k ||E||^2) <= (t e^(1-t))^(k/2)`` for ``t < 1`` (Chernoff's bound;
-    an ``E`` of rank one, where it is the chi-square's own, is the worst case). An error ``rho``
+    ``E``, ``P(||E V||^2 <= t k ||E||^2)`` for ``t < 1``, and ``P(||E V||^2 >= t k ||E||^2)`` for
+    ``t > 1``, are at most ``(t e^(1-t))^(k/2)`` (Chernoff's bounds; an ``E`` of rank one, where they
+    are the chi-square's own, is the worst case for both). An error ``rho``
     times the tolerance passes only where ``t <= 1 / rho^2``: with ``k = 8``, at ``rho = 10`` (a
     hook scaling fp32 gradients by 1.01) with probability below ``6e-7``; at ``rho = 3`` below
     ``1e-2``; a weight used outside its layer (``rho`` in the hundreds) effectively never. The
