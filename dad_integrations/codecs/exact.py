@@ -199,21 +199,30 @@ def pairs(blocks: Sequence[torch.Tensor]) -> List[Rows]:
 
 def rebuild(kinds: Sequence[str], shape: Tuple[int, int], sources: Sequence[Sequence[Rows]], dtype: torch.dtype,
             blocks: Blocks = None, region: Region = WHOLE, dest: int = 0,
-            biases: BiasUses = ()) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+            biases: BiasUses = (), sketch: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """``dest``'s rows of ``sum_s G_s`` from every source's cut (``sources[s][u]``: use u's pair),
     ``(height, n)`` in ``dtype`` (padding rows zero), and its part of each riding bias, padded alike:
     the sum of its uses' D rows (a split bias, ``in_proj_bias`` over the whole call and its q/k/v
     slices: each use in its rows). Sources add one after another, as an engine sums the ranks'
-    gradients; rows stacked into one source (`ExactCodec.stacked_rows`) cost one matmul per use."""
+    gradients; rows stacked into one source (`ExactCodec.stacked_rows`) cost one matmul per use.
+
+    ``sketch``: an ``(n, k)`` matrix V in ``dtype``; the weight comes back as ``G V``, ``(height, k)``,
+    each use's right replaced by ``right V`` (the gradient is linear in it, in every layout), the
+    biases as they are (the first step's check, `exchange.checks`)."""
     m, n = shape
     r0, r1, height = region.rows(dest, m, n)
     device = sources[0][0][1].device if sources and sources[0] else None
     spans = [(r0, r1) if k == "embedding" else use_span(_block(blocks, u), r0, r1, m) for u, k in enumerate(kinds)]
-    weight = torch.zeros((height, n), dtype=dtype, device=device)
+    if sketch is None:
+        weight = torch.zeros((height, n), dtype=dtype, device=device)
+    else:  # column-major, as the sketch: BLAS then runs the thin products in its fast shape (V^T B^T A)
+        weight = torch.zeros((sketch.shape[1], height), dtype=dtype, device=device).t()
     values = [torch.zeros(region.rows(dest, length, 1)[2], dtype=dtype, device=device) for _, length in biases]
     for rows in sources:
         for kind, (left, right), (a, b) in zip(kinds, rows, spans):
             if b > a:  # a linear-like cut's columns are rows a:b; an embedding cut's ids are relative to r0
+                if sketch is not None:
+                    right = right.to(dtype) @ sketch
                 add_rebuilt_grad(kind, weight, (left.long() if kind == "embedding" else left, right), (a - r0, b - a))
         for value, (uses, length) in zip(values, biases):
             b0, b1, _ = region.rows(dest, length, 1)  # a bias is a column: cut and padded as the rows are
@@ -231,11 +240,13 @@ def bias_uses(unit: FactorUnit) -> BiasUses:
     return [(tuple(unit.uses.index(u) for u in b.uses), b.param.shape[0]) for b in unit.biases]
 
 
-def rebuild_unit(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype,
-                 scale: float = 1.0) -> Dict[nn.Parameter, torch.Tensor]:
+def rebuild_unit(unit: FactorUnit, rows: Sequence[Rows], dtype: torch.dtype, scale: float = 1.0,
+                 sketch: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
     """`rebuild` of a unit from one source's ``rows`` (a rank's own, or every rank's stacked), all of
-    it: by parameter, the weight's gradient, then each riding bias', times ``scale``."""
-    weight, values = rebuild(unit.kinds, unit.shape, [rows], dtype, unit.blocks, biases=bias_uses(unit))
+    it: by parameter, the weight's gradient (times ``sketch`` where given), then each riding bias',
+    times ``scale``."""
+    weight, values = rebuild(unit.kinds, unit.shape, [rows], dtype, unit.blocks, biases=bias_uses(unit),
+                             sketch=sketch)
     return by_param(unit, weight, values, scale)
 
 

@@ -7,13 +7,15 @@
   does when it wraps a model (ranks seeded differently would otherwise never train one model).
 * `factors_rebuild_local_grad`: on the first synchronised step, do this rank's captured factors
   rebuild the gradient autograd computed? A weight used outside its layers, or changed by a
-  gradient hook, fails and goes dense for good.
+  gradient hook, fails and goes dense for good. Weights are compared through a random sketch of
+  ``k`` columns (Freivalds' check), biases whole.
 """
 from __future__ import annotations
 
 import itertools
 import json
-from typing import Dict, List, Sequence, Tuple, Union
+import math
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -28,6 +30,9 @@ from dad_integrations.codecs.wire import pack, unpack
 # relative error allowed between the factors' local rebuild and autograd's local gradient
 VERIFY_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3}
 VERIFY_TOLERANCE_LOW_PRECISION = 5e-2
+# the first step's check compares each weight through k random directions (`factors_rebuild_local_grad`)
+SKETCH_COLUMNS = 8
+SKETCH_SEED = 0x5EED
 
 
 def check_same_model(plan: SyncPlan, aggregator: FactorAggregator, device: torch.device) -> None:
@@ -96,21 +101,73 @@ def failed_somewhere(units: Sequence[FactorUnit], bad: Sequence[float], aggregat
     return [u for u, flag in zip(units, handle.wait().tolist()) if flag], handle.traffic
 
 
-def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Union[GradSink, ShardSink]) -> bool:
-    """Do this rank's factors rebuild the gradients autograd computed locally (weight and biases)?"""
+def factors_rebuild_local_grad(unit: FactorUnit, rows: Sequence[Rows], sink: Union[GradSink, ShardSink],
+                               columns: int = SKETCH_COLUMNS) -> bool:
+    """Do this rank's factors rebuild the gradients autograd computed locally (weight and biases)?
+
+    The weight is compared through a sketch (Freivalds' check), its biases whole. Let ``G`` be
+    autograd's local gradient of the ``m x n`` matrix view, ``R`` the factors' rebuild and
+    ``E = R - G``. The check passes where, per tensor, ``||E|| <= tol * max(||G||, tol * whole)``
+    (Frobenius norms; ``tol``: `verify_tolerance`; ``whole``: the norm of the unit's weight and
+    biases together, so that a bias whose gradient is round-off, a conv bias before batch norm,
+    cannot send its weight dense). Building ``R`` costs ``2 N m n`` flops over the rows' N tokens
+    and an ``m x n`` buffer, and comparing it three more passes over ``m x n``: at 307 M
+    parameters, most of a first step's exchange. Instead:
+
+    1. draw ``V``, ``n x k`` with ``k = columns``, i.i.d. standard normal, from a generator of the
+       check's own (seeded by the unit: the same on every run, and the user's random stream is
+       untouched; ranks need not draw alike, since only their verdicts are agreed);
+    2. ``R V`` from the factors with each use's right ``B`` (N, n) replaced by ``B V`` (N, k): in
+       every row layout the gradient is linear in the right (``A^T B V``, an index add of the rows
+       of ``B V``), so this is `codecs.exact.rebuild` unchanged, ``m x k`` wide;
+    3. ``G V`` and ``||G||`` in one read each of autograd's gradient;
+    4. ``||E V|| / sqrt(k)`` stands for ``||E||`` in the test above; every norm but this one is exact.
+
+    Cost per weight: ``2 k (N n + N m + m n)`` flops against the whole rebuild's ``2 N m n`` (``k``
+    is 8; ``N``, the rank's tokens, often thousands); two reads of ``G`` (the product and its norm)
+    against an ``m x n`` buffer zeroed, added into, subtracted from ``G`` and read by two norms; and
+    ``(m + n + N) k`` numbers of memory against ``2 m n``. A compute dtype other than the
+    gradient's (fp32 for fp16 and bf16) still makes one fp32 copy of ``G``, as the sink's
+    ``local_grad`` gives it.
+
+    What it may miss: ``||E V||^2 / k = sum_i s_i^2 c_i / k`` over ``E``'s singular values ``s_i``,
+    with ``c_i`` independent chi-square variables of ``k`` degrees, a mean of ``||E||^2``. For any
+    ``E``, ``P(||E V||^2 <= t k ||E||^2)`` for ``t < 1``, and ``P(||E V||^2 >= t k ||E||^2)`` for
+    ``t > 1``, are at most ``(t e^(1-t))^(k/2)`` (Chernoff's bounds; an ``E`` of rank one, where they
+    are the chi-square's own, is the worst case for both). An error ``rho``
+    times the tolerance passes only where ``t <= 1 / rho^2``: with ``k = 8``, at ``rho = 10`` (a
+    hook scaling fp32 gradients by 1.01) with probability below ``6e-7``; at ``rho = 3`` below
+    ``1e-2``; a weight used outside its layer (``rho`` in the hundreds) effectively never. The
+    other side, a good rebuild (round-off, ``rho < 1/30``) failing, needs ``t >= 900``: below
+    ``1e-1000``. A weight no wider than ``k`` columns is compared whole (``E`` itself, exactly).
+    """
     cdt = torch.float64 if unit.param.dtype == torch.float64 else torch.float32
     tol = verify_tolerance(unit.param.dtype, rows)
-    rebuilt = rebuild_unit(unit, rows, cdt)
-    autograd = {p: sink.local_grad(p, cdt) for p in rebuilt}
-    # each tensor's error against its own norm, floored at tol x the unit's whole norm (so the
-    # error bound is at least tol^2 = 1e-6 of it in fp32): a bias whose gradient is round-off (a conv
-    # bias before batch norm, VGG-BN's) must not send its weight dense
-    whole = sum(float(g.norm()) ** 2 for g in autograd.values()) ** 0.5
+    sketch = sketch_matrix(unit, columns, cdt)
+    rebuilt = rebuild_unit(unit, rows, cdt, sketch=sketch)
+    errors, norms = [], []
     for p, mine in rebuilt.items():
-        err = float((mine - autograd[p]).norm())
-        if err > tol * max(float(autograd[p].norm()), tol * whole, 1e-30) and err > 1e-12:
-            return False
-    return True
+        g = sink.local_grad(p, cdt)
+        norms.append(float(g.norm()))
+        if p is unit.param and sketch is not None:  # the weight, through the sketch: E V = R V - G V
+            errors.append(float(mine.sub_(torch.mm(sketch.t(), g.t()).t()).norm()) / math.sqrt(columns))
+        else:
+            errors.append(float((mine - g).norm()))
+    # each tensor's error against its own norm, floored at tol x the unit's whole norm (so the
+    # error bound is at least tol^2 = 1e-6 of it in fp32)
+    whole = math.sqrt(sum(v * v for v in norms))
+    return all(err <= tol * max(norm, tol * whole, 1e-30) or err <= 1e-12 for err, norm in zip(errors, norms))
+
+
+def sketch_matrix(unit: FactorUnit, columns: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """`factors_rebuild_local_grad`'s ``V``: ``(n, columns)`` standard normal on the weight's device,
+    from a generator seeded by the unit; None where the weight is no wider (its check is whole)."""
+    n, device = unit.shape[1], unit.param.device
+    if n <= columns:
+        return None
+    generator = torch.Generator(device=device).manual_seed(SKETCH_SEED + unit.index)
+    # column-major: V^T is contiguous, the thin products' fast shape on CPU BLAS (about 2x over (n, k) rows)
+    return torch.randn(columns, n, generator=generator, dtype=dtype, device=device).t()
 
 
 def why_factors_fail(name: str, ok_by_rank: Sequence[bool], rows_by_rank: Sequence[Sequence[int]]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -46,6 +47,12 @@ def run_grad(case: dict) -> dict:
     name = case["model"]
     ref = models.build(name)
     mine = copy.deepcopy(ref)
+    for model in (ref, mine):  # "grad_hooks": {parameter: factor}, a gradient hook scaling it, on both
+        params = dict(model.named_parameters())
+        for pname, factor in case.get("grad_hooks", {}).items():
+            params[pname].register_hook(lambda g, f=factor: g * f)
+    logged = LogLines()
+    logging.getLogger("dad_integrations").addHandler(logged)
     ddp = DDP(ref, find_unused_parameters=case.get("unused", False))
     kwargs = case.get("sync", {})  # prescale_factor, postscale_factor, backward_passes_per_step
     if case.get("ddp_hook"):  # dAD inside DDP, as DDP's communication hook
@@ -103,10 +110,23 @@ def run_grad(case: dict) -> dict:
     reps = sorted({p.representation for p in report.params})
     overlapped = [p.name for p in report.params if p.overlapped]
     sync.close()
+    logging.getLogger("dad_integrations").removeHandler(logged)
     return {"worst": worst, "per_param": per_param, "components": components, "representations": reps,
+            "warnings": logged.lines,
             "dense_only": [u.name for u in sync.units if u.dense_only],
             "routes": {p.name: p.representation for p in report.params},  # the last step's, per parameter
             "overlapped": overlapped, "units": [u.name for u in sync.units]}
+
+
+class LogLines(logging.Handler):
+    """The warnings dAD logs during a case, as text."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 def run_rank_quality(case: dict) -> dict:
