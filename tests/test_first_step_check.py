@@ -208,7 +208,10 @@ def test_sketched_rebuild_is_the_rebuild_times_the_sketch():
 HOOKED = {
     "sync-weight": {"config": {"mode": "exact"}, "grad_hooks": {"hidden.weight": 1.01}},
     "sync-bias": {"config": {"mode": "exact"}, "grad_hooks": {"inp.bias": 1.01}, "uneven": True},
-    "ddphook-auto-weight": {"config": {"mode": "auto"}, "grad_hooks": {"hidden.weight": 1.01}, "ddp_hook": True},
+    # a stated slow link: factors from the first step (on a fast one every weight may go dense by DDP's
+    # buckets, and the check waits for the first step that sends factors: tests/test_ahead.py)
+    "ddphook-auto-weight": {"config": {"mode": "auto", "link": {"bandwidth": "1mbit", "latency_us": 100}},
+                            "grad_hooks": {"hidden.weight": 1.01}, "ddp_hook": True},
     "sync-none": {"config": {"mode": "exact"}},
 }
 DENSE = {"sync-weight": "hidden.weight", "sync-bias": "inp.weight", "ddphook-auto-weight": "hidden.weight"}
