@@ -156,12 +156,13 @@ def rank_main(rank: int, world: int, port: int, spec: dict) -> None:
 # -- the launcher -----------------------------------------------------------------------------------
 def summarise(records: Sequence[dict], reference: str = "whole") -> List[dict]:
     """Per variant: final held-out loss mean ± std over seeds, its ratio to ``reference``'s mean and
-    the residual numbers held (mean over seeds)."""
+    per seed (``paired``: the same weights and batches), and the residual numbers held."""
     by: Dict[str, List[dict]] = {}
     for rec in records:
         by.setdefault(rec["variant"], []).append(rec)
     ref = by.get(reference)
     ref_mean = statistics.mean(r["final_eval_loss"] for r in ref) if ref else None
+    ref_by_seed = {r["seed"]: r["final_eval_loss"] for r in ref or ()}
     rows = []
     for name, recs in by.items():
         losses = [r["final_eval_loss"] for r in recs]
@@ -172,16 +173,18 @@ def summarise(records: Sequence[dict], reference: str = "whole") -> List[dict]:
                      "residual_numbers_held": recs[0]["residual_numbers_held"],
                      "residual_bytes_model": recs[0]["residual_bytes_model"],
                      "whole_residual_bytes": recs[0]["whole_residual_bytes"], "config": recs[0]["config"],
-                     "per_seed": losses})
+                     "per_seed": losses, "paired": [r["final_eval_loss"] / ref_by_seed[r["seed"]] for r in recs
+                                                    if r["seed"] in ref_by_seed]})
     return rows
 
 
 def markdown(rows: Sequence[dict], command: str, wall_s: float, steps: int, world: int) -> str:
+    """The table of `summarise`'s rows."""
     lines = [f"# Held-out loss under FSDP2 by error-feedback memory ({world} ranks, {steps} steps)", "",
              f"Command: `{command}` ({wall_s / 60:.1f} min, 2 cores shared). Config over the defaults: "
              f"{json.dumps(COMMON)}.", "",
              "| variant | keys | residuals kept | residual bytes a rank (held / model) | held-out loss (mean ± std) "
-             "| / whole | per seed |", "|---|---|---|---|---|---|---|"]
+             "| / whole | per seed | / whole per seed |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         kept = "whole" if r["residual_rank"] is None else f"rank {r['residual_rank']}"
         held = r["residual_numbers_held"] * 4
@@ -190,7 +193,8 @@ def markdown(rows: Sequence[dict], command: str, wall_s: float, steps: int, worl
         lines.append(f"| {r['variant']} | `{keys}` | {kept} | {held / 2 ** 20:.2f} / "
                      f"{(r['residual_bytes_model'] or 0) / 2 ** 20:.2f} MiB (whole "
                      f"{(r['whole_residual_bytes'] or 0) / 2 ** 20:.2f}) | {r['mean']:.4f} ± {r['std']:.4f} | {ratio} "
-                     f"| {', '.join(f'{x:.4f}' for x in r['per_seed'])} |")
+                     f"| {', '.join(f'{x:.4f}' for x in r['per_seed'])} "
+                     f"| {', '.join(f'{x:.4f}' for x in r['paired'])} |")
     return "\n".join(lines) + "\n"
 
 
