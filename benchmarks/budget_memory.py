@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks._scale_ranks import STATED_LINK, build_model
+from benchmarks._scale_engines import STATED_LINK, build_model
 from benchmarks.scale import MODELS
 from benchmarks.workload import gloo_rank, lm_step, peak_memory_mb
 
