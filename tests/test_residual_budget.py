@@ -257,3 +257,53 @@ def test_sharded_quality_smoke_holds_what_the_memory_model_says(tmp_path):
         "whole_residual_bytes"]
     md = (tmp_path / "sharded_quality.md").read_text()
     assert "| whole |" in md and "| default |" in md and "rank 12" in md
+
+
+@pytest.mark.parametrize("keep_rank", [None, 3])
+def test_residuals_are_held_twice_only_until_the_step_ends(keep_rank):
+    """What `RankMemory.step_end_residuals` counts: a step's new residuals wait beside the last ones
+    (a non-finite step keeps those) and the last ones are released when the step ends finite; a
+    non-finite step releases its own instead. Whole and rank-q (`keep_residuals_at`) alike."""
+    import gc
+    import weakref
+
+    from dad_integrations.codecs.route_state import RouteState
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 8))
+    config = DADConfig(mode="rank", rank=2)
+    units = build_plan(model, config).units
+    state = RouteState(config)
+    if keep_rank is not None:
+        state.keep_residuals_at(keep_rank)
+    shapes = [u.shape for u in units]
+    one = residual_bytes(shapes, keep_rank)
+    mem = rank_memory("fsdp2", params=16 * 12 + 12 * 8, world_size=2, routed=shapes, rank=2,
+                      error_feedback_rank=keep_rank, residual_budget=None)
+    assert mem.residuals == one and mem.step_end_residuals == 2 * one
+    gen = torch.Generator().manual_seed(0)
+
+    def held_bytes() -> int:
+        return state.memory.numel() * 4
+
+    def step(finite: bool) -> list:
+        state.start_step()
+        made = []
+        for u in units:
+            m, n = u.shape
+            grad = torch.randn(m, n, generator=gen)
+            p, q = torch.randn(m, 2, generator=gen), torch.randn(n, 2, generator=gen)
+            packed = state.residual(u.name, state.memory.compensate(u.name, grad), p, q)
+            made += [weakref.ref(t) for t in (packed if isinstance(packed, tuple) else (packed,))]
+            state.hold(state.own, u, q, packed)
+        pending = sum(t().numel() for t in made) * 4
+        assert held_bytes() + pending == (one if not held_bytes() else 2 * one)  # the step's end
+        state.end_step(finite)
+        gc.collect()
+        return made
+
+    first = step(True)
+    assert held_bytes() == one and not state.pending
+    second = step(True)
+    assert held_bytes() == one and all(r() is None for r in first)       # the last ones released
+    third = step(False)                                                   # dropped: its own released
+    assert held_bytes() == one and all(r() is None for r in third) and all(r() is not None for r in second)
