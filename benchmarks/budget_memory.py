@@ -9,9 +9,11 @@ models of `benchmarks.scale` built from configs, ``fully_shard``-ed per block an
 records each rank's peak RSS (VmHWM) and what error feedback holds:
 
   fsdp2                FSDP2's own reduce-scatter (the engine)
-  auto-100mbit         dAD auto, rank 4, a stated 100 Mbit/s link; ``residual_budget`` at its default
-  auto-100mbit-budget  the same with ``residual_budget: --budget`` (rank-q residuals where whole ones
-                       exceed it)
+  auto-100mbit-whole   dAD auto, rank 4, a stated 100 Mbit/s link, ``residual_budget: null`` (whole
+                       residuals)
+  auto-100mbit         the same with ``residual_budget`` at its default (0.25x: rank-q residuals from
+                       2 ranks on)
+  auto-100mbit-budget  the same with ``residual_budget: --budget``
 
 Prints per method the peak RSS against the engine's and the residual bytes held (rank 0), as JSON.
 """
@@ -28,11 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks._scale_ranks import STATED_LINK, build_model
+from benchmarks._scale_engines import STATED_LINK, build_model
 from benchmarks.scale import MODELS
 from benchmarks.workload import gloo_rank, lm_step, peak_memory_mb
 
-METHODS = ("fsdp2", "auto-100mbit", "auto-100mbit-budget")
+METHODS = ("fsdp2", "auto-100mbit-whole", "auto-100mbit", "auto-100mbit-budget")
 
 
 def _held(sync) -> int:
@@ -59,6 +61,8 @@ def _body(spec: dict) -> None:
         cfg = {"mode": "auto", "rank": 4, "link": STATED_LINK}
         if method.endswith("budget"):
             cfg["residual_budget"] = spec["budget"]
+        elif method.endswith("whole"):
+            cfg["residual_budget"] = None
         sync = enable_dad_fsdp(model, cfg)
     opt = torch.optim.SGD(model.parameters(), lr=spec["lr"])
     step = lm_step(model, opt)

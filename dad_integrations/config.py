@@ -45,6 +45,12 @@ LOSSLESS_STEPS_ENV = "DAD_LOSSLESS_STEPS"
 DEFAULT_LOSSLESS_STEPS = 10
 
 
+#: ``residual_budget``'s default: dAD's residuals at most a quarter of a sharded rank's engine state,
+#: so that a rank holds at most 1.25x the engine's own; whole fp32 residuals (4 bytes a routed
+#: parameter) exceed it under FSDP2 and ZeRO-3 from 2 ranks on (``routing.memory``)
+DEFAULT_RESIDUAL_BUDGET = 0.25
+
+
 def default_objective() -> str:
     """``$DAD_OBJECTIVE`` where it is set (checked in `DADConfig.validate`), else ``"time"``."""
     return os.environ.get(OBJECTIVE_ENV, "time")
@@ -187,10 +193,15 @@ class DADConfig:
             `routing.memory` holds the model. Where whole residuals (fp32 for 16-bit weights, one
             ``m x n`` per weight the rank routes may take) would hold more, each is kept as its
             rank-``q`` part, the largest ``q`` up to 64 that fits (as ``error_feedback_rank: q`` does),
-            said at attach. Default 1.0 (residuals at most the state itself); None: whole residuals
-            whatever they hold. ``error_feedback_rank`` wins where set. HSDP's residuals are sharded
-            like the gradient; under DDP, Horovod and ZeRO-0/1 the state is at least twice whole
-            residuals: none of them takes a budget.
+            said at attach (rank 0, a warning). Default 0.25: dAD's residuals at most a quarter of
+            the state, so whole fp32 ones (4 bytes a routed parameter) exceed it from 2 ranks on
+            under FSDP2 and ZeRO-3 (the state is ``16 / S`` bytes a parameter) and such jobs keep
+            rank-``q`` residuals (``benchmarks.sharded_quality`` measures what that costs in held-out
+            loss). A step's new residuals wait beside the last ones until the ranks agree it was
+            finite: a rank holds twice the residuals at a step's end. None: whole residuals whatever
+            they hold (as does a budget large enough). ``error_feedback_rank`` wins where set.
+            HSDP's residuals are sharded like the gradient; under DDP, Horovod and ZeRO-0/1 the
+            state is at least twice whole residuals: none of them takes a budget.
     """
 
     mode: str = "auto"
@@ -215,7 +226,7 @@ class DADConfig:
     route_trial_steps: int = 8
     topology: Any = "auto"
     routes: Tuple[str, ...] = ()
-    residual_budget: Optional[float] = 1.0
+    residual_budget: Optional[float] = DEFAULT_RESIDUAL_BUDGET
 
     def __post_init__(self) -> None:
         # frozen: the normalisation to tuples has to bypass the dataclass' __setattr__

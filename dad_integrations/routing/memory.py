@@ -15,7 +15,10 @@ the planner. Per rank, for a job of ``P`` parameters on ``S`` ranks:
   whole ``m n`` residual, or, kept at rank ``q`` (`codecs.error_feedback.LowRankErrorFeedback`),
   the pair ``U, V``: ``q (m + n)`` numbers where ``q < min(m, n)``, else the ``m n`` residual
   itself. Whole residuals are not sharded (a rank compresses its whole local gradient): under
-  FSDP2 and ZeRO they cost ``S`` times the weight's gradient shard.
+  FSDP2 and ZeRO they cost ``S`` times the weight's gradient shard. At a step's end they are held
+  twice (`RankMemory.step_end_residuals`): the step's new residuals wait beside the last ones until
+  the ranks agree the step was finite (`codecs.route_state.RouteState`: a non-finite step keeps
+  the last ones), so a rank's peak holds both.
 - **Warm starts** (`warm_start_bytes`): the last ``n x r`` factor ``Q`` of each rank-routed weight.
 - **Captured rows** (`row_bytes`): ``m + n`` numbers per row of each captured use (the output
   gradient's row and the input's), in the activations' dtype, alive from the forward to the
@@ -25,7 +28,11 @@ the planner. Per rank, for a job of ``P`` parameters on ``S`` ranks:
 than the sharded state itself (Llama-7B on 64 ranks: about 25 GiB of residuals against 1.6 GiB of
 state). ``residual_budget`` (a config key) bounds them at that many times the rank's engine
 state; where whole residuals of the weights the rank routes may take exceed it, they are kept at
-the largest rank ``q`` (at most `FIT_RANK_CAP`) whose residuals fit (`RankMemory`).
+the largest rank ``q`` (at most `FIT_RANK_CAP`) whose residuals fit (`RankMemory`). Its default,
+0.25 (`config.DEFAULT_RESIDUAL_BUDGET`), keeps what dAD adds near a quarter of the engine's state:
+whole fp32 residuals hold 4 bytes a routed parameter, the budget ``0.25 x 16 / S`` under FSDP2
+and ZeRO-3, so it binds from 2 ranks on wherever most parameters are routed weights (ZeRO-2 from
+2 ranks where more than 5/8 of them are).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from dad_integrations.builtin_routes import EXACT, RANK, RANK_ALLREDUCE
 from dad_integrations.codecs.error_feedback import residual_bytes
+from dad_integrations.config import DEFAULT_RESIDUAL_BUDGET
 
 Shape = Tuple[int, int]
 
@@ -125,6 +133,12 @@ class RankMemory:
         return self.residuals + self.warm_starts + self.rows
 
     @property
+    def step_end_residuals(self) -> int:
+        """Residual bytes at a step's end: the held ones and the step's new ones, which wait for the
+        step's finiteness beside them (module doc)."""
+        return 2 * self.residuals
+
+    @property
     def fitted(self) -> bool:
         """The budget chose rank-q residuals."""
         return self.budget is not None and self.residual_rank is not None
@@ -132,7 +146,8 @@ class RankMemory:
 
 def rank_memory(engine: str, *, params: int, world_size: int, routed: Sequence[Shape], captured: Sequence[Shape] = (),
                 rank: Optional[int] = None, error_feedback: bool = True, error_feedback_rank: Optional[int] = None,
-                residual_budget: Optional[float] = 1.0, param_itemsize: int = 4, residual_itemsize: int = 4,
+                residual_budget: Optional[float] = DEFAULT_RESIDUAL_BUDGET, param_itemsize: int = 4,
+                residual_itemsize: int = 4,
                 rows: Union[int, Sequence[int]] = 0, residual_share: float = 1.0,
                 state_world_size: Optional[int] = None, warm_start: bool = True) -> RankMemory:
     """Memory per rank of a job on ``engine`` (a `SHARDING` key) of ``params`` parameters on
@@ -179,7 +194,7 @@ def describe(mem: RankMemory) -> str:
         kind = "whole" if mem.residual_rank is None else f"rank {mem.residual_rank}"
         fit = f", fit to residual_budget {size(mem.budget)}; whole: {size(mem.whole_residuals)}" if mem.fitted else ""
         parts.append(f"error feedback up to {size(mem.residuals)} ({dtype_name(mem.itemsize)}, {kind}, "
-                     f"{mem.weights} weights{fit})")
+                     f"{mem.weights} weights{fit}), {size(mem.step_end_residuals)} at a step's end")
     if mem.warm_starts:
         parts.append(f"warm starts {size(mem.warm_starts)}")
     if mem.row_bytes_per_row:
@@ -197,7 +212,7 @@ def plan_memory(units: Sequence[Tuple[Shape, Sequence[int], str]], *, params: in
                 rank: Optional[int], param_itemsize: int = 4, residual_itemsize: int = 4,
                 local_size: Optional[int] = None, error_feedback: bool = True,
                 error_feedback_rank: Optional[int] = None,
-                residual_budget: Optional[float] = 1.0) -> List[Tuple[str, RankMemory]]:
+                residual_budget: Optional[float] = DEFAULT_RESIDUAL_BUDGET) -> List[Tuple[str, RankMemory]]:
     """Memory per rank of a planned step under every engine (`PLAN_ENGINES`; HSDP too where
     ``local_size`` ranks a node shard the model, ``1 < local_size < world_size``): ``units`` per
     weight its shape, rows per use and steady-state route. Residuals and warm starts count the
@@ -219,8 +234,9 @@ def plan_memory(units: Sequence[Tuple[Shape, Sequence[int], str]], *, params: in
 
 
 def render_memory(rows: Sequence[Tuple[str, RankMemory]]) -> str:
-    """`plan_memory`'s table: per engine the state, residuals (their rank where not whole), warm
-    starts, captured rows and what dAD adds against the state, in GiB per rank."""
+    """`plan_memory`'s table: per engine the state, residuals (their rank where not whole; and at a
+    step's end, `RankMemory.step_end_residuals`), warm starts, captured rows and what dAD adds (held
+    between steps) against the state, in GiB per rank."""
     def gib(b: float) -> str:
         return f"{b / 2 ** 30:,.3f}"
 
@@ -228,11 +244,11 @@ def render_memory(rows: Sequence[Tuple[str, RankMemory]]) -> str:
     head = (f"memory per rank, GiB (engine state: Adam, 16 B a parameter, sharded as the engine shards it; "
             f"residuals {dtype_name(mem.itemsize) if mem else 'fp32'}, of the {mem.weights if mem else 0} weights on "
             f"rank routes; residual_budget fits a rank under ZeRO-2/3 and FSDP2)")
-    table = [("engine", "state", "residuals", "warm starts", "rows", "dAD / state")]
+    table = [("engine", "state", "residuals", "at a step's end", "warm starts", "rows", "dAD / state")]
     for label, m in rows:
         kept = "" if m.residual_rank is None else f" (rank {m.residual_rank})"
-        table.append((label, gib(m.state), gib(m.residuals) + kept, gib(m.warm_starts), gib(m.rows),
-                      f"{m.dad / m.state:.2f}x" if m.state else "-"))
+        table.append((label, gib(m.state), gib(m.residuals) + kept, gib(m.step_end_residuals), gib(m.warm_starts),
+                      gib(m.rows), f"{m.dad / m.state:.2f}x" if m.state else "-"))
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in table]

@@ -534,6 +534,15 @@ CASES = {
 }
 
 
+# These cases check whole residuals (the error-feedback identity, flushes, resumes, non-finite
+# steps): the default residual budget (0.25x the sharded state) would keep rank-q ones on these
+# models; `tests/test_residual_budget.py` checks that default
+for _case in CASES.values():
+    _cfg = _case.get("config", {})
+    if "rank" in _cfg and "error_feedback_rank" not in _cfg:
+        _cfg.setdefault("residual_budget", None)
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     out_path = sys.argv[1]

@@ -28,10 +28,12 @@ BASE = {"lossless_steps": 0, "objective": "bytes"}
 CASES = {
     "exact": {"mode": "exact"},
     "exact-tiny": {"mode": "exact", "residual_budget": TINY},
-    "lossless": {"mode": "rank", "rank": 2, "lossless_steps": 3},
+    "lossless": {"mode": "rank", "rank": 2, "lossless_steps": 3, "residual_budget": None},
     "lossless-tiny": {"mode": "rank", "rank": 2, "lossless_steps": 3, "residual_budget": TINY},
     "rank-tiny": dict(BASE, mode="rank", rank=2, residual_budget=TINY),
     "rank-user": dict(BASE, mode="rank", rank=2, residual_budget=TINY, error_feedback_rank=3),
+    "rank-default": dict(BASE, mode="rank", rank=2),             # the default budget (0.25x): rank 15
+    "rank-whole": dict(BASE, mode="rank", rank=2, residual_budget=None),
 }
 WIDTH, ROWS, STEPS = 64, 32, 3
 

@@ -30,7 +30,9 @@ from models import write_and_exit  # noqa: E402
 from dad_integrations.routing import sharded_trial  # noqa: E402
 from dad_integrations.routing.link import LinkModel  # noqa: E402
 
-RANK = {"mode": "rank", "rank": 2, "lossless_steps": 0, "objective": "bytes"}
+# whole residuals: the whole-residual warning is checked (the default budget, 0.25x, would keep rank-q
+# ones here: tests/test_residual_budget.py)
+RANK = {"mode": "rank", "rank": 2, "lossless_steps": 0, "objective": "bytes", "residual_budget": None}
 EXACT_STATED = {"mode": "exact", "link": {"bandwidth": "100gbit"}}
 EXACT_MEASURED = {"mode": "exact", "objective": "time"}
 CASES = {
