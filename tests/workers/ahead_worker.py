@@ -28,27 +28,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.dirname(__file__))
 from models import batch, build, gather_per_rank, grad_errors, loss_of, run_all, write_and_exit  # noqa: E402
 
-from dad_integrations import DADConfig, TorchDistributedAggregator, register_dad_comm_hook  # noqa: E402
+from time_worker import RecordingAggregator  # noqa: E402
+
+from dad_integrations import DADConfig, register_dad_comm_hook  # noqa: E402
 
 FAST = {"bandwidth": "1000gbit", "latency_us": 0}
 SLOW = {"bandwidth": "1mbit", "latency_us": 100}
 MODEL = "mlp_functional"
-
-
-class Recording(TorchDistributedAggregator):
-    """Real gloo collectives; remembers each one's name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def _all_reduce(self, tensor, name, op):
-        self.names.append(name)
-        return super()._all_reduce(tensor, name, op)
-
-    def _all_gather(self, tensor, name, first_dims):
-        self.names.append(name)
-        return super()._all_gather(tensor, name, first_dims)
 
 
 class Warnings(logging.Handler):
@@ -62,7 +48,7 @@ class Warnings(logging.Handler):
 
 def run(case: dict) -> dict:
     model, ref = build(MODEL, seed=0), build(MODEL, seed=0)
-    agg = Recording()
+    agg = RecordingAggregator()
     net, plain = DDP(model), DDP(ref)
     first = FAST if case["name"] == "defer" else SLOW
     config = DADConfig(mode="auto", rank=4, objective="time", link=first, route_refresh_steps=3, lossless_steps=0)

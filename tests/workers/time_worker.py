@@ -179,7 +179,7 @@ def run_trial(case: dict) -> dict:
 
 
 class RecordingAggregator(TorchDistributedAggregator):
-    """Real gloo collectives; remembers each one's name."""
+    """Real gloo collectives; remembers each all-reduce's and all-gather's name."""
 
     def __init__(self):
         super().__init__()
@@ -188,6 +188,10 @@ class RecordingAggregator(TorchDistributedAggregator):
     def _all_reduce(self, tensor, name, op):
         self.names.append(name)
         return super()._all_reduce(tensor, name, op)
+
+    def _all_gather(self, tensor, name, first_dims):
+        self.names.append(name)
+        return super()._all_gather(tensor, name, first_dims)
 
 
 def run_fast_ddp(case: dict) -> dict:
