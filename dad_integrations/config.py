@@ -45,9 +45,9 @@ LOSSLESS_STEPS_ENV = "DAD_LOSSLESS_STEPS"
 DEFAULT_LOSSLESS_STEPS = 10
 
 
-#: ``residual_budget``'s default: dAD's residuals at most a quarter of a sharded rank's engine state,
-#: so that a rank holds at most 1.25x the engine's own; whole fp32 residuals (4 bytes a routed
-#: parameter) exceed it under FSDP2 and ZeRO-3 from 2 ranks on (``routing.memory``)
+#: ``residual_budget``'s default: dAD's residuals between steps at most a quarter of a sharded rank's
+#: engine state (modelled as Adam's, ``routing.memory``); whole fp32 residuals (4 bytes a routed
+#: parameter) exceed it under FSDP2 and ZeRO-3 from 2 ranks on
 DEFAULT_RESIDUAL_BUDGET = 0.25
 
 

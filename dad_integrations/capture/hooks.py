@@ -53,7 +53,7 @@ class Use:
         self.pairs: List[Rows] = []
         # rows this step's forwards will give the use, counted as they run (captured or not; None:
         # a call this capture cannot count ahead of its gradient): what routes are decided on
-        # before backward (`routing.ahead`)
+        # before backward (`exchange.ahead`)
         self.forward_rows: Optional[int] = 0
 
     def param(self) -> torch.Tensor:
@@ -71,7 +71,6 @@ class Use:
 
     def clear(self) -> None:
         self.pairs = []
-        self.forward_rows = 0
 
     def __getstate__(self) -> dict:  # rows never travel with a pickled model
         return dict(self.__dict__, pairs=[], enabled=False)

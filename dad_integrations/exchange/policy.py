@@ -97,10 +97,9 @@ class RoutePolicy(TrialOwner):
         self.two_level_saving = 0.0
         self.two_level_vetoed = False  # a route trial found the two-level steps slower than all dense
         self.wire_dtype: Optional[torch.dtype] = None  # the factors' (the exchanger's), for `mode_cost_line`
-        # routes decided ahead of backward (`decide_ahead`): the step they were last decided for,
-        # and whether any was (the first-step check then waits for a step that sends factors)
+        # the step whose routes were last decided ahead of backward (`decide_ahead`; once any were,
+        # the first-step check waits for a step that sends factors)
         self.ahead_step: Optional[int] = None
-        self.ahead = False
 
     @property
     def units(self) -> Sequence[FactorUnit]:
@@ -166,6 +165,11 @@ class RoutePolicy(TrialOwner):
             return True
         return not (state.memory.enabled and any(state.memory.dense(u.name) is not None for u in units))
 
+    @property
+    def ahead(self) -> bool:
+        """Whether routes were ever decided ahead of backward (`decide_ahead`)."""
+        return self.ahead_step is not None
+
     # -- every unit's route, ahead of backward (`exchange.ahead`) ------------------------------------
     def decides_ahead(self, step: int, verify: bool) -> bool:
         """Whether step ``step`` is routed at its first bucket, on its forward's counts: a step that
@@ -188,17 +192,11 @@ class RoutePolicy(TrialOwner):
             if decision.representation != DENSE:
                 return False
             decisions[u.index] = decision
-        for u in self.units:
-            decision = decisions.get(u.index)
-            if decision is None:
-                continue
-            self.last_rows[u.index] = rows[u.index]
-            self.last_route[u.index] = DENSE
-            self.saved[u.index], self.spare[u.index] = decision.saved_s, decision.spare_s
-            if decision.seconds is not None:
-                self.priced[u.index] = decision.seconds
-            self.note_noise(u.index, decision)
-        self.ahead_step, self.ahead = step, True
+        for index, decision in decisions.items():
+            self.last_rows[index] = rows[index]
+            self.last_route[index] = DENSE
+            self._note_chosen(index, decision)
+        self.ahead_step = step
         return True
 
     # -- one unit's route --------------------------------------------------------------------------
@@ -225,13 +223,19 @@ class RoutePolicy(TrialOwner):
                 decision = route(ctx, shape, UnitEvidence(dense_only=unit.dense_only, rows_by_rank=rows_by_rank,
                                                           current=self.last_route.get(unit.index)))
         if held is None:
-            self.saved[unit.index] = decision.saved_s
-            self.spare[unit.index] = decision.spare_s
-            if decision.seconds is not None:
-                self.priced[unit.index] = decision.seconds
-            self.note_noise(unit.index, decision)
+            self._note_chosen(unit.index, decision)
         self.last_route[unit.index] = decision.representation
         return decision, rows_by_rank
+
+    def _note_chosen(self, index: int, decision: Route) -> None:
+        """Unit ``index`` was routed anew by ``decision``: its predicted saving and spare seconds (what
+        a route trial and its watch read), its routes' seconds (what a route set is priced on) and
+        whether it was inside the noise."""
+        self.saved[index] = decision.saved_s
+        self.spare[index] = decision.spare_s
+        if decision.seconds is not None:
+            self.priced[index] = decision.seconds
+        self.note_noise(index, decision)
 
     def settle_capture(self, unit: FactorUnit, decision: Route, method: Optional[str], verify: bool) -> None:
         """After the unit's codec has started (``method``: how a rank route reduced it): stop

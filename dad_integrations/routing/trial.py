@@ -421,17 +421,15 @@ class TrialOwner:
     def chooses_anew(self, step: int) -> bool:
         """Every ``route_refresh_steps`` and when the lossless steps end (not step 0, which chooses
         them anyway), and the step after a watch missed (`RouteTrial.refresh_at`)."""
-        every, lossless = self.config.route_refresh_steps, self._lossless
-        return (step > 0 and (step % every == 0 or step == lossless)
-                or (self.trial is not None and self.trial.refresh_at == step))
+        return self.measures_link(step) or (step > 0 and step == self._lossless)
 
     def measures_link(self, step: int) -> bool:
         """Whether the refresh of step ``step`` measures the link again first: every
         ``route_refresh_steps`` and after a watch missed, not where only the lossless steps end (the
         measurement of attach is then at most ``lossless_steps`` old, and a probe at the job's sizes
         would slow that step by about a third of a 124 M model's step on loopback)."""
-        return step % self.config.route_refresh_steps == 0 or (self.trial is not None
-                                                               and self.trial.refresh_at == step)
+        return (step > 0 and step % self.config.route_refresh_steps == 0
+                or (self.trial is not None and self.trial.refresh_at == step))
 
     def next_refresh(self, step: int) -> int:
         """The first step after ``step`` that chooses every route again."""
